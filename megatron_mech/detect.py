@@ -1,0 +1,423 @@
+"""Online, baseline-relative alerting on monitor series (SPEC §1c, §1d).
+
+Absolute thresholds do not transfer between models, so every series is judged against *its own* healthy
+baseline: robust statistics (median / MAD) of a window taken after an initial warm-up, a direction in which a
+change is bad, and persistence (``k`` consecutive out-of-band evaluations) against one-off noise.
+
+Life of a :class:`Detector` (one per series)::
+
+    warmup      the first ``warmup`` evaluations are ignored: the early-training transient is wide and drifting,
+                and a baseline taken there makes the band so wide that a collapse can never cross it
+                (notes/experiments.md, "Baseline pitfall").
+    baseline    the next ``baseline`` *finite* evaluations are collected; then median ``m``, ``MAD`` and the scale
+                are frozen.
+    monitoring  every evaluation gets a score (below); ``k`` consecutive evaluations with score ≥ threshold fire
+                one :class:`Alert`, then the detector latches (no further alerts) until ``k`` consecutive
+                evaluations are back inside the band, when it re-arms.
+
+Score = signed distance from ``m`` in units of ``scale``, positive in the bad direction::
+
+    scale = max(min(1.4826·MAD, rel_cap·|m|), rel_floor·|m|, abs_floor)      (the min is skipped if rel_cap is None)
+    down: (m − x)/scale    up: (x − m)/scale    both: |x − m|/scale
+
+``rel_floor`` keeps a near-constant baseline (tiny MAD) from alerting on wiggles that are negligible relative to
+the level of the series, while a real collapse toward zero still scores ``1/rel_floor``. ``rel_cap`` (optional)
+bounds the band from the other side: with a noisy baseline (huge MAD) a pure MAD band can extend below zero, so
+a collapse toward zero could never fire; capping the scale at ``rel_cap·|m|`` guarantees that a full collapse
+scores ``≥ 1/rel_cap``. Both are fractions of the baseline median, so they are scale-free. ``abs_floor`` (in
+the metric's units) only prevents a zero scale.
+
+Non-finite values: ignored while collecting the baseline (they do not count toward it); during monitoring they
+are out-of-band with score ``+inf`` — a NaN/Inf monitor value is itself a fault sign.
+
+The baseline is frozen once collected: slow healthy drift *against* the bad direction (entropies rise slowly in
+clean runs, the loss falls) is harmless, drift *toward* it eventually alerts — re-baseline (``reset``) after a
+deliberate change of regime (e.g. a new LR schedule phase).
+"""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+__all__ = ["FAMILIES", "DIRECTIONS", "Alert", "DetectorConfig", "Detector", "SeriesRule", "DetectorRegistry",
+           "default_rules"]
+
+FAMILIES = ("attention", "router", "symptom")
+DIRECTIONS = ("down", "up", "both")
+MAD_TO_SIGMA = 1.4826  # MAD × this = σ for Gaussian data
+
+
+def _check_family(family: str) -> None:
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+
+
+@dataclass(frozen=True)
+class Alert:
+    """One fired alert.
+
+    Attributes:
+        metric: series name, e.g. ``attn/layer1/dwq_entropy``.
+        family: subsystem the series belongs to: ``attention``, ``router`` or ``symptom``.
+        step: training step at which persistence was reached (the alert's time).
+        value: the series value at ``step`` (may be nan/inf).
+        baseline: the frozen baseline median.
+        score: the score at ``step`` (``inf`` for a non-finite value).
+        detail: attribution, e.g. ``{"layer": 1, "head": 2}`` (not part of the hash).
+    """
+
+    metric: str
+    family: str
+    step: int
+    value: float
+    baseline: float
+    score: float
+    detail: dict = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        _check_family(self.family)
+
+    def describe(self) -> str:
+        """One-line human message."""
+        if not math.isfinite(self.value):
+            what = f"non-finite value {self.value}"
+        else:
+            rel = "below" if self.value < self.baseline else "above"
+            what = f"value {self.value:.4g} {rel} baseline {self.baseline:.4g}"
+        where = "".join(f", {k}={v}" for k, v in self.detail.items())
+        return f"[{self.family}] {self.metric} at step {self.step}: {what} (score {self.score:.3g}{where})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"metric": self.metric, "family": self.family, "step": self.step, "value": self.value,
+                "baseline": self.baseline, "score": self.score, "detail": dict(self.detail)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Alert":
+        return cls(metric=str(d["metric"]), family=str(d["family"]), step=int(d["step"]),
+                   value=float(d["value"]), baseline=float(d["baseline"]), score=float(d["score"]),
+                   detail=dict(d.get("detail", {})))
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass
+class DetectorConfig:
+    """Detector settings; counts are in evaluations (calls to ``update``), not training steps.
+
+    Attributes:
+        warmup: evaluations ignored at the start (the early transient), ``≥ 0``.
+        baseline: finite evaluations collected for the baseline after warm-up, ``≥ 3``.
+        direction: ``down`` (falling is bad, e.g. entropies), ``up`` (rising is bad, e.g. loss) or ``both``.
+        threshold: score needed for an evaluation to be out of band, ``> 0``.
+        persistence: ``k``, consecutive out-of-band evaluations needed to alert (and in-band ones to re-arm).
+        rel_floor: the scale is at least ``rel_floor·|median|``, ``≥ 0``.
+        rel_cap: if not None, the MAD part of the scale is at most ``rel_cap·|median|`` (``≥ rel_floor``).
+        abs_floor: the scale is at least this (metric units), ``> 0`` so the scale is never zero.
+    """
+
+    warmup: int = 20
+    baseline: int = 30
+    direction: str = "down"
+    threshold: float = 6.0
+    persistence: int = 3
+    rel_floor: float = 0.05
+    rel_cap: float | None = None
+    abs_floor: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.warmup) or self.warmup < 0:
+            raise ValueError(f"warmup must be an int >= 0, got {self.warmup!r}")
+        if not _is_int(self.baseline) or self.baseline < 3:
+            raise ValueError(f"baseline must be an int >= 3, got {self.baseline!r}")
+        if self.direction not in DIRECTIONS:
+            raise ValueError(f"direction must be one of {DIRECTIONS}, got {self.direction!r}")
+        if not _is_int(self.persistence) or self.persistence < 1:
+            raise ValueError(f"persistence must be an int >= 1, got {self.persistence!r}")
+        for name, positive in (("threshold", True), ("rel_floor", False), ("abs_floor", True)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or v < 0 or (positive and v == 0):
+                raise ValueError(f"{name} must be a finite number {'>' if positive else '>='} 0, got {v!r}")
+        if self.rel_cap is not None:
+            v = self.rel_cap
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or v <= 0 or v < self.rel_floor:
+                raise ValueError(f"rel_cap must be None or a finite number > 0 and >= rel_floor "
+                                 f"({self.rel_floor}), got {v!r}")
+
+
+class Detector:
+    """Baseline-relative, persistent detector for one series (see the module docstring for the rules)."""
+
+    def __init__(self, config: DetectorConfig, metric: str, family: str) -> None:
+        _check_family(family)
+        self.config = config
+        self.metric = metric
+        self.family = family
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything, including the baseline (starts again with warm-up)."""
+        self._n_warmup = 0            # warm-up evaluations seen
+        self._values: list[float] = []  # baseline values being collected (emptied once frozen)
+        self._median: float | None = None
+        self._mad: float | None = None
+        self._scale: float | None = None
+        self._n_out = 0               # consecutive out-of-band evaluations (while armed)
+        self._n_in = 0                # consecutive in-band evaluations (while latched)
+        self._active = False          # latched after an alert
+        self._last_score: float | None = None
+        self._n_alerts = 0
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def phase(self) -> str:
+        """``warmup``, ``baseline`` or ``monitoring``."""
+        if self._scale is not None:
+            return "monitoring"
+        return "baseline" if self._n_warmup >= self.config.warmup else "warmup"
+
+    @property
+    def baseline_median(self) -> float | None:
+        return self._median
+
+    @property
+    def baseline_scale(self) -> float | None:
+        return self._scale
+
+    @property
+    def last_score(self) -> float | None:
+        """Score of the latest monitoring evaluation (None before monitoring starts)."""
+        return self._last_score
+
+    @property
+    def active(self) -> bool:
+        """True while latched after an alert (until ``persistence`` in-band evaluations re-arm it)."""
+        return self._active
+
+    @property
+    def n_alerts(self) -> int:
+        return self._n_alerts
+
+    # ------------------------------------------------------------------ scoring
+    def score(self, value: float) -> float:
+        """Score of ``value`` against the frozen baseline (``inf`` if non-finite). Needs monitoring phase."""
+        if self._scale is None:
+            raise RuntimeError(f"{self.metric}: no baseline yet (phase {self.phase})")
+        if not math.isfinite(value):
+            return math.inf
+        d = value - self._median
+        direction = self.config.direction
+        signed = -d if direction == "down" else (d if direction == "up" else abs(d))
+        return signed / self._scale
+
+    def _freeze_baseline(self) -> None:
+        c = self.config
+        m = statistics.median(self._values)
+        mad = statistics.median(abs(v - m) for v in self._values)
+        noise = MAD_TO_SIGMA * mad
+        if c.rel_cap is not None:
+            noise = min(noise, c.rel_cap * abs(m))
+        self._median, self._mad = m, mad
+        self._scale = max(noise, c.rel_floor * abs(m), c.abs_floor)
+        self._values = []
+
+    # ------------------------------------------------------------------ main entry
+    def update(self, step: int, value: float, detail: Mapping[str, Any] | None = None) -> Alert | None:
+        """Feed one evaluation; return an :class:`Alert` when one fires, else None."""
+        value = float(value)
+        c = self.config
+        if self._scale is None:
+            if self._n_warmup < c.warmup:
+                self._n_warmup += 1
+            elif math.isfinite(value):  # non-finite values never enter the baseline
+                self._values.append(value)
+                if len(self._values) >= c.baseline:
+                    self._freeze_baseline()
+            return None
+
+        s = self.score(value)
+        self._last_score = s
+        out = s >= c.threshold
+        if self._active:
+            # Latched: wait for k consecutive in-band evaluations before re-arming.
+            self._n_in = self._n_in + 1 if not out else 0
+            if self._n_in >= c.persistence:
+                self._active, self._n_in, self._n_out = False, 0, 0
+            return None
+        self._n_out = self._n_out + 1 if out else 0
+        if self._n_out < c.persistence:
+            return None
+        self._active, self._n_out, self._n_in = True, 0, 0
+        self._n_alerts += 1
+        return Alert(metric=self.metric, family=self.family, step=int(step), value=value,
+                     baseline=self._median, score=s, detail=dict(detail or {}))
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        """Dynamic state in plain Python types (the config is not restored from it; it is recorded for audit)."""
+        return {"version": 1, "metric": self.metric, "family": self.family,
+                "config": dataclasses.asdict(self.config),
+                "n_warmup": self._n_warmup, "values": list(self._values), "median": self._median,
+                "mad": self._mad, "scale": self._scale, "n_out": self._n_out, "n_in": self._n_in,
+                "active": self._active, "last_score": self._last_score, "n_alerts": self._n_alerts}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("version") != 1:
+            raise ValueError(f"unsupported Detector state version {state.get('version')!r}")
+        if state["metric"] != self.metric:
+            raise ValueError(f"state is for metric {state['metric']!r}, this detector is {self.metric!r}")
+        opt = lambda v: None if v is None else float(v)  # noqa: E731
+        self._n_warmup = int(state["n_warmup"])
+        self._values = [float(v) for v in state["values"]]
+        self._median, self._mad, self._scale = opt(state["median"]), opt(state["mad"]), opt(state["scale"])
+        self._n_out, self._n_in = int(state["n_out"]), int(state["n_in"])
+        self._active = bool(state["active"])
+        self._last_score = opt(state["last_score"])
+        self._n_alerts = int(state["n_alerts"])
+
+
+_OVERRIDES = ("warmup", "baseline", "threshold", "persistence", "rel_floor", "rel_cap", "abs_floor")
+
+
+@dataclass(frozen=True)
+class SeriesRule:
+    """Which series to monitor and how: ``pattern`` is matched with :func:`fnmatch.fnmatchcase` against the
+    whole series name (``*`` also matches ``/``). Fields left as None take the registry's base config.
+    ``rel_cap`` cannot be reset to None by a rule (None means "inherit")."""
+
+    pattern: str
+    family: str
+    direction: str = "down"
+    warmup: int | None = None
+    baseline: int | None = None
+    threshold: float | None = None
+    persistence: int | None = None
+    rel_floor: float | None = None
+    rel_cap: float | None = None
+    abs_floor: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_family(self.family)
+        if self.direction not in DIRECTIONS:
+            raise ValueError(f"direction must be one of {DIRECTIONS}, got {self.direction!r}")
+
+    def matches(self, name: str) -> bool:
+        return fnmatch.fnmatchcase(name, self.pattern)
+
+    def config(self, base: DetectorConfig) -> DetectorConfig:
+        """``base`` with this rule's direction and non-None overrides (validated)."""
+        over = {k: getattr(self, k) for k in _OVERRIDES if getattr(self, k) is not None}
+        return dataclasses.replace(base, direction=self.direction, **over)
+
+
+def default_rules() -> list[SeriesRule]:
+    """Default rules, first match wins. Counts assume one evaluation every ~10 steps (as in the experiments).
+
+    * Attention update-spectrum entropies (``attn/layer{L}/dwq_entropy``, ``.../head{H}/delta2_entropy``, any
+      ``attn/...entropy``): family ``attention``, ``down`` — the fault is a collapse onto a few modes. Warm-up 30
+      evaluations skips the early transient (which lasted until ~step 300 in the experiments), baseline 20.
+      ``rel_cap=0.1`` so that, even with a noisy baseline, a collapse to zero scores ≥ 10 > threshold 6 (the
+      band's lower edge is then at least 40% of the baseline median); ``rel_floor=0.05``.
+      Norms (‖W_Q‖₂, Frobenius) are deliberately *not* monitored: they grow naturally and false-alarmed on clean
+      runs.
+    * Router (names as in ``RoutingStats.summary()`` under ``router/layer{L}/``): ``entropy_mean``,
+      ``entropy_norm_mean``, ``entropy_p05``, ``entropy_p50`` and ``load_entropy`` ``down`` (routing diversity
+      collapses), same settings as the attention entropies. ``mean_cosine`` ``up`` (expert rows become alike)
+      and ``low_entropy_frac`` ``up``: their healthy median is near 0, so a relative floor is useless and
+      ``abs_floor=0.02`` sets the scale (band +0.12). Not monitored: ``entropy_min`` (one extreme token),
+      ``entropy_std`` and the margins (no known bad direction on their own).
+    * Symptoms: ``symptom/loss`` and ``symptom/grad_norm`` ``up``. The loss falls during training, away from
+      the bad direction, so a frozen baseline is conservative; grad-norm spikes are heavy-tailed, hence
+      ``persistence=5`` and ``rel_floor=0.25``.
+
+    These are starting points from small CPU experiments, to be recalibrated on real runs.
+    """
+    ent = dict(direction="down", warmup=30, baseline=20, rel_floor=0.05, rel_cap=0.1)
+    near_zero_up = dict(direction="up", warmup=30, baseline=20, rel_floor=0.0, abs_floor=0.02)
+    router_ent = ("entropy_mean", "entropy_norm_mean", "entropy_p05", "entropy_p50", "load_entropy")
+    return [
+        SeriesRule("attn/*entropy", "attention", **ent),
+        *(SeriesRule(f"router/*/{name}", "router", **ent) for name in router_ent),
+        SeriesRule("router/*/mean_cosine", "router", **near_zero_up),
+        SeriesRule("router/*/low_entropy_frac", "router", **near_zero_up),
+        SeriesRule("symptom/loss", "symptom", direction="up", warmup=30, baseline=20, rel_floor=0.02),
+        SeriesRule("symptom/grad_norm", "symptom", direction="up", warmup=30, baseline=20, rel_floor=0.25,
+                   persistence=5),
+    ]
+
+
+class DetectorRegistry:
+    """One :class:`Detector` per series, created lazily from ``rules`` the first time a series is seen.
+
+    The first matching rule wins; series matching no rule are not monitored and are listed in
+    :attr:`unmonitored`. All fired alerts are kept in :attr:`alerts` (alerts are rare thanks to latching).
+    """
+
+    def __init__(self, rules: Sequence[SeriesRule] | None = None, base_config: DetectorConfig | None = None):
+        self.rules = list(default_rules() if rules is None else rules)
+        self.base_config = base_config if base_config is not None else DetectorConfig()
+        for r in self.rules:  # validate every rule's overrides now, not at the first matching series
+            r.config(self.base_config)
+        self.detectors: dict[str, Detector] = {}
+        self._unmonitored: set[str] = set()
+        self.alerts: list[Alert] = []
+
+    def _detector(self, name: str) -> Detector | None:
+        det = self.detectors.get(name)
+        if det is None and name not in self._unmonitored:
+            rule = next((r for r in self.rules if r.matches(name)), None)
+            if rule is None:
+                self._unmonitored.add(name)
+                return None
+            det = self.detectors[name] = Detector(rule.config(self.base_config), name, rule.family)
+        return det
+
+    @property
+    def unmonitored(self) -> list[str]:
+        """Series seen that match no rule (sorted)."""
+        return sorted(self._unmonitored)
+
+    def update(self, step: int, metrics: Mapping[str, float],
+               details: Mapping[str, Mapping[str, Any]] | None = None) -> list[Alert]:
+        """Feed one evaluation of several series; return the alerts fired now (in ``metrics`` order).
+
+        ``details[name]`` (e.g. ``{"layer": 1, "head": 2}``) is attached to that series' alerts.
+        """
+        details = details or {}
+        fired = []
+        for name, value in metrics.items():
+            det = self._detector(name)
+            if det is None:
+                continue
+            alert = det.update(step, value, details.get(name))
+            if alert is not None:
+                fired.append(alert)
+        self.alerts.extend(fired)
+        return fired
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": 1, "detectors": {k: d.state_dict() for k, d in self.detectors.items()},
+                "unmonitored": sorted(self._unmonitored), "alerts": [a.to_dict() for a in self.alerts]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore. Detectors are rebuilt from the *current* rules (family, direction and config come from the
+        rules, the dynamic state from ``state``); a saved series that no rule matches any more is dropped (and
+        becomes unmonitored) — the rules are the configuration of record."""
+        if state.get("version") != 1:
+            raise ValueError(f"unsupported DetectorRegistry state version {state.get('version')!r}")
+        # Saved unmatched names stay listed unless a current rule now matches them (then they are monitored
+        # from scratch the next time they are seen).
+        self.detectors = {}
+        self._unmonitored = {n for n in state["unmonitored"] if not any(r.matches(n) for r in self.rules)}
+        for name, dstate in state["detectors"].items():
+            det = self._detector(name)
+            if det is not None:
+                det.load_state_dict(dstate)
+        self.alerts = [Alert.from_dict(a) for a in state["alerts"]]

@@ -1,0 +1,379 @@
+"""Spectra of weight-update increments: the attention-side monitor math.
+
+Orientation
+-----------
+Megatron and DeepSpeed store a linear weight as ``[out, in]``. The QK decomposition follows the paper's
+orientation instead: per head, ``W_q^h`` and ``W_k^h`` are ``[d_model, d_head]`` so the attention score is
+``X W_q (W_k)^T X^T``. :mod:`megatron_mech.layouts` converts Megatron's fused ``linear_qkv`` into that
+orientation; nothing here needs to know about Megatron.
+
+Dtype policy
+------------
+* Spectra come back as ``float64`` tensors (they are tiny: a few hundred values per head).
+* ``matrix_spectrum`` computes in ``float64`` for float64 input, otherwise in ``float32`` (bf16/fp16 upcast).
+* ``qk_increment_spectra`` (method ``"gram"``, the default) forms every Gram matrix in ``float64``: the
+  increments are typically 1e-3..1e-6 of the weights, and squaring in float32 would lose the small singular
+  values (an eigenvalue error of eps·σ_max² is an error of sqrt(eps)·σ_max ≈ 3e-4·σ_max on a singular value
+  near zero). Method ``"qr"`` works in the input precision (at least float32) and is backward stable there.
+* Entropies are computed in ``float64``.
+
+Bad input
+---------
+Shape errors raise ``ValueError`` naming the offending argument. Non-finite *values* never reach LAPACK:
+a head (or matrix) whose inputs contain NaN/Inf gets a spectrum of NaNs, and every derived metric is NaN, so
+the monitor reports a flagged metric instead of crashing the training run.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+
+__all__ = [
+    "QKIncrementSpectra",
+    "effective_rank",
+    "matrix_spectrum",
+    "qk_increment_spectra",
+    "qk_increment_spectra_dense",
+    "spectral_entropy",
+    "spectrum_from_gram",
+    "stable_rank",
+]
+
+QK_TERMS = ("delta1", "delta2", "delta3")
+QK_METHODS = ("gram", "qr")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Scalar summaries of a spectrum (over the last dimension)
+# ---------------------------------------------------------------------------------------------------------
+def _as_spectrum(singular_values: torch.Tensor) -> torch.Tensor:
+    if not isinstance(singular_values, torch.Tensor):
+        singular_values = torch.as_tensor(singular_values)
+    if singular_values.dim() == 0:
+        raise ValueError("singular_values must have at least one dimension (the spectrum), got a scalar")
+    if singular_values.shape[-1] == 0:
+        raise ValueError("singular_values has an empty last dimension")
+    sv = singular_values.detach().to(torch.float64)
+    if bool((sv < 0).any()):
+        raise ValueError("singular_values must be non-negative (got a negative entry)")
+    return sv
+
+
+def spectral_entropy(singular_values: torch.Tensor, power: float = 2.0, normalized: bool = True) -> torch.Tensor:
+    """Shannon entropy of the normalized spectrum, over the last dimension.
+
+    ``p_i = σ_i^power / Σ_j σ_j^power`` and ``H = −Σ p_i log p_i`` (with 0·log 0 = 0). With ``normalized``
+    the entropy is divided by ``log(n)``, n = size of the last dimension, so it lies in [0, 1] (1 = flat
+    spectrum, 0 = a single mode). For n = 1 the normalized entropy is defined as 0 (one mode is collapsed by
+    definition). A spectrum that is all zero or contains a non-finite value gives NaN, never an exception.
+
+    Shapes: ``[..., n]`` → ``[...]``, float64.
+    """
+    if power <= 0:
+        raise ValueError(f"power must be positive, got {power}")
+    sv = _as_spectrum(singular_values)
+    n = sv.shape[-1]
+    weights = sv.pow(power)
+    total = weights.sum(dim=-1, keepdim=True)
+    p = weights / total
+    # 0·log 0 = 0: xlogy(0, 0) is 0 by definition, unlike p * log(p).
+    entropy = -torch.special.xlogy(p, p).sum(dim=-1)
+    invalid = ~torch.isfinite(sv).all(dim=-1) | (total.squeeze(-1) <= 0) | ~torch.isfinite(total.squeeze(-1))
+    entropy = entropy.masked_fill(invalid, math.nan)
+    if normalized:
+        entropy = entropy / math.log(n) if n > 1 else entropy.masked_fill(~invalid, 0.0)
+    return entropy
+
+
+def effective_rank(singular_values: torch.Tensor, power: float = 2.0) -> torch.Tensor:
+    """``exp(H)`` with the unnormalized entropy H of :func:`spectral_entropy`. ``[..., n]`` → ``[...]``."""
+    return torch.exp(spectral_entropy(singular_values, power=power, normalized=False))
+
+
+def stable_rank(singular_values: torch.Tensor) -> torch.Tensor:
+    """``Σσ² / σ_max²`` (= ‖M‖_F² / ‖M‖_2²). NaN for an all-zero or non-finite spectrum. ``[..., n]`` → ``[...]``."""
+    sv = _as_spectrum(singular_values)
+    sq = sv.square()
+    top = sq.amax(dim=-1)
+    result = sq.sum(dim=-1) / top
+    invalid = ~torch.isfinite(sv).all(dim=-1) | (top <= 0)
+    return result.masked_fill(invalid, math.nan)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Spectra of one matrix
+# ---------------------------------------------------------------------------------------------------------
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def matrix_spectrum(delta: torch.Tensor) -> torch.Tensor:
+    """Singular values, descending, of a dense matrix (or a batch of them).
+
+    Shapes: ``[..., m, n]`` → ``[..., min(m, n)]``, float64. Computed in float64 for float64 input,
+    float32 otherwise. A matrix with a non-finite entry gets a spectrum of NaNs.
+    """
+    if not isinstance(delta, torch.Tensor) or delta.dim() < 2:
+        raise ValueError(f"delta must be a tensor of at least 2 dimensions [..., m, n], got "
+                         f"{getattr(delta, 'shape', type(delta))}")
+    x = delta.detach().to(_compute_dtype(delta))
+    finite = torch.isfinite(x).flatten(-2).all(dim=-1)
+    x = torch.where(finite[..., None, None], x, torch.zeros((), dtype=x.dtype, device=x.device))
+    sv = torch.linalg.svdvals(x).to(torch.float64)
+    return sv.masked_fill(~finite[..., None], math.nan)
+
+
+def spectrum_from_gram(gram: torch.Tensor) -> torch.Tensor:
+    """Singular values, descending, of a matrix M from its Gram matrix ``MᵀM`` (or ``MMᵀ``).
+
+    This is the route for a matrix split across ranks: each rank forms the Gram of its slice, the Grams are
+    summed with one all-reduce, and the spectrum follows without ever gathering M.
+    Shapes: ``[..., k, k]`` → ``[..., k]``, float64 (the Gram should be accumulated in float64).
+    Tiny negative eigenvalues from roundoff are clamped to 0. Non-finite Gram → NaNs.
+    """
+    if not isinstance(gram, torch.Tensor) or gram.dim() < 2 or gram.shape[-1] != gram.shape[-2]:
+        raise ValueError(f"gram must be a square matrix [..., k, k], got {getattr(gram, 'shape', type(gram))}")
+    g = gram.detach().to(torch.float64)
+    finite = torch.isfinite(g).flatten(-2).all(dim=-1)
+    g = torch.where(finite[..., None, None], g, torch.zeros((), dtype=g.dtype, device=g.device))
+    eig = torch.linalg.eigvalsh(0.5 * (g + g.transpose(-1, -2)))
+    sv = eig.clamp_min(0).sqrt().flip(-1)
+    return sv.masked_fill(~finite[..., None], math.nan)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# QK bilinear increments
+# ---------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class QKIncrementSpectra:
+    """Per-head singular values (descending, float64) of the QK increments; ``None`` when not requested.
+
+    ``delta1``/``delta2``: ``[H, 2·d_head]``; ``delta3``: ``[H, d_head]``. When ``d_model < 2·d_head`` the
+    trailing values are exact zeros (the product has rank ≤ d_model).
+    """
+
+    delta1: Optional[torch.Tensor] = None
+    delta2: Optional[torch.Tensor] = None
+    delta3: Optional[torch.Tensor] = None
+
+    def items(self):
+        """``(name, spectrum)`` for every computed term."""
+        return [(name, getattr(self, name)) for name in QK_TERMS if getattr(self, name) is not None]
+
+
+def _validate_qk(wq_prev, wk_prev, wq, wk, terms) -> tuple[int, int, int, int, tuple[str, ...]]:
+    names = ("wq_prev", "wk_prev", "wq", "wk")
+    for name, t in zip(names, (wq_prev, wk_prev, wq, wk)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D tensor ([heads, d_model, d_head]), got "
+                             f"{getattr(t, 'shape', type(t))}")
+    if wq_prev.shape != wq.shape:
+        raise ValueError(f"wq_prev {tuple(wq_prev.shape)} and wq {tuple(wq.shape)} differ in shape")
+    if wk_prev.shape != wk.shape:
+        raise ValueError(f"wk_prev {tuple(wk_prev.shape)} and wk {tuple(wk.shape)} differ in shape")
+    num_heads, d_model, d_head = wq.shape
+    num_groups = wk.shape[0]
+    if wk.shape[1:] != (d_model, d_head):
+        raise ValueError(f"wk {tuple(wk.shape)} must be [G, d_model={d_model}, d_head={d_head}] to match wq "
+                         f"{tuple(wq.shape)}")
+    if num_heads == 0 or num_groups == 0 or d_model == 0 or d_head == 0:
+        raise ValueError(f"empty attention weights: wq {tuple(wq.shape)}, wk {tuple(wk.shape)}")
+    if num_heads % num_groups:
+        raise ValueError(f"number of query heads H={num_heads} is not divisible by the number of K groups "
+                         f"G={num_groups}")
+    terms = tuple(terms)
+    unknown = [t for t in terms if t not in QK_TERMS]
+    if unknown or not terms:
+        raise ValueError(f"terms must be a non-empty subset of {QK_TERMS}, got {terms}")
+    return num_heads, num_groups, d_model, d_head, terms
+
+
+def _head_to_group(num_heads: int, num_groups: int, device) -> torch.Tensor:
+    """Index of the K group of every query head (GQA: head h uses group h // (H/G))."""
+    return torch.arange(num_heads, device=device) // (num_heads // num_groups)
+
+
+def _finite_heads(wq_prev, wk_prev, wq, wk, group_of_head) -> torch.Tensor:
+    q_ok = torch.isfinite(wq_prev).flatten(1).all(1) & torch.isfinite(wq).flatten(1).all(1)
+    k_ok = torch.isfinite(wk_prev).flatten(1).all(1) & torch.isfinite(wk).flatten(1).all(1)
+    return q_ok & k_ok[group_of_head]
+
+
+def _balance_scales(a_sq: torch.Tensor, b_sq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales (s_a, s_b) with s_a·s_b = 1 that give a block pair (A_j, B_j) equal Frobenius norms.
+
+    ``A Bᵀ = Σ_j A_j B_jᵀ`` is unchanged by ``A_j → s A_j, B_j → B_j / s``, but the rounding error of the core
+    is ~eps·‖A‖·‖B‖. Increments are orders of magnitude smaller than the weights, so without balancing
+    ‖A‖·‖B‖ ~ ‖W‖² while the spectrum of Δ2 is ~‖ΔW‖·‖W‖. A block pair whose product is zero is zeroed.
+    Inputs are squared Frobenius norms, shape [H]; outputs shape [H].
+    """
+    product = a_sq * b_sq
+    nonzero = product > 0
+    safe_a = torch.where(nonzero, a_sq, torch.ones_like(a_sq))
+    safe_b = torch.where(nonzero, b_sq, torch.ones_like(b_sq))
+    s_a = torch.where(nonzero, (safe_b / safe_a).pow(0.25), torch.zeros_like(a_sq))
+    s_b = torch.where(nonzero, (safe_a / safe_b).pow(0.25), torch.zeros_like(b_sq))
+    return s_a, s_b
+
+
+def _block_diag_scale(scales: list[torch.Tensor], block: int) -> torch.Tensor:
+    """[H] scales per block → [H, n_blocks·block] diagonal entries."""
+    return torch.cat([s[:, None].expand(-1, block) for s in scales], dim=1)
+
+
+# Block pairs (query-side block, key-side block) of each term: M = Σ_j A_j B_jᵀ.
+_TERM_BLOCKS = {
+    "delta1": [("dq", "k_new"), ("q", "dk")],   # ΔW_q W_k'ᵀ + W_q ΔW_kᵀ  (= W_q'W_k'ᵀ − W_q W_kᵀ)
+    "delta2": [("dq", "k"), ("q", "dk")],       # ΔW_q W_kᵀ  + W_q ΔW_kᵀ
+    "delta3": [("dq", "dk")],                   # ΔW_q ΔW_kᵀ
+}
+
+
+def _core_spectrum_from_grams(gram_a: torch.Tensor, gram_b: torch.Tensor) -> torch.Tensor:
+    """Singular values of ``A Bᵀ`` from ``AᵀA`` and ``BᵀB`` ([H, r, r] float64) → [H, r], descending.
+
+    σ(ABᵀ)² are the eigenvalues of (AᵀA)(BᵀB) = F Fᵀ BᵀB with F = V·diag(√λ) from AᵀA = V diag(λ) Vᵀ, which
+    equal the eigenvalues of the symmetric PSD core Fᵀ (BᵀB) F. An eigendecomposition (not Cholesky) makes this
+    exact for rank-deficient factors: a collapsed increment just gives λ = 0.
+    """
+    lam, vecs = torch.linalg.eigh(gram_a)
+    factor = vecs * lam.clamp_min(0).sqrt()[:, None, :]
+    core = factor.transpose(1, 2) @ gram_b @ factor
+    eig = torch.linalg.eigvalsh(0.5 * (core + core.transpose(1, 2)))
+    return eig.clamp_min(0).sqrt().flip(-1)
+
+
+def _core_spectrum_qr(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Singular values of ``A Bᵀ`` via thin QR: A = Q_a R_a, B = Q_b R_b → σ(R_a R_bᵀ). [H, d, r] → [H, r]."""
+    r_a = torch.linalg.qr(a, mode="r").R
+    r_b = torch.linalg.qr(b, mode="r").R
+    return torch.linalg.svdvals(r_a @ r_b.transpose(1, 2))
+
+
+def _pad_to(sv: torch.Tensor, width: int) -> torch.Tensor:
+    if sv.shape[-1] >= width:
+        return sv[..., :width]
+    return torch.nn.functional.pad(sv, (0, width - sv.shape[-1]))
+
+
+def qk_increment_spectra(
+    wq_prev: torch.Tensor,
+    wk_prev: torch.Tensor,
+    wq: torch.Tensor,
+    wk: torch.Tensor,
+    terms: Iterable[str] = QK_TERMS,
+    method: str = "gram",
+) -> QKIncrementSpectra:
+    """Per-head singular values of the increments of the QK bilinear form, never forming a d×d matrix.
+
+    Inputs (paper orientation): ``wq_prev``, ``wq``: ``[H, d_model, d_head]`` (W_{t−δ} and W_t);
+    ``wk_prev``, ``wk``: ``[G, d_model, d_head]`` with ``H % G == 0`` (GQA: head h uses K group h // (H/G)).
+
+    With ΔW = W_t − W_{t−δ} and W = W_{t−δ} (the *previous* weights):
+
+    * ``Δ1 = W_q' W_k'ᵀ − W_q W_kᵀ``          (the full increment; rank ≤ 2·d_head)
+    * ``Δ2 = ΔW_q W_kᵀ + W_q ΔW_kᵀ``          (first order; rank ≤ 2·d_head)
+    * ``Δ3 = ΔW_q ΔW_kᵀ``                     (second order; rank ≤ d_head)
+
+    Expanding ``(W_q + ΔW_q)(W_k + ΔW_k)ᵀ`` shows ``Δ1 = Δ2 + Δ3`` exactly, and only when Δ2 uses the
+    previous weights W (with W' in Δ2 the identity would need −Δ3 instead).
+
+    Each term is a low-rank product ``M = A Bᵀ`` (Δ2: A = [ΔW_q, W_q], B = [W_k, ΔW_k]; Δ1: A = [ΔW_q, W_q],
+    B = [W_k', ΔW_k]; Δ3: A = ΔW_q, B = ΔW_k), whose non-zero singular values are those of a small core:
+
+    * ``method="gram"`` (default, fastest here): float64 Gram matrices AᵀA per head and BᵀB per K group, one
+      symmetric eigenproblem each (rank-deficient factors are fine: no Cholesky). All three terms share the
+      same two Grams, so asking for more terms costs only r×r work.
+    * ``method="qr"``: thin QR of A and B in the input precision (≥ float32), then the SVD of R_a R_bᵀ —
+      the paper's route.
+
+    Block pairs are rescaled to equal norms first (see ``_balance_scales``) so small increments keep full
+    relative accuracy. Heads whose inputs contain NaN/Inf get NaN spectra.
+
+    ``terms`` selects what to compute; the others are ``None``. Returns :class:`QKIncrementSpectra`
+    (float64: ``delta1``/``delta2`` ``[H, 2·d_head]``, ``delta3`` ``[H, d_head]``).
+    """
+    num_heads, num_groups, d_model, d_head, terms = _validate_qk(wq_prev, wk_prev, wq, wk, terms)
+    if method not in QK_METHODS:
+        raise ValueError(f"method must be one of {QK_METHODS}, got {method!r}")
+    group_of_head = _head_to_group(num_heads, num_groups, wq.device)
+    finite = _finite_heads(wq_prev, wk_prev, wq, wk, group_of_head)
+
+    work_dtype = torch.float64 if method == "gram" else _compute_dtype(wq)
+
+    def prep(t):  # zero out non-finite values so LAPACK never sees them; those heads are NaN-ed at the end
+        t = t.detach().to(torch.float64)
+        return torch.where(torch.isfinite(t), t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+    # Differences in float64: for float32 weights the difference is exact, so W + ΔW == W' exactly.
+    q_prev, q_new, k_prev, k_new = (prep(t) for t in (wq_prev, wq, wk_prev, wk))
+    dq, dk = q_new - q_prev, k_new - k_prev
+
+    # Factor blocks: query side per head [H, d, dh], key side per K group [G, d, dh].
+    # Factor blocks actually used by the requested terms: query side per head [H, d, dh], key side per K
+    # group [G, d, dh]. Asking for Δ2 alone never touches W_k'.
+    used = [pair for term in terms for pair in _TERM_BLOCKS[term]]
+    all_q = {"dq": dq, "q": q_prev}
+    all_k = {"k": k_prev, "dk": dk, "k_new": k_new}
+    q_blocks = {name: t for name, t in all_q.items() if any(a == name for a, _ in used)}
+    k_blocks = {name: t for name, t in all_k.items() if any(b == name for _, b in used)}
+    q_sq = {name: t.square().sum(dim=(1, 2)) for name, t in q_blocks.items()}                  # [H]
+    k_sq = {name: t.square().sum(dim=(1, 2))[group_of_head] for name, t in k_blocks.items()}   # [H]
+
+    if method == "gram":
+        # Two Grams shared by all terms: per head of the query blocks, per K group of the key blocks.
+        q_cat = torch.cat(list(q_blocks.values()), dim=2)                   # [H, d, ≤2dh]
+        k_cat = torch.cat(list(k_blocks.values()), dim=2)                   # [G, d, ≤3dh]
+        gram_q = q_cat.transpose(1, 2) @ q_cat                              # [H, ≤2dh, ≤2dh]
+        gram_k = (k_cat.transpose(1, 2) @ k_cat)[group_of_head]             # [H, ≤3dh, ≤3dh]
+
+    def gram_index(names, order):
+        return torch.cat([torch.arange(order.index(n) * d_head, (order.index(n) + 1) * d_head)
+                          for n in names]).to(wq.device)
+
+    result = {}
+    for term in terms:
+        block_pairs = _TERM_BLOCKS[term]
+        scales = [_balance_scales(q_sq[a], k_sq[b]) for a, b in block_pairs]
+        s_a = _block_diag_scale([s[0] for s in scales], d_head)            # [H, r]
+        s_b = _block_diag_scale([s[1] for s in scales], d_head)
+        if method == "gram":
+            qi = gram_index([a for a, _ in block_pairs], list(q_blocks))
+            ki = gram_index([b for _, b in block_pairs], list(k_blocks))
+            gram_a = gram_q[:, qi][:, :, qi] * s_a[:, :, None] * s_a[:, None, :]
+            gram_b = gram_k[:, ki][:, :, ki] * s_b[:, :, None] * s_b[:, None, :]
+            sv = _core_spectrum_from_grams(gram_a, gram_b)
+        else:
+            a = torch.cat([q_blocks[a] for a, _ in block_pairs], dim=2) * s_a[:, None, :]
+            b = torch.cat([k_blocks[b][group_of_head] for _, b in block_pairs], dim=2) * s_b[:, None, :]
+            sv = _pad_to(_core_spectrum_qr(a.to(work_dtype), b.to(work_dtype)), s_a.shape[1])
+        result[term] = sv.to(torch.float64).masked_fill(~finite[:, None], math.nan)
+    return QKIncrementSpectra(**result)
+
+
+def qk_increment_spectra_dense(
+    wq_prev: torch.Tensor,
+    wk_prev: torch.Tensor,
+    wq: torch.Tensor,
+    wk: torch.Tensor,
+    terms: Iterable[str] = QK_TERMS,
+) -> QKIncrementSpectra:
+    """Reference for :func:`qk_increment_spectra`: forms each d_model × d_model increment in float64 and takes
+    its full SVD. Same signature and result layout (top 2·d_head / d_head values, zero-padded if d_model is
+    smaller). O(H·d_model³): for tests and benchmarks only.
+    """
+    num_heads, num_groups, d_model, d_head, terms = _validate_qk(wq_prev, wk_prev, wq, wk, terms)
+    group_of_head = _head_to_group(num_heads, num_groups, wq.device)
+    q_prev, q_new = wq_prev.detach().double(), wq.detach().double()
+    k_prev, k_new = wk_prev.detach().double()[group_of_head], wk.detach().double()[group_of_head]
+    dq, dk = q_new - q_prev, k_new - k_prev
+    dense = {
+        "delta1": lambda: q_new @ k_new.transpose(1, 2) - q_prev @ k_prev.transpose(1, 2),
+        "delta2": lambda: dq @ k_prev.transpose(1, 2) + q_prev @ dk.transpose(1, 2),
+        "delta3": lambda: dq @ dk.transpose(1, 2),
+    }
+    width = {"delta1": 2 * d_head, "delta2": 2 * d_head, "delta3": d_head}
+    return QKIncrementSpectra(**{t: _pad_to(matrix_spectrum(dense[t]()), width[t]) for t in terms})

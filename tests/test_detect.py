@@ -1,0 +1,325 @@
+"""Tests for megatron_mech.detect: baseline-relative, persistent detectors and the rule-based registry.
+
+The references are the series themselves: we inject faults at known evaluations and check when (or that never)
+the detector fires, against the rules stated in the module docstring.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from megatron_mech.detect import (Alert, Detector, DetectorConfig, DetectorRegistry, SeriesRule,
+                                  default_rules)
+
+NAN = float("nan")
+
+
+def noise(kind: str, seed: int, n: int, level: float = 1.0, sd: float = 0.05) -> list[float]:
+    """Stationary series ``level + sd·e``: e Gaussian, Student-t(3) (heavy tails) or Gaussian AR(1), ρ = 0.5."""
+    r = random.Random(seed)
+    out, x = [], 0.0
+    for _ in range(n):
+        if kind == "gauss":
+            e = r.gauss(0, 1)
+        elif kind == "t3":
+            e = r.gauss(0, 1) / math.sqrt(sum(r.gauss(0, 1) ** 2 for _ in range(3)) / 3)
+        else:
+            x = 0.5 * x + math.sqrt(0.75) * r.gauss(0, 1)
+            e = x
+        out.append(level + sd * e)
+    return out
+
+
+def run(det: Detector, values, start: int = 0) -> list[Alert]:
+    return [a for i, v in enumerate(values, start) if (a := det.update(i, v)) is not None]
+
+
+def cfg(**kw) -> DetectorConfig:
+    base = dict(warmup=5, baseline=20, direction="down", threshold=6.0, persistence=3, rel_floor=0.05)
+    base.update(kw)
+    return DetectorConfig(**base)
+
+
+# ---------------------------------------------------------------------------------------------------- false alarms
+# Measured with these exact seeds (4 seeds × 10 000 evaluations each, pure MAD band rel_floor=0, direction "both",
+# threshold 6, k=3), per-evaluation exceedance rate (score ≥ threshold) during monitoring:
+#   gauss 0 (0 of 39 800),  t3 1.09e-2,  ar1 1.26e-4      (printed by the test; all with 0 false alarms).
+# (With direction "down" and rel_floor 0.05, t3 measured 4.4e-3 and ar1 0.)
+# Persistence turns a ~1% independent exceedance into ~1e-6 per evaluation for k=3, so 0 alarms are expected.
+@pytest.mark.parametrize("kind", ["gauss", "t3", "ar1"])
+def test_no_false_alarms_on_stationary_series(kind, capsys):
+    exceed = monitored = alarms = 0
+    for seed in range(4):
+        det = Detector(cfg(warmup=20, baseline=30, direction="both", rel_floor=0.0), "x", "attention")
+        for i, v in enumerate(noise(kind, seed, 10_000)):
+            alarms += det.update(i, v) is not None
+            if det.last_score is not None:
+                monitored += 1
+                exceed += det.last_score >= det.config.threshold
+    rate = exceed / monitored
+    with capsys.disabled():
+        print(f"\n[{kind}] per-evaluation exceedance rate {rate:.2e} over {monitored} evaluations; "
+              f"false alarms {alarms}")
+    assert alarms == 0
+    assert rate < 0.03  # sanity: the band is not degenerate
+
+
+# ---------------------------------------------------------------------------------------------------- detection
+@pytest.mark.parametrize("seed", range(5))
+def test_large_drop_alerts_exactly_k_minus_1_after_onset(seed):
+    k, onset = 3, 120
+    values = noise("gauss", seed, 200)
+    values[onset:] = [0.1 + 0.005 * random.Random(seed).gauss(0, 1) for _ in values[onset:]]
+    det = Detector(cfg(persistence=k), "attn/layer1/dwq_entropy", "attention")
+    alerts = run(det, values)
+    assert len(alerts) == 1
+    a = alerts[0]
+    assert a.step == onset + k - 1
+    assert a.value == values[onset + k - 1]
+    assert a.baseline == det.baseline_median and abs(a.baseline - 1.0) < 0.05
+    assert a.score == det.score(a.value) >= det.config.threshold
+    assert det.active
+
+
+def test_moderate_drop_alerts_within_a_few_evaluations():
+    # A drop of 10σ (scale ≈ σ) crosses threshold 6 on almost every evaluation.
+    k, onset = 4, 100
+    for seed in range(5):
+        values = noise("gauss", seed, 200, sd=0.02)
+        values[onset:] = [v - 0.2 for v in values[onset:]]
+        alerts = run(Detector(cfg(persistence=k, rel_floor=0.0), "m", "router"), values)
+        assert len(alerts) == 1 and onset + k - 1 <= alerts[0].step <= onset + k + 2
+
+
+def test_directions():
+    base = noise("gauss", 0, 100)
+    up, down = list(base), list(base)
+    up[60:] = [v + 1.0 for v in up[60:]]
+    down[60:] = [v - 0.9 for v in down[60:]]
+    assert run(Detector(cfg(direction="down"), "m", "symptom"), up) == []
+    assert [a.step for a in run(Detector(cfg(direction="up"), "m", "symptom"), up)] == [62]
+    assert run(Detector(cfg(direction="up"), "m", "symptom"), down) == []
+    # "both": either side is bad, and the score is positive on both sides.
+    both = list(base)
+    both[40:50] = [v - 0.9 for v in both[40:50]]
+    both[70:80] = [v + 0.9 for v in both[70:80]]
+    det = Detector(cfg(direction="both"), "m", "symptom")
+    alerts = run(det, both)
+    assert [a.step for a in alerts] == [42, 72]
+    assert all(a.score > 6 for a in alerts)
+
+
+def test_collapse_with_tiny_mad_band_is_judged_relative_to_median():
+    # Near-constant baseline (σ = 1e-5 around 0.5): a pure MAD band would alert on a 2% wiggle (≈1000 MADs).
+    values = noise("gauss", 1, 60, level=0.5, sd=1e-5)
+    wiggle = values + [0.49] * 20
+    assert [a.step for a in run(Detector(cfg(rel_floor=0.0), "m", "attention"), wiggle)] == [62]
+    det = Detector(cfg(rel_floor=0.05), "m", "attention")
+    assert run(det, wiggle) == []
+    assert det.baseline_scale == pytest.approx(0.05 * 0.5, rel=1e-3)
+    # ...while a collapse toward zero still scores (0.5 − 0.05)/0.025 = 18 and fires k − 1 later.
+    collapse = values + [0.05] * 20
+    alerts = run(Detector(cfg(rel_floor=0.05), "m", "attention"), collapse)
+    assert [a.step for a in alerts] == [62] and alerts[0].score == pytest.approx(18, rel=1e-3)
+
+
+def test_collapse_with_huge_mad_band_needs_rel_cap():
+    # Noisy baseline: σ = 0.12 around 0.3 → the 6σ band reaches far below zero: a collapse to 0 scores ~2.5.
+    for seed in range(3):
+        values = noise("gauss", seed, 60, level=0.3, sd=0.12) + [0.0] * 30
+        plain = Detector(cfg(rel_floor=0.05, baseline=40), "m", "attention")
+        assert run(plain, values) == []  # documented limitation of a pure MAD band
+        assert plain.last_score < 6
+        # rel_cap = 0.1 bounds the scale at 0.03, so the collapse scores 10.
+        capped = Detector(cfg(rel_floor=0.05, rel_cap=0.1, baseline=40), "m", "attention")
+        alerts = run(capped, values)
+        assert capped.baseline_scale == pytest.approx(0.1 * capped.baseline_median)
+        assert [a.step for a in alerts] == [62] and alerts[0].score == pytest.approx(10.0)
+
+
+# ---------------------------------------------------------------------------------------------------- NaN handling
+def test_nan_during_baseline_is_ignored():
+    det = Detector(cfg(warmup=2, baseline=4), "m", "attention")
+    det.update(0, NAN)  # warm-up counts evaluations, finite or not
+    det.update(1, 1.0)
+    assert det.phase == "baseline"
+    for i, v in enumerate([1.0, NAN, 2.0, float("inf"), 3.0, NAN], start=2):
+        assert det.update(i, v) is None
+        assert det.phase == "baseline"
+    det.update(8, 10.0)  # 4th finite value freezes the baseline
+    assert det.phase == "monitoring"
+    assert det.baseline_median == 2.5  # median of [1, 2, 3, 10]
+
+
+def test_nan_during_monitoring_counts_as_out_of_band():
+    values = noise("gauss", 0, 40)
+    det = Detector(cfg(), "m", "router")
+    run(det, values)
+    assert det.update(40, NAN) is None and det.last_score == math.inf
+    assert det.update(41, 0.1) is None  # a real drop continues the streak
+    a = det.update(42, float("-inf"))
+    assert a is not None and a.step == 42 and a.score == math.inf and a.value == -math.inf
+    assert "non-finite" in a.describe()
+
+
+# ---------------------------------------------------------------------------------------------------- latching
+def test_latching_and_re_arming():
+    k = 3
+    det = Detector(cfg(persistence=k), "m", "attention")
+    run(det, noise("gauss", 0, 30))
+    assert det.phase == "monitoring" and not det.active
+    low, ok = 0.1, 1.0
+    seq = [low] * 10 + [ok] * (k - 1) + [low] * 5 + [ok] * k + [low] * k
+    alerts = run(det, seq, start=100)
+    # One alert for the first episode; the short recovery (k−1) does not re-arm; k in-band evaluations do.
+    assert [a.step for a in alerts] == [100 + k - 1, 100 + 10 + (k - 1) + 5 + k + (k - 1)]
+    assert det.active and det.n_alerts == 2
+    run(det, [ok] * k, start=200)
+    assert not det.active
+
+
+# ---------------------------------------------------------------------------------------------------- checkpointing
+def _event_series(seed: int) -> list[float]:
+    v = noise("t3", seed, 400)
+    v[5] = NAN  # warm-up
+    v[12] = NAN  # baseline
+    v[100:110] = [0.2] * 10  # alert, latch
+    v[110:112] = [1.0, 1.0]  # too short to re-arm
+    v[112:120] = [0.2] * 8
+    v[200:203] = [NAN, 0.2, NAN]  # re-armed by now → second alert
+    v[300] = 0.2  # a lone excursion
+    return v
+
+
+def _alerts_json(alerts) -> str:
+    return json.dumps([a.to_dict() for a in alerts])
+
+
+@pytest.mark.parametrize("cut", [3, 15, 26, 101, 105, 111, 150, 201, 399])
+def test_state_round_trip_continues_identically(cut):
+    values = _event_series(7)
+    make = lambda: Detector(cfg(), "attn/layer0/dwq_entropy", "attention")  # noqa: E731
+    full = make()
+    ref = run(full, values)
+    assert len(ref) == 2
+    first = make()
+    got = run(first, values[:cut])
+    state = json.loads(json.dumps(first.state_dict()))  # plain types (json keeps inf as Infinity)
+    resumed = make()
+    resumed.load_state_dict(state)
+    got += run(resumed, values[cut:], start=cut)
+    assert _alerts_json(got) == _alerts_json(ref)
+    assert json.dumps(resumed.state_dict()) == json.dumps(full.state_dict())
+    with pytest.raises(ValueError, match="metric"):
+        Detector(cfg(), "other", "attention").load_state_dict(state)
+
+
+# ---------------------------------------------------------------------------------------------------- registry
+SERIES = {
+    "attn/layer1/dwq_entropy": ("attention", "down", 0.45),
+    "attn/layer1/head2/delta2_entropy": ("attention", "down", 0.28),
+    "router/layer0/entropy_mean": ("router", "down", 1.9),
+    "router/layer0/load_entropy": ("router", "down", 2.0),
+    "router/layer0/mean_cosine": ("router", "up", 0.01),
+    "symptom/loss": ("symptom", "up", 3.0),
+    "symptom/grad_norm": ("symptom", "up", 1.2),
+}
+
+
+def _registry_run(reg, steps, fault=None, start=0, seed=0):
+    """Feed all SERIES plus one unmatched series; ``fault`` = (name, onset, value) replaces a series."""
+    r = random.Random(seed)
+    fired = []
+    for t in range(start, start + steps):
+        metrics = {n: lvl * (1 + 0.02 * r.gauss(0, 1)) if n != "router/layer0/mean_cosine"
+                   else lvl + 0.002 * r.gauss(0, 1) for n, (_, _, lvl) in SERIES.items()}
+        metrics["other/throughput"] = 1000.0
+        if fault is not None and t >= fault[1]:
+            metrics[fault[0]] = fault[2]
+        details = {"attn/layer1/head2/delta2_entropy": {"layer": 1, "head": 2},
+                   "router/layer0/mean_cosine": {"layer": 0}}
+        fired += reg.update(t * 10, metrics, details)
+    return fired
+
+
+def test_registry_routes_families_and_attributes():
+    reg = DetectorRegistry(default_rules())
+    assert _registry_run(reg, 150) == []  # healthy: nothing fires
+    for name, (family, direction, _) in SERIES.items():
+        det = reg.detectors[name]
+        assert (det.family, det.config.direction, det.phase) == (family, direction, "monitoring")
+    assert reg.unmonitored == ["other/throughput"]
+    # Other RoutingStats.summary() keys: only those with a known bad direction are monitored.
+    reg.update(1500, {"router/layer0/low_entropy_frac": 0.0, "router/layer0/entropy_std": 0.3,
+                      "router/layer0/entropy_min": 0.1, "router/layer0/entropy_p05": 1.2})
+    assert reg.detectors["router/layer0/low_entropy_frac"].config.direction == "up"
+    assert reg.detectors["router/layer0/entropy_p05"].config.direction == "down"
+    assert reg.unmonitored == ["other/throughput", "router/layer0/entropy_min", "router/layer0/entropy_std"]
+
+    fired = _registry_run(reg, 20, fault=("attn/layer1/head2/delta2_entropy", 160, 0.01), start=150)
+    assert len(fired) == 1  # no cross-talk into the other series
+    a = fired[0]
+    assert (a.metric, a.family, a.step, a.detail) == ("attn/layer1/head2/delta2_entropy", "attention", 1620,
+                                                     {"layer": 1, "head": 2})
+    assert "layer=1" in a.describe() and "head=2" in a.describe() and "\n" not in a.describe()
+
+    fired = _registry_run(reg, 10, fault=("router/layer0/mean_cosine", 175, 0.6), start=170)
+    assert [(x.metric, x.family, x.detail) for x in fired] == [("router/layer0/mean_cosine", "router", {"layer": 0})]
+    assert len(reg.alerts) == 2
+
+
+def test_registry_first_rule_wins_and_state_round_trip():
+    rules = [SeriesRule("a/special", "symptom", direction="up", warmup=0, baseline=5),
+             SeriesRule("a/*", "router", direction="down", warmup=0, baseline=5, persistence=1)]
+    reg = DetectorRegistry(rules)
+    series = [{"a/special": 1.0 + 0.01 * (i % 3), "a/x": 1.0 + 0.01 * (i % 2), "b": 0.0} for i in range(8)]
+    for i, m in enumerate(series):
+        reg.update(i, m)
+    assert reg.detectors["a/special"].family == "symptom" and reg.detectors["a/special"].config.direction == "up"
+    assert reg.detectors["a/x"].family == "router" and reg.detectors["a/x"].config.persistence == 1
+    assert reg.unmonitored == ["b"]
+
+    state = json.loads(json.dumps(reg.state_dict()))
+    tail = [{"a/special": 5.0, "a/x": 0.1}, {"a/special": 5.0, "a/x": 0.1}, {"a/special": 5.0, "a/x": 1.0}]
+    ref = [reg.update(10 + i, m) for i, m in enumerate(tail)]
+    resumed = DetectorRegistry(rules)
+    resumed.load_state_dict(state)
+    got = [resumed.update(10 + i, m) for i, m in enumerate(tail)]
+    assert [_alerts_json(x) for x in got] == [_alerts_json(x) for x in ref]
+    assert [x.metric for x in reg.alerts] == ["a/x", "a/special"]  # persistence 1 vs 3 (default)
+    assert json.dumps(resumed.state_dict()) == json.dumps(reg.state_dict())
+
+
+# ---------------------------------------------------------------------------------------------------- validation
+@pytest.mark.parametrize("field,value", [
+    ("warmup", -1), ("warmup", 1.5), ("baseline", 2), ("baseline", True), ("direction", "sideways"),
+    ("threshold", 0.0), ("threshold", math.inf), ("persistence", 0), ("rel_floor", -0.1),
+    ("rel_floor", NAN), ("abs_floor", 0.0), ("rel_cap", 0.0), ("rel_cap", 0.01),  # 0.01 < rel_floor 0.05
+])
+def test_bad_config_raises_naming_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        DetectorConfig(**{field: value})
+
+
+def test_bad_family_and_rules_raise():
+    with pytest.raises(ValueError, match="family"):
+        Detector(DetectorConfig(), "m", "optimizer")
+    with pytest.raises(ValueError, match="family"):
+        Alert("m", "loss", 1, 0.0, 1.0, 7.0)
+    with pytest.raises(ValueError, match="family"):
+        SeriesRule("x/*", "attn")
+    with pytest.raises(ValueError, match="direction"):
+        SeriesRule("x/*", "attention", direction="left")
+    with pytest.raises(ValueError, match="persistence"):
+        DetectorRegistry([SeriesRule("x/*", "attention", persistence=0)])
+
+
+def test_alert_is_hashable_and_describes_itself():
+    a = Alert("symptom/loss", "symptom", 500, 4.2, 3.0, 8.1, {"layer": 3})
+    assert hash(a) == hash(Alert("symptom/loss", "symptom", 500, 4.2, 3.0, 8.1))
+    msg = a.describe()
+    assert msg.startswith("[symptom] symptom/loss at step 500") and "above baseline 3" in msg
+    assert Alert.from_dict(a.to_dict()) == a

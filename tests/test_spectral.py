@@ -1,0 +1,237 @@
+"""Spectral math against independent references: closed forms, numpy's SVD, and dense d×d increments."""
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from megatron_mech.spectral import (
+    effective_rank,
+    matrix_spectrum,
+    qk_increment_spectra,
+    qk_increment_spectra_dense,
+    spectral_entropy,
+    spectrum_from_gram,
+    stable_rank,
+)
+
+
+# --------------------------------------------------------------------------------------- scalar summaries
+def direct_entropy(sv, power):
+    p = np.asarray(sv, dtype=np.float64) ** power
+    p = p / p.sum()
+    nz = p[p > 0]
+    return float(-(nz * np.log(nz)).sum())
+
+
+@pytest.mark.parametrize("power", [1.0, 2.0, 3.0])
+def test_entropy_matches_direct_formula(power):
+    rng = np.random.default_rng(0)
+    sv = rng.random((5, 7)) * 10
+    sv[1, 3:] = 0.0  # exact zeros: 0·log 0 = 0
+    got = spectral_entropy(torch.tensor(sv), power=power, normalized=False)
+    want = [direct_entropy(row, power) for row in sv]
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-12)
+    got_norm = spectral_entropy(torch.tensor(sv), power=power)
+    np.testing.assert_allclose(got_norm.numpy(), np.array(want) / math.log(7), rtol=1e-12)
+    np.testing.assert_allclose(effective_rank(torch.tensor(sv), power=power).numpy(), np.exp(want), rtol=1e-12)
+
+
+def test_entropy_extremes_and_invalid_spectra():
+    flat = torch.ones(3, 16)
+    assert torch.allclose(spectral_entropy(flat), torch.ones(3, dtype=torch.float64))
+    assert torch.allclose(effective_rank(flat), torch.full((3,), 16.0, dtype=torch.float64))
+    one_mode = torch.zeros(16)
+    one_mode[4] = 3.0
+    assert spectral_entropy(one_mode).item() == 0.0
+    assert effective_rank(one_mode).item() == pytest.approx(1.0)
+    assert math.isnan(spectral_entropy(torch.zeros(8)).item())
+    assert math.isnan(spectral_entropy(torch.tensor([1.0, math.nan, 2.0])).item())
+    assert math.isnan(spectral_entropy(torch.tensor([1.0, math.inf, 2.0])).item())
+    assert math.isnan(stable_rank(torch.zeros(4)).item())
+    # one bad row does not poison the others
+    batch = torch.stack([torch.ones(4), torch.zeros(4)])
+    out = spectral_entropy(batch)
+    assert out[0].item() == pytest.approx(1.0) and math.isnan(out[1].item())
+    assert spectral_entropy(torch.tensor([5.0])).item() == 0.0  # n = 1: one mode, collapsed by definition
+
+
+def test_stable_rank_definition():
+    sv = torch.tensor([[3.0, 2.0, 1.0], [1.0, 1.0, 1.0]])
+    assert torch.allclose(stable_rank(sv), torch.tensor([14.0 / 9.0, 3.0], dtype=torch.float64))
+
+
+def test_entropy_bad_input():
+    with pytest.raises(ValueError, match="non-negative"):
+        spectral_entropy(torch.tensor([1.0, -0.5]))
+    with pytest.raises(ValueError, match="scalar"):
+        spectral_entropy(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="power"):
+        spectral_entropy(torch.ones(3), power=0)
+
+
+# --------------------------------------------------------------------------------------- one matrix
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_matrix_spectrum_matches_numpy(dtype):
+    x = torch.randn(2, 30, 20, generator=torch.Generator().manual_seed(1)).to(dtype)
+    want = np.linalg.svd(x.double().numpy(), compute_uv=False)
+    got = matrix_spectrum(x)
+    assert got.dtype == torch.float64 and got.shape == (2, 20)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    np.testing.assert_allclose(got.numpy(), want, atol=tol * want.max())
+
+
+def test_matrix_spectrum_nonfinite_and_shapes():
+    x = torch.randn(3, 5, 4)
+    x[1, 2, 2] = math.nan
+    sv = matrix_spectrum(x)
+    assert torch.isnan(sv[1]).all() and torch.isfinite(sv[[0, 2]]).all()
+    with pytest.raises(ValueError, match="at least 2 dimensions"):
+        matrix_spectrum(torch.ones(5))
+
+
+def test_spectrum_from_gram_matches_svd():
+    m = torch.randn(40, 12, dtype=torch.float64)
+    m[:, 6:] = m[:, :6] @ torch.randn(6, 6, dtype=torch.float64)  # rank 6: singular Gram
+    got = spectrum_from_gram(m.T @ m)
+    want = matrix_spectrum(m)
+    assert torch.allclose(got, want, atol=1e-6 * want[0])  # σ from σ²: error ≤ sqrt(eps)·σ_max near zero
+    assert torch.allclose(spectral_entropy(got), spectral_entropy(want), atol=1e-10)
+    bad = torch.full((3, 3), math.nan)
+    assert torch.isnan(spectrum_from_gram(bad)).all()
+    with pytest.raises(ValueError, match="square"):
+        spectrum_from_gram(torch.ones(3, 4))
+
+
+# --------------------------------------------------------------------------------------- QK increments
+def make_weights(num_heads, num_groups, d_model, d_head, scale, rel_step, dtype, seed, rank=None):
+    g = torch.Generator().manual_seed(seed)
+    wq = torch.randn(num_heads, d_model, d_head, generator=g, dtype=torch.float64) * scale
+    wk = torch.randn(num_groups, d_model, d_head, generator=g, dtype=torch.float64) * scale
+
+    def step(w):
+        if rank is None:
+            d = torch.randn(w.shape, generator=g, dtype=torch.float64)
+        else:  # low-rank increment per head: a collapsed update direction
+            u = torch.randn(w.shape[0], w.shape[1], rank, generator=g, dtype=torch.float64)
+            v = torch.randn(w.shape[0], rank, w.shape[2], generator=g, dtype=torch.float64)
+            d = u @ v
+        return w + rel_step * scale * d
+
+    wq2, wk2 = step(wq), step(wk)
+    return [t.to(dtype) for t in (wq, wk, wq2, wk2)]
+
+
+def assert_spectra_close(got, want, dtype):
+    """Singular values within `rel` of the head's top value, entropies within `ent_tol`, NaN where want is."""
+    # float64: the Gram route resolves a singular value near zero only to ~sqrt(eps)·σ_max ≈ 1.5e-8·σ_max
+    # (eigenvalues carry an absolute error of eps·σ_max²), hence 1e-6 rather than ~1e-14.
+    rel, ent_tol = (1e-4, 1e-4) if dtype == torch.float32 else (1e-6, 1e-5)
+    for name, ref in want.items():
+        x = getattr(got, name)
+        assert x.shape == ref.shape and x.dtype == torch.float64
+        nan_rows = torch.isnan(spectral_entropy(ref))
+        assert torch.equal(torch.isnan(spectral_entropy(x)), nan_rows), name
+        top = ref[:, :1].clamp_min(1e-300)
+        err = ((x - ref).abs() / top)[~nan_rows]
+        assert err.numel() == 0 or err.max() <= rel, (name, err.max().item())
+        ent_err = (spectral_entropy(x) - spectral_entropy(ref)).abs()[~nan_rows]
+        assert ent_err.numel() == 0 or ent_err.max() <= ent_tol, (name, ent_err.max().item())
+
+
+qk_shapes = st.tuples(
+    st.sampled_from([(1, 1), (2, 1), (4, 2), (4, 4), (6, 3)]),   # (H, G)
+    st.integers(4, 48),                                         # d_model (may be < 2·d_head)
+    st.sampled_from([2, 4, 8, 16]),                             # d_head
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shape=qk_shapes, log_scale=st.floats(-6, 4), log_step=st.floats(-6, 0),
+       dtype=st.sampled_from([torch.float32, torch.float64]), method=st.sampled_from(["gram", "qr"]),
+       rank=st.sampled_from([None, None, 1, 2]), seed=st.integers(0, 2**16))
+def test_compressed_matches_dense(shape, log_scale, log_step, dtype, method, rank, seed):
+    (h, g), d_model, d_head = shape
+    w = make_weights(h, g, d_model, d_head, 10.0 ** log_scale, 10.0 ** log_step, dtype, seed, rank)
+    got = qk_increment_spectra(*w, method=method)
+    want = qk_increment_spectra_dense(*w)
+    assert_spectra_close(got, dict(want.items()), dtype)
+
+
+@pytest.mark.parametrize("method", ["gram", "qr"])
+def test_zero_and_one_sided_increments(method):
+    wq, wk, _, wk2 = make_weights(4, 2, 32, 8, 1.0, 1e-2, torch.float64, seed=3)
+    zero = qk_increment_spectra(wq, wk, wq, wk, method=method)
+    for name, sv in zero.items():
+        assert torch.equal(sv, torch.zeros_like(sv)), name
+        assert torch.isnan(spectral_entropy(sv)).all()
+    # only W_k moves: Δ3 = 0, Δ1 = Δ2 = W_q ΔW_kᵀ (rank ≤ d_head)
+    one_sided = qk_increment_spectra(wq, wk, wq, wk2, method=method)
+    assert torch.equal(one_sided.delta3, torch.zeros_like(one_sided.delta3))
+    assert_spectra_close(one_sided, dict(qk_increment_spectra_dense(wq, wk, wq, wk2).items()), torch.float64)
+    assert torch.allclose(one_sided.delta1, one_sided.delta2, atol=1e-12 * one_sided.delta2.max())
+
+
+def test_identity_delta1_equals_delta2_plus_delta3_densely():
+    wq, wk, wq2, wk2 = make_weights(3, 3, 20, 5, 1.0, 0.3, torch.float64, seed=4)
+    dq, dk = wq2 - wq, wk2 - wk
+    delta1 = wq2 @ wk2.transpose(1, 2) - wq @ wk.transpose(1, 2)
+    delta2 = dq @ wk.transpose(1, 2) + wq @ dk.transpose(1, 2)  # previous weights W in the first-order term
+    delta3 = dq @ dk.transpose(1, 2)
+    assert torch.allclose(delta1, delta2 + delta3, atol=1e-12)
+    # … and the compressed spectra are those of exactly these matrices
+    got = qk_increment_spectra(wq, wk, wq2, wk2)
+    for name, dense in (("delta1", delta1), ("delta2", delta2), ("delta3", delta3)):
+        want = np.linalg.svd(dense.numpy(), compute_uv=False)[:, : getattr(got, name).shape[1]]
+        np.testing.assert_allclose(getattr(got, name).numpy(), want, atol=1e-10 * want.max())
+
+
+def test_gqa_pairs_each_query_head_with_its_group():
+    wq, wk, wq2, wk2 = make_weights(6, 2, 24, 4, 1.0, 0.1, torch.float64, seed=5)
+    got = qk_increment_spectra(wq, wk, wq2, wk2, terms=("delta2",))
+    for h in range(6):
+        grp = h // 3  # H/G = 3 query heads per group
+        dense = (wq2[h] - wq[h]) @ wk[grp].T + wq[h] @ (wk2[grp] - wk[grp]).T
+        want = np.linalg.svd(dense.numpy(), compute_uv=False)[:8]
+        np.testing.assert_allclose(got.delta2[h].numpy(), want, atol=1e-10 * want.max())
+
+
+def test_terms_selects_what_is_computed():
+    w = make_weights(2, 1, 16, 4, 1.0, 0.1, torch.float32, seed=6)
+    only = qk_increment_spectra(*w, terms=("delta2",))
+    assert only.delta1 is None and only.delta3 is None and only.delta2.shape == (2, 8)
+    full = qk_increment_spectra(*w)
+    assert torch.equal(only.delta2, full.delta2)
+    assert full.delta3.shape == (2, 4)
+
+
+def test_nonfinite_head_gives_nan_and_spares_the_others():
+    wq, wk, wq2, wk2 = make_weights(4, 2, 16, 4, 1.0, 0.1, torch.float32, seed=7)
+    clean = qk_increment_spectra(wq, wk, wq2, wk2)
+    wq2_bad = wq2.clone()
+    wq2_bad[1, 0, 0] = math.nan
+    wk2_bad = wk2.clone()
+    wk2_bad[1, 3, 1] = math.inf  # group 1 → heads 2, 3
+    for method in ("gram", "qr"):
+        bad = qk_increment_spectra(wq, wk, wq2_bad, wk2_bad, method=method)
+        for name, sv in bad.items():
+            assert torch.isnan(sv[1:]).all(), name
+            assert torch.allclose(sv[0], getattr(clean, name)[0], rtol=1e-4, atol=1e-6), name
+
+
+def test_bad_shapes_raise_clear_errors():
+    wq, wk, wq2, wk2 = make_weights(4, 2, 16, 4, 1.0, 0.1, torch.float32, seed=8)
+    with pytest.raises(ValueError, match="not divisible"):
+        qk_increment_spectra(wq[:3], wk, wq2[:3], wk2)
+    with pytest.raises(ValueError, match="differ in shape"):
+        qk_increment_spectra(wq, wk, wq2[:, :8], wk2)
+    with pytest.raises(ValueError, match="3-D"):
+        qk_increment_spectra(wq[0], wk, wq2, wk2)
+    with pytest.raises(ValueError, match="must be \\[G"):
+        qk_increment_spectra(wq, wk[:, :, :2], wq2, wk2[:, :, :2])
+    with pytest.raises(ValueError, match="terms"):
+        qk_increment_spectra(wq, wk, wq2, wk2, terms=("delta4",))
+    with pytest.raises(ValueError, match="method"):
+        qk_increment_spectra(wq, wk, wq2, wk2, method="svd")
