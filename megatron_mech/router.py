@@ -38,6 +38,8 @@ buffer all-reduces in a single collective.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import math
 import operator
 from dataclasses import dataclass
@@ -45,7 +47,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["RouterGeometry", "router_weight_geometry", "routing_entropy", "RoutingStats"]
+__all__ = ["RouterGeometry", "router_weight_geometry", "routing_entropy", "RoutingStats", "all_reduce_many"]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -283,22 +285,7 @@ class RoutingStats:
         (nccl: the current CUDA device; gloo: CPU) and come back to where the state lives. A no-op when
         torch.distributed is unavailable or not initialised, or the group has one rank. Returns ``self``.
         """
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-            return self
-        backend = str(dist.get_backend(group))
-        if backend == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
-        elif backend == "gloo":
-            device = torch.device("cpu")
-        else:  # multi-backend groups ("cpu:gloo,cuda:nccl") and others take tensors where they are
-            device = self._buffer.device
-        home = self._buffer.device
-        buffer = self._buffer.to(device)
-        entropy_min = self._entropy_min.to(device)
-        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
-        dist.all_reduce(entropy_min, op=dist.ReduceOp.MIN, group=group)
-        self._buffer = buffer.to(home)
-        self._entropy_min = entropy_min.to(home)
+        all_reduce_many([self], group)
         return self
 
     # ---- summaries (each one synchronises with the device; call at log time) --------------------------
@@ -450,3 +437,28 @@ class RoutingStats:
     def __repr__(self) -> str:
         return (f"RoutingStats(num_experts={self.num_experts}, num_bins={self.num_bins}, tokens={self.count}, "
                 f"nonfinite_tokens={self.nonfinite_tokens})")
+
+
+def all_reduce_many(stats: Sequence["RoutingStats"], group=None) -> None:
+    """:meth:`RoutingStats.all_reduce` for many summaries (e.g. one per MoE layer) in two collectives total.
+
+    The packed buffers are concatenated into one SUM and the minima into one MIN, in the order of ``stats``
+    — which must be the same list (same lengths, same order) on every rank of ``group``.
+    """
+    if not stats or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return
+    backend = str(dist.get_backend(group))
+    if backend == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    elif backend == "gloo":
+        device = torch.device("cpu")
+    else:  # multi-backend groups ("cpu:gloo,cuda:nccl") and others take tensors where they are
+        device = stats[0]._buffer.device
+    sizes = [s._buffer.numel() for s in stats]
+    buffer = torch.cat([s._buffer.to(device) for s in stats])
+    minima = torch.stack([s._entropy_min.to(device) for s in stats])
+    dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
+    dist.all_reduce(minima, op=dist.ReduceOp.MIN, group=group)
+    for s, chunk, minimum in zip(stats, buffer.split(sizes), minima):
+        s._buffer = chunk.to(s._buffer.device).clone()
+        s._entropy_min = minimum.to(s._entropy_min.device).clone()

@@ -16,7 +16,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_mech.router import RoutingStats
+from megatron_mech.router import RoutingStats, all_reduce_many
 
 NUM_EXPERTS, TOPK, NUM_BINS = 8, 2, 16
 
@@ -90,6 +90,21 @@ def main() -> int:
         if name == "all_empty" and not (stats.count == 0 and math.isnan(stats.min)
                                         and stats.state_dict()["entropy_min"] == math.inf):
             errors.append(f"rank {rank} case all_empty: empty state not preserved: {stats.state_dict()}")
+
+    # Many summaries (one per MoE layer) in one call: still exactly two collectives, each exact.
+    layers = [RoutingStats(NUM_EXPERTS, NUM_BINS) for _ in range(3)]
+    for i, stats in enumerate(layers):
+        shard = logits[i * 40:(i + 1) * 40 + 50]  # a different token set per layer
+        half = shard.shape[0] // 2
+        stats.update(shard[:half] if rank == 0 else shard[half:], TOPK)
+    calls.clear()
+    all_reduce_many(layers)
+    if len(calls) != 2:
+        errors.append(f"rank {rank} case many: all_reduce_many issued {len(calls)} collectives, expected 2")
+    for i, stats in enumerate(layers):
+        want = RoutingStats(NUM_EXPERTS, NUM_BINS)
+        want.update(logits[i * 40:(i + 1) * 40 + 50], TOPK)
+        errors += check(f"many[{i}]", stats, want, rank)
 
     for e in errors:
         print(e, flush=True)
