@@ -1,0 +1,307 @@
+"""Tiny real megatron-core training on CPU/gloo, for tests/test_megatron_cpu.py.
+
+Two ways to run it:
+
+* under torchrun (env:// rendezvous):
+    ``torchrun --nproc_per_node=2 tests/workers/megatron_cpu_worker.py --spec '{"scenario": "moe", "ep": 2}'``
+  rank 0 prints one ``@@RESULT {json}`` line.
+* ``--jobs FILE``: a *fork runner*. It imports torch + megatron-core once, then for every job forks ``nproc``
+  children that each init a gloo group over tcp://127.0.0.1, apply the shims (minus the job's ``exclude``)
+  and run the job. This costs one interpreter start + import for the whole test matrix instead of one per
+  job (2 cores). Every job has a timeout; when one rank fails or time runs out, the other ranks are killed.
+  Prints one ``@@JOB {json}`` line per job: {"id", "ok", "timed_out", "ranks": [per-rank result]}.
+
+A spec/job dict: scenario ("dense" | "moe" | "idempotence"), tp, ep, dist_opt, steps, exclude (list of shim
+names), timers (bool), clip_grad, seed, num_micro (global micro-batches per step), nproc (fork runner).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from functools import partial
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+import torch  # noqa: E402
+
+SEQ, VOCAB, MBS = 32, 128, 4
+
+
+def _import_megatron():
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state  # noqa: F401
+    from megatron.core.distributed import (DistributedDataParallel,  # noqa: F401
+                                           DistributedDataParallelConfig, finalize_model_grads)
+    from megatron.core.models.gpt import GPTModel  # noqa: F401
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: F401
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: F401
+    from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: F401
+    from megatron.core.timers import Timers  # noqa: F401
+    from megatron.core.transformer import TransformerConfig  # noqa: F401
+    from megatron.core.transformer.moe import token_dispatcher  # noqa: F401
+
+
+def _batches(num_micro: int, seed: int = 1234):
+    """The same global micro-batches on every rank (TP ranks must see identical tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(num_micro):
+        seq = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=g)
+        out.append((seq[:, :-1].contiguous(), seq[:, 1:].contiguous()))
+    return out
+
+
+def run_training(spec: dict) -> dict:
+    """Build a tiny GPTModel with real megatron-core parts and train it; needs an initialised world group."""
+    from megatron_mech.integrations import megatron_cpu as mcpu
+
+    applied = mcpu.apply_cpu_shims(exclude=spec.get("exclude", ()))
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                           finalize_model_grads)
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.timers import Timers
+    from megatron.core.transformer import TransformerConfig
+
+    moe = spec.get("scenario") == "moe"
+    tp, ep = int(spec.get("tp", 1)), int(spec.get("ep", 1))
+    dist_opt = bool(spec.get("dist_opt", False))
+    steps = int(spec.get("steps", 6))
+    seed = int(spec.get("seed", 7))
+    num_micro = int(spec.get("num_micro", 2))
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    mcpu.model_parallel_seed(seed)
+
+    extra = {}
+    if moe:
+        extra = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64,
+                     moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss",
+                     moe_aux_loss_coeff=1e-2, moe_grouped_gemm=False, add_bias_linear=False,
+                     expert_model_parallel_size=ep, sequence_parallel=tp > 1)
+    timers = Timers(log_level=2, log_option="minmax") if spec.get("timers", True) else None
+    config = TransformerConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+        tensor_model_parallel_size=tp, hidden_dropout=0.0, attention_dropout=0.0,
+        params_dtype=torch.float32, pipeline_dtype=torch.float32, timers=timers,
+        **mcpu.CPU_CONFIG_KWARGS, **extra)
+    model = GPTModel(config=config,
+                     transformer_layer_spec=get_gpt_layer_local_spec(num_experts=4 if moe else None),
+                     vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope")
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=dist_opt, overlap_grad_reduce=False)
+    model = DistributedDataParallel(config, ddp_config, model)
+    if spec.get("fast_forward", "module") == "module":
+        mcpu.fast_forward_module(model)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=float(spec.get("lr", 3e-3)), weight_decay=0.0,
+                        clip_grad=float(spec.get("clip_grad", 1.0)), use_distributed_optimizer=dist_opt,
+                        timers=timers),
+        [model])
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = model.no_sync
+
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    assert num_micro % dp_size == 0
+    mine = _batches(num_micro)[dp_rank::dp_size]
+    positions = torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ)
+
+    def loss_func(loss_mask, output_tensor):
+        loss = (output_tensor.float().reshape(-1) * loss_mask.reshape(-1)).sum() / loss_mask.sum()
+        return loss, {"lm loss": loss.detach().clone()}  # the schedule divides `loss` in place
+
+    def forward_step(data_iterator, model_):
+        tokens, labels = next(data_iterator)
+        if spec.get("fast_forward", "module") == "context":
+            with mcpu.fast_forward():
+                out = model_(tokens, positions, None, labels=labels)
+        else:
+            out = model_(tokens, positions, None, labels=labels)
+        return out, partial(loss_func, torch.ones(labels.shape))
+
+    forward_backward = get_forward_backward_func()
+    losses, grad_norms, times = [], [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        reduced = forward_backward(forward_step_func=forward_step, data_iterator=iter(mine), model=[model],
+                                   num_microbatches=len(mine), seq_length=SEQ, micro_batch_size=MBS,
+                                   forward_only=False)
+        ok, grad_norm, _ = optimizer.step()
+        assert ok
+        loss = torch.stack([r["lm loss"] for r in reduced]).mean()
+        torch.distributed.all_reduce(loss, group=ps.get_data_parallel_group())
+        losses.append(loss.item() / dp_size)
+        grad_norms.append(float(grad_norm))
+        times.append(time.perf_counter() - t0)
+    n_params = sum(p.numel() for p in model.parameters())
+    return {"applied": applied, "losses": losses, "grad_norms": grad_norms, "params_local": n_params,
+            "step_ms": 1000 * sorted(times)[len(times) // 2], "dp": dp_size}
+
+
+def run_idempotence(spec: dict) -> dict:
+    from megatron_mech.integrations import megatron_cpu as mcpu
+
+    import megatron.core.tensor_parallel.random as mrandom
+    from megatron.core.tensor_parallel import mappings
+
+    first = mcpu.apply_cpu_shims()
+    snapshot = (torch.cuda.current_device, torch.cuda.synchronize, mappings._gather_along_first_dim,
+                mrandom.CudaRNGStatesTracker, torch._C._len_torch_function_stack())
+    second = mcpu.apply_cpu_shims()
+    third = mcpu.apply_cpu_shims(only=["current_device"])
+    after = (torch.cuda.current_device, torch.cuda.synchronize, mappings._gather_along_first_dim,
+             mrandom.CudaRNGStatesTracker, torch._C._len_torch_function_stack())
+    try:
+        mcpu.apply_cpu_shims(only=["no_such_shim"])
+        unknown = "accepted"
+    except ValueError as e:
+        unknown = f"ValueError: {e}"
+    return {"first": first, "second": second, "third": third, "unchanged": snapshot == after,
+            "mode_stack": after[-1], "applied": list(mcpu.applied_cpu_shims()), "unknown": unknown,
+            "all": list(mcpu.SHIMS)}
+
+
+def run_spec(spec: dict) -> dict:
+    if spec.get("scenario") == "idempotence":
+        return run_idempotence(spec)
+    return run_training(spec)
+
+
+# ---------------------------------------------------------------------------------------------------- fork runner
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(job: dict, rank: int, nproc: int, port: int, result_path: str, log_path: str) -> None:
+    """Runs in a forked child; never returns."""
+    code = 1
+    try:
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        result = {"rank": rank}
+        try:
+            if job.get("scenario") != "idempotence":
+                torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                                     rank=rank, world_size=nproc,
+                                                     timeout=timedelta(seconds=120))
+            result.update(ok=True, **run_spec(job))
+            code = 0
+        except BaseException as e:  # report any failure, incl. AssertionError / NameError
+            result.update(ok=False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-5000:])
+        with open(result_path, "w") as f:
+            json.dump(result, f)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _run_job(job: dict, workdir: str) -> dict:
+    nproc = int(job.get("nproc", 1))
+    timeout = float(job.get("timeout", 90))
+    port = _free_port()
+    paths = [(os.path.join(workdir, f"{job['id']}.{r}.json"), os.path.join(workdir, f"{job['id']}.{r}.log"))
+             for r in range(nproc)]
+    for result_path, _ in paths:  # no stale result from a previous attempt
+        if os.path.exists(result_path):
+            os.remove(result_path)
+    t0 = time.monotonic()
+    pids = []
+    for rank in range(nproc):
+        pid = os.fork()
+        if pid == 0:
+            _child(job, rank, nproc, port, *paths[rank])
+        pids.append(pid)
+    alive, failed, timed_out = set(pids), False, False
+    while alive:
+        for pid in list(alive):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                alive.discard(pid)
+                failed |= status != 0
+        if alive and (failed or time.monotonic() - t0 > timeout):
+            timed_out = not failed
+            for pid in alive:  # only the children this runner forked
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            for pid in alive:
+                os.waitpid(pid, 0)
+            alive.clear()
+        time.sleep(0.02)
+    ranks = []
+    for rank, (result_path, log_path) in enumerate(paths):
+        if os.path.exists(result_path):
+            with open(result_path) as f:
+                ranks.append(json.load(f))
+        else:
+            tail = ""
+            if os.path.exists(log_path):
+                with open(log_path, errors="replace") as f:
+                    tail = f.read()[-2000:]
+            ranks.append({"rank": rank, "ok": False, "error": "killed (no result)", "log_tail": tail})
+    return {"id": job["id"], "ok": all(r.get("ok") for r in ranks) and not timed_out, "timed_out": timed_out,
+            "wall_s": round(time.monotonic() - t0, 2), "ranks": ranks}
+
+
+def _port_stolen(result: dict) -> bool:
+    return any("Address already in use" in r.get("error", "") or "EADDRINUSE" in r.get("error", "")
+               for r in result["ranks"])
+
+
+def fork_runner(jobs_file: str) -> None:
+    with open(jobs_file) as f:
+        jobs = json.load(f)
+    torch.set_num_threads(1)
+    _import_megatron()  # once, inherited by every forked child
+    with tempfile.TemporaryDirectory(prefix="megatron_cpu_jobs_") as workdir:
+        for job in jobs:
+            result = _run_job(job, workdir)
+            if not result["ok"] and _port_stolen(result):  # another process took the free port: once more
+                result = _run_job(job, workdir)
+            print("@@JOB " + json.dumps(result), flush=True)
+
+
+def torchrun_main(spec: dict) -> None:
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=120))
+    result = run_spec(spec)
+    if torch.distributed.get_rank() == 0:
+        print("@@RESULT " + json.dumps(result), flush=True)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--spec", help="JSON job spec (torchrun mode)")
+    parser.add_argument("--jobs", help="JSON file with a list of job specs (fork-runner mode)")
+    args = parser.parse_args()
+    if args.jobs:
+        fork_runner(args.jobs)
+    else:
+        torchrun_main(json.loads(args.spec or "{}"))
