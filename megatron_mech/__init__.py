@@ -1,26 +1,34 @@
 """megatron-mech: mechanism-based instability monitors and MoLS for Megatron-LM and DeepSpeed.
 
 The framework-free math lives in small modules (``spectral``, ``layouts``, ``router``, ``snr``, ``detect``);
-framework adapters live in ``megatron_mech.integrations``. The names below are the small public API.
+framework adapters live in ``megatron_mech.integrations``. The names below are the small public API. They
+are loaded lazily so that ``import megatron_mech`` (and the ``megatron-mech`` CLI) does not pay for torch
+until a name is used.
 """
-from megatron_mech.detect import Alert, DetectorConfig, DetectorRegistry, SeriesRule, default_rules
-from megatron_mech.layouts import fuse_qkv, split_fused_qkv
-from megatron_mech.router import RoutingStats, router_weight_geometry, routing_entropy
-from megatron_mech.snr import TwoBatchSNR, sample_snr
-from megatron_mech.spectral import (
-    effective_rank,
-    matrix_spectrum,
-    qk_increment_spectra,
-    qk_increment_spectra_dense,
-    spectral_entropy,
-    stable_rank,
-)
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Alert", "DetectorConfig", "DetectorRegistry", "RoutingStats", "SeriesRule", "TwoBatchSNR",
-    "default_rules", "effective_rank", "fuse_qkv", "matrix_spectrum", "qk_increment_spectra",
-    "qk_increment_spectra_dense", "router_weight_geometry", "routing_entropy", "sample_snr",
-    "spectral_entropy", "split_fused_qkv", "stable_rank",
-]
+_EXPORTS = {
+    "detect": ("Alert", "DetectorConfig", "DetectorRegistry", "SeriesRule", "default_rules"),
+    "layouts": ("fuse_qkv", "split_fused_qkv"),
+    "router": ("RoutingStats", "router_weight_geometry", "routing_entropy"),
+    "snr": ("TwoBatchSNR", "sample_snr"),
+    "spectral": ("effective_rank", "matrix_spectrum", "qk_increment_spectra", "qk_increment_spectra_dense",
+                 "spectral_entropy", "stable_rank"),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name):
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'megatron_mech' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"megatron_mech.{module}"), name)
+    globals()[name] = value  # cache: the next access skips __getattr__
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)
