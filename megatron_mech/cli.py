@@ -60,9 +60,13 @@ def _run_prepare_data(args: argparse.Namespace) -> int:
     return 0
 
 
+from megatron_mech.report import add_report_arguments, run_report  # noqa: E402  (cheap: no matplotlib/torch)
+
 SUBCOMMANDS: Dict[str, Subcommand] = {
     "prepare-data": Subcommand("build (or find) the embedded Shakespeare + KJV corpus as Megatron .bin/.idx",
                                _add_prepare_data, _run_prepare_data),
+    "report": Subcommand("plot a run's mech.jsonl (monitor series vs loss, alerts) and summarize it",
+                         add_report_arguments, run_report),
 }
 
 

@@ -1,0 +1,500 @@
+"""Post-hoc report of a run from its JSONL log (``RUN_DIR/mech.jsonl``, written by
+:class:`~megatron_mech.sinks.JsonlSink`).
+
+* :func:`plot_run` — one PNG, stacked panels on a shared step axis (only those with data): loss; grad norm (log
+  scale when it spans more than a decade); attention ΔW spectral entropy per layer (Q solid, K dashed, other
+  matrices dotted); Δ2 entropy, min over heads, per layer; router entropy mean, expert-load entropy and mean
+  expert-row cosine per layer. Layers have the same colour in every panel (one legend, or a colour bar beyond
+  16 layers, on the right). Every alert is a vertical line coloured and dashed by family (attention / router /
+  symptom; legend at the bottom) in every panel, with a triangle at its value in the panel that shows its series
+  (a per-head Δ2 alert in the min-over-heads panel); the first alert of each family is labelled in the top
+  panel. Non-finite values (NaN/inf) are marked with an ``x`` at the bottom of their panel. With more than 4
+  layers, the layers named by alerts are drawn bold and the others faded.
+* :func:`summarize_run` — markdown: steps covered, final loss, alert counts, first alert per family with its
+  attribution (:meth:`Alert.describe`) and its lead over the first symptom alert.
+* ``megatron-mech report RUN_DIR [--out PNG] [--metrics GLOB ...]`` (:func:`add_report_arguments` /
+  :func:`run_report`) writes both (``report.png`` and ``report.md`` next to the JSONL by default).
+
+matplotlib is imported lazily and only through :class:`matplotlib.figure.Figure` (the Agg canvas, no pyplot and
+no display), so importing this module is cheap and the global backend of an interactive session is untouched.
+"""
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import math
+import re
+import sys
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from megatron_mech.detect import FAMILIES, Alert
+from megatron_mech.sinks import JSONL_NAME, read_jsonl, record_alerts
+
+__all__ = ["REPORT_PNG", "REPORT_MD", "FAMILY_COLORS", "resolve_jsonl", "run_name", "collect_series",
+           "collect_alerts", "build_figure", "plot_run", "summarize_run", "add_report_arguments", "run_report"]
+
+REPORT_PNG = "report.png"
+REPORT_MD = "report.md"
+#: Alert-line colours; the layer colormap (viridis, cut before yellow) contains none of these hues.
+FAMILY_COLORS = {"attention": "#d62728", "router": "#ff7f0e", "symptom": "#222222"}
+_FAMILY_STYLE = {"attention": "--", "router": "-.", "symptom": ":"}
+MAX_GENERIC_PANELS = 8
+
+Series = tuple[list[int], list[float]]
+
+
+# ------------------------------------------------------------------------------------------------ loading
+def resolve_jsonl(run_dir_or_jsonl: str | Path) -> Path:
+    """``RUN_DIR/mech.jsonl`` for a directory, the path itself for a file; FileNotFoundError if missing."""
+    p = Path(run_dir_or_jsonl)
+    path = p / JSONL_NAME if p.is_dir() else p
+    if not path.is_file():
+        hint = f" (expected {JSONL_NAME} inside the run directory)" if p.is_dir() else ""
+        raise FileNotFoundError(f"no monitor log at {path}{hint}")
+    return path
+
+
+def run_name(jsonl: Path) -> str:
+    """The run directory's name for ``.../RUN/mech.jsonl``, else the file's stem."""
+    jsonl = Path(jsonl)
+    return jsonl.resolve().parent.name if jsonl.name == JSONL_NAME else jsonl.stem
+
+
+def collect_series(records: Iterable[Mapping[str, Any]]) -> dict[str, Series]:
+    """``{metric name: (steps, values)}`` sorted by step. The top-level ``loss``/``grad_norm`` appear as
+    ``symptom/loss``/``symptom/grad_norm`` unless the metrics carry those names. None (not measured) is skipped;
+    for a step logged twice (a resume without truncation) the last value wins."""
+    table: dict[str, dict[int, float]] = {}
+    for rec in records:
+        step = rec.get("step")
+        if not isinstance(step, int):
+            continue
+        metrics = rec.get("metrics") or {}
+        items = list(metrics.items())
+        for key in ("loss", "grad_norm"):
+            if f"symptom/{key}" not in metrics and rec.get(key) is not None:
+                items.append((f"symptom/{key}", rec[key]))
+        for name, v in items:
+            if v is None:
+                continue
+            try:
+                table.setdefault(name, {})[step] = float(v)
+            except (TypeError, ValueError):
+                continue
+    out = {}
+    for name, by_step in table.items():
+        steps = sorted(by_step)
+        out[name] = (steps, [by_step[s] for s in steps])
+    return out
+
+
+def collect_alerts(records: Iterable[Mapping[str, Any]]) -> list[Alert]:
+    """All alerts, sorted by step, de-duplicated on (metric, step) (a resumed run may repeat records)."""
+    seen: dict[tuple[str, int], Alert] = {}
+    for rec in records:
+        for a in record_alerts(rec):
+            seen[(a.metric, a.step)] = a
+    return sorted(seen.values(), key=lambda a: (a.step, FAMILIES.index(a.family), a.metric))
+
+
+# ------------------------------------------------------------------------------------------------ panels
+_LAYER = re.compile(r"layer(\d+)")
+_DW = re.compile(r"^attn/layer(\d+)/dw(\w*?)_entropy$")
+_D2_MIN = re.compile(r"^attn/layer(\d+)/delta2_entropy_min$")
+_D2_HEAD = re.compile(r"^attn/layer(\d+)/head(\d+)/delta2_entropy$")
+
+
+def _router(stat: str) -> re.Pattern:
+    return re.compile(rf"^router/layer(\d+)/{stat}$")
+
+
+@dataclass
+class _Line:
+    name: str                      # metric name it shows (alerts on that name get a marker on it)
+    steps: list[int]
+    values: list[float]
+    layer: int | None = None
+    style: str = "-"
+    label: str | None = None       # panel-legend label (None: covered by the figure's layer legend)
+
+
+@dataclass
+class _Panel:
+    key: str
+    ylabel: str
+    lines: list[_Line] = field(default_factory=list)
+    logy: bool = False
+    names: set[str] = field(default_factory=set)  # every metric name shown (directly or via an aggregate)
+    style_legend: list[tuple[str, str]] = field(default_factory=list)  # (line style, label) panel legend
+
+
+def _min_over_heads(heads: list[Series]) -> Series:
+    by_step: dict[int, list[float]] = {}
+    for steps, values in heads:
+        for s, v in zip(steps, values):
+            by_step.setdefault(s, []).append(v)
+    steps = sorted(by_step)
+    # A NaN head makes the minimum NaN (it is a fault sign, not something to hide).
+    return steps, [math.nan if any(math.isnan(v) for v in by_step[s]) else min(by_step[s]) for s in steps]
+
+
+def _layer_panel(key: str, ylabel: str, series: Mapping[str, Series], pattern: re.Pattern,
+                 keep: Callable[[str], bool]) -> _Panel:
+    panel = _Panel(key, ylabel)
+    for name in sorted(series, key=_natural):
+        m = pattern.match(name)
+        if m and keep(name):
+            panel.lines.append(_Line(name, *series[name], layer=int(m.group(1))))
+            panel.names.add(name)
+    return panel
+
+
+def _natural(name: str) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def _build_panels(series: Mapping[str, Series], metrics: Sequence[str] | None) -> list[_Panel]:
+    def keep(name: str) -> bool:
+        return metrics is None or any(fnmatch.fnmatchcase(name, g) for g in metrics)
+
+    panels: list[_Panel] = []
+    if "symptom/loss" in series:  # always shown: the reference every lead time is measured against
+        panels.append(_Panel("loss", "loss", [_Line("symptom/loss", *series["symptom/loss"])], names={"symptom/loss"}))
+    if "symptom/grad_norm" in series and keep("symptom/grad_norm"):
+        steps, values = series["symptom/grad_norm"]
+        finite = [v for v in values if math.isfinite(v)]
+        # Log scale only when spikes span more than about a decade (otherwise the log ticks are just clutter).
+        logy = bool(finite) and min(finite) > 0 and max(finite) / min(finite) > 20
+        panels.append(_Panel("grad_norm", "grad norm", [_Line("symptom/grad_norm", steps, values)], logy=logy,
+                             names={"symptom/grad_norm"}))
+
+    # Attention ΔW spectra: one line per (layer, matrix), matrix by line style.
+    dw = _Panel("attn_dw", "ΔW spectral entropy\n(normalised)")
+    matrices = sorted({m.group(2) for n in series if (m := _DW.match(n)) and keep(n)},
+                      key=lambda mat: ({"q": 0, "k": 1}.get(mat, 2), mat))
+    styles = {"q": "-", "k": "--"}
+    for name in sorted(series, key=_natural):
+        m = _DW.match(name)
+        if m and keep(name):
+            mat = m.group(2)
+            dw.lines.append(_Line(name, *series[name], layer=int(m.group(1)), style=styles.get(mat, ":"),
+                                  label=None))
+            dw.names.add(name)
+    if len(matrices) > 1 or (matrices and matrices[0] not in ("q", "")):
+        # Style legend: which line style is which matrix (colours are in the layer legend).
+        dw.style_legend = [(styles.get(mat, ":"), f"ΔW{mat.upper()}") for mat in matrices]
+    panels.append(dw)
+
+    # Δ2 entropy, min over heads: the logged _min series, else computed from the per-head series.
+    d2 = _Panel("attn_delta2", "Δ2 entropy\n(min over heads)")
+    heads: dict[int, list[tuple[str, Series]]] = {}
+    for name in series:
+        if (m := _D2_HEAD.match(name)) and keep(name):
+            heads.setdefault(int(m.group(1)), []).append((name, series[name]))
+    logged = {int(m.group(1)): n for n in series if (m := _D2_MIN.match(n)) and keep(n)}
+    for layer in sorted(set(logged) | set(heads)):
+        if layer in logged:
+            d2.lines.append(_Line(logged[layer], *series[logged[layer]], layer=layer))
+            d2.names.add(logged[layer])
+        else:
+            d2.lines.append(_Line(f"attn/layer{layer}/delta2_entropy_min",
+                                  *_min_over_heads([s for _, s in heads[layer]]), layer=layer))
+        d2.names.update(n for n, _ in heads.get(layer, ()))
+    panels.append(d2)
+
+    panels.append(_layer_panel("router_entropy", "routing entropy\n(mean over tokens, nats)", series,
+                               _router("entropy_mean"), keep))
+    panels.append(_layer_panel("router_load", "expert-load entropy\n(nats)", series, _router("load_entropy"),
+                               keep))
+    panels.append(_layer_panel("router_cosine", "mean cosine of\nexpert rows", series, _router("mean_cosine"),
+                               keep))
+
+    # With explicit globs: anything else they select, grouped by name with the layer (and head) numbers blanked.
+    if metrics is not None:
+        shown = set().union(*(p.names for p in panels))
+        groups: dict[str, list[str]] = {}
+        for name in sorted(series, key=_natural):
+            if name not in shown and keep(name):
+                tmpl = re.sub(r"head\d+", "head*", _LAYER.sub("layer*", name))
+                groups.setdefault(tmpl, []).append(name)
+        if len(groups) > MAX_GENERIC_PANELS:
+            warnings.warn(f"--metrics selects {len(groups)} more series groups; drawing the first "
+                          f"{MAX_GENERIC_PANELS}: {', '.join(list(groups)[MAX_GENERIC_PANELS:])} left out",
+                          RuntimeWarning, stacklevel=3)
+        for tmpl, names in list(groups.items())[:MAX_GENERIC_PANELS]:
+            p = _Panel(f"metric:{tmpl}", tmpl.replace("/", "/\n", 1) if len(tmpl) > 24 else tmpl)
+            for name in names:
+                m = _LAYER.search(name)
+                p.lines.append(_Line(name, *series[name], layer=int(m.group(1)) if m else None,
+                                     label=None if m else name))
+                p.names.add(name)
+            panels.append(p)
+    return [p for p in panels if p.lines]
+
+
+# ------------------------------------------------------------------------------------------------ figure
+def _alert_layer(a: Alert) -> int | None:
+    layer = a.detail.get("layer")
+    if isinstance(layer, int) and not isinstance(layer, bool):
+        return layer
+    m = _LAYER.search(a.metric)
+    return int(m.group(1)) if m else None
+
+
+def _layer_colors(layers: Sequence[int]):
+    from matplotlib import colormaps
+
+    cmap = colormaps["viridis"]
+    layers = sorted(set(layers))
+    n = len(layers)
+    # 0 .. 0.8: dark purple to green, stopping before yellow (poor contrast on white, close to the alert orange).
+    return {layer: cmap(0.8 * i / max(n - 1, 1)) for i, layer in enumerate(layers)}
+
+
+def build_figure(records: Sequence[Mapping[str, Any]], metrics: Sequence[str] | None = None,
+                 title: str | None = None):
+    """Build (do not save) the report figure. Returns ``(figure, panels)`` with ``panels`` an ordered dict
+    ``{panel key: Axes}``; keys among ``loss``, ``grad_norm``, ``attn_dw``, ``attn_delta2``, ``router_entropy``,
+    ``router_load``, ``router_cosine`` and, for ``metrics`` globs outside those, ``metric:<name template>``.
+
+    ``metrics``: fnmatch globs on metric names restricting what is drawn (the loss panel is always drawn).
+    Raises ValueError when there is nothing to draw.
+    """
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
+    series = collect_series(records)
+    alerts = collect_alerts(records)
+    panels = _build_panels(series, metrics)
+    if not panels:
+        what = f" matching {list(metrics)}" if metrics is not None else ""
+        raise ValueError(f"nothing to plot: the records hold no series{what}")
+
+    layers = sorted({ln.layer for p in panels for ln in p.lines if ln.layer is not None})
+    colors = _layer_colors(layers)
+    n = len(panels)
+    fig = Figure(figsize=(13, 1.2 + 2.1 * n), layout="constrained")
+    axes = fig.subplots(n, 1, sharex=True, squeeze=False)[:, 0]
+    out: dict[str, Any] = {}
+    first_by_family: dict[str, Alert] = {}
+    for a in alerts:
+        first_by_family.setdefault(a.family, a)
+
+    # With many layers, the layers named by alerts are drawn bold and the others faded, so the culprit stands out.
+    alerted_layers = {_alert_layer(a) for a in alerts} - {None}
+    highlight = len(layers) > 4 and bool(alerted_layers)
+
+    for ax, panel in zip(axes, panels):
+        out[panel.key] = ax
+        ax.set_ylabel(panel.ylabel, fontsize=9)
+        ax.grid(True, alpha=0.3, linewidth=0.6)
+        labelled = False
+        for ln in panel.lines:
+            color = colors[ln.layer] if ln.layer is not None else None
+            finite = [(s, v) for s, v in zip(ln.steps, ln.values) if math.isfinite(v)]
+            # NaN breaks the line (a gap); ±inf is drawn as a gap too and marked below.
+            ys = [v if math.isfinite(v) else math.nan for v in ln.values]
+            lw, alpha = 1.4, 1.0
+            if highlight and ln.layer is not None:
+                lw, alpha = (2.4, 1.0) if ln.layer in alerted_layers else (1.0, 0.35)
+            (h,) = ax.plot(ln.steps, ys, ls=ln.style, lw=lw, alpha=alpha, color=color, label=ln.label,
+                           marker="." if len(finite) <= 30 else None, markersize=3,
+                           zorder=3 if alpha == 1.0 else 2)
+            labelled |= ln.label is not None
+            bad = [s for s, v in zip(ln.steps, ln.values) if not math.isfinite(v)]
+            if bad:
+                ax.plot(bad, [0.04] * len(bad), ls="none", marker="x", ms=6, mew=1.5, color=h.get_color(),
+                        transform=ax.get_xaxis_transform(), clip_on=False)
+        if panel.logy:
+            ax.set_yscale("log")
+        for a in alerts:
+            ax.axvline(a.step, color=FAMILY_COLORS[a.family], ls=_FAMILY_STYLE[a.family], lw=1.1, alpha=0.75,
+                       zorder=0.5)
+            if a.metric in panel.names and math.isfinite(a.value):
+                ax.plot([a.step], [a.value], ls="none", marker="v", ms=8, mec="black", mew=0.6,
+                        color=FAMILY_COLORS[a.family], zorder=5)
+        handles = []
+        if labelled:
+            handles += ax.get_legend_handles_labels()[0]
+        for style, label in panel.style_legend:
+            handles.append(Line2D([], [], color="0.3", ls=style, label=label))
+        if handles:
+            ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.005, 1.0),
+                      borderaxespad=0.0, frameon=False)
+
+    # Label the first alert of each family in the top panel (staggered heights so labels do not collide).
+    top = axes[0]
+    for i, fam in enumerate(f for f in FAMILIES if f in first_by_family):
+        a = first_by_family[fam]
+        where = "".join(f" {k[0].upper()}{v}" for k, v in a.detail.items() if k in ("layer", "head"))
+        top.annotate(f"first {fam}: {a.metric.split('/')[-1]}{where} @ {a.step}",
+                     xy=(a.step, 0.96 - 0.16 * i), xycoords=top.get_xaxis_transform(), xytext=(4, 0),
+                     textcoords="offset points", va="top", fontsize=8, color=FAMILY_COLORS[fam],
+                     bbox=dict(boxstyle="round,pad=0.2", fc="white", ec=FAMILY_COLORS[fam], lw=0.6, alpha=0.85))
+    axes[-1].set_xlabel("step")
+
+    # Figure legends: alert families (top) and layers (right; same colour in every panel).
+    fam_handles = []
+    for fam in FAMILIES:
+        fa = [a for a in alerts if a.family == fam]
+        if fa:
+            fam_handles.append(Line2D([], [], color=FAMILY_COLORS[fam], ls=_FAMILY_STYLE[fam], lw=1.5,
+                                      label=f"{fam} alert ×{len(fa)} (first @ step {fa[0].step})"))
+    if fam_handles:
+        fig.legend(handles=fam_handles, loc="outside lower center", ncols=len(fam_handles), fontsize=9,
+                   frameon=False)
+    if layers:
+        if len(layers) <= 16:
+            lay_handles = [Line2D([], [], color=colors[L], lw=2, label=f"layer {L}") for L in layers]
+            fig.legend(handles=lay_handles, loc="outside right upper", fontsize=8, frameon=False,
+                       title="layer colour", title_fontsize=8)
+        else:
+            from matplotlib.cm import ScalarMappable
+            from matplotlib.colors import BoundaryNorm, ListedColormap
+
+            cmap = ListedColormap([colors[L] for L in layers])
+            norm = BoundaryNorm(list(range(len(layers) + 1)), cmap.N)
+            cb = fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=list(axes), shrink=0.6, aspect=40,
+                              pad=0.01)
+            idx = list(range(0, len(layers), max(1, len(layers) // 8)))
+            cb.set_ticks([i + 0.5 for i in idx], labels=[str(layers[i]) for i in idx])
+            cb.set_label("layer")
+
+    steps = sorted({r["step"] for r in records if isinstance(r.get("step"), int)})
+    n_alerts = len(alerts)
+    sub = (f"steps {steps[0]}–{steps[-1]} · {len(steps)} logged steps · "
+           f"{n_alerts} alert{'s' if n_alerts != 1 else ''}") if steps else ""
+    fig.suptitle(f"{title or 'megatron-mech run'}\n{sub}", fontsize=12)
+    return fig, out
+
+
+def plot_run(run_dir_or_jsonl: str | Path, out_png: str | Path | None = None,
+             metrics: Sequence[str] | None = None) -> Path:
+    """Draw the report PNG of a run (see the module docstring) and return its path.
+
+    Args:
+        run_dir_or_jsonl: run directory (reads ``RUN_DIR/mech.jsonl``) or a JSONL file.
+        out_png: output path; default ``report.png`` next to the JSONL.
+        metrics: fnmatch globs restricting the drawn series (loss always drawn), e.g. ``["router/*"]``.
+    """
+    jsonl = resolve_jsonl(run_dir_or_jsonl)
+    return _save_plot(jsonl, read_jsonl(jsonl), out_png, metrics)
+
+
+def _save_plot(jsonl: Path, records: Sequence[Mapping[str, Any]], out_png: str | Path | None,
+               metrics: Sequence[str] | None) -> Path:
+    if not records:
+        raise ValueError(f"{jsonl} holds no records (empty log, or the run has not logged yet)")
+    fig, _ = build_figure(records, metrics=metrics, title=run_name(jsonl))
+    out = Path(out_png) if out_png is not None else jsonl.with_name(REPORT_PNG)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ summary
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else (f"{x:.4g}" if math.isfinite(x) else str(x))
+
+
+def summarize_run(records: Sequence[Mapping[str, Any]], title: str | None = None) -> str:
+    """Markdown summary: steps covered, final loss, alert counts per family, the first alert of each family
+    with its attribution and its lead over the first symptom alert, then the alert list."""
+    steps = [r["step"] for r in records if isinstance(r.get("step"), int)]
+    uniq = sorted(set(steps))
+    series = collect_series(records)
+    alerts = collect_alerts(records)
+    lines = [f"# megatron-mech report: {title}" if title else "# megatron-mech report", ""]
+    if not uniq:
+        return "\n".join(lines + ["No records.", ""])
+    lines.append(f"- **Steps covered:** {uniq[0]} – {uniq[-1]} ({len(uniq)} logged steps)")
+    if len(steps) != len(uniq):
+        lines.append(f"- **Note:** {len(steps) - len(uniq)} step(s) logged more than once (a resume without "
+                     "`truncate_after_step`?); the last record of each step is used.")
+    loss = series.get("symptom/loss")
+    if loss:
+        finite = [v for v in loss[1] if math.isfinite(v)]
+        last_ok = "" if math.isfinite(loss[1][-1]) or not finite else next(
+            f"; last finite {_fmt(v)} at step {s}" for s, v in zip(reversed(loss[0]), reversed(loss[1]))
+            if math.isfinite(v))
+        lines.append(f"- **Final loss:** {_fmt(loss[1][-1])} (step {loss[0][-1]}{last_ok})")
+        n_bad = len(loss[1]) - len(finite)
+        if finite:
+            lines.append(f"- **Loss range:** first {_fmt(loss[1][0])}, min {_fmt(min(finite))}")
+        if n_bad:
+            first_bad = next(s for s, v in zip(*loss) if not math.isfinite(v))
+            lines.append(f"- **Non-finite loss** at {n_bad} step(s), first at step {first_bad}")
+    else:
+        lines.append("- **Final loss:** not logged")
+    counts = {f: sum(a.family == f for a in alerts) for f in FAMILIES}
+    lines.append(f"- **Alerts:** {len(alerts)} (" + ", ".join(f"{f} {counts[f]}" for f in FAMILIES) + ")")
+    lines.append("")
+
+    first = {}
+    for a in alerts:
+        first.setdefault(a.family, a)
+    if first:
+        lines += ["## First alert per family", ""]
+        sym = first.get("symptom")
+        for fam in FAMILIES:
+            if fam not in first:
+                lines.append(f"- **{fam}:** none")
+                continue
+            a = first[fam]
+            lead = ""
+            if fam != "symptom":
+                lead = (f" — **{sym.step - a.step} steps before** the first symptom alert (step {sym.step})"
+                        if sym is not None and sym.step >= a.step else
+                        (f" — after the first symptom alert (step {sym.step})" if sym is not None
+                         else " — no symptom alert yet"))
+            lines.append(f"- **{fam}:** {a.describe()}{lead}")
+        lines += ["", "## All alerts", "", "| step | family | metric | value | baseline | score | detail |",
+                  "|---:|---|---|---:|---:|---:|---|"]
+        limit = 50
+        for a in alerts[:limit]:
+            detail = ", ".join(f"{k}={v}" for k, v in a.detail.items())
+            lines.append(f"| {a.step} | {a.family} | `{a.metric}` | {_fmt(a.value)} | {_fmt(a.baseline)} | "
+                         f"{_fmt(a.score)} | {detail} |")
+        if len(alerts) > limit:
+            lines.append(f"\n… and {len(alerts) - limit} more.")
+    else:
+        lines.append("No alerts fired.")
+    lines.append("")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+def add_report_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``megatron-mech report``."""
+    parser.add_argument("run_dir", help=f"run directory holding {JSONL_NAME} (or the path of a JSONL log)")
+    parser.add_argument("--out", default=None,
+                        help=f"output PNG (default: {REPORT_PNG} next to the JSONL); {REPORT_MD} always goes "
+                             "next to the JSONL")
+    parser.add_argument("--metrics", nargs="+", default=None, metavar="GLOB",
+                        help="only draw metrics matching these fnmatch globs, e.g. 'router/*' "
+                             "'attn/layer1/*' (the loss panel is always drawn)")
+
+
+def run_report(args: argparse.Namespace) -> int:
+    """Write the PNG and ``report.md``, print their paths. Returns 0, or 2 (message on stderr) when the log is
+    missing, empty or has nothing to draw."""
+    try:
+        jsonl = resolve_jsonl(args.run_dir)
+        records = read_jsonl(jsonl)
+        png = _save_plot(jsonl, records, getattr(args, "out", None), getattr(args, "metrics", None))
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    md_path = jsonl.with_name(REPORT_MD)
+    md = summarize_run(records, title=run_name(jsonl))
+    try:
+        rel = png.resolve().relative_to(md_path.resolve().parent)
+    except ValueError:
+        rel = png.resolve()
+    md_path.write_text(md + f"\n![report]({rel.as_posix()})\n", encoding="utf-8")
+    print(f"plot:    {png}")
+    print(f"summary: {md_path}")
+    return 0

@@ -1,0 +1,563 @@
+"""Where monitor output goes (SPEC §4: "JSONL (always), TensorBoard, W&B, Megatron's writers, DeepSpeed's monitor").
+
+**Record.** One dict per logged step, built by :func:`make_record`::
+
+    {"step": int, "loss": float|None, "lr": float|None, "grad_norm": float|None,
+     "metrics": {name: float|None, ...},          # e.g. "attn/layer1/dwq_entropy", "router/layer0/load_entropy"
+     "alerts": [Alert.to_dict(), ...],            # alerts fired at this step (usually empty)
+     ...}                                         # optional extras: "tokens_per_s", "mols": {...}, ...
+
+``None`` means "not measured at this step"; a measured NaN/±inf stays a float (it is itself a fault sign).
+
+**NaN/inf encoding.** JSON has no NaN or infinity, and Python's default ``NaN``/``Infinity`` tokens are rejected by
+strict parsers (``jq``, JavaScript, many JSON libraries). Non-finite floats are therefore written as the *strings*
+``"nan"``, ``"inf"`` and ``"-inf"`` (anywhere in the record: top-level scalars, metrics, alerts, extras), and the
+files are strict JSON (``allow_nan=False``). Strings rather than ``null`` because the three cases mean different
+things (overflow vs invalid arithmetic) and ``null`` is kept for "not measured". :func:`read_jsonl` /
+:func:`decode_record` turn those three strings back into floats anywhere in a record, so they are reserved:
+do not put the *strings* ``"nan"``/``"inf"``/``"-inf"`` in extras. Python's own ``NaN``/``Infinity`` tokens
+are also accepted on reading.
+
+**Sinks.** Every sink has ``write(record)``, ``flush()``, ``close()`` (:class:`Sink`) and is a context manager.
+:class:`JsonlSink` (always on), :class:`TensorBoardSink` (also wraps Megatron's own ``SummaryWriter``),
+:class:`WandbSink` (also wraps Megatron's wandb writer), :class:`DeepSpeedMonitorSink` (``engine.monitor``),
+:class:`CallbackSink`, and :class:`MultiSink`, which fans out and never lets a failing sink stop training.
+:func:`default_sinks` builds the usual combination for a run directory.
+
+**Ranks.** Sinks do no communication and no rank check: the caller constructs them **only on the logging rank**
+(typically global rank 0, or the last pipeline stage when that one holds the loss) after the monitors have
+reduced their statistics, and constructs none (or passes no records) elsewhere. Two ranks appending to the same
+JSONL would interleave records.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
+
+from megatron_mech.detect import Alert
+
+__all__ = ["JSONL_NAME", "RESERVED_KEYS", "make_record", "encode_record", "decode_record", "record_alerts",
+           "record_scalars", "read_jsonl", "truncate_jsonl", "Sink", "JsonlSink", "TensorBoardSink", "WandbSink",
+           "DeepSpeedMonitorSink", "CallbackSink", "MultiSink", "default_sinks"]
+
+logger = logging.getLogger(__name__)
+
+#: File name of the JSONL log inside a run directory (``RUN_DIR/mech.jsonl``).
+JSONL_NAME = "mech.jsonl"
+#: Keys of a record that :func:`make_record` owns (``extra`` may not override them).
+RESERVED_KEYS = ("step", "loss", "lr", "grad_norm", "metrics", "alerts")
+_STANDARD_SCALARS = ("loss", "lr", "grad_norm")
+_NONFINITE_TO_STR = {"nan": "nan", "inf": "inf", "-inf": "-inf"}
+_STR_TO_FLOAT = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+# ------------------------------------------------------------------------------------------------ encoding
+def _float_or_none(x: Any) -> float | None:
+    if x is None:
+        return None
+    if hasattr(x, "item") and not isinstance(x, (int, float)):  # 0-d torch tensor / numpy scalar
+        x = x.item()
+    if isinstance(x, bool):
+        raise TypeError(f"expected a number, got bool {x!r}")
+    return float(x)
+
+
+def _encode_float(x: float) -> float | str:
+    if math.isfinite(x):
+        return x
+    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+
+
+def _to_json_safe(obj: Any) -> Any:
+    """Plain JSON types, non-finite floats as strings; numpy/torch scalars via ``.item()``; Alerts via to_dict."""
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, int):
+        return int(obj)
+    if isinstance(obj, float):
+        return _encode_float(float(obj))
+    if isinstance(obj, Alert):
+        return _to_json_safe(obj.to_dict())
+    if isinstance(obj, Mapping):
+        return {str(k): _to_json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_to_json_safe(v) for v in obj]
+    if hasattr(obj, "item") and callable(obj.item):
+        try:
+            return _to_json_safe(obj.item())
+        except (ValueError, RuntimeError) as e:  # a tensor/array with more than one element
+            raise TypeError(f"cannot log a non-scalar {type(obj).__name__} in a record") from e
+    raise TypeError(f"cannot log a {type(obj).__name__} in a record: {obj!r}")
+
+
+def decode_record(obj: Any) -> Any:
+    """Inverse of the encoding: the strings ``"nan"``, ``"inf"``, ``"-inf"`` become floats, anywhere."""
+    if isinstance(obj, str):
+        return _STR_TO_FLOAT.get(obj, obj)
+    if isinstance(obj, dict):
+        return {k: decode_record(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [decode_record(v) for v in obj]
+    return obj
+
+
+def encode_record(record: Mapping[str, Any]) -> str:
+    """One strict-JSON line (no newline) for ``record``; needs an int ``step``."""
+    step = record.get("step")
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise ValueError(f"a record needs an int 'step', got {step!r}")
+    return json.dumps(_to_json_safe(record), allow_nan=False, separators=(",", ":"))
+
+
+def make_record(step: int, scalars: Mapping[str, Any] | None = None, metrics: Mapping[str, Any] | None = None,
+                alerts: Iterable[Alert | Mapping[str, Any]] = (), extra: Mapping[str, Any] | None = None
+                ) -> dict[str, Any]:
+    """The one record layout (see the module docstring).
+
+    Args:
+        step: training step (iteration) the record describes.
+        scalars: training scalars; ``loss``, ``lr`` and ``grad_norm`` are always present in the record (None if
+            not given), any other key (e.g. ``tokens_per_s``) is added as a top-level float. Values may be
+            Python/numpy numbers or 0-d tensors; None means not measured.
+        metrics: monitor series ``{name: value}`` (floats or None).
+        alerts: :class:`Alert` objects (or their ``to_dict()``) fired at this step.
+        extra: more top-level entries (e.g. ``{"mols": {...}}``); JSON-able values, may not override
+            :data:`RESERVED_KEYS`.
+    """
+    if isinstance(step, bool) or not isinstance(step, int):
+        if hasattr(step, "item"):
+            step = step.item()
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"step must be an int, got {step!r}")
+    scalars = dict(scalars or {})
+    rec: dict[str, Any] = {"step": int(step)}
+    for k in _STANDARD_SCALARS:
+        rec[k] = _float_or_none(scalars.pop(k, None))
+    rec["metrics"] = {str(k): _float_or_none(v) for k, v in (metrics or {}).items()}
+    rec["alerts"] = [a.to_dict() if isinstance(a, Alert) else Alert.from_dict(a).to_dict() for a in alerts]
+    for k, v in scalars.items():
+        if k in RESERVED_KEYS:
+            raise ValueError(f"scalar {k!r} clashes with a reserved record key")
+        rec[str(k)] = _float_or_none(v)
+    for k, v in (extra or {}).items():
+        if k in rec:
+            raise ValueError(f"extra key {k!r} clashes with an existing record key")
+        _to_json_safe(v)  # fail now, not in the sink, if it cannot be logged
+        rec[str(k)] = v
+    return rec
+
+
+def record_alerts(record: Mapping[str, Any]) -> list[Alert]:
+    """The record's alerts as :class:`Alert` objects."""
+    return [Alert.from_dict(a) for a in record.get("alerts") or ()]
+
+
+def _flatten_numbers(prefix: str, obj: Any, out: dict[str, float]) -> None:
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            _flatten_numbers(f"{prefix}/{k}", v, out)
+    elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
+        out[prefix] = float(obj)
+
+
+def record_scalars(record: Mapping[str, Any], prefix: str = "mech") -> dict[str, float]:
+    """Flat ``{tag: value}`` of every number in a record, the tag layout shared by the scalar sinks:
+
+    * ``metrics[name]`` → ``{prefix}/{name}`` (so ``mech/attn/layer1/dwq_entropy``, ``mech/symptom/loss``, ...);
+    * ``loss``, ``grad_norm`` → ``{prefix}/symptom/loss``, ``{prefix}/symptom/grad_norm`` (unless the metrics
+      already hold ``symptom/loss`` / ``symptom/grad_norm``, which win);
+    * ``lr`` and any other top-level number (e.g. ``tokens_per_s``) → ``{prefix}/train/{key}``;
+    * numbers nested in other top-level dicts, e.g. ``mols`` → ``{prefix}/mols/...``.
+
+    None values are skipped; non-finite floats are kept.
+    """
+    out: dict[str, float] = {}
+    metrics = record.get("metrics") or {}
+    for name, v in metrics.items():
+        if v is not None:
+            out[f"{prefix}/{name}"] = float(v)
+    for key, v in record.items():
+        if key in ("step", "metrics", "alerts") or v is None:
+            continue
+        if key in ("loss", "grad_norm"):
+            if f"symptom/{key}" not in metrics and not isinstance(v, bool):
+                out[f"{prefix}/symptom/{key}"] = float(v)
+        elif isinstance(v, Mapping):
+            _flatten_numbers(f"{prefix}/{key}", v, out)
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[f"{prefix}/train/{key}"] = float(v)
+    return out
+
+
+def _alerts_text(alerts: Sequence[Alert]) -> str:
+    return "\n".join(f"- {a.describe()}" for a in alerts)
+
+
+# ------------------------------------------------------------------------------------------------ reading
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """All records of a JSONL log, decoded (non-finite strings back to floats).
+
+    A truncated or otherwise unparsable line — normally the last one, left by a crash mid-write — is skipped
+    with a :class:`RuntimeWarning` (which says whether it was the last line); blank lines are ignored.
+    """
+    path = Path(path)
+    lines = path.read_text(encoding="utf-8").splitlines()
+    last = max((i for i, ln in enumerate(lines) if ln.strip()), default=-1)
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            if not isinstance(obj, dict):
+                raise ValueError(f"not a JSON object: {type(obj).__name__}")
+        except ValueError as e:
+            where = "truncated last line (crash mid-write?)" if i == last else "corrupt line"
+            warnings.warn(f"{path}:{i + 1}: skipping {where}: {e}", RuntimeWarning, stacklevel=2)
+            continue
+        records.append(decode_record(obj))
+    return records
+
+
+# ------------------------------------------------------------------------------------------------ sinks
+@runtime_checkable
+class Sink(Protocol):
+    """Anything with ``write(record)``, ``flush()`` and ``close()``."""
+
+    def write(self, record: Mapping[str, Any]) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _SinkBase:
+    def write(self, record: Mapping[str, Any]) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.flush()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # e.g. Windows: directories cannot be opened
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _line_step(line: bytes) -> tuple[bool, int | None]:
+    """(parses, step or None) for one JSONL line."""
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return False, None
+    if not isinstance(obj, dict):
+        return False, None
+    step = obj.get("step")
+    return True, (step if isinstance(step, int) and not isinstance(step, bool) else None)
+
+
+def truncate_jsonl(path: str | os.PathLike, after_step: int) -> int:
+    """Atomically drop the records with ``step > after_step`` (and unparsable lines) from a JSONL log.
+
+    Kept lines are copied byte for byte into a temporary file in the same directory, which then replaces the
+    original with :func:`os.replace` (readers see the old or the new file, never a mix). Lines without an int
+    step are kept. Returns the number of lines dropped; a missing file is left missing (returns 0).
+    """
+    path = Path(path)
+    if not path.exists():
+        return 0
+    kept, dropped = [], 0
+    with open(path, "rb") as f:
+        for raw in f:
+            if not raw.strip():
+                continue
+            ok, step = _line_step(raw)
+            if not ok or (step is not None and step > after_step):
+                dropped += 1
+                continue
+            kept.append(raw if raw.endswith(b"\n") else raw + b"\n")
+    if dropped == 0:
+        return 0
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(path.parent)
+    logger.info("%s: dropped %d record(s) after step %d", path, dropped, after_step)
+    return dropped
+
+
+def _repair_partial_tail(path: Path) -> None:
+    """Before appending: if the file does not end with a newline, a crash left a partial line. Drop it (or, if
+    it is in fact a complete record, just terminate it) so the next record does not merge with it."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return
+    if size == 0:
+        return
+    with open(path, "rb+") as f:
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return
+        # Find the start of the last line (files are small per line; scan back in blocks).
+        pos = size
+        while pos > 0:
+            n = min(65536, pos)
+            pos -= n
+            f.seek(pos)
+            block = f.read(n)
+            nl = block.rfind(b"\n")
+            if nl >= 0:
+                start = pos + nl + 1
+                break
+        else:
+            start = 0
+        f.seek(start)
+        last = f.read()
+        if _line_step(last)[0]:
+            f.seek(size)
+            f.write(b"\n")
+        else:
+            warnings.warn(f"{path}: dropping a partial last line ({len(last)} bytes) before appending",
+                          RuntimeWarning, stacklevel=3)
+            f.truncate(start)
+
+
+class JsonlSink(_SinkBase):
+    """Appends one strict-JSON line per record to ``path`` (parents created), flushed after every record.
+
+    Append mode, so a resumed run continues the same file. On resume pass ``truncate_after_step=s`` (the step
+    of the checkpoint being loaded) to first drop, atomically, the records with ``step > s`` written after that
+    checkpoint by the crashed run, so the log matches the restored state. A partial last line left by a crash
+    is removed before appending. ``fsync=True`` also fsyncs every record (slower; survives power loss).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, truncate_after_step: int | None = None,
+                 fsync: bool = False) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fsync = fsync
+        if truncate_after_step is not None:
+            truncate_jsonl(self.path, int(truncate_after_step))
+        _repair_partial_tail(self.path)
+        self._f = open(self.path, "a", encoding="utf-8")
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        line = encode_record(record) + "\n"  # encode fully before writing: no partial line on a bad record
+        self._f.write(line)
+        self._f.flush()
+        if self.fsync:
+            os.fsync(self._f.fileno())
+
+    def flush(self) -> None:
+        if not self._f.closed:
+            self._f.flush()
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+
+
+class TensorBoardSink(_SinkBase):
+    """Scalars (tags from :func:`record_scalars`: ``mech/<metric name>``, ``mech/symptom/...``) and alert text
+    (``mech/alerts``, markdown, one line per alert via :meth:`Alert.describe`).
+
+    Give either ``log_dir`` (a new ``torch.utils.tensorboard.SummaryWriter``, closed by :meth:`close`) or
+    ``writer``, an existing SummaryWriter-like object with ``add_scalar``/``add_text`` — e.g. Megatron's
+    ``get_tensorboard_writer()`` — which is only flushed, never closed (its owner closes it).
+    """
+
+    def __init__(self, log_dir: str | os.PathLike | None = None, *, writer: Any = None, prefix: str = "mech",
+                 **writer_kwargs: Any) -> None:
+        if (log_dir is None) == (writer is None):
+            raise ValueError("TensorBoardSink needs exactly one of log_dir or writer")
+        self.prefix = prefix
+        self._owns = writer is None
+        if writer is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise ImportError("TensorBoardSink needs the 'tensorboard' package, which is not installed "
+                                  "(pip install tensorboard, or megatron-mech[viz])") from e
+            writer = SummaryWriter(log_dir=str(log_dir), **writer_kwargs)
+        self.writer = writer
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        step = int(record["step"])
+        for tag, v in record_scalars(record, self.prefix).items():
+            self.writer.add_scalar(tag, v, step)
+        alerts = record_alerts(record)
+        if alerts:
+            self.writer.add_text(f"{self.prefix}/alerts", _alerts_text(alerts), step)
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self._owns:
+            self.writer.close()
+        else:
+            self.writer.flush()
+
+
+class WandbSink(_SinkBase):
+    """Weights & Biases: ``run.log({tag: value, ..., "mech/alerts": text}, step=step)`` with the tags of
+    :func:`record_scalars`.
+
+    Pass ``run`` (a ``wandb`` run, or the ``wandb`` module itself — Megatron's ``get_wandb_writer()`` returns
+    the module) or nothing, in which case ``wandb`` is imported lazily and ``wandb.init(**init_kwargs)`` starts
+    a run that :meth:`close` finishes. ``notify=True`` also sends each alert with ``run.alert`` (W&B
+    notifications; alerts are rare because detectors latch).
+    """
+
+    def __init__(self, run: Any = None, *, prefix: str = "mech", notify: bool = False, **init_kwargs: Any) -> None:
+        self.prefix = prefix
+        self.notify = notify
+        self._owns = run is None
+        if run is None:
+            try:
+                import wandb
+            except ImportError as e:
+                raise ImportError("WandbSink needs the optional 'wandb' package, which is not installed "
+                                  "(pip install wandb); or pass run= an existing run") from e
+            run = wandb.init(**init_kwargs)
+        elif init_kwargs:
+            raise ValueError("init_kwargs are only used when WandbSink starts the run (run=None)")
+        self.run = run
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        step = int(record["step"])
+        data: dict[str, Any] = dict(record_scalars(record, self.prefix))
+        alerts = record_alerts(record)
+        if alerts:
+            data[f"{self.prefix}/alerts"] = _alerts_text(alerts)
+        if data:
+            self.run.log(data, step=step)
+        if self.notify:
+            for a in alerts:
+                self.run.alert(title=f"megatron-mech {a.family} alert: {a.metric}", text=a.describe())
+
+    def close(self) -> None:
+        if self._owns:
+            self.run.finish()
+
+
+class DeepSpeedMonitorSink(_SinkBase):
+    """DeepSpeed's ``engine.monitor`` (fans out to its TensorBoard/W&B/CSV/Comet backends on rank 0):
+    ``monitor.write_events([(tag, value, step), ...])`` with the tags of :func:`record_scalars`. The monitor
+    has no text channel, so alerts become scalars ``mech/alerts/<family>`` = number fired at that step."""
+
+    def __init__(self, monitor: Any, *, prefix: str = "mech") -> None:
+        self.monitor = monitor
+        self.prefix = prefix
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        step = int(record["step"])
+        events = [(tag, v, step) for tag, v in record_scalars(record, self.prefix).items()]
+        counts: dict[str, int] = {}
+        for a in record_alerts(record):
+            counts[a.family] = counts.get(a.family, 0) + 1
+        events += [(f"{self.prefix}/alerts/{fam}", float(n), step) for fam, n in counts.items()]
+        if events:
+            self.monitor.write_events(events)
+
+
+class CallbackSink(_SinkBase):
+    """Calls ``fn(record)`` with a deep copy of each record (so ``fn`` cannot affect other sinks); optional
+    ``flush_fn()`` / ``close_fn()``."""
+
+    def __init__(self, fn: Callable[[dict[str, Any]], Any], *, flush_fn: Callable[[], Any] | None = None,
+                 close_fn: Callable[[], Any] | None = None) -> None:
+        self.fn, self.flush_fn, self.close_fn = fn, flush_fn, close_fn
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        self.fn(copy.deepcopy(dict(record)))
+
+    def flush(self) -> None:
+        if self.flush_fn is not None:
+            self.flush_fn()
+
+    def close(self) -> None:
+        if self.close_fn is not None:
+            self.close_fn()
+
+
+class MultiSink(_SinkBase):
+    """Fans every call out to ``sinks`` in order. A sink that raises (an ``Exception``) never stops training or
+    the other sinks: its first failure is logged with the traceback (``logging``, logger
+    ``megatron_mech.sinks``), later ones only counted in :attr:`failures`; the sink keeps being called (a
+    transient error, e.g. a network hiccup, may clear)."""
+
+    def __init__(self, sinks: Iterable[Sink]) -> None:
+        self.sinks = list(sinks)
+        self.failures: list[int] = [0] * len(self.sinks)
+
+    def _each(self, method: str, *args: Any) -> None:
+        for i, sink in enumerate(self.sinks):
+            try:
+                getattr(sink, method)(*args)
+            except Exception:
+                self.failures[i] += 1
+                if self.failures[i] == 1:
+                    logger.exception("megatron-mech sink %s failed in %s(); it will keep being called, further "
+                                     "failures are only counted", type(sink).__name__, method)
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        self._each("write", record)
+
+    def flush(self) -> None:
+        self._each("flush")
+
+    def close(self) -> None:
+        self._each("close")
+
+
+def default_sinks(run_dir: str | os.PathLike, *, tensorboard: bool | str | os.PathLike = False,
+                  wandb_kwargs: Mapping[str, Any] | None = None, extra: Iterable[Sink] = (),
+                  truncate_after_step: int | None = None) -> MultiSink:
+    """The usual sinks for a run (call on the logging rank only): ``RUN_DIR/mech.jsonl`` always; TensorBoard
+    under ``RUN_DIR/tensorboard`` if ``tensorboard`` is True (or under the given directory); W&B if
+    ``wandb_kwargs`` is given (passed to ``wandb.init``); then ``extra``. Optional sinks that cannot start
+    (package missing) raise here, at start-up, rather than being skipped silently."""
+    run_dir = Path(run_dir)
+    sinks: list[Sink] = [JsonlSink(run_dir / JSONL_NAME, truncate_after_step=truncate_after_step)]
+    if tensorboard:
+        sinks.append(TensorBoardSink(run_dir / "tensorboard" if tensorboard is True else tensorboard))
+    if wandb_kwargs is not None:
+        sinks.append(WandbSink(**wandb_kwargs))
+    sinks.extend(extra)
+    return MultiSink(sinks)
