@@ -60,11 +60,61 @@ def _run_prepare_data(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------------
+# train: the small MoE GPT on this machine, monitors on, then the report
+# ---------------------------------------------------------------------------------------------------
+# A ~1.4M-parameter MoE GPT that trains a few hundred steps on 2 CPU processes in minutes.
+SMALL_MOE_PRESET = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
+                    "--ffn-hidden-size", "256", "--num-experts", "4", "--moe-router-topk", "2",
+                    "--seq-length", "128", "--micro-batch-size", "4", "--global-batch-size", "16",
+                    "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "30", "--log-interval", "10",
+                    "--eval-interval", "100", "--vocab-size", "8192"]
+
+
+def _add_train(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nproc", type=int, default=2, help="processes (torchrun --nproc_per_node)")
+    p.add_argument("--steps", type=int, default=300, help="--train-iters")
+    p.add_argument("--out", default="runs/small_moe", help="run directory (checkpoint, mech.jsonl, tb/, report)")
+    p.add_argument("--dense", action="store_true", help="a dense GPT instead of the MoE preset")
+    p.add_argument("extra", nargs=argparse.REMAINDER,
+                   help="after '--': more pretrain_gpt flags (they override the preset), e.g. -- --mech-interval 5")
+
+
+def train_command(nproc: int, steps: int, out: str, dense: bool = False, extra=()) -> List[str]:
+    """The torchrun command line the ``train`` subcommand runs (also used by the demo and benchmarks)."""
+    preset = list(SMALL_MOE_PRESET)
+    if dense:
+        i = preset.index("--num-experts")
+        del preset[i:i + 4]  # --num-experts N --moe-router-topk K
+    else:
+        preset += ["--expert-model-parallel-size", str(nproc)]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
+            "-m", "megatron_mech.pretrain_gpt", *preset, "--train-iters", str(steps), "--save", out,
+            "--tensorboard-dir", f"{out}/tb", *[a for a in extra if a != "--"]]
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    import os
+    import subprocess
+
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = train_command(args.nproc, args.steps, args.out, args.dense, args.extra)
+    print("+ " + " ".join(cmd), flush=True)
+    code = subprocess.call(cmd, env=env)
+    if code != 0:
+        print(f"error: training exited with code {code}", file=sys.stderr)
+        return code
+    return run_report(argparse.Namespace(run_dir=args.out, out=None, metrics=None))
+
+
 from megatron_mech.report import add_report_arguments, run_report  # noqa: E402  (cheap: no matplotlib/torch)
 
 SUBCOMMANDS: Dict[str, Subcommand] = {
     "prepare-data": Subcommand("build (or find) the embedded Shakespeare + KJV corpus as Megatron .bin/.idx",
                                _add_prepare_data, _run_prepare_data),
+    "train": Subcommand("train the small MoE GPT on this machine with the monitors on, then draw the report",
+                        _add_train, _run_train),
     "report": Subcommand("plot a run's mech.jsonl (monitor series vs loss, alerts) and summarize it",
                          add_report_arguments, run_report),
 }

@@ -82,8 +82,9 @@ def fuse_qkv(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor) -> torch.Tens
 def qkv_row_blocks(weight: torch.Tensor, num_heads: int, num_query_groups: int, head_dim: int):
     """The Q, K and V row blocks of a fused ``linear_qkv`` weight in Megatron orientation ``[out, in]``.
 
-    Returns ``(q_rows [H·d_head, d_model], k_rows [G·d_head, d_model], v_rows [G·d_head, d_model])`` (copies),
-    rows ordered by head. These are the matrices whose ΔW spectra the layer-level monitors take, and whose
+    Returns ``(q_rows [H·d_head, d_model], k_rows [G·d_head, d_model], v_rows [G·d_head, d_model])``, rows
+    ordered by head. They are views of ``weight`` where the layout allows (e.g. K when G = 1) and copies
+    otherwise: copy before keeping them across an optimizer step, never write through them. These are the matrices whose ΔW spectra the layer-level monitors take, and whose
     gradient norms MoLS measures separately.
     """
     wq, wk, wv = split_fused_qkv(weight, num_heads, num_query_groups, head_dim)

@@ -1,0 +1,17 @@
+"""Train a megatron-core GPT (dense or MoE) with megatron-mech's monitors. Launch with torchrun:
+
+    torchrun --nproc_per_node=2 launch_scripts/pretrain_gpt_mech.py --num-experts 4 \\
+        --expert-model-parallel-size 2 --train-iters 300 --save runs/demo
+
+See ``python launch_scripts/pretrain_gpt_mech.py --help`` for every flag; the code is
+``megatron_mech/pretrain_gpt.py`` (installed with the package, so this file is only a launcher).
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout without installing
+
+from megatron_mech.pretrain_gpt import main  # noqa: E402
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""The router-side monitor: routing statistics and router-weight geometry per MoE layer, framework-free.
+
+A framework adapter hands over, per MoE layer, the live router weight ``[E, d]`` and its top-k, and calls
+:meth:`RouterMonitor.record` with the router's raw logits ``[tokens..., E]`` from inside the router's forward
+(Megatron: a wrapped ``TopKRouter.gating``; DeepSpeed: a forward-pre-hook on the gate). Recording is switched
+on only for the steps that will be evaluated (``capturing``), so a monitor at interval δ pays for the extra
+softmax on 1/δ of the steps.
+
+At an evaluation the per-layer :class:`~megatron_mech.router.RoutingStats` are reduced over ``token_group``
+— exactly the ranks that together hold every token of the step (data × expert parallel, plus tensor
+parallel when sequence parallelism splits tokens) — in two collectives for all layers together, so the
+result equals one process seeing every token. The router weight is replicated on those ranks, so its
+geometry needs no communication.
+
+Metrics (``router/layer{L}/...``): every key of :meth:`RoutingStats.summary` plus ``mean_cosine``,
+``conditioning`` and ``mean_deviation`` of the router weight; details carry ``{"layer": L}`` and, for the
+busiest expert, ``{"expert": e, "expert_load": fraction}`` for attribution.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from megatron_mech.router import RoutingStats, all_reduce_many, router_weight_geometry
+
+__all__ = ["RouterLayer", "RouterMonitor"]
+
+
+@dataclass(frozen=True)
+class RouterLayer:
+    """One MoE layer's router on this rank."""
+
+    layer: int                 # global layer index (for names)
+    weight: torch.Tensor       # live router weight [E, d] (replicated across TP/DP)
+    topk: int
+
+
+class RouterMonitor:
+    def __init__(self, layers: Sequence[RouterLayer], token_group=None, num_bins: int = 20):
+        self.layers = {spec.layer: spec for spec in layers}
+        if len(self.layers) != len(layers):
+            raise ValueError("RouterMonitor got the same layer index twice")
+        self.token_group = token_group
+        self.stats = {spec.layer: RoutingStats(spec.weight.shape[0], num_bins) for spec in layers}
+        self.capturing = False
+
+    def record(self, layer: int, logits: torch.Tensor) -> None:
+        """Add one micro-batch of raw router logits ``[tokens..., E]`` of ``layer`` (only while capturing)."""
+        if self.capturing:
+            self.stats[layer].update(logits, self.layers[layer].topk)
+
+    def observe(self, step: int) -> tuple[dict[str, float], dict[str, dict]]:
+        """Reduce what was recorded since the last call, return ``(metrics, details)`` and reset.
+
+        Every rank of ``token_group`` must call this at the same steps (two collectives, all layers).
+        """
+        ordered = [self.stats[layer] for layer in sorted(self.stats)]
+        all_reduce_many(ordered, self.token_group)
+        metrics: dict[str, float] = {}
+        details: dict[str, dict] = {}
+        for layer in sorted(self.stats):
+            stats, prefix = self.stats[layer], f"router/layer{layer}"
+            summary = stats.summary()
+            geometry = router_weight_geometry(self.layers[layer].weight)
+            summary.update(mean_cosine=geometry.mean_cosine, conditioning=geometry.conditioning,
+                           mean_deviation=geometry.mean_deviation)
+            detail = {"layer": layer}
+            if stats.count > 0:
+                load = stats.load_fraction
+                busiest = int(torch.argmax(load))
+                detail.update(expert=busiest, expert_load=float(load[busiest]))
+            for key, value in summary.items():
+                metrics[f"{prefix}/{key}"] = float(value)
+                details[f"{prefix}/{key}"] = detail
+            stats.reset()
+        return metrics, details
+
+    def state_dict(self) -> dict:
+        # Statistics are reset after every evaluation and capture spans one step, so nothing here needs to
+        # survive a restart except the configuration, which the adapter rebuilds from the model.
+        return {"layers": sorted(self.stats)}
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        if state and sorted(state.get("layers", [])) != sorted(self.stats):
+            raise ValueError(f"router monitor state is for MoE layers {state.get('layers')}, but this model has "
+                             f"{sorted(self.stats)}")

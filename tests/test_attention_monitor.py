@@ -1,0 +1,326 @@
+"""AttentionMonitor (megatron_mech.monitors.attention).
+
+(a) Single process: a fake training loop on a plain tensor in Megatron's fused ``linear_qkv`` layout. Every
+metric is checked against an independent dense computation: the Q/K row blocks are cut out by hand (not with
+``layouts``), ΔW spectra come from numpy's SVD, per-head spectra from ``qk_increment_spectra_dense`` (the d×d
+products formed explicitly), and entropies / ranks are recomputed in numpy.
+(b) ``workers/attention_monitor_worker.py`` under torchrun with TP=2 (gloo): global-scope metrics on every rank
+equal the TP=1 metrics of the full weight, with one collective per evaluation; slice scope uses none.
+"""
+from __future__ import annotations
+
+import io
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dist_utils import run_torchrun
+from megatron_mech.detect import DetectorRegistry
+from megatron_mech.monitors import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
+from megatron_mech.spectral import qk_increment_spectra_dense
+
+WORKER = Path(__file__).parent / "workers" / "attention_monitor_worker.py"
+D_MODEL, HEAD_DIM = 16, 4
+
+
+# ---------------------------------------------------------------------------------------------- references
+def np_entropy(sv: np.ndarray, power: float = 2.0, normalized: bool = True) -> float:
+    w = sv ** power
+    p = w / w.sum()
+    p = p[p > 0]
+    h = float(-(p * np.log(p)).sum())
+    return (h / math.log(len(sv)) if len(sv) > 1 else 0.0) if normalized else h
+
+
+def np_dw_metrics(delta: np.ndarray, power: float = 2.0) -> dict[str, float]:
+    sv = np.linalg.svd(delta, compute_uv=False)
+    return {"entropy": np_entropy(sv, power), "effective_rank": math.exp(np_entropy(sv, power, False)),
+            "stable_rank": float((sv ** 2).sum() / sv[0] ** 2), "fro": float(np.linalg.norm(delta))}
+
+
+def blocks(weight: torch.Tensor, h: int, g: int, dh: int):
+    """Q rows [h·dh, d], K rows [g·dh, d] of a fused weight, cut by hand (independent of megatron_mech.layouts)."""
+    d = weight.shape[1]
+    grouped = weight.detach().double().reshape(g, h // g + 2, dh, d)
+    return grouped[:, : h // g].reshape(h * dh, d), grouped[:, h // g].reshape(g * dh, d)
+
+
+def reference_metrics(prev: torch.Tensor, cur: torch.Tensor, h: int, g: int, dh: int, layer: int,
+                      terms=("delta1", "delta2", "delta3"), power: float = 2.0) -> dict[str, float]:
+    q0, k0 = blocks(prev, h, g, dh)
+    q1, k1 = blocks(cur, h, g, dh)
+    out = {}
+    for tag, delta in (("q", q1 - q0), ("k", k1 - k0)):
+        for what, v in np_dw_metrics(delta.numpy(), power).items():
+            out[f"attn/layer{layer}/dw{tag}_{what}"] = v
+    d = prev.shape[1]
+    as3 = lambda rows, n: rows.reshape(n, dh, d).transpose(1, 2)  # noqa: E731  paper orientation [n, d, dh]
+    dense = qk_increment_spectra_dense(as3(q0, h), as3(k0, g), as3(q1, h), as3(k1, g), terms=terms)
+    for term in terms:
+        ents = [np_entropy(sv, power) for sv in getattr(dense, term).numpy()]
+        for head, e in enumerate(ents):
+            out[f"attn/layer{layer}/head{head}/{term}_entropy"] = e
+        out[f"attn/layer{layer}/{term}_entropy_mean"] = float(np.mean(ents))
+        out[f"attn/layer{layer}/{term}_entropy_min"] = float(np.min(ents))
+    return out
+
+
+def assert_metrics_close(got: dict, want: dict, tol: float = 1e-9):
+    assert set(want) <= set(got), sorted(set(want) - set(got))
+    for name, w in want.items():
+        assert math.isclose(got[name], w, rel_tol=tol, abs_tol=tol), (name, got[name], w)
+
+
+# ---------------------------------------------------------------------------------------------- fake loop
+def make_weight(h: int, g: int, seed: int = 0, dtype=torch.float32) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn((h + 2 * g) * HEAD_DIM, D_MODEL, generator=gen) * 0.1).to(dtype)
+
+
+def make_updates(shape, steps: int, seed: int = 1) -> list[torch.Tensor]:
+    """A low-rank "coherent" part plus noise, like an optimizer step."""
+    gen = torch.Generator().manual_seed(seed)
+    ups = []
+    for _ in range(steps + 1):
+        coherent = torch.randn(shape[0], 2, generator=gen) @ torch.randn(2, shape[1], generator=gen)
+        ups.append(1e-3 * coherent + 1e-4 * torch.randn(*shape, generator=gen))
+    return ups
+
+
+def run_loop(monitor, weight, updates, steps, start=0, history=None):
+    """Apply update s then observe(s) for s in [start, steps]; returns {step: (metrics, details)}."""
+    results = {}
+    for step in range(start, steps + 1):
+        with torch.no_grad():
+            if step > 0:
+                weight += updates[step].to(weight.dtype)
+        if history is not None:
+            history[step] = weight.detach().clone()
+        expected_eval = monitor.should_evaluate(step)
+        out = monitor.observe(step)
+        assert (out is not None) == expected_eval, step
+        if out is not None:
+            results[step] = out
+    return results
+
+
+@pytest.mark.parametrize("h,g", [(4, 2), (4, 4), (4, 1)])   # GQA, MHA, MQA
+def test_metrics_equal_dense_reference(h, g):
+    weight = make_weight(h, g)
+    updates = make_updates(weight.shape, 12)
+    monitor = AttentionMonitor([AttentionLayer(2, weight, h, g, HEAD_DIM)], AttentionMonitorConfig(interval=3))
+    history = {}
+    results = run_loop(monitor, weight, updates, 12, history=history)
+    assert sorted(results) == [3, 6, 9, 12]           # snapshot at 0, then every interval
+    for step, (metrics, details) in results.items():
+        want = reference_metrics(history[step - 3], history[step], h, g, HEAD_DIM, layer=2)
+        assert_metrics_close(metrics, want)
+        assert set(metrics) == set(want) == set(details)
+        assert details[f"attn/layer2/head{h - 1}/delta2_entropy"] == {"layer": 2, "head": h - 1, "term": "delta2"}
+        assert details["attn/layer2/dwq_entropy"] == {"layer": 2, "matrix": "q"}
+    assert monitor.snapshot_step == 12
+
+
+def test_schedule_aligned_to_interval():
+    weight = make_weight(4, 2)
+    updates = make_updates(weight.shape, 13)
+    monitor = AttentionMonitor([AttentionLayer(0, weight, 4, 2, HEAD_DIM)], AttentionMonitorConfig(interval=4))
+    # First call at step 1: nothing until the first multiple (4) snapshots; evaluations at 8 and 12.
+    assert sorted(run_loop(monitor, weight, updates, 13, start=1)) == [8, 12]
+    assert monitor.should_observe(16) and not monitor.should_observe(15)
+    assert not monitor.should_evaluate(14) and monitor.should_evaluate(16) and not monitor.should_evaluate(20)
+    with pytest.raises(ValueError, match="step"):
+        monitor.observe(-4)
+
+
+def test_power_and_terms_config():
+    weight = make_weight(4, 2)
+    updates = make_updates(weight.shape, 4)
+    cfg = AttentionMonitorConfig(interval=2, qk_terms=("delta2",), power=1.0, qk_method="qr")
+    monitor = AttentionMonitor([AttentionLayer(0, weight, 4, 2, HEAD_DIM)], cfg)
+    history = {}
+    results = run_loop(monitor, weight, updates, 4, history=history)
+    metrics, _ = results[4]
+    want = reference_metrics(history[2], history[4], 4, 2, HEAD_DIM, 0, terms=("delta2",), power=1.0)
+    assert_metrics_close(metrics, want, tol=1e-6)    # qr method works in float32 for float32 weights
+    assert not any("delta1" in k or "delta3" in k for k in metrics)
+    no_heads = AttentionMonitor([AttentionLayer(0, weight, 4, 2, HEAD_DIM)],
+                                AttentionMonitorConfig(interval=2, qk_terms=()))
+    no_heads.observe(0)
+    with torch.no_grad():
+        weight += updates[1]
+    metrics, _ = no_heads.observe(2)
+    assert sorted(metrics) == sorted(f"attn/layer0/dw{t}_{w}" for t in "qk"
+                                     for w in ("entropy", "effective_rank", "stable_rank", "fro"))
+
+
+def test_extra_linears_and_slice_scope_single_process():
+    weight = make_weight(4, 2)
+    fc1, fc2 = torch.randn(24, D_MODEL) * 0.1, torch.randn(D_MODEL, 24) * 0.1
+    snaps = {}
+
+    def loop(scope):
+        w, a, b = weight.clone(), fc1.clone(), fc2.clone()
+        mon = AttentionMonitor([AttentionLayer(0, w, 4, 2, HEAD_DIM)],
+                               AttentionMonitorConfig(interval=2, dw_scope=scope),
+                               extra_linears={"layer0.fc1": (a, 0), "layer0.fc2": (b, 1)})
+        gen = torch.Generator().manual_seed(5)
+        out = None
+        for step in range(0, 5):
+            with torch.no_grad():
+                for t in (w, a, b):
+                    t += 1e-3 * torch.randn(t.shape, generator=gen)
+            if step == 2:
+                snaps[scope] = (a.clone(), b.clone())
+            out = mon.observe(step) or out
+        return out, (a, b)
+
+    (metrics, details), (a, b) = loop("global")
+    for name, cur, prev in (("layer0.fc1", a, snaps["global"][0]), ("layer0.fc2", b, snaps["global"][1])):
+        for what, v in np_dw_metrics((cur.double() - prev.double()).numpy()).items():
+            assert math.isclose(metrics[f"linear/{name}/dw_{what}"], v, rel_tol=1e-9, abs_tol=1e-12)
+        assert details[f"linear/{name}/dw_entropy"] == {"linear": name}
+    (slice_metrics, slice_details), _ = loop("slice")
+    for name, value in metrics.items():    # TP=1: slice = global up to the tp0 qualifier
+        if "/head" in name:
+            sname = name
+        elif name.startswith("attn/layer0/"):
+            sname = name.replace("attn/layer0/", "attn/layer0/tp0/")
+        else:
+            sname = name.replace("/dw_", "/tp0/dw_")
+        assert math.isclose(slice_metrics[sname], value, rel_tol=1e-9, abs_tol=1e-12), sname
+        assert slice_details[sname].get("tp_rank") == 0
+    assert len(slice_metrics) == len(metrics)
+
+
+@pytest.mark.parametrize("save", [True, False])
+def test_state_dict_round_trip_mid_run(save):
+    h, g, steps = 4, 2, 15
+    updates = make_updates(make_weight(h, g).shape, steps)
+    cfg = AttentionMonitorConfig(interval=3, save_snapshots=save)
+
+    weight_a = make_weight(h, g)
+    full = run_loop(AttentionMonitor([AttentionLayer(0, weight_a, h, g, HEAD_DIM)], cfg), weight_a, updates, steps)
+
+    weight_b = make_weight(h, g)
+    first = AttentionMonitor([AttentionLayer(0, weight_b, h, g, HEAD_DIM)], cfg)
+    before = run_loop(first, weight_b, updates, 7)
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)
+    buffer.seek(0)
+    resumed = AttentionMonitor([AttentionLayer(0, weight_b, h, g, HEAD_DIM)], cfg)
+    resumed.load_state_dict(torch.load(buffer, weights_only=False))
+    after = run_loop(resumed, weight_b, updates, steps, start=8)
+
+    assert sorted(before) == [3, 6]
+    if save:
+        assert sorted(after) == [9, 12, 15]
+        assert resumed.snapshot_step == 15
+    else:
+        assert sorted(after) == [12, 15]                # the first interval after resume is skipped
+    for step, (metrics, _) in {**before, **after}.items():
+        assert metrics == full[step][0]                # bit-identical continuation
+
+
+def test_non_finite_weight_gives_nan_metrics():
+    h, g = 4, 2
+    weight = make_weight(h, g)
+    updates = make_updates(weight.shape, 6)
+    monitor = AttentionMonitor([AttentionLayer(1, weight, h, g, HEAD_DIM)], AttentionMonitorConfig(interval=3))
+    run_loop(monitor, weight, updates, 3)
+    with torch.no_grad():
+        weight += updates[4]
+        weight[1 * HEAD_DIM + 2, 5] = math.nan       # group 0, query head 1 (rows 4..7)
+    metrics, _ = monitor.observe(6)
+    for what in ("entropy", "effective_rank", "stable_rank", "fro"):
+        assert math.isnan(metrics[f"attn/layer1/dwq_{what}"])
+        assert math.isfinite(metrics[f"attn/layer1/dwk_{what}"])
+    for term in ("delta1", "delta2", "delta3"):
+        assert math.isnan(metrics[f"attn/layer1/head1/{term}_entropy"])
+        assert all(math.isfinite(metrics[f"attn/layer1/head{i}/{term}_entropy"]) for i in (0, 2, 3))
+        assert math.isnan(metrics[f"attn/layer1/{term}_entropy_mean"])
+        assert math.isnan(metrics[f"attn/layer1/{term}_entropy_min"])
+    with torch.no_grad():                             # inf in a K row: both K metrics and the group's heads
+        weight += updates[5]
+        weight[2 * HEAD_DIM + 1, 0] = math.inf
+    metrics, _ = monitor.observe(9)
+    assert math.isnan(metrics["attn/layer1/dwk_entropy"])
+    assert math.isnan(metrics["attn/layer1/head0/delta2_entropy"])
+
+
+def test_bf16_weights_snapshot_float32():
+    h, g = 4, 2
+    weight = make_weight(h, g, dtype=torch.bfloat16)
+    updates = make_updates(weight.shape, 6)
+    monitor = AttentionMonitor([AttentionLayer(0, weight, h, g, HEAD_DIM)], AttentionMonitorConfig(interval=3))
+    history = {}
+    results = run_loop(monitor, weight, updates, 6, history=history)
+    assert monitor.state_dict()["snapshots"]["layers"][0]["q"].dtype == torch.float32
+    want = reference_metrics(history[3], history[6], h, g, HEAD_DIM, 0)
+    assert_metrics_close(results[6][0], want)
+
+
+def test_metric_names_match_detector_rules():
+    weight = make_weight(4, 2)
+    monitor = AttentionMonitor([AttentionLayer(3, weight, 4, 2, HEAD_DIM)], AttentionMonitorConfig(interval=1))
+    monitor.observe(0)
+    with torch.no_grad():
+        weight += 1e-3 * torch.randn_like(weight)
+    metrics, details = monitor.observe(1)
+    registry = DetectorRegistry()
+    registry.update(1, metrics, details)
+    alerted = set(registry.detectors)
+    assert {"attn/layer3/dwq_entropy", "attn/layer3/dwk_entropy", "attn/layer3/head2/delta2_entropy",
+            "attn/layer3/head0/delta1_entropy"} <= alerted
+    assert all(registry.detectors[n].family == "attention" for n in alerted)
+    assert all(n.endswith("entropy") for n in alerted)
+    assert "attn/layer3/dwq_stable_rank" in registry.unmonitored
+    assert "attn/layer3/delta2_entropy_mean" in registry.unmonitored
+
+
+@pytest.mark.parametrize("field,value", [
+    ("interval", 0), ("interval", 2.5), ("dw_scope", "local"), ("qk_terms", ("delta4",)),
+    ("qk_terms", "delta2"), ("qk_terms", ("delta2", "delta2")), ("qk_method", "svd"), ("power", 0.0),
+    ("power", math.nan), ("snapshot_device", "nowhere"), ("save_snapshots", "yes"), ("bucket_mb", -1.0),
+])
+def test_bad_config_raises_naming_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        AttentionMonitorConfig(**{field: value})
+
+
+def test_bad_layers_and_state_raise():
+    w = make_weight(4, 2)
+    with pytest.raises(ValueError, match="rows|shape"):
+        AttentionLayer(0, w, 4, 1, HEAD_DIM)
+    with pytest.raises(ValueError, match="head_offset"):
+        AttentionLayer(0, w, 4, 2, HEAD_DIM, head_offset=-1)
+    with pytest.raises(ValueError, match="not divisible"):
+        AttentionLayer(0, w, 3, 2, HEAD_DIM)
+    with pytest.raises(ValueError, match="duplicate"):
+        AttentionMonitor([AttentionLayer(0, w, 4, 2, HEAD_DIM)] * 2)
+    with pytest.raises(ValueError, match="shard_dim"):
+        AttentionMonitor([], extra_linears={"fc": (torch.randn(3, 3), 2)})
+    monitor = AttentionMonitor([AttentionLayer(0, w, 4, 2, HEAD_DIM)])
+    monitor.observe(0)
+    state = monitor.state_dict()
+    other = AttentionMonitor([AttentionLayer(1, w, 4, 2, HEAD_DIM)])
+    with pytest.raises(ValueError, match="layers"):
+        other.load_state_dict(state)
+    state["snapshots"]["layers"][0]["q"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match="snapshot q"):
+        AttentionMonitor([AttentionLayer(0, w, 4, 2, HEAD_DIM)]).load_state_dict(state)
+
+
+def test_monitor_without_layers_is_harmless():
+    monitor = AttentionMonitor([], AttentionMonitorConfig(interval=2))
+    assert monitor.observe(0) is None
+    assert monitor.observe(2) == ({}, {})
+
+
+@pytest.mark.timeout(240)
+def test_tensor_parallel_two_ranks_under_torchrun():
+    result = run_torchrun(WORKER, nproc=2, timeout=200)
+    assert "ATTENTION_MONITOR PASS" in result.stdout, result.stdout[-6000:]
