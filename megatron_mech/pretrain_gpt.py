@@ -158,11 +158,10 @@ def build_data(args, rank: int, index_cache_dir=None):
         if rank != 0:
             paths = mdata.prepare_data(vocab_size=args.vocab_size)
     tokenizer = mdata.load_tokenizer(paths)
-    evals = (args.train_iters // args.eval_interval if args.eval_interval else 0) + 1
     train, valid = mdata.build_gpt_datasets(
         paths, seq_length=args.seq_length, seed=args.seed,
         train_samples=args.train_iters * args.global_batch_size,
-        valid_samples=evals * args.eval_iters * args.global_batch_size, tokenizer=tokenizer,
+        valid_samples=args.eval_iters * args.global_batch_size, tokenizer=tokenizer,
         create_attention_mask=False, cache_dir=index_cache_dir)
     return train, valid, tokenizer
 
@@ -269,12 +268,13 @@ def average_over(values, group):
     return float(t[0] / t[1]) if t[1] > 0 else math.nan
 
 
-def evaluate(args, model, forward_backward, valid_sampler, fast_forward, eval_index, dp_group):
+def evaluate(args, model, forward_backward, valid_sampler, fast_forward, dp_group):
+    """Mean loss over the same ``eval_iters`` validation batches every time, so evaluations are comparable."""
     model.eval()
     losses = []
     with torch.no_grad():
         for i in range(args.eval_iters):
-            micro = list(valid_sampler.micro_batches(eval_index * args.eval_iters + i))
+            micro = list(valid_sampler.micro_batches(i))
             out = forward_backward(forward_step_func=make_forward_step(fast_forward), data_iterator=iter(micro),
                                    model=[model], num_microbatches=len(micro), seq_length=args.seq_length,
                                    micro_batch_size=args.micro_batch_size, forward_only=True)
@@ -367,8 +367,9 @@ def main(argv=None):
 
     tokens_per_step = args.global_batch_size * args.seq_length
     t_start, window_t, window_steps = time.perf_counter(), time.perf_counter(), 0
-    loss_history = []
+    loss_history, step_seconds = [], []
     for step in range(start_step + 1, args.train_iters + 1):
+        step_started = time.perf_counter()
         mech.before_step(step)
         model.zero_grad_buffer()
         optimizer.zero_grad()
@@ -383,6 +384,7 @@ def main(argv=None):
         loss_history.append(loss)
         mech.after_step(step, loss=loss, lr=lr, grad_norm=float(grad_norm) if grad_norm is not None else None,
                         extra={"tokens": step * tokens_per_step})
+        step_seconds.append(time.perf_counter() - step_started)
         window_steps += 1
         if step % args.log_interval == 0 or step == args.train_iters:
             now = time.perf_counter()
@@ -392,8 +394,7 @@ def main(argv=None):
                 f"{float(grad_norm or 0):.3f} {tok_s:,.0f} tok/s ETA {eta:5.0f}s")
             window_t, window_steps = now, 0
         if args.eval_interval and step % args.eval_interval == 0:
-            val = evaluate(args, model, forward_backward, valid_sampler, fast_forward, step // args.eval_interval,
-                           dp_group)
+            val = evaluate(args, model, forward_backward, valid_sampler, fast_forward, dp_group)
             log(f"[eval] step {step} validation loss {val:.4f} ppl {math.exp(min(val, 50)):.2f}")
         if args.save and args.save_interval and step % args.save_interval == 0:
             save_checkpoint(args, step, model, optimizer, scheduler, mech, layout)
@@ -402,15 +403,22 @@ def main(argv=None):
             break
 
     final_step = step if args.train_iters > start_step else start_step
-    val = evaluate(args, model, forward_backward, valid_sampler, fast_forward, 0, dp_group)
+    val = evaluate(args, model, forward_backward, valid_sampler, fast_forward, dp_group)
     log(f"[eval] final validation loss {val:.4f} ppl {math.exp(min(val, 50)):.2f}")
     if args.save and not (args.save_interval and final_step % args.save_interval == 0):
         save_checkpoint(args, final_step, model, optimizer, scheduler, mech, layout)
     elapsed = time.perf_counter() - t_start
     summary = {"final_step": final_step, "final_valid_loss": val, "losses": loss_history, "seconds": elapsed,
-               "monitor_seconds": mech.evaluation_seconds, "alerts": [a.to_dict() for a in mech.registry.alerts]}
+               "step_seconds": step_seconds, "params_per_rank": n_params,
+               "monitor_seconds": mech.evaluation_seconds,
+               "monitor_breakdown": {**mech.seconds, "router_capture": mech.router.capture_seconds
+                                     if mech.router is not None else 0.0}, "alerts": [a.to_dict() for a in mech.registry.alerts]}
     if is_last:
-        print("@@SUMMARY " + json.dumps(summary), flush=True)
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(output_dir) / "summary.json").write_text(json.dumps(summary))
+        log(f"[train] done: {final_step} steps in {elapsed:.0f}s, monitors {mech.evaluation_seconds:.1f}s "
+            f"({100 * mech.evaluation_seconds / max(elapsed, 1e-9):.1f}%), {len(mech.registry.alerts)} alerts; "
+            f"output in {output_dir}")
     mech.close()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

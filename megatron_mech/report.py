@@ -207,7 +207,7 @@ def _build_panels(series: Mapping[str, Series], metrics: Sequence[str] | None) -
 
     panels.append(_layer_panel("router_entropy", "routing entropy\n(mean over tokens, nats)", series,
                                _router("entropy_mean"), keep))
-    panels.append(_layer_panel("router_load", "expert-load entropy\n(nats)", series, _router("load_entropy"),
+    panels.append(_layer_panel("router_load", "expert-load entropy\n(normalised, 1 = balanced)", series, _router("load_entropy"),
                                keep))
     panels.append(_layer_panel("router_cosine", "mean cosine of\nexpert rows", series, _router("mean_cosine"),
                                keep))

@@ -196,12 +196,6 @@ def _head_to_group(num_heads: int, num_groups: int, device) -> torch.Tensor:
     return torch.arange(num_heads, device=device) // (num_heads // num_groups)
 
 
-def _finite_heads(wq_prev, wk_prev, wq, wk, group_of_head) -> torch.Tensor:
-    q_ok = torch.isfinite(wq_prev).flatten(1).all(1) & torch.isfinite(wq).flatten(1).all(1)
-    k_ok = torch.isfinite(wk_prev).flatten(1).all(1) & torch.isfinite(wk).flatten(1).all(1)
-    return q_ok & k_ok[group_of_head]
-
-
 def _balance_scales(a_sq: torch.Tensor, b_sq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Scales (s_a, s_b) with s_a·s_b = 1 that give a block pair (A_j, B_j) equal Frobenius norms.
 
@@ -233,14 +227,19 @@ _TERM_BLOCKS = {
 
 
 def _core_spectrum_from_grams(gram_a: torch.Tensor, gram_b: torch.Tensor) -> torch.Tensor:
-    """Singular values of ``A Bᵀ`` from ``AᵀA`` and ``BᵀB`` ([H, r, r] float64) → [H, r], descending.
+    """Singular values of ``A Bᵀ`` from ``AᵀA`` and ``BᵀB`` ([N, r, r] float64) → [N, r], descending.
 
-    σ(ABᵀ)² are the eigenvalues of (AᵀA)(BᵀB) = F Fᵀ BᵀB with F = V·diag(√λ) from AᵀA = V diag(λ) Vᵀ, which
-    equal the eigenvalues of the symmetric PSD core Fᵀ (BᵀB) F. An eigendecomposition (not Cholesky) makes this
-    exact for rank-deficient factors: a collapsed increment just gives λ = 0.
+    σ(ABᵀ)² are the eigenvalues of (AᵀA)(BᵀB) = F Fᵀ BᵀB for any factor F Fᵀ = AᵀA, which equal the
+    eigenvalues of the symmetric PSD core Fᵀ (BᵀB) F. F is the Cholesky factor where it exists (fast and
+    backward stable: L Lᵀ = AᵀA + E with ‖E‖ ~ eps‖AᵀA‖, the same error level as an eigendecomposition);
+    where Cholesky fails — a rank-deficient factor, e.g. a collapsed or zero increment — F = V·diag(√λ) from
+    the eigendecomposition AᵀA = V diag(λ) Vᵀ, which is exact for singular Grams (λ = 0).
     """
-    lam, vecs = torch.linalg.eigh(gram_a)
-    factor = vecs * lam.clamp_min(0).sqrt()[:, None, :]
+    factor, info = torch.linalg.cholesky_ex(gram_a)
+    singular = info != 0
+    if bool(singular.any()):
+        lam, vecs = torch.linalg.eigh(gram_a[singular])
+        factor[singular] = vecs * lam.clamp_min(0).sqrt()[:, None, :]
     core = factor.transpose(1, 2) @ gram_b @ factor
     eig = torch.linalg.eigvalsh(0.5 * (core + core.transpose(1, 2)))
     return eig.clamp_min(0).sqrt().flip(-1)
@@ -284,8 +283,9 @@ def qk_increment_spectra(
     Each term is a low-rank product ``M = A Bᵀ`` (Δ2: A = [ΔW_q, W_q], B = [W_k, ΔW_k]; Δ1: A = [ΔW_q, W_q],
     B = [W_k', ΔW_k]; Δ3: A = ΔW_q, B = ΔW_k), whose non-zero singular values are those of a small core:
 
-    * ``method="gram"`` (default, fastest here): float64 Gram matrices AᵀA per head and BᵀB per K group, one
-      symmetric eigenproblem each (rank-deficient factors are fine: no Cholesky). All three terms share the
+    * ``method="gram"`` (default, fastest here): float64 Gram matrices AᵀA per head and BᵀB per K group, then
+      a Cholesky factor of AᵀA (an eigendecomposition where AᵀA is singular: rank-deficient factors are
+      exact) and one symmetric r×r eigenproblem per head, batched over heads and terms. All three terms share the
       same two Grams, so asking for more terms costs only r×r work.
     * ``method="qr"``: thin QR of A and B in the input precision (≥ float32), then the SVD of R_a R_bᵀ —
       the paper's route.
@@ -300,19 +300,19 @@ def qk_increment_spectra(
     if method not in QK_METHODS:
         raise ValueError(f"method must be one of {QK_METHODS}, got {method!r}")
     group_of_head = _head_to_group(num_heads, num_groups, wq.device)
-    finite = _finite_heads(wq_prev, wk_prev, wq, wk, group_of_head)
-
     work_dtype = torch.float64 if method == "gram" else _compute_dtype(wq)
 
-    def prep(t):  # zero out non-finite values so LAPACK never sees them; those heads are NaN-ed at the end
-        t = t.detach().to(torch.float64)
-        return torch.where(torch.isfinite(t), t, torch.zeros((), dtype=t.dtype, device=t.device))
-
     # Differences in float64: for float32 weights the difference is exact, so W + ΔW == W' exactly.
-    q_prev, q_new, k_prev, k_new = (prep(t) for t in (wq_prev, wq, wk_prev, wk))
+    # Non-finite values are zeroed so LAPACK never sees them; their heads are NaN-ed at the end.
+    q_prev, q_new, k_prev, k_new = (t.detach().to(torch.float64) for t in (wq_prev, wq, wk_prev, wk))
+    q_ok = torch.isfinite(q_prev).flatten(1).all(1) & torch.isfinite(q_new).flatten(1).all(1)     # [H]
+    k_ok = torch.isfinite(k_prev).flatten(1).all(1) & torch.isfinite(k_new).flatten(1).all(1)     # [G]
+    finite = q_ok & k_ok[group_of_head]
+    if not bool(finite.all()):
+        q_prev, q_new, k_prev, k_new = (torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0)
+                                        for t in (q_prev, q_new, k_prev, k_new))
     dq, dk = q_new - q_prev, k_new - k_prev
 
-    # Factor blocks: query side per head [H, d, dh], key side per K group [G, d, dh].
     # Factor blocks actually used by the requested terms: query side per head [H, d, dh], key side per K
     # group [G, d, dh]. Asking for Δ2 alone never touches W_k'.
     used = [pair for term in terms for pair in _TERM_BLOCKS[term]]
@@ -334,7 +334,8 @@ def qk_increment_spectra(
         return torch.cat([torch.arange(order.index(n) * d_head, (order.index(n) + 1) * d_head)
                           for n in names]).to(wq.device)
 
-    result = {}
+    width = 2 * d_head
+    grams_a, grams_b, result = [], [], {}
     for term in terms:
         block_pairs = _TERM_BLOCKS[term]
         scales = [_balance_scales(q_sq[a], k_sq[b]) for a, b in block_pairs]
@@ -345,12 +346,18 @@ def qk_increment_spectra(
             ki = gram_index([b for _, b in block_pairs], list(k_blocks))
             gram_a = gram_q[:, qi][:, :, qi] * s_a[:, :, None] * s_a[:, None, :]
             gram_b = gram_k[:, ki][:, :, ki] * s_b[:, :, None] * s_b[:, None, :]
-            sv = _core_spectrum_from_grams(gram_a, gram_b)
+            pad = width - gram_a.shape[-1]  # Δ3's r = d_head: zero-pad so every term is one batch
+            grams_a.append(torch.nn.functional.pad(gram_a, (0, pad, 0, pad)))
+            grams_b.append(torch.nn.functional.pad(gram_b, (0, pad, 0, pad)))
         else:
             a = torch.cat([q_blocks[a] for a, _ in block_pairs], dim=2) * s_a[:, None, :]
             b = torch.cat([k_blocks[b][group_of_head] for _, b in block_pairs], dim=2) * s_b[:, None, :]
-            sv = _pad_to(_core_spectrum_qr(a.to(work_dtype), b.to(work_dtype)), s_a.shape[1])
-        result[term] = sv.to(torch.float64).masked_fill(~finite[:, None], math.nan)
+            result[term] = _pad_to(_core_spectrum_qr(a.to(work_dtype), b.to(work_dtype)), s_a.shape[1])
+    if method == "gram":
+        # One batched eigenproblem pair for all terms ([terms·H, 2dh, 2dh]): fewer, larger LAPACK calls.
+        sv = _core_spectrum_from_grams(torch.cat(grams_a), torch.cat(grams_b)).split(num_heads)
+        result = {term: values[:, : len(_TERM_BLOCKS[term]) * d_head] for term, values in zip(terms, sv)}
+    result = {term: sv.to(torch.float64).masked_fill(~finite[:, None], math.nan) for term, sv in result.items()}
     return QKIncrementSpectra(**result)
 
 

@@ -33,8 +33,7 @@ def train(tmp_path: Path, name: str, nproc: int, *extra: str, steps: int = 20, c
     script = [CAPTURE_WORKER, str(run_dir / "captured")] if capture else [LAUNCHER]
     out = run_torchrun(*script, *TINY, "--train-iters", str(steps), "--save", str(run_dir), *extra,
                        nproc=nproc, timeout=420)
-    summary = next(json.loads(line.split("@@SUMMARY ", 1)[1]) for line in out.stdout.splitlines()
-                   if "@@SUMMARY " in line)
+    summary = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (run_dir / "mech.jsonl").read_text().splitlines()]
     return {"summary": summary, "records": records, "stdout": out.stdout, "dir": run_dir}
 
@@ -153,6 +152,8 @@ def test_resume_continues_the_monitor_series_exactly(tmp_path):
     (["--tensor-model-parallel-size", "3"], "not divisible by TP×PP"),
     (["--mech-monitors", "router"], "no MoE routers"),
     (["--expert-model-parallel-size", "2"], "needs --num-experts"),
+    (["--num-experts", "4", "--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2"],
+     "not divisible by EP×TP×PP"),
     (["--lr-warmup-iters", "10"], "--lr-warmup-iters 10 must be smaller than --train-iters 10"),
 ])
 def test_bad_configuration_fails_clearly_on_every_rank(tmp_path, extra, message):

@@ -21,6 +21,7 @@ with nothing to add). Only the logging rank writes output.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -134,14 +135,15 @@ def validate_parallel_sizes(world_size: int, tp: int, ep: int = 1, pp: int = 1, 
             raise ValueError(f"--{name} must be >= 1, got {value}")
     if world_size % (tp * pp):
         raise ValueError(f"world size {world_size} is not divisible by TP×PP = {tp}×{pp}")
-    dp = world_size // (tp * pp)
     if ep > 1:
         if num_experts is None:
             raise ValueError(f"--expert-model-parallel-size {ep} needs --num-experts")
         if num_experts % ep:
             raise ValueError(f"--num-experts {num_experts} is not divisible by --expert-model-parallel-size {ep}")
-        if (dp * tp) % ep:
-            raise ValueError(f"expert parallel size {ep} must divide DP×TP = {dp}×{tp} (world {world_size})")
+        # megatron-core's expert grid is EP × expert-TP (= TP by default) × PP and must tile the world
+        if world_size % (ep * tp * pp):
+            raise ValueError(f"world size {world_size} is not divisible by EP×TP×PP = {ep}×{tp}×{pp} "
+                             f"(experts are split over EP and, by default, TP)")
     if num_query_groups is not None and num_query_groups % tp:
         raise ValueError(f"--num-query-groups {num_query_groups} is not divisible by TP {tp}: the monitors need "
                          f"whole query groups per tensor-parallel rank")
@@ -243,7 +245,7 @@ class MegatronMech:
             for layer, r in routers:
                 _wrap_gating(r, layer, self.router)
         self.last_alerts: list[Alert] = []
-        self._eval_seconds = 0.0
+        self.seconds: dict[str, float] = {}  # wall time per monitor part (attention, router, detectors, output)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, model_chunks, output_dir=None, tensorboard_dir=None, **kwargs):
@@ -284,22 +286,23 @@ class MegatronMech:
         """Call after ``optimizer.step()`` (step = number of optimizer steps taken). Returns this step's alerts."""
         metrics: dict[str, float] = {}
         details: dict[str, dict] = {}
-        started = time.perf_counter()
-        if self.attention is not None:
-            observed = self.attention.observe(step)
-            if observed is not None:
-                metrics.update(observed[0])
-                details.update(observed[1])
+        with self._timed("attention"):
+            observed = self.attention.observe(step) if self.attention is not None else None
+        if observed is not None:
+            metrics.update(observed[0])
+            details.update(observed[1])
         if not self.is_evaluation_step(step):
             return []
         if self.router is not None:
-            observed = self.router.observe(step)
-            self.router.capturing = False
+            with self._timed("router"):
+                observed = self.router.observe(step)
+                self.router.capturing = False
             metrics.update(observed[0])
             details.update(observed[1])
         if self.pp_group is not None:  # each pipeline stage holds its own layers: merge so every rank sees all
-            gathered = [None] * torch.distributed.get_world_size(self.pp_group)
-            torch.distributed.all_gather_object(gathered, (metrics, details), group=self.pp_group)
+            with self._timed("pipeline_gather"):
+                gathered = [None] * torch.distributed.get_world_size(self.pp_group)
+                torch.distributed.all_gather_object(gathered, (metrics, details), group=self.pp_group)
             for stage_metrics, stage_details in gathered:
                 metrics.update(stage_metrics)
                 details.update(stage_details)
@@ -307,24 +310,34 @@ class MegatronMech:
         if grad_norm is not None:
             metrics["symptom/grad_norm"] = float(grad_norm)
         # Every rank runs the detectors on identical metrics, so every rank knows the alerts without a broadcast.
-        alerts = self.registry.update(step, metrics, details)
-        self._eval_seconds += time.perf_counter() - started
+        with self._timed("detectors"):
+            alerts = self.registry.update(step, metrics, details)
         self.last_alerts = alerts
         if self.logging_rank:
-            for alert in alerts:
-                self.printer(f"[mech] ALERT {alert.describe()}")
-            if self.sinks is not None:
-                from megatron_mech.sinks import make_record
+            with self._timed("output"):
+                for alert in alerts:
+                    self.printer(f"[mech] ALERT {alert.describe()}")
+                if self.sinks is not None:
+                    from megatron_mech.sinks import make_record
 
-                scalars = {"loss": float(loss), "lr": float(lr),
-                           "grad_norm": float(grad_norm) if grad_norm is not None else math.nan}
-                self.sinks.write(make_record(step, scalars, metrics, alerts, extra=extra))
+                    scalars = {"loss": float(loss), "lr": float(lr),
+                               "grad_norm": float(grad_norm) if grad_norm is not None else math.nan}
+                    self.sinks.write(make_record(step, scalars, metrics, alerts, extra=extra))
         return alerts
+
+    @contextlib.contextmanager
+    def _timed(self, part: str):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[part] = self.seconds.get(part, 0.0) + time.perf_counter() - started
 
     @property
     def evaluation_seconds(self) -> float:
-        """Wall time spent in monitor evaluations on this rank so far (for overhead reporting)."""
-        return self._eval_seconds
+        """Wall time spent in the monitors on this rank so far: snapshots and evaluations, detectors, output, and
+        router-logit capture inside the forward passes of evaluation steps (for overhead reporting)."""
+        return sum(self.seconds.values()) + (self.router.capture_seconds if self.router is not None else 0.0)
 
     def close(self) -> None:
         if self.sinks is not None:

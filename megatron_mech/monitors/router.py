@@ -18,6 +18,7 @@ busiest expert, ``{"expert": e, "expert_load": fraction}`` for attribution.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -45,11 +46,14 @@ class RouterMonitor:
         self.token_group = token_group
         self.stats = {spec.layer: RoutingStats(spec.weight.shape[0], num_bins) for spec in layers}
         self.capturing = False
+        self.capture_seconds = 0.0  # wall time spent in record() while capturing (overhead accounting)
 
     def record(self, layer: int, logits: torch.Tensor) -> None:
         """Add one micro-batch of raw router logits ``[tokens..., E]`` of ``layer`` (only while capturing)."""
         if self.capturing:
+            started = time.perf_counter()
             self.stats[layer].update(logits, self.layers[layer].topk)
+            self.capture_seconds += time.perf_counter() - started
 
     def observe(self, step: int) -> tuple[dict[str, float], dict[str, dict]]:
         """Reduce what was recorded since the last call, return ``(metrics, details)`` and reset.

@@ -1,0 +1,151 @@
+"""Monitor overhead inside real megatron-core training, and the monitors' communication per evaluation.
+
+1. Step time with the monitors off and at δ ∈ {100, 10, 1} on a ~10M-parameter MoE GPT (2 CPU processes,
+   EP=2), the four configurations interleaved round-robin in one benchmark run (rounds × configs training
+   processes), reported two ways:
+   * end to end: mean step time relative to the "off" run of the same round (noisy on shared CPUs);
+   * accounted: wall time spent inside the monitors (evaluations, router-logit capture, detectors, JSONL)
+     divided by the total step time of that same run — insensitive to machine noise between runs.
+2. Collectives and bytes issued by the monitors per evaluation at TP = 1, 2, 4 (counted by wrapping
+   torch.distributed inside ``MegatronMech.after_step``), same model shapes.
+3. What one global ΔW evaluation costs at frontier shapes (hidden 8192, 80 layers): the Gram route per
+   matrix timed here at d = 1024…4096 and extrapolated as c·d³.
+
+    python benchmarks/bench_monitor_overhead.py                 # ~15 min on 2 cores
+    python benchmarks/bench_monitor_overhead.py --steps 40 --rounds 1 --no-write   # quick look
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+try:
+    from _results import write_results
+except ImportError:
+    from benchmarks._results import write_results
+
+REPO = Path(__file__).resolve().parents[1]
+# ~10M parameters: 6 layers, hidden 256, 4 experts (top-2, expert FFN 512), vocab 8192, seq 256, micro-batch 8.
+MODEL = ["--num-layers", "6", "--hidden-size", "256", "--num-attention-heads", "8", "--ffn-hidden-size", "1024",
+         "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "512", "--seq-length", "256",
+         "--micro-batch-size", "8", "--global-batch-size", "16", "--lr", "1e-3", "--lr-warmup-iters", "10",
+         "--log-interval", "1000", "--eval-iters", "1"]
+CONFIGS = {"off": ["--mech-monitors", "none"], "δ=100": ["--mech-interval", "100"],
+           "δ=10": ["--mech-interval", "10"], "δ=1": ["--mech-interval", "1"]}
+
+
+def torchrun(script, nproc, args, env):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(script), *args]
+    subprocess.run(cmd, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def overhead_runs(steps, rounds, env, workdir):
+    results = {name: [] for name in CONFIGS}
+    for r in range(rounds):
+        order = list(CONFIGS) if r % 2 == 0 else list(reversed(CONFIGS))  # alternate to cancel drift
+        for name in order:
+            run_dir = Path(workdir) / f"r{r}_{name.replace('=', '')}"
+            args = [*MODEL, "--train-iters", str(steps), "--expert-model-parallel-size", "2",
+                    "--mech-output-dir", str(run_dir), *CONFIGS[name]]
+            started = time.perf_counter()
+            torchrun(REPO / "launch_scripts" / "pretrain_gpt_mech.py", 2, args, env)
+            summary = json.loads((run_dir / "summary.json").read_text())
+            step_s = summary["step_seconds"][5:]  # skip warm-up steps (allocations, first snapshot)
+            results[name].append({"round": r, "mean_step_s": statistics.mean(step_s),
+                                  "median_step_s": statistics.median(step_s),
+                                  "monitor_share": summary["monitor_seconds"] / sum(summary["step_seconds"]),
+                                  "params_per_rank": summary["params_per_rank"]})
+            print(f"round {r} {name:6s}: mean step {results[name][-1]['mean_step_s']*1e3:7.1f} ms, "
+                  f"monitor share {100*results[name][-1]['monitor_share']:.2f}% "
+                  f"({time.perf_counter()-started:.0f}s)", flush=True)
+    return results
+
+
+def comm_runs(env, workdir, tp_sizes):
+    out = {}
+    for tp in tp_sizes:
+        count_file = Path(workdir) / f"comm_tp{tp}.json"
+        args = [*MODEL, "--train-iters", "3", "--lr-warmup-iters", "1", "--mech-interval", "1",
+                "--tensor-model-parallel-size", str(tp), "--expert-model-parallel-size", "2",
+                "--mech-output-dir", str(Path(workdir) / f"comm{tp}")]
+        # EP=2 × TP experts must tile the world: DP = 2 data-parallel replicas of the TP group
+        torchrun(REPO / "benchmarks" / "_comm_worker.py", 2 * tp, [str(count_file), *args], env)
+        data = json.loads(count_file.read_text())
+        out[tp] = data["per_evaluation"][-1]  # a steady-state evaluation (the first only snapshots)
+        print(f"TP={tp}: {out[tp]['collectives']} collectives, {out[tp]['bytes']/2**20:.2f} MiB per evaluation",
+              flush=True)
+    return out
+
+
+def frontier_costs(sizes, repeats=2):
+    """Seconds for one Gram-route ΔW spectrum of a d×d matrix (Gram in float64 + eigvalsh), on this CPU."""
+    out = {}
+    for d in sizes:
+        delta = torch.randn(d, d, dtype=torch.float32)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            x = delta.double()
+            torch.linalg.eigvalsh(x.T @ x)
+            best = min(best, time.perf_counter() - t0)
+        out[d] = best
+        print(f"Gram route d={d}: {best:.2f} s per matrix", flush=True)
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--tp-sizes", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--frontier-sizes", type=int, nargs="+", default=[1024, 2048, 4096])
+    p.add_argument("--no-write", action="store_true")
+    args = p.parse_args(argv)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    with tempfile.TemporaryDirectory(prefix="mech_overhead_") as workdir:
+        overhead = overhead_runs(args.steps, args.rounds, env, workdir)
+        comm = comm_runs(env, workdir, args.tp_sizes)
+    frontier = frontier_costs(args.frontier_sizes)
+
+    base = {r["round"]: r["mean_step_s"] for r in overhead["off"]}
+    lines = [f"Model: {overhead['off'][0]['params_per_rank']/1e6:.1f}M parameters per rank (EP=2, 2 processes), "
+             f"{args.steps} steps per run, {args.rounds} rounds, configurations interleaved round-robin.", "",
+             "| monitors | mean step ms | end-to-end vs off (same round) | accounted monitor share |",
+             "|---|---|---|---|"]
+    summary = {}
+    for name, runs in overhead.items():
+        mean_step = statistics.mean(r["mean_step_s"] for r in runs)
+        ratio = statistics.mean(r["mean_step_s"] / base[r["round"]] - 1 for r in runs)
+        share = statistics.mean(r["monitor_share"] for r in runs)
+        summary[name] = {"mean_step_s": mean_step, "end_to_end_overhead": ratio, "accounted_share": share}
+        lines.append(f"| {name} | {mean_step*1e3:.1f} | {100*ratio:+.2f}% | {100*share:.2f}% |")
+    lines += ["", "Monitor communication per evaluation (all collectives inside `MegatronMech.after_step`):", "",
+              "| TP | collectives | MiB |", "|---|---|---|"]
+    for tp, c in comm.items():
+        lines.append(f"| {tp} | {c['collectives']} | {c['bytes']/2**20:.2f} |")
+    d_ref = max(frontier)
+    per_matrix_8192 = frontier[d_ref] * (8192 / d_ref) ** 3
+    lines += ["", "Gram route per d×d ΔW matrix on this CPU (float64 Gram + eigvalsh), and the c·d³ extrapolation:",
+              "", "| d | seconds |", "|---|---|"]
+    lines += [f"| {d} | {s:.2f} |" for d, s in frontier.items()]
+    lines += [f"| 8192 (extrapolated from {d_ref}) | {per_matrix_8192:.0f} |", "",
+              f"One global ΔW evaluation at hidden 8192 × 80 layers × 2 matrices (Q, K) ≈ "
+              f"{160 * per_matrix_8192 / 60:.0f} min on this CPU, with 160 × 8192² × 8 B = "
+              f"{160 * 8192**2 * 8 / 2**30:.0f} GiB of all-reduce traffic (float64 Grams)."]
+    print("\n".join(lines))
+    if not args.no_write:
+        print(f"wrote {write_results('bench_monitor_overhead', chr(10).join(lines), {'overhead': overhead, 'summary': summary, 'comm': {str(k): v for k, v in comm.items()}, 'frontier_seconds': {str(k): v for k, v in frontier.items()}})}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,640 @@
+"""MoLS — module-wise learning-rate scaling from gradient SNR (framework-free part).
+
+The method (SPEC §2): during a short estimation window early in training, estimate each module class's gradient
+signal-to-noise ratio ``S_m = ‖E[g_m]‖² / tr(Cov[g_m])``; then give every module class the lr multiplier
+
+    α_m = sqrt(S_base / S_m)                 (base = "vo" by default: low-SNR modules get α > 1)
+
+clamped to ``MoLSConfig.clamp``, ramped linearly from 1 to α_m over the rest of the warm-up, and held after.
+
+This module holds the controller (estimates → α → multiplier schedule → state) and knows nothing about any
+framework: it takes per-module squared gradient norms (or per-module SNR components) as plain floats. The
+megatron-core adapter (:mod:`megatron_mech.integrations.megatron_mols`) measures those numbers and writes the
+multipliers into the optimizer's param groups.
+
+Step convention
+---------------
+``step`` is the **0-based iteration**: the number of optimizer steps completed before the step in question
+(Megatron-LM's ``iteration`` argument of ``train_step``; ``OptimizerParamScheduler.num_steps`` when the lr of that
+step is set, with ``increment=1``). With ``E = window_start + window_steps`` (the window end) and ``R`` the
+effective ramp end::
+
+    multiplier(step, m) = 1                                   step < E   (also while α is unknown)
+                        = 1 + (α_m − 1)·(step − E)/(R − E)    E ≤ step < R
+                        = α_m                                 step ≥ R
+
+so iteration ``E`` still runs at 1 and iteration ``R`` is the first at exactly α_m. ``R = ramp_end`` (the adapter
+sets it to the warm-up end) when ``ramp_end > E``; otherwise — warm-up already over when the estimate completes,
+or ``ramp_end`` unset — a **short ramp** ``R = E + min_ramp_steps`` (default 10 steps) so the lr of a trained
+model never jumps by α in one step (``min_ramp_steps=0`` gives the jump).
+
+Observations are accepted for iterations ``window_start ≤ step < E``; the estimate completes after the
+observation of iteration ``E − 1`` (or on the first :meth:`MoLSController.maybe_finalize` call with
+``step ≥ E − 1``), so ``α`` is known before the lr of iteration ``E`` is set.
+
+Rules chosen
+------------
+* **Which modules are scaled.** ``classes=None`` (default) scales every present class of
+  :data:`DEFAULT_SCALED_CLASSES` (embedding, qk, vo, mlp, head, router, experts); ``norm`` and ``other`` stay at
+  1.0 (SPEC §2: norms/biases stay at 1 unless measured otherwise — they are still *measured* and reported).
+  An explicit ``classes`` list must only name classes the model has (a class with no parameters is an error).
+* **Clamp default (0.5, 2.0).** α is a ratio of two noisy window estimates and is applied to the lr of a run
+  whose base lr was tuned; lr changes beyond ~2× from a tuned Adam lr leave the flat part of the usual lr-loss
+  curve (and ≥ 4× often diverges), while the measured small-scale α spread was 0.55–1.61 (notes/experiments.md),
+  i.e. inside the range. A clamped module still moves in the right direction; the warning names it so the
+  range can be widened deliberately (``--mech-mols-clamp``).
+* **Degenerate SNRs.** A class whose window estimate is ``S = inf`` (noise below resolution), ``0`` (no
+  detectable signal), ``nan`` (undetermined) or that was never observed gets ``α = 1`` (it keeps the base lr)
+  — one :class:`MoLSWarning` names all of them. If the *base* class is degenerate, every α is 1 (no ratio can
+  be formed), with a warning. A window that observed nothing at all also ends with every α = 1 and a warning
+  (training continues unchanged rather than crashing thousands of steps into a run).
+* **Fused QKV.** Megatron's ``linear_qkv`` holds Q, K and V in one parameter (the ``qk`` param group). Its
+  Q/K rows are measured under ``qk`` and its V rows under ``vo`` (plus per-block keys ``qkv_q``, ``qkv_k``,
+  ``qkv_v``, reported only); the ``qk`` *group* multiplier is
+  :func:`megatron_mech.taxonomy.fused_qkv_multiplier` of the clamped ``α_qk`` and ``α_vo`` (``fused_qkv_rule``,
+  default ``"rows"``). Pass ``fused_qkv=(num_heads, num_query_groups)`` to the controller to enable it.
+* **Weight decay (``scale_weight_decay=True`` default).** Decoupled weight decay in torch/apex/TE AdamW is
+  ``p ← p − lr·wd·p``, so a per-group lr multiplier scales the decay step too. We keep that (the method as
+  published: multipliers on the lr of AdamW param groups) because it preserves each module's balance between
+  update and decay: AdamW's equilibrium weight norm, where ``lr·|update|`` ≈ ``lr·wd·‖W‖``, does not depend on
+  the lr, so scaling both by α only changes how fast a module moves, not where its norm settles.
+  ``scale_weight_decay=False`` compensates with ``wd_mult = 1/multiplier`` (the per-step decay ``lr·wd`` is then
+  the same as without MoLS; a boosted module's equilibrium norm grows by ~α). See :meth:`wd_multiplier`.
+* **Estimator.** ``"two_batch"`` (default): per-step squared norms of a small-batch and a big-batch gradient
+  (:class:`megatron_mech.snr.TwoBatchSNR`) — no extra samples. ``"samples"``: the reference estimator from K
+  extra gradient samples per window step (:func:`megatron_mech.snr.sample_snr`), fed with
+  :meth:`MoLSController.observe_estimates`. Both average ``‖G‖²`` and ``tr(Σ)`` separately over the window
+  and divide at the end.
+
+State: :meth:`MoLSController.state_dict` holds plain Python types only (estimator sums, α, targets, phase,
+last observed step). Multipliers are a pure function of (step, targets, config), so a controller restored
+mid-window or mid-ramp gives exactly the multipliers of an uninterrupted one.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple, Union
+
+from megatron_mech.snr import SNREstimate, TwoBatchSNR, snr_ratio
+from megatron_mech.taxonomy import FUSED_QKV_RULES, MODULE_CLASSES, fused_qkv_multiplier
+
+__all__ = ["DEFAULT_SCALED_CLASSES", "ESTIMATORS", "MEASURED_KEYS", "QKV_BLOCK_KEYS", "MoLSConfig",
+           "MoLSController", "MoLSWarning"]
+
+# Classes that get a multiplier by default; norm and "other" stay at 1.0 (measured and reported only).
+DEFAULT_SCALED_CLASSES = ("embedding", "qk", "vo", "mlp", "head", "router", "experts")
+# Report-only keys for the row blocks of a fused QKV parameter.
+QKV_BLOCK_KEYS = ("qkv_q", "qkv_k", "qkv_v")
+# Every key the estimators may measure: module classes then fused-QKV blocks.
+MEASURED_KEYS = tuple(MODULE_CLASSES) + QKV_BLOCK_KEYS
+ESTIMATORS = ("two_batch", "samples")
+
+_PHASES = ("window", "done")
+
+
+class MoLSWarning(UserWarning):
+    """MoLS decisions the user should see: clamped multipliers, degenerate SNRs, an empty window."""
+
+
+def _int_field(name: str, value: Any, minimum: int, allow_none: bool = False) -> Optional[int]:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) and not (isinstance(value, float)
+                                                                       and value.is_integer()):
+        raise ValueError(f"MoLSConfig.{name} must be an integer, got {value!r}")
+    if int(value) < minimum:
+        raise ValueError(f"MoLSConfig.{name} must be >= {minimum}, got {value!r}"
+                         + (" (an empty estimation window)" if name == "window_steps" else ""))
+    return int(value)
+
+
+@dataclass(frozen=True)
+class MoLSConfig:
+    """MoLS settings (validated on construction; a ``ValueError`` names the offending field).
+
+    Attributes:
+        window_start: first iteration of the estimation window (0-based; see the module docstring).
+        window_steps: number of iterations in the window (≥ 1). ``None`` means "not decided yet": the adapter
+            fills in ``max(5, ceil(1% of train iters))``; :class:`MoLSController` needs a number.
+        base: the reference module class (α_base = 1); one of :data:`megatron_mech.taxonomy.MODULE_CLASSES`.
+        clamp: ``(min, max)`` range for α, ``0 < min ≤ 1 ≤ max < inf``. Default ``(0.5, 2.0)`` (module docstring).
+        ramp_end: iteration at which the multipliers reach α (the adapter: the end of the lr warm-up); ``None``
+            or ``≤`` window end: a short ramp of ``min_ramp_steps``.
+        min_ramp_steps: length of the short ramp (≥ 0; 0 = step change at the window end).
+        classes: module classes that get a multiplier; ``None`` = every present class of
+            :data:`DEFAULT_SCALED_CLASSES` (norm/other stay at 1).
+        fused_qkv_rule: ``"rows"`` | ``"qk"`` | ``"vo"`` — see :func:`megatron_mech.taxonomy.fused_qkv_multiplier`.
+        estimator: ``"two_batch"`` (no extra samples) | ``"samples"`` (K extra gradient samples, the reference).
+        num_samples: K, extra gradient samples per window step for ``estimator="samples"`` (≥ 2).
+        scale_weight_decay: True (default): decoupled weight decay scales with the lr multiplier (AdamW
+            semantics); False: compensate with ``wd_mult = 1/multiplier``.
+    """
+
+    window_start: int = 0
+    window_steps: Optional[int] = None
+    base: str = "vo"
+    clamp: Tuple[float, float] = (0.5, 2.0)
+    ramp_end: Optional[int] = None
+    min_ramp_steps: int = 10
+    classes: Optional[Tuple[str, ...]] = None
+    fused_qkv_rule: str = "rows"
+    estimator: str = "two_batch"
+    num_samples: int = 4
+    scale_weight_decay: bool = True
+
+    def __post_init__(self):
+        set_ = object.__setattr__
+        set_(self, "window_start", _int_field("window_start", self.window_start, 0))
+        set_(self, "window_steps", _int_field("window_steps", self.window_steps, 1, allow_none=True))
+        if self.base not in MODULE_CLASSES:
+            raise ValueError(f"MoLSConfig.base: unknown module class {self.base!r}; expected one of "
+                             f"{', '.join(MODULE_CLASSES)}")
+        try:
+            lo, hi = (float(x) for x in self.clamp)
+        except (TypeError, ValueError):
+            raise ValueError(f"MoLSConfig.clamp must be a (min, max) pair of numbers, got {self.clamp!r}") from None
+        if not (math.isfinite(lo) and math.isfinite(hi) and 0.0 < lo <= 1.0 <= hi):
+            raise ValueError(f"MoLSConfig.clamp must satisfy 0 < min <= 1 <= max < inf, got {self.clamp!r}")
+        set_(self, "clamp", (lo, hi))
+        set_(self, "ramp_end", _int_field("ramp_end", self.ramp_end, 0, allow_none=True))
+        set_(self, "min_ramp_steps", _int_field("min_ramp_steps", self.min_ramp_steps, 0))
+        if self.classes is not None:
+            if isinstance(self.classes, str):
+                raise ValueError(f"MoLSConfig.classes must be a sequence of class names, got the string "
+                                 f"{self.classes!r}")
+            classes = tuple(self.classes)
+            if not classes:
+                raise ValueError("MoLSConfig.classes must name at least one module class (or be None)")
+            unknown = [c for c in classes if c not in MODULE_CLASSES]
+            if unknown:
+                raise ValueError(f"MoLSConfig.classes: unknown module class(es) {unknown}; expected some of "
+                                 f"{', '.join(MODULE_CLASSES)}")
+            if len(set(classes)) != len(classes):
+                raise ValueError(f"MoLSConfig.classes has duplicates: {classes}")
+            set_(self, "classes", classes)
+        if self.fused_qkv_rule not in FUSED_QKV_RULES:
+            raise ValueError(f"MoLSConfig.fused_qkv_rule must be one of {', '.join(FUSED_QKV_RULES)}, got "
+                             f"{self.fused_qkv_rule!r}")
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"MoLSConfig.estimator must be one of {', '.join(ESTIMATORS)}, got "
+                             f"{self.estimator!r}")
+        set_(self, "num_samples", _int_field("num_samples", self.num_samples, 2))
+        if not isinstance(self.scale_weight_decay, bool):
+            raise ValueError(f"MoLSConfig.scale_weight_decay must be a bool, got {self.scale_weight_decay!r}")
+
+    @property
+    def window_end(self) -> int:
+        """``window_start + window_steps``: the first iteration after the window."""
+        if self.window_steps is None:
+            raise ValueError("MoLSConfig.window_steps is not set (None): give the window length in steps")
+        return self.window_start + self.window_steps
+
+    @property
+    def effective_ramp_end(self) -> int:
+        """``R``: ``ramp_end`` if it lies after the window end, else ``window_end + min_ramp_steps``."""
+        end = self.window_end
+        if self.ramp_end is not None and self.ramp_end > end:
+            return self.ramp_end
+        return end + self.min_ramp_steps
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = asdict(self)
+        d["clamp"] = list(self.clamp)
+        d["classes"] = list(self.classes) if self.classes is not None else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "MoLSConfig":
+        names = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in names}
+        if kw.get("clamp") is not None:
+            kw["clamp"] = tuple(kw["clamp"])
+        if kw.get("classes") is not None:
+            kw["classes"] = tuple(kw["classes"])
+        return cls(**kw)
+
+
+class _EstimateSums:
+    """Window sums of per-step ``(‖G‖², tr(Σ))`` estimates (the ``samples`` estimator's accumulator)."""
+
+    def __init__(self):
+        self.sums: Dict[str, list] = {}
+        self.steps = 0
+
+    def add(self, components: Mapping[str, Tuple[float, float]]) -> None:
+        checked = []
+        for name, pair in components.items():
+            g, t = (float(x) for x in pair)
+            checked.append((name, g, t))
+        for name, g, t in checked:
+            if not (math.isfinite(g) and math.isfinite(t)):
+                continue
+            acc = self.sums.setdefault(name, [0.0, 0.0, 0])
+            acc[0] += g
+            acc[1] += t
+            acc[2] += 1
+        self.steps += 1
+
+    def estimates(self) -> Dict[str, SNREstimate]:
+        out = {}
+        for name, (g_sum, t_sum, n) in self.sums.items():
+            g, t = g_sum / n, t_sum / n
+            out[name] = SNREstimate(grad_sq=g, trace_cov=t, snr=snr_ratio(g, t), steps=n)
+        return out
+
+    def state_dict(self):
+        return {"steps": self.steps, "modules": {k: {"grad_sq_sum": v[0], "trace_cov_sum": v[1], "steps": v[2]}
+                                                 for k, v in self.sums.items()}}
+
+    def load_state_dict(self, state):
+        self.steps = int(state["steps"])
+        self.sums = {str(k): [float(v["grad_sq_sum"]), float(v["trace_cov_sum"]), int(v["steps"])]
+                     for k, v in state["modules"].items()}
+
+
+def _fmt(x: Optional[float], digits: int = 4) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if x != 0 and (abs(x) >= 1e4 or abs(x) < 1e-3):
+        return f"{x:.{digits - 1}e}"
+    return f"{x:.{digits}g}"
+
+
+class MoLSController:
+    """Estimation window → per-class α → ramped multipliers, with checkpointable state.
+
+    Args:
+        config: a :class:`MoLSConfig` with ``window_steps`` set.
+        classes_present: module classes that have parameters in the model (all ranks together). When given,
+            the config is checked against it right away: the base class and every explicitly configured class
+            must be present (``ValueError`` otherwise), and ``classes=None`` resolves to the present classes
+            of :data:`DEFAULT_SCALED_CLASSES`. When omitted, the classes are resolved from the observed keys
+            at the end of the window (framework-free use).
+        fused_qkv: ``(num_heads, num_query_groups)`` when the ``qk`` group holds fused QKV parameters (Megatron
+            ``linear_qkv``): the ``qk`` group then ramps to ``fused_qkv_multiplier(α_qk, α_vo, H, G, rule)``.
+
+    Typical use (the adapter does this)::
+
+        ctl = MoLSController(MoLSConfig(window_steps=20, ramp_end=500), classes_present=("embedding", ...))
+        for step in range(...):
+            if ctl.in_window(step):
+                ctl.observe(step, small_sq_norms, big_sq_norms, small_batch, big_batch)
+            ctl.maybe_finalize(step)
+            mult = ctl.multipliers(step + 1)       # the lr of the NEXT iteration (see the adapter's docs)
+    """
+
+    def __init__(self, config: MoLSConfig, classes_present: Optional[Iterable[str]] = None,
+                 fused_qkv: Optional[Tuple[int, int]] = None):
+        if not isinstance(config, MoLSConfig):
+            raise TypeError(f"config must be a MoLSConfig, got {type(config).__name__}")
+        if config.window_steps is None:
+            raise ValueError("MoLSConfig.window_steps must be set (>= 1) before building a MoLSController")
+        self.config = config
+        self.classes_present: Optional[Tuple[str, ...]] = None
+        if classes_present is not None:
+            present = tuple(c for c in MODULE_CLASSES if c in set(classes_present))
+            unknown = sorted(set(classes_present) - set(MODULE_CLASSES))
+            if unknown:
+                raise ValueError(f"classes_present has unknown module classes {unknown}")
+            self.classes_present = present
+            if config.base not in present:
+                raise ValueError(f"MoLS base module class {config.base!r} has no parameters in this model "
+                                 f"(present: {', '.join(present) or 'none'}); choose --mech-mols-base from those")
+            if config.classes is not None:
+                missing = [c for c in config.classes if c not in present]
+                if missing:
+                    raise ValueError(f"MoLSConfig.classes names module class(es) with no parameters in this "
+                                     f"model: {missing} (present: {', '.join(present)})")
+        if fused_qkv is not None:
+            h, g = (int(x) for x in fused_qkv)
+            if h < 1 or g < 1 or h % g:
+                raise ValueError(f"fused_qkv must be (num_heads, num_query_groups) with heads divisible by "
+                                 f"groups, got {fused_qkv!r}")
+            fused_qkv = (h, g)
+        self.fused_qkv = fused_qkv
+        self._two_batch = TwoBatchSNR()
+        self._samples = _EstimateSums()
+        self.phase = "window"
+        self.last_observed: Optional[int] = None
+        self.snr: Dict[str, Dict[str, float]] = {}      # key -> {grad_sq, trace_cov, snr, steps}, at finalize
+        self.raw_alphas: Dict[str, float] = {}          # key -> sqrt(S_base/S_key) before clamping (finite only)
+        self.alphas: Dict[str, float] = {}              # measured class -> clamped α (1 for degenerate)
+        self.targets: Dict[str, float] = {}             # group class -> multiplier reached after the ramp
+        self.clamped: Dict[str, float] = {}             # class -> raw α that was clamped
+        self.degenerate: Dict[str, str] = {}            # key -> reason α = 1
+
+    # ------------------------------------------------------------------ window
+    @property
+    def window_end(self) -> int:
+        return self.config.window_end
+
+    @property
+    def ramp_end(self) -> int:
+        return self.config.effective_ramp_end
+
+    @property
+    def done(self) -> bool:
+        return self.phase == "done"
+
+    def in_window(self, step: int) -> bool:
+        """True when ``step`` is an estimation-window iteration and the estimate is not complete yet."""
+        return self.phase == "window" and self.config.window_start <= int(step) < self.window_end
+
+    def _accept(self, step: int) -> bool:
+        step = int(step)
+        if not self.in_window(step):
+            return False
+        if self.last_observed is not None and step <= self.last_observed:
+            warnings.warn(f"MoLS: iteration {step} was already observed (last {self.last_observed}); ignoring the "
+                          f"repeated observation", MoLSWarning, stacklevel=3)
+            return False
+        return True
+
+    def observe(self, step: int, small_sq_norms: Mapping[str, float], big_sq_norms: Mapping[str, float],
+                small_batch: Union[float, Mapping[str, float]], big_batch: Union[float, Mapping[str, float]]
+                ) -> bool:
+        """Add one iteration's two-batch statistics (``estimator="two_batch"``).
+
+        ``small_sq_norms[k]``: ``‖G_small‖²`` of key ``k`` (or the mean over several small batches of the same
+        size); ``big_sq_norms[k]``: ``‖G_big‖²``. ``small_batch``/``big_batch``: batch sizes, one number for all
+        keys or a mapping per key (e.g. MoE experts see a different small batch than dense modules). Returns
+        False (and changes nothing) outside the window or for a step already observed; completes the estimate
+        after the last window iteration.
+        """
+        if self.config.estimator != "two_batch":
+            raise RuntimeError("observe() feeds the two_batch estimator; this controller uses "
+                               f"estimator={self.config.estimator!r} (use observe_estimates)")
+        if not self._accept(step):
+            return False
+        keys = list(small_sq_norms)
+        if set(keys) != set(big_sq_norms):
+            raise ValueError(f"small_sq_norms and big_sq_norms must name the same keys, got {sorted(keys)} and "
+                             f"{sorted(big_sq_norms)}")
+
+        def batch_of(b, k):
+            return b[k] if isinstance(b, Mapping) else b
+
+        by_batch: Dict[Tuple[float, float], list] = {}
+        for k in keys:
+            by_batch.setdefault((float(batch_of(small_batch, k)), float(batch_of(big_batch, k))), []).append(k)
+        for (bs, bb) in by_batch:  # validate every batch pair before changing anything
+            if not (math.isfinite(bs) and math.isfinite(bb) and bb > bs > 0):
+                raise ValueError(f"need big_batch > small_batch > 0, got small_batch={bs}, big_batch={bb} "
+                                 f"for {by_batch[(bs, bb)]}")
+        for (bs, bb), ks in by_batch.items():
+            self._two_batch.update({k: small_sq_norms[k] for k in ks}, {k: big_sq_norms[k] for k in ks}, bs, bb)
+        self.last_observed = int(step)
+        if int(step) >= self.window_end - 1:
+            self.finalize()
+        return True
+
+    def observe_estimates(self, step: int, components: Mapping[str, Tuple[float, float]]) -> bool:
+        """Add one iteration's per-key ``(‖G‖², tr(Σ))`` estimates (``estimator="samples"``, e.g. from
+        :func:`megatron_mech.snr.sample_snr`: ``(est.grad_sq, est.trace_cov)``). Same window rules as
+        :meth:`observe`."""
+        if self.config.estimator != "samples":
+            raise RuntimeError("observe_estimates() feeds the samples estimator; this controller uses "
+                               f"estimator={self.config.estimator!r} (use observe)")
+        if not self._accept(step):
+            return False
+        self._samples.add(components)
+        self.last_observed = int(step)
+        if int(step) >= self.window_end - 1:
+            self.finalize()
+        return True
+
+    def maybe_finalize(self, step: int) -> bool:
+        """Complete the estimate if ``step ≥ window_end − 1`` and it is not complete (e.g. the last window
+        iterations were not observed). Returns True when this call completed it."""
+        if self.phase == "window" and int(step) >= self.window_end - 1:
+            self.finalize()
+            return True
+        return False
+
+    def estimates(self) -> Dict[str, SNREstimate]:
+        """The current window estimates per key (running during the window, final after it)."""
+        if self.config.estimator == "two_batch":
+            return self._two_batch.estimates()
+        return self._samples.estimates()
+
+    @property
+    def observed_steps(self) -> int:
+        return self._two_batch.steps if self.config.estimator == "two_batch" else self._samples.steps
+
+    # ------------------------------------------------------------------ finalize
+    def _scaled_classes(self, measured: Iterable[str]) -> Tuple[str, ...]:
+        if self.config.classes is not None:
+            return tuple(self.config.classes)
+        pool = self.classes_present if self.classes_present is not None else tuple(
+            c for c in MODULE_CLASSES if c in set(measured))
+        return tuple(c for c in DEFAULT_SCALED_CLASSES if c in pool)
+
+    def finalize(self) -> None:
+        """Compute α from the window estimates (idempotent once done). Issues at most one warning for
+        degenerate SNRs and one naming the clamped modules."""
+        if self.phase == "done":
+            return
+        cfg = self.config
+        est = self.estimates()
+        self.snr = {k: {"grad_sq": e.grad_sq, "trace_cov": e.trace_cov, "snr": e.snr, "steps": e.steps}
+                    for k, e in est.items()}
+        measured = [k for k in MEASURED_KEYS if k in est] + sorted(k for k in est if k not in MEASURED_KEYS)
+        class_keys = [k for k in measured if k in MODULE_CLASSES]
+        all_classes = tuple(dict.fromkeys(
+            list(self.classes_present or ()) + class_keys))  # present ∪ measured, model order first
+        scaled = self._scaled_classes(class_keys)
+        lo, hi = cfg.clamp
+        self.raw_alphas, self.alphas, self.clamped, self.degenerate = {}, {}, {}, {}
+
+        def usable(s: Optional[float]) -> bool:
+            return s is not None and math.isfinite(s) and s > 0
+
+        if not est:
+            warnings.warn(f"MoLS: the estimation window (iterations {cfg.window_start}..{self.window_end - 1}) "
+                          f"observed nothing; every multiplier stays 1.0", MoLSWarning, stacklevel=2)
+            base_s = None
+        else:
+            base_s = est[cfg.base].snr if cfg.base in est else None
+            if not usable(base_s):
+                why = "was not observed" if base_s is None else f"has S = {base_s}"
+                warnings.warn(f"MoLS: the base module {cfg.base!r} {why}; no SNR ratio can be formed, every "
+                              f"multiplier stays 1.0", MoLSWarning, stacklevel=2)
+        for k in measured:
+            s = est[k].snr
+            if usable(base_s) and usable(s):
+                self.raw_alphas[k] = math.sqrt(base_s / s)
+            elif usable(base_s):
+                self.degenerate[k] = f"S = {s}"
+        for c in all_classes:
+            if c not in est and usable(base_s):
+                self.degenerate[c] = "not observed"
+        for c in all_classes:
+            raw = self.raw_alphas.get(c)
+            if raw is None:
+                self.alphas[c] = 1.0
+                continue
+            a = min(max(raw, lo), hi)
+            if a != raw and c in scaled:
+                self.clamped[c] = raw
+            self.alphas[c] = a
+        degenerate_scaled = {k: v for k, v in self.degenerate.items() if k in scaled}
+        if degenerate_scaled:
+            warnings.warn("MoLS: alpha = 1 (no scaling) for module class(es) with a degenerate SNR estimate: "
+                          + ", ".join(f"{k} ({v})" for k, v in degenerate_scaled.items())
+                          + " (S = inf: noise below what the window resolves; S = 0: no detectable signal; "
+                            "nan: undetermined)", MoLSWarning, stacklevel=2)
+        if self.clamped:
+            warnings.warn(f"MoLS: clamped alpha to [{lo:g}, {hi:g}] for module class(es): "
+                          + ", ".join(f"{c} (alpha {raw:.3g} -> {self.alphas[c]:.3g})"
+                                      for c, raw in self.clamped.items())
+                          + " (widen with --mech-mols-clamp MIN MAX)", MoLSWarning, stacklevel=2)
+        self.targets = {}
+        for c in all_classes:
+            if c not in scaled:
+                self.targets[c] = 1.0
+            elif c == "qk" and self.fused_qkv is not None:
+                a_vo = self.alphas.get("vo", 1.0) if "vo" in scaled else 1.0
+                self.targets[c] = fused_qkv_multiplier(self.alphas.get("qk", 1.0), a_vo, *self.fused_qkv,
+                                                       rule=cfg.fused_qkv_rule)
+            else:
+                self.targets[c] = self.alphas.get(c, 1.0)
+        self.phase = "done"
+
+    # ------------------------------------------------------------------ schedule
+    def ramp_fraction(self, step: int) -> float:
+        """0 before the window end, linear to 1 at the ramp end, 1 after."""
+        step = int(step)
+        e, r = self.window_end, self.ramp_end
+        if step < e:
+            return 0.0
+        if step >= r:
+            return 1.0
+        return (step - e) / (r - e)
+
+    def multiplier(self, step: int, cls: str) -> float:
+        """The lr multiplier of module class ``cls`` at iteration ``step`` (1.0 for classes never scaled)."""
+        if self.phase != "done" or int(step) < self.window_end:
+            return 1.0
+        target = self.targets.get(cls, 1.0)
+        f = self.ramp_fraction(step)
+        if f >= 1.0:
+            return target
+        return 1.0 + (target - 1.0) * f
+
+    def multipliers(self, step: int, classes: Optional[Iterable[str]] = None) -> Dict[str, float]:
+        """``{class: multiplier(step, class)}`` for ``classes`` (default: every class with a target, else the
+        present classes)."""
+        if classes is None:
+            classes = self.targets or self.classes_present or ()
+        return {c: self.multiplier(step, c) for c in classes}
+
+    def wd_multiplier(self, step: int, cls: str) -> float:
+        """Weight-decay multiplier that goes with :meth:`multiplier`: 1 with ``scale_weight_decay=True``
+        (decay scales with the lr, AdamW semantics), ``1/multiplier`` otherwise (per-step decay unchanged)."""
+        if self.config.scale_weight_decay:
+            return 1.0
+        return 1.0 / self.multiplier(step, cls)
+
+    # ------------------------------------------------------------------ reporting
+    def metrics(self, step: Optional[int] = None) -> Dict[str, float]:
+        """Flat scalars for JSONL / TensorBoard: ``mols/snr/{key}`` (running estimate during the window, final
+        after), ``mols/grad_sq/{key}``, ``mols/trace_cov/{key}``, ``mols/alpha/{class}`` (clamped α, after the
+        window), ``mols/target/{class}`` (the group multiplier after the ramp) and ``mols/mult/{class}`` (the
+        live multiplier at ``step``), plus ``mols/window_observed`` and ``mols/done``."""
+        out: Dict[str, float] = {}
+        for k, e in self.estimates().items():
+            out[f"mols/snr/{k}"] = e.snr
+            out[f"mols/grad_sq/{k}"] = e.grad_sq
+            out[f"mols/trace_cov/{k}"] = e.trace_cov
+        for c, a in self.alphas.items():
+            out[f"mols/alpha/{c}"] = a
+        for c, t in self.targets.items():
+            out[f"mols/target/{c}"] = t
+        if step is not None:
+            for c, m in self.multipliers(step).items():
+                out[f"mols/mult/{c}"] = m
+        out["mols/window_observed"] = float(self.observed_steps)
+        out["mols/done"] = 1.0 if self.done else 0.0
+        return out
+
+    def table(self, step: Optional[int] = None) -> str:
+        """Markdown table: S, ‖G‖², tr(Σ), raw and clamped α, group target and (with ``step``) the live
+        multiplier per measured key (module classes, then the fused-QKV row blocks)."""
+        est = self.estimates()
+        keys = [k for k in MEASURED_KEYS if k in est or k in self.targets]
+        head = ["module", "S", "|G|^2", "tr(Sigma)", "steps", "alpha raw", "alpha", "group target"]
+        if step is not None:
+            head.append(f"mult @ {int(step)}")
+        rows = []
+        for k in keys:
+            e = est.get(k)
+            row = [k, _fmt(e.snr) if e else "-", _fmt(e.grad_sq) if e else "-", _fmt(e.trace_cov) if e else "-",
+                   str(e.steps) if e else "0", _fmt(self.raw_alphas.get(k)),
+                   _fmt(self.alphas.get(k)) + (" (clamped)" if k in self.clamped else "")
+                   if k in self.alphas else "-",
+                   _fmt(self.targets.get(k)) if k in self.targets else "-"]
+            if step is not None:
+                row.append(_fmt(self.multiplier(step, k)) if k in self.targets else "-")
+            rows.append(row)
+        cfg = self.config
+        title = (f"MoLS ({cfg.estimator}, base {cfg.base}, window {cfg.window_start}..{self.window_end - 1}, "
+                 f"ramp to {self.ramp_end}, clamp [{cfg.clamp[0]:g}, {cfg.clamp[1]:g}]"
+                 + (f", fused QKV rule {cfg.fused_qkv_rule}" if self.fused_qkv else "") + ")")
+        lines = [title, "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> Dict[str, Any]:
+        """Plain Python types only. Restoring it mid-window or mid-ramp reproduces the uninterrupted multipliers."""
+        return {
+            "version": 1,
+            "config": self.config.to_dict(),
+            "fused_qkv": list(self.fused_qkv) if self.fused_qkv else None,
+            "classes_present": list(self.classes_present) if self.classes_present is not None else None,
+            "phase": self.phase,
+            "last_observed": self.last_observed,
+            "two_batch": self._two_batch.state_dict(),
+            "samples": self._samples.state_dict(),
+            "snr": {k: dict(v) for k, v in self.snr.items()},
+            "raw_alphas": dict(self.raw_alphas),
+            "alphas": dict(self.alphas),
+            "targets": dict(self.targets),
+            "clamped": dict(self.clamped),
+            "degenerate": dict(self.degenerate),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any], strict_config: bool = True) -> None:
+        """Restore a :meth:`state_dict`. With ``strict_config`` the saved config's window/base/estimator must
+        match this controller's (a resumed run must not silently change the estimate); the saved α/targets are
+        used as they are either way."""
+        if state.get("version") != 1:
+            raise ValueError(f"unsupported MoLSController state version {state.get('version')!r}")
+        phase = state["phase"]
+        if phase not in _PHASES:
+            raise ValueError(f"invalid MoLS phase {phase!r}")
+        if strict_config:
+            saved = MoLSConfig.from_dict(state["config"])
+            mine = self.config
+            diffs = [n for n in ("window_start", "window_steps", "base", "estimator", "clamp", "classes",
+                                 "fused_qkv_rule") if getattr(saved, n) != getattr(mine, n)]
+            if diffs:
+                raise ValueError("MoLS state was saved with a different configuration ("
+                                 + ", ".join(f"{n}: saved {getattr(saved, n)!r}, now {getattr(mine, n)!r}"
+                                             for n in diffs) + "); pass strict_config=False to keep the saved "
+                                 "estimates anyway")
+        self._two_batch.load_state_dict(state["two_batch"])
+        self._samples.load_state_dict(state["samples"])
+        self.phase = phase
+        self.last_observed = None if state["last_observed"] is None else int(state["last_observed"])
+        self.snr = {str(k): {kk: (int(vv) if kk == "steps" else float(vv)) for kk, vv in v.items()}
+                    for k, v in state["snr"].items()}
+        self.raw_alphas = {str(k): float(v) for k, v in state["raw_alphas"].items()}
+        self.alphas = {str(k): float(v) for k, v in state["alphas"].items()}
+        self.targets = {str(k): float(v) for k, v in state["targets"].items()}
+        self.clamped = {str(k): float(v) for k, v in state["clamped"].items()}
+        self.degenerate = {str(k): str(v) for k, v in state["degenerate"].items()}
