@@ -113,7 +113,7 @@ def check_args(args, world_size: int) -> None:
 
 
 # -------------------------------------------------------------------------------------------------- building
-def build_model(args, mcpu):
+def build_model(args):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
@@ -125,7 +125,11 @@ def build_model(args, mcpu):
                    moe_token_dispatcher_type=args.moe_token_dispatcher_type,
                    moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=args.moe_aux_loss_coeff,
                    moe_grouped_gemm=False, expert_model_parallel_size=args.expert_model_parallel_size)
-    cpu_kwargs = dict(mcpu.CPU_CONFIG_KWARGS) if mcpu is not None else {}
+    # This entry point uses megatron-core's local (non-TE) layer spec everywhere, so the fused kernels that need
+    # apex/TE stay off on GPUs too; CPU initialisation also makes the initial weights independent of TP.
+    from megatron_mech.integrations.megatron_cpu import CPU_CONFIG_KWARGS
+
+    cpu_kwargs = dict(CPU_CONFIG_KWARGS)
     config = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
@@ -252,8 +256,12 @@ def loss_func(loss_mask, output_tensor):
 
 
 def make_forward_step(fast_forward):
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
+        if device is not None:
+            batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
         with fast_forward():
             output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
         return output, partial(loss_func, batch["loss_mask"])
@@ -294,6 +302,9 @@ def main(argv=None):
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    from megatron_mech.integrations.megatron_cpu import apply_megatron_fixes
+
+    apply_megatron_fixes()  # megatron-core 0.16.1 bugs without Transformer Engine, on GPUs too
     torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     is_last = rank == world - 1
@@ -326,7 +337,9 @@ def main(argv=None):
     tp = args.tensor_model_parallel_size
     args.padded_vocab_size = int(math.ceil(tokenizer.vocab_size / (128 * tp)) * 128 * tp)
 
-    config, model = build_model(args, mcpu)
+    config, model = build_model(args)
+    if cuda:
+        model.cuda(torch.cuda.current_device())
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=args.use_distributed_optimizer,
                                                overlap_grad_reduce=False)
     model = DistributedDataParallel(config, ddp_config, model)

@@ -593,6 +593,21 @@ def apply_cpu_shims(only: Optional[Iterable[str]] = None, exclude: Iterable[str]
     return applied
 
 
+def apply_megatron_fixes() -> List[str]:
+    """Work around megatron-core bugs that hit *any* machine without Transformer Engine, GPUs included.
+
+    Today one: ``te_general_gemm`` (see the shim of that name) — the MoE router raises NameError on every
+    forward without TE, on CPU and on GPU alike (seen on an H200 without TE). Safe to call anywhere, any number
+    of times: it binds the missing name only when it is missing, and returns the names it bound.
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if hasattr(moe_utils, "te_general_gemm"):
+        return []
+    _apply_te_general_gemm()
+    return ["te_general_gemm"]
+
+
 def applied_cpu_shims() -> Tuple[str, ...]:
     """Names of the shims applied in this process so far."""
     return tuple(_APPLIED)

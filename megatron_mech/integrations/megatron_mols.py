@@ -956,7 +956,8 @@ class MegatronMoLS:
         """``--mech-mols-estimator samples``: at a window iteration, run K extra forward/backward passes (one
         micro-batch each, drawn from ``data_iterator``, all-reduced over DP) and feed
         :func:`megatron_mech.snr.sample_snr`. No-op (False) otherwise. Call before ``zero_grad_buffer()`` of the
-        training step: it leaves the grad buffers holding the last sample."""
+        training step: it leaves the grad buffers holding the last sample. It clears ``param.grad`` before each
+        pass (megatron's FP32Optimizer leaves it aliased to ``main_grad`` after ``step()``)."""
         if self.config.estimator != "samples" or not self.controller.in_window(iteration):
             return False
         mbs = int(micro_batch_size or self.micro_batch_size)
@@ -968,6 +969,10 @@ class MegatronMoLS:
             for _ in range(self.config.num_samples):
                 for chunk in self.model_chunks:
                     chunk.zero_grad_buffer()
+                    # megatron's FP32Optimizer leaves param.grad aliased to param.main_grad after step(); a
+                    # backward before the training step's optimizer.zero_grad() would then count the gradient twice
+                    for param in chunk.parameters():
+                        param.grad = None
                 forward_backward_func(forward_step_func=forward_step_func, data_iterator=data_iterator,
                                       model=self.model_chunks, num_microbatches=1, seq_length=seq_length,
                                       micro_batch_size=mbs, forward_only=False, force_all_reduce=True,
