@@ -74,8 +74,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple, Union
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Dict, Iterable, Mapping, Optional, Tuple, Union
 
 from megatron_mech.snr import SNREstimate, TwoBatchSNR, snr_ratio
 from megatron_mech.taxonomy import FUSED_QKV_RULES, MODULE_CLASSES, fused_qkv_multiplier
@@ -478,7 +478,7 @@ class MoLSController:
                 self.alphas[c] = 1.0
                 continue
             a = min(max(raw, lo), hi)
-            if a != raw and c in scaled:
+            if c in scaled and not math.isclose(a, raw, rel_tol=1e-9):  # rounding at the bound is no clamping
                 self.clamped[c] = raw
             self.alphas[c] = a
         degenerate_scaled = {k: v for k, v in self.degenerate.items() if k in scaled}

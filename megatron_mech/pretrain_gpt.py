@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 
 from megatron_mech.integrations.megatron import MegatronMech, add_arguments, validate_parallel_sizes
+from megatron_mech.integrations.megatron_checkpoint import load_checkpoint, save_checkpoint
+from megatron_mech.integrations.megatron_mols import MegatronMoLS, add_mols_arguments
 
 # megatron-core announces every missing GPU-only package (TE, apex) on every rank; the run's own log matters more.
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|apex|TE ).*")
@@ -89,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--tensorboard-dir", default=None)
     o.add_argument("--exit-on-missing-checkpoint", action="store_true")
     add_arguments(p)
+    add_mols_arguments(p)
     return p
 
 
@@ -183,68 +186,10 @@ class GlobalBatchSampler:
     def micro_batches(self, step: int):
         start = step * self.gbs + self.offset
         for m in range(self.per_rank // self.mbs):
-            items = [self.dataset[start + m * self.mbs + j] for j in range(self.mbs)]
+            # modulo: the extra-sample MoLS reference draws micro-batches past the training range
+            items = [self.dataset[(start + m * self.mbs + j) % len(self.dataset)] for j in range(self.mbs)]
             yield {key: torch.stack([torch.as_tensor(item[key]) for item in items])
                    for key in ("tokens", "labels", "loss_mask", "position_ids")}
-
-
-# -------------------------------------------------------------------------------------------------- checkpoints
-def _rng_state():
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    return {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
-
-
-def _set_rng_state(state):
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    torch.set_rng_state(state["torch"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def save_checkpoint(args, step, model, optimizer, scheduler, mech, layout):
-    rank = torch.distributed.get_rank()
-    directory = Path(args.save) / f"iter_{step:07d}"
-    directory.mkdir(parents=True, exist_ok=True)
-    if args.use_distributed_optimizer:  # sharded optimizer state: written by DP rank 0 of each group
-        optimizer.save_parameter_state(str(directory / f"distopt_rank{rank:04d}.pt"))
-    state = {"iteration": step, "layout": layout, "model": model.state_dict(),
-             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state(),
-             "mech": mech.state_dict() if mech is not None else None}
-    tmp = directory / f".rank{rank:04d}.pt.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, directory / f"rank{rank:04d}.pt")
-    torch.distributed.barrier()
-    if rank == 0:  # the tracker moves only once every rank has written its file
-        (Path(args.save) / "latest_checkpointed_iteration.txt").write_text(str(step))
-    torch.distributed.barrier()
-    return directory
-
-
-def load_checkpoint(args, model, optimizer, scheduler, layout):
-    """Returns (iteration, mech state) or (0, None) when there is nothing to load."""
-    tracker = Path(args.load) / "latest_checkpointed_iteration.txt"
-    if not tracker.exists():
-        if args.exit_on_missing_checkpoint:
-            raise FileNotFoundError(f"--load {args.load}: no latest_checkpointed_iteration.txt")
-        return 0, None
-    step = int(tracker.read_text().strip())
-    rank = torch.distributed.get_rank()
-    directory = Path(args.load) / f"iter_{step:07d}"
-    state = torch.load(directory / f"rank{rank:04d}.pt", map_location="cpu", weights_only=False)
-    if state["layout"] != layout:
-        raise ValueError(f"checkpoint {directory} was written with parallel layout {state['layout']}, this run is "
-                         f"{layout}; per-rank checkpoints need the same layout")
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    if args.use_distributed_optimizer:
-        optimizer.load_parameter_state(str(directory / f"distopt_rank{rank:04d}.pt"))
-    scheduler.load_state_dict(state["scheduler"])
-    _set_rng_state(state["rng"])
-    return step, state["mech"]
 
 
 # -------------------------------------------------------------------------------------------------- training
@@ -344,22 +289,26 @@ def main(argv=None):
                                                overlap_grad_reduce=False)
     model = DistributedDataParallel(config, ddp_config, model)
     fast_forward = mcpu.fast_forward if mcpu is not None else _null_context
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-                        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad,
-                        use_distributed_optimizer=args.use_distributed_optimizer, bf16=False, fp16=False),
-        [model])
+    optimizer_config = OptimizerConfig(
+        optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2, clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,
+        bf16=False, fp16=False)
+    mols = MegatronMoLS.from_args(args, [model], optimizer_config, log=log)  # a no-op object without --mech-mols
+    optimizer = get_megatron_optimizer(optimizer_config, [model], config_overrides=mols.config_overrides)
+    config.finalize_model_grads_func = finalize_model_grads
+    mols.install(config, optimizer)  # wraps finalize_model_grads; before any optimizer state is loaded
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters,
         lr_decay_steps=args.train_iters, lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
         end_wd=args.weight_decay, wd_incr_steps=args.train_iters, wd_incr_style="constant")
-    config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = model.no_sync
 
     layout = {"world": world, "tp": tp, "ep": args.expert_model_parallel_size,
               "dist_opt": bool(args.use_distributed_optimizer)}
-    start_step, mech_state = (load_checkpoint(args, model, optimizer, scheduler, layout) if args.load else (0, None))
+    start_step, mech_state = (load_checkpoint(args.load, model, optimizer, scheduler, layout, mols=mols,
+                                              exit_on_missing=args.exit_on_missing_checkpoint)
+                              if args.load else (0, None))
     output_dir = args.mech_output_dir or args.save or "runs/mech"
     mech = MegatronMech.from_args(args, [model], output_dir=output_dir, tensorboard_dir=args.tensorboard_dir,
                                   resume_step=start_step if args.load else None, printer=log)
@@ -372,7 +321,7 @@ def main(argv=None):
     train_sampler = GlobalBatchSampler(train_ds, args.global_batch_size, args.micro_batch_size, dp_rank, dp_size)
     valid_sampler = GlobalBatchSampler(valid_ds, args.global_batch_size, args.micro_batch_size, dp_rank, dp_size)
     forward_backward = get_forward_backward_func()
-    forward_step = make_forward_step(fast_forward)
+    forward_step = mols.wrap_forward_step(make_forward_step(fast_forward))
     n_params = sum(p.numel() for p in model.parameters())
     log(f"[train] world={world} TP={tp} EP={args.expert_model_parallel_size} DP={dp_size} "
         f"params/rank={n_params/1e6:.2f}M vocab={tokenizer.vocab_size} steps {start_step}->{args.train_iters} "
@@ -384,6 +333,10 @@ def main(argv=None):
     for step in range(start_step + 1, args.train_iters + 1):
         step_started = time.perf_counter()
         mech.before_step(step)
+        iteration = step - 1  # optimizer steps done before this one (Megatron-LM's `iteration`)
+        mols.sample_step(iteration, forward_backward, forward_step,
+                         (b for k in range(1_000_000) for b in train_sampler.micro_batches(args.train_iters + k)),
+                         seq_length=args.seq_length, micro_batch_size=args.micro_batch_size)
         model.zero_grad_buffer()
         optimizer.zero_grad()
         micro = list(train_sampler.micro_batches(step - 1))
@@ -391,12 +344,13 @@ def main(argv=None):
                                num_microbatches=len(micro), seq_length=args.seq_length,
                                micro_batch_size=args.micro_batch_size, forward_only=False)
         ok, grad_norm, _ = optimizer.step()
+        mols.before_scheduler_step(iteration)  # multipliers for the next step, read by scheduler.step()
         scheduler.step(increment=1)
         loss = average_over([float(r["lm loss"]) for r in out], dp_group)
-        lr = optimizer.param_groups[0]["lr"]
+        lr = _base_lr(optimizer)
         loss_history.append(loss)
         mech.after_step(step, loss=loss, lr=lr, grad_norm=float(grad_norm) if grad_norm is not None else None,
-                        extra={"tokens": step * tokens_per_step})
+                        extra={"tokens": step * tokens_per_step, **_mols_extra(mols, iteration)})
         step_seconds.append(time.perf_counter() - step_started)
         window_steps += 1
         if step % args.log_interval == 0 or step == args.train_iters:
@@ -410,7 +364,7 @@ def main(argv=None):
             val = evaluate(args, model, forward_backward, valid_sampler, fast_forward, dp_group)
             log(f"[eval] step {step} validation loss {val:.4f} ppl {math.exp(min(val, 50)):.2f}")
         if args.save and args.save_interval and step % args.save_interval == 0:
-            save_checkpoint(args, step, model, optimizer, scheduler, mech, layout)
+            save_checkpoint(args.save, step, model, optimizer, scheduler, layout, mech=mech, mols=mols)
         if args.exit_interval and step % args.exit_interval == 0 and step < args.train_iters:
             log(f"[train] exit interval reached at step {step}")
             break
@@ -419,7 +373,7 @@ def main(argv=None):
     val = evaluate(args, model, forward_backward, valid_sampler, fast_forward, dp_group)
     log(f"[eval] final validation loss {val:.4f} ppl {math.exp(min(val, 50)):.2f}")
     if args.save and not (args.save_interval and final_step % args.save_interval == 0):
-        save_checkpoint(args, final_step, model, optimizer, scheduler, mech, layout)
+        save_checkpoint(args.save, final_step, model, optimizer, scheduler, layout, mech=mech, mols=mols)
     elapsed = time.perf_counter() - t_start
     summary = {"final_step": final_step, "final_valid_loss": val, "losses": loss_history, "seconds": elapsed,
                "step_seconds": step_seconds, "params_per_rank": n_params,
@@ -435,6 +389,17 @@ def main(argv=None):
     mech.close()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+
+
+def _base_lr(optimizer) -> float:
+    """The unscaled lr: MoLS marks the groups it scales ``default_config=False`` (as Megatron-LM logs)."""
+    groups = optimizer.param_groups
+    return next((g["lr"] for g in groups if g.get("default_config", True)), groups[0]["lr"])
+
+
+def _mols_extra(mols, iteration):
+    metrics = mols.metrics(iteration)
+    return {"mols": metrics} if metrics else {}
 
 
 class _null_context:

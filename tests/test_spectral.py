@@ -148,7 +148,7 @@ qk_shapes = st.tuples(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(shape=qk_shapes, log_scale=st.floats(-6, 4), log_step=st.floats(-6, 0),
        dtype=st.sampled_from([torch.float32, torch.float64]), method=st.sampled_from(["gram", "qr"]),
        rank=st.sampled_from([None, None, 1, 2]), seed=st.integers(0, 2**16))

@@ -44,9 +44,10 @@ MONITOR_FAMILIES = ("attention", "router")
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add megatron-mech's ``--mech-*`` flags. Usable as Megatron-LM's ``extra_args_provider``."""
     group = parser.add_argument_group("megatron-mech monitors")
-    group.add_argument("--mech-monitors", nargs="*", default=list(MONITOR_FAMILIES),
-                       choices=[*MONITOR_FAMILIES, "none"],
-                       help="monitor families to run ('none' disables all). Default: attention router")
+    group.add_argument("--mech-monitors", nargs="*", default=["auto"],
+                       choices=[*MONITOR_FAMILIES, "auto", "none"],
+                       help="monitor families to run. 'auto' (default): attention, plus router when the model has "
+                            "MoE routers; 'none' disables all; naming 'router' on a dense model is an error")
     group.add_argument("--mech-interval", type=int, default=10,
                        help="evaluate every δ optimizer steps; ΔW is the change over those δ steps")
     group.add_argument("--mech-dw-scope", choices=("global", "slice"), default="global",
@@ -79,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 class MechConfig:
     """Validated ``--mech-*`` settings (see :func:`add_arguments`)."""
 
-    monitors: tuple = MONITOR_FAMILIES
+    monitors: tuple = ("auto",)
     interval: int = 10
     dw_scope: str = "global"
     qk_terms: tuple = ("delta1", "delta2", "delta3")
@@ -92,14 +93,19 @@ class MechConfig:
 
     def __post_init__(self):
         monitors = tuple(self.monitors)
-        if "none" in monitors:
-            if len(monitors) > 1:
-                raise ValueError(f"--mech-monitors: 'none' cannot be combined with {monitors}")
+        for special in ("none", "auto"):
+            if special in monitors and len(monitors) > 1:
+                raise ValueError(f"--mech-monitors: '{special}' cannot be combined with {monitors}")
+        if monitors == ("none",):
+            monitors = ()
+        if monitors == ("auto",):
+            self.monitors = monitors
             monitors = ()
         unknown = [m for m in monitors if m not in MONITOR_FAMILIES]
         if unknown:
             raise ValueError(f"--mech-monitors: unknown monitor family {unknown}; expected {MONITOR_FAMILIES}")
-        self.monitors = monitors
+        if self.monitors != ("auto",):
+            self.monitors = monitors
         if int(self.interval) != self.interval or self.interval < 1:
             raise ValueError(f"--mech-interval must be a positive integer, got {self.interval}")
         if self.dw_scope not in ("global", "slice"):
@@ -226,6 +232,10 @@ class MegatronMech:
         self.registry = DetectorRegistry(rules=config.detector_rules())
         self.attention: Optional[AttentionMonitor] = None
         self.router: Optional[RouterMonitor] = None
+        auto = config.monitors == ("auto",)
+        if auto:  # resolve once the model is known; every rank agrees (one tiny all-reduce)
+            has_routers = _any_rank(bool(find_routers(model_chunks)))
+            config.monitors = ("attention", "router") if has_routers else ("attention",)
         if "attention" in config.monitors:
             layers = find_attention_layers(model_chunks)
             self.attention = AttentionMonitor(layers, AttentionMonitorConfig(

@@ -49,7 +49,9 @@ Param groups (:func:`mols_config_overrides`)
 Every parameter gets an extra override key ``{"mols_module": <class>}`` (matched by tensor identity), merged
 with :func:`megatron.core.optimizer.get_standard_config_overrides` (no weight decay on biases and 1-D params;
 decoupled lr for embedding/output) — so each module class has its own groups (× wd/no-wd × dense/expert), the
-tag is copied into the group dict, and megatron-core's own behaviour is unchanged. The tag survives
+tag is copied into the group dict, and megatron-core's own behaviour is unchanged. ``install`` marks the groups
+of scaled non-base classes ``default_config=False`` (Megatron-LM logs the lr of the first ``default_config``
+group, which should stay the unscaled base lr). The tag survives
 ``ChainedOptimizer`` (dense + expert optimizers) and the distributed optimizer (whose ``param_groups`` are the
 inner optimizer's groups over the fp32 shards, i.e. the dicts the scheduler writes).
 
@@ -114,10 +116,12 @@ megatron-core 0.13–0.15
 -----------------------
 There ``get_megatron_optimizer`` has no ``config_overrides`` (one ``scale_lr_cond``/``lr_mult`` pair only), so it
 cannot build per-class groups: :func:`mols_config_overrides` raises and groups tagged ``mols_module`` must come
-from the Megatron-LM patch set. The scheduler there sets ``lr = schedule_lr × group['lr_mult']`` and ignores
-per-group ``max_lr``, so :func:`apply_multipliers` writes ``lr_mult = base_lr_mult × multiplier`` instead (version
-detected by whether ``megatron.core.optimizer.optimizer_config.ParamKey`` exists). That branch is only
-unit-tested with a fake ``param_groups`` list here (no 0.13–0.15 install on these machines).
+from the Megatron-LM patch set. The scheduler there sets ``lr = schedule(group max_lr/min_lr) × group['lr_mult']``
+(read in the 0.15.0 wheel), so :func:`apply_multipliers` writes the native per-group multiplier
+``lr_mult = base_lr_mult × multiplier`` instead of ``max_lr``/``min_lr`` (which also scales a warm-up from
+``init_lr > 0`` exactly). The version is detected by whether ``megatron.core.optimizer.optimizer_config.ParamKey``
+exists. That branch is only unit-tested with a fake ``param_groups`` list here (no 0.13–0.15 install on these
+machines).
 """
 from __future__ import annotations
 
@@ -125,7 +129,7 @@ import argparse
 import contextlib
 import functools
 import math
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 

@@ -1,0 +1,121 @@
+"""Per-rank checkpoints for our megatron-core entry point: model, optimizer, scheduler, RNG, monitor and MoLS.
+
+Layout: ``<dir>/iter_<step:07d>/rank<r:04d>.pt`` (plus ``distopt_rank<r:04d>.pt`` with the distributed
+optimizer's sharded state, written by DP rank 0 of each optimizer) and ``<dir>/latest_checkpointed_iteration.txt``,
+which moves only after every rank has written its file (a killed save never becomes "latest"). Resume needs the
+same parallel layout (it is recorded and checked); resharding is Megatron-LM's dist-checkpointing's job in a
+user's fork.
+
+Load order matters: optimizer → MoLS (rewrites each group's ``max_lr``/``min_lr``) → scheduler (recomputes the
+lrs from them). The distributed optimizer's parameter state is loaded through
+:func:`load_distributed_optimizer_state`, which works around two megatron-core 0.16.1 problems seen without
+TE/apex (see there).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+__all__ = ["load_checkpoint", "load_distributed_optimizer_state", "save_checkpoint"]
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def _rng_state() -> dict:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    return {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["torch"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _uses_distributed_optimizer(optimizer) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return any(isinstance(o, DistributedOptimizer) for o in getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def load_distributed_optimizer_state(optimizer, filename: str) -> None:
+    """``optimizer.load_parameter_state(filename)`` made to work with torch AdamW (megatron-core 0.16.1, no TE/apex).
+
+    * The fp32 shards are views of the model parameters, so the copy must run under ``no_grad``.
+    * ``_set_main_param_and_optimizer_states`` copies every key of the live AdamW state, including ``step``,
+      which the dp-zero file does not hold (``KeyError: 'step'``): set it aside and put it back — as one tensor
+      per parameter, because megatron's non-TE ``DistributedOptimizer.load_state_dict`` gives every parameter
+      the *same* step tensor, which torch AdamW's foreach path then increments once per parameter per step
+      (a wrong bias correction after a resume).
+    """
+    stash = []
+    for leaf in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(leaf, "optimizer", None)
+        for state in (inner.state.values() if inner is not None else ()):
+            if "step" in state:
+                stash.append((state, state.pop("step")))
+    try:
+        with torch.no_grad():
+            optimizer.load_parameter_state(filename)
+    finally:
+        for state, step in stash:
+            state["step"] = step.detach().clone()
+
+
+def save_checkpoint(save_dir, step: int, model, optimizer, scheduler, layout: dict, mech=None, mols=None) -> Path:
+    """Every rank writes its file; the tracker moves after a barrier. Returns the iteration directory."""
+    rank = torch.distributed.get_rank()
+    directory = Path(save_dir) / f"iter_{step:07d}"
+    directory.mkdir(parents=True, exist_ok=True)
+    if _uses_distributed_optimizer(optimizer):  # sharded optimizer state: written by DP rank 0 of each group
+        optimizer.save_parameter_state(str(directory / f"distopt_rank{rank:04d}.pt"))
+    state = {"iteration": step, "layout": layout, "model": model.state_dict(),
+             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state(),
+             "mech": mech.state_dict() if mech is not None else None,
+             "mols": mols.state_dict() if mols is not None else None}
+    tmp = directory / f".rank{rank:04d}.pt.tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, directory / f"rank{rank:04d}.pt")  # atomic: a file that exists is complete
+    torch.distributed.barrier()
+    if rank == 0:
+        (Path(save_dir) / TRACKER).write_text(str(step))
+    torch.distributed.barrier()
+    return directory
+
+
+def load_checkpoint(load_dir, model, optimizer, scheduler, layout: dict, mols=None,
+                    exit_on_missing: bool = False) -> tuple[int, Optional[dict]]:
+    """Restore this rank's state; returns ``(iteration, monitor state)`` or ``(0, None)`` if nothing is saved."""
+    tracker = Path(load_dir) / TRACKER
+    if not tracker.exists():
+        if exit_on_missing:
+            raise FileNotFoundError(f"--load {load_dir}: no {TRACKER}")
+        return 0, None
+    step = int(tracker.read_text().strip())
+    rank = torch.distributed.get_rank()
+    directory = Path(load_dir) / f"iter_{step:07d}"
+    path = directory / f"rank{rank:04d}.pt"
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # a clear message instead of a pickle traceback; the checkpoint is left untouched
+        raise RuntimeError(f"cannot read checkpoint file {path}: {exc}") from exc
+    if state.get("layout") != layout:
+        raise ValueError(f"checkpoint {directory} was written with parallel layout {state.get('layout')}, this run "
+                         f"is {layout}; per-rank checkpoints need the same layout")
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    if _uses_distributed_optimizer(optimizer):
+        load_distributed_optimizer_state(optimizer, str(directory / f"distopt_rank{rank:04d}.pt"))
+    if mols is not None and state.get("mols") is not None:
+        mols.load_state_dict(state["mols"])  # before the scheduler: it recomputes lrs from the groups
+    scheduler.load_state_dict(state["scheduler"])
+    _set_rng_state(state["rng"])
+    return step, state["mech"]
