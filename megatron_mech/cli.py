@@ -108,11 +108,99 @@ def _run_train(args: argparse.Namespace) -> int:
     return run_report(argparse.Namespace(run_dir=args.out, out=None, metrics=None))
 
 
+# ---------------------------------------------------------------------------------------------------
+# demo: a clean run and an attention-fault run, the alert timeline, a lead-time report
+# ---------------------------------------------------------------------------------------------------
+def _add_demo(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="runs/demo", help="demo directory (clean/, attention/, demo.md, demo.png)")
+    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--fault-start", type=int, default=300, help="after the detectors' 250-step baseline")
+    p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--quick", action="store_true",
+                   help="a ~2-minute smoke version (120 steps, short detector baseline) for CI")
+
+
+def _stream(cmd, env, prefix: str) -> int:
+    """Run a training command, echoing its progress/alert lines (prefixed) as they come."""
+    import subprocess
+
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tail = []
+    for line in proc.stdout:
+        tail = (tail + [line])[-40:]
+        if line.startswith(("[train]", "[mech]", "[fault]", "[eval]")):
+            print(f"{prefix} {line.rstrip()}", flush=True)
+    code = proc.wait()
+    if code:
+        print("".join(tail), file=sys.stderr)
+    return code
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    import json
+    import os
+    from pathlib import Path
+
+    from megatron_mech.attribution import alert_lines
+    from megatron_mech.detect import Alert
+    from megatron_mech.leadtime import FAULT_FLAGS, LEAD_MODEL, divergence_step, first_alert, plot_fault
+    from megatron_mech.sinks import read_jsonl
+
+    steps, start = (120, 60) if args.quick else (args.steps, args.fault_start)
+    detector = (["--mech-detector-warmup", "4", "--mech-detector-baseline", "6"] if args.quick else [])
+    out = Path(args.out)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    runs = {}
+    for name, fault in (("clean", []), ("attention", [*FAULT_FLAGS["attention"], "--mech-fault-start", str(start)])):
+        run_dir = out / name
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "-m", "megatron_mech.pretrain_gpt", *LEAD_MODEL, "--seed", str(args.seed), "--train-iters",
+               str(steps), "--save", str(run_dir), "--mech-on-alert", "checkpoint", *detector, *fault]
+        print(f"== {name} run ({steps} steps{', attention fault from step ' + str(start) if fault else ''}) ==",
+              flush=True)
+        if _stream(cmd, env, f"[{name}]"):
+            print(f"error: the {name} run failed", file=sys.stderr)
+            return 1
+        summary = json.loads((run_dir / "summary.json").read_text())
+        runs[name] = {"losses": summary["losses"], "alerts": [Alert.from_dict(a) for a in summary["alerts"]],
+                      "records": read_jsonl(run_dir / "mech.jsonl"), "seed": args.seed}
+        run_report(argparse.Namespace(run_dir=str(run_dir), out=None, metrics=None))
+
+    clean, faulty = runs["clean"], runs["attention"]
+    divergence = divergence_step(faulty["losses"], clean["losses"], 0.2)
+    firsts = {f: first_alert(faulty["alerts"], f) for f in ("attention", "router", "symptom")}
+    plot_fault(out / "demo.png", "attention", clean, faulty, start, divergence, firsts)
+    lines = ["# megatron-mech demo: an attention-precision fault, caught before the loss moves", "",
+             f"Two runs of the small MoE GPT (seed {args.seed}, {steps} steps), identical except that the second "
+             f"injects the biased bf16-rounding mechanism of FlashAttention's backward into layer 1 from step "
+             f"{start}. Loss divergence: the 20-step moving-average loss stays > 0.2 nats above the clean run.", "",
+             f"- clean run: {len(clean['alerts'])} alerts (false alarms)",
+             f"- fault on at step {start}; first attention alert at step {firsts['attention'] or '–'}; "
+             f"first router alert: {firsts['router'] or 'none'}; first symptom (loss/grad-norm) alert: "
+             f"{firsts['symptom'] or 'none'}; loss divergence: {divergence or 'not within the run'}"]
+    if divergence and firsts["attention"]:
+        lines.append(f"- **lead time of the attention monitors: {divergence - firsts['attention']} steps** "
+                     f"({100 * (firsts['attention'] - start) / max(1, divergence - start):.0f}% of the way from "
+                     f"fault onset to divergence)")
+    lines += ["", "## Alert timeline (attention-fault run)", ""]
+    lines += [f"- {line}" for line in alert_lines(faulty["alerts"])] or ["- no alerts"]
+    lines += ["", "![monitors vs loss](demo.png)", "",
+              "Per-run reports: `clean/report.md`, `attention/report.md`. The fault run saved a checkpoint at "
+              "its first alert (`attention/first_alert.json`)."]
+    (out / "demo.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"\nreport: {out / 'demo.md'}\nplot:   {out / 'demo.png'}")
+    return 0
+
+
 from megatron_mech.report import add_report_arguments, run_report  # noqa: E402  (cheap: no matplotlib/torch)
 
 SUBCOMMANDS: Dict[str, Subcommand] = {
     "prepare-data": Subcommand("build (or find) the embedded Shakespeare + KJV corpus as Megatron .bin/.idx",
                                _add_prepare_data, _run_prepare_data),
+    "demo": Subcommand("a clean and an attention-fault run of a small MoE GPT: alert timeline, lead time, plot",
+                       _add_demo, _run_demo),
     "train": Subcommand("train the small MoE GPT on this machine with the monitors on, then draw the report",
                         _add_train, _run_train),
     "report": Subcommand("plot a run's mech.jsonl (monitor series vs loss, alerts) and summarize it",

@@ -32,6 +32,8 @@ import torch
 from megatron_mech.integrations.megatron import MegatronMech, add_arguments, validate_parallel_sizes
 from megatron_mech.integrations.megatron_checkpoint import load_checkpoint, save_checkpoint
 from megatron_mech.integrations.megatron_mols import MegatronMoLS, add_mols_arguments
+from megatron_mech import faults
+from megatron_mech.attribution import alert_lines
 
 # megatron-core announces every missing GPU-only package (TE, apex) on every rank; the run's own log matters more.
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|apex|TE ).*")
@@ -92,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--exit-on-missing-checkpoint", action="store_true")
     add_arguments(p)
     add_mols_arguments(p)
+    faults.add_fault_arguments(p)
     return p
 
 
@@ -116,7 +119,7 @@ def check_args(args, world_size: int) -> None:
 
 
 # -------------------------------------------------------------------------------------------------- building
-def build_model(args):
+def build_model(args, fault=None):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
@@ -142,7 +145,10 @@ def build_model(args):
         activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
         add_bias_linear=not (args.num_experts or args.swiglu), hidden_dropout=0.0, attention_dropout=0.0,
         params_dtype=torch.float32, pipeline_dtype=torch.float32, **cpu_kwargs, **moe)
-    spec = get_gpt_layer_local_spec(num_experts=args.num_experts, normalization=args.normalization)
+    if fault is not None and fault.attention_enabled:  # megatron's local spec with the emulated FA2 attention
+        spec = faults.attention_fault_spec(args.num_experts, args.normalization, fault)
+    else:
+        spec = get_gpt_layer_local_spec(num_experts=args.num_experts, normalization=args.normalization)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
                      max_sequence_length=args.seq_length, position_embedding_type=args.position_embedding_type,
                      share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
@@ -259,6 +265,12 @@ def main(argv=None):
             print(msg, flush=True)
 
     check_args(args, world)  # raises on every rank alike, before any collective
+    fault = faults.FaultConfig.from_args(args)
+    fault.validate_for_model(args.num_layers, args.num_attention_heads)
+    args.global_batch_size = faults.effective_global_batch(
+        fault, args.global_batch_size, args.micro_batch_size, world // args.tensor_model_parallel_size)
+    if fault.kind != "none":
+        log(f"[fault] {fault.describe()}")
 
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -282,7 +294,7 @@ def main(argv=None):
     tp = args.tensor_model_parallel_size
     args.padded_vocab_size = int(math.ceil(tokenizer.vocab_size / (128 * tp)) * 128 * tp)
 
-    config, model = build_model(args)
+    config, model = build_model(args, fault)
     if cuda:
         model.cuda(torch.cuda.current_device())
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=args.use_distributed_optimizer,
@@ -329,7 +341,7 @@ def main(argv=None):
 
     tokens_per_step = args.global_batch_size * args.seq_length
     t_start, window_t, window_steps = time.perf_counter(), time.perf_counter(), 0
-    loss_history, step_seconds = [], []
+    loss_history, step_seconds, action = [], [], None
     for step in range(start_step + 1, args.train_iters + 1):
         step_started = time.perf_counter()
         mech.before_step(step)
@@ -337,20 +349,27 @@ def main(argv=None):
         mols.sample_step(iteration, forward_backward, forward_step,
                          (b for k in range(1_000_000) for b in train_sampler.micro_batches(args.train_iters + k)),
                          seq_length=args.seq_length, micro_batch_size=args.micro_batch_size)
+        faults.set_fault_step(step)  # the attention fault's modules read the step at backward time
         model.zero_grad_buffer()
         optimizer.zero_grad()
         micro = list(train_sampler.micro_batches(step - 1))
         out = forward_backward(forward_step_func=forward_step, data_iterator=iter(micro), model=[model],
                                num_microbatches=len(micro), seq_length=args.seq_length,
                                micro_batch_size=args.micro_batch_size, forward_only=False)
+        faults.apply_lr_fault(optimizer, step, fault)  # no-op unless an LR fault is active
         ok, grad_norm, _ = optimizer.step()
         mols.before_scheduler_step(iteration)  # multipliers for the next step, read by scheduler.step()
         scheduler.step(increment=1)
         loss = average_over([float(r["lm loss"]) for r in out], dp_group)
         lr = _base_lr(optimizer)
         loss_history.append(loss)
-        mech.after_step(step, loss=loss, lr=lr, grad_norm=float(grad_norm) if grad_norm is not None else None,
-                        extra={"tokens": step * tokens_per_step, **_mols_extra(mols, iteration)})
+        alerts = mech.after_step(step, loss=loss, lr=lr,
+                                 grad_norm=float(grad_norm) if grad_norm is not None else None,
+                                 extra={"tokens": step * tokens_per_step, **_mols_extra(mols, iteration)})
+        action = mech.alert_action(step, alerts)  # identical on every rank (decided collectively)
+        if action in ("checkpoint", "stop") and args.save:
+            directory = save_checkpoint(args.save, step, model, optimizer, scheduler, layout, mech=mech, mols=mols)
+            mech.record_alert_checkpoint(step, directory, args.save)
         step_seconds.append(time.perf_counter() - step_started)
         window_steps += 1
         if step % args.log_interval == 0 or step == args.train_iters:
@@ -368,15 +387,21 @@ def main(argv=None):
         if args.exit_interval and step % args.exit_interval == 0 and step < args.train_iters:
             log(f"[train] exit interval reached at step {step}")
             break
+        if action == "stop":
+            log(f"[train] stopping at step {step} on alert (--mech-on-alert stop)")
+            break
 
     final_step = step if args.train_iters > start_step else start_step
     val = evaluate(args, model, forward_backward, valid_sampler, fast_forward, dp_group)
     log(f"[eval] final validation loss {val:.4f} ppl {math.exp(min(val, 50)):.2f}")
-    if args.save and not (args.save_interval and final_step % args.save_interval == 0):
+    already_saved = (args.save_interval and final_step % args.save_interval == 0) or action == "stop"
+    if args.save and not already_saved:
         save_checkpoint(args.save, final_step, model, optimizer, scheduler, layout, mech=mech, mols=mols)
     elapsed = time.perf_counter() - t_start
     summary = {"final_step": final_step, "final_valid_loss": val, "losses": loss_history, "seconds": elapsed,
-               "step_seconds": step_seconds, "params_per_rank": n_params,
+               "step_seconds": step_seconds, "params_per_rank": n_params, "fault": fault.to_dict(),
+               "stopped_on_alert": action == "stop",
+               "attribution": alert_lines(mech.registry.alerts),
                "monitor_seconds": mech.evaluation_seconds,
                "monitor_breakdown": {**mech.seconds, "router_capture": mech.router.capture_seconds
                                      if mech.router is not None else 0.0}, "alerts": [a.to_dict() for a in mech.registry.alerts]}

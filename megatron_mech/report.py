@@ -451,6 +451,10 @@ def summarize_run(records: Sequence[Mapping[str, Any]], title: str | None = None
                         (f" — after the first symptom alert (step {sym.step})" if sym is not None
                          else " — no symptom alert yet"))
             lines.append(f"- **{fam}:** {a.describe()}{lead}")
+        from megatron_mech.attribution import alert_lines
+
+        lines += ["", "## Attribution (alerts grouped by subsystem and layer, earliest first)", ""]
+        lines += [f"- {line}" for line in alert_lines(alerts)]
         lines += ["", "## All alerts", "", "| step | family | metric | value | baseline | score | detail |",
                   "|---:|---|---|---:|---:|---:|---|"]
         limit = 50

@@ -30,6 +30,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from megatron_mech.attribution import alert_lines
 from megatron_mech.detect import Alert, DetectorRegistry, default_rules
 from megatron_mech.monitors.attention import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
 from megatron_mech.monitors.router import RouterLayer, RouterMonitor
@@ -65,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--mech-output-dir", default=None,
                        help="where mech.jsonl goes (default: --save, else ./runs/mech)")
     group.add_argument("--mech-wandb-project", default=None, help="also log to this W&B project")
+    group.add_argument("--mech-on-alert", choices=("log", "checkpoint", "stop"), default="log",
+                       help="on the first alert of a run: log only; save a checkpoint (with --save) and go on; or "
+                            "save and stop cleanly on every rank")
     group.add_argument("--mech-detector-warmup", type=int, default=None,
                        help="override the evaluations ignored before the baseline (default: per rule)")
     group.add_argument("--mech-detector-baseline", type=int, default=None,
@@ -90,8 +94,11 @@ class MechConfig:
     output_dir: Optional[str] = None
     wandb_project: Optional[str] = None
     detector_overrides: dict = field(default_factory=dict)
+    on_alert: str = "log"
 
     def __post_init__(self):
+        if self.on_alert not in ("log", "checkpoint", "stop"):
+            raise ValueError(f"--mech-on-alert must be log, checkpoint or stop, got {self.on_alert!r}")
         monitors = tuple(self.monitors)
         for special in ("none", "auto"):
             if special in monitors and len(monitors) > 1:
@@ -123,7 +130,7 @@ class MechConfig:
                    snapshot_device=args.mech_snapshot_device,
                    checkpoint_snapshots=not args.mech_no_checkpoint_snapshots,
                    output_dir=args.mech_output_dir, wandb_project=args.mech_wandb_project,
-                   detector_overrides=overrides)
+                   detector_overrides=overrides, on_alert=getattr(args, "mech_on_alert", "log"))
 
     def detector_rules(self):
         """The default rules with the command-line overrides applied to every rule."""
@@ -255,6 +262,8 @@ class MegatronMech:
             for layer, r in routers:
                 _wrap_gating(r, layer, self.router)
         self.last_alerts: list[Alert] = []
+        self.alert_callbacks: list[Callable[[int, list], None]] = []  # user hooks: fn(step, alerts), every rank
+        self.first_alert_step: Optional[int] = None
         self.seconds: dict[str, float] = {}  # wall time per monitor part (attention, router, detectors, output)
 
     @classmethod
@@ -325,8 +334,8 @@ class MegatronMech:
         self.last_alerts = alerts
         if self.logging_rank:
             with self._timed("output"):
-                for alert in alerts:
-                    self.printer(f"[mech] ALERT {alert.describe()}")
+                for line in alert_lines(alerts):  # one line per (family, layer), not per series
+                    self.printer(f"[mech] ALERT step {step}: {line}")
                 if self.sinks is not None:
                     from megatron_mech.sinks import make_record
 
@@ -334,6 +343,40 @@ class MegatronMech:
                                "grad_norm": float(grad_norm) if grad_norm is not None else math.nan}
                     self.sinks.write(make_record(step, scalars, metrics, alerts, extra=extra))
         return alerts
+
+    def alert_action(self, step: int, alerts: Sequence[Alert]) -> Optional[str]:
+        """What the trainer should do after this step: None, "log", "checkpoint" or "stop".
+
+        Acts on the run's *first* alert only. Whether anything fired is agreed with one tiny all-reduce on
+        evaluation steps, so every rank takes the same branch (saving and stopping are collective) even if a
+        rank's metrics differed in the last bit. User callbacks (``alert_callbacks``) run on every rank.
+        """
+        if not self.is_evaluation_step(step):
+            return None
+        fired = _any_rank(bool(alerts))
+        if not fired:
+            return None
+        for callback in self.alert_callbacks:
+            callback(step, list(alerts))
+        if self.first_alert_step is not None:
+            return "log"
+        self.first_alert_step = step
+        return self.config.on_alert
+
+    def record_alert_checkpoint(self, step: int, directory, save_dir) -> None:
+        """Write ``<save>/first_alert.json``: the alert step, its checkpoint, and the last checkpoint before it."""
+        if not self.logging_rank:
+            return
+        import json
+
+        earlier = sorted(int(p.name.split("_")[1]) for p in Path(save_dir).glob("iter_*") if p.is_dir()
+                         and int(p.name.split("_")[1]) < step)
+        record = {"step": step, "checkpoint": str(directory),
+                  "last_checkpoint_before_alert": earlier[-1] if earlier else None,
+                  "alerts": [a.to_dict() for a in self.last_alerts]}
+        (Path(save_dir) / "first_alert.json").write_text(json.dumps(record, indent=1))
+        self.printer(f"[mech] first alert at step {step}: checkpoint {directory}"
+                     + (f"; roll back to iter_{earlier[-1]:07d} (before the alert)" if earlier else ""))
 
     @contextlib.contextmanager
     def _timed(self, part: str):
@@ -355,7 +398,7 @@ class MegatronMech:
 
     # -------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict:
-        return {"version": 1,
+        return {"version": 1, "first_alert_step": self.first_alert_step,
                 "attention": self.attention.state_dict() if self.attention is not None else None,
                 "router": self.router.state_dict() if self.router is not None else None,
                 "detectors": self.registry.state_dict()}
@@ -368,6 +411,7 @@ class MegatronMech:
         if self.router is not None:
             self.router.load_state_dict(state.get("router"))
         self.registry.load_state_dict(state["detectors"])
+        self.first_alert_step = state.get("first_alert_step")
 
 
 def _any_rank(flag: bool) -> bool:

@@ -1,0 +1,80 @@
+"""Turn raw alerts into statements a person can act on: which subsystem, where, since when.
+
+Alerts arrive one per series (per layer, head, term). A collapsing attention layer fires a dozen of them within
+a few evaluations; a reader wants one line: "attention-precision fault suspected in layer 1, heads 0, 1 and 2
+(Δ2 spectral entropy 0.05 vs baseline 0.28, since step 365)". This module groups alerts by family and layer,
+keeps the earliest step, names the heads/experts involved, and quotes the strongest first-order evidence.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable, Sequence
+
+from megatron_mech.detect import Alert
+
+__all__ = ["FAMILY_DIAGNOSIS", "summarize_alerts", "alert_lines"]
+
+FAMILY_DIAGNOSIS = {
+    "attention": "attention-precision fault suspected",
+    "router": "router collapse suspected",
+    "symptom": "training symptom",
+}
+# Which metric to quote first for a group: the first-order QK term is the paper's primary signal.
+_PREFERENCE = ("delta2_entropy", "dwq_entropy", "dwk_entropy", "delta1_entropy", "delta3_entropy",
+               "entropy_mean", "load_entropy", "mean_cosine", "low_entropy_frac", "loss", "grad_norm")
+_PRETTY = {"delta1_entropy": "Δ1 spectral entropy", "delta2_entropy": "Δ2 spectral entropy",
+           "delta3_entropy": "Δ3 spectral entropy", "dwq_entropy": "ΔW_Q spectral entropy",
+           "dwk_entropy": "ΔW_K spectral entropy", "entropy_mean": "routing entropy",
+           "load_entropy": "expert-load entropy", "mean_cosine": "router-row cosine similarity",
+           "low_entropy_frac": "low-entropy token fraction", "loss": "loss", "grad_norm": "grad-norm"}
+
+
+def _kind(metric: str) -> str:
+    return metric.rsplit("/", 1)[-1]
+
+
+def _rank(alert: Alert) -> tuple:
+    kind = _kind(alert.metric)
+    return (_PREFERENCE.index(kind) if kind in _PREFERENCE else len(_PREFERENCE), alert.step, -alert.score)
+
+
+def _join(items: Sequence) -> str:
+    items = [str(i) for i in items]
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def summarize_alerts(alerts: Iterable[Alert]) -> list[dict]:
+    """One entry per (family, layer), earliest first: family, layer, heads, experts, first step, the quoted
+    alert (metric, value, baseline, score) and the number of alerts grouped."""
+    groups: dict = defaultdict(list)
+    for alert in alerts:
+        groups[(alert.family, alert.detail.get("layer"))].append(alert)
+    out = []
+    for (family, layer), members in groups.items():
+        quoted = min(members, key=_rank)
+        heads = sorted({a.detail["head"] for a in members if "head" in a.detail})
+        experts = sorted({a.detail["expert"] for a in members if "expert" in a.detail})
+        out.append({"family": family, "layer": layer, "heads": heads, "experts": experts,
+                    "first_step": min(a.step for a in members), "metric": quoted.metric,
+                    "value": quoted.value, "baseline": quoted.baseline, "score": quoted.score, "count": len(members)})
+    return sorted(out, key=lambda g: (g["first_step"], g["family"], g["layer"] if g["layer"] is not None else -1))
+
+
+def describe_group(group: dict) -> str:
+    where = []
+    if group["layer"] is not None:
+        where.append(f"layer {group['layer']}")
+    if group["heads"]:
+        where.append(("head " if len(group["heads"]) == 1 else "heads ") + _join(group["heads"]))
+    if group["family"] == "router" and group["experts"]:
+        where.append("busiest expert " + _join(group["experts"]))
+    kind = _kind(group["metric"])
+    evidence = (f"{_PRETTY.get(kind, kind)} {group['value']:.3g} vs baseline {group['baseline']:.3g}, "
+                f"score {group['score']:.1f}, since step {group['first_step']}")
+    head = FAMILY_DIAGNOSIS.get(group["family"], group["family"])
+    return f"{head}{' in ' + ', '.join(where) if where else ''} ({evidence})"
+
+
+def alert_lines(alerts: Iterable[Alert]) -> list[str]:
+    """Human lines, one per (family, layer) group."""
+    return [describe_group(g) for g in summarize_alerts(alerts)]

@@ -1,0 +1,28 @@
+"""Alert grouping and the human attribution lines."""
+from megatron_mech.attribution import alert_lines, summarize_alerts
+from megatron_mech.detect import Alert
+
+
+def alert(metric, family, step, value, baseline, score, **detail):
+    return Alert(metric, family, step, value, baseline, score, detail)
+
+
+def test_groups_by_family_and_layer_and_quotes_first_order_term():
+    alerts = [
+        alert("attn/layer1/head3/delta3_entropy", "attention", 140, 0.02, 0.3, 9.0, layer=1, head=3, term="delta3"),
+        alert("attn/layer1/head5/delta2_entropy", "attention", 150, 0.41, 0.83, 7.0, layer=1, head=5, term="delta2"),
+        alert("attn/layer1/head3/delta2_entropy", "attention", 140, 0.40, 0.80, 8.0, layer=1, head=3, term="delta2"),
+        alert("attn/layer1/dwq_entropy", "attention", 160, 0.2, 0.45, 7.5, layer=1, matrix="q"),
+        alert("router/layer0/load_entropy", "router", 300, 0.7, 0.99, 6.5, layer=0, expert=2, expert_load=0.6),
+        alert("symptom/loss", "symptom", 500, 6.0, 5.0, 12.0),
+    ]
+    groups = summarize_alerts(alerts)
+    assert [(g["family"], g["layer"]) for g in groups] == [("attention", 1), ("router", 0), ("symptom", None)]
+    attention = groups[0]
+    assert attention["heads"] == [3, 5] and attention["first_step"] == 140 and attention["count"] == 4
+    assert attention["metric"] == "attn/layer1/head3/delta2_entropy"  # Δ2 quoted before Δ3 and ΔW
+    lines = alert_lines(alerts)
+    assert lines[0] == ("attention-precision fault suspected in layer 1, heads 3 and 5 "
+                        "(Δ2 spectral entropy 0.4 vs baseline 0.8, score 8.0, since step 140)")
+    assert lines[1].startswith("router collapse suspected in layer 0, busiest expert 2 (expert-load entropy 0.7")
+    assert lines[2].startswith("training symptom (loss 6 vs baseline 5")

@@ -1,0 +1,34 @@
+"""The one divergence definition and the first-alert bookkeeping of the lead-time benchmark and the demo."""
+import math
+
+from megatron_mech.detect import Alert
+from megatron_mech.leadtime import divergence_step, first_alert, moving_average, peak_score
+
+
+def test_moving_average_matches_direct_window_mean():
+    values = [float(i * i % 7) for i in range(50)]
+    ma = moving_average(values, window=20)
+    for i in range(50):
+        window = values[max(0, i - 19):i + 1]
+        assert math.isclose(ma[i], sum(window) / len(window))
+
+
+def test_divergence_is_first_step_staying_above_clean_plus_margin():
+    clean = [2.0] * 100
+    # a spike that comes back down is not a divergence; a lasting rise is, from where the MA crosses for good
+    spike = [2.0] * 40 + [9.0] * 3 + [2.0] * 57
+    assert divergence_step(spike, clean, 0.5) is None
+    rise = [2.0] * 60 + [3.0] * 40
+    # MA over 20 steps exceeds 2.5 once more than 10 of the last 20 values are 3.0: step 71 (1-based)
+    assert divergence_step(rise, clean, 0.5) == 71
+    assert divergence_step([2.0, 2.0, math.inf, 2.0], clean[:4], 0.5) == 3
+
+
+def test_first_alert_and_peak_by_family_and_pattern():
+    alerts = [Alert("attn/layer1/head0/delta2_entropy", "attention", 120, 0.1, 0.3, 7.0),
+              Alert("attn/layer1/dwq_entropy", "attention", 140, 0.1, 0.4, 9.0),
+              Alert("router/layer0/entropy_mean", "router", 90, 1.0, 1.3, 6.5)]
+    assert first_alert(alerts, "attention") == 120
+    assert first_alert(alerts, pattern="/dw") == 140
+    assert first_alert(alerts, "router", after=100) is None
+    assert peak_score(alerts, "attention") == 9.0 and peak_score(alerts, "symptom") is None
