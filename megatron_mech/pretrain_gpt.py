@@ -402,7 +402,8 @@ def main(argv=None):
                "step_seconds": step_seconds, "params_per_rank": n_params, "fault": fault.to_dict(),
                "stopped_on_alert": action == "stop",
                "attribution": alert_lines(mech.registry.alerts),
-               "monitor_seconds": mech.evaluation_seconds,
+               "monitor_seconds": mech.evaluation_seconds, "mols_seconds": mols.seconds,
+               "final_mols": mols.metrics(final_step - 1) if final_step else {},
                "monitor_breakdown": {**mech.seconds, "router_capture": mech.router.capture_seconds
                                      if mech.router is not None else 0.0}, "alerts": [a.to_dict() for a in mech.registry.alerts]}
     if is_last:

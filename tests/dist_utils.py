@@ -1,15 +1,20 @@
-"""Launch real multi-process jobs (torchrun + gloo) from tests, always under a timeout.
+"""Launch real multi-process jobs (torchrun + gloo, or a ``--jobs FILE`` worker) from tests, always under a timeout.
 
-A hung collective must fail the test, not stall CI: ``run_torchrun`` kills the whole process group on timeout.
+A hung collective must fail the test, not stall CI: ``run_torchrun`` and ``run_worker_jobs`` kill the whole
+process group on timeout.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,3 +63,40 @@ def run_torchrun(script: str | os.PathLike, *args: str, nproc: int = 2, timeout:
     if failed:
         raise AssertionError(f"torchrun failed\n{joined[-12000:]}")
     return subprocess.CompletedProcess(args=[str(script)], returncode=0, stdout=joined)
+
+
+def run_worker_jobs(worker: str | os.PathLike, jobs: list[dict], timeout: float) -> dict[str, dict]:
+    """Run ``python worker --jobs FILE`` on ``jobs`` (job dicts, each with a unique "id") and return the worker's
+    ``@@JOB {json}`` results by id.
+
+    The worker (e.g. a fork runner, tests/workers/fork_runner.py) runs in its own session with one CPU thread
+    and no GPU; on timeout the whole session is killed and the test fails. Fails unless the worker exits 0 with
+    exactly one result per job.
+    """
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(jobs, f)
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.Popen([sys.executable, str(worker), "--jobs", f.name], env=env, cwd=REPO_ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out, _ = proc.communicate()
+        pytest.fail(f"{Path(worker).name} --jobs timed out after {timeout}s\n{out[-6000:]}")
+    finally:
+        os.unlink(f.name)
+    found = {}
+    for line in out.splitlines():
+        if line.startswith("@@JOB "):
+            job = json.loads(line[len("@@JOB "):])
+            found[job["id"]] = job
+    ids = {j["id"] for j in jobs}
+    missing, unexpected = ids - set(found), set(found) - ids
+    assert not missing and not unexpected and proc.returncode == 0, \
+        f"{Path(worker).name} rc={proc.returncode}, missing {missing}, unexpected {unexpected}\n{out[-6000:]}"
+    return found

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from megatron_mech import faults as F
-from dist_utils import REPO_ROOT, run_torchrun
+from dist_utils import REPO_ROOT, run_torchrun, run_worker_jobs
 
 WORKER = REPO_ROOT / "tests" / "workers" / "faults_worker.py"
 TRAIN_JOB = {"id": "train", "steps": 100, "start": 20, "gamma": 0.1, "window": 20, "lr": 3e-3, "seed": 0}
@@ -297,18 +297,8 @@ def test_importing_faults_does_not_import_megatron():
 @pytest.fixture(scope="module")
 def megatron_results():
     pytest.importorskip("megatron.core")
-    jobs = ["core_match", "gpt_selectivity", "lr_scheduler", TRAIN_JOB]
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    proc = subprocess.run([sys.executable, str(WORKER), "--jobs", json.dumps(jobs)], capture_output=True,
-                          text=True, timeout=240, env=env, cwd=REPO_ROOT)
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("@@JOB "):
-            job = json.loads(line[len("@@JOB "):])
-            results[job["id"]] = job
-    assert proc.returncode == 0 and len(results) == len(jobs), (proc.stdout[-3000:], proc.stderr[-3000:])
-    return results
+    jobs = [{"id": "core_match"}, {"id": "gpt_selectivity"}, {"id": "lr_scheduler"}, TRAIN_JOB]
+    return run_worker_jobs(WORKER, jobs, timeout=240)
 
 
 def _result(results, name):

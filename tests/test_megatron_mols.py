@@ -26,18 +26,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
 import statistics
-import subprocess
-import sys
-import tempfile
 
 import pytest
 
 pytest.importorskip("megatron.core")
 
-from dist_utils import REPO_ROOT  # noqa: E402
+from dist_utils import REPO_ROOT, run_worker_jobs  # noqa: E402
 
 WORKER = REPO_ROOT / "tests" / "workers" / "mols_worker.py"
 RUNNER_TIMEOUT = 420
@@ -85,28 +80,7 @@ for _s in SEEDS:
 
 @pytest.fixture(scope="module")
 def results():
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(JOBS, f)
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    proc = subprocess.Popen([sys.executable, str(WORKER), "--jobs", f.name], env=env, cwd=REPO_ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=RUNNER_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"fork runner timed out after {RUNNER_TIMEOUT}s\n{out[-6000:]}")
-    finally:
-        os.unlink(f.name)
-    found = {}
-    for line in out.splitlines():
-        if line.startswith("@@JOB "):
-            job = json.loads(line[len("@@JOB "):])
-            found[job["id"]] = job
-    missing = {j["id"] for j in JOBS} - set(found)
-    assert not missing and proc.returncode == 0, f"runner rc={proc.returncode}, missing {missing}\n{out[-6000:]}"
-    return found
+    return run_worker_jobs(WORKER, JOBS, RUNNER_TIMEOUT)
 
 
 def _ranks(results, job_id):

@@ -73,9 +73,10 @@ def assert_complete_records(run: dict, layers: int, heads: int, moe: bool, steps
 @pytest.fixture(scope="module")
 def dense_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dense")
-    return {"tp1": train(tmp, "tp1", 1, "--mech-monitors", "attention"),
-            "tp2": train(tmp, "tp2", 2, "--mech-monitors", "attention", "--tensor-model-parallel-size", "2"),
-            "dp2": train(tmp, "dp2", 2, "--mech-monitors", "attention")}
+    flags = ["--mech-monitors", "attention", "--mech-all-linears"]
+    return {"tp1": train(tmp, "tp1", 1, *flags),
+            "tp2": train(tmp, "tp2", 2, *flags, "--tensor-model-parallel-size", "2"),
+            "dp2": train(tmp, "dp2", 2, *flags)}
 
 
 def test_dense_loss_falls_and_every_layer_and_head_is_recorded(dense_runs):
@@ -89,7 +90,11 @@ def test_tp2_global_spectra_equal_tp1(dense_runs):
     tp1, tp2 = dense_runs["tp1"], dense_runs["tp2"]
     loss_gap = max(abs(a - b) for a, b in zip(tp1["summary"]["losses"], tp2["summary"]["losses"]))
     assert loss_gap < 1e-4
-    for pattern in ("_entropy", "dwq_stable_rank", "dwk_fro"):
+    # every dense linear too: attention output and MLP fc1/fc2 are split across TP (rows or columns)
+    linear = series(tp1, "linear/")
+    assert {k for _, k in linear} >= {f"linear/layer{i}/{n}/dw_entropy" for i in range(2)
+                                      for n in ("linear_proj", "linear_fc1", "linear_fc2")}
+    for pattern in ("_entropy", "dwq_stable_rank", "dwk_fro", "linear/"):
         worst = assert_same_series(tp1, tp2, pattern, TRAINING_TOL)
         print(f"TP2 vs TP1 {pattern}: max |diff| {worst:.2e} (loss gap {loss_gap:.1e})")
 

@@ -58,6 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        default=["delta1", "delta2", "delta3"], help="QK-increment terms to compute per head")
     group.add_argument("--mech-qk-method", choices=("gram", "qr"), default="gram",
                        help="core of the compressed QK spectra (gram: float64 Grams + eigh; qr: thin QR)")
+    group.add_argument("--mech-all-linears", action="store_true",
+                       help="also ΔW spectra of every dense linear (attention output, MLP fc1/fc2), exact across TP")
     group.add_argument("--mech-snapshot-device", choices=("cpu", "device"), default="cpu",
                        help="where the W_{t-δ} snapshots live (cpu: host memory, no accelerator memory)")
     group.add_argument("--mech-no-checkpoint-snapshots", action="store_true",
@@ -91,6 +93,7 @@ class MechConfig:
     qk_method: str = "gram"
     snapshot_device: str = "cpu"
     checkpoint_snapshots: bool = True
+    all_linears: bool = False
     output_dir: Optional[str] = None
     wandb_project: Optional[str] = None
     detector_overrides: dict = field(default_factory=dict)
@@ -129,6 +132,7 @@ class MechConfig:
                    dw_scope=args.mech_dw_scope, qk_terms=tuple(args.mech_qk_terms), qk_method=args.mech_qk_method,
                    snapshot_device=args.mech_snapshot_device,
                    checkpoint_snapshots=not args.mech_no_checkpoint_snapshots,
+                   all_linears=bool(getattr(args, "mech_all_linears", False)),
                    output_dir=args.mech_output_dir, wandb_project=args.mech_wandb_project,
                    detector_overrides=overrides, on_alert=getattr(args, "mech_on_alert", "log"))
 
@@ -193,6 +197,28 @@ def find_attention_layers(model_chunks: Sequence[torch.nn.Module]) -> list[Atten
     return sorted(found, key=lambda spec: spec.layer)
 
 
+def find_dense_linears(model_chunks: Sequence[torch.nn.Module]) -> dict:
+    """``{"layer{L}/<name>": (weight shard, shard_dim)}`` for the dense linears of every transformer layer:
+    attention output (RowParallel: split on dim 1) and MLP fc1 (ColumnParallel: dim 0) / fc2 (RowParallel: dim 1).
+    MoE experts are left out: each expert-parallel rank holds different experts, so they are not one matrix."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    found = {}
+    for chunk in model_chunks:
+        for layer in _unwrap(chunk).modules():
+            if not isinstance(layer, TransformerLayer):
+                continue
+            candidates = {"linear_proj": getattr(layer.self_attention, "linear_proj", None),
+                          "linear_fc1": getattr(layer.mlp, "linear_fc1", None),
+                          "linear_fc2": getattr(layer.mlp, "linear_fc2", None)}
+            for name, module in candidates.items():
+                if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                    dim = 0 if isinstance(module, ColumnParallelLinear) else 1
+                    found[f"layer{layer.layer_number - 1}/{name}"] = (module.weight, dim)
+    return dict(sorted(found.items()))
+
+
 def find_routers(model_chunks: Sequence[torch.nn.Module]) -> list[tuple[int, torch.nn.Module]]:
     """``(layer index, TopKRouter)`` for every MoE layer on this rank."""
     from megatron.core.transformer.moe.router import TopKRouter
@@ -250,7 +276,8 @@ class MegatronMech:
                 qk_method=config.qk_method,
                 snapshot_device="cpu" if config.snapshot_device == "cpu" or not torch.cuda.is_available()
                 else f"cuda:{torch.cuda.current_device()}",
-                save_snapshots=config.checkpoint_snapshots), tp_group=tp_group)
+                save_snapshots=config.checkpoint_snapshots), tp_group=tp_group,
+                extra_linears=find_dense_linears(model_chunks) if config.all_linears else None)
         if "router" in config.monitors:
             routers = find_routers(model_chunks)
             # Every rank joins this check (a collective), so every rank raises the same clear error.

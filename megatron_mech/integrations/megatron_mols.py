@@ -129,6 +129,7 @@ import argparse
 import contextlib
 import functools
 import math
+import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -662,6 +663,8 @@ class _DisabledMoLS:
     def table(self, *a, **k):
         return ""
 
+    seconds = 0.0
+
     def state_dict(self):
         return {}
 
@@ -741,6 +744,7 @@ class MegatronMoLS:
         self.optimizer = None
         self.last_observation: Optional[dict] = None
         self._config_overrides = None
+        self.seconds = 0.0  # wall time spent measuring and applying (overhead accounting, benchmarks)
 
     # -- construction helpers
     @classmethod
@@ -869,7 +873,9 @@ class MegatronMoLS:
                 return forward_step_func(*args, **kwargs)
             self._fwd_count += 1
             if self._fwd_count == 2 and self.controller.in_window(self._iteration):
+                started = time.perf_counter()
                 self._snap = self._reader.local("pre")
+                self.seconds += time.perf_counter() - started
             return forward_step_func(*args, **kwargs)
 
         forward_step._mols_wrapped = True
@@ -882,10 +888,14 @@ class MegatronMoLS:
                 return real(*args, **kwargs)
             it = self._iteration
             active = self.controller.in_window(it)
+            started = time.perf_counter()
             pre = self._reader.local("pre") if active and self.route == "dp" else None
+            self.seconds += time.perf_counter() - started
             out = real(*args, **kwargs)
             if active:
+                started = time.perf_counter()
                 self._observe(it, pre)
+                self.seconds += time.perf_counter() - started
             self._fwd_count, self._snap = 0, None
             return out
 
@@ -1015,10 +1025,12 @@ class MegatronMoLS:
             raise RuntimeError(f"MoLS: no gradient statistics were taken for iteration {it}: the finalize wrapper "
                                "did not run (was config.finalize_model_grads_func replaced after mols.install()? "
                                f"is iteration={it} the iteration that just ran?)")
+        started = time.perf_counter()
         if self.controller.maybe_finalize(it):
             self._announce()
         self._iteration = it + 1
         self.apply(self._iteration)
+        self.seconds += time.perf_counter() - started
 
     # -- reporting and state
     @property

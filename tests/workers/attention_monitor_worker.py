@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from megatron_mech.layouts import qkv_partition_sizes
 from megatron_mech.monitors import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
+from verdict import finish  # tests/workers/, the script's directory
 
 D_MODEL, HEAD_DIM, FFN, TP = 16, 4, 24, 2
 LAYERS = {0: (4, 2), 3: (4, 4)}          # layer -> (heads, groups), full model
@@ -248,17 +249,7 @@ def main() -> int:
     raises(lambda: AttentionMonitor(layers, AttentionMonitorConfig(interval=INTERVAL + rank)), "interval",
            "interval mismatch")
 
-    for e in errors:
-        print(f"rank {rank}: {e}", flush=True)
-    failed = torch.tensor([len(errors)], dtype=torch.int64)
-    real["all_reduce"](failed)
-    dist.destroy_process_group()
-    if failed.item():
-        print(f"rank {rank}: ATTENTION_MONITOR FAIL ({failed.item()} errors over all ranks)", flush=True)
-        return 1
-    if rank == 0:
-        print(f"ATTENTION_MONITOR PASS (TP={world}, {n_evals} evaluations)", flush=True)
-    return 0
+    return finish(errors, "ATTENTION_MONITOR", f"TP={world}, {n_evals} evaluations", real["all_reduce"])
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Real megatron-core checks of megatron_mech.faults, for tests/test_faults.py (single process, CPU/gloo).
 
-    python tests/workers/faults_worker.py --jobs '["core_match", "gpt_selectivity", "lr_scheduler", "train"]'
+    python tests/workers/faults_worker.py --jobs JOBS.json   # JOBS.json: ["core_match", "lr_scheduler", ...]
     torchrun --nproc_per_node=2 tests/workers/faults_worker.py --tp2      # TP=2 head mapping, "@@RANK {json}"
 
 Imports megatron once, initialises a 1-rank gloo group + ``initialize_model_parallel()`` + the CPU shims (in this
@@ -13,7 +13,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import sys
 import time
 import traceback
@@ -25,14 +24,9 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 import torch  # noqa: E402
+from fork_runner import free_port  # noqa: E402  (tests/workers/, the script's directory)
 
 SEQ, VOCAB, MBS = 32, 128, 4
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _setup():
@@ -42,7 +36,7 @@ def _setup():
     from megatron_mech.integrations import megatron_cpu as mcpu
 
     mcpu.apply_cpu_shims()
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                                          world_size=1, timeout=timedelta(seconds=60))
     from megatron.core import parallel_state as ps
 
@@ -408,7 +402,7 @@ def torchrun_tp2():
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--jobs", help="JSON list of job names or {'id': name, ...options}")
+    parser.add_argument("--jobs", help="JSON file: a list of job names or {'id': name, ...options}")
     parser.add_argument("--tp2", action="store_true", help="run the TP=2 job (under torchrun, 2 ranks)")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -416,7 +410,9 @@ def main():
         torchrun_tp2()
         return
     _setup()
-    for job in json.loads(args.jobs):
+    with open(args.jobs) as f:
+        jobs = json.load(f)
+    for job in jobs:
         opts = job if isinstance(job, dict) else {"id": job}
         t0 = time.perf_counter()
         try:

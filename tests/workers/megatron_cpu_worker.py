@@ -5,9 +5,9 @@ Two ways to run it:
 * under torchrun (env:// rendezvous):
     ``torchrun --nproc_per_node=2 tests/workers/megatron_cpu_worker.py --spec '{"scenario": "moe", "ep": 2}'``
   rank 0 prints one ``@@RESULT {json}`` line.
-* ``--jobs FILE``: a *fork runner*. It imports torch + megatron-core once, then for every job forks ``nproc``
-  children that each init a gloo group over tcp://127.0.0.1, apply the shims (minus the job's ``exclude``)
-  and run the job. This costs one interpreter start + import for the whole test matrix instead of one per
+* ``--jobs FILE``: a *fork runner* (``fork_runner.py``). It imports torch + megatron-core once, then for every
+  job forks ``nproc`` children that each init a gloo group over tcp://127.0.0.1, apply the shims (minus the job's
+  ``exclude``) and run the job. This costs one interpreter start + import for the whole test matrix instead of one per
   job (2 cores). Every job has a timeout; when one rank fails or time runs out, the other ranks are killed.
   Prints one ``@@JOB {json}`` line per job: {"id", "ok", "timed_out", "ranks": [per-rank result]}.
 
@@ -19,12 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import sys
-import tempfile
 import time
-import traceback
 from datetime import timedelta
 from functools import partial
 
@@ -33,6 +29,7 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 import torch  # noqa: E402
+from fork_runner import fork_runner  # noqa: E402  (tests/workers/, the script's directory)
 
 SEQ, VOCAB, MBS = 32, 128, 4
 
@@ -185,107 +182,6 @@ def run_spec(spec: dict) -> dict:
     return run_training(spec)
 
 
-# ---------------------------------------------------------------------------------------------------- fork runner
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _child(job: dict, rank: int, nproc: int, port: int, result_path: str, log_path: str) -> None:
-    """Runs in a forked child; never returns."""
-    code = 1
-    try:
-        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(log_fd, 1)
-        os.dup2(log_fd, 2)
-        os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-        result = {"rank": rank}
-        try:
-            if job.get("scenario") != "idempotence":
-                torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                                     rank=rank, world_size=nproc,
-                                                     timeout=timedelta(seconds=120))
-            result.update(ok=True, **run_spec(job))
-            code = 0
-        except BaseException as e:  # report any failure, incl. AssertionError / NameError
-            result.update(ok=False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-5000:])
-        with open(result_path, "w") as f:
-            json.dump(result, f)
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
-def _run_job(job: dict, workdir: str) -> dict:
-    nproc = int(job.get("nproc", 1))
-    timeout = float(job.get("timeout", 90))
-    port = _free_port()
-    paths = [(os.path.join(workdir, f"{job['id']}.{r}.json"), os.path.join(workdir, f"{job['id']}.{r}.log"))
-             for r in range(nproc)]
-    for result_path, _ in paths:  # no stale result from a previous attempt
-        if os.path.exists(result_path):
-            os.remove(result_path)
-    t0 = time.monotonic()
-    pids = []
-    for rank in range(nproc):
-        pid = os.fork()
-        if pid == 0:
-            _child(job, rank, nproc, port, *paths[rank])
-        pids.append(pid)
-    alive, failed, timed_out = set(pids), False, False
-    while alive:
-        for pid in list(alive):
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                alive.discard(pid)
-                failed |= status != 0
-        if alive and (failed or time.monotonic() - t0 > timeout):
-            timed_out = not failed
-            for pid in alive:  # only the children this runner forked
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            for pid in alive:
-                os.waitpid(pid, 0)
-            alive.clear()
-        time.sleep(0.02)
-    ranks = []
-    for rank, (result_path, log_path) in enumerate(paths):
-        if os.path.exists(result_path):
-            with open(result_path) as f:
-                ranks.append(json.load(f))
-        else:
-            tail = ""
-            if os.path.exists(log_path):
-                with open(log_path, errors="replace") as f:
-                    tail = f.read()[-2000:]
-            ranks.append({"rank": rank, "ok": False, "error": "killed (no result)", "log_tail": tail})
-    return {"id": job["id"], "ok": all(r.get("ok") for r in ranks) and not timed_out, "timed_out": timed_out,
-            "wall_s": round(time.monotonic() - t0, 2), "ranks": ranks}
-
-
-def _port_stolen(result: dict) -> bool:
-    return any("Address already in use" in r.get("error", "") or "EADDRINUSE" in r.get("error", "")
-               for r in result["ranks"])
-
-
-def fork_runner(jobs_file: str) -> None:
-    with open(jobs_file) as f:
-        jobs = json.load(f)
-    torch.set_num_threads(1)
-    _import_megatron()  # once, inherited by every forked child
-    with tempfile.TemporaryDirectory(prefix="megatron_cpu_jobs_") as workdir:
-        for job in jobs:
-            result = _run_job(job, workdir)
-            if not result["ok"] and _port_stolen(result):  # another process took the free port: once more
-                result = _run_job(job, workdir)
-            print("@@JOB " + json.dumps(result), flush=True)
-
-
 def torchrun_main(spec: dict) -> None:
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=120))
@@ -302,6 +198,7 @@ if __name__ == "__main__":
     parser.add_argument("--jobs", help="JSON file with a list of job specs (fork-runner mode)")
     args = parser.parse_args()
     if args.jobs:
-        fork_runner(args.jobs)
+        fork_runner(args.jobs, run_spec, import_once=_import_megatron, tmp_prefix="megatron_cpu_jobs_",
+                    init_group=lambda job: job.get("scenario") != "idempotence")
     else:
         torchrun_main(json.loads(args.spec or "{}"))

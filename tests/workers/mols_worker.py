@@ -1,8 +1,8 @@
 """Real megatron-core training with MoLS on CPU/gloo, for tests/test_megatron_mols.py.
 
-A fork runner (the pattern of ``megatron_cpu_worker.py``): ``--jobs FILE`` imports torch + megatron-core once,
-then for every job forks ``nproc`` gloo ranks that run it; one ``@@JOB {json}`` line per job with every rank's
-result. Each job has a timeout; when a rank fails or time runs out, the others are killed.
+A fork runner (``fork_runner.py``, shared with ``megatron_cpu_worker.py``): ``--jobs FILE`` imports torch +
+megatron-core once, then for every job forks ``nproc`` gloo ranks that run it; one ``@@JOB {json}`` line per job
+with every rank's result. Each job has a timeout; when a rank fails or time runs out, the others are killed.
 
 Job kinds (``kind``):
 * ``train``   — train a tiny GPT (dense or MoE) with MoLS; record every iteration's per-group lrs, the base lr of
@@ -24,16 +24,11 @@ from __future__ import annotations
 import argparse
 import copy
 import io
-import json
 import os
-import signal
-import socket
 import sys
 import tempfile
 import time
-import traceback
 import warnings
-from datetime import timedelta
 from functools import partial
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -41,6 +36,7 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 import torch  # noqa: E402
+from fork_runner import fork_runner  # noqa: E402  (tests/workers/, the script's directory)
 
 SEQ, VOCAB, MBS = 32, 128, 4
 
@@ -468,106 +464,8 @@ def run_spec(spec: dict) -> dict:
     return KINDS[spec.get("kind", "train")](spec)
 
 
-# ------------------------------------------------------------------------------------------------ fork runner
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _child(job: dict, rank: int, nproc: int, port: int, result_path: str, log_path: str) -> None:
-    """Runs in a forked child; never returns."""
-    code = 1
-    try:
-        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(log_fd, 1)
-        os.dup2(log_fd, 2)
-        os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-        result = {"rank": rank}
-        try:
-            torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                                 world_size=nproc, timeout=timedelta(seconds=120))
-            result.update(ok=True, **run_spec(job))
-            code = 0
-        except BaseException as e:  # report any failure
-            result.update(ok=False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-5000:])
-        with open(result_path, "w") as f:
-            json.dump(result, f, default=float)
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
-def _run_job(job: dict, workdir: str) -> dict:
-    nproc = int(job.get("nproc", 1))
-    timeout = float(job.get("timeout", 90))
-    port = _free_port()
-    paths = [(os.path.join(workdir, f"{job['id']}.{r}.json"), os.path.join(workdir, f"{job['id']}.{r}.log"))
-             for r in range(nproc)]
-    for result_path, _ in paths:
-        if os.path.exists(result_path):
-            os.remove(result_path)
-    t0 = time.monotonic()
-    pids = []
-    for rank in range(nproc):
-        pid = os.fork()
-        if pid == 0:
-            _child(job, rank, nproc, port, *paths[rank])
-        pids.append(pid)
-    alive, failed, timed_out = set(pids), False, False
-    while alive:
-        for pid in list(alive):
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                alive.discard(pid)
-                failed |= status != 0
-        if alive and (failed or time.monotonic() - t0 > timeout):
-            timed_out = not failed
-            for pid in alive:  # only the children this runner forked
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            for pid in alive:
-                os.waitpid(pid, 0)
-            alive.clear()
-        time.sleep(0.02)
-    ranks = []
-    for rank, (result_path, log_path) in enumerate(paths):
-        if os.path.exists(result_path):
-            with open(result_path) as f:
-                ranks.append(json.load(f))
-        else:
-            tail = ""
-            if os.path.exists(log_path):
-                with open(log_path, errors="replace") as f:
-                    tail = f.read()[-2000:]
-            ranks.append({"rank": rank, "ok": False, "error": "killed (no result)", "log_tail": tail})
-    return {"id": job["id"], "ok": all(r.get("ok") for r in ranks) and not timed_out, "timed_out": timed_out,
-            "wall_s": round(time.monotonic() - t0, 2), "ranks": ranks}
-
-
-def _port_stolen(result: dict) -> bool:
-    return any("Address already in use" in r.get("error", "") or "EADDRINUSE" in r.get("error", "")
-               for r in result["ranks"])
-
-
-def fork_runner(jobs_file: str) -> None:
-    with open(jobs_file) as f:
-        jobs = json.load(f)
-    torch.set_num_threads(1)
-    _import_megatron()  # once, inherited by every forked child
-    with tempfile.TemporaryDirectory(prefix="mols_jobs_") as workdir:
-        for job in jobs:
-            result = _run_job(job, workdir)
-            if not result["ok"] and _port_stolen(result):
-                result = _run_job(job, workdir)
-            print("@@JOB " + json.dumps(result, default=float), flush=True)
-
-
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--jobs", required=True, help="JSON file with a list of job specs")
-    fork_runner(parser.parse_args().jobs)
+    fork_runner(parser.parse_args().jobs, run_spec, import_once=_import_megatron, tmp_prefix="mols_jobs_",
+                json_default=float)

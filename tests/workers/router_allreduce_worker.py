@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_mech.router import RoutingStats, all_reduce_many
+from verdict import finish  # tests/workers/, the script's directory
 
 NUM_EXPERTS, TOPK, NUM_BINS = 8, 2, 16
 
@@ -106,18 +107,8 @@ def main() -> int:
         want.update(logits[i * 40:(i + 1) * 40 + 50], TOPK)
         errors += check(f"many[{i}]", stats, want, rank)
 
-    for e in errors:
-        print(e, flush=True)
-    # Agree on the verdict so that rank 0's PASS line means every rank passed.
-    failed = torch.tensor([len(errors)], dtype=torch.int64)
-    real_all_reduce(failed)
-    dist.destroy_process_group()
-    if failed.item():
-        print(f"rank {rank}: ROUTER_ALLREDUCE FAIL ({failed.item()} mismatches over all ranks)", flush=True)
-        return 1
-    if rank == 0:
-        print(f"ROUTER_ALLREDUCE PASS ({len(cases)} cases, world={world}, tokens={num_tokens})", flush=True)
-    return 0
+    return finish(errors, "ROUTER_ALLREDUCE", f"{len(cases)} cases, world={world}, tokens={num_tokens}",
+                  real_all_reduce, noun="mismatches", rank_prefix=False)  # the messages name their rank
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megatron_mech.sharded import (all_reduce_packed, bucket_plan, sharded_matrix_spectra,
                                    sharded_matrix_spectrum)
 from megatron_mech.spectral import matrix_spectrum
+from verdict import finish  # tests/workers/, the script's directory
 
 EPS64 = torch.finfo(torch.float64).eps
 
@@ -120,17 +121,7 @@ def main() -> int:
         if not all(torch.equal(s, torch.full_like(p, total)) for s, p in zip(summed, pieces)):
             errors.append(f"buckets {bucket_elements}: wrong sums")
 
-    for e in errors:
-        print(f"rank {rank}: {e}", flush=True)
-    failed = torch.tensor([len(errors)], dtype=torch.int64)
-    real_all_reduce(failed)
-    dist.destroy_process_group()
-    if failed.item():
-        print(f"rank {rank}: SHARDED FAIL ({failed.item()} errors over all ranks)", flush=True)
-        return 1
-    if rank == 0:
-        print(f"SHARDED PASS (world={world}, {len(individual)} split matrices)", flush=True)
-    return 0
+    return finish(errors, "SHARDED", f"world={world}, {len(individual)} split matrices", real_all_reduce)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,48 @@
+"""Fault runs end to end (torchrun + gloo): attribution to the right family, and the on-alert actions.
+
+A short seeded run of the small fault-study MoE GPT with the attention-precision fault in layer 1 from step 60
+(γ = 0.1) and a short detector baseline must raise an attention alert and no router alert; with
+``--mech-on-alert checkpoint`` a checkpoint exists at the first alert and loads; with ``stop`` every rank saves
+and exits 0 right after the first alert.
+"""
+import json
+
+from dist_utils import REPO_ROOT, run_torchrun
+from megatron_mech.leadtime import FAULT_FLAGS, LEAD_MODEL
+
+LAUNCHER = REPO_ROOT / "launch_scripts" / "pretrain_gpt_mech.py"
+QUICK = [*LEAD_MODEL, "--seed", "11", "--mech-detector-warmup", "4", "--mech-detector-baseline", "6",
+         *FAULT_FLAGS["attention"], "--mech-fault-start", "60"]
+
+
+def run(tmp_path, name, *extra, steps=120):
+    run_dir = tmp_path / name
+    out = run_torchrun(LAUNCHER, *QUICK, "--train-iters", str(steps), "--save", str(run_dir), *extra,
+                       nproc=2, timeout=600)
+    return run_dir, json.loads((run_dir / "summary.json").read_text()), out.stdout
+
+
+def test_attention_fault_raises_attention_alert_only_and_checkpoints(tmp_path):
+    run_dir, summary, stdout = run(tmp_path, "ckpt", "--mech-on-alert", "checkpoint")
+    families = {a["family"] for a in summary["alerts"]}
+    assert "attention" in families and "router" not in families, summary["alerts"]
+    first = min(a["step"] for a in summary["alerts"] if a["family"] == "attention")
+    assert first > 60  # nothing before the fault
+    layers = {a["detail"].get("layer") for a in summary["alerts"] if a["family"] == "attention" and a["step"] == first}
+    assert 1 in layers  # attributed to the faulty layer first
+    assert "attention-precision fault suspected in layer 1" in stdout
+    marker = json.loads((run_dir / "first_alert.json").read_text())
+    assert marker["step"] == min(a["step"] for a in summary["alerts"])
+    assert (run_dir / f"iter_{marker['step']:07d}" / "rank0000.pt").exists()
+    # the alert checkpoint loads: resume from it (after moving the end-of-run checkpoint's tracker back)
+    (run_dir / "latest_checkpointed_iteration.txt").write_text(str(marker["step"]))
+    _, resumed, _ = run(tmp_path, "ckpt", "--load", str(run_dir), steps=marker["step"] + 5)
+    assert resumed["final_step"] == marker["step"] + 5
+
+
+def test_stop_on_alert_saves_and_exits_cleanly_on_every_rank(tmp_path):
+    run_dir, summary, _ = run(tmp_path, "stop", "--mech-on-alert", "stop")  # run_torchrun asserts exit 0
+    first = min(a["step"] for a in summary["alerts"])
+    assert summary["stopped_on_alert"] and summary["final_step"] == first < 120
+    assert (run_dir / "latest_checkpointed_iteration.txt").read_text() == str(first)
+    assert sorted(p.name for p in (run_dir / f"iter_{first:07d}").glob("rank*.pt")) == ["rank0000.pt", "rank0001.pt"]
