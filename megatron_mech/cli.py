@@ -156,7 +156,8 @@ def _run_demo(args: argparse.Namespace) -> int:
         run_dir = out / name
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                "-m", "megatron_mech.pretrain_gpt", *LEAD_MODEL, "--seed", str(args.seed), "--train-iters",
-               str(steps), "--save", str(run_dir), "--mech-on-alert", "checkpoint", *detector, *fault]
+               str(steps), "--save", str(run_dir), "--tensorboard-dir", str(run_dir / "tb"), "--mech-on-alert",
+               "checkpoint", *detector, *fault]
         print(f"== {name} run ({steps} steps{', attention fault from step ' + str(start) if fault else ''}) ==",
               flush=True)
         if _stream(cmd, env, f"[{name}]"):
