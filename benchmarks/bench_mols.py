@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks._results import write_results  # noqa: E402
+from megatron_mech.cli import torchrun_prefix  # noqa: E402
 
 # LLaMA-like: RMSNorm, SwiGLU, RoPE, untied embedding/head; 4 layers, hidden 128, BPE vocab 8192.
 LLAMA = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--ffn-hidden-size", "352",
@@ -37,8 +38,7 @@ LLAMA = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "
 
 def run(run_dir: Path, seed: int, steps: int, extra: list, env) -> dict:
     args = [*LLAMA, "--seed", str(seed), "--train-iters", str(steps), "--mech-output-dir", str(run_dir), *extra]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "launch_scripts" / "pretrain_gpt_mech.py"), *args]
+    cmd = [*torchrun_prefix(2), str(REPO / "launch_scripts" / "pretrain_gpt_mech.py"), *args]
     subprocess.run(cmd, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     return json.loads((run_dir / "summary.json").read_text())
 

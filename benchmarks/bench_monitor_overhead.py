@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_mech.cli import torchrun_prefix
+
 try:
     from _results import write_results
 except ImportError:
@@ -45,8 +47,7 @@ CONFIGS = {"off": ["--mech-monitors", "none"], "δ=100": ["--mech-interval", "10
 
 
 def torchrun(script, nproc, args, env):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(script), *args]
+    cmd = [*torchrun_prefix(nproc), str(script), *args]
     subprocess.run(cmd, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 

@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from megatron_mech.attribution import alert_lines  # noqa: E402
+from megatron_mech.cli import torchrun_prefix  # noqa: E402
 from megatron_mech.detect import Alert  # noqa: E402
 from megatron_mech.leadtime import (FAULT_FLAGS, LEAD_MODEL, divergence_step, first_alert, peak_score,  # noqa: E402
                                     plot_fault)
@@ -48,8 +49,7 @@ def launch(run_dir: Path, seed: int, steps: int, fault: list, start: int, env) -
     args = [*MODEL, "--seed", str(seed), "--train-iters", str(steps), "--mech-output-dir", str(run_dir), *fault]
     if fault and fault[1] != "small_batch":
         args += ["--mech-fault-start", str(start)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "launch_scripts" / "pretrain_gpt_mech.py"), *args]
+    cmd = [*torchrun_prefix(2), str(REPO / "launch_scripts" / "pretrain_gpt_mech.py"), *args]
     subprocess.run(cmd, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     summary = json.loads((run_dir / "summary.json").read_text())
     alerts = [Alert.from_dict(a) for a in summary["alerts"]]

@@ -80,6 +80,11 @@ def _add_train(p: argparse.ArgumentParser) -> None:
                    help="after '--': more pretrain_gpt flags (they override the preset), e.g. -- --mech-interval 5")
 
 
+def torchrun_prefix(nproc: int) -> List[str]:
+    """``python -m torch.distributed.run --standalone --nproc_per_node=N`` with this interpreter (one node)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
 def train_command(nproc: int, steps: int, out: str, dense: bool = False, extra=()) -> List[str]:
     """The torchrun command line the ``train`` subcommand runs (also used by the demo and benchmarks)."""
     preset = list(SMALL_MOE_PRESET)
@@ -88,9 +93,8 @@ def train_command(nproc: int, steps: int, out: str, dense: bool = False, extra=(
         del preset[i:i + 4]  # --num-experts N --moe-router-topk K
     else:
         preset += ["--expert-model-parallel-size", str(nproc)]
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-            "-m", "megatron_mech.pretrain_gpt", *preset, "--train-iters", str(steps), "--save", out,
-            "--tensorboard-dir", f"{out}/tb", *[a for a in extra if a != "--"]]
+    return [*torchrun_prefix(nproc), "-m", "megatron_mech.pretrain_gpt", *preset, "--train-iters", str(steps),
+            "--save", out, "--tensorboard-dir", f"{out}/tb", *[a for a in extra if a != "--"]]
 
 
 def _run_train(args: argparse.Namespace) -> int:
@@ -154,10 +158,9 @@ def _run_demo(args: argparse.Namespace) -> int:
     runs = {}
     for name, fault in (("clean", []), ("attention", [*FAULT_FLAGS["attention"], "--mech-fault-start", str(start)])):
         run_dir = out / name
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               "-m", "megatron_mech.pretrain_gpt", *LEAD_MODEL, "--seed", str(args.seed), "--train-iters",
-               str(steps), "--save", str(run_dir), "--tensorboard-dir", str(run_dir / "tb"), "--mech-on-alert",
-               "checkpoint", *detector, *fault]
+        cmd = [*torchrun_prefix(2), "-m", "megatron_mech.pretrain_gpt", *LEAD_MODEL, "--seed", str(args.seed),
+               "--train-iters", str(steps), "--save", str(run_dir), "--tensorboard-dir", str(run_dir / "tb"),
+               "--mech-on-alert", "checkpoint", *detector, *fault]
         print(f"== {name} run ({steps} steps{', attention fault from step ' + str(start) if fault else ''}) ==",
               flush=True)
         if _stream(cmd, env, f"[{name}]"):

@@ -265,10 +265,12 @@ class MegatronMech:
         self.registry = DetectorRegistry(rules=config.detector_rules())
         self.attention: Optional[AttentionMonitor] = None
         self.router: Optional[RouterMonitor] = None
-        auto = config.monitors == ("auto",)
-        if auto:  # resolve once the model is known; every rank agrees (one tiny all-reduce)
-            has_routers = _any_rank(bool(find_routers(model_chunks)))
-            config.monitors = ("attention", "router") if has_routers else ("attention",)
+        routers = find_routers(model_chunks)
+        # One tiny all-reduce that every rank joins, so every rank takes the same branches below (and raises
+        # the same clear error).
+        any_routers = _any_rank(bool(routers))
+        if config.monitors == ("auto",):  # resolve now that the model is known
+            config.monitors = ("attention", "router") if any_routers else ("attention",)
         if "attention" in config.monitors:
             layers = find_attention_layers(model_chunks)
             self.attention = AttentionMonitor(layers, AttentionMonitorConfig(
@@ -279,9 +281,7 @@ class MegatronMech:
                 save_snapshots=config.checkpoint_snapshots), tp_group=tp_group,
                 extra_linears=find_dense_linears(model_chunks) if config.all_linears else None)
         if "router" in config.monitors:
-            routers = find_routers(model_chunks)
-            # Every rank joins this check (a collective), so every rank raises the same clear error.
-            if not _any_rank(bool(routers)):
+            if not any_routers:
                 raise ValueError("--mech-monitors router was requested but the model has no MoE routers "
                                  "(use --num-experts, or --mech-monitors attention)")
             self.router = RouterMonitor([RouterLayer(layer, r.weight, r.topk) for layer, r in routers],
