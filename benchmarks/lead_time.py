@@ -14,7 +14,7 @@ the small MoE GPT on the embedded corpus (2 CPU processes, EP=2), identical exce
 
 Writes ``benchmarks/results/lead_time/`` (README.md with the tables and the command, one PNG per fault).
 
-    python benchmarks/lead_time.py                     # 3 seeds, ~30 min on 2 cores
+    python benchmarks/lead_time.py                     # 3 seeds × 5 runs, ~55 min on 2 cores
     python benchmarks/lead_time.py --seeds 7 --faults attention --steps 300 --no-write   # quick look
 """
 from __future__ import annotations
@@ -62,7 +62,7 @@ def main(argv=None):
     p.add_argument("--seeds", type=int, nargs="+", default=[11, 12, 13],
                    help="reported seeds (the detector rules and fault strengths were set on seed 1234, not reported)")
     p.add_argument("--faults", nargs="+", default=list(FAULTS), choices=list(FAULTS))
-    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--steps", type=int, default=600)
     p.add_argument("--start", type=int, default=300, help="fault start step (after the detectors' baseline)")
     p.add_argument("--margin", type=float, default=0.2, help="divergence margin over the clean run (nats)")
     p.add_argument("--no-write", action="store_true")
@@ -87,7 +87,11 @@ def main(argv=None):
                 start = 0 if name == "small_batch" else args.start
                 run = launch(Path(work) / f"{name}_{seed}", seed, args.steps, FAULTS[name], start, env)
                 run["seed"] = seed
-                div = divergence_step(run["losses"], clean["losses"], args.margin)
+                # A smaller global batch is compared at equal tokens seen (its loss is higher at equal steps
+                # from step 1); every other fault at equal steps.
+                ratio = int(float(FAULTS[name][FAULTS[name].index("--mech-fault-strength") + 1])) \
+                    if name == "small_batch" else 1
+                div = divergence_step(run["losses"], clean["losses"], args.margin, tokens_ratio=ratio)
                 firsts = {f: first_alert(run["alerts"], f) for f in ("attention", "router", "symptom")}
                 # Orthogonality is judged before the loss diverges: once a model blows up, everything moves.
                 before = [a for a in run["alerts"] if div is None or a.step < div]
@@ -124,16 +128,27 @@ def write_report(args, rows, out_dir):
              f"global batch 16, AdamW lr 2e-3, {args.steps} steps, monitors every 5 steps, default detector "
              f"rules. Faults start at step {args.start} (small_batch: the whole run at global batch 4). "
              f"Divergence: the 20-step moving-average loss stays > {args.margin} nats above the clean run of "
-             f"the same seed until the end (or is non-finite).", "",
+             f"the same seed until the end (or is non-finite); small_batch is compared at equal tokens seen "
+             f"(its step s against the clean run's step s/4, its average over 80 steps).", "",
+             "Lead = divergence − first alert. 'Monitors ahead of symptom' = first symptom-level (loss/grad-norm) "
+             "alert − first monitor alert, in steps. 'Δ2 at' = where the first Δ2 alert falls on the way to divergence, "
+             "counted from step 0 and from the fault's onset.", "",
              "| seed | fault | divergence | first Δ2 | first ΔW | first router | first symptom | lead (attention) | "
-             "lead (router) | lead (symptom) | pre-onset / clean alerts |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "lead (router) | lead (symptom) | monitors ahead of symptom | Δ2 at (from 0 / onset) | "
+             "pre-onset / clean alerts |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lead = {f: (r["divergence"] - r["first"][f]) if r["divergence"] and r["first"][f] else None
                 for f in ("attention", "router", "symptom")}
+        d2, div, start = r["kinds"]["Δ2 (per head)"], r["divergence"], r.get("start", 0)
+        at = f"{d2 / div:.0%} / {(d2 - start) / (div - start):.0%}" if d2 and div and div > start else "–"
+        monitor = min((x for x in (r["first"]["attention"], r["first"]["router"]) if x), default=None)
+        ahead = "–" if monitor is None else ("no symptom alert" if r["first"]["symptom"] is None
+                                             else str(r["first"]["symptom"] - monitor))
         lines.append(f"| {r['seed']} | {r['fault']} | {_fmt(r['divergence'])} | {_fmt(r['kinds']['Δ2 (per head)'])} |"
                      f" {_fmt(r['kinds']['ΔW (per layer)'])} | {_fmt(r['kinds']['router'])} | "
                      f"{_fmt(r['first']['symptom'])} | {_fmt(lead['attention'])} | {_fmt(lead['router'])} | "
-                     f"{_fmt(lead['symptom'])} | {r['false_alarms']} |")
+                     f"{_fmt(lead['symptom'])} | {ahead} | {at} | {r['false_alarms']} |")
     lines += ["", "## Orthogonality: does each family alert on each fault before the loss diverges? "
               "(seeds alerting / peak score)", "",
               "| fault | attention | router |", "|---|---|---|"]

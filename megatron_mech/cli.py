@@ -116,10 +116,12 @@ def _run_train(args: argparse.Namespace) -> int:
 # demo: a clean run and an attention-fault run, the alert timeline, a lead-time report
 # ---------------------------------------------------------------------------------------------------
 def _add_demo(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="runs/demo", help="demo directory (clean/, attention/, demo.md, demo.png)")
+    p.add_argument("--out", default="runs/demo", help="demo directory (clean/, one folder per fault, demo.md, demo*.png)")
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--fault-start", type=int, default=300, help="after the detectors' 250-step baseline")
     p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--faults", nargs="+", default=["attention", "lr"], choices=list(_DEMO_FAULTS),
+                   help="fault runs after the clean run (attention precision; LR ×4, a router fault)")
     p.add_argument("--quick", action="store_true",
                    help="a ~2-minute smoke version (120 steps, short detector baseline) for CI")
 
@@ -140,6 +142,13 @@ def _stream(cmd, env, prefix: str) -> int:
     return code
 
 
+_DEMO_FAULTS = {
+    "attention": ("attention-precision fault", "the biased bf16-rounding mechanism of FlashAttention's backward "
+                  "injected into every layer"),
+    "lr": ("router fault (LR ×4)", "the learning rate multiplied by 4, which destabilizes the MoE routers"),
+}
+
+
 def _run_demo(args: argparse.Namespace) -> int:
     import json
     import os
@@ -151,18 +160,20 @@ def _run_demo(args: argparse.Namespace) -> int:
     from megatron_mech.sinks import read_jsonl
 
     steps, start = (120, 60) if args.quick else (args.steps, args.fault_start)
+    faults = ["attention"] if args.quick else list(dict.fromkeys(args.faults))
     detector = (["--mech-detector-warmup", "4", "--mech-detector-baseline", "6"] if args.quick else [])
     out = Path(args.out)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     runs = {}
-    for name, fault in (("clean", []), ("attention", [*FAULT_FLAGS["attention"], "--mech-fault-start", str(start)])):
+    for name in ["clean", *faults]:
+        fault = [*FAULT_FLAGS[name], "--mech-fault-start", str(start)] if name != "clean" else []
         run_dir = out / name
         cmd = [*torchrun_prefix(2), "-m", "megatron_mech.pretrain_gpt", *LEAD_MODEL, "--seed", str(args.seed),
                "--train-iters", str(steps), "--save", str(run_dir), "--tensorboard-dir", str(run_dir / "tb"),
                "--mech-on-alert", "checkpoint", *detector, *fault]
-        print(f"== {name} run ({steps} steps{', attention fault from step ' + str(start) if fault else ''}) ==",
-              flush=True)
+        what = f", {_DEMO_FAULTS[name][0]} from step {start}" if fault else ""
+        print(f"== {name} run ({steps} steps{what}) ==", flush=True)
         if _stream(cmd, env, f"[{name}]"):
             print(f"error: the {name} run failed", file=sys.stderr)
             return 1
@@ -171,30 +182,36 @@ def _run_demo(args: argparse.Namespace) -> int:
                       "records": read_jsonl(run_dir / "mech.jsonl"), "seed": args.seed}
         run_report(argparse.Namespace(run_dir=str(run_dir), out=None, metrics=None))
 
-    clean, faulty = runs["clean"], runs["attention"]
-    divergence = divergence_step(faulty["losses"], clean["losses"], 0.2)
-    firsts = {f: first_alert(faulty["alerts"], f) for f in ("attention", "router", "symptom")}
-    plot_fault(out / "demo.png", "attention", clean, faulty, start, divergence, firsts)
-    lines = ["# megatron-mech demo: an attention-precision fault, caught before the loss moves", "",
-             f"Two runs of the small MoE GPT (seed {args.seed}, {steps} steps), identical except that the second "
-             f"injects the biased bf16-rounding mechanism of FlashAttention's backward into layer 1 from step "
-             f"{start}. Loss divergence: the 20-step moving-average loss stays > 0.2 nats above the clean run.", "",
-             f"- clean run: {len(clean['alerts'])} alerts (false alarms)",
-             f"- fault on at step {start}; first attention alert at step {firsts['attention'] or '–'}; "
-             f"first router alert: {firsts['router'] or 'none'}; first symptom (loss/grad-norm) alert: "
-             f"{firsts['symptom'] or 'none'}; loss divergence: {divergence or 'not within the run'}"]
-    if divergence and firsts["attention"]:
-        lines.append(f"- **lead time of the attention monitors: {divergence - firsts['attention']} steps** "
-                     f"({100 * (firsts['attention'] - start) / max(1, divergence - start):.0f}% of the way from "
-                     f"fault onset to divergence)")
-    lines += ["", "## Alert timeline (attention-fault run)", ""]
-    lines += [f"- {line}" for line in alert_lines(faulty["alerts"])] or ["- no alerts"]
-    lines += ["", "![monitors vs loss](demo.png)", "",
-              "Per-run reports: `clean/report.md`, `attention/report.md`. The fault run saved a checkpoint at "
-              "its first alert (`attention/first_alert.json`)."]
+    clean = runs["clean"]
+    lines = ["# megatron-mech demo: faults caught before the loss moves", "",
+             f"Runs of the small MoE GPT (seed {args.seed}, {steps} steps), identical except for one injected fault "
+             f"from step {start}. Loss divergence: the 20-step moving-average loss stays > 0.2 nats above the "
+             f"clean run until the end.", "",
+             f"- clean run: {len(clean['alerts'])} alerts (false alarms)"]
+    for name in faults:
+        faulty = runs[name]
+        divergence = divergence_step(faulty["losses"], clean["losses"], 0.2)
+        firsts = {f: first_alert(faulty["alerts"], f) for f in ("attention", "router", "symptom")}
+        plot = "demo.png" if name == "attention" else f"demo_{name}.png"
+        plot_fault(out / plot, name, clean, faulty, start, divergence, firsts)
+        title, what = _DEMO_FAULTS[name]
+        lines += ["", f"## {title}", "", f"Fault: {what}, from step {start}.", "",
+                  f"- first attention alert: {firsts['attention'] or 'none'}; first router alert: "
+                  f"{firsts['router'] or 'none'}; first symptom (loss/grad-norm) alert — what you have today: "
+                  f"{firsts['symptom'] or 'none'}; loss divergence: {divergence or 'not within the run'}"]
+        if divergence and (firsts["attention"] or firsts["router"]):
+            first = min(s for s in (firsts["attention"], firsts["router"]) if s)
+            lines.append(f"- **lead time of the monitors: {divergence - first} steps** "
+                         f"({100 * (first - start) / max(1, divergence - start):.0f}% of the way from fault onset "
+                         f"to divergence)")
+        lines += ["", "Alert timeline:", ""]
+        lines += [f"- {line}" for line in alert_lines(faulty["alerts"])] or ["- no alerts"]
+        lines += ["", f"![monitors vs loss]({plot})"]
+    lines += ["", "Per-run reports: " + ", ".join(f"`{n}/report.md`" for n in runs) + ". Each fault run saved a "
+              "checkpoint at its first alert (`<run>/first_alert.json` names it)."]
     (out / "demo.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    print(f"\nreport: {out / 'demo.md'}\nplot:   {out / 'demo.png'}")
+    print(f"\nreport: {out / 'demo.md'}\nplots:  " + ", ".join(str(p) for p in sorted(out.glob("demo*.png"))))
     return 0
 
 

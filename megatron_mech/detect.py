@@ -30,9 +30,16 @@ the metric's units) only prevents a zero scale.
 Non-finite values: ignored while collecting the baseline (they do not count toward it); during monitoring they
 are out-of-band with score ``+inf`` — a NaN/Inf monitor value is itself a fault sign.
 
-The baseline is frozen once collected: slow healthy drift *against* the bad direction (entropies rise slowly in
-clean runs, the loss falls) is harmless, drift *toward* it eventually alerts — re-baseline (``reset``) after a
-deliberate change of regime (e.g. a new LR schedule phase).
+By default the baseline is frozen once collected: slow healthy drift *against* the bad direction (attention
+entropies rise slowly in clean runs, the loss falls) is harmless, drift *toward* it eventually alerts —
+re-baseline (``reset``) after a deliberate change of regime (e.g. a new LR schedule phase).
+
+Tracking baseline (``track = L > 0``), for series whose healthy drift goes the bad way (routing entropies fall
+for thousands of steps as experts specialize): after the baseline is collected, every in-band evaluation is
+held back for ``L`` evaluations and then joins a sliding window of the last ``baseline`` admitted values, from
+which median, MAD and scale are recomputed. Out-of-band, non-finite and latched evaluations are never
+admitted, and an alert discards the held-back values (they were the fault's onset), so a fault cannot pull the
+baseline after itself; drift much slower than ``L`` evaluations is followed, a collapse faster than ``L`` is not.
 """
 from __future__ import annotations
 
@@ -49,6 +56,7 @@ __all__ = ["FAMILIES", "DIRECTIONS", "Alert", "DetectorConfig", "Detector", "Ser
 FAMILIES = ("attention", "router", "symptom")
 DIRECTIONS = ("down", "up", "both")
 MAD_TO_SIGMA = 1.4826  # MAD × this = σ for Gaussian data
+ROUTER_TRACK = 20  # lag (evaluations) of the router rules' tracking baseline; see default_rules
 
 
 def _check_family(family: str) -> None:
@@ -119,6 +127,8 @@ class DetectorConfig:
         rel_floor: the scale is at least ``rel_floor·|median|``, ``≥ 0``.
         rel_cap: if not None, the MAD part of the scale is at most ``rel_cap·|median|`` (``≥ rel_floor``).
         abs_floor: the scale is at least this (metric units), ``> 0`` so the scale is never zero.
+        track: ``0`` = frozen baseline; ``L > 0`` = tracking baseline with lag ``L`` evaluations (module
+            docstring).
     """
 
     warmup: int = 20
@@ -129,8 +139,11 @@ class DetectorConfig:
     rel_floor: float = 0.05
     rel_cap: float | None = None
     abs_floor: float = 1e-6
+    track: int = 0
 
     def __post_init__(self) -> None:
+        if not _is_int(self.track) or self.track < 0:
+            raise ValueError(f"track must be an int >= 0 (0 = frozen baseline), got {self.track!r}")
         if not _is_int(self.warmup) or self.warmup < 0:
             raise ValueError(f"warmup must be an int >= 0, got {self.warmup!r}")
         if not _is_int(self.baseline) or self.baseline < 3:
@@ -165,7 +178,8 @@ class Detector:
     def reset(self) -> None:
         """Forget everything, including the baseline (starts again with warm-up)."""
         self._n_warmup = 0            # warm-up evaluations seen
-        self._values: list[float] = []  # baseline values being collected (emptied once frozen)
+        self._values: list[float] = []  # baseline values being collected (with track > 0: the sliding window)
+        self._pending: list = []      # track > 0: recent monitoring values (None = not admissible), oldest first
         self._median: float | None = None
         self._mad: float | None = None
         self._scale: float | None = None
@@ -218,6 +232,7 @@ class Detector:
         return signed / self._scale
 
     def _freeze_baseline(self) -> None:
+        """Median, MAD and scale from ``self._values`` (kept as the sliding window when tracking)."""
         c = self.config
         m = statistics.median(self._values)
         mad = statistics.median(abs(v - m) for v in self._values)
@@ -226,7 +241,17 @@ class Detector:
             noise = min(noise, c.rel_cap * abs(m))
         self._median, self._mad = m, mad
         self._scale = max(noise, c.rel_floor * abs(m), c.abs_floor)
-        self._values = []
+        if not c.track:
+            self._values = []
+
+    def _track(self, value: float, admissible: bool) -> None:
+        """Tracking baseline: hold ``value`` back ``track`` evaluations, then admit it to the window."""
+        self._pending.append(value if admissible else None)
+        if len(self._pending) > self.config.track:
+            oldest = self._pending.pop(0)
+            if oldest is not None:
+                self._values = (self._values + [oldest])[-self.config.baseline:]
+                self._freeze_baseline()
 
     # ------------------------------------------------------------------ main entry
     def update(self, step: int, value: float, detail: Mapping[str, Any] | None = None) -> Alert | None:
@@ -245,6 +270,8 @@ class Detector:
         s = self.score(value)
         self._last_score = s
         out = s >= c.threshold
+        if c.track:
+            self._track(value, admissible=not out and not self._active and math.isfinite(value))
         if self._active:
             # Latched: wait for k consecutive in-band evaluations before re-arming.
             self._n_in = self._n_in + 1 if not out else 0
@@ -254,6 +281,7 @@ class Detector:
         self._n_out = self._n_out + 1 if out else 0
         if self._n_out < c.persistence:
             return None
+        self._pending = [None] * len(self._pending)  # the onset's values must never join the baseline
         self._active, self._n_out, self._n_in = True, 0, 0
         self._n_alerts += 1
         return Alert(metric=self.metric, family=self.family, step=int(step), value=value,
@@ -262,20 +290,22 @@ class Detector:
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
         """Dynamic state in plain Python types (the config is not restored from it; it is recorded for audit)."""
-        return {"version": 1, "metric": self.metric, "family": self.family,
+        return {"version": 2, "metric": self.metric, "family": self.family,
                 "config": dataclasses.asdict(self.config),
-                "n_warmup": self._n_warmup, "values": list(self._values), "median": self._median,
+                "n_warmup": self._n_warmup, "values": list(self._values), "pending": list(self._pending),
+                "median": self._median,
                 "mad": self._mad, "scale": self._scale, "n_out": self._n_out, "n_in": self._n_in,
                 "active": self._active, "last_score": self._last_score, "n_alerts": self._n_alerts}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if state.get("version") != 1:
+        if state.get("version") not in (1, 2):  # version 1: before tracking baselines (no "pending")
             raise ValueError(f"unsupported Detector state version {state.get('version')!r}")
         if state["metric"] != self.metric:
             raise ValueError(f"state is for metric {state['metric']!r}, this detector is {self.metric!r}")
         opt = lambda v: None if v is None else float(v)  # noqa: E731
         self._n_warmup = int(state["n_warmup"])
         self._values = [float(v) for v in state["values"]]
+        self._pending = [None if v is None else float(v) for v in state.get("pending", [])]
         self._median, self._mad, self._scale = opt(state["median"]), opt(state["mad"]), opt(state["scale"])
         self._n_out, self._n_in = int(state["n_out"]), int(state["n_in"])
         self._active = bool(state["active"])
@@ -283,7 +313,7 @@ class Detector:
         self._n_alerts = int(state["n_alerts"])
 
 
-_OVERRIDES = ("warmup", "baseline", "threshold", "persistence", "rel_floor", "rel_cap", "abs_floor")
+_OVERRIDES = ("warmup", "baseline", "threshold", "persistence", "rel_floor", "rel_cap", "abs_floor", "track")
 
 
 @dataclass(frozen=True)
@@ -302,6 +332,7 @@ class SeriesRule:
     rel_floor: float | None = None
     rel_cap: float | None = None
     abs_floor: float | None = None
+    track: int | None = None
 
     def __post_init__(self) -> None:
         _check_family(self.family)
@@ -333,7 +364,12 @@ def default_rules() -> list[SeriesRule]:
       collapses), same settings as the attention entropies. ``mean_cosine`` ``up`` (expert rows become alike)
       and ``low_entropy_frac`` ``up``: their healthy median is near 0, so a relative floor is useless and
       ``abs_floor=0.02`` sets the scale (band +0.12). Not monitored: ``entropy_min`` (one extreme token),
-      ``entropy_std`` and the margins (no known bad direction on their own).
+      ``entropy_std`` and the margins (no known bad direction on their own). Router baselines *track*
+      (``track=ROUTER_TRACK`` = 20 evaluations): routing entropy falls for the whole run as experts specialize,
+      and a frozen baseline false-alarmed on a clean 800-step tuning run (seed 1234, layer-2 ``entropy_p05``
+      1.16 → 0.78 by step 550); a router collapse from an LR fault develops within tens of evaluations and is
+      still caught. Attention baselines stay frozen: their clean drift is upward (harmless), and a slowly
+      developing precision fault must not be absorbed.
     * Symptoms: ``symptom/loss`` and ``symptom/grad_norm`` ``up``. The loss falls during training, away from
       the bad direction, so a frozen baseline is conservative; grad-norm spikes are heavy-tailed, hence
       ``persistence=5`` and ``rel_floor=0.25``.
@@ -342,6 +378,10 @@ def default_rules() -> list[SeriesRule]:
     """
     ent = dict(direction="down", warmup=30, baseline=20, rel_floor=0.05, rel_cap=0.1)
     near_zero_up = dict(direction="up", warmup=30, baseline=20, rel_floor=0.0, abs_floor=0.02)
+    # Routers specialize for thousands of steps (entropies fall, the low-entropy fraction creeps up): their
+    # baseline tracks with a lag of ROUTER_TRACK evaluations instead of being frozen.
+    ent_router = dict(ent, track=ROUTER_TRACK)
+    near_zero_up_router = dict(near_zero_up, track=ROUTER_TRACK)
     router_ent = ("entropy_mean", "entropy_norm_mean", "entropy_p05", "entropy_p50", "load_entropy")
     return [
         # First-order Δ2 per head and ΔW per layer only: Δ1 (≈ Δ2 + a second-order term) adds nothing, and Δ3
@@ -349,9 +389,9 @@ def default_rules() -> list[SeriesRule]:
         # are still logged. threshold 7: a clean run's per-head Δ2 reached score 6.15 late in training.
         SeriesRule("attn/*/head*/delta2_entropy", "attention", **ent, threshold=7.0),
         SeriesRule("attn/*/dw?_entropy", "attention", **ent, threshold=7.0),
-        *(SeriesRule(f"router/*/{name}", "router", **ent) for name in router_ent),
-        SeriesRule("router/*/mean_cosine", "router", **near_zero_up),
-        SeriesRule("router/*/low_entropy_frac", "router", **near_zero_up),
+        *(SeriesRule(f"router/*/{name}", "router", **ent_router) for name in router_ent),
+        SeriesRule("router/*/mean_cosine", "router", **near_zero_up_router),
+        SeriesRule("router/*/low_entropy_frac", "router", **near_zero_up_router),
         SeriesRule("symptom/loss", "symptom", direction="up", warmup=30, baseline=20, rel_floor=0.02),
         SeriesRule("symptom/grad_norm", "symptom", direction="up", warmup=30, baseline=20, rel_floor=0.25,
                    persistence=5),

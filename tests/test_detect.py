@@ -217,6 +217,57 @@ def test_state_round_trip_continues_identically(cut):
         Detector(cfg(), "other", "attention").load_state_dict(state)
 
 
+# ---------------------------------------------------------------------------------------------------- tracking
+def _drift(n: int, rate: float, seed: int = 3, level: float = 1.0, sd: float = 0.01) -> list[float]:
+    """A healthy series drifting down by ``rate`` per evaluation (routers specializing), with small noise."""
+    r = random.Random(seed)
+    return [level - rate * i + sd * r.gauss(0, 1) for i in range(n)]
+
+
+def test_tracking_baseline_follows_slow_drift_that_a_frozen_one_alerts_on():
+    values = _drift(600, rate=0.001)  # loses 60% of its level over 600 evaluations, 0.1% per evaluation
+    assert run(Detector(cfg(), "router/layer0/entropy_p05", "router"), values)  # frozen: false alarm
+    tracking = Detector(cfg(track=20), "router/layer0/entropy_p05", "router")
+    assert run(tracking, values) == []
+    # the baseline moved with the series: median of admitted values held back 20 evaluations
+    assert tracking.baseline_median == pytest.approx(values[-21 - 9], abs=0.02)
+
+
+def test_tracking_baseline_still_catches_a_collapse_at_the_frozen_detectors_step():
+    values = _drift(300, rate=0.001)
+    values[200:] = [0.1 * v for v in values[200:]]  # collapse to 10% at evaluation 200
+    frozen_at = [a.step for a in run(Detector(cfg(), "m", "router"), values)]
+    tracked = run(Detector(cfg(track=20), "m", "router"), values)
+    assert [a.step for a in tracked][:1] == [202]  # k = 3: the third out-of-band evaluation
+    assert frozen_at[0] <= 202
+
+
+def test_fault_values_never_join_a_tracking_baseline():
+    # A gradual collapse: the first onset evaluations are still in band when seen; the alert must discard them,
+    # and the latched (collapsed) values must not pull the baseline down, however long the fault lasts.
+    values = [1.0 + 0.01 * math.sin(i) for i in range(100)]
+    values += [1.0 - 0.03 * i for i in range(1, 26)] + [0.25] * 500
+    det = Detector(cfg(track=20), "m", "router")
+    alerts = run(det, values)
+    assert len(alerts) == 1 and det.active  # still latched: the baseline did not follow the fault
+    assert det.baseline_median == pytest.approx(1.0, abs=0.02)
+
+
+@pytest.mark.parametrize("cut", [30, 110, 131, 400])
+def test_tracking_state_round_trip_continues_identically(cut):
+    values = _drift(300, rate=0.001) + [0.2] * 20 + _drift(200, rate=0.001, level=0.7)
+    make = lambda: Detector(cfg(track=20), "router/layer0/entropy_p05", "router")  # noqa: E731
+    full = make()
+    ref = run(full, values)
+    first = make()
+    got = run(first, values[:cut])
+    resumed = make()
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    got += run(resumed, values[cut:], start=cut)
+    assert _alerts_json(got) == _alerts_json(ref) and ref
+    assert json.dumps(resumed.state_dict()) == json.dumps(full.state_dict())
+
+
 # ---------------------------------------------------------------------------------------------------- registry
 SERIES = {
     "attn/layer1/dwq_entropy": ("attention", "down", 0.45),
@@ -298,6 +349,7 @@ def test_registry_first_rule_wins_and_state_round_trip():
     ("warmup", -1), ("warmup", 1.5), ("baseline", 2), ("baseline", True), ("direction", "sideways"),
     ("threshold", 0.0), ("threshold", math.inf), ("persistence", 0), ("rel_floor", -0.1),
     ("rel_floor", NAN), ("abs_floor", 0.0), ("rel_cap", 0.0), ("rel_cap", 0.01),  # 0.01 < rel_floor 0.05
+    ("track", -1), ("track", 2.0),
 ])
 def test_bad_config_raises_naming_field(field, value):
     with pytest.raises(ValueError, match=field):

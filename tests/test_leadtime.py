@@ -32,3 +32,21 @@ def test_first_alert_and_peak_by_family_and_pattern():
     assert first_alert(alerts, pattern="/dw") == 140
     assert first_alert(alerts, "router", after=100) is None
     assert peak_score(alerts, "attention") == 9.0 and peak_score(alerts, "symptom") is None
+
+
+def test_tokens_matched_divergence_compares_equal_tokens_seen():
+    # Clean run: loss falls linearly with tokens. A run at a quarter of the batch that learns exactly as well
+    # per token has, at its step s, the clean loss of step ceil(s / 4): at equal steps it looks 'diverged'
+    # almost from the start, at equal tokens it never diverges.
+    clean = [10.0 - 0.01 * s for s in range(1, 401)]
+    small = [10.0 - 0.01 * (-(-s // 4)) for s in range(1, 401)]
+    assert divergence_step(small, clean, 0.2) is not None
+    assert divergence_step(small, clean, 0.2, tokens_ratio=4) is None
+    # The same run, worse by 0.5 nats from its step 200 on, diverges there at equal tokens. Its moving average
+    # spans 80 steps (the tokens of 20 clean steps) and crosses +0.2 once more than 32 of those 80 values carry
+    # the +0.5, i.e. at step 232 (= 200 + 32) — or 231, where 32 values give exactly +0.2 and the equal-tokens
+    # MAs' own offset (< 0.01 between multiples of 4) tips it over.
+    worse = [v + (0.5 if s >= 200 else 0.0) for s, v in enumerate(small, start=1)]
+    assert divergence_step(worse, clean, 0.2, tokens_ratio=4) in (231, 232)
+    # Faulty steps beyond the clean run's tokens are not compared (here: only the first 40 clean steps).
+    assert divergence_step(worse, clean[:40], 0.2, tokens_ratio=4) is None
