@@ -4,8 +4,10 @@ For each seed: a clean run and one run per fault (attention precision, LR ×k, s
 the small MoE GPT on the embedded corpus (2 CPU processes, EP=2), identical except for the fault. Per run:
 
 * **divergence step** — the first step from which the 20-step moving average of the loss stays more than
-  ``--margin`` nats above the clean run's (same seed) until the end, or the loss is non-finite. The same
-  definition is used everywhere (this script, the demo). Runs that never diverge report "none".
+  ``--margin`` nats above the clean run's (same seed) until the end, for at least 50 steps, or the loss is
+  non-finite (:func:`megatron_mech.leadtime.divergence_step`; the small-batch run is compared at equal tokens).
+  The same definition is used everywhere (this script, the demo). Runs that never diverge report "–", with the
+  loss gap at the end of the run.
 * **first alert** per monitor family (attention, router) and per series kind (Δ2 per head, ΔW per layer,
   router), and the first symptom-level alert (loss / grad-norm detectors: what users have today).
 * **lead time** = divergence step − first alert step.
@@ -16,6 +18,7 @@ Writes ``benchmarks/results/lead_time/`` (README.md with the tables and the comm
 
     python benchmarks/lead_time.py                     # 3 seeds × 5 runs, ~55 min on 2 cores
     python benchmarks/lead_time.py --seeds 7 --faults attention --steps 300 --no-write   # quick look
+    python benchmarks/lead_time.py --runs-dir runs/lead --reuse   # keep the runs; re-score them without training
 """
 from __future__ import annotations
 
@@ -36,8 +39,8 @@ sys.path.insert(0, str(REPO))
 from megatron_mech.attribution import alert_lines  # noqa: E402
 from megatron_mech.cli import torchrun_prefix  # noqa: E402
 from megatron_mech.detect import Alert  # noqa: E402
-from megatron_mech.leadtime import (FAULT_FLAGS, LEAD_MODEL, divergence_step, first_alert, peak_score,  # noqa: E402
-                                    plot_fault)
+from megatron_mech.leadtime import (DIVERGENCE_HOLD, FAULT_FLAGS, LEAD_MODEL,  # noqa: E402
+                                    divergence_step, first_alert, moving_average, peak_score, plot_fault)
 from megatron_mech.sinks import read_jsonl  # noqa: E402
 
 MODEL = LEAD_MODEL
@@ -45,16 +48,41 @@ FAULTS = FAULT_FLAGS
 KINDS = {"Δ2 (per head)": "delta2_entropy", "ΔW (per layer)": "/dw", "router": "router/"}
 
 
-def launch(run_dir: Path, seed: int, steps: int, fault: list, start: int, env) -> dict:
+def launch(run_dir: Path, seed: int, steps: int, fault: list, start: int, env, reuse: bool = False) -> dict:
+    """Train one run into ``run_dir`` (or, with ``reuse``, load it if it already finished there)."""
     args = [*MODEL, "--seed", str(seed), "--train-iters", str(steps), "--mech-output-dir", str(run_dir), *fault]
     if fault and fault[1] != "small_batch":
         args += ["--mech-fault-start", str(start)]
-    cmd = [*torchrun_prefix(2), str(REPO / "launch_scripts" / "pretrain_gpt_mech.py"), *args]
-    subprocess.run(cmd, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    if not (reuse and (run_dir / "summary.json").exists()):
+        cmd = [*torchrun_prefix(2), str(REPO / "launch_scripts" / "pretrain_gpt_mech.py"), *args]
+        subprocess.run(cmd, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     summary = json.loads((run_dir / "summary.json").read_text())
     alerts = [Alert.from_dict(a) for a in summary["alerts"]]
     return {"losses": summary["losses"], "alerts": alerts, "records": read_jsonl(run_dir / "mech.jsonl"),
-            "command": " ".join(["torchrun --nproc_per_node=2 launch_scripts/pretrain_gpt_mech.py", *args])}
+            "seed": seed, "command": " ".join(["torchrun --nproc_per_node=2 launch_scripts/pretrain_gpt_mech.py",
+                                                *args])}
+
+
+def run_row(name: str, run: dict, clean: dict, start: int, margin: float) -> dict:
+    """One table row: divergence (the shared definition), first alerts, peaks, false alarms, attribution."""
+    # A smaller global batch is compared at equal tokens seen (its loss is higher at equal steps from step 1);
+    # every other fault at equal steps.
+    flags = FAULTS.get(name, [])
+    ratio = int(float(flags[flags.index("--mech-fault-strength") + 1])) if name == "small_batch" else 1
+    div = None if name == "clean" else divergence_step(run["losses"], clean["losses"], margin, tokens_ratio=ratio)
+    ma, ma_clean = moving_average(run["losses"], 20 * ratio), moving_average(clean["losses"])
+    end = min(len(ma), len(ma_clean) * ratio)
+    gap = ma[end - 1] - ma_clean[-(-end // ratio) - 1] if end else None
+    # Orthogonality is judged before the loss diverges: once a model blows up, everything moves.
+    before = [a for a in run["alerts"] if div is None or a.step < div]
+    return {"seed": run["seed"], "fault": name, "start": start, "divergence": div, "gap_end": gap,
+            "first": {f: first_alert(run["alerts"], f) for f in ("attention", "router", "symptom")},
+            "kinds": {k: first_alert(run["alerts"], pattern=v) for k, v in KINDS.items()},
+            "peak": {f: peak_score(before, f) for f in ("attention", "router")},
+            "alerted_before_divergence": {f: first_alert(before, f) is not None for f in ("attention", "router")},
+            "false_alarms": len(run["alerts"]) if name == "clean" else
+            (sum(a.step <= start for a in run["alerts"]) if start else 0),
+            "lines": alert_lines(run["alerts"]), "command": run["command"]}
 
 
 def main(argv=None):
@@ -65,46 +93,30 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--start", type=int, default=300, help="fault start step (after the detectors' baseline)")
     p.add_argument("--margin", type=float, default=0.2, help="divergence margin over the clean run (nats)")
+    p.add_argument("--runs-dir", default=None,
+                   help="keep the runs here (default: a temporary folder, deleted at the end)")
+    p.add_argument("--reuse", action="store_true",
+                   help="with --runs-dir: load runs that already finished there instead of training them again "
+                        "(re-scores them with the current detector-free bookkeeping: divergence, tables, plots)")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args(argv)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     rows, runs_by_fault = [], {}
-    with tempfile.TemporaryDirectory(prefix="mech_lead_") as work:
+    with tempfile.TemporaryDirectory(prefix="mech_lead_") as tmp:
+        work = Path(args.runs_dir or tmp)
         for seed in args.seeds:
-            t0 = time.perf_counter()
-            clean = launch(Path(work) / f"clean_{seed}", seed, args.steps, [], 0, env)
-            clean["seed"] = seed
-            rows.append({"seed": seed, "fault": "clean", "divergence": None,
-                         "first": {f: first_alert(clean["alerts"], f) for f in ("attention", "router", "symptom")},
-                         "kinds": {k: first_alert(clean["alerts"], pattern=v) for k, v in KINDS.items()},
-                         "peak": {f: peak_score(clean["alerts"], f) for f in ("attention", "router")},
-                         "alerted_before_divergence": {f: first_alert(clean["alerts"], f) is not None
-                                                       for f in ("attention", "router")},
-                         "false_alarms": len(clean["alerts"]), "lines": alert_lines(clean["alerts"])})
-            print(f"seed {seed} clean: {len(clean['alerts'])} alerts ({time.perf_counter()-t0:.0f}s)", flush=True)
-            for name in args.faults:
+            for name in ["clean", *args.faults]:
                 t0 = time.perf_counter()
-                start = 0 if name == "small_batch" else args.start
-                run = launch(Path(work) / f"{name}_{seed}", seed, args.steps, FAULTS[name], start, env)
-                run["seed"] = seed
-                # A smaller global batch is compared at equal tokens seen (its loss is higher at equal steps
-                # from step 1); every other fault at equal steps.
-                ratio = int(float(FAULTS[name][FAULTS[name].index("--mech-fault-strength") + 1])) \
-                    if name == "small_batch" else 1
-                div = divergence_step(run["losses"], clean["losses"], args.margin, tokens_ratio=ratio)
-                firsts = {f: first_alert(run["alerts"], f) for f in ("attention", "router", "symptom")}
-                # Orthogonality is judged before the loss diverges: once a model blows up, everything moves.
-                before = [a for a in run["alerts"] if div is None or a.step < div]
-                row = {"seed": seed, "fault": name, "start": start, "divergence": div, "first": firsts,
-                       "kinds": {k: first_alert(run["alerts"], pattern=v) for k, v in KINDS.items()},
-                       "peak": {f: peak_score(before, f) for f in ("attention", "router")},
-                       "alerted_before_divergence": {f: first_alert(before, f) is not None
-                                                     for f in ("attention", "router")},
-                       "false_alarms": sum(a.step <= start for a in run["alerts"]) if start else 0,
-                       "lines": alert_lines(run["alerts"]), "command": run["command"]}
+                start = 0 if name in ("clean", "small_batch") else args.start
+                run = launch(work / f"{name}_{seed}", seed, args.steps, FAULTS.get(name, []), start, env,
+                             reuse=args.reuse)
+                if name == "clean":
+                    clean = run
+                row = run_row(name, run, clean, start, args.margin)
                 rows.append(row)
-                runs_by_fault.setdefault(name, (clean, run, start, div, firsts))
-                print(f"seed {seed} {name}: divergence {div}, first alerts {firsts} "
+                if name != "clean":
+                    runs_by_fault.setdefault(name, (clean, run, start, row["divergence"], row["first"]))
+                print(f"seed {seed} {name}: divergence {row['divergence']}, first alerts {row['first']} "
                       f"({time.perf_counter()-t0:.0f}s)", flush=True)
         out_dir = REPO / "benchmarks" / "results" / "lead_time"
         if not args.no_write:
@@ -128,15 +140,16 @@ def write_report(args, rows, out_dir):
              f"global batch 16, AdamW lr 2e-3, {args.steps} steps, monitors every 5 steps, default detector "
              f"rules. Faults start at step {args.start} (small_batch: the whole run at global batch 4). "
              f"Divergence: the 20-step moving-average loss stays > {args.margin} nats above the clean run of "
-             f"the same seed until the end (or is non-finite); small_batch is compared at equal tokens seen "
+             f"the same seed until the end, for at least {DIVERGENCE_HOLD} steps (or is non-finite); 'loss gap at end' "
+             f"= that moving-average difference at the last step; small_batch is compared at equal tokens seen "
              f"(its step s against the clean run's step s/4, its average over 80 steps).", "",
              "Lead = divergence − first alert. 'Monitors ahead of symptom' = first symptom-level (loss/grad-norm) "
              "alert − first monitor alert, in steps. 'Δ2 at' = where the first Δ2 alert falls on the way to divergence, "
              "counted from step 0 and from the fault's onset.", "",
-             "| seed | fault | divergence | first Δ2 | first ΔW | first router | first symptom | lead (attention) | "
+             "| seed | fault | divergence | loss gap at end | first Δ2 | first ΔW | first router | first symptom | lead (attention) | "
              "lead (router) | lead (symptom) | monitors ahead of symptom | Δ2 at (from 0 / onset) | "
              "pre-onset / clean alerts |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lead = {f: (r["divergence"] - r["first"][f]) if r["divergence"] and r["first"][f] else None
                 for f in ("attention", "router", "symptom")}
@@ -145,13 +158,15 @@ def write_report(args, rows, out_dir):
         monitor = min((x for x in (r["first"]["attention"], r["first"]["router"]) if x), default=None)
         ahead = "–" if monitor is None else ("no symptom alert" if r["first"]["symptom"] is None
                                              else str(r["first"]["symptom"] - monitor))
-        lines.append(f"| {r['seed']} | {r['fault']} | {_fmt(r['divergence'])} | {_fmt(r['kinds']['Δ2 (per head)'])} |"
+        gap = "–" if r.get("gap_end") is None else f"{r['gap_end']:+.2f}"
+        lines.append(f"| {r['seed']} | {r['fault']} | {_fmt(r['divergence'])} | {gap} | "
+                     f"{_fmt(r['kinds']['Δ2 (per head)'])} |"
                      f" {_fmt(r['kinds']['ΔW (per layer)'])} | {_fmt(r['kinds']['router'])} | "
                      f"{_fmt(r['first']['symptom'])} | {_fmt(lead['attention'])} | {_fmt(lead['router'])} | "
                      f"{_fmt(lead['symptom'])} | {ahead} | {at} | {r['false_alarms']} |")
     lines += ["", "## Orthogonality: does each family alert on each fault before the loss diverges? "
-              "(seeds alerting / peak score)", "",
-              "| fault | attention | router |", "|---|---|---|"]
+              "(seeds alerting / peak score; and which family alerted first — what attribution names)", "",
+              "| fault | attention | router | first family to alert |", "|---|---|---|---|"]
     for fault in ["clean", *args.faults]:
         sel = [r for r in rows if r["fault"] == fault]
         cells = []
@@ -159,7 +174,10 @@ def write_report(args, rows, out_dir):
             hits = [r for r in sel if r["alerted_before_divergence"][fam]]
             peak = max((r["peak"][fam] for r in hits if r["peak"][fam] is not None), default=None)
             cells.append(f"{len(hits)}/{len(sel)}" + (f" (peak {peak:.1f})" if peak else ""))
-        lines.append(f"| {fault} | {cells[0]} | {cells[1]} |")
+        firsts = [min(((r["first"][f], f) for f in ("attention", "router") if r["first"][f]), default=(0, "none"))[1]
+                  for r in sel]
+        first = ", ".join(f"{f} {firsts.count(f)}/{len(sel)}" for f in dict.fromkeys(firsts))
+        lines.append(f"| {fault} | {cells[0]} | {cells[1]} | {first} |")
     lines += ["", "## Attribution, first seed", ""]
     for r in rows:
         if r["seed"] == rows[0]["seed"]:

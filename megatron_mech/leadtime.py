@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["FAULT_FLAGS", "LEAD_MODEL", "divergence_step", "first_alert", "moving_average", "peak_score",
+__all__ = ["DIVERGENCE_HOLD", "FAULT_FLAGS", "LEAD_MODEL", "divergence_step", "first_alert", "moving_average", "peak_score",
            "plot_fault"]
 
 # The small MoE GPT of the fault studies: 4 layers, hidden 64, 4 heads, 4 experts top-2, EP=2 on 2 processes.
@@ -30,6 +30,9 @@ FAULT_FLAGS = {
 }
 
 
+DIVERGENCE_HOLD = 50  # steps a divergence must last before the end of the run to count
+
+
 def moving_average(values, window=20):
     out, acc = [], 0.0
     for i, v in enumerate(values):
@@ -40,8 +43,11 @@ def moving_average(values, window=20):
     return out
 
 
-def divergence_step(losses, clean_losses, margin, tokens_ratio=1):
+def divergence_step(losses, clean_losses, margin, tokens_ratio=1, hold=DIVERGENCE_HOLD):
     """First 1-based step from which the moving-average loss stays > clean + margin to the end (or NaN).
+
+    The crossing must hold for at least ``hold`` steps before the end of the compared range: a run whose gap
+    hovers at the margin otherwise "diverges" in its last few steps, an artefact of where the run stops.
 
     ``losses[i]`` / ``clean_losses[i]``: the loss of step ``i + 1``. ``tokens_ratio``: how many faulty-run steps
     consume the tokens of one clean-run step (4 for a run at a quarter of the global batch). With a ratio r the
@@ -59,7 +65,7 @@ def divergence_step(losses, clean_losses, margin, tokens_ratio=1):
     # Faulty 0-based index i (step i + 1) ↔ clean index ceil((i + 1) / r) - 1.
     n = min(len(ma), len(ma_clean) * tokens_ratio)
     above = [ma[i] > ma_clean[-(-(i + 1) // tokens_ratio) - 1] + margin for i in range(n)]
-    for i in range(n):
+    for i in range(n - hold + 1):
         if all(above[i:]):
             return i + 1
     return None

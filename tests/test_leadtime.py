@@ -14,14 +14,18 @@ def test_moving_average_matches_direct_window_mean():
 
 
 def test_divergence_is_first_step_staying_above_clean_plus_margin():
-    clean = [2.0] * 100
+    clean = [2.0] * 200
     # a spike that comes back down is not a divergence; a lasting rise is, from where the MA crosses for good
-    spike = [2.0] * 40 + [9.0] * 3 + [2.0] * 57
+    spike = [2.0] * 40 + [9.0] * 3 + [2.0] * 157
     assert divergence_step(spike, clean, 0.5) is None
-    rise = [2.0] * 60 + [3.0] * 40
+    rise = [2.0] * 60 + [3.0] * 140
     # MA over 20 steps exceeds 2.5 once more than 10 of the last 20 values are 3.0: step 71 (1-based)
     assert divergence_step(rise, clean, 0.5) == 71
     assert divergence_step([2.0, 2.0, math.inf, 2.0], clean[:4], 0.5) == 3
+    # a rise in the last steps of a run is not a divergence: it must hold for DIVERGENCE_HOLD (50) steps
+    late = [2.0] * 160 + [3.0] * 40  # crosses at step 171, 30 steps before the end
+    assert divergence_step(late, clean, 0.5, hold=30) == 171
+    assert divergence_step(late, clean, 0.5) is None
 
 
 def test_first_alert_and_peak_by_family_and_pattern():
