@@ -199,8 +199,13 @@ def _run_demo(args: argparse.Namespace) -> int:
                   f"- first attention alert: {firsts['attention'] or 'none'}; first router alert: "
                   f"{firsts['router'] or 'none'}; first symptom (loss/grad-norm) alert — what you have today: "
                   f"{firsts['symptom'] or 'none'}; loss divergence: {divergence or 'not within the run'}"]
-        if divergence and (firsts["attention"] or firsts["router"]):
-            first = min(s for s in (firsts["attention"], firsts["router"]) if s)
+        first = min((s for s in (firsts["attention"], firsts["router"]) if s), default=None)
+        if first and firsts["symptom"]:
+            lines.append(f"- **the monitors fired {firsts['symptom'] - first} steps before the loss/grad-norm "
+                         f"alarm**")
+        elif first:
+            lines.append("- **the monitors fired; the loss/grad-norm alarm never did**")
+        if divergence and first:
             lines.append(f"- **lead time of the monitors: {divergence - first} steps** "
                          f"({100 * (first - start) / max(1, divergence - start):.0f}% of the way from fault onset "
                          f"to divergence)")
