@@ -144,7 +144,7 @@ def _stream(cmd, env, prefix: str) -> int:
 
 _DEMO_FAULTS = {
     "attention": ("attention-precision fault", "the biased bf16-rounding mechanism of FlashAttention's backward "
-                  "injected into every layer"),
+                  "injected into layer 1"),
     "lr": ("router fault (LR ×4)", "the learning rate multiplied by 4, which destabilizes the MoE routers"),
 }
 

@@ -18,15 +18,16 @@ LEAD_MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads
               "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "16", "--lr", "2e-3",
               "--min-lr", "2e-4", "--lr-warmup-iters", "50", "--log-interval", "100", "--mech-interval", "5",
               "--eval-iters", "1"]
-# Strengths set on tuning seed 1234 (800 steps, not reported): γ = 0.1 in every layer makes the loss diverge
-# (+0.27–0.37 nats, for good) ~45 steps after onset; in layer 1 alone, or at γ = 0.03 everywhere, the loss rose
-# only 0.15–0.2 nats (gradient clipping holds it) although every monitor fired. LR ×4 (×10 too) bumps the loss
-# and recovers: routers are what it breaks here.
+# Strengths set on tuning seed 1234 (800 steps, not reported): γ = 0.1 in layer 1 made the loss diverge there
+# (+0.27–0.37 nats, for good) ~45 steps after onset; γ = 0.03 rose only 0.15–0.18 nats (gradient clipping
+# holds it) although every monitor fired. LR ×4 (×10 too) bumps the loss and recovers: routers are what it
+# breaks here. Layer 1 is explicit so the attribution can be checked against the injected layer.
 FAULT_FLAGS = {
-    "attention": ["--mech-fault", "attention", "--mech-fault-strength", "0.1"],
+    "attention": ["--mech-fault", "attention", "--mech-fault-strength", "0.1", "--mech-fault-layers", "1"],
     "lr": ["--mech-fault", "lr", "--mech-fault-strength", "4"],
     "small_batch": ["--mech-fault", "small_batch", "--mech-fault-strength", "4"],
-    "combined": ["--mech-fault", "combined", "--mech-fault-strength", "0.1", "--mech-fault-lr-factor", "4"],
+    "combined": ["--mech-fault", "combined", "--mech-fault-strength", "0.1", "--mech-fault-layers", "1",
+                 "--mech-fault-lr-factor", "4"],
 }
 
 

@@ -1,6 +1,5 @@
 """`megatron-mech demo --quick`: the CI smoke version of the README's demo, end to end."""
 import os
-import re
 import subprocess
 import sys
 
@@ -13,8 +12,8 @@ def test_demo_quick_writes_report_with_attention_attribution(tmp_path):
                          env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     report = (tmp_path / "demo.md").read_text()
-    # the fault is injected in every layer: attribution must name a layer and the Δ2 evidence
-    assert re.search(r"attention-precision fault suspected in layer \d", report), report
+    # the fault is injected in layer 1: attribution must name it
+    assert "attention-precision fault suspected in layer 1" in report, report
     assert (tmp_path / "demo.png").stat().st_size > 10_000
     assert "[attention] [mech] ALERT" in out.stdout  # alerts stream as they happen
     assert (tmp_path / "clean" / "report.png").exists() and (tmp_path / "attention" / "report.png").exists()
