@@ -108,6 +108,26 @@ def _run_job(job: dict, workdir: str, **child_kw) -> dict:
             "wall_s": round(time.monotonic() - t0, 2), "ranks": ranks}
 
 
+# megatron-core modules every CPU worker needs: GPT model and local spec, DDP, optimizer and LR schedule, pipeline
+# schedules, timers, MoE dispatch. Importing them costs seconds; done once in the parent, inherited by children.
+MEGATRON_CORE_MODULES = (
+    "megatron.core.parallel_state", "megatron.core.distributed", "megatron.core.models.gpt",
+    "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.optimizer", "megatron.core.optimizer_param_scheduler",
+    "megatron.core.pipeline_parallel", "megatron.core.timers", "megatron.core.transformer",
+    "megatron.core.transformer.moe.token_dispatcher",
+)
+
+
+def import_megatron_core(*extra_modules: str) -> None:
+    """``import_once`` for :func:`fork_runner`: :data:`MEGATRON_CORE_MODULES` plus a worker's ``extra_modules``."""
+    import importlib
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    for name in (*MEGATRON_CORE_MODULES, *extra_modules):
+        importlib.import_module(name)
+
+
 def _port_stolen(result: dict) -> bool:
     return any("Address already in use" in r.get("error", "") or "EADDRINUSE" in r.get("error", "")
                for r in result["ranks"])

@@ -29,25 +29,10 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 import torch  # noqa: E402
-from fork_runner import fork_runner  # noqa: E402  (tests/workers/, the script's directory)
+# tests/workers/, the script's directory
+from fork_runner import fork_runner, import_megatron_core  # noqa: E402
 
 SEQ, VOCAB, MBS = 32, 128, 4
-
-
-def _import_megatron():
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    from megatron.core import parallel_state  # noqa: F401
-    from megatron.core.distributed import (DistributedDataParallel,  # noqa: F401
-                                           DistributedDataParallelConfig, finalize_model_grads)
-    from megatron.core.models.gpt import GPTModel  # noqa: F401
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: F401
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: F401
-    from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: F401
-    from megatron.core.timers import Timers  # noqa: F401
-    from megatron.core.transformer import TransformerConfig  # noqa: F401
-    from megatron.core.transformer.moe import token_dispatcher  # noqa: F401
 
 
 def _batches(num_micro: int, seed: int = 1234):
@@ -198,7 +183,7 @@ if __name__ == "__main__":
     parser.add_argument("--jobs", help="JSON file with a list of job specs (fork-runner mode)")
     args = parser.parse_args()
     if args.jobs:
-        fork_runner(args.jobs, run_spec, import_once=_import_megatron, tmp_prefix="megatron_cpu_jobs_",
+        fork_runner(args.jobs, run_spec, import_once=import_megatron_core, tmp_prefix="megatron_cpu_jobs_",
                     init_group=lambda job: job.get("scenario") != "idempotence")
     else:
         torchrun_main(json.loads(args.spec or "{}"))

@@ -36,23 +36,10 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 import torch  # noqa: E402
-from fork_runner import fork_runner  # noqa: E402  (tests/workers/, the script's directory)
+# tests/workers/, the script's directory
+from fork_runner import fork_runner, import_megatron_core  # noqa: E402
 
 SEQ, VOCAB, MBS = 32, 128, 4
-
-
-def _import_megatron():
-    warnings.filterwarnings("ignore")
-    from megatron.core import parallel_state  # noqa: F401
-    from megatron.core.distributed import DistributedDataParallel, finalize_model_grads  # noqa: F401
-    from megatron.core.models.gpt import GPTModel  # noqa: F401
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: F401
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: F401
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: F401
-    from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: F401
-    from megatron.core.transformer import TransformerConfig  # noqa: F401
-    from megatron.core.transformer.moe import token_dispatcher  # noqa: F401
-    import megatron_mech.integrations.megatron_mols  # noqa: F401
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -467,5 +454,7 @@ def run_spec(spec: dict) -> dict:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--jobs", required=True, help="JSON file with a list of job specs")
-    fork_runner(parser.parse_args().jobs, run_spec, import_once=_import_megatron, tmp_prefix="mols_jobs_",
+    fork_runner(parser.parse_args().jobs, run_spec,
+                import_once=partial(import_megatron_core, "megatron_mech.integrations.megatron_mols"),
+                tmp_prefix="mols_jobs_",
                 json_default=float)
