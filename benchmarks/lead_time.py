@@ -40,7 +40,7 @@ from megatron_mech.attribution import alert_lines  # noqa: E402
 from megatron_mech.cli import torchrun_prefix  # noqa: E402
 from megatron_mech.detect import Alert  # noqa: E402
 from megatron_mech.leadtime import (DIVERGENCE_HOLD, FAULT_FLAGS, LEAD_MODEL,  # noqa: E402
-                                    divergence_step, first_alert, moving_average, peak_score, plot_fault)
+                                    divergence_step, first_alert, loss_gap, peak_score, plot_fault)
 from megatron_mech.sinks import read_jsonl  # noqa: E402
 
 MODEL = LEAD_MODEL
@@ -70,9 +70,8 @@ def run_row(name: str, run: dict, clean: dict, start: int, margin: float) -> dic
     flags = FAULTS.get(name, [])
     ratio = int(float(flags[flags.index("--mech-fault-strength") + 1])) if name == "small_batch" else 1
     div = None if name == "clean" else divergence_step(run["losses"], clean["losses"], margin, tokens_ratio=ratio)
-    ma, ma_clean = moving_average(run["losses"], 20 * ratio), moving_average(clean["losses"])
-    end = min(len(ma), len(ma_clean) * ratio)
-    gap = ma[end - 1] - ma_clean[-(-end // ratio) - 1] if end else None
+    gaps = loss_gap(run["losses"], clean["losses"], tokens_ratio=ratio)
+    gap = gaps[-1] if gaps else None
     # Orthogonality is judged before the loss diverges: once a model blows up, everything moves.
     before = [a for a in run["alerts"] if div is None or a.step < div]
     return {"seed": run["seed"], "fault": name, "start": start, "divergence": div, "gap_end": gap,

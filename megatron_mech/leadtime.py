@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["DIVERGENCE_HOLD", "FAULT_FLAGS", "LEAD_MODEL", "divergence_step", "first_alert", "moving_average", "peak_score",
-           "plot_fault"]
+__all__ = ["DIVERGENCE_HOLD", "FAULT_FLAGS", "LEAD_MODEL", "divergence_step", "first_alert", "loss_gap",
+           "moving_average", "peak_score", "plot_fault"]
 
 # The small MoE GPT of the fault studies: 4 layers, hidden 64, 4 heads, 4 experts top-2, EP=2 on 2 processes.
 LEAD_MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
@@ -44,11 +44,8 @@ def moving_average(values, window=20):
     return out
 
 
-def divergence_step(losses, clean_losses, margin, tokens_ratio=1, hold=DIVERGENCE_HOLD):
-    """First 1-based step from which the moving-average loss stays > clean + margin to the end (or NaN).
-
-    The crossing must hold for at least ``hold`` steps before the end of the compared range: a run whose gap
-    hovers at the margin otherwise "diverges" in its last few steps, an artefact of where the run stops.
+def loss_gap(losses, clean_losses, tokens_ratio=1):
+    """Moving-average loss minus the clean run's, one value per compared faulty step (nats).
 
     ``losses[i]`` / ``clean_losses[i]``: the loss of step ``i + 1``. ``tokens_ratio``: how many faulty-run steps
     consume the tokens of one clean-run step (4 for a run at a quarter of the global batch). With a ratio r the
@@ -59,17 +56,27 @@ def divergence_step(losses, clean_losses, margin, tokens_ratio=1, hold=DIVERGENC
     """
     if tokens_ratio < 1:
         raise ValueError(f"tokens_ratio must be >= 1, got {tokens_ratio}")
+    ma, ma_clean = moving_average(losses, window=20 * tokens_ratio), moving_average(clean_losses)
+    n = min(len(ma), len(ma_clean) * tokens_ratio)
+    # Faulty 0-based index i (step i + 1) ↔ clean index ceil((i + 1) / r) - 1.
+    return [ma[i] - ma_clean[-(-(i + 1) // tokens_ratio) - 1] for i in range(n)]
+
+
+def divergence_step(losses, clean_losses, margin, tokens_ratio=1, hold=DIVERGENCE_HOLD):
+    """First 1-based step from which the moving-average loss stays > clean + margin to the end (or NaN).
+
+    The comparison is :func:`loss_gap` (equal steps, or equal tokens with ``tokens_ratio``). The crossing must
+    hold for at least ``hold`` steps (and at least one) before the end of the compared range: a run whose gap
+    hovers at the margin otherwise "diverges" in its last few steps, an artefact of where the run stops.
+    """
     for i, v in enumerate(losses):
         if not math.isfinite(v):
             return i + 1
-    ma, ma_clean = moving_average(losses, window=20 * tokens_ratio), moving_average(clean_losses)
-    # Faulty 0-based index i (step i + 1) ↔ clean index ceil((i + 1) / r) - 1.
-    n = min(len(ma), len(ma_clean) * tokens_ratio)
-    above = [ma[i] > ma_clean[-(-(i + 1) // tokens_ratio) - 1] + margin for i in range(n)]
-    for i in range(n - hold + 1):
-        if all(above[i:]):
-            return i + 1
-    return None
+    gap = loss_gap(losses, clean_losses, tokens_ratio)
+    first = len(gap)  # start of the final stretch of steps above the margin
+    while first > 0 and gap[first - 1] > margin:
+        first -= 1
+    return first + 1 if len(gap) - first >= max(hold, 1) else None
 
 
 def first_alert(alerts, family=None, pattern=None, after=0):

@@ -2,7 +2,7 @@
 import math
 
 from megatron_mech.detect import Alert
-from megatron_mech.leadtime import divergence_step, first_alert, moving_average, peak_score
+from megatron_mech.leadtime import divergence_step, first_alert, loss_gap, moving_average, peak_score
 
 
 def test_moving_average_matches_direct_window_mean():
@@ -26,6 +26,8 @@ def test_divergence_is_first_step_staying_above_clean_plus_margin():
     late = [2.0] * 160 + [3.0] * 40  # crosses at step 171, 30 steps before the end
     assert divergence_step(late, clean, 0.5, hold=30) == 171
     assert divergence_step(late, clean, 0.5) is None
+    # hold=0 still needs one step above the margin: an empty final stretch is not a divergence
+    assert divergence_step(spike, clean, 0.5, hold=0) is None
 
 
 def test_first_alert_and_peak_by_family_and_pattern():
@@ -54,3 +56,11 @@ def test_tokens_matched_divergence_compares_equal_tokens_seen():
     assert divergence_step(worse, clean, 0.2, tokens_ratio=4) in (231, 232)
     # Faulty steps beyond the clean run's tokens are not compared (here: only the first 40 clean steps).
     assert divergence_step(worse, clean[:40], 0.2, tokens_ratio=4) is None
+
+
+def test_loss_gap_is_the_difference_of_the_moving_averages_at_equal_tokens():
+    clean = [float(10 - 0.01 * s) for s in range(1, 101)]
+    faulty = [v + 0.3 for v in clean]
+    assert all(math.isclose(g, 0.3) for g in loss_gap(faulty, clean))
+    # ratio 2: faulty step s ↔ clean step ceil(s/2); only the first 2·len(clean) faulty steps are compared
+    assert len(loss_gap(faulty * 3, clean, tokens_ratio=2)) == 200
