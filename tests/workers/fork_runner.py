@@ -7,6 +7,9 @@ default 90 s); when one rank fails or time runs out, the other ranks are killed.
 another process took its free port is run once more. Prints one ``@@JOB {json}`` line per job:
 {"id", "ok", "timed_out", "wall_s", "ranks": [per-rank result]}.
 
+It also holds what those workers share: the megatron-core prewarm (``import_megatron_core``) and the MoE layer
+settings of their small models (``small_moe_config``).
+
 The workers run as scripts (``python tests/workers/<worker>.py --jobs FILE``), so ``import fork_runner`` finds this
 file in the script's own directory.
 """
@@ -126,6 +129,14 @@ def import_megatron_core(*extra_modules: str) -> None:
     warnings.filterwarnings("ignore")
     for name in (*MEGATRON_CORE_MODULES, *extra_modules):
         importlib.import_module(name)
+
+
+def small_moe_config(ep: int, tp: int) -> dict:
+    """TransformerConfig fields of the workers' MoE layer: 4 experts top-2, alltoall, aux-loss balancing, EP = ``ep``
+    (sequence parallel when TP > 1, which megatron-core requires for MoE with TP)."""
+    return dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, moe_token_dispatcher_type="alltoall",
+                moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2, moe_grouped_gemm=False,
+                add_bias_linear=False, expert_model_parallel_size=ep, sequence_parallel=tp > 1)
 
 
 def _port_stolen(result: dict) -> bool:

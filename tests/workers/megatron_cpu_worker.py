@@ -30,7 +30,7 @@ if REPO_ROOT not in sys.path:
 
 import torch  # noqa: E402
 # tests/workers/, the script's directory
-from fork_runner import fork_runner, import_megatron_core  # noqa: E402
+from fork_runner import fork_runner, import_megatron_core, small_moe_config  # noqa: E402
 
 SEQ, VOCAB, MBS = 32, 128, 4
 
@@ -73,10 +73,7 @@ def run_training(spec: dict) -> dict:
 
     extra = {}
     if moe:
-        extra = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64,
-                     moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss",
-                     moe_aux_loss_coeff=1e-2, moe_grouped_gemm=False, add_bias_linear=False,
-                     expert_model_parallel_size=ep, sequence_parallel=tp > 1)
+        extra = small_moe_config(ep, tp)
     timers = Timers(log_level=2, log_option="minmax") if spec.get("timers", True) else None
     config = TransformerConfig(
         num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,

@@ -37,7 +37,7 @@ if REPO_ROOT not in sys.path:
 
 import torch  # noqa: E402
 # tests/workers/, the script's directory
-from fork_runner import fork_runner, import_megatron_core  # noqa: E402
+from fork_runner import fork_runner, import_megatron_core, small_moe_config  # noqa: E402
 
 SEQ, VOCAB, MBS = 32, 128, 4
 
@@ -91,10 +91,7 @@ def build(spec: dict, mols_config=None, protect: bool = True):
     mcpu.model_parallel_seed(int(spec.get("seed", 7)))
     extra = {}
     if moe:
-        extra = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64,
-                     moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss",
-                     moe_aux_loss_coeff=1e-2, moe_grouped_gemm=False, add_bias_linear=False,
-                     expert_model_parallel_size=ep, sequence_parallel=tp > 1)
+        extra = small_moe_config(ep, tp)
     else:
         extra = dict(num_query_groups=int(spec.get("groups", 2)), sequence_parallel=bool(spec.get("sp", False)))
     config = TransformerConfig(
