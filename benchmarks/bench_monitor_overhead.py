@@ -96,8 +96,8 @@ def frontier_costs(sizes, repeats=2):
     """Per d×d ΔW matrix on this CPU: the exact Gram route (float64 Gram + eigvalsh) and the matrix-free SLQ
     estimate (40 Lanczos steps × 8 probes), with SLQ's entropy error on an update-like spectrum
     (σ_i ∝ exp(−i/200)) and on a collapsed one (rank 2)."""
-    from megatron_mech.slq import sharded_gram_matvec, slq_spectral_entropy
-    from megatron_mech.spectral import spectral_entropy, spectrum_from_gram
+    from megatron_mech.core.slq import sharded_gram_matvec, slq_spectral_entropy
+    from megatron_mech.core.spectral import spectral_entropy, spectrum_from_gram
 
     out = {}
     for d in sizes:

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from megatron_mech.spectral import matrix_spectrum, qk_increment_spectra, spectral_entropy
+from megatron_mech.core.spectral import matrix_spectrum, qk_increment_spectra, spectral_entropy
 
 try:
     from _results import write_results

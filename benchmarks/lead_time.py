@@ -5,7 +5,7 @@ the small MoE GPT on the embedded corpus (2 CPU processes, EP=2), identical exce
 
 * **divergence step** — the first step from which the 20-step moving average of the loss stays more than
   ``--margin`` nats above the clean run's (same seed) until the end, for at least 50 steps, or the loss is
-  non-finite (:func:`megatron_mech.leadtime.divergence_step`; the small-batch run is compared at equal tokens).
+  non-finite (:func:`megatron_mech.studies.leadtime.divergence_step`; the small-batch run is compared at equal tokens).
   The same definition is used everywhere (this script, the demo). Runs that never diverge report "–", with the
   loss gap at the end of the run.
 * **first alert** per monitor family (attention, router) and per series kind (Δ2 per head, ΔW per layer,
@@ -36,12 +36,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megatron_mech.attribution import alert_lines  # noqa: E402
+from megatron_mech.core.attribution import alert_lines  # noqa: E402
 from megatron_mech.cli import torchrun_prefix  # noqa: E402
-from megatron_mech.detect import Alert  # noqa: E402
-from megatron_mech.leadtime import (DIVERGENCE_HOLD, FAULT_FLAGS, LEAD_MODEL,  # noqa: E402
+from megatron_mech.core.detect import Alert  # noqa: E402
+from megatron_mech.studies.leadtime import (DIVERGENCE_HOLD, FAULT_FLAGS, LEAD_MODEL,  # noqa: E402
                                     divergence_step, first_alert, loss_gap, peak_score, plot_fault)
-from megatron_mech.sinks import read_jsonl  # noqa: E402
+from megatron_mech.records.sinks import read_jsonl  # noqa: E402
 
 MODEL = LEAD_MODEL
 FAULTS = FAULT_FLAGS

@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout without installing
 
-from megatron_mech.pretrain_gpt import main  # noqa: E402
+from megatron_mech.megatron.pretrain_gpt import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

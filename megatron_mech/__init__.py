@@ -1,7 +1,7 @@
 """megatron-mech: mechanism-based instability monitors and MoLS for Megatron-LM and DeepSpeed.
 
 The framework-free math lives in small modules (``spectral``, ``layouts``, ``router``, ``snr``, ``detect``);
-framework adapters live in ``megatron_mech.integrations``. The names below are the small public API. They
+framework adapters live in ``megatron_mech.megatron``. The names below are the small public API. They
 are loaded lazily so that ``import megatron_mech`` (and the ``megatron-mech`` CLI) does not pay for torch
 until a name is used.
 """
@@ -25,7 +25,7 @@ def __getattr__(name):
     module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module 'megatron_mech' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"megatron_mech.{module}"), name)
+    value = getattr(importlib.import_module(f"megatron_mech.core.{module}"), name)
     globals()[name] = value  # cache: the next access skips __getattr__
     return value
 

@@ -35,7 +35,7 @@ def _add_prepare_data(p: argparse.ArgumentParser) -> None:
 def _run_prepare_data(args: argparse.Namespace) -> int:
     import time
 
-    from megatron_mech.data import MissingDataPackageError, prepare_data
+    from megatron_mech.megatron.data import MissingDataPackageError, prepare_data
 
     t0 = time.perf_counter()
     try:
@@ -93,7 +93,7 @@ def train_command(nproc: int, steps: int, out: str, dense: bool = False, extra=(
         del preset[i:i + 4]  # --num-experts N --moe-router-topk K
     else:
         preset += ["--expert-model-parallel-size", str(nproc)]
-    return [*torchrun_prefix(nproc), "-m", "megatron_mech.pretrain_gpt", *preset, "--train-iters", str(steps),
+    return [*torchrun_prefix(nproc), "-m", "megatron_mech.megatron.pretrain_gpt", *preset, "--train-iters", str(steps),
             "--save", out, "--tensorboard-dir", f"{out}/tb", *[a for a in extra if a != "--"]]
 
 
@@ -154,10 +154,10 @@ def _run_demo(args: argparse.Namespace) -> int:
     import os
     from pathlib import Path
 
-    from megatron_mech.attribution import alert_lines
-    from megatron_mech.detect import Alert
-    from megatron_mech.leadtime import FAULT_FLAGS, LEAD_MODEL, divergence_step, first_alert, plot_fault
-    from megatron_mech.sinks import read_jsonl
+    from megatron_mech.core.attribution import alert_lines
+    from megatron_mech.core.detect import Alert
+    from megatron_mech.studies.leadtime import FAULT_FLAGS, LEAD_MODEL, divergence_step, first_alert, plot_fault
+    from megatron_mech.records.sinks import read_jsonl
 
     steps, start = (120, 60) if args.quick else (args.steps, args.fault_start)
     faults = ["attention"] if args.quick else list(dict.fromkeys(args.faults))
@@ -169,7 +169,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     for name in ["clean", *faults]:
         fault = [*FAULT_FLAGS[name], "--mech-fault-start", str(start)] if name != "clean" else []
         run_dir = out / name
-        cmd = [*torchrun_prefix(2), "-m", "megatron_mech.pretrain_gpt", *LEAD_MODEL, "--seed", str(args.seed),
+        cmd = [*torchrun_prefix(2), "-m", "megatron_mech.megatron.pretrain_gpt", *LEAD_MODEL, "--seed", str(args.seed),
                "--train-iters", str(steps), "--save", str(run_dir), "--tensorboard-dir", str(run_dir / "tb"),
                "--mech-on-alert", "checkpoint", *detector, *fault]
         what = f", {_DEMO_FAULTS[name][0]} from step {start}" if fault else ""
@@ -220,7 +220,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-from megatron_mech.report import add_report_arguments, run_report  # noqa: E402  (cheap: no matplotlib/torch)
+from megatron_mech.records.report import add_report_arguments, run_report  # noqa: E402  (cheap: no matplotlib/torch)
 
 SUBCOMMANDS: Dict[str, Subcommand] = {
     "prepare-data": Subcommand("build (or find) the embedded Shakespeare + KJV corpus as Megatron .bin/.idx",

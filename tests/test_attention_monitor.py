@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from dist_utils import run_torchrun
-from megatron_mech.detect import DetectorRegistry
+from megatron_mech.core.detect import DetectorRegistry
 from megatron_mech.monitors import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
-from megatron_mech.spectral import qk_increment_spectra_dense
+from megatron_mech.core.spectral import qk_increment_spectra_dense
 
 WORKER = Path(__file__).parent / "workers" / "attention_monitor_worker.py"
 D_MODEL, HEAD_DIM = 16, 4
@@ -42,7 +42,7 @@ def np_dw_metrics(delta: np.ndarray, power: float = 2.0) -> dict[str, float]:
 
 
 def blocks(weight: torch.Tensor, h: int, g: int, dh: int):
-    """Q rows [h·dh, d], K rows [g·dh, d] of a fused weight, cut by hand (independent of megatron_mech.layouts)."""
+    """Q rows [h·dh, d], K rows [g·dh, d] of a fused weight, cut by hand (independent of megatron_mech.core.layouts)."""
     d = weight.shape[1]
     grouped = weight.detach().double().reshape(g, h // g + 2, dh, d)
     return grouped[:, : h // g].reshape(h * dh, d), grouped[:, h // g].reshape(g * dh, d)

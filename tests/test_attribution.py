@@ -1,6 +1,6 @@
 """Alert grouping and the human attribution lines."""
-from megatron_mech.attribution import alert_lines, summarize_alerts
-from megatron_mech.detect import Alert
+from megatron_mech.core.attribution import alert_lines, summarize_alerts
+from megatron_mech.core.detect import Alert
 
 
 def alert(metric, family, step, value, baseline, score, **detail):

@@ -1,4 +1,4 @@
-"""Tests for megatron_mech.detect: baseline-relative, persistent detectors and the rule-based registry.
+"""Tests for megatron_mech.core.detect: baseline-relative, persistent detectors and the rule-based registry.
 
 The references are the series themselves: we inject faults at known evaluations and check when (or that never)
 the detector fires, against the rules stated in the module docstring.
@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from megatron_mech.detect import (Alert, Detector, DetectorConfig, DetectorRegistry, SeriesRule,
+from megatron_mech.core.detect import (Alert, Detector, DetectorConfig, DetectorRegistry, SeriesRule,
                                   default_rules)
 
 NAN = float("nan")

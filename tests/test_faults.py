@@ -1,4 +1,4 @@
-"""Fault injectors (megatron_mech.faults): each changes exactly what it claims.
+"""Fault injectors (megatron_mech.studies.faults): each changes exactly what it claims.
 
 Pure-torch tests of the emulated FlashAttention-2 and the injected δ bias run in this process. The checks on
 real megatron-core modules (fp32 equality with DotProductAttention, a GPT built with layer_spec_with_fault, the
@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from megatron_mech import faults as F
+from megatron_mech.studies import faults as F
 from dist_utils import REPO_ROOT, run_torchrun, run_worker_jobs
 
 WORKER = REPO_ROOT / "tests" / "workers" / "faults_worker.py"
@@ -287,7 +287,7 @@ def test_effective_global_batch():
 
 
 def test_importing_faults_does_not_import_megatron():
-    code = "import sys, megatron_mech.faults; print('megatron.core' in sys.modules)"
+    code = "import sys, megatron_mech.studies.faults; print('megatron.core' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
     assert out.stdout.strip() == "False", out.stderr[-2000:]

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from megatron_mech.layouts import fuse_qkv, qkv_partition_sizes, qkv_row_blocks, split_fused_qkv
+from megatron_mech.core.layouts import fuse_qkv, qkv_partition_sizes, qkv_row_blocks, split_fused_qkv
 
 
 def build_by_hand(wq, wk, wv):

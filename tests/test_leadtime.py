@@ -1,8 +1,8 @@
 """The one divergence definition and the first-alert bookkeeping of the lead-time benchmark and the demo."""
 import math
 
-from megatron_mech.detect import Alert
-from megatron_mech.leadtime import divergence_step, first_alert, loss_gap, moving_average, peak_score
+from megatron_mech.core.detect import Alert
+from megatron_mech.studies.leadtime import divergence_step, first_alert, loss_gap, moving_average, peak_score
 
 
 def test_moving_average_matches_direct_window_mean():

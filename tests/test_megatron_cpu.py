@@ -1,4 +1,4 @@
-"""megatron-core 0.16.1 on CPU/gloo: every shim of megatron_mech.integrations.megatron_cpu is needed, and real
+"""megatron-core 0.16.1 on CPU/gloo: every shim of megatron_mech.megatron.cpu_shims is needed, and real
 megatron-core training (GPTModel local spec, dense and MoE/alltoall, DDP, get_megatron_optimizer plain and
 distributed, get_forward_backward_func) works with them.
 
@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_mech.integrations import megatron_cpu as mcpu  # noqa: E402
+from megatron_mech.megatron import cpu_shims as mcpu  # noqa: E402
 from dist_utils import REPO_ROOT, run_torchrun, run_worker_jobs  # noqa: E402
 
 WORKER = REPO_ROOT / "tests" / "workers" / "megatron_cpu_worker.py"

@@ -8,7 +8,7 @@ and exits 0 right after the first alert.
 import json
 
 from dist_utils import REPO_ROOT, run_torchrun
-from megatron_mech.leadtime import FAULT_FLAGS, LEAD_MODEL
+from megatron_mech.studies.leadtime import FAULT_FLAGS, LEAD_MODEL
 
 LAUNCHER = REPO_ROOT / "launch_scripts" / "pretrain_gpt_mech.py"
 QUICK = [*LEAD_MODEL, "--seed", "11", "--mech-detector-warmup", "4", "--mech-detector-baseline", "6",

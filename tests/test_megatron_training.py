@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dist_utils import REPO_ROOT, run_torchrun
-from megatron_mech.router import RoutingStats
+from megatron_mech.core.router import RoutingStats
 
 LAUNCHER = REPO_ROOT / "launch_scripts" / "pretrain_gpt_mech.py"
 CAPTURE_WORKER = REPO_ROOT / "tests" / "workers" / "routing_capture_worker.py"

@@ -3,7 +3,7 @@ import subprocess
 import sys
 
 import megatron_mech
-from megatron_mech import detect, layouts, router, snr, spectral
+from megatron_mech.core import detect, layouts, router, snr, spectral
 
 
 def test_public_names_resolve_to_their_modules():

@@ -1,4 +1,4 @@
-"""Spectra of a matrix split across ranks (megatron_mech.sharded).
+"""Spectra of a matrix split across ranks (megatron_mech.core.sharded).
 
 Single-process tests cover the no-torch.distributed path (the local Gram is the whole Gram) and the packing
 helpers; ``workers/sharded_worker.py`` runs the real thing under torchrun with 2 and 4 gloo ranks.
@@ -19,10 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dist_utils import run_torchrun
-from megatron_mech.sharded import (all_reduce_packed, bucket_plan, frobenius_from_shard_grams, gram_size,
+from megatron_mech.core.sharded import (all_reduce_packed, bucket_plan, frobenius_from_shard_grams, gram_size,
                                    shard_gram, sharded_matrix_spectra, sharded_matrix_spectrum,
                                    spectrum_from_shard_grams)
-from megatron_mech.spectral import matrix_spectrum
+from megatron_mech.core.spectral import matrix_spectrum
 
 EPS64 = torch.finfo(torch.float64).eps
 WORKER = Path(__file__).parent / "workers" / "sharded_worker.py"

@@ -1,5 +1,5 @@
-"""Tests for megatron_mech.sinks (record layout, JSONL round trip / resume / crash tolerance, sink fan-out,
-TensorBoard) and megatron_mech.report (figure panels, markdown summary, the ``report`` subcommand's run function).
+"""Tests for megatron_mech.records.sinks (record layout, JSONL round trip / resume / crash tolerance, sink fan-out,
+TensorBoard) and megatron_mech.records.report (figure panels, markdown summary, the ``report`` subcommand's run function).
 """
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from megatron_mech.detect import Alert
-from megatron_mech.sinks import (JSONL_NAME, CallbackSink, DeepSpeedMonitorSink, JsonlSink, MultiSink, Sink,
+from megatron_mech.core.detect import Alert
+from megatron_mech.records.sinks import (JSONL_NAME, CallbackSink, DeepSpeedMonitorSink, JsonlSink, MultiSink, Sink,
                                  TensorBoardSink, WandbSink, decode_record, default_sinks, encode_record,
                                  make_record, read_jsonl, record_alerts, record_scalars)
 
@@ -141,7 +141,7 @@ def test_multisink_survives_failing_sink(caplog):
 
     assert isinstance(Broken(), Sink)
     multi = MultiSink([Broken(), CallbackSink(got.append)])
-    with caplog.at_level(logging.ERROR, logger="megatron_mech.sinks"):
+    with caplog.at_level(logging.ERROR, logger="megatron_mech.records.sinks"):
         for step in range(3):
             multi.write(make_record(step, {"loss": 1.0}))
         multi.flush()
@@ -284,7 +284,7 @@ def full_records(tmp_path_factory):
 
 
 def test_build_figure_panels(full_records):
-    from megatron_mech.report import build_figure
+    from megatron_mech.records.report import build_figure
 
     fig, panels = build_figure(full_records, title="synthetic")
     assert list(panels) == ["loss", "grad_norm", "attn_dw", "attn_delta2", "router_entropy", "router_load",
@@ -313,7 +313,7 @@ def test_build_figure_panels(full_records):
 
 
 def test_build_figure_metric_globs(full_records):
-    from megatron_mech.report import build_figure
+    from megatron_mech.records.report import build_figure
 
     _, panels = build_figure(full_records, metrics=["router/*"])
     assert list(panels) == ["loss", "router_entropy", "router_load", "router_cosine"]
@@ -325,7 +325,7 @@ def test_build_figure_metric_globs(full_records):
 
 
 def test_plot_run_png_without_router(tmp_path):
-    from megatron_mech.report import build_figure, plot_run
+    from megatron_mech.records.report import build_figure, plot_run
 
     jsonl = synthetic_run(tmp_path / "no_router", router=False, n=30)
     png = plot_run(tmp_path / "no_router")
@@ -338,7 +338,7 @@ def test_plot_run_png_without_router(tmp_path):
 
 
 def test_summarize_run(full_records):
-    from megatron_mech.report import summarize_run
+    from megatron_mech.records.report import summarize_run
 
     md = summarize_run(full_records + full_records[-2:], title="synthetic")  # a repeated tail (resume)
     assert md.startswith("# megatron-mech report: synthetic")
@@ -353,7 +353,7 @@ def test_summarize_run(full_records):
 
 
 def test_run_report(tmp_path, capsys):
-    from megatron_mech.report import add_report_arguments, run_report
+    from megatron_mech.records.report import add_report_arguments, run_report
 
     synthetic_run(tmp_path / "run", n=40)
     parser = argparse.ArgumentParser()

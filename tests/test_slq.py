@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from megatron_mech.slq import sharded_gram_matvec, slq_spectral_entropy
-from megatron_mech.spectral import matrix_spectrum, spectral_entropy
+from megatron_mech.core.slq import sharded_gram_matvec, slq_spectral_entropy
+from megatron_mech.core.spectral import matrix_spectrum, spectral_entropy
 
 
 def update_like(m, n, decay, seed, rank=None):

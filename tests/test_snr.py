@@ -1,4 +1,4 @@
-"""Tests for megatron_mech.snr against a synthetic Gaussian gradient model with known truth.
+"""Tests for megatron_mech.core.snr against a synthetic Gaussian gradient model with known truth.
 
 Model: per-example gradients g ~ N(μ, Σ) in D dimensions, Σ = diag(s). Truth: ‖μ‖², tr(Σ) = Σ_j s_j,
 S = ‖μ‖²/tr(Σ).
@@ -35,7 +35,7 @@ import math
 import pytest
 import torch
 
-from megatron_mech.snr import SNREstimate, TwoBatchSNR, sample_snr, snr_ratio
+from megatron_mech.core.snr import SNREstimate, TwoBatchSNR, sample_snr, snr_ratio
 
 D = 64
 

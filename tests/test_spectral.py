@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_mech.spectral import (
+from megatron_mech.core.spectral import (
     effective_rank,
     matrix_spectrum,
     qk_increment_spectra,

@@ -1,4 +1,4 @@
-"""megatron_mech.taxonomy: parameter name -> module class.
+"""megatron_mech.core.taxonomy: parameter name -> module class.
 
 The megatron-core checks build real tiny GPTModels (dense GQA + qkv bias + qk-layernorm, tied, MoE with shared
 experts) in ONE subprocess (CPU shims are process-wide; the pytest process stays unpatched) and assert every
@@ -16,8 +16,8 @@ import warnings
 import pytest
 import torch
 
-from megatron_mech import layouts
-from megatron_mech.taxonomy import (
+from megatron_mech.core import layouts
+from megatron_mech.core.taxonomy import (
     FUSED_QKV_BLOCK_CLASS,
     MODULE_CLASSES,
     ModuleTaxonomy,
@@ -36,7 +36,7 @@ _BUILD = r"""
 import json, socket, sys, warnings
 warnings.filterwarnings("ignore")
 import torch
-from megatron_mech.integrations import megatron_cpu as mcpu
+from megatron_mech.megatron import cpu_shims as mcpu
 mcpu.apply_cpu_shims()
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig

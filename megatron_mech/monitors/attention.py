@@ -2,7 +2,7 @@
 spectra of the QK bilinear increments, framework-free.
 
 A framework adapter finds each layer's fused QKV parameter (local TP shard, Megatron layout, see
-:mod:`megatron_mech.layouts`), the per-partition head counts and the tensor-parallel group, and hands them over
+:mod:`megatron_mech.core.layouts`), the per-partition head counts and the tensor-parallel group, and hands them over
 as :class:`AttentionLayer` objects. The monitor keeps snapshots ``W_{t−δ}``, and every ``interval`` steps
 turns ``ΔW = W_t − W_{t−δ}`` into metrics.
 
@@ -30,7 +30,7 @@ Metrics (``L`` = global layer index, ``H`` = global head index, ``r`` = TP rank)
   ``dwk``. Only the names ending in ``entropy`` match ``detect.default_rules`` (``attn/*entropy``) and are
   alerted on; the rest are logged.
 * ``attn/layer{L}/head{H}/{term}_entropy`` for ``term`` in ``qk_terms`` (Δ1, Δ2 — the early-warning one —
-  and Δ3, see :func:`~megatron_mech.spectral.qk_increment_spectra`), and head aggregates
+  and Δ3, see :func:`~megatron_mech.core.spectral.qk_increment_spectra`), and head aggregates
   ``attn/layer{L}/{term}_entropy_mean`` / ``_min`` (NaN if any head is NaN: a NaN is a fault flag).
 * Extra linears (``extra_linears={name: (weight, shard_dim)}``): ``linear/{name}/dw_entropy``,
   ``dw_effective_rank``, ``dw_stable_rank``, ``dw_fro`` — not matched by the default alert rules (they are
@@ -93,8 +93,8 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_mech.layouts import qkv_partition_sizes, qkv_row_blocks, split_fused_qkv
-from megatron_mech.sharded import (
+from megatron_mech.core.layouts import qkv_partition_sizes, qkv_row_blocks, split_fused_qkv
+from megatron_mech.core.sharded import (
     all_reduce_flat,
     bucket_plan,
     collective_device,
@@ -104,7 +104,7 @@ from megatron_mech.sharded import (
     shard_gram,
     spectrum_from_shard_grams,
 )
-from megatron_mech.spectral import QK_METHODS, QK_TERMS, effective_rank, qk_increment_spectra, spectral_entropy, \
+from megatron_mech.core.spectral import QK_METHODS, QK_TERMS, effective_rank, qk_increment_spectra, spectral_entropy, \
     stable_rank
 
 __all__ = ["DW_SCOPES", "AttentionLayer", "AttentionMonitorConfig", "AttentionMonitor"]
@@ -175,7 +175,7 @@ class AttentionMonitorConfig:
             evaluation over ``tp_group``); ``"slice"``: per-shard spectra, no communication at all.
         qk_terms: which QK increments get per-head entropies, a subset of ``("delta1", "delta2", "delta3")``;
             ``()`` disables the per-head metrics.
-        qk_method: ``"gram"`` or ``"qr"`` (see :func:`~megatron_mech.spectral.qk_increment_spectra`).
+        qk_method: ``"gram"`` or ``"qr"`` (see :func:`~megatron_mech.core.spectral.qk_increment_spectra`).
         power: p_i ∝ σ_i^power in the entropies and effective ranks.
         snapshot_device: where ``W_{t−δ}`` lives between evaluations (host memory by default).
         save_snapshots: include the snapshots in ``state_dict`` (exact resume); False keeps checkpoints small

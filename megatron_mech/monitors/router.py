@@ -6,7 +6,7 @@ A framework adapter hands over, per MoE layer, the live router weight ``[E, d]``
 on only for the steps that will be evaluated (``capturing``), so a monitor at interval δ pays for the extra
 softmax on 1/δ of the steps.
 
-At an evaluation the per-layer :class:`~megatron_mech.router.RoutingStats` are reduced over ``token_group``
+At an evaluation the per-layer :class:`~megatron_mech.core.router.RoutingStats` are reduced over ``token_group``
 — exactly the ranks that together hold every token of the step (data × expert parallel, plus tensor
 parallel when sequence parallelism splits tokens) — in two collectives for all layers together, so the
 result equals one process seeing every token. The router weight is replicated on those ranks, so its
@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_mech.router import RoutingStats, all_reduce_many, router_weight_geometry
+from megatron_mech.core.router import RoutingStats, all_reduce_many, router_weight_geometry
 
 __all__ = ["RouterLayer", "RouterMonitor"]
 

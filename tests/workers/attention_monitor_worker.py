@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_mech.layouts import qkv_partition_sizes
+from megatron_mech.core.layouts import qkv_partition_sizes
 from megatron_mech.monitors import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
 from verdict import finish  # tests/workers/, the script's directory
 

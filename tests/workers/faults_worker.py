@@ -1,4 +1,4 @@
-"""Real megatron-core checks of megatron_mech.faults, for tests/test_faults.py (single process, CPU/gloo).
+"""Real megatron-core checks of megatron_mech.studies.faults, for tests/test_faults.py (single process, CPU/gloo).
 
     python tests/workers/faults_worker.py --jobs JOBS.json   # JOBS.json: ["core_match", "lr_scheduler", ...]
     torchrun --nproc_per_node=2 tests/workers/faults_worker.py --tp2      # TP=2 head mapping, "@@RANK {json}"
@@ -33,7 +33,7 @@ def _setup():
     import warnings
 
     warnings.filterwarnings("ignore")
-    from megatron_mech.integrations import megatron_cpu as mcpu
+    from megatron_mech.megatron import cpu_shims as mcpu
 
     mcpu.apply_cpu_shims()
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
@@ -47,7 +47,7 @@ def _setup():
 def _config(num_layers=3, heads=4, groups=2, hidden=64, **kw):
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_mech.integrations import megatron_cpu as mcpu
+    from megatron_mech.megatron import cpu_shims as mcpu
 
     return TransformerConfig(num_layers=num_layers, hidden_size=hidden, num_attention_heads=heads,
                              num_query_groups=groups, ffn_hidden_size=2 * hidden, hidden_dropout=0.0,
@@ -69,8 +69,8 @@ def job_core_match(opts):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_mech import faults
-    from megatron_mech.integrations import megatron_cpu as mcpu
+    from megatron_mech.studies import faults
+    from megatron_mech.megatron import cpu_shims as mcpu
 
     out = {}
     for name, layer_number, extra in (("gqa_layer1", 1, {}), ("gqa_layer2_qk_scaling", 2,
@@ -127,7 +127,7 @@ def job_core_match(opts):
 def _gpt(config, spec, seed=11, untie=True):
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_mech.integrations import megatron_cpu as mcpu
+    from megatron_mech.megatron import cpu_shims as mcpu
 
     mcpu.model_parallel_seed(seed)
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
@@ -143,7 +143,7 @@ def _progression_batch(generator, batch=MBS):
 
 
 def _loss_and_grads(model, tokens, labels):
-    from megatron_mech.integrations import megatron_cpu as mcpu
+    from megatron_mech.megatron import cpu_shims as mcpu
 
     model.zero_grad(set_to_none=True)
     positions = torch.arange(SEQ).unsqueeze(0).expand(tokens.shape[0], SEQ)
@@ -158,8 +158,8 @@ def job_gpt_selectivity(opts):
     """A 3-layer GQA GPT (local spec) vs the same GPT with layer_spec_with_fault(layers [1], heads [0])."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_mech import faults
-    from megatron_mech.layouts import qkv_row_blocks
+    from megatron_mech.studies import faults
+    from megatron_mech.core.layouts import qkv_row_blocks
 
     config = _config()
     heads, groups, hn = 4, 2, 16
@@ -225,7 +225,7 @@ def job_lr_scheduler(opts):
     """apply_lr_fault against megatron's OptimizerParamScheduler (warm-up + cosine, per-group max_lr)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from megatron_mech import faults
+    from megatron_mech.studies import faults
 
     k, start, steps = 3.0, 5, 12
 
@@ -264,10 +264,10 @@ def _train(fault, steps, seed, lr, window, precision="fp32"):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_mech import faults
-    from megatron_mech.integrations import megatron_cpu as mcpu
-    from megatron_mech.layouts import qkv_row_blocks
-    from megatron_mech.spectral import spectral_entropy, stable_rank
+    from megatron_mech.studies import faults
+    from megatron_mech.megatron import cpu_shims as mcpu
+    from megatron_mech.core.layouts import qkv_row_blocks
+    from megatron_mech.core.spectral import spectral_entropy, stable_rank
 
     config = _config(num_layers=2, heads=4, groups=4)
     injector = faults.FaultInjector(fault) if fault is not None else None
@@ -327,7 +327,7 @@ def _train(fault, steps, seed, lr, window, precision="fp32"):
 
 def job_train(opts):
     """Clean vs attention-fault training of a tiny megatron GPT: ΔW_Q of the faulty layer becomes coherent."""
-    from megatron_mech import faults
+    from megatron_mech.studies import faults
 
     steps, window, lr = int(opts.get("steps", 100)), int(opts.get("window", 20)), float(opts.get("lr", 3e-3))
     start, gamma, seed = int(opts.get("start", 20)), float(opts.get("gamma", 0.1)), int(opts.get("seed", 0))
@@ -348,7 +348,7 @@ def job_tp2(opts):
     dense and MoE (sequence parallel). Returns this rank's view."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_mech import faults
+    from megatron_mech.studies import faults
 
     out = {"rank": torch.distributed.get_rank()}
     for name, num_experts in (("dense", None), ("moe", 4)):
@@ -387,7 +387,7 @@ def torchrun_tp2():
     import warnings
 
     warnings.filterwarnings("ignore")
-    from megatron_mech.integrations import megatron_cpu as mcpu
+    from megatron_mech.megatron import cpu_shims as mcpu
 
     mcpu.apply_cpu_shims()
     torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=120))

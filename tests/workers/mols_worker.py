@@ -81,9 +81,9 @@ def build(spec: dict, mols_config=None, protect: bool = True):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_mech.integrations import megatron_cpu as mcpu
-    from megatron_mech.integrations.megatron_mols import MegatronMoLS
-    from megatron_mech.mols import MoLSConfig
+    from megatron_mech.megatron import cpu_shims as mcpu
+    from megatron_mech.megatron.mols import MegatronMoLS
+    from megatron_mech.core.mols import MoLSConfig
 
     moe = spec.get("scenario") == "moe"
     tp, ep = int(spec.get("tp", 1)), int(spec.get("ep", 1))
@@ -125,7 +125,7 @@ def build(spec: dict, mols_config=None, protect: bool = True):
         if protect:
             mols.install(config, optimizer)
         else:  # for the identity job: install without the load_state_dict protection
-            import megatron_mech.integrations.megatron_mols as mm
+            import megatron_mech.megatron.mols as mm
             saved = mm.protect_param_group_identity
             mm.protect_param_group_identity = lambda opt: None
             try:
@@ -162,7 +162,7 @@ def build(spec: dict, mols_config=None, protect: bool = True):
 
 
 def mols_config(spec: dict, **over):
-    from megatron_mech.mols import MoLSConfig
+    from megatron_mech.core.mols import MoLSConfig
 
     kw = dict(window_start=int(spec.get("window_start", 0)), window_steps=int(spec.get("window_steps", 3)),
               ramp_end=spec.get("ramp_end", int(spec.get("warmup", 6))),
@@ -261,7 +261,7 @@ def run_train(spec: dict) -> dict:
         bundle = build(spec, mols_config(spec))
         ref = None
         if spec.get("ref_samples"):
-            from megatron_mech.integrations.megatron_mols import MegatronMoLS
+            from megatron_mech.megatron.mols import MegatronMoLS
 
             ref = MegatronMoLS(mols_config(spec, estimator="samples", num_samples=int(spec["ref_samples"])),
                                [bundle["model"]], bundle["opt_config"], global_batch_size=bundle["num_micro"] * MBS,
@@ -286,7 +286,7 @@ def run_train(spec: dict) -> dict:
 
 def load_param_state(optimizer, filename: str) -> None:
     """The package's loader, with its megatron-core 0.16.1 workarounds (see megatron_checkpoint)."""
-    from megatron_mech.integrations.megatron_checkpoint import load_distributed_optimizer_state
+    from megatron_mech.megatron.checkpoint import load_distributed_optimizer_state
 
     load_distributed_optimizer_state(optimizer, filename)
 
@@ -350,8 +350,8 @@ def run_errors(spec: dict) -> dict:
     """Each bad configuration -> its error message (or 'accepted')."""
     _init_parallel(spec)
     warnings.simplefilter("ignore")
-    from megatron_mech.integrations.megatron_mols import MegatronMoLS, add_mols_arguments
-    from megatron_mech.mols import MoLSConfig
+    from megatron_mech.megatron.mols import MegatronMoLS, add_mols_arguments
+    from megatron_mech.core.mols import MoLSConfig
 
     out = {}
 
@@ -442,7 +442,7 @@ KINDS = {"train": run_train, "resume": run_resume, "errors": run_errors, "identi
 
 
 def run_spec(spec: dict) -> dict:
-    from megatron_mech.integrations import megatron_cpu as mcpu
+    from megatron_mech.megatron import cpu_shims as mcpu
 
     mcpu.apply_cpu_shims()
     return KINDS[spec.get("kind", "train")](spec)
@@ -452,6 +452,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--jobs", required=True, help="JSON file with a list of job specs")
     fork_runner(parser.parse_args().jobs, run_spec,
-                import_once=partial(import_megatron_core, "megatron_mech.integrations.megatron_mols"),
+                import_once=partial(import_megatron_core, "megatron_mech.megatron.mols"),
                 tmp_prefix="mols_jobs_",
                 json_default=float)

@@ -19,9 +19,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_mech.sharded import (all_reduce_packed, bucket_plan, sharded_matrix_spectra,
+from megatron_mech.core.sharded import (all_reduce_packed, bucket_plan, sharded_matrix_spectra,
                                    sharded_matrix_spectrum)
-from megatron_mech.spectral import matrix_spectrum
+from megatron_mech.core.spectral import matrix_spectrum
 from verdict import finish  # tests/workers/, the script's directory
 
 EPS64 = torch.finfo(torch.float64).eps

@@ -9,7 +9,7 @@ clamped to ``MoLSConfig.clamp``, ramped linearly from 1 to α_m over the rest of
 
 This module holds the controller (estimates → α → multiplier schedule → state) and knows nothing about any
 framework: it takes per-module squared gradient norms (or per-module SNR components) as plain floats. The
-megatron-core adapter (:mod:`megatron_mech.integrations.megatron_mols`) measures those numbers and writes the
+megatron-core adapter (:mod:`megatron_mech.megatron.mols`) measures those numbers and writes the
 multipliers into the optimizer's param groups.
 
 Step convention
@@ -51,7 +51,7 @@ Rules chosen
 * **Fused QKV.** Megatron's ``linear_qkv`` holds Q, K and V in one parameter (the ``qk`` param group). Its
   Q/K rows are measured under ``qk`` and its V rows under ``vo`` (plus per-block keys ``qkv_q``, ``qkv_k``,
   ``qkv_v``, reported only); the ``qk`` *group* multiplier is
-  :func:`megatron_mech.taxonomy.fused_qkv_multiplier` of the clamped ``α_qk`` and ``α_vo`` (``fused_qkv_rule``,
+  :func:`megatron_mech.core.taxonomy.fused_qkv_multiplier` of the clamped ``α_qk`` and ``α_vo`` (``fused_qkv_rule``,
   default ``"rows"``). Pass ``fused_qkv=(num_heads, num_query_groups)`` to the controller to enable it.
 * **Weight decay (``scale_weight_decay=True`` default).** Decoupled weight decay in torch/apex/TE AdamW is
   ``p ← p − lr·wd·p``, so a per-group lr multiplier scales the decay step too. We keep that (the method as
@@ -61,8 +61,8 @@ Rules chosen
   ``scale_weight_decay=False`` compensates with ``wd_mult = 1/multiplier`` (the per-step decay ``lr·wd`` is then
   the same as without MoLS; a boosted module's equilibrium norm grows by ~α). See :meth:`wd_multiplier`.
 * **Estimator.** ``"two_batch"`` (default): per-step squared norms of a small-batch and a big-batch gradient
-  (:class:`megatron_mech.snr.TwoBatchSNR`) — no extra samples. ``"samples"``: the reference estimator from K
-  extra gradient samples per window step (:func:`megatron_mech.snr.sample_snr`), fed with
+  (:class:`megatron_mech.core.snr.TwoBatchSNR`) — no extra samples. ``"samples"``: the reference estimator from K
+  extra gradient samples per window step (:func:`megatron_mech.core.snr.sample_snr`), fed with
   :meth:`MoLSController.observe_estimates`. Both average ``‖G‖²`` and ``tr(Σ)`` separately over the window
   and divide at the end.
 
@@ -77,8 +77,8 @@ import warnings
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Dict, Iterable, Mapping, Optional, Tuple, Union
 
-from megatron_mech.snr import SNREstimate, TwoBatchSNR, snr_ratio
-from megatron_mech.taxonomy import FUSED_QKV_RULES, MODULE_CLASSES, fused_qkv_multiplier
+from megatron_mech.core.snr import SNREstimate, TwoBatchSNR, snr_ratio
+from megatron_mech.core.taxonomy import FUSED_QKV_RULES, MODULE_CLASSES, fused_qkv_multiplier
 
 __all__ = ["DEFAULT_SCALED_CLASSES", "ESTIMATORS", "MEASURED_KEYS", "QKV_BLOCK_KEYS", "MoLSConfig",
            "MoLSController", "MoLSWarning"]
@@ -118,14 +118,14 @@ class MoLSConfig:
         window_start: first iteration of the estimation window (0-based; see the module docstring).
         window_steps: number of iterations in the window (≥ 1). ``None`` means "not decided yet": the adapter
             fills in ``max(5, ceil(1% of train iters))``; :class:`MoLSController` needs a number.
-        base: the reference module class (α_base = 1); one of :data:`megatron_mech.taxonomy.MODULE_CLASSES`.
+        base: the reference module class (α_base = 1); one of :data:`megatron_mech.core.taxonomy.MODULE_CLASSES`.
         clamp: ``(min, max)`` range for α, ``0 < min ≤ 1 ≤ max < inf``. Default ``(0.5, 2.0)`` (module docstring).
         ramp_end: iteration at which the multipliers reach α (the adapter: the end of the lr warm-up); ``None``
             or ``≤`` window end: a short ramp of ``min_ramp_steps``.
         min_ramp_steps: length of the short ramp (≥ 0; 0 = step change at the window end).
         classes: module classes that get a multiplier; ``None`` = every present class of
             :data:`DEFAULT_SCALED_CLASSES` (norm/other stay at 1).
-        fused_qkv_rule: ``"rows"`` | ``"qk"`` | ``"vo"`` — see :func:`megatron_mech.taxonomy.fused_qkv_multiplier`.
+        fused_qkv_rule: ``"rows"`` | ``"qk"`` | ``"vo"`` — see :func:`megatron_mech.core.taxonomy.fused_qkv_multiplier`.
         estimator: ``"two_batch"`` (no extra samples) | ``"samples"`` (K extra gradient samples, the reference).
         num_samples: K, extra gradient samples per window step for ``estimator="samples"`` (≥ 2).
         scale_weight_decay: True (default): decoupled weight decay scales with the lr multiplier (AdamW
@@ -394,7 +394,7 @@ class MoLSController:
 
     def observe_estimates(self, step: int, components: Mapping[str, Tuple[float, float]]) -> bool:
         """Add one iteration's per-key ``(‖G‖², tr(Σ))`` estimates (``estimator="samples"``, e.g. from
-        :func:`megatron_mech.snr.sample_snr`: ``(est.grad_sq, est.trace_cov)``). Same window rules as
+        :func:`megatron_mech.core.snr.sample_snr`: ``(est.grad_sq, est.trace_cov)``). Same window rules as
         :meth:`observe`."""
         if self.config.estimator != "samples":
             raise RuntimeError("observe_estimates() feeds the samples estimator; this controller uses "

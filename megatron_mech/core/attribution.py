@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Iterable, Sequence
 
-from megatron_mech.detect import Alert
+from megatron_mech.core.detect import Alert
 
 __all__ = ["FAMILY_DIAGNOSIS", "summarize_alerts", "alert_lines"]
 

@@ -8,7 +8,7 @@ returns ``[]``, so the same training script runs unchanged on both.
 
 Usage (in every rank, i.e. in the torchrun worker)::
 
-    from megatron_mech.integrations import megatron_cpu as mcpu
+    from megatron_mech.megatron import cpu_shims as mcpu
 
     mcpu.apply_cpu_shims()                       # 1. first, before building anything megatron
     torch.distributed.init_process_group("gloo") # 2. (backend "nccl" on GPU)

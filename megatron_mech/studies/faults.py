@@ -31,7 +31,7 @@ What the trainer calls (megatron-core loop, e.g. ``pretrain_gpt.py``), in this o
 
 or the same through :class:`FaultInjector` (``layer_spec`` / ``before_step`` / ``before_optimizer_step``).
 
-Conventions shared with the monitors (:mod:`megatron_mech.integrations.megatron`): **layers are 0-based global
+Conventions shared with the monitors (:mod:`megatron_mech.megatron.adapter`): **layers are 0-based global
 indices** (megatron's ``layer_number − 1``; ``layers=[1]`` is the second transformer layer) and **heads are
 global query-head indices** (local head ``h`` on TP rank ``r`` is ``r·heads_per_rank + h``), so an alert that
 names "layer 1, head 3" points at the injected place.
@@ -522,7 +522,7 @@ class _FlashAttention2(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        from megatron_mech.integrations.megatron_cpu import fast_forward  # no-op unless the CPU shim mode is on
+        from megatron_mech.megatron.cpu_shims import fast_forward  # no-op unless the CPU shim mode is on
 
         with fast_forward():
             dq, dk, dv, _ = fa2_backward(q, k, v, o, lse, do, ctx.scale, ctx.mask, ctx.precision, ctx.gammas)

@@ -1,6 +1,6 @@
 """Matrix-free spectral entropy by stochastic Lanczos quadrature (SLQ): the route for frontier shapes.
 
-The exact global ΔW spectrum (:mod:`megatron_mech.sharded`) costs O(n³) per matrix and n² of communication —
+The exact global ΔW spectrum (:mod:`megatron_mech.core.sharded`) costs O(n³) per matrix and n² of communication —
 fine up to hidden ~4096, minutes per evaluation at hidden 8192 × 80 layers. The monitors only need the
 spectral *entropy* (p_i = σ_i² / Σσ²), which is a trace function of the Gram G = ΔWᵀΔW::
 
@@ -78,7 +78,7 @@ def slq_spectral_entropy(matvec: Callable[[torch.Tensor], torch.Tensor], n: int,
                          normalized: bool = True) -> float:
     """Spectral entropy (p ∝ σ²) of M from ``v ↦ MᵀM v`` (n = columns of M), ``‖M‖_F²`` and ``min(m, n)``.
 
-    Same definition as :func:`megatron_mech.spectral.spectral_entropy` with power 2 (normalized by
+    Same definition as :func:`megatron_mech.core.spectral.spectral_entropy` with power 2 (normalized by
     ``log(rank_bound)``). NaN for a zero or non-finite matrix.
     """
     z = float(frobenius_sq)

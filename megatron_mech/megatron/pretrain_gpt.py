@@ -9,7 +9,7 @@ Built only from megatron-core's real parts: ``GPTModel`` (local layer spec), ``D
 ``get_megatron_optimizer``, ``OptimizerParamScheduler``, ``get_forward_backward_func``, and ``GPTDataset``
 over the embedded corpus (``megatron-mech prepare-data``; built automatically on first use) or any Megatron
 ``.bin/.idx`` prefix given with ``--data-path`` and ``--tokenizer-json``. Flags follow Megatron-LM's names;
-the ``--mech-*`` flags come from :func:`megatron_mech.integrations.megatron.add_arguments`.
+the ``--mech-*`` flags come from :func:`megatron_mech.megatron.adapter.add_arguments`.
 
 On a machine without CUDA the CPU shims are applied and gloo is used; on GPUs nothing is patched and nccl is
 used. Checkpoints (``--save``/``--load``) are per rank (model, optimizer, scheduler, RNG, data position,
@@ -29,11 +29,11 @@ from pathlib import Path
 
 import torch
 
-from megatron_mech.integrations.megatron import MegatronMech, add_arguments, validate_parallel_sizes
-from megatron_mech.integrations.megatron_checkpoint import load_checkpoint, save_checkpoint
-from megatron_mech.integrations.megatron_mols import MegatronMoLS, add_mols_arguments
-from megatron_mech import faults
-from megatron_mech.attribution import alert_lines
+from megatron_mech.megatron.adapter import MegatronMech, add_arguments, validate_parallel_sizes
+from megatron_mech.megatron.checkpoint import load_checkpoint, save_checkpoint
+from megatron_mech.megatron.mols import MegatronMoLS, add_mols_arguments
+from megatron_mech.studies import faults
+from megatron_mech.core.attribution import alert_lines
 
 # megatron-core announces every missing GPU-only package (TE, apex) on every rank; the run's own log matters more.
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|apex|TE ).*")
@@ -133,7 +133,7 @@ def build_model(args, fault=None):
                    moe_grouped_gemm=False, expert_model_parallel_size=args.expert_model_parallel_size)
     # This entry point uses megatron-core's local (non-TE) layer spec everywhere, so the fused kernels that need
     # apex/TE stay off on GPUs too; CPU initialisation also makes the initial weights independent of TP.
-    from megatron_mech.integrations.megatron_cpu import CPU_CONFIG_KWARGS
+    from megatron_mech.megatron.cpu_shims import CPU_CONFIG_KWARGS
 
     cpu_kwargs = dict(CPU_CONFIG_KWARGS)
     config = TransformerConfig(
@@ -157,7 +157,7 @@ def build_model(args, fault=None):
 
 def build_data(args, rank: int, index_cache_dir=None):
     """(train, valid) GPTDatasets and the tokenizer; rank 0 prepares the embedded corpus first."""
-    from megatron_mech import data as mdata
+    from megatron_mech.megatron import data as mdata
 
     if args.data_path:
         if not args.tokenizer_json:
@@ -247,13 +247,13 @@ def main(argv=None):
     cuda = torch.cuda.is_available()
     mcpu = None
     if not cuda:
-        from megatron_mech.integrations import megatron_cpu as mcpu
+        from megatron_mech.megatron import cpu_shims as mcpu
 
         mcpu.apply_cpu_shims()
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    from megatron_mech.integrations.megatron_cpu import apply_megatron_fixes
+    from megatron_mech.megatron.cpu_shims import apply_megatron_fixes
 
     apply_megatron_fixes()  # megatron-core 0.16.1 bugs without Transformer Engine, on GPUs too
     torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))

@@ -1,7 +1,7 @@
 """megatron-core adapter for MoLS: per-module param groups, free gradient statistics, per-step multipliers.
 
-Thin on purpose: :mod:`megatron_mech.mols` holds the estimate → α → schedule logic; this module finds the
-parameters (one taxonomy, :mod:`megatron_mech.taxonomy`), builds the optimizer's per-class param groups,
+Thin on purpose: :mod:`megatron_mech.core.mols` holds the estimate → α → schedule logic; this module finds the
+parameters (one taxonomy, :mod:`megatron_mech.core.taxonomy`), builds the optimizer's per-class param groups,
 measures per-class squared gradient norms through megatron-core's public seams (``config.finalize_model_grads_func``
 and ``forward_step_func`` — no patch to megatron-core) and writes the multipliers into the param groups.
 
@@ -108,7 +108,7 @@ The extra-sample reference (``--mech-mols-estimator samples``)
 ``sample_step(...)`` runs, at each window iteration, K = ``--mech-mols-samples`` extra forward/backward passes on
 K separate micro-batches (the caller's iterator) through the real schedule with ``force_all_reduce=True``, keeps
 each pass's per-key gradient (K copies of the gradient: expensive, a reference only), and feeds
-:func:`megatron_mech.snr.sample_snr` (``batch_size = micro-batch × DP``); its additive components are summed over
+:func:`megatron_mech.core.snr.sample_snr` (``batch_size = micro-batch × DP``); its additive components are summed over
 ranks. It costs K extra forward/backward per window step, consumes dropout RNG, and leaves the grad buffers dirty
 (call it before ``zero_grad_buffer``).
 
@@ -134,9 +134,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_mech.mols import (ESTIMATORS, MEASURED_KEYS, MoLSConfig, MoLSController)
-from megatron_mech.snr import sample_snr
-from megatron_mech.taxonomy import (FUSED_QKV_RULES, MODULE_CLASSES, ModuleTaxonomy, classify_parameters,
+from megatron_mech.core.mols import (ESTIMATORS, MEASURED_KEYS, MoLSConfig, MoLSController)
+from megatron_mech.core.snr import sample_snr
+from megatron_mech.core.taxonomy import (FUSED_QKV_RULES, MODULE_CLASSES, ModuleTaxonomy, classify_parameters,
                                     fused_qkv_blocks, is_fused_qkv)
 
 __all__ = ["MegatronMoLS", "add_mols_arguments", "apply_multipliers", "megatron_core_version",
@@ -676,11 +676,11 @@ class MegatronMoLS:
     """MoLS for a megatron-core model: see the module docstring for the call order.
 
     Args:
-        config: :class:`megatron_mech.mols.MoLSConfig` (``window_steps`` set).
+        config: :class:`megatron_mech.core.mols.MoLSConfig` (``window_steps`` set).
         model_chunks: the DDP-wrapped model chunks (``[model]``).
         optimizer_config: the ``OptimizerConfig`` passed to ``get_megatron_optimizer``.
         global_batch_size, micro_batch_size: in sequences (``B_big`` and the micro-batch route's ``B_small``).
-        taxonomy: a :class:`~megatron_mech.taxonomy.ModuleTaxonomy` of these chunks (default: built here).
+        taxonomy: a :class:`~megatron_mech.core.taxonomy.ModuleTaxonomy` of these chunks (default: built here).
         route: ``"auto"`` | ``"dp"`` | ``"microbatch"`` — small-batch source of the two-batch estimator.
         log: callable for the table printed when the estimate completes (default: ``print`` on global rank 0).
 
@@ -969,7 +969,7 @@ class MegatronMoLS:
                     **forward_backward_kwargs) -> bool:
         """``--mech-mols-estimator samples``: at a window iteration, run K extra forward/backward passes (one
         micro-batch each, drawn from ``data_iterator``, all-reduced over DP) and feed
-        :func:`megatron_mech.snr.sample_snr`. No-op (False) otherwise. Call before ``zero_grad_buffer()`` of the
+        :func:`megatron_mech.core.snr.sample_snr`. No-op (False) otherwise. Call before ``zero_grad_buffer()`` of the
         training step: it leaves the grad buffers holding the last sample. It clears ``param.grad`` before each
         pass (megatron's FP32Optimizer leaves it aliased to ``main_grad`` after ``step()``)."""
         if self.config.estimator != "samples" or not self.controller.in_window(iteration):

@@ -8,14 +8,14 @@ A tensor-parallel weight ``M`` (``[m, n]``) is split along ``shard_dim`` over th
   Rank r holds ``M_r`` (``[m, n_r]``) and ``MMᵀ = Σ_r M_r M_rᵀ`` (``m × m``).
 
 Either way the Gram over the *unsplit* dimension is a plain sum of per-rank Grams, so one all-reduce gives
-every rank the exact Gram of the whole matrix and :func:`~megatron_mech.spectral.spectrum_from_gram` its
+every rank the exact Gram of the whole matrix and :func:`~megatron_mech.core.spectral.spectrum_from_gram` its
 singular values. Nothing of size ``m × n`` ever travels.
 
 Packed contribution
 -------------------
 Each rank contributes a flat vector ``[Gram (k·k) | split size | non-finite count]`` (:func:`shard_gram`),
 ``k`` = the unsplit size. After the sum the split size is the whole matrix's (so the spectrum is cut to
-``min(m, n)`` values, exactly as :func:`~megatron_mech.spectral.matrix_spectrum` returns — this matters for
+``min(m, n)`` values, exactly as :func:`~megatron_mech.core.spectral.matrix_spectrum` returns — this matters for
 the normalised entropy, divided by log of the spectrum length), and a non-zero non-finite count makes the
 spectrum NaN on *every* rank, independently of how BLAS propagates NaN through the Gram.
 
@@ -56,7 +56,7 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from megatron_mech.spectral import spectrum_from_gram
+from megatron_mech.core.spectral import spectrum_from_gram
 
 __all__ = [
     "all_reduce_flat",
@@ -236,7 +236,7 @@ def sharded_matrix_spectrum(local: torch.Tensor, shard_dim: int, group=None,
     ``local``: ``[m_r, n]`` with ``shard_dim=0`` (rows split, Megatron ColumnParallel ``[out/TP, in]``) or
     ``[m, n_r]`` with ``shard_dim=1`` (columns split, RowParallel ``[out, in/TP]``). Forms the Gram over the
     unsplit dimension (``localᵀlocal``, ``n × n``, or ``local localᵀ``, ``m × m``) in ``accumulate_dtype``,
-    sums it with ONE ``all_reduce`` over ``group`` and takes :func:`~megatron_mech.spectral.spectrum_from_gram`.
+    sums it with ONE ``all_reduce`` over ``group`` and takes :func:`~megatron_mech.core.spectral.spectrum_from_gram`.
 
     Returns ``min(m, n)`` float64 values, descending, identical on every rank; all NaN on every rank if any
     rank's slice has a non-finite entry. Without torch.distributed (or a one-rank group) no collective is

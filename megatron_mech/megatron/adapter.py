@@ -2,7 +2,7 @@
 
 This module is thin on purpose: it knows megatron-core's module names, layouts and process groups, and
 hands tensors to the framework-free monitors (:mod:`megatron_mech.monitors`) and detectors
-(:mod:`megatron_mech.detect`). It is used by our megatron-core training entry point
+(:mod:`megatron_mech.core.detect`). It is used by our megatron-core training entry point
 (``launch_scripts/pretrain_gpt_mech.py``) and by the Megatron-LM patch set (``patches/``):
 
     parser = argparse.ArgumentParser(); add_arguments(parser)         # or extra_args_provider=add_arguments
@@ -30,8 +30,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from megatron_mech.attribution import alert_lines
-from megatron_mech.detect import Alert, DetectorRegistry, default_rules
+from megatron_mech.core.attribution import alert_lines
+from megatron_mech.core.detect import Alert, DetectorRegistry, default_rules
 from megatron_mech.monitors.attention import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
 from megatron_mech.monitors.router import RouterLayer, RouterMonitor
 
@@ -364,7 +364,7 @@ class MegatronMech:
                 for line in alert_lines(alerts):  # one line per (family, layer), not per series
                     self.printer(f"[mech] ALERT step {step}: {line}")
                 if self.sinks is not None:
-                    from megatron_mech.sinks import make_record
+                    from megatron_mech.records.sinks import make_record
 
                     scalars = {"loss": float(loss), "lr": float(lr),
                                "grad_norm": float(grad_norm) if grad_norm is not None else math.nan}
@@ -454,7 +454,7 @@ def _any_rank(flag: bool) -> bool:
 
 def build_sinks(output_dir, tensorboard_dir=None, wandb_project=None, resume_step=None):
     """JSONL always (``<output_dir>/mech.jsonl``), TensorBoard and W&B when asked. Logging rank only."""
-    from megatron_mech.sinks import JsonlSink, MultiSink, TensorBoardSink, WandbSink
+    from megatron_mech.records.sinks import JsonlSink, MultiSink, TensorBoardSink, WandbSink
 
     Path(output_dir).mkdir(parents=True, exist_ok=True)
     sinks = [JsonlSink(Path(output_dir) / "mech.jsonl", truncate_after_step=resume_step)]

@@ -23,7 +23,7 @@ Rules chosen
 * **Fused QKV.** Megatron's ``self_attention.linear_qkv`` (and legacy Megatron-LM / Megatron-DeepSpeed
   ``self_attention.query_key_value``, same per-query-group layout) is *one* parameter holding Q, K and V.
   :func:`classify` returns ``"qk"`` for it; :func:`is_fused_qkv` marks it, and :func:`fused_qkv_blocks` splits
-  it (through :func:`megatron_mech.layouts.qkv_row_blocks`, the one home of that layout) into Q, K and V row
+  it (through :func:`megatron_mech.core.layouts.qkv_row_blocks`, the one home of that layout) into Q, K and V row
   blocks so MoLS measures S per block: q and k blocks count towards ``qk``, the v block towards ``vo``
   (:data:`FUSED_QKV_BLOCK_CLASS`). The parameter still gets a single lr multiplier, computed by
   :func:`fused_qkv_multiplier`; its default rule is the **row-weighted geometric mean**
@@ -74,7 +74,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from megatron_mech.layouts import qkv_row_blocks
+from megatron_mech.core.layouts import qkv_row_blocks
 
 __all__ = [
     "FUSED_QKV_BLOCK_CLASS",
@@ -197,7 +197,7 @@ def is_fused_qkv(name: str) -> bool:
 def fused_qkv_blocks(name: str, tensor: torch.Tensor, num_heads: int, num_query_groups: int,
                      head_dim: int) -> dict[str, torch.Tensor]:
     """Split a fused QKV tensor (weight ``[(H+2G)·d_head, d_model]``, or bias ``[(H+2G)·d_head]``, or its
-    gradient) into ``{"q": rows, "k": rows, "v": rows}`` with :func:`megatron_mech.layouts.qkv_row_blocks`.
+    gradient) into ``{"q": rows, "k": rows, "v": rows}`` with :func:`megatron_mech.core.layouts.qkv_row_blocks`.
 
     ``num_heads`` / ``num_query_groups`` are the counts held by this tensor (per-partition counts for a TP
     shard). Blocks are copies (a bias gives 1-D blocks). MoLS measures q and k under ``"qk"`` and v under

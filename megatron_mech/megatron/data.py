@@ -486,7 +486,7 @@ def _file_lock(path: Path):
 
 def _log(msg: str, quiet: bool) -> None:
     if not quiet:
-        print(f"[megatron_mech.data] {msg}", file=sys.stderr, flush=True)
+        print(f"[megatron_mech.megatron.data] {msg}", file=sys.stderr, flush=True)
 
 
 def prepare_data(out_dir: "os.PathLike[str] | str | None" = None, vocab_size: int = DEFAULT_VOCAB_SIZE,

@@ -41,7 +41,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
-from megatron_mech.detect import Alert
+from megatron_mech.core.detect import Alert
 
 __all__ = ["JSONL_NAME", "RESERVED_KEYS", "make_record", "encode_record", "decode_record", "record_alerts",
            "record_scalars", "read_jsonl", "truncate_jsonl", "Sink", "JsonlSink", "TensorBoardSink", "WandbSink",
@@ -519,7 +519,7 @@ class CallbackSink(_SinkBase):
 class MultiSink(_SinkBase):
     """Fans every call out to ``sinks`` in order. A sink that raises (an ``Exception``) never stops training or
     the other sinks: its first failure is logged with the traceback (``logging``, logger
-    ``megatron_mech.sinks``), later ones only counted in :attr:`failures`; the sink keeps being called (a
+    ``megatron_mech.records.sinks``), later ones only counted in :attr:`failures`; the sink keeps being called (a
     transient error, e.g. a network hiccup, may clear)."""
 
     def __init__(self, sinks: Iterable[Sink]) -> None:

@@ -1,5 +1,5 @@
 """Post-hoc report of a run from its JSONL log (``RUN_DIR/mech.jsonl``, written by
-:class:`~megatron_mech.sinks.JsonlSink`).
+:class:`~megatron_mech.records.sinks.JsonlSink`).
 
 * :func:`plot_run` — one PNG, stacked panels on a shared step axis (only those with data): loss; grad norm (log
   scale when it spans more than a decade); attention ΔW spectral entropy per layer (Q solid, K dashed, other
@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from megatron_mech.detect import FAMILIES, Alert
-from megatron_mech.sinks import JSONL_NAME, read_jsonl, record_alerts
+from megatron_mech.core.detect import FAMILIES, Alert
+from megatron_mech.records.sinks import JSONL_NAME, read_jsonl, record_alerts
 
 __all__ = ["REPORT_PNG", "REPORT_MD", "FAMILY_COLORS", "resolve_jsonl", "run_name", "collect_series",
            "collect_alerts", "build_figure", "plot_run", "summarize_run", "add_report_arguments", "run_report"]
@@ -451,7 +451,7 @@ def summarize_run(records: Sequence[Mapping[str, Any]], title: str | None = None
                         (f" — after the first symptom alert (step {sym.step})" if sym is not None
                          else " — no symptom alert yet"))
             lines.append(f"- **{fam}:** {a.describe()}{lead}")
-        from megatron_mech.attribution import alert_lines
+        from megatron_mech.core.attribution import alert_lines
 
         lines += ["", "## Attribution (alerts grouped by subsystem and layer, earliest first)", ""]
         lines += [f"- {line}" for line in alert_lines(alerts)]

@@ -4,7 +4,7 @@ Orientation
 -----------
 Megatron and DeepSpeed store a linear weight as ``[out, in]``. The QK decomposition follows the paper's
 orientation instead: per head, ``W_q^h`` and ``W_k^h`` are ``[d_model, d_head]`` so the attention score is
-``X W_q (W_k)^T X^T``. :mod:`megatron_mech.layouts` converts Megatron's fused ``linear_qkv`` into that
+``X W_q (W_k)^T X^T``. :mod:`megatron_mech.core.layouts` converts Megatron's fused ``linear_qkv`` into that
 orientation; nothing here needs to know about Megatron.
 
 Dtype policy
