@@ -128,7 +128,9 @@ def assert_spectra_close(got, want, dtype):
     """Singular values within `rel` of the head's top value, entropies within `ent_tol`, NaN where want is."""
     # float64: the Gram route resolves a singular value near zero only to ~sqrt(eps)·σ_max ≈ 1.5e-8·σ_max
     # (eigenvalues carry an absolute error of eps·σ_max²), hence 1e-6 rather than ~1e-14.
-    rel, ent_tol = (1e-4, 1e-4) if dtype == torch.float32 else (1e-6, 1e-5)
+    # float32 weights: the Gram route forms its Grams in float32 (the documented dtype policy), so a singular
+    # value near zero is resolved to ~sqrt(c·eps32)·σ_max ≈ 3e-4·σ_max; entropies (p ∝ σ²) stay within 1e-4.
+    rel, ent_tol = (1e-3, 1e-4) if dtype == torch.float32 else (1e-6, 1e-5)
     for name, ref in want.items():
         x = getattr(got, name)
         assert x.shape == ref.shape and x.dtype == torch.float64

@@ -22,10 +22,11 @@ Formulas
 * Conditioning ratio ``eps = max_i ||w_i - w_bar|| / ||w_bar||`` and ``mean_deviation = mean_i ||w_i -
   w_bar|| / ||w_bar||`` with ``w_bar`` the mean row. Small eps <=> rows nearly identical <=> a redundant,
   non-discriminative router. ``||w_bar|| = 0`` gives ``inf`` for both (also for an all-zero weight).
-* Routing entropy (nats) of p = softmax(z) over all E experts, evaluated on shifted logits s = z - max(z)
-  (so s <= 0 and nothing overflows): ``H = logsumexp(s) - sum_e p_e s_e``. Both terms are >= 0, so there is
-  no cancellation even for logits of +-1e4. Masked experts (logit -inf) have p_e = 0 and contribute 0 (the
-  0 * (-inf) product is never formed). Normalised entropy is ``H / log E`` in [0, 1].
+* Routing entropy (nats) of p = softmax(z) over all E experts: ``H = -sum_e p_e log p_e`` with p from
+  ``softmax`` and log p from ``log_softmax`` (both max-shift internally, so nothing overflows, and log p is
+  accurate even where p underflows). Every term is >= 0, so there is no cancellation even for logits of
+  +-1e4. Masked experts (logit -inf) and underflowed ones have p_e = 0 and contribute 0 (the 0 * (-inf)
+  product is never formed). Normalised entropy is ``H / log E`` in [0, 1].
 * Margin: top-1 logit minus top-2 logit, per token. Load: how many times each expert is in a token's top-k.
   Load entropy: entropy of the load fractions divided by log E (1 = perfectly balanced).
 
@@ -123,13 +124,14 @@ def routing_entropy(logits: torch.Tensor) -> torch.Tensor:
     if logits.ndim < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must have a non-empty last (expert) dim, got shape {tuple(logits.shape)}")
     z = logits.to(_compute_dtype(logits))
-    shifted = z - z.amax(dim=-1, keepdim=True)  # <= 0 everywhere; exactly 0 at the arg-max
-    log_normalizer = torch.logsumexp(shifted, dim=-1, keepdim=True)  # in [0, log E]
-    probs = torch.exp(shifted - log_normalizer)
-    # Masked experts: p = 0 and s = -inf. Replace s by 0 *before* multiplying so that neither the value nor
-    # the gradient ever sees 0 * (-inf).
-    shifted_finite = torch.where(torch.isneginf(shifted), torch.zeros_like(shifted), shifted)
-    entropy = log_normalizer.squeeze(-1) - (probs * shifted_finite).sum(dim=-1)
+    # softmax / log_softmax are fused, vectorised kernels; an explicit exp of max-shifted logits is several
+    # times slower on CPU when most of them underflow (peaked routing, the case we monitor for).
+    log_probs = torch.log_softmax(z, dim=-1)
+    probs = torch.softmax(z, dim=-1)
+    # Masked experts: p = 0 and log p = -inf. Replace log p by 0 *before* multiplying so that neither the value
+    # nor the gradient ever sees 0 * (-inf).
+    log_probs = torch.where(probs > 0, log_probs, torch.zeros((), dtype=z.dtype, device=z.device))
+    entropy = -(probs * log_probs).sum(dim=-1)
     return entropy.clamp_min(0.0)
 
 

@@ -11,10 +11,15 @@ Dtype policy
 ------------
 * Spectra come back as ``float64`` tensors (they are tiny: a few hundred values per head).
 * ``matrix_spectrum`` computes in ``float64`` for float64 input, otherwise in ``float32`` (bf16/fp16 upcast).
-* ``qk_increment_spectra`` (method ``"gram"``, the default) forms every Gram matrix in ``float64``: the
-  increments are typically 1e-3..1e-6 of the weights, and squaring in float32 would lose the small singular
-  values (an eigenvalue error of eps·σ_max² is an error of sqrt(eps)·σ_max ≈ 3e-4·σ_max on a singular value
-  near zero). Method ``"qr"`` works in the input precision (at least float32) and is backward stable there.
+* ``qk_increment_spectra`` (method ``"gram"``, the default) forms ΔW first, in the input precision, then its
+  d_model-long block Grams in float32 for float32/bf16/fp16 weights (float64 for float64 weights or
+  ``gram_dtype=torch.float64``); only the small r×r cores (r ≤ 2·d_head: balancing, Cholesky, eigenvalues) run
+  in float64. Why float32 is enough there: the increments are 1e-3..1e-6 of the weights, but ΔW is formed
+  before any product (never as a difference of Grams) and the blocks are balanced to equal norms, so the
+  Gram error is ~eps32·σ_max² of the increment's own spectrum: singular values near zero are resolved to
+  ~3e-4·σ_max and the entropies (p ∝ σ²) to ~1e-6, far below what separates a collapsed update from a
+  healthy one (entropy drops of 1e-2 and more). float64 Grams halve the GEMM speed for digits nobody reads.
+  Method ``"qr"`` works in the input precision (at least float32) and is backward stable there.
 * Entropies are computed in ``float64``.
 
 Bad input
@@ -37,6 +42,8 @@ __all__ = [
     "matrix_spectrum",
     "qk_increment_spectra",
     "qk_increment_spectra_dense",
+    "qk_increment_spectra_gram",
+    "qk_increment_spectra_qr",
     "spectral_entropy",
     "spectrum_from_gram",
     "stable_rank",
@@ -258,6 +265,164 @@ def _pad_to(sv: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(sv, (0, width - sv.shape[-1]))
 
 
+def _prepare_qk(wq_prev, wk_prev, wq, wk, terms):
+    """Validate, and return (sizes, terms, head→group index)."""
+    num_heads, num_groups, d_model, d_head, terms = _validate_qk(wq_prev, wk_prev, wq, wk, terms)
+    return num_heads, num_groups, d_model, d_head, terms, _head_to_group(num_heads, num_groups, wq.device)
+
+
+def _gram_dtype(t: torch.Tensor, gram_dtype: Optional[torch.dtype]) -> torch.dtype:
+    if gram_dtype is None:
+        return _compute_dtype(t)
+    if gram_dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"gram_dtype must be None, torch.float32 or torch.float64, got {gram_dtype!r}")
+    return gram_dtype
+
+
+def _rows(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[N, d_model, d_head] (paper orientation) → [N, d_head, d_model] in ``dtype``: the row layout Megatron
+    stores (a view when the input is a transposed view of it), so X·Xᵀ below is a plain NT GEMM."""
+    return t.detach().transpose(1, 2).to(dtype)
+
+
+def _block_grams(delta: torch.Tensor, base: torch.Tensor) -> dict:
+    """The three distinct d_head × d_head blocks of the Gram of [Δ, W] (row layout [N, d_head, d_model]):
+    ``ΔΔᵀ``, ``ΔWᵀ``, ``WWᵀ``, each one batched GEMM in the input dtype, returned in float64. The fourth block
+    is the transpose of the second, and every other block pair a term needs (e.g. W' = W + Δ) follows from
+    these three exactly in float64, so no d_model-long product is formed twice."""
+    f64 = torch.float64
+    return {("d", "d"): (delta @ delta.transpose(1, 2)).to(f64),
+            ("d", "w"): (delta @ base.transpose(1, 2)).to(f64),
+            ("w", "w"): (base @ base.transpose(1, 2)).to(f64)}
+
+
+def _gram_block(blocks: dict, left: str, right: str) -> torch.Tensor:
+    """Block ``X_left X_rightᵀ`` for X in {"d": Δ, "w": W, "n": W' = W + Δ} from :func:`_block_grams`."""
+    if left == "n":
+        return _gram_block(blocks, "w", right) + _gram_block(blocks, "d", right)
+    if right == "n":
+        return _gram_block(blocks, left, "w") + _gram_block(blocks, left, "d")
+    if (left, right) in blocks:
+        return blocks[(left, right)]
+    return blocks[(right, left)].transpose(1, 2)
+
+
+# Block names of each factor: q side "dq" = Δ_q, "q" = W_q; k side "k" = W_k, "dk" = Δ_k, "k_new" = W_k'.
+_BLOCK_LETTER = {"dq": "d", "q": "w", "dk": "d", "k": "w", "k_new": "n"}
+
+
+def _assembled_gram(blocks: dict, names: list, scales: list) -> torch.Tensor:
+    """Gram of the scaled factor [s_1 X_1, s_2 X_2, ...] ([N, r, r], float64) from the block Grams."""
+    rows = []
+    for name_i, s_i in zip(names, scales):
+        row = [_gram_block(blocks, _BLOCK_LETTER[name_i], _BLOCK_LETTER[name_j])
+               * (s_i * s_j)[:, None, None] for name_j, s_j in zip(names, scales)]
+        rows.append(torch.cat(row, dim=2))
+    return torch.cat(rows, dim=1)
+
+
+def qk_increment_spectra_gram(
+    wq_prev: torch.Tensor,
+    wk_prev: torch.Tensor,
+    wq: torch.Tensor,
+    wk: torch.Tensor,
+    terms: Iterable[str] = QK_TERMS,
+    gram_dtype: Optional[torch.dtype] = None,
+) -> QKIncrementSpectra:
+    """The Gram route of :func:`qk_increment_spectra` (same arguments and result).
+
+    Cost: per query head and per K group three ``d_head × d_head`` block Grams over d_model (``ΔΔᵀ``,
+    ``ΔWᵀ``, ``WWᵀ``: ``6·d_head²·d_model`` FLOPs each side), in ``gram_dtype``; everything after that is
+    r × r (r ≤ 2·d_head) work in float64: balancing, assembling each term's Grams (W' = W + Δ from the
+    blocks), a Cholesky factor and one batched symmetric eigenproblem for all heads and terms.
+
+    Precision (``gram_dtype`` float32, the default for non-float64 weights): ΔW is formed first, in the input
+    precision (a difference of two float32 weights is rounded once, a relative 6e-8 per entry of ΔW — the
+    increment is never obtained by subtracting two Grams), so the Grams of Δ carry errors relative to ‖Δ‖,
+    not to ‖W‖. Each block's GEMM error is ~eps32·‖X_i‖·‖X_j‖, which balancing (applied to the blocks
+    afterwards, exactly equivalent to balancing the factors) turns into ~eps32·σ_max² on the core's
+    eigenvalues: singular values near zero are resolved to ~sqrt(eps32)·σ_max ≈ 3e-4·σ_max, entropies
+    (p ∝ σ²) to ~1e-6. float64 Grams (the default for float64 input, or ``gram_dtype=torch.float64``) give
+    ~sqrt(eps64)·σ_max and ~1e-12, at twice the GEMM time.
+    """
+    num_heads, num_groups, d_model, d_head, terms, group_of_head = _prepare_qk(wq_prev, wk_prev, wq, wk, terms)
+    dtype = _gram_dtype(wq, gram_dtype)
+    q_prev, k_prev = _rows(wq_prev, dtype), _rows(wk_prev, dtype)
+    dq, dk = _rows(wq, dtype) - q_prev, _rows(wk, dtype) - k_prev
+    q_blocks = _block_grams(dq, q_prev)                                                  # [H, dh, dh] each
+    k_blocks = {key: g[group_of_head] for key, g in _block_grams(dk, k_prev).items()}    # [H, dh, dh] each
+
+    def trace(g):
+        return g.diagonal(dim1=1, dim2=2).sum(-1)
+
+    # A non-finite input entry makes its Gram's diagonal (Σx²) non-finite: no separate pass over the weights.
+    q_sq = {"dq": trace(q_blocks[("d", "d")]), "q": trace(q_blocks[("w", "w")])}                       # [H]
+    k_sq = {"dk": trace(k_blocks[("d", "d")]), "k": trace(k_blocks[("w", "w")]),
+            "k_new": trace(_gram_block(k_blocks, "n", "n"))}
+    finite = torch.stack([torch.isfinite(v) for v in (*q_sq.values(), k_sq["dk"], k_sq["k"])]).all(0)
+    if not bool(finite.all()):
+        zero = torch.zeros((), dtype=torch.float64, device=finite.device)
+        for blocks in (q_blocks, k_blocks):
+            for key in blocks:
+                blocks[key] = torch.where(finite[:, None, None], blocks[key], zero)
+        q_sq = {n: torch.where(finite, v, zero) for n, v in q_sq.items()}
+        k_sq = {n: torch.where(finite, v, zero) for n, v in k_sq.items()}
+        k_sq["k_new"] = trace(_gram_block(k_blocks, "n", "n"))
+
+    width = 2 * d_head
+    grams_a, grams_b = [], []
+    for term in terms:
+        pairs = _TERM_BLOCKS[term]
+        scales = [_balance_scales(q_sq[a], k_sq[b]) for a, b in pairs]
+        gram_a = _assembled_gram(q_blocks, [a for a, _ in pairs], [s[0] for s in scales])
+        gram_b = _assembled_gram(k_blocks, [b for _, b in pairs], [s[1] for s in scales])
+        pad = width - gram_a.shape[-1]  # Δ3's r = d_head: zero-pad so every term is one batch
+        grams_a.append(torch.nn.functional.pad(gram_a, (0, pad, 0, pad)))
+        grams_b.append(torch.nn.functional.pad(gram_b, (0, pad, 0, pad)))
+    # One batched eigenproblem pair for all terms ([terms·H, 2dh, 2dh]): fewer, larger LAPACK calls.
+    sv = _core_spectrum_from_grams(torch.cat(grams_a), torch.cat(grams_b)).split(num_heads)
+    result = {term: values[:, : len(_TERM_BLOCKS[term]) * d_head].masked_fill(~finite[:, None], math.nan)
+              for term, values in zip(terms, sv)}
+    return QKIncrementSpectra(**result)
+
+
+def qk_increment_spectra_qr(
+    wq_prev: torch.Tensor,
+    wk_prev: torch.Tensor,
+    wq: torch.Tensor,
+    wk: torch.Tensor,
+    terms: Iterable[str] = QK_TERMS,
+) -> QKIncrementSpectra:
+    """The QR route of :func:`qk_increment_spectra` (the paper's): thin QR of the balanced factors A and B in
+    the input precision (at least float32, backward stable there), then the SVD of R_a R_bᵀ per head."""
+    num_heads, num_groups, d_model, d_head, terms, group_of_head = _prepare_qk(wq_prev, wk_prev, wq, wk, terms)
+    work_dtype = _compute_dtype(wq)
+    # Differences in float64: for float32 weights the difference is exact, so W + ΔW == W' exactly.
+    # Non-finite values are zeroed so LAPACK never sees them; their heads are NaN-ed at the end.
+    q_prev, q_new, k_prev, k_new = (t.detach().to(torch.float64) for t in (wq_prev, wq, wk_prev, wk))
+    q_ok = torch.isfinite(q_prev).flatten(1).all(1) & torch.isfinite(q_new).flatten(1).all(1)     # [H]
+    k_ok = torch.isfinite(k_prev).flatten(1).all(1) & torch.isfinite(k_new).flatten(1).all(1)     # [G]
+    finite = q_ok & k_ok[group_of_head]
+    if not bool(finite.all()):
+        q_prev, q_new, k_prev, k_new = (torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0)
+                                        for t in (q_prev, q_new, k_prev, k_new))
+    q_blocks = {"dq": q_new - q_prev, "q": q_prev}
+    k_blocks = {"k": k_prev, "dk": k_new - k_prev, "k_new": k_new}
+    q_sq = {name: t.square().sum(dim=(1, 2)) for name, t in q_blocks.items()}                  # [H]
+    k_sq = {name: t.square().sum(dim=(1, 2))[group_of_head] for name, t in k_blocks.items()}   # [H]
+    result = {}
+    for term in terms:
+        pairs = _TERM_BLOCKS[term]
+        scales = [_balance_scales(q_sq[a], k_sq[b]) for a, b in pairs]
+        s_a = _block_diag_scale([s[0] for s in scales], d_head)            # [H, r]
+        s_b = _block_diag_scale([s[1] for s in scales], d_head)
+        a = torch.cat([q_blocks[a] for a, _ in pairs], dim=2) * s_a[:, None, :]
+        b = torch.cat([k_blocks[b][group_of_head] for _, b in pairs], dim=2) * s_b[:, None, :]
+        sv = _pad_to(_core_spectrum_qr(a.to(work_dtype), b.to(work_dtype)), s_a.shape[1])
+        result[term] = sv.to(torch.float64).masked_fill(~finite[:, None], math.nan)
+    return QKIncrementSpectra(**result)
+
+
 def qk_increment_spectra(
     wq_prev: torch.Tensor,
     wk_prev: torch.Tensor,
@@ -265,6 +430,7 @@ def qk_increment_spectra(
     wk: torch.Tensor,
     terms: Iterable[str] = QK_TERMS,
     method: str = "gram",
+    gram_dtype: Optional[torch.dtype] = None,
 ) -> QKIncrementSpectra:
     """Per-head singular values of the increments of the QK bilinear form, never forming a d×d matrix.
 
@@ -283,82 +449,24 @@ def qk_increment_spectra(
     Each term is a low-rank product ``M = A Bᵀ`` (Δ2: A = [ΔW_q, W_q], B = [W_k, ΔW_k]; Δ1: A = [ΔW_q, W_q],
     B = [W_k', ΔW_k]; Δ3: A = ΔW_q, B = ΔW_k), whose non-zero singular values are those of a small core:
 
-    * ``method="gram"`` (default, fastest here): float64 Gram matrices AᵀA per head and BᵀB per K group, then
-      a Cholesky factor of AᵀA (an eigendecomposition where AᵀA is singular: rank-deficient factors are
-      exact) and one symmetric r×r eigenproblem per head, batched over heads and terms. All three terms share the
-      same two Grams, so asking for more terms costs only r×r work.
-    * ``method="qr"``: thin QR of A and B in the input precision (≥ float32), then the SVD of R_a R_bᵀ —
-      the paper's route.
+    * ``method="gram"`` (default, fastest): :func:`qk_increment_spectra_gram` — block Grams in
+      ``gram_dtype`` (float32 for float32/bf16/fp16 weights, float64 for float64), the r×r core in float64.
+    * ``method="qr"``: :func:`qk_increment_spectra_qr` — thin QR in the input precision (≥ float32), then
+      the SVD of R_a R_bᵀ (the paper's route). ``gram_dtype`` must be None.
 
-    Block pairs are rescaled to equal norms first (see ``_balance_scales``) so small increments keep full
-    relative accuracy. Heads whose inputs contain NaN/Inf get NaN spectra.
+    Block pairs are rescaled to equal norms (see ``_balance_scales``) so small increments keep full relative
+    accuracy. Heads whose inputs contain NaN/Inf get NaN spectra.
 
     ``terms`` selects what to compute; the others are ``None``. Returns :class:`QKIncrementSpectra`
     (float64: ``delta1``/``delta2`` ``[H, 2·d_head]``, ``delta3`` ``[H, d_head]``).
     """
-    num_heads, num_groups, d_model, d_head, terms = _validate_qk(wq_prev, wk_prev, wq, wk, terms)
     if method not in QK_METHODS:
         raise ValueError(f"method must be one of {QK_METHODS}, got {method!r}")
-    group_of_head = _head_to_group(num_heads, num_groups, wq.device)
-    work_dtype = torch.float64 if method == "gram" else _compute_dtype(wq)
-
-    # Differences in float64: for float32 weights the difference is exact, so W + ΔW == W' exactly.
-    # Non-finite values are zeroed so LAPACK never sees them; their heads are NaN-ed at the end.
-    q_prev, q_new, k_prev, k_new = (t.detach().to(torch.float64) for t in (wq_prev, wq, wk_prev, wk))
-    q_ok = torch.isfinite(q_prev).flatten(1).all(1) & torch.isfinite(q_new).flatten(1).all(1)     # [H]
-    k_ok = torch.isfinite(k_prev).flatten(1).all(1) & torch.isfinite(k_new).flatten(1).all(1)     # [G]
-    finite = q_ok & k_ok[group_of_head]
-    if not bool(finite.all()):
-        q_prev, q_new, k_prev, k_new = (torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0)
-                                        for t in (q_prev, q_new, k_prev, k_new))
-    dq, dk = q_new - q_prev, k_new - k_prev
-
-    # Factor blocks actually used by the requested terms: query side per head [H, d, dh], key side per K
-    # group [G, d, dh]. Asking for Δ2 alone never touches W_k'.
-    used = [pair for term in terms for pair in _TERM_BLOCKS[term]]
-    all_q = {"dq": dq, "q": q_prev}
-    all_k = {"k": k_prev, "dk": dk, "k_new": k_new}
-    q_blocks = {name: t for name, t in all_q.items() if any(a == name for a, _ in used)}
-    k_blocks = {name: t for name, t in all_k.items() if any(b == name for _, b in used)}
-    q_sq = {name: t.square().sum(dim=(1, 2)) for name, t in q_blocks.items()}                  # [H]
-    k_sq = {name: t.square().sum(dim=(1, 2))[group_of_head] for name, t in k_blocks.items()}   # [H]
-
     if method == "gram":
-        # Two Grams shared by all terms: per head of the query blocks, per K group of the key blocks.
-        q_cat = torch.cat(list(q_blocks.values()), dim=2)                   # [H, d, ≤2dh]
-        k_cat = torch.cat(list(k_blocks.values()), dim=2)                   # [G, d, ≤3dh]
-        gram_q = q_cat.transpose(1, 2) @ q_cat                              # [H, ≤2dh, ≤2dh]
-        gram_k = (k_cat.transpose(1, 2) @ k_cat)[group_of_head]             # [H, ≤3dh, ≤3dh]
-
-    def gram_index(names, order):
-        return torch.cat([torch.arange(order.index(n) * d_head, (order.index(n) + 1) * d_head)
-                          for n in names]).to(wq.device)
-
-    width = 2 * d_head
-    grams_a, grams_b, result = [], [], {}
-    for term in terms:
-        block_pairs = _TERM_BLOCKS[term]
-        scales = [_balance_scales(q_sq[a], k_sq[b]) for a, b in block_pairs]
-        s_a = _block_diag_scale([s[0] for s in scales], d_head)            # [H, r]
-        s_b = _block_diag_scale([s[1] for s in scales], d_head)
-        if method == "gram":
-            qi = gram_index([a for a, _ in block_pairs], list(q_blocks))
-            ki = gram_index([b for _, b in block_pairs], list(k_blocks))
-            gram_a = gram_q[:, qi][:, :, qi] * s_a[:, :, None] * s_a[:, None, :]
-            gram_b = gram_k[:, ki][:, :, ki] * s_b[:, :, None] * s_b[:, None, :]
-            pad = width - gram_a.shape[-1]  # Δ3's r = d_head: zero-pad so every term is one batch
-            grams_a.append(torch.nn.functional.pad(gram_a, (0, pad, 0, pad)))
-            grams_b.append(torch.nn.functional.pad(gram_b, (0, pad, 0, pad)))
-        else:
-            a = torch.cat([q_blocks[a] for a, _ in block_pairs], dim=2) * s_a[:, None, :]
-            b = torch.cat([k_blocks[b][group_of_head] for _, b in block_pairs], dim=2) * s_b[:, None, :]
-            result[term] = _pad_to(_core_spectrum_qr(a.to(work_dtype), b.to(work_dtype)), s_a.shape[1])
-    if method == "gram":
-        # One batched eigenproblem pair for all terms ([terms·H, 2dh, 2dh]): fewer, larger LAPACK calls.
-        sv = _core_spectrum_from_grams(torch.cat(grams_a), torch.cat(grams_b)).split(num_heads)
-        result = {term: values[:, : len(_TERM_BLOCKS[term]) * d_head] for term, values in zip(terms, sv)}
-    result = {term: sv.to(torch.float64).masked_fill(~finite[:, None], math.nan) for term, sv in result.items()}
-    return QKIncrementSpectra(**result)
+        return qk_increment_spectra_gram(wq_prev, wk_prev, wq, wk, terms=terms, gram_dtype=gram_dtype)
+    if gram_dtype is not None:
+        raise ValueError("gram_dtype applies to method='gram' only")
+    return qk_increment_spectra_qr(wq_prev, wk_prev, wq, wk, terms=terms)
 
 
 def qk_increment_spectra_dense(
