@@ -23,6 +23,12 @@ from megatron_mech.monitors import AttentionLayer, AttentionMonitor, AttentionMo
 from megatron_mech.core.spectral import qk_increment_spectra_dense
 
 WORKER = Path(__file__).parent / "workers" / "attention_monitor_worker.py"
+
+
+def exact_config(**kwargs) -> AttentionMonitorConfig:
+    """float64 Grams: the route compared against float64 dense references at ~1e-10 (the float32 default is
+    checked against it separately, within its stated accuracy)."""
+    return AttentionMonitorConfig(gram_dtype="float64", **kwargs)
 D_MODEL, HEAD_DIM = 16, 4
 
 
@@ -111,7 +117,7 @@ def run_loop(monitor, weight, updates, steps, start=0, history=None):
 def test_metrics_equal_dense_reference(h, g):
     weight = make_weight(h, g)
     updates = make_updates(weight.shape, 12)
-    monitor = AttentionMonitor([AttentionLayer(2, weight, h, g, HEAD_DIM)], AttentionMonitorConfig(interval=3))
+    monitor = AttentionMonitor([AttentionLayer(2, weight, h, g, HEAD_DIM)], exact_config(interval=3))
     history = {}
     results = run_loop(monitor, weight, updates, 12, history=history)
     assert sorted(results) == [3, 6, 9, 12]           # snapshot at 0, then every interval
@@ -139,7 +145,7 @@ def test_schedule_aligned_to_interval():
 def test_power_and_terms_config():
     weight = make_weight(4, 2)
     updates = make_updates(weight.shape, 4)
-    cfg = AttentionMonitorConfig(interval=2, qk_terms=("delta2",), power=1.0, qk_method="qr")
+    cfg = exact_config(interval=2, qk_terms=("delta2",), power=1.0, qk_method="qr")
     monitor = AttentionMonitor([AttentionLayer(0, weight, 4, 2, HEAD_DIM)], cfg)
     history = {}
     results = run_loop(monitor, weight, updates, 4, history=history)
@@ -148,7 +154,7 @@ def test_power_and_terms_config():
     assert_metrics_close(metrics, want, tol=1e-6)    # qr method works in float32 for float32 weights
     assert not any("delta1" in k or "delta3" in k for k in metrics)
     no_heads = AttentionMonitor([AttentionLayer(0, weight, 4, 2, HEAD_DIM)],
-                                AttentionMonitorConfig(interval=2, qk_terms=()))
+                                exact_config(interval=2, qk_terms=()))
     no_heads.observe(0)
     with torch.no_grad():
         weight += updates[1]
@@ -165,7 +171,7 @@ def test_extra_linears_and_slice_scope_single_process():
     def loop(scope):
         w, a, b = weight.clone(), fc1.clone(), fc2.clone()
         mon = AttentionMonitor([AttentionLayer(0, w, 4, 2, HEAD_DIM)],
-                               AttentionMonitorConfig(interval=2, dw_scope=scope),
+                               exact_config(interval=2, dw_scope=scope),
                                extra_linears={"layer0.fc1": (a, 0), "layer0.fc2": (b, 1)})
         gen = torch.Generator().manual_seed(5)
         out = None
@@ -200,7 +206,7 @@ def test_extra_linears_and_slice_scope_single_process():
 def test_state_dict_round_trip_mid_run(save):
     h, g, steps = 4, 2, 15
     updates = make_updates(make_weight(h, g).shape, steps)
-    cfg = AttentionMonitorConfig(interval=3, save_snapshots=save)
+    cfg = exact_config(interval=3, save_snapshots=save)
 
     weight_a = make_weight(h, g)
     full = run_loop(AttentionMonitor([AttentionLayer(0, weight_a, h, g, HEAD_DIM)], cfg), weight_a, updates, steps)
@@ -229,7 +235,7 @@ def test_non_finite_weight_gives_nan_metrics():
     h, g = 4, 2
     weight = make_weight(h, g)
     updates = make_updates(weight.shape, 6)
-    monitor = AttentionMonitor([AttentionLayer(1, weight, h, g, HEAD_DIM)], AttentionMonitorConfig(interval=3))
+    monitor = AttentionMonitor([AttentionLayer(1, weight, h, g, HEAD_DIM)], exact_config(interval=3))
     run_loop(monitor, weight, updates, 3)
     with torch.no_grad():
         weight += updates[4]
@@ -255,7 +261,7 @@ def test_bf16_weights_snapshot_float32():
     h, g = 4, 2
     weight = make_weight(h, g, dtype=torch.bfloat16)
     updates = make_updates(weight.shape, 6)
-    monitor = AttentionMonitor([AttentionLayer(0, weight, h, g, HEAD_DIM)], AttentionMonitorConfig(interval=3))
+    monitor = AttentionMonitor([AttentionLayer(0, weight, h, g, HEAD_DIM)], exact_config(interval=3))
     history = {}
     results = run_loop(monitor, weight, updates, 6, history=history)
     assert monitor.state_dict()["snapshots"]["layers"][0]["q"].dtype == torch.float32
@@ -325,3 +331,19 @@ def test_monitor_without_layers_is_harmless():
 def test_tensor_parallel_two_ranks_under_torchrun():
     result = run_torchrun(WORKER, nproc=2, timeout=200)
     assert "ATTENTION_MONITOR PASS" in result.stdout, result.stdout[-6000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float32_gram_default_agrees_with_float64_route(dtype):
+    """The default route (float32 Grams and ΔW eigenproblems for non-float64 weights) against the float64
+    route on the same run: entropies and ranks within 1e-5 relative (float32 Gram error ~eps32·σ_max² on
+    the squared spectrum, see core.spectral), per-head entropies within 1e-5 absolute."""
+    h, g = 4, 2
+    weights = [make_weight(h, g, dtype=dtype) for _ in range(2)]
+    updates = make_updates(weights[0].shape, 6)
+    monitors = [AttentionMonitor([AttentionLayer(0, w, h, g, HEAD_DIM)], cfg) for w, cfg in
+                zip(weights, (AttentionMonitorConfig(interval=3), exact_config(interval=3)))]
+    fast, exact = (run_loop(m, w, updates, 6) for m, w in zip(monitors, weights))
+    assert fast[6][0].keys() == exact[6][0].keys()
+    assert_metrics_close(fast[6][0], exact[6][0], tol=1e-5)
+    assert fast[6][0] != exact[6][0]        # really a different route

@@ -126,16 +126,17 @@ def shard_gram(local: torch.Tensor, shard_dim: int, accumulate_dtype: torch.dtyp
     return torch.cat([gram.reshape(-1), split, bad.reshape(1)])
 
 
-def spectrum_from_shard_grams(packed: torch.Tensor, k: int) -> torch.Tensor:
+def spectrum_from_shard_grams(packed: torch.Tensor, k: int, eig_dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """Singular values (descending, float64, ``min(m, k)`` of them) from a summed :func:`shard_gram` vector.
 
-    All NaN when any rank's slice had a non-finite entry. Never raises on bad values.
+    All NaN when any rank's slice had a non-finite entry. Never raises on bad values. ``eig_dtype``: precision
+    of the k×k eigenproblem (see :func:`~megatron_mech.core.spectral.spectrum_from_gram`).
     """
     if packed.dim() != 1 or packed.numel() != k * k + 2:
         raise ValueError(f"packed must be a flat vector of k·k + 2 = {k * k + 2} values, got {tuple(packed.shape)}")
     split, bad = float(packed[k * k]), float(packed[k * k + 1])
     n_values = min(int(round(split)), k) if math.isfinite(split) else k
-    sv = spectrum_from_gram(packed[: k * k].reshape(k, k))[:n_values]
+    sv = spectrum_from_gram(packed[: k * k].reshape(k, k), eig_dtype=eig_dtype)[:n_values]
     if bad != 0:
         sv = torch.full_like(sv, math.nan)
     return sv

@@ -133,20 +133,25 @@ def matrix_spectrum(delta: torch.Tensor) -> torch.Tensor:
     return sv.masked_fill(~finite[..., None], math.nan)
 
 
-def spectrum_from_gram(gram: torch.Tensor) -> torch.Tensor:
+def spectrum_from_gram(gram: torch.Tensor, eig_dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """Singular values, descending, of a matrix M from its Gram matrix ``MᵀM`` (or ``MMᵀ``).
 
     This is the route for a matrix split across ranks: each rank forms the Gram of its slice, the Grams are
     summed with one all-reduce, and the spectrum follows without ever gathering M.
     Shapes: ``[..., k, k]`` → ``[..., k]``, float64 (the Gram should be accumulated in float64).
     Tiny negative eigenvalues from roundoff are clamped to 0. Non-finite Gram → NaNs.
+    ``eig_dtype`` (float64 or float32) is the precision of the eigenproblem: float32 halves its time and is
+    enough for a Gram that was itself formed in float32 (its own error is already ~eps32·σ_max²); the result
+    is float64 either way.
     """
     if not isinstance(gram, torch.Tensor) or gram.dim() < 2 or gram.shape[-1] != gram.shape[-2]:
         raise ValueError(f"gram must be a square matrix [..., k, k], got {getattr(gram, 'shape', type(gram))}")
-    g = gram.detach().to(torch.float64)
+    if eig_dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"eig_dtype must be torch.float32 or torch.float64, got {eig_dtype!r}")
+    g = gram.detach().to(eig_dtype)
     finite = torch.isfinite(g).flatten(-2).all(dim=-1)
     g = torch.where(finite[..., None, None], g, torch.zeros((), dtype=g.dtype, device=g.device))
-    eig = torch.linalg.eigvalsh(0.5 * (g + g.transpose(-1, -2)))
+    eig = torch.linalg.eigvalsh(0.5 * (g + g.transpose(-1, -2))).to(torch.float64)
     sv = eig.clamp_min(0).sqrt().flip(-1)
     return sv.masked_fill(~finite[..., None], math.nan)
 

@@ -56,7 +56,14 @@ Collectives (``dw_scope="global"`` with a ``tp_group`` of more than one rank; no
   same step. Bytes: ``8·(Σ_L (2·d_model² + 4 + T·H_L) + Σ_extra (k² + 2) + 1)``. With ``bucket_mb`` the
   buffer is built and reduced in consecutive chunks of whole units (a layer or an extra linear) — one
   collective per chunk, memory bounded by the chunk — the plan depends only on sizes and config.
-* ``load_state_dict``: one tiny all-reduce so that all ranks agree on the snapshot step.
+* Data-parallel split (``dp_group`` given, ``dp_split`` on): the units (layers, extra linears) are shared out
+  over the replicas by cost (longest first, to the least-loaded replica; computed from sizes only, the same
+  on every rank). A replica snapshots and evaluates only its units (the Gram all-reduce above covers only
+  those), then ONE ``all_reduce`` (SUM, float64) over ``dp_group`` of a fixed-size buffer — every metric of
+  every unit in a fixed order plus a step check, each value written by the one replica that computed it —
+  gives every replica all metrics, bit for bit those of the unsplit evaluation. Construction adds one tiny
+  all-reduce over ``dp_group`` (replicas must agree on layout and config).
+* ``load_state_dict``: one tiny all-reduce (per group: TP, then DP) so that all ranks agree on the snapshot step.
 The number and order of collectives depends only on the config and on counts validated equal across ranks.
 QK spectra need no communication: each TP rank holds whole query groups (heads with their K).
 
@@ -110,6 +117,7 @@ from megatron_mech.core.spectral import QK_METHODS, QK_TERMS, effective_rank, qk
 __all__ = ["DW_SCOPES", "AttentionLayer", "AttentionMonitorConfig", "AttentionMonitor"]
 
 DW_SCOPES = ("global", "slice")
+GRAM_DTYPES = ("auto", "float32", "float64")
 _STATE_VERSION = 1
 _F64 = torch.float64
 
@@ -183,6 +191,14 @@ class AttentionMonitorConfig:
         bucket_mb: None (default): one collective per evaluation. A size in MiB bounds the reduce buffer: whole
             layers / extra linears are grouped into consecutive chunks of at most that size (a larger unit goes
             alone), one collective per chunk.
+        gram_dtype: precision of the d_model-long Gram products and of the ΔW eigenproblems: ``"auto"``
+            (float32 for float32/bf16/fp16 weights, float64 for float64 weights), ``"float32"`` or
+            ``"float64"``. The small per-head cores always run in float64 (see
+            :mod:`megatron_mech.core.spectral` for why float32 Grams are enough for the entropies).
+        dp_split: with a ``dp_group`` of several replicas, each replica evaluates (and snapshots) only its share
+            of the layers and extra linears; one SUM all-reduce of the per-unit results over ``dp_group``
+            gives every replica all metrics, equal to the unsplit evaluation (each value is computed by one
+            replica; the others add exact zeros). False: every replica evaluates everything.
     """
 
     interval: int = 10
@@ -193,6 +209,8 @@ class AttentionMonitorConfig:
     snapshot_device: str = "cpu"
     save_snapshots: bool = True
     bucket_mb: Optional[float] = None
+    gram_dtype: str = "auto"
+    dp_split: bool = True
 
     def __post_init__(self) -> None:
         if not _is_int(self.interval) or self.interval < 1:
@@ -220,6 +238,10 @@ class AttentionMonitorConfig:
                                            or not isinstance(self.bucket_mb, (int, float))
                                            or not math.isfinite(self.bucket_mb) or self.bucket_mb <= 0):
             raise ValueError(f"bucket_mb must be None or a finite number > 0, got {self.bucket_mb!r}")
+        if self.gram_dtype not in GRAM_DTYPES:
+            raise ValueError(f"gram_dtype must be one of {GRAM_DTYPES}, got {self.gram_dtype!r}")
+        if not isinstance(self.dp_split, bool):
+            raise ValueError(f"dp_split must be a bool, got {self.dp_split!r}")
 
     @property
     def bucket_elements(self) -> Optional[int]:
@@ -245,10 +267,13 @@ class AttentionMonitor:
             linear"): ``shard_dim=0`` for ColumnParallel ``[out/TP, in]``, 1 for RowParallel ``[out, in/TP]``.
             A weight replicated across TP (not split) does not belong here in global scope with TP > 1: its
             Gram would be summed TP times (entropies unchanged, norms scaled by sqrt(TP)).
+        dp_group: the data-parallel replicas holding the same weights (None: no split). With
+            ``config.dp_split`` each replica evaluates and snapshots only its share of the units (layers and
+            extra linears) and one SUM all-reduce over ``dp_group`` per evaluation combines the results.
     """
 
     def __init__(self, layers: Sequence[AttentionLayer], config: Optional[AttentionMonitorConfig] = None,
-                 tp_group=None, extra_linears: Optional[Mapping[str, tuple]] = None) -> None:
+                 tp_group=None, extra_linears: Optional[Mapping[str, tuple]] = None, dp_group=None) -> None:
         self.config = config if config is not None else AttentionMonitorConfig()
         if not isinstance(self.config, AttentionMonitorConfig):
             raise ValueError(f"config must be an AttentionMonitorConfig, got {type(self.config).__name__}")
@@ -257,19 +282,35 @@ class AttentionMonitor:
         self.tp_rank = dist.get_rank(tp_group) if self._dist else 0
         self.tp_size = dist.get_world_size(tp_group) if self._dist else 1
         self._collective = self._dist and self.config.dw_scope == "global"
+        self.dp_group = dp_group
+        # Unlike tp_group, None means "no replicas to share with" (not the default group).
+        self._dp = self.config.dp_split and dp_group is not None and distributed_active(dp_group)
+        self.dp_rank = dist.get_rank(dp_group) if self._dp else 0
+        self.dp_size = dist.get_world_size(dp_group) if self._dp else 1
 
         local_error: Optional[ValueError] = None
         try:
             self.layers = self._check_layers(layers)
             self.extras = self._check_extras(extra_linears)
         except ValueError as exc:
-            if not self._collective:
+            if not (self._collective or self._dp):
                 raise
-            local_error = exc                      # still join the header collective, then raise everywhere
+            local_error = exc                      # still join the header collectives, then raise everywhere
             self.layers, self.extras = [], []
         self._total_heads = [lay.head_offset + lay.num_heads for lay in self.layers]
+        error = local_error
         if self._collective:
-            self._validate_across_ranks(local_error)
+            try:
+                self._validate_across_ranks(local_error)
+            except ValueError as exc:
+                error = exc
+        if self._dp:
+            self._validate_across_replicas(error)  # raises on every rank of every replica if any rank failed
+        elif error is not None:
+            raise error
+        self._units = [("layer", i) for i in range(len(self.layers))] + [("extra", j)
+                                                                          for j in range(len(self.extras))]
+        self._mine = self._assign_units()
 
         self._snap_step: Optional[int] = None
         self._snapshots: Optional[dict] = None     # {"layers": [(q_rows, k_rows)], "extras": [weight]}
@@ -388,6 +429,59 @@ class AttentionMonitor:
             raise ValueError("AttentionMonitor: inconsistent layouts across tensor-parallel ranks: "
                              + "; ".join(errors))
 
+    def _validate_across_replicas(self, error: Optional[ValueError]) -> None:
+        """One all-reduce (MAX of ±values) over ``dp_group``: the replicas must hold the same layer layout and
+        config (the split plan is computed locally from them), and a failure anywhere fails everywhere."""
+        c = self.config
+        desc = [str(c.interval), str(c.qk_terms), c.dw_scope, str(c.bucket_elements), str(c.save_snapshots),
+                c.gram_dtype, c.qk_method]
+        for lay in self.layers:
+            desc.append(f"{lay.layer},{lay.d_model},{lay.num_heads},{lay.num_query_groups},{lay.head_dim},"
+                        f"{lay.head_offset}")
+        desc += [f"{name},{tuple(w.shape)},{sd}" for name, w, sd in self.extras]
+        fields = [int(error is not None), len(self.layers), len(self.extras), _crc(desc)]
+        device = collective_device(self.dp_group, fallback=self._device())
+        both = torch.tensor(fields + [-v for v in fields], dtype=torch.int64, device=device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.dp_group)
+        hi, lo = both[: len(fields)].tolist(), [-v for v in both[len(fields):].tolist()]
+        if error is not None:
+            raise error
+        if hi[0]:
+            raise ValueError("AttentionMonitor: construction failed on another rank (see its error)")
+        if hi[1:] != lo[1:]:
+            raise ValueError("AttentionMonitor: data-parallel replicas disagree on the monitored layers, extra "
+                             "linears or config (layer counts min/max "
+                             f"{lo[1]}/{hi[1]}, extra counts {lo[2]}/{hi[2]}); every replica must build the "
+                             "monitor from the same model and flags")
+
+    def _unit_cost(self, unit) -> float:
+        """Relative evaluation cost of a unit, for balancing: a k×k eigenproblem per Gram (k³) plus the Grams."""
+        kind, i = unit
+        if kind == "layer":
+            (_, kq), (_, kk), heads = self._layer_geometry(i)
+            return float(kq ** 3 + kk ** 3 + heads * (2 * self.layers[i].head_dim) ** 3)
+        _, w, sd = self.extras[i]
+        return float(gram_size(w.shape, self._shard_dim(w.shape, sd)) ** 3)
+
+    def _assign_units(self) -> set:
+        """This replica's share of the units: longest-processing-time-first over the replicas, computed from
+        sizes only (identical on every rank). Without a split, every unit."""
+        if not self._dp:
+            return set(self._units)
+        load = [0.0] * self.dp_size
+        mine = set()
+        for unit in sorted(self._units, key=lambda u: (-self._unit_cost(u), self._units.index(u))):
+            replica = min(range(self.dp_size), key=lambda r: (load[r], r))
+            load[replica] += self._unit_cost(unit)
+            if replica == self.dp_rank:
+                mine.add(unit)
+        return mine
+
+    @property
+    def evaluated_layers(self) -> list[int]:
+        """Global indices of the layers this replica evaluates and snapshots (all of them without a DP split)."""
+        return [self.layers[i].layer for kind, i in self._units if kind == "layer" and (kind, i) in self._mine]
+
     # ------------------------------------------------------------------ schedule
     def should_observe(self, step: int) -> bool:
         """True when ``observe(step)`` does any work (snapshot and/or evaluation): ``step % interval == 0``."""
@@ -419,12 +513,16 @@ class AttentionMonitor:
     def _take_snapshot(self, step: int) -> None:
         device = torch.device(self.config.snapshot_device)
         layers = []
-        for lay in self.layers:
+        for i, lay in enumerate(self.layers):
+            if ("layer", i) not in self._mine:   # evaluated by another replica: no snapshot here
+                layers.append(None)
+                continue
             q, k, _ = qkv_row_blocks(lay.qkv_weight.detach(), lay.num_heads, lay.num_query_groups, lay.head_dim)
             dtype = _snapshot_dtype(lay.qkv_weight)
             # copy=True: qkv_row_blocks may return views of the live parameter.
             layers.append((q.to(device=device, dtype=dtype, copy=True), k.to(device=device, dtype=dtype, copy=True)))
-        extras = [w.detach().to(device=device, dtype=_snapshot_dtype(w), copy=True) for _, w, _ in self.extras]
+        extras = [w.detach().to(device=device, dtype=_snapshot_dtype(w), copy=True)
+                  if ("extra", j) in self._mine else None for j, (_, w, _) in enumerate(self.extras)]
         self._snapshots = {"layers": layers, "extras": extras}
         self._snap_step = step
 
@@ -461,8 +559,9 @@ class AttentionMonitor:
         q_prev, k_prev = (t.to(w.device) for t in self._snapshots["layers"][i])
         q_cur, k_cur, _ = qkv_row_blocks(w, lay.num_heads, lay.num_query_groups, lay.head_dim)
         n_q, n_k = kq * kq + 2, kk * kk + 2
-        out[:n_q].copy_(shard_gram(q_cur.to(_F64) - q_prev.to(_F64), sq))
-        out[n_q:n_q + n_k].copy_(shard_gram(k_cur.to(_F64) - k_prev.to(_F64), sk))
+        dt = self._gram_dtype(w)
+        out[:n_q].copy_(shard_gram(q_cur.to(dt) - q_prev.to(dt), sq, accumulate_dtype=dt))
+        out[n_q:n_q + n_k].copy_(shard_gram(k_cur.to(dt) - k_prev.to(dt), sk, accumulate_dtype=dt))
         terms = self.config.qk_terms
         if not terms:
             return
@@ -470,7 +569,8 @@ class AttentionMonitor:
         wq, wk, _ = split_fused_qkv(w, lay.num_heads, lay.num_query_groups, dh)
         wq_prev = q_prev.view(lay.num_heads, dh, d_model).transpose(1, 2)
         wk_prev = k_prev.view(lay.num_query_groups, dh, d_model).transpose(1, 2)
-        spectra = qk_increment_spectra(wq_prev, wk_prev, wq, wk, terms=terms, method=self.config.qk_method)
+        spectra = qk_increment_spectra(wq_prev, wk_prev, wq, wk, terms=terms, method=self.config.qk_method,
+                                       gram_dtype=dt if self.config.qk_method == "gram" else None)
         ent = torch.stack([spectral_entropy(getattr(spectra, t), power=self.config.power) for t in terms])
         block = out[n_q + n_k:].view(len(terms), heads)
         start = lay.head_offset if self._collective else 0
@@ -480,11 +580,17 @@ class AttentionMonitor:
         _, w, sd = self.extras[j]
         w = w.detach()
         prev = self._snapshots["extras"][j].to(w.device)
-        out.copy_(shard_gram(w.to(_F64) - prev.to(_F64), self._shard_dim(w.shape, sd)))
+        dt = self._gram_dtype(w)
+        out.copy_(shard_gram(w.to(dt) - prev.to(dt), self._shard_dim(w.shape, sd), accumulate_dtype=dt))
+
+    def _gram_dtype(self, weight: torch.Tensor) -> torch.dtype:
+        if self.config.gram_dtype == "auto":
+            return _F64 if weight.dtype == _F64 else torch.float32
+        return _F64 if self.config.gram_dtype == "float64" else torch.float32
 
     def _dw_metrics(self, packed: torch.Tensor, k: int, prefix: str, detail: dict,
-                    metrics: dict, details: dict) -> None:
-        sv = spectrum_from_shard_grams(packed, k)
+                    metrics: dict, details: dict, eig_dtype: torch.dtype = _F64) -> None:
+        sv = spectrum_from_shard_grams(packed, k, eig_dtype=eig_dtype)
         values = {
             "entropy": float(spectral_entropy(sv, power=self.config.power)),
             "effective_rank": float(effective_rank(sv, power=self.config.power)),
@@ -502,9 +608,10 @@ class AttentionMonitor:
         scoped = f"attn/layer{L}" + ("" if self.config.dw_scope == "global" else f"/tp{self.tp_rank}")
         extra = {} if self.config.dw_scope == "global" else {"tp_rank": self.tp_rank}
         n_q, n_k = kq * kq + 2, kk * kk + 2
-        self._dw_metrics(buf[:n_q], kq, f"{scoped}/dwq", {"layer": L, "matrix": "q", **extra}, metrics, details)
+        dt = self._gram_dtype(lay.qkv_weight)
+        self._dw_metrics(buf[:n_q], kq, f"{scoped}/dwq", {"layer": L, "matrix": "q", **extra}, metrics, details, dt)
         self._dw_metrics(buf[n_q:n_q + n_k], kk, f"{scoped}/dwk", {"layer": L, "matrix": "k", **extra},
-                         metrics, details)
+                         metrics, details, dt)
         terms = self.config.qk_terms
         if not terms:
             return
@@ -526,10 +633,76 @@ class AttentionMonitor:
         k = gram_size(w.shape, self._shard_dim(w.shape, sd))
         scoped = f"linear/{name}" + ("" if self.config.dw_scope == "global" else f"/tp{self.tp_rank}")
         extra = {} if self.config.dw_scope == "global" else {"tp_rank": self.tp_rank}
-        self._dw_metrics(buf, k, f"{scoped}/dw", {"linear": name, **extra}, metrics, details)
+        self._dw_metrics(buf, k, f"{scoped}/dw", {"linear": name, **extra}, metrics, details, self._gram_dtype(w))
+
+    def _unit_names(self, unit) -> list[tuple[str, dict]]:
+        """``(metric name, detail)`` of every value a unit produces, in a fixed order (what ``_decode_*`` writes)."""
+        kind, i = unit
+        whats = ("entropy", "effective_rank", "stable_rank", "fro")
+        extra = {} if self.config.dw_scope == "global" else {"tp_rank": self.tp_rank}
+        tp_tag = "" if self.config.dw_scope == "global" else f"/tp{self.tp_rank}"
+        if kind == "extra":
+            name = self.extras[i][0]
+            return [(f"linear/{name}{tp_tag}/dw_{w}", {"linear": name, **extra}) for w in whats]
+        lay = self.layers[i]
+        L = lay.layer
+        out = [(f"attn/layer{L}{tp_tag}/dw{m}_{w}", {"layer": L, "matrix": m, **extra})
+               for m in ("q", "k") for w in whats]
+        heads = self._total_heads[i] if self._collective else lay.num_heads
+        first = 0 if self._collective else lay.head_offset
+        for term in self.config.qk_terms:
+            out += [(f"attn/layer{L}{tp_tag}/{term}_entropy_{agg}", {"layer": L, "term": term, **extra})
+                    for agg in ("mean", "min")]
+            out += [(f"attn/layer{L}/head{first + h}/{term}_entropy", {"layer": L, "head": first + h,
+                                                                         "term": term, **extra})
+                    for h in range(heads)]
+        return out
 
     def _evaluate(self, step: int) -> tuple[dict[str, float], dict[str, dict]]:
-        units = [("layer", i) for i in range(len(self.layers))] + [("extra", j) for j in range(len(self.extras))]
+        units = [u for u in self._units if u in self._mine]
+        metrics, details = self._evaluate_units(step, units)
+        if not self._dp:
+            return metrics, details
+        return self._combine_replicas(step, metrics)
+
+    def _combine_replicas(self, step: int, local: dict[str, float]) -> tuple[dict[str, float], dict[str, dict]]:
+        """ONE SUM all-reduce over ``dp_group`` of a fixed-size float64 buffer: per unit its values in
+        ``_unit_names`` order, written by the replica that evaluated it (zeros elsewhere, so the sum is that
+        replica's value bit for bit), then one step slot to check that every replica evaluated this step."""
+        names = [self._unit_names(u) for u in self._units]
+        total = sum(len(n) for n in names)
+        device = collective_device(self.dp_group, fallback=self._device())
+        buf = torch.zeros(total + 1, dtype=_F64)
+        offset = 0
+        for unit, unit_names in zip(self._units, names):
+            if unit in self._mine:
+                missing = [n for n, _ in unit_names if n not in local]
+                if missing:
+                    raise RuntimeError(f"AttentionMonitor: internal error, metrics {missing[:3]} not produced")
+                buf[offset:offset + len(unit_names)] = torch.tensor([local[n] for n, _ in unit_names],
+                                                                    dtype=_F64)
+            offset += len(unit_names)
+        buf[total] = float(step)
+        buf = buf.to(device)
+        all_reduce_flat(buf, self.dp_group)
+        values = buf.cpu().tolist()
+        if values[total] != float(step) * self.dp_size:
+            raise RuntimeError(f"AttentionMonitor: data-parallel replicas evaluated different steps (this rank "
+                               f"{step}, sum over replicas {values[total]}); every rank must call observe() at "
+                               f"the same steps with the same loaded state")
+        metrics: dict[str, float] = {}
+        details: dict[str, dict] = {}
+        offset = 0
+        for unit_names in names:
+            for (name, detail), value in zip(unit_names, values[offset:offset + len(unit_names)]):
+                metrics[name] = value
+                details[name] = detail
+            offset += len(unit_names)
+        return metrics, details
+
+    def _evaluate_units(self, step: int, units: list) -> tuple[dict[str, float], dict[str, dict]]:
+        """Evaluate ``units`` (this replica's share): Grams summed over the TP group, then the metrics."""
+        units = list(units)
         if self._collective:
             units.append(("check", 0))
             device = collective_device(self.tp_group, fallback=self._device())
@@ -574,7 +747,8 @@ class AttentionMonitor:
         save = self.config.save_snapshots and self._snapshots is not None
         snapshots = None
         if save:
-            snapshots = {"layers": [{"q": q, "k": k} for q, k in self._snapshots["layers"]],
+            snapshots = {"layers": [None if pair is None else {"q": pair[0], "k": pair[1]}
+                                    for pair in self._snapshots["layers"]],
                          "extras": {name: t for (name, _, _), t in zip(self.extras, self._snapshots["extras"])}}
         config = dataclasses.asdict(self.config)
         config["snapshot_device"] = str(config["snapshot_device"])
@@ -603,7 +777,13 @@ class AttentionMonitor:
         if snapshots is not None and step is not None:
             device = torch.device(self.config.snapshot_device)
             pairs = []
-            for lay, snap in zip(self.layers, snapshots["layers"]):
+            for i, (lay, snap) in enumerate(zip(self.layers, snapshots["layers"])):
+                if ("layer", i) not in self._mine:
+                    pairs.append(None)
+                    continue
+                if snap is None:   # saved by a replica that did not evaluate this layer (another DP split)
+                    pairs = None
+                    break
                 dtype = _snapshot_dtype(lay.qkv_weight)
                 shapes = ((lay.num_heads * lay.head_dim, lay.d_model),
                           (lay.num_query_groups * lay.head_dim, lay.d_model))
@@ -613,23 +793,41 @@ class AttentionMonitor:
                                          f"expected {shape}")
                 pairs.append(tuple(snap[key].to(device=device, dtype=dtype, copy=True) for key in ("q", "k")))
             extra_snaps = []
-            for name, w, _ in self.extras:
-                t = snapshots["extras"][name]
+            for j, (name, w, _) in enumerate(self.extras):
+                t = snapshots["extras"][name] if pairs is not None else None
+                if ("extra", j) not in self._mine:
+                    extra_snaps.append(None)
+                    continue
+                if t is None:
+                    pairs = None
+                    break
                 if tuple(t.shape) != tuple(w.shape):
                     raise ValueError(f"extra linear {name!r}: snapshot shape {tuple(t.shape)} != {tuple(w.shape)}")
                 extra_snaps.append(t.to(device=device, dtype=_snapshot_dtype(w), copy=True))
-            restored = {"layers": pairs, "extras": extra_snaps}
-            step = int(step)
+            if pairs is None:
+                warnings.warn("AttentionMonitor: the saved state lacks snapshots of layers this replica evaluates "
+                              "(saved under another data-parallel split?); the next interval is skipped")
+                step = None
+            else:
+                restored = {"layers": pairs, "extras": extra_snaps}
+                step = int(step)
         else:
             step = None
-        if self._collective:
-            mine = -1 if step is None else step
-            device = collective_device(self.tp_group, fallback=self._device())
-            both = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
-            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.tp_group)
-            hi, lo = int(both[0]), -int(both[1])
-            if hi != lo:
-                warnings.warn(f"AttentionMonitor: tensor-parallel ranks loaded different snapshot steps "
-                              f"({lo}..{hi}); dropping snapshots on every rank (the next interval is skipped)")
-                step, restored = None, None
+        # Agree on the step over TP, then over the DP replicas (which share the evaluation), in that order on
+        # every rank; the second round carries the first round's disagreement.
+        mine = -1 if step is None else step
+        lo_hi = [mine, mine]
+        for group, active, what in ((self.tp_group, self._collective, "tensor-parallel ranks"),
+                                    (self.dp_group, self._dp, "data-parallel replicas")):
+            if not active:
+                continue
+            device = collective_device(group, fallback=self._device())
+            both = torch.tensor([lo_hi[1], -lo_hi[0]], dtype=torch.int64, device=device)
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+            lo_hi = [-int(both[1]), int(both[0])]
+            if lo_hi[0] != lo_hi[1]:
+                warnings.warn(f"AttentionMonitor: {what} loaded different snapshot steps ({lo_hi[0]}..{lo_hi[1]}); "
+                              f"dropping snapshots on every rank (the next interval is skipped)")
+        if lo_hi[0] != lo_hi[1]:
+            step, restored = None, None
         self._snap_step, self._snapshots = step, restored

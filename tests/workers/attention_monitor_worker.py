@@ -36,6 +36,12 @@ from megatron_mech.monitors import AttentionLayer, AttentionMonitor, AttentionMo
 from verdict import finish  # tests/workers/, the script's directory
 
 D_MODEL, HEAD_DIM, FFN, TP = 16, 4, 24, 2
+
+
+def exact_config(**kwargs) -> AttentionMonitorConfig:
+    """float64 Grams: the route compared against float64 dense references at ~1e-10 (the float32 default is
+    checked against it separately, within its stated accuracy)."""
+    return AttentionMonitorConfig(gram_dtype="float64", **kwargs)
 LAYERS = {0: (4, 2), 3: (4, 4)}          # layer -> (heads, groups), full model
 INTERVAL, STEPS = 3, 9
 
@@ -129,15 +135,15 @@ def main() -> int:
 
     # ---------------------------------------------------------------- global scope vs TP=1, slice scope
     model = Model(rank)
-    cfg = AttentionMonitorConfig(interval=INTERVAL)
+    cfg = exact_config(interval=INTERVAL)
     reference = AttentionMonitor(model.full_layers(), cfg, tp_group=singles[rank], extra_linears=model.full_extras())
     calls.clear()
     monitor = AttentionMonitor(model.shard_layers(), cfg, extra_linears=model.shard_extras())
     expect(sorted(calls) == ["all_gather", "all_reduce"], f"construction collectives {calls}")
-    bucketed = AttentionMonitor(model.shard_layers(), AttentionMonitorConfig(interval=INTERVAL, bucket_mb=1e-6),
+    bucketed = AttentionMonitor(model.shard_layers(), exact_config(interval=INTERVAL, bucket_mb=1e-6),
                                 extra_linears=model.shard_extras())
     calls.clear()
-    sliced = AttentionMonitor(model.shard_layers(), AttentionMonitorConfig(interval=INTERVAL, dw_scope="slice"),
+    sliced = AttentionMonitor(model.shard_layers(), exact_config(interval=INTERVAL, dw_scope="slice"),
                               extra_linears=model.shard_extras())
     expect(calls == [], f"slice construction collectives {calls}")
 
