@@ -43,3 +43,21 @@ def write_results(name: str, markdown_body: str, data: dict) -> Path:
     path.write_text("\n".join(md))
     (RESULTS_DIR / f"{name}.json").write_text(json.dumps({**header, **data}, indent=2))
     return path
+
+
+def check_idle(force: bool = False, max_load_per_core: float = 0.3) -> dict:
+    """Refuse to time on a loaded machine: the 1-minute load average (``os.getloadavg``) per core must stay
+    below ``max_load_per_core``. With ``force`` a loaded machine only warns (the figures are then marked
+    ``"loaded": true``). Returns ``{"load1", "cores", "loaded"}`` for the results file."""
+    import logging
+
+    load1 = os.getloadavg()[0]
+    cores = os.cpu_count() or 1
+    loaded = load1 / cores > max_load_per_core
+    if loaded:
+        message = (f"machine is loaded: 1-minute load average {load1:.2f} on {cores} cores (> {max_load_per_core} "
+                   f"per core); timings would measure the other processes")
+        if not force:
+            raise SystemExit(message + " -- refusing (pass --force to time anyway, marked as loaded)")
+        logging.getLogger(__name__).warning(message + " -- timing anyway (--force)")
+    return {"load1": load1, "cores": cores, "loaded": loaded}

@@ -63,6 +63,9 @@ class MonitorConfig:
     checkpoint_snapshots: bool = option(True, "save the snapshots with the checkpoint; the flag turns it off "
                                         "(smaller checkpoints; after a resume the first interval re-snapshots and "
                                         "is skipped)", flag="--mech-no-checkpoint-snapshots", inverted=True)
+    dp_split: bool = option(True, "share each evaluation's layers out over the data-parallel replicas (one "
+                            "fixed-size all-reduce combines the results); the flag makes every replica evaluate "
+                            "every layer", flag="--mech-no-dp-split", inverted=True)
 
     def __post_init__(self):
         if isinstance(self.families, str):

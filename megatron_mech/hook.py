@@ -133,6 +133,7 @@ class MechHook:
         self._saved_steps: List[int] = []
         self._pending_state: Optional[dict] = None
         self._is_setup = False
+        self._stage_exchange = None   # MetricExchange over the pipeline stages, built at the first evaluation
 
     # ------------------------------------------------------------------------------------------------ MoLS
     def optimizer_overrides(self, view: ModelView) -> Any:
@@ -199,8 +200,9 @@ class MechHook:
                 qk_method=monitors.qk_method,
                 snapshot_device="cpu" if monitors.snapshot_device == "cpu" or not torch.cuda.is_available()
                 else f"cuda:{torch.cuda.current_device()}",
-                save_snapshots=monitors.checkpoint_snapshots), tp_group=view.tp_group,
-                extra_linears=dict(view.dense_linears) if monitors.all_linears else None)
+                save_snapshots=monitors.checkpoint_snapshots, dp_split=monitors.dp_split), tp_group=view.tp_group,
+                extra_linears=dict(view.dense_linears) if monitors.all_linears else None,
+                dp_group=view.dp_group)
         if "router" in self.families:
             self.router = RouterMonitor([RouterLayer(r.layer, r.weight, r.topk) for r in view.routers],
                                         token_group=view.token_group)
@@ -260,11 +262,11 @@ class MechHook:
             details.update(observed[1])
         if self._view is not None and self._view.pp_group is not None:  # each stage holds its own layers: merge
             with self._timed("pipeline_gather"):
-                gathered = [None] * torch.distributed.get_world_size(self._view.pp_group)
-                torch.distributed.all_gather_object(gathered, (metrics, details), group=self._view.pp_group)
-            for stage_metrics, stage_details in gathered:
-                metrics.update(stage_metrics)
-                details.update(stage_details)
+                if self._stage_exchange is None:
+                    from megatron_mech.core.metric_exchange import MetricExchange
+
+                    self._stage_exchange = MetricExchange(self._view.pp_group)
+                metrics, details = self._stage_exchange.combine(metrics, details)
         metrics["symptom/loss"] = float(loss)
         if grad_norm is not None:
             metrics["symptom/grad_norm"] = float(grad_norm)

@@ -32,6 +32,7 @@ import torch
 
 from megatron_mech.core.attribution import alert_lines
 from megatron_mech.core.detect import Alert, DetectorRegistry, default_rules
+from megatron_mech.core.metric_exchange import MetricExchange
 from megatron_mech.monitors.attention import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
 from megatron_mech.monitors.router import RouterLayer, RouterMonitor
 
@@ -62,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="also ΔW spectra of every dense linear (attention output, MLP fc1/fc2), exact across TP")
     group.add_argument("--mech-snapshot-device", choices=("cpu", "device"), default="cpu",
                        help="where the W_{t-δ} snapshots live (cpu: host memory, no accelerator memory)")
+    group.add_argument("--mech-no-dp-split", action="store_true",
+                       help="every data-parallel replica evaluates every layer (default: the layers of each "
+                            "evaluation are shared out over the replicas, results combined in one all-reduce)")
     group.add_argument("--mech-no-checkpoint-snapshots", action="store_true",
                        help="do not save snapshots with the checkpoint (smaller checkpoints; after a resume "
                             "the first interval re-snapshots and is skipped)")
@@ -93,6 +97,7 @@ class MechConfig:
     qk_method: str = "gram"
     snapshot_device: str = "cpu"
     checkpoint_snapshots: bool = True
+    dp_split: bool = True
     all_linears: bool = False
     output_dir: Optional[str] = None
     wandb_project: Optional[str] = None
@@ -132,6 +137,7 @@ class MechConfig:
                    dw_scope=args.mech_dw_scope, qk_terms=tuple(args.mech_qk_terms), qk_method=args.mech_qk_method,
                    snapshot_device=args.mech_snapshot_device,
                    checkpoint_snapshots=not args.mech_no_checkpoint_snapshots,
+                   dp_split=not getattr(args, "mech_no_dp_split", False),
                    all_linears=bool(getattr(args, "mech_all_linears", False)),
                    output_dir=args.mech_output_dir, wandb_project=args.mech_wandb_project,
                    detector_overrides=overrides, on_alert=getattr(args, "mech_on_alert", "log"))
@@ -255,11 +261,12 @@ class MegatronMech:
     """Monitors + detectors + sinks for one megatron-core training run (one instance per rank)."""
 
     def __init__(self, config: MechConfig, model_chunks: Sequence[torch.nn.Module], *, tp_group=None,
-                 token_group=None, pp_group=None, logging_rank: bool = True, sinks=None,
+                 token_group=None, pp_group=None, dp_group=None, logging_rank: bool = True, sinks=None,
                  printer: Callable[[str], None] = print):
         self.config = config
         self.logging_rank = logging_rank
         self.pp_group = pp_group
+        self._stage_exchange = MetricExchange(pp_group) if pp_group is not None else None
         self.printer = printer
         self.sinks = sinks
         self.registry = DetectorRegistry(rules=config.detector_rules())
@@ -278,8 +285,8 @@ class MegatronMech:
                 qk_method=config.qk_method,
                 snapshot_device="cpu" if config.snapshot_device == "cpu" or not torch.cuda.is_available()
                 else f"cuda:{torch.cuda.current_device()}",
-                save_snapshots=config.checkpoint_snapshots), tp_group=tp_group,
-                extra_linears=find_dense_linears(model_chunks) if config.all_linears else None)
+                save_snapshots=config.checkpoint_snapshots, dp_split=config.dp_split), tp_group=tp_group,
+                extra_linears=find_dense_linears(model_chunks) if config.all_linears else None, dp_group=dp_group)
         if "router" in config.monitors:
             if not any_routers:
                 raise ValueError("--mech-monitors router was requested but the model has no MoE routers "
@@ -312,6 +319,8 @@ class MegatronMech:
         return cls(config, model_chunks, tp_group=ps.get_tensor_model_parallel_group(), token_group=token_group,
                    pp_group=ps.get_pipeline_model_parallel_group()
                    if ps.get_pipeline_model_parallel_world_size() > 1 else None,
+                   dp_group=ps.get_data_parallel_group(with_context_parallel=True)
+                   if ps.get_data_parallel_world_size(with_context_parallel=True) > 1 else None,
                    logging_rank=logging_rank, sinks=sinks, **kwargs)
 
     # -------------------------------------------------------------------------------------------- per step
@@ -345,13 +354,9 @@ class MegatronMech:
                 self.router.capturing = False
             metrics.update(observed[0])
             details.update(observed[1])
-        if self.pp_group is not None:  # each pipeline stage holds its own layers: merge so every rank sees all
-            with self._timed("pipeline_gather"):
-                gathered = [None] * torch.distributed.get_world_size(self.pp_group)
-                torch.distributed.all_gather_object(gathered, (metrics, details), group=self.pp_group)
-            for stage_metrics, stage_details in gathered:
-                metrics.update(stage_metrics)
-                details.update(stage_details)
+        if self._stage_exchange is not None:  # each pipeline stage holds its own layers: merge so every rank
+            with self._timed("pipeline_gather"):  # sees all, in one fixed-size SUM all-reduce (stages without
+                metrics, details = self._stage_exchange.combine(metrics, details)  # MoE layers join with zeros)
         metrics["symptom/loss"] = float(loss)
         if grad_norm is not None:
             metrics["symptom/grad_norm"] = float(grad_norm)
