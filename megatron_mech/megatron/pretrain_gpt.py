@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=1234)
     t.add_argument("--tensor-model-parallel-size", type=int, default=1)
     t.add_argument("--expert-model-parallel-size", type=int, default=1)
+    t.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="pipeline stages (megatron-core's 1F1B schedule); --num-layers must divide evenly")
     t.add_argument("--sequence-parallel", action="store_true", help="forced on for MoE with TP > 1")
     t.add_argument("--use-distributed-optimizer", action="store_true")
     d = p.add_argument_group("data")
@@ -100,10 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args, world_size: int) -> None:
     """Inconsistent sizes fail here, identically on every rank, before any collective."""
-    tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
-    validate_parallel_sizes(world_size, tp, ep, num_experts=args.num_experts,
+    tp, ep, pp = args.tensor_model_parallel_size, args.expert_model_parallel_size, args.pipeline_model_parallel_size
+    validate_parallel_sizes(world_size, tp, ep, pp=pp, num_experts=args.num_experts,
                             num_query_groups=args.num_query_groups or args.num_attention_heads)
-    dp = world_size // tp
+    if args.num_layers % pp:
+        raise ValueError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    dp = world_size // (tp * pp)
     if args.global_batch_size % (args.micro_batch_size * dp):
         raise ValueError(f"--global-batch-size {args.global_batch_size} is not divisible by "
                          f"micro-batch-size × DP = {args.micro_batch_size} × {dp}")
@@ -119,7 +123,52 @@ def check_args(args, world_size: int) -> None:
 
 
 # -------------------------------------------------------------------------------------------------- building
-def build_model(args, fault=None):
+def build_model(args, fault=None, pipeline_size: int = 1):
+    """The model of this rank's pipeline stage.
+
+    With several stages, the stage's weights are taken from a full single-stage model built first on every
+    rank with the same random stream, so the initial weights are those of the one-stage run whatever the
+    pipeline layout (megatron initialises only a stage's own layers, from a stream that depends on the
+    layout). Building the full model is local (one-rank pipeline groups): no collective."""
+    if pipeline_size == 1:
+        return _build_model(args, fault)
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    # every rank creates every one-rank group, in the same order (torch.distributed requires it)
+    alone = [torch.distributed.new_group([r]) for r in range(torch.distributed.get_world_size())]
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    groups.pp = groups.embd = groups.pos_embd = alone[torch.distributed.get_rank()]
+    _, full = _build_model(args, fault, pipeline_size=1, pg_collection=groups)
+    config, stage = _build_model(args, fault, pipeline_size=pipeline_size,
+                                 pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
+    _copy_stage_weights(full, stage)
+    del full
+    return config, stage
+
+
+def _copy_stage_weights(full: torch.nn.Module, stage: torch.nn.Module) -> None:
+    """Copy the full model's weights into the stage model: local layer i is global layer ``layer_number - 1``;
+    a last stage's untied-looking output layer (shared embeddings) takes the word embedding."""
+    import re
+
+    layers = getattr(getattr(stage, "decoder", None), "layers", [])
+    global_index = {i: layer.layer_number - 1 for i, layer in enumerate(layers)}
+    source = dict(full.named_parameters())
+    with torch.no_grad():
+        for name, param in stage.named_parameters():
+            key = re.sub(r"^decoder\.layers\.(\d+)\.",
+                         lambda m: f"decoder.layers.{global_index[int(m.group(1))]}.", name)
+            if key not in source and key == "output_layer.weight":
+                key = "embedding.word_embeddings.weight"
+            if key not in source or source[key].shape != param.shape:
+                raise RuntimeError(f"pipeline stage parameter {name!r} has no counterpart {key!r} of shape "
+                                   f"{tuple(param.shape)} in the single-stage model")
+            param.copy_(source[key])
+
+
+def _build_model(args, fault=None, pipeline_size: int = 1, pre_process: bool = True, post_process: bool = True,
+                 pg_collection=None):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
@@ -144,14 +193,17 @@ def build_model(args, fault=None):
         normalization=args.normalization, gated_linear_unit=args.swiglu,
         activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
         add_bias_linear=not (args.num_experts or args.swiglu), hidden_dropout=0.0, attention_dropout=0.0,
-        params_dtype=torch.float32, pipeline_dtype=torch.float32, **cpu_kwargs, **moe)
+        params_dtype=torch.float32, pipeline_dtype=torch.float32, pipeline_model_parallel_size=pipeline_size,
+        # one isend/irecv per message rather than batched: gloo has no coalesced p2p
+        batch_p2p_comm=torch.cuda.is_available(), **cpu_kwargs, **moe)
     if fault is not None and fault.attention_enabled:  # megatron's local spec with the emulated FA2 attention
         spec = faults.attention_fault_spec(args.num_experts, args.normalization, fault)
     else:
         spec = get_gpt_layer_local_spec(num_experts=args.num_experts, normalization=args.normalization)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
                      max_sequence_length=args.seq_length, position_embedding_type=args.position_embedding_type,
-                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
+                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                     pre_process=pre_process, post_process=post_process, pg_collection=pg_collection)
     return config, model
 
 
@@ -219,15 +271,19 @@ def make_forward_step(fast_forward):
     return forward_step
 
 
-def average_over(values, group):
+def average_over(values, group, pp_group=None):
+    """Mean of ``values`` over the ranks of ``group``; with ``pp_group``, the last pipeline stage's mean on every
+    stage (only the last stage computes losses; the others add zeros)."""
     t = torch.tensor([sum(values), float(len(values))], dtype=torch.float64)
     if torch.cuda.is_available():
         t = t.cuda()
     torch.distributed.all_reduce(t, group=group)
+    if pp_group is not None:
+        torch.distributed.all_reduce(t, group=pp_group)
     return float(t[0] / t[1]) if t[1] > 0 else math.nan
 
 
-def evaluate(args, model, forward_backward, valid_sampler, fast_forward, dp_group):
+def evaluate(args, model, forward_backward, valid_sampler, fast_forward, dp_group, pp_group=None):
     """Mean loss over the same ``eval_iters`` validation batches every time, so evaluations are comparable."""
     model.eval()
     losses = []
@@ -239,7 +295,7 @@ def evaluate(args, model, forward_backward, valid_sampler, fast_forward, dp_grou
                                    micro_batch_size=args.micro_batch_size, forward_only=True)
             losses += [float(r["lm loss"]) for r in out]
     model.train()
-    return average_over(losses, dp_group)
+    return average_over(losses, dp_group, pp_group)
 
 
 def main(argv=None):
@@ -268,7 +324,8 @@ def main(argv=None):
     fault = faults.FaultConfig.from_args(args)
     fault.validate_for_model(args.num_layers, args.num_attention_heads)
     args.global_batch_size = faults.effective_global_batch(
-        fault, args.global_batch_size, args.micro_batch_size, world // args.tensor_model_parallel_size)
+        fault, args.global_batch_size, args.micro_batch_size,
+        world // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size))
     if fault.kind != "none":
         log(f"[fault] {fault.describe()}")
 
@@ -279,7 +336,8 @@ def main(argv=None):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
-                                 expert_model_parallel_size=args.expert_model_parallel_size)
+                                 expert_model_parallel_size=args.expert_model_parallel_size,
+                                 pipeline_model_parallel_size=args.pipeline_model_parallel_size)
     if mcpu is not None:
         mcpu.model_parallel_seed(args.seed)
     else:
@@ -294,7 +352,7 @@ def main(argv=None):
     tp = args.tensor_model_parallel_size
     args.padded_vocab_size = int(math.ceil(tokenizer.vocab_size / (128 * tp)) * 128 * tp)
 
-    config, model = build_model(args, fault)
+    config, model = build_model(args, fault, pipeline_size=args.pipeline_model_parallel_size)
     if cuda:
         model.cuda(torch.cuda.current_device())
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=args.use_distributed_optimizer,
@@ -317,6 +375,7 @@ def main(argv=None):
     config.no_sync_func = model.no_sync
 
     layout = {"world": world, "tp": tp, "ep": args.expert_model_parallel_size,
+              **({"pp": args.pipeline_model_parallel_size} if args.pipeline_model_parallel_size > 1 else {}),
               "dist_opt": bool(args.use_distributed_optimizer)}
     start_step, mech_state = (load_checkpoint(args.load, model, optimizer, scheduler, layout, mols=mols,
                                               exit_on_missing=args.exit_on_missing_checkpoint)
@@ -330,12 +389,14 @@ def main(argv=None):
 
     dp_group, dp_rank, dp_size = (ps.get_data_parallel_group(), ps.get_data_parallel_rank(),
                                   ps.get_data_parallel_world_size())
+    pp_group = ps.get_pipeline_model_parallel_group() if args.pipeline_model_parallel_size > 1 else None
     train_sampler = GlobalBatchSampler(train_ds, args.global_batch_size, args.micro_batch_size, dp_rank, dp_size)
     valid_sampler = GlobalBatchSampler(valid_ds, args.global_batch_size, args.micro_batch_size, dp_rank, dp_size)
     forward_backward = get_forward_backward_func()
     forward_step = mols.wrap_forward_step(make_forward_step(fast_forward))
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"[train] world={world} TP={tp} EP={args.expert_model_parallel_size} DP={dp_size} "
+    log(f"[train] world={world} TP={tp} EP={args.expert_model_parallel_size} PP={args.pipeline_model_parallel_size} "
+        f"DP={dp_size} "
         f"params/rank={n_params/1e6:.2f}M vocab={tokenizer.vocab_size} steps {start_step}->{args.train_iters} "
         f"monitors={','.join(mech.config.monitors) or 'none'} every {args.mech_interval}")
 
@@ -360,7 +421,7 @@ def main(argv=None):
         ok, grad_norm, _ = optimizer.step()
         mols.before_scheduler_step(iteration)  # multipliers for the next step, read by scheduler.step()
         scheduler.step(increment=1)
-        loss = average_over([float(r["lm loss"]) for r in out], dp_group)
+        loss = average_over([float(r["lm loss"]) for r in out], dp_group, pp_group)
         lr = _base_lr(optimizer)
         loss_history.append(loss)
         alerts = mech.after_step(step, loss=loss, lr=lr,
@@ -380,7 +441,7 @@ def main(argv=None):
                 f"{float(grad_norm or 0):.3f} {tok_s:,.0f} tok/s ETA {eta:5.0f}s")
             window_t, window_steps = now, 0
         if args.eval_interval and step % args.eval_interval == 0:
-            val = evaluate(args, model, forward_backward, valid_sampler, fast_forward, dp_group)
+            val = evaluate(args, model, forward_backward, valid_sampler, fast_forward, dp_group, pp_group)
             log(f"[eval] step {step} validation loss {val:.4f} ppl {math.exp(min(val, 50)):.2f}")
         if args.save and args.save_interval and step % args.save_interval == 0:
             save_checkpoint(args.save, step, model, optimizer, scheduler, layout, mech=mech, mols=mols)
@@ -392,7 +453,7 @@ def main(argv=None):
             break
 
     final_step = step if args.train_iters > start_step else start_step
-    val = evaluate(args, model, forward_backward, valid_sampler, fast_forward, dp_group)
+    val = evaluate(args, model, forward_backward, valid_sampler, fast_forward, dp_group, pp_group)
     log(f"[eval] final validation loss {val:.4f} ppl {math.exp(min(val, 50)):.2f}")
     already_saved = (args.save_interval and final_step % args.save_interval == 0) or action == "stop"
     if args.save and not already_saved:
