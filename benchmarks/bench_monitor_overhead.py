@@ -32,9 +32,9 @@ import torch
 from megatron_mech.cli import torchrun_prefix
 
 try:
-    from _results import write_results
+    from _results import check_idle, write_results
 except ImportError:
-    from benchmarks._results import write_results
+    from benchmarks._results import check_idle, write_results
 
 REPO = Path(__file__).resolve().parents[1]
 # ~10M parameters: 6 layers, hidden 256, 4 experts (top-2, expert FFN 512), vocab 8192, seq 256, micro-batch 8.
@@ -149,7 +149,10 @@ def main(argv=None):
     p.add_argument("--tp-sizes", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--frontier-sizes", type=int, nargs="+", default=[1024, 2048, 4096])
     p.add_argument("--no-write", action="store_true")
+    p.add_argument("--force", action="store_true",
+                   help="run even when the machine is loaded (os.getloadavg); the results are then marked loaded")
     args = p.parse_args(argv)
+    load = check_idle(force=args.force)   # refuses on a loaded machine: the end-to-end column would be noise
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     with tempfile.TemporaryDirectory(prefix="mech_overhead_") as workdir:
         overhead = overhead_runs(args.steps, args.rounds, env, workdir)
@@ -157,7 +160,9 @@ def main(argv=None):
     frontier = frontier_costs(args.frontier_sizes)
 
     base = {r["round"]: r["mean_step_s"] for r in overhead["off"]}
-    lines = [f"Model: {overhead['off'][0]['params_per_rank']/1e6:.1f}M parameters per rank (EP=2, 2 processes), "
+    lines = [f"Machine load at start (1-minute load average): {load['load1']:.2f} on {load['cores']} cores"
+             + (" -- LOADED (--force): the end-to-end column is not reliable" if load["loaded"] else "") + ".", "",
+             f"Model: {overhead['off'][0]['params_per_rank']/1e6:.1f}M parameters per rank (EP=2, 2 processes), "
              f"{args.steps} steps per run, {args.rounds} rounds, configurations interleaved round-robin.", "",
              "| monitors | mean step ms | end-to-end vs off (same round) | accounted monitor share |",
              "|---|---|---|---|"]
@@ -195,7 +200,7 @@ def main(argv=None):
               f"monitor to SLQ (or evaluate layers round-robin, a few per evaluation)."]
     print("\n".join(lines))
     if not args.no_write:
-        print(f"wrote {write_results('bench_monitor_overhead', chr(10).join(lines), {'overhead': overhead, 'summary': summary, 'comm': {str(k): v for k, v in comm.items()}, 'frontier': {str(k): v for k, v in frontier.items()}})}")
+        print(f"wrote {write_results('bench_monitor_overhead', chr(10).join(lines), {'overhead': overhead, 'summary': summary, 'load': load, 'comm': {str(k): v for k, v in comm.items()}, 'frontier': {str(k): v for k, v in frontier.items()}})}")
 
 
 if __name__ == "__main__":
