@@ -46,7 +46,7 @@ def test_pipeline_monitor_values_equal_single_stage(pipeline_runs, name):
 def test_pipeline_moe_router_records_every_layer_once(tmp_path):
     """MoE with PP=2: each stage's routers report under global layer numbers; token counts are the whole step's."""
     flags = [*MOE, "--num-layers", "2", "--pipeline-model-parallel-size", "2"]
-    run = train(tmp_path, "moe_pp2", 2, *flags, steps=5)
+    run = train(tmp_path, "moe_pp2", 2, *flags, steps=10)
     tokens = series(run, "/tokens")
     assert {k for _, k in tokens} == {"router/layer0/tokens", "router/layer1/tokens"}
     assert all(v == 8 * 64 for v in tokens.values())

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["slq_trace_function", "slq_spectral_entropy", "sharded_gram_matvec"]
+__all__ = ["block_lanczos_ritz", "slq_summaries", "slq_trace_function", "slq_spectral_entropy", "sharded_gram_matvec"]
 
 
 def _lanczos(matvec: Callable[[torch.Tensor], torch.Tensor], start: torch.Tensor, steps: int):
@@ -109,3 +109,75 @@ def sharded_gram_matvec(local_rows: torch.Tensor, group=None) -> Callable[[torch
         return out
 
     return matvec
+
+
+def block_lanczos_ritz(matvec: Callable[[torch.Tensor], torch.Tensor], probes: torch.Tensor,
+                       steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Lanczos on every column of ``probes`` ([n, P], float64) at once: ONE ``matvec`` of an [n, P] block per
+    step and exactly ``steps`` of them whatever happens (so a distributed ``matvec`` issues a fixed number of
+    collectives). A column that reaches an invariant subspace stops growing its tridiagonal (its later
+    entries are masked), so its quadrature is exact.
+
+    Returns ``(theta [P, k], tau [P, k], valid [P, k])``: Ritz values, squared first components of the Ritz
+    vectors (quadrature weights, Σ_j tau_j = 1 over the valid ones) and the mask of the valid Ritz pairs.
+    """
+    n, num = probes.shape
+    k = max(1, min(steps, n))
+    basis = torch.zeros(k, n, num, dtype=torch.float64, device=probes.device)
+    alpha = torch.zeros(num, k, dtype=torch.float64, device=probes.device)
+    beta = torch.zeros(num, k, dtype=torch.float64, device=probes.device)
+    length = torch.full((num,), k, dtype=torch.int64, device=probes.device)
+    q = probes / probes.norm(dim=0, keepdim=True)
+    active = torch.ones(num, dtype=torch.bool, device=probes.device)
+    for j in range(k):
+        basis[j] = q
+        w = matvec(q)
+        a = (w * q).sum(0)
+        alpha[:, j] = torch.where(active, a, torch.zeros_like(a))
+        w = w - a * q - (beta[:, j - 1] * basis[j - 1] if j > 0 else 0.0)
+        # full reorthogonalisation against the basis so far (k ≪ n), per column
+        coeffs = torch.einsum("jnp,np->jp", basis[: j + 1], w)
+        w = w - torch.einsum("jnp,jp->np", basis[: j + 1], coeffs)
+        b = w.norm(dim=0)
+        done = active & (b <= 1e-12 * torch.clamp(a.abs(), min=1.0))
+        length = torch.where(done, torch.full_like(length, j + 1), length)
+        active = active & ~done
+        beta[:, j] = torch.where(active, b, torch.zeros_like(b))
+        q = torch.where(active, w / torch.where(b > 0, b, torch.ones_like(b)), torch.zeros_like(w))
+    idx = torch.arange(k, device=probes.device)
+    valid = idx[None, :] < length[:, None]
+    # Tridiagonals padded with a large diagonal value past each column's length: those Ritz pairs decouple
+    # (zero off-diagonal) and are masked out.
+    off = torch.where(valid[:, 1:] & valid[:, :-1], beta[:, :-1], torch.zeros_like(beta[:, :-1]))
+    diag = torch.where(valid, alpha, torch.zeros_like(alpha))
+    tri = torch.diag_embed(diag) + torch.diag_embed(off, 1) + torch.diag_embed(off, -1)
+    theta, vecs = torch.linalg.eigh(tri)
+    tau = vecs[:, 0, :] ** 2
+    # the padded block decouples: its eigenvectors have zero first component, so tau masks it by itself
+    return theta, tau, tau > 0
+
+
+def slq_summaries(matvec: Callable[[torch.Tensor], torch.Tensor], n: int, frobenius_sq: float, rank_bound: int,
+                  steps: int = 30, probes: int = 8, generator: Optional[torch.Generator] = None,
+                  device=None) -> dict:
+    """Spectral entropy (p ∝ σ²), normalised and not, and the largest eigenvalue of G = MᵀM, from block SLQ.
+
+    ``matvec`` maps an [n, P] block ``V`` to ``G V``; ``frobenius_sq`` = tr G = ‖M‖_F² (exact). Issues exactly
+    ``steps`` (capped at n) calls of ``matvec``. Returns ``{"entropy", "entropy_nats", "lambda_max"}``; NaN for a
+    zero or non-finite matrix. ``lambda_max`` is the largest Ritz value over the probes (a lower bound that
+    Lanczos reaches fast for the top of the spectrum).
+    """
+    z = float(frobenius_sq)
+    block = (torch.randint(0, 2, (n, probes), generator=generator, dtype=torch.int64).to(torch.float64) * 2 - 1)
+    if device is not None:
+        block = block.to(device)
+    ok = math.isfinite(z) and z > 0
+    scale = 1.0 / z if ok else 0.0
+    theta, tau, valid = block_lanczos_ritz(lambda v: matvec(v) * scale, block, steps)
+    if not ok:
+        return {"entropy": math.nan, "entropy_nats": math.nan, "lambda_max": math.nan}
+    theta = theta.clamp_min(0)
+    trace = float((n * tau * torch.where(valid, _xlogx(theta), torch.zeros_like(theta))).sum(1).mean())
+    nats = -trace
+    return {"entropy": nats / math.log(rank_bound) if rank_bound > 1 else 0.0, "entropy_nats": nats,
+            "lambda_max": float(torch.where(valid, theta, torch.zeros_like(theta)).max()) * z}
