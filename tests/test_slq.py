@@ -34,3 +34,44 @@ def test_slq_entropy_close_to_exact(decay, rank):
 def test_slq_zero_matrix_is_nan():
     m = torch.zeros(10, 8, dtype=torch.float64)
     assert math.isnan(slq_spectral_entropy(sharded_gram_matvec(m), 8, 0.0, 8))
+
+
+# ------------------------------------------------------------------------ block Krylov Rayleigh–Ritz route
+def _krylov_case(kind: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    if kind == "collapsed":   # rank 3 + a little noise: the fault signature
+        return (torch.randn(256, 3, dtype=torch.float64, generator=g) @ torch.randn(3, 512, dtype=torch.float64,
+                                                                                   generator=g)
+                + 1e-3 * torch.randn(256, 512, dtype=torch.float64, generator=g))
+    u = torch.linalg.qr(torch.randn(256, 256, dtype=torch.float64, generator=g)).Q
+    v = torch.linalg.qr(torch.randn(512, 256, dtype=torch.float64, generator=g)).Q
+    return u @ torch.diag(torch.arange(1, 257, dtype=torch.float64) ** -1.0) @ v.T   # a decaying, update-like spectrum
+
+
+@pytest.mark.parametrize("kind,tol", [("collapsed", 1e-7), ("decaying", 1e-3)])
+def test_krylov_entropy_against_exact(kind, tol):
+    from megatron_mech.core.slq import krylov_spectral_summaries
+
+    m = _krylov_case(kind)
+    calls = []
+
+    def matvec(block):
+        calls.append(block.shape)
+        return m.T @ (m @ block)
+
+    sv = matrix_spectrum(m)
+    got = krylov_spectral_summaries(matvec, 512, float(m.square().sum()), 256, steps=20, block=8,
+                                    generator=torch.Generator().manual_seed(1))
+    assert abs(got["entropy"] - float(spectral_entropy(sv))) <= tol
+    assert got["lambda_max"] == pytest.approx(float(sv[0]) ** 2, rel=1e-8)
+    assert calls == [(512, 8)] * 20          # a fixed number of block products, whatever the values
+
+
+def test_krylov_zero_and_nonfinite_give_nan_with_the_same_products():
+    from megatron_mech.core.slq import krylov_spectral_summaries
+
+    for z in (0.0, math.nan):
+        calls = []
+        got = krylov_spectral_summaries(lambda b: calls.append(1) or torch.zeros_like(b), 64, z, 32, steps=5, block=4)
+        assert math.isnan(got["entropy"]) and math.isnan(got["lambda_max"])
+        assert len(calls) == 5

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["block_lanczos_ritz", "slq_summaries", "slq_trace_function", "slq_spectral_entropy", "sharded_gram_matvec"]
+__all__ = ["krylov_spectral_summaries", "krylov_spectral_summaries_many", "slq_trace_function", "slq_spectral_entropy", "sharded_gram_matvec"]
 
 
 def _lanczos(matvec: Callable[[torch.Tensor], torch.Tensor], start: torch.Tensor, steps: int):
@@ -111,73 +111,82 @@ def sharded_gram_matvec(local_rows: torch.Tensor, group=None) -> Callable[[torch
     return matvec
 
 
-def block_lanczos_ritz(matvec: Callable[[torch.Tensor], torch.Tensor], probes: torch.Tensor,
-                       steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Lanczos on every column of ``probes`` ([n, P], float64) at once: ONE ``matvec`` of an [n, P] block per
-    step and exactly ``steps`` of them whatever happens (so a distributed ``matvec`` issues a fixed number of
-    collectives). A column that reaches an invariant subspace stops growing its tridiagonal (its later
-    entries are masked), so its quadrature is exact.
 
-    Returns ``(theta [P, k], tau [P, k], valid [P, k])``: Ritz values, squared first components of the Ritz
-    vectors (quadrature weights, Σ_j tau_j = 1 over the valid ones) and the mask of the valid Ritz pairs.
+def krylov_spectral_summaries(matvec: Callable[[torch.Tensor], torch.Tensor], n: int, frobenius_sq: float,
+                              rank_bound: int, steps: int = 30, block: int = 8,
+                              generator: Optional[torch.Generator] = None, device=None) -> dict:
+    """Spectral entropy (p ∝ σ²) and top eigenvalue of G = MᵀM (n × n) from ``steps`` block products ``G V``.
+
+    Block Krylov Rayleigh–Ritz with a flat remainder: from a Rademacher block of ``block`` columns, ``steps``
+    products build an orthonormal basis B (n × steps·block) of the block Krylov space; the Ritz values θ of
+    ``Bᵀ G B`` (formed from the products already computed, no extra one) capture the top of the spectrum —
+    Krylov spaces find the dominant directions first — and the rest of the mass, ``Z − Σθ`` (Z = tr G =
+    ‖M‖_F², exact), is spread evenly over the ``rank_bound − steps·block`` remaining directions. Exact when
+    the basis spans the range of G (rank ≤ steps·block: a collapsed, low-rank update); for a flat tail the
+    remainder estimate is close; the error is largest, and an *over*-estimate of the entropy, for spectra
+    with no dominant part (a healthy, noise-like update) — it never makes a collapse look healthier.
+    Measured (``benchmarks/frontier_shards.py``): |error| ≤ 1e-8 on rank-3 + noise, 6e-5 on a 1/i spectrum,
+    1.1e-2 on a Gaussian 512 × 1024 matrix (steps 30, block 8).
+
+    ``matvec`` maps an [n, b] block to ``G`` times it and is called exactly ``min(steps, ceil(n / block))``
+    times whatever the values (a distributed ``matvec`` issues a fixed number of collectives); pass
+    identically seeded ``generator`` on every rank that shares the matrix. Float64 throughout. Returns
+    ``{"entropy" (normalised by log rank_bound), "entropy_nats", "lambda_max"}``; NaN for a zero or
+    non-finite matrix.
     """
-    n, num = probes.shape
-    k = max(1, min(steps, n))
-    basis = torch.zeros(k, n, num, dtype=torch.float64, device=probes.device)
-    alpha = torch.zeros(num, k, dtype=torch.float64, device=probes.device)
-    beta = torch.zeros(num, k, dtype=torch.float64, device=probes.device)
-    length = torch.full((num,), k, dtype=torch.int64, device=probes.device)
-    q = probes / probes.norm(dim=0, keepdim=True)
-    active = torch.ones(num, dtype=torch.bool, device=probes.device)
-    for j in range(k):
-        basis[j] = q
-        w = matvec(q)
-        a = (w * q).sum(0)
-        alpha[:, j] = torch.where(active, a, torch.zeros_like(a))
-        w = w - a * q - (beta[:, j - 1] * basis[j - 1] if j > 0 else 0.0)
-        # full reorthogonalisation against the basis so far (k ≪ n), per column
-        coeffs = torch.einsum("jnp,np->jp", basis[: j + 1], w)
-        w = w - torch.einsum("jnp,jp->np", basis[: j + 1], coeffs)
-        b = w.norm(dim=0)
-        done = active & (b <= 1e-12 * torch.clamp(a.abs(), min=1.0))
-        length = torch.where(done, torch.full_like(length, j + 1), length)
-        active = active & ~done
-        beta[:, j] = torch.where(active, b, torch.zeros_like(b))
-        q = torch.where(active, w / torch.where(b > 0, b, torch.ones_like(b)), torch.zeros_like(w))
-    idx = torch.arange(k, device=probes.device)
-    valid = idx[None, :] < length[:, None]
-    # Tridiagonals padded with a large diagonal value past each column's length: those Ritz pairs decouple
-    # (zero off-diagonal) and are masked out.
-    off = torch.where(valid[:, 1:] & valid[:, :-1], beta[:, :-1], torch.zeros_like(beta[:, :-1]))
-    diag = torch.where(valid, alpha, torch.zeros_like(alpha))
-    tri = torch.diag_embed(diag) + torch.diag_embed(off, 1) + torch.diag_embed(off, -1)
-    theta, vecs = torch.linalg.eigh(tri)
-    tau = vecs[:, 0, :] ** 2
-    # the padded block decouples: its eigenvectors have zero first component, so tau masks it by itself
-    return theta, tau, tau > 0
+    return krylov_spectral_summaries_many([matvec], [n], [frobenius_sq], [rank_bound], steps=steps, block=block,
+                                          generators=[generator], device=device)[0]
 
 
-def slq_summaries(matvec: Callable[[torch.Tensor], torch.Tensor], n: int, frobenius_sq: float, rank_bound: int,
-                  steps: int = 30, probes: int = 8, generator: Optional[torch.Generator] = None,
-                  device=None) -> dict:
-    """Spectral entropy (p ∝ σ²), normalised and not, and the largest eigenvalue of G = MᵀM, from block SLQ.
+def krylov_spectral_summaries_many(local_matvecs, ns, frobenius_sqs, rank_bounds, steps: int = 30, block: int = 8,
+                                   generators=None, device=None, reduce=None) -> list:
+    """:func:`krylov_spectral_summaries` for several matrices in lock step, their products combined per step.
 
-    ``matvec`` maps an [n, P] block ``V`` to ``G V``; ``frobenius_sq`` = tr G = ‖M‖_F² (exact). Issues exactly
-    ``steps`` (capped at n) calls of ``matvec``. Returns ``{"entropy", "entropy_nats", "lambda_max"}``; NaN for a
-    zero or non-finite matrix. ``lambda_max`` is the largest Ritz value over the probes (a lower bound that
-    Lanczos reaches fast for the top of the spectrum).
+    ``local_matvecs[i]`` maps an [n_i, b] block to this rank's contribution to ``G_i`` times it; ``reduce``
+    (None: nothing to combine) receives the list of every matrix's contribution at one step and returns the
+    summed list — ONE collective per step for all matrices. The number of steps, ``max_i min(steps,
+    ceil(n_i / block))``, and each matrix's participation depend only on the sizes, so every rank issues the
+    same collectives. Returns one dict per matrix.
     """
-    z = float(frobenius_sq)
-    block = (torch.randint(0, 2, (n, probes), generator=generator, dtype=torch.int64).to(torch.float64) * 2 - 1)
-    if device is not None:
-        block = block.to(device)
-    ok = math.isfinite(z) and z > 0
-    scale = 1.0 / z if ok else 0.0
-    theta, tau, valid = block_lanczos_ritz(lambda v: matvec(v) * scale, block, steps)
-    if not ok:
-        return {"entropy": math.nan, "entropy_nats": math.nan, "lambda_max": math.nan}
-    theta = theta.clamp_min(0)
-    trace = float((n * tau * torch.where(valid, _xlogx(theta), torch.zeros_like(theta))).sum(1).mean())
-    nats = -trace
-    return {"entropy": nats / math.log(rank_bound) if rank_bound > 1 else 0.0, "entropy_nats": nats,
-            "lambda_max": float(torch.where(valid, theta, torch.zeros_like(theta)).max()) * z}
+    if steps < 1 or block < 1:
+        raise ValueError(f"steps and block must be >= 1, got {steps}, {block}")
+    count = len(local_matvecs)
+    generators = list(generators) if generators is not None else [None] * count
+    limits = [min(steps, -(-n // block)) for n in ns]
+    ok = [math.isfinite(float(z)) and float(z) > 0 for z in frobenius_sqs]
+    q, bases, products = [], [[] for _ in range(count)], [[] for _ in range(count)]
+    for i, n in enumerate(ns):
+        start = torch.randint(0, 2, (n, block), generator=generators[i], dtype=torch.int64).to(torch.float64) * 2 - 1
+        q.append(torch.linalg.qr(start.to(device) if device is not None else start).Q)
+    for step in range(max(limits, default=0)):
+        todo = [i for i in range(count) if step < limits[i]]
+        contributions = [local_matvecs[i](q[i]) for i in todo]
+        if reduce is not None:
+            contributions = reduce(contributions)
+        for i, w in zip(todo, contributions):
+            if not ok[i]:
+                w = torch.zeros_like(w)
+            bases[i].append(q[i])
+            products[i].append(w)
+            basis = torch.cat(bases[i], 1)
+            w = w - basis @ (basis.T @ w)
+            w = w - basis @ (basis.T @ w)      # twice is enough (Kahan–Parlett)
+            q[i] = torch.linalg.qr(w).Q
+    results = []
+    for i in range(count):
+        if not ok[i]:
+            results.append({"entropy": math.nan, "entropy_nats": math.nan, "lambda_max": math.nan})
+            continue
+        z, rank_bound = float(frobenius_sqs[i]), rank_bounds[i]
+        basis = torch.cat(bases[i], 1)
+        t = basis.T @ torch.cat(products[i], 1)
+        theta = torch.linalg.eigvalsh(0.5 * (t + t.T)).clamp_min(0)
+        p = theta / z
+        rest = max(0.0, 1.0 - float(p.sum()))
+        others = rank_bound - int((p > 0).sum())
+        nats = -float(torch.special.xlogy(p, p).sum())
+        if others > 0 and rest > 0:
+            nats += -rest * math.log(rest / others)
+        results.append({"entropy": nats / math.log(rank_bound) if rank_bound > 1 else 0.0, "entropy_nats": nats,
+                        "lambda_max": float(theta.max())})
+    return results
