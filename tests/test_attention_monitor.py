@@ -354,3 +354,40 @@ def test_data_parallel_split_equals_unsplit_under_torchrun():
     """DP=2 and DP=2×TP=2 (4 ranks): split evaluation == unsplit, bit for bit; disjoint shares and snapshots."""
     result = run_torchrun(Path(__file__).parent / "workers" / "dp_split_worker.py", nproc=4, timeout=260)
     assert "DP_SPLIT PASS" in result.stdout, result.stdout[-4000:]
+
+
+@pytest.mark.parametrize("scope", ["global", "slice"])
+def test_krylov_route_equals_gram_route_when_the_basis_spans(scope):
+    """The Krylov route on matrices small enough for its basis to span the whole space (d_model 16, block 8,
+    2 products) is exact: its metrics equal the Gram route's to rounding, through the same monitor plumbing."""
+    h, g = 4, 2
+    extras_full = {"fc": (torch.randn(24, D_MODEL, generator=torch.Generator().manual_seed(4)) * 0.1, 0)}
+    runs = []
+    for route in ("gram", "krylov"):
+        weight = make_weight(h, g)
+        extra = {"fc": (extras_full["fc"][0].clone(), 0)}
+        cfg = exact_config(interval=3, dw_scope=scope, dw_route=route)
+        monitor = AttentionMonitor([AttentionLayer(0, weight, h, g, HEAD_DIM)], cfg, extra_linears=extra)
+        ups = make_updates(weight.shape, 6)
+        ups_fc = make_updates(extra["fc"][0].shape, 6, seed=9)
+        results = {}
+        for step in range(7):
+            with torch.no_grad():
+                if step:
+                    weight += ups[step]
+                    extra["fc"][0].add_(ups_fc[step])
+            out = monitor.observe(step)
+            if out is not None:
+                results[step] = out[0]
+        runs.append(results[6])
+    gram, krylov = runs
+    assert gram.keys() == krylov.keys()
+    assert_metrics_close(krylov, gram, tol=1e-8)
+
+
+def test_auto_route_picks_gram_up_to_gram_max_dim():
+    cfg = AttentionMonitorConfig()
+    assert [cfg.route(k) for k in (1024, 4096, 8192)] == ["gram", "gram", "krylov"]
+    assert AttentionMonitorConfig(power=1.0).route(8192) == "gram"     # Krylov computes p ∝ σ² only
+    with pytest.raises(ValueError, match="power"):
+        AttentionMonitorConfig(dw_route="krylov", power=1.0)

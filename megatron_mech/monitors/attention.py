@@ -111,6 +111,7 @@ from megatron_mech.core.sharded import (
     shard_gram,
     spectrum_from_shard_grams,
 )
+from megatron_mech.core.slq import krylov_spectral_summaries_many
 from megatron_mech.core.spectral import QK_METHODS, QK_TERMS, effective_rank, qk_increment_spectra, spectral_entropy, \
     stable_rank
 
@@ -118,6 +119,7 @@ __all__ = ["DW_SCOPES", "AttentionLayer", "AttentionMonitorConfig", "AttentionMo
 
 DW_SCOPES = ("global", "slice")
 GRAM_DTYPES = ("auto", "float32", "float64")
+DW_ROUTES = ("auto", "gram", "krylov")
 _STATE_VERSION = 1
 _F64 = torch.float64
 
@@ -195,6 +197,15 @@ class AttentionMonitorConfig:
             (float32 for float32/bf16/fp16 weights, float64 for float64 weights), ``"float32"`` or
             ``"float64"``. The small per-head cores always run in float64 (see
             :mod:`megatron_mech.core.spectral` for why float32 Grams are enough for the entropies).
+        dw_route: how each ΔW spectrum is computed: ``"gram"`` (exact, from the k × k Gram over the unsplit
+            dimension, summed over TP: ``k²`` values on the wire, a k³ eigenproblem), ``"krylov"`` (block Krylov
+            Rayleigh–Ritz, :func:`~megatron_mech.core.slq.krylov_spectral_summaries`: ``krylov_steps`` block
+            products, one collective each for all matrices of the evaluation, exact on collapsed updates; p ∝ σ²
+            only) or ``"auto"``: the Gram route when k ≤ ``gram_max_dim``, Krylov above.
+        gram_max_dim: the largest Gram size ``"auto"`` sends through the exact route (4096: d_model 1024 and
+            4096 are exact; 8192 — 512 MiB of float64 Gram per matrix on the wire and an 8192³ eigenproblem —
+            goes through Krylov).
+        krylov_steps, krylov_block: block products and block width of the Krylov route.
         dp_split: with a ``dp_group`` of several replicas, each replica evaluates (and snapshots) only its share
             of the layers and extra linears; one SUM all-reduce of the per-unit results over ``dp_group``
             gives every replica all metrics, equal to the unsplit evaluation (each value is computed by one
@@ -211,6 +222,10 @@ class AttentionMonitorConfig:
     bucket_mb: Optional[float] = None
     gram_dtype: str = "auto"
     dp_split: bool = True
+    dw_route: str = "auto"
+    gram_max_dim: int = 4096
+    krylov_steps: int = 30
+    krylov_block: int = 8
 
     def __post_init__(self) -> None:
         if not _is_int(self.interval) or self.interval < 1:
@@ -242,6 +257,20 @@ class AttentionMonitorConfig:
             raise ValueError(f"gram_dtype must be one of {GRAM_DTYPES}, got {self.gram_dtype!r}")
         if not isinstance(self.dp_split, bool):
             raise ValueError(f"dp_split must be a bool, got {self.dp_split!r}")
+        if self.dw_route not in DW_ROUTES:
+            raise ValueError(f"dw_route must be one of {DW_ROUTES}, got {self.dw_route!r}")
+        for name in ("gram_max_dim", "krylov_steps", "krylov_block"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+        if self.dw_route != "gram" and self.power != 2.0:
+            if self.dw_route == "krylov":
+                raise ValueError(f"dw_route 'krylov' computes p ∝ σ² only; power must be 2, got {self.power!r}")
+
+    def route(self, k: int) -> str:
+        """The ΔW route for a Gram of size k (the matrix's unsplit dimension): ``"gram"`` or ``"krylov"``."""
+        if self.dw_route == "auto":
+            return "gram" if k <= self.gram_max_dim or self.power != 2.0 else "krylov"
+        return self.dw_route
 
     @property
     def bucket_elements(self) -> Optional[int]:
@@ -314,6 +343,8 @@ class AttentionMonitor:
 
         self._snap_step: Optional[int] = None
         self._snapshots: Optional[dict] = None     # {"layers": [(q_rows, k_rows)], "extras": [weight]}
+        self._krylov_jobs: dict = {}               # Krylov-route ΔW of the bucket being evaluated
+        self._krylov_results: dict = {}
 
     # ------------------------------------------------------------------ construction helpers
     @staticmethod
@@ -372,6 +403,8 @@ class AttentionMonitor:
             "interval": c.interval,
             "bucket_mb (elements)": -1 if c.bucket_elements is None else c.bucket_elements,
             "save_snapshots": int(c.save_snapshots),
+            "dw_route / gram_max_dim / krylov": _crc([c.dw_route, str(c.gram_max_dim), str(c.krylov_steps),
+                                                      str(c.krylov_block)]),
         }
         device = collective_device(self.tp_group, fallback=self._device())
         header = torch.tensor(list(fields.values()), dtype=torch.int64, device=device)
@@ -434,7 +467,7 @@ class AttentionMonitor:
         config (the split plan is computed locally from them), and a failure anywhere fails everywhere."""
         c = self.config
         desc = [str(c.interval), str(c.qk_terms), c.dw_scope, str(c.bucket_elements), str(c.save_snapshots),
-                c.gram_dtype, c.qk_method]
+                c.gram_dtype, c.qk_method, c.dw_route, str(c.gram_max_dim), str(c.krylov_steps), str(c.krylov_block)]
         for lay in self.layers:
             desc.append(f"{lay.layer},{lay.d_model},{lay.num_heads},{lay.num_query_groups},{lay.head_dim},"
                         f"{lay.head_offset}")
@@ -542,15 +575,64 @@ class AttentionMonitor:
         heads = self._total_heads[i] if self._collective else lay.num_heads
         return (sq, kq), (sk, kk), heads
 
+    def _dw_slot(self, k: int) -> int:
+        """Reduce-buffer values of one ΔW: the packed Gram (k² + 2), or for Krylov [‖ΔW‖_F² part, split, bad]."""
+        return k * k + 2 if self.config.route(k) == "gram" else 3
+
     def _unit_size(self, kind: str, i: int) -> int:
         if kind == "layer":
             (_, kq), (_, kk), heads = self._layer_geometry(i)
-            return kq * kq + 2 + kk * kk + 2 + len(self.config.qk_terms) * heads
+            return self._dw_slot(kq) + self._dw_slot(kk) + len(self.config.qk_terms) * heads
         if kind == "extra":
             _, w, sd = self.extras[i]
-            k = gram_size(w.shape, self._shard_dim(w.shape, sd))
-            return k * k + 2
+            return self._dw_slot(gram_size(w.shape, self._shard_dim(w.shape, sd)))
         return 1  # "check"
+
+    def _fill_dw(self, out: torch.Tensor, delta: torch.Tensor, shard_dim: int, k: int, key) -> None:
+        """This rank's part of one ΔW: its packed Gram, or (Krylov) its sum of squares, split size and
+        non-finite count, with the local ΔW kept for the Krylov products after the reduction."""
+        if self.config.route(k) == "gram":
+            out.copy_(shard_gram(delta, shard_dim, accumulate_dtype=delta.dtype))
+            return
+        x = delta.detach().to(_F64)
+        finite = torch.isfinite(x)
+        x = torch.where(finite, x, torch.zeros((), dtype=_F64, device=x.device))
+        out.copy_(torch.stack([x.square().sum(), torch.tensor(float(delta.shape[shard_dim]), dtype=_F64,
+                                                                  device=x.device),
+                               (~finite).sum().to(_F64)]))
+        self._krylov_jobs[key] = (x, shard_dim, k)
+
+    def _run_krylov(self, step: int, reduced: dict) -> None:
+        """Krylov route for every job of this bucket in lock step: ``krylov_steps`` collectives (over TP in
+        global scope), all matrices' products in one buffer each step."""
+        if not self._krylov_jobs:
+            return
+        keys = list(self._krylov_jobs)
+        matvecs, ns, zs, bounds, gens = [], [], [], [], []
+        for key in keys:
+            x, shard_dim, k = self._krylov_jobs[key]
+            packed = reduced[key]
+            z = float(packed[0]) if float(packed[2]) == 0 else math.nan
+            matvecs.append((lambda v, x=x: x.T @ (x @ v.to(x.device))) if shard_dim == 0
+                           else (lambda v, x=x: x @ (x.T @ v.to(x.device))))
+            ns.append(k)
+            zs.append(z)
+            bounds.append(max(1, min(int(round(float(packed[1]))), k)))
+            gens.append(torch.Generator().manual_seed(_crc([str(step), repr(key)])))
+
+        reduce = None
+        if self._collective:
+            device = collective_device(self.tp_group, fallback=self._device())
+
+            def reduce(parts):
+                flat = torch.cat([p.reshape(-1).to(device) for p in parts])
+                all_reduce_flat(flat, self.tp_group)
+                return [piece.view(p.shape).to(p.device) for piece, p in zip(flat.split([p.numel() for p in parts]),
+                                                                           parts)]
+        results = krylov_spectral_summaries_many(matvecs, ns, zs, bounds, steps=self.config.krylov_steps,
+                                                 block=self.config.krylov_block, generators=gens, reduce=reduce)
+        self._krylov_results = dict(zip(keys, results))
+        self._krylov_jobs = {}
 
     def _fill_layer(self, i: int, out: torch.Tensor) -> None:
         lay = self.layers[i]
@@ -558,10 +640,10 @@ class AttentionMonitor:
         w = lay.qkv_weight.detach()
         q_prev, k_prev = (t.to(w.device) for t in self._snapshots["layers"][i])
         q_cur, k_cur, _ = qkv_row_blocks(w, lay.num_heads, lay.num_query_groups, lay.head_dim)
-        n_q, n_k = kq * kq + 2, kk * kk + 2
+        n_q, n_k = self._dw_slot(kq), self._dw_slot(kk)
         dt = self._gram_dtype(w)
-        out[:n_q].copy_(shard_gram(q_cur.to(dt) - q_prev.to(dt), sq, accumulate_dtype=dt))
-        out[n_q:n_q + n_k].copy_(shard_gram(k_cur.to(dt) - k_prev.to(dt), sk, accumulate_dtype=dt))
+        self._fill_dw(out[:n_q], q_cur.to(dt) - q_prev.to(dt), sq, kq, ("layer", i, "q"))
+        self._fill_dw(out[n_q:n_q + n_k], k_cur.to(dt) - k_prev.to(dt), sk, kk, ("layer", i, "k"))
         terms = self.config.qk_terms
         if not terms:
             return
@@ -581,7 +663,8 @@ class AttentionMonitor:
         w = w.detach()
         prev = self._snapshots["extras"][j].to(w.device)
         dt = self._gram_dtype(w)
-        out.copy_(shard_gram(w.to(dt) - prev.to(dt), self._shard_dim(w.shape, sd), accumulate_dtype=dt))
+        shard_dim = self._shard_dim(w.shape, sd)
+        self._fill_dw(out, w.to(dt) - prev.to(dt), shard_dim, gram_size(w.shape, shard_dim), ("extra", j))
 
     def _gram_dtype(self, weight: torch.Tensor) -> torch.dtype:
         if self.config.gram_dtype == "auto":
@@ -589,14 +672,21 @@ class AttentionMonitor:
         return _F64 if self.config.gram_dtype == "float64" else torch.float32
 
     def _dw_metrics(self, packed: torch.Tensor, k: int, prefix: str, detail: dict,
-                    metrics: dict, details: dict, eig_dtype: torch.dtype = _F64) -> None:
-        sv = spectrum_from_shard_grams(packed, k, eig_dtype=eig_dtype)
-        values = {
-            "entropy": float(spectral_entropy(sv, power=self.config.power)),
-            "effective_rank": float(effective_rank(sv, power=self.config.power)),
-            "stable_rank": float(stable_rank(sv)),
-            "fro": frobenius_from_shard_grams(packed, k),
-        }
+                    metrics: dict, details: dict, eig_dtype: torch.dtype = _F64, key=None) -> None:
+        if self.config.route(k) == "krylov":
+            result = self._krylov_results.pop(key)
+            z = float(packed[0]) if float(packed[2]) == 0 else math.nan
+            values = {"entropy": result["entropy"], "effective_rank": math.exp(result["entropy_nats"]),
+                      "stable_rank": z / result["lambda_max"] if result["lambda_max"] > 0 else math.nan,
+                      "fro": math.sqrt(z) if z >= 0 else math.nan}
+        else:
+            sv = spectrum_from_shard_grams(packed, k, eig_dtype=eig_dtype)
+            values = {
+                "entropy": float(spectral_entropy(sv, power=self.config.power)),
+                "effective_rank": float(effective_rank(sv, power=self.config.power)),
+                "stable_rank": float(stable_rank(sv)),
+                "fro": frobenius_from_shard_grams(packed, k),
+            }
         for what, v in values.items():
             metrics[f"{prefix}_{what}"] = v
             details[f"{prefix}_{what}"] = dict(detail)
@@ -607,11 +697,12 @@ class AttentionMonitor:
         L = lay.layer
         scoped = f"attn/layer{L}" + ("" if self.config.dw_scope == "global" else f"/tp{self.tp_rank}")
         extra = {} if self.config.dw_scope == "global" else {"tp_rank": self.tp_rank}
-        n_q, n_k = kq * kq + 2, kk * kk + 2
+        n_q, n_k = self._dw_slot(kq), self._dw_slot(kk)
         dt = self._gram_dtype(lay.qkv_weight)
-        self._dw_metrics(buf[:n_q], kq, f"{scoped}/dwq", {"layer": L, "matrix": "q", **extra}, metrics, details, dt)
+        self._dw_metrics(buf[:n_q], kq, f"{scoped}/dwq", {"layer": L, "matrix": "q", **extra}, metrics, details, dt,
+                         key=("layer", i, "q"))
         self._dw_metrics(buf[n_q:n_q + n_k], kk, f"{scoped}/dwk", {"layer": L, "matrix": "k", **extra},
-                         metrics, details, dt)
+                         metrics, details, dt, key=("layer", i, "k"))
         terms = self.config.qk_terms
         if not terms:
             return
@@ -633,7 +724,8 @@ class AttentionMonitor:
         k = gram_size(w.shape, self._shard_dim(w.shape, sd))
         scoped = f"linear/{name}" + ("" if self.config.dw_scope == "global" else f"/tp{self.tp_rank}")
         extra = {} if self.config.dw_scope == "global" else {"tp_rank": self.tp_rank}
-        self._dw_metrics(buf, k, f"{scoped}/dw", {"linear": name, **extra}, metrics, details, self._gram_dtype(w))
+        self._dw_metrics(buf, k, f"{scoped}/dw", {"linear": name, **extra}, metrics, details, self._gram_dtype(w),
+                         key=("extra", j))
 
     def _unit_names(self, unit) -> list[tuple[str, dict]]:
         """``(metric name, detail)`` of every value a unit produces, in a fixed order (what ``_decode_*`` writes)."""
@@ -728,6 +820,17 @@ class AttentionMonitor:
                     piece.fill_(float(step))
             if self._collective:
                 all_reduce_flat(buf, self.tp_group)        # the one collective of this bucket
+            reduced = {}
+            for u, off in zip(bucket, offsets):
+                kind, i = units[u]
+                if kind == "layer":
+                    (_, kq), (_, kk), _ = self._layer_geometry(i)
+                    n_q = self._dw_slot(kq)
+                    reduced[("layer", i, "q")] = buf[off:off + n_q].cpu()
+                    reduced[("layer", i, "k")] = buf[off + n_q:off + n_q + self._dw_slot(kk)].cpu()
+                elif kind == "extra":
+                    reduced[("extra", i)] = buf[off:off + 3].cpu()
+            self._run_krylov(step, {key: reduced[key] for key in self._krylov_jobs})
             for u, off in zip(bucket, offsets):
                 kind, i = units[u]
                 piece = buf[off:off + sizes[u]]

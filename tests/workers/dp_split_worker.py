@@ -78,6 +78,11 @@ def same(a: dict, b: dict) -> bool:
         (math.isnan(a[k]) and math.isnan(b[k])) or a[k] == b[k] for k in a)
 
 
+def expected_calls_for(tp_group) -> int:
+    """Per evaluation: the DP combine, plus the TP Gram reduction when TP > 1."""
+    return 1 + (1 if dist.get_world_size(tp_group) > 1 else 0)
+
+
 def check_layout(name, tp_group, dp_group, tp_rank, tp, calls, expect) -> None:
     replica = Replica(tp_rank, tp)
     cfg = AttentionMonitorConfig(interval=INTERVAL)
@@ -85,6 +90,8 @@ def check_layout(name, tp_group, dp_group, tp_rank, tp, calls, expect) -> None:
                              dp_group=dp_group)
     whole = AttentionMonitor(replica.layers(), AttentionMonitorConfig(interval=INTERVAL, dp_split=False),
                              tp_group=tp_group, extra_linears=replica.extras(), dp_group=dp_group)
+    krylov = AttentionMonitor(replica.layers(), AttentionMonitorConfig(interval=INTERVAL, dw_route="krylov"),
+                              tp_group=tp_group, extra_linears=replica.extras(), dp_group=dp_group)
     shares = [None] * dist.get_world_size(dp_group)
     dist.all_gather_object(shares, sorted(split._mine), group=dp_group)
     units = sorted(split._units)
@@ -101,11 +108,23 @@ def check_layout(name, tp_group, dp_group, tp_rank, tp, calls, expect) -> None:
         got = split.observe(step)
         n_calls = len(calls) - before
         want = whole.observe(step)
+        before = len(calls)
+        via_krylov = krylov.observe(step)
+        krylov_calls = len(calls) - before
+        if via_krylov is not None:
+            # d_model 16 and block 8: two block products span the space, so the Krylov route is exact (the
+            # reference's float32 Grams are the looser side: 1e-5); 2 Krylov collectives over TP in lock step
+            tp_steps = 2 if dist.get_world_size(tp_group) > 1 else 0
+            expect(krylov_calls == expected_calls_for(tp_group) + tp_steps,
+                   f"{name}: step {step}: Krylov route issued {krylov_calls} collectives")
+            bad = [k for k in want[0] if not (math.isnan(want[0][k]) and math.isnan(via_krylov[0][k]))
+                   and not math.isclose(want[0][k], via_krylov[0][k], rel_tol=1e-5, abs_tol=1e-5)]
+            expect(not bad, f"{name}: step {step}: Krylov route differs from the Gram route: {bad[:4]}")
         expect((got is None) == (want is None), f"{name}: step {step}: evaluated {got is not None}/{want is not None}")
         if got is None:
             expect(n_calls == 0, f"{name}: step {step}: {n_calls} collectives on a non-evaluation step")
             continue
-        expected_calls = 1 + (1 if dist.get_world_size(tp_group) > 1 else 0)
+        expected_calls = expected_calls_for(tp_group)
         expect(n_calls == expected_calls, f"{name}: step {step}: {n_calls} collectives, expected {expected_calls}")
         expect(same(got[0], want[0]), f"{name}: step {step}: split metrics differ from the unsplit evaluation: "
                + str([k for k in want[0] if k not in got[0] or not same({k: got[0][k]}, {k: want[0][k]})][:5]))
