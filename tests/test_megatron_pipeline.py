@@ -51,3 +51,21 @@ def test_pipeline_moe_router_records_every_layer_once(tmp_path):
     assert {k for _, k in tokens} == {"router/layer0/tokens", "router/layer1/tokens"}
     assert all(v == 8 * 64 for v in tokens.values())
     assert all(math.isfinite(v) for v in series(run, "router/").values() if not isinstance(v, bool))
+
+
+@pytest.fixture(scope="module")
+def moe_plain(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("moe_plain"), "plain", 1, *MOE, steps=10)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("recompute", [["--recompute-granularity", "full"],
+                                       ["--recompute-granularity", "selective", "--recompute-modules", "moe"]])
+def test_router_counts_each_token_once_under_activation_recompute(tmp_path, moe_plain, recompute):
+    """Recompute runs the router's forward again inside backward; the capture must not count those tokens:
+    the token count is the step's (global batch × sequence), and the statistics equal a run without recompute
+    (measured without the guard: full recompute counted 1024 tokens per layer instead of 512)."""
+    run = train(tmp_path, "recompute", 1, *MOE, *recompute, steps=10)
+    tokens = series(run, "/tokens")
+    assert tokens and all(v == 8 * 64 for v in tokens.values()), tokens
+    assert_same_series(moe_plain, run, "router/", 1e-9)

@@ -52,7 +52,8 @@ Model/config requirements on CPU (not shims, configuration): local layer spec
 bug) and ``sequence_parallel=True`` whenever TP > 1 (megatron's MoE layer requires it in training).
 ``use_cpu_initialization=True`` initialises every weight from the full master weight on the default CPU
 generator, so TP=1 and TP=2 start from identical weights. Activation recompute (``CheckpointFunction``
-saves CUDA RNG states) and pipeline parallelism are not covered.
+saves the "CUDA" RNG state: the ``rng_tracker`` shim points it at the CPU generator) and pipeline parallelism
+(megatron-core's schedules, one isend/irecv per message: ``batch_p2p_comm=False``) run too.
 
 Shims (see ``SHIMS``; each comment in the code names the failing call and file)
 ------------------------------------------------------------------------------
@@ -330,6 +331,11 @@ def _apply_rng_tracker():
     if _CpuRNGStatesTracker is None:
         _CpuRNGStatesTracker = _make_cpu_tracker_class()
     mrandom.CudaRNGStatesTracker = _CpuRNGStatesTracker
+    # Activation recompute (CheckpointFunction -> _get_all_rng_states -> _get_cuda_rng_state ->
+    # torch.cuda.random.get_rng_state()) saves and restores the "CUDA" state: on CPU, the default CPU generator
+    # is that state (see above), so recompute replays dropout exactly as the first forward drew it.
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda new_state, *args, **kwargs: torch.set_rng_state(new_state)
     tracker = mrandom._CUDA_RNG_STATE_TRACKER
     if tracker is not None and not isinstance(tracker, _CpuRNGStatesTracker):
         # A CUDA tracker was already created (e.g. get_cuda_rng_tracker() called early): rebuild lazily.

@@ -77,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="pipeline stages (megatron-core's 1F1B schedule); --num-layers must divide evenly")
     t.add_argument("--sequence-parallel", action="store_true", help="forced on for MoE with TP > 1")
+    t.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
+                   help="activation recompute (megatron-core's): whole layers, or the modules of --recompute-modules")
+    t.add_argument("--recompute-method", choices=("uniform", "block"), default="uniform")
+    t.add_argument("--recompute-num-layers", type=int, default=1)
+    t.add_argument("--recompute-modules", nargs="+", default=None,
+                   help="selective recompute modules (megatron-core names, e.g. core_attn moe)")
     t.add_argument("--use-distributed-optimizer", action="store_true")
     d = p.add_argument_group("data")
     d.add_argument("--data-path", default=None, help="Megatron .bin/.idx prefix (default: embedded corpus)")
@@ -194,6 +200,10 @@ def _build_model(args, fault=None, pipeline_size: int = 1, pre_process: bool = T
         activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
         add_bias_linear=not (args.num_experts or args.swiglu), hidden_dropout=0.0, attention_dropout=0.0,
         params_dtype=torch.float32, pipeline_dtype=torch.float32, pipeline_model_parallel_size=pipeline_size,
+        recompute_granularity=args.recompute_granularity,
+        **(dict(recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers)
+           if args.recompute_granularity == "full" else {}),
+        **(dict(recompute_modules=args.recompute_modules) if args.recompute_modules else {}),
         # one isend/irecv per message rather than batched: gloo has no coalesced p2p
         batch_p2p_comm=torch.cuda.is_available(), **cpu_kwargs, **moe)
     if fault is not None and fault.attention_enabled:  # megatron's local spec with the emulated FA2 attention

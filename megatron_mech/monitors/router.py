@@ -49,8 +49,13 @@ class RouterMonitor:
         self.capture_seconds = 0.0  # wall time spent in record() while capturing (overhead accounting)
 
     def record(self, layer: int, logits: torch.Tensor) -> None:
-        """Add one micro-batch of raw router logits ``[tokens..., E]`` of ``layer`` (only while capturing)."""
-        if self.capturing:
+        """Add one micro-batch of raw router logits ``[tokens..., E]`` of ``layer`` (only while capturing).
+
+        Activation recompute runs the router's forward a second time, from inside the backward pass; that
+        second call is skipped (``torch._C._current_graph_task_id()`` is -1 outside autograd's backward), so
+        each token is counted once with ``--recompute-granularity full|selective``.
+        """
+        if self.capturing and torch._C._current_graph_task_id() == -1:
             started = time.perf_counter()
             self.stats[layer].update(logits, self.layers[layer].topk)
             self.capture_seconds += time.perf_counter() - started
