@@ -276,7 +276,9 @@ def test_stats_summaries_match_torch_on_concatenated_tokens():
     summary = stats.summary()
     assert list(summary) == ["tokens", "nonfinite_tokens", "entropy_mean", "entropy_std", "entropy_min",
                              "entropy_p05", "entropy_p50", "entropy_norm_mean", "low_entropy_frac",
-                             "margin_mean", "margin_std", "load_entropy"]
+                             "margin_mean", "margin_std", "load_entropy", "effective_experts", "load_cv"]
+    assert summary["effective_experts"] == pytest.approx(math.exp(direct_load_entropy * math.log(experts)), rel=1e-12)
+    assert summary["load_cv"] == pytest.approx((load.std(correction=0) / load.mean()).item(), rel=1e-12)
     assert all(isinstance(v, float) for v in summary.values())
     assert summary["entropy_p50"] == pytest.approx(stats.quantile(0.5) * math.log(experts))
     assert summary["low_entropy_frac"] == pytest.approx((normalized < 0.5).double().mean().item())
@@ -292,6 +294,9 @@ def test_stats_balanced_and_collapsed_load():
     logits[:, 2] = 5.0
     collapsed.update(logits, topk=1)
     assert collapsed.load_entropy == 0.0 and collapsed.load_fraction.tolist() == [0.0, 0.0, 1.0, 0.0]
+    assert balanced.effective_experts == pytest.approx(4.0) and balanced.load_cv == pytest.approx(0.0, abs=1e-12)
+    assert collapsed.effective_experts == 1.0 and collapsed.load_cv == pytest.approx(math.sqrt(3))
+    assert math.isnan(RoutingStats(4).effective_experts) and math.isnan(RoutingStats(4).load_cv)
 
 
 def test_stats_nonfinite_and_masked_tokens():

@@ -346,6 +346,23 @@ class RoutingStats:
         entropy = -torch.special.xlogy(fraction, fraction).sum()  # xlogy: 0 log 0 = 0
         return float(entropy) / math.log(self.num_experts)
 
+    @property
+    def effective_experts(self) -> float:
+        """``exp(H)`` of the load fractions (H in nats): the number of equally loaded experts with the same
+        entropy — E when balanced, 1 when one expert takes everything. NaN when empty."""
+        fraction = self.load_fraction
+        if not bool(torch.isfinite(fraction).all()) or float(fraction.sum()) <= 0:
+            return math.nan
+        return math.exp(float(-torch.special.xlogy(fraction, fraction).sum()))
+
+    @property
+    def load_cv(self) -> float:
+        """Coefficient of variation of the per-expert load counts, std / mean (population std): 0 when
+        balanced, sqrt(E − 1) when one expert takes everything. NaN when empty."""
+        load = self.load_counts
+        mean = float(load.mean())
+        return float(load.std(correction=0)) / mean if mean > 0 else math.nan
+
     def quantile(self, q: float) -> float:
         """Approximate q-quantile of the *normalised* entropy H / log E, from the histogram.
 
@@ -405,6 +422,8 @@ class RoutingStats:
             "margin_mean": stats.margin_mean,
             "margin_std": math.sqrt(stats.margin_var),
             "load_entropy": stats.load_entropy,
+            "effective_experts": stats.effective_experts,
+            "load_cv": stats.load_cv,
         }
 
     def _to_cpu(self) -> "RoutingStats":
