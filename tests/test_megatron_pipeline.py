@@ -55,7 +55,7 @@ def test_pipeline_moe_router_records_every_layer_once(tmp_path):
 
 @pytest.fixture(scope="module")
 def moe_plain(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("moe_plain"), "plain", 1, *MOE, steps=10)
+    return train(tmp_path_factory.mktemp("moe_plain"), "plain", 1, *MOE, "--mech-experts", steps=10)
 
 
 @pytest.mark.timeout(600)
@@ -69,3 +69,19 @@ def test_router_counts_each_token_once_under_activation_recompute(tmp_path, moe_
     tokens = series(run, "/tokens")
     assert tokens and all(v == 8 * 64 for v in tokens.values()), tokens
     assert_same_series(moe_plain, run, "router/", 1e-9)
+
+
+
+@pytest.mark.timeout(600)
+def test_expert_monitor_in_training_ep2(tmp_path, moe_plain):
+    """--mech-experts in real training, EP=1 and EP=2 (each rank holds 2 of the 4 experts): every expert of
+    every MoE layer is reported once, with a finite update ratio in (0, 1) and a stable rank ≥ 1. (EP=2
+    initialises its experts from another random stream, so its values are not compared with EP=1's; the
+    cross-rank combine is checked exactly in tests/test_expert_monitor.py.)"""
+    run = train(tmp_path, "ep2", 2, *MOE, "--mech-experts", "--expert-model-parallel-size", "2", steps=10)
+    for r in (moe_plain, run):
+        ratios = {k: v for (_, k), v in series(r, "/update_ratio").items() if k.endswith("/update_ratio")}
+        assert set(ratios) == {f"expert/layer{L}/e{e}/update_ratio" for L in range(2) for e in range(4)}
+        assert all(0 < v < 1 for v in ratios.values())
+        ranks = {k: v for (_, k), v in series(r, "/stable_rank").items() if "/e" in k}
+        assert ranks and all(v >= 1 - 1e-9 for v in ranks.values())

@@ -63,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="also ΔW spectra of every dense linear (attention output, MLP fc1/fc2), exact across TP")
     group.add_argument("--mech-snapshot-device", choices=("cpu", "device"), default="cpu",
                        help="where the W_{t-δ} snapshots live (cpu: host memory, no accelerator memory)")
+    group.add_argument("--mech-experts", action="store_true",
+                       help="per-expert update monitors on MoE layers (update/param ratio, its spread and z-score "
+                            "across experts, stable rank); snapshots every local expert weight in host memory")
     group.add_argument("--mech-no-dp-split", action="store_true",
                        help="every data-parallel replica evaluates every layer (default: the layers of each "
                             "evaluation are shared out over the replicas, results combined in one all-reduce)")
@@ -98,6 +101,7 @@ class MechConfig:
     snapshot_device: str = "cpu"
     checkpoint_snapshots: bool = True
     dp_split: bool = True
+    experts: bool = False
     all_linears: bool = False
     output_dir: Optional[str] = None
     wandb_project: Optional[str] = None
@@ -138,6 +142,7 @@ class MechConfig:
                    snapshot_device=args.mech_snapshot_device,
                    checkpoint_snapshots=not args.mech_no_checkpoint_snapshots,
                    dp_split=not getattr(args, "mech_no_dp_split", False),
+                   experts=bool(getattr(args, "mech_experts", False)),
                    all_linears=bool(getattr(args, "mech_all_linears", False)),
                    output_dir=args.mech_output_dir, wandb_project=args.mech_wandb_project,
                    detector_overrides=overrides, on_alert=getattr(args, "mech_on_alert", "log"))
@@ -237,6 +242,30 @@ def find_routers(model_chunks: Sequence[torch.nn.Module]) -> list[tuple[int, tor
     return sorted(routers, key=lambda item: item[0])
 
 
+def find_experts(model_chunks: Sequence[torch.nn.Module]) -> list:
+    """:class:`~megatron_mech.monitors.experts.ExpertLayer` for every MoE layer with megatron-core's
+    ``SequentialMLP`` experts on this rank (fc1 then fc2 per expert; global expert index from the EP rank)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megatron_mech.monitors.experts import ExpertLayer
+
+    found = []
+    ep_rank = ps.get_expert_model_parallel_rank()
+    writes = ps.get_expert_tensor_parallel_rank() == 0
+    for chunk in model_chunks:
+        for module in _unwrap(chunk).modules():
+            if isinstance(module, MoELayer) and isinstance(module.experts, SequentialMLP):
+                local = module.experts.local_experts
+                found.append(ExpertLayer(
+                    layer=module.layer_number - 1,
+                    experts=[[e.linear_fc1.weight, e.linear_fc2.weight] for e in local],
+                    first_expert=ep_rank * len(local), num_experts=module.config.num_moe_experts,
+                    writes_stable_rank=writes))
+    return sorted(found, key=lambda lay: lay.layer)
+
+
 def _wrap_gating(router: torch.nn.Module, layer: int, monitor: RouterMonitor) -> None:
     """Capture the full router logits (before top-k) of every micro-batch: wrap this instance's ``gating``.
 
@@ -295,6 +324,14 @@ class MegatronMech:
                                         token_group=token_group)
             for layer, r in routers:
                 _wrap_gating(r, layer, self.router)
+        self.experts = None
+        if config.experts:
+            from megatron.core import parallel_state as ps
+
+            from megatron_mech.monitors.experts import ExpertMonitor
+
+            self.experts = ExpertMonitor(find_experts(model_chunks), interval=config.interval,
+                                         group=ps.get_expert_tensor_and_model_parallel_group())
         self.last_alerts: list[Alert] = []
         self.alert_callbacks: list[Callable[[int, list], None]] = []  # user hooks: fn(step, alerts), every rank
         self.first_alert_step: Optional[int] = None
@@ -331,6 +368,8 @@ class MegatronMech:
         """Call once before the first training step (after loading any state): takes the first snapshot."""
         if self.attention is not None and self.attention.snapshot_step is None and self.attention.should_observe(step):
             self.attention.observe(step)
+        if self.experts is not None and step % self.config.interval == 0:
+            self.experts.observe(step)
 
     def before_step(self, step: int) -> None:
         """Call before the forward/backward of the step that will end with optimizer step number ``step``."""
@@ -346,6 +385,12 @@ class MegatronMech:
         if observed is not None:
             metrics.update(observed[0])
             details.update(observed[1])
+        if self.experts is not None:
+            with self._timed("experts"):
+                observed = self.experts.observe(step)
+            if observed is not None:
+                metrics.update(observed[0])
+                details.update(observed[1])
         if not self.is_evaluation_step(step):
             return []
         if self.router is not None:
