@@ -56,7 +56,7 @@ except ImportError:  # run as a module
 
 log = logging.getLogger("frontier_shards")
 QK_TERMS = 3
-METRICS_PER_LAYER_DW = 8          # dwq/dwk × (entropy, effective_rank, stable_rank, fro)
+METRICS_PER_LAYER_DW = 10         # dwq/dwk × (entropy, effective_rank, stable_rank, fro, update_ratio)
 
 
 @dataclasses.dataclass

@@ -59,9 +59,11 @@ def reference_metrics(prev: torch.Tensor, cur: torch.Tensor, h: int, g: int, dh:
     q0, k0 = blocks(prev, h, g, dh)
     q1, k1 = blocks(cur, h, g, dh)
     out = {}
-    for tag, delta in (("q", q1 - q0), ("k", k1 - k0)):
+    for tag, delta, base in (("q", q1 - q0, q0), ("k", k1 - k0, k0)):
         for what, v in np_dw_metrics(delta.numpy(), power).items():
             out[f"attn/layer{layer}/dw{tag}_{what}"] = v
+        out[f"attn/layer{layer}/dw{tag}_update_ratio"] = float(np.linalg.norm(delta.numpy())
+                                                              / np.linalg.norm(base.numpy()))
     d = prev.shape[1]
     as3 = lambda rows, n: rows.reshape(n, dh, d).transpose(1, 2)  # noqa: E731  paper orientation [n, d, dh]
     dense = qk_increment_spectra_dense(as3(q0, h), as3(k0, g), as3(q1, h), as3(k1, g), terms=terms)
@@ -160,7 +162,7 @@ def test_power_and_terms_config():
         weight += updates[1]
     metrics, _ = no_heads.observe(2)
     assert sorted(metrics) == sorted(f"attn/layer0/dw{t}_{w}" for t in "qk"
-                                     for w in ("entropy", "effective_rank", "stable_rank", "fro"))
+                                     for w in ("entropy", "effective_rank", "stable_rank", "fro", "update_ratio"))
 
 
 def test_extra_linears_and_slice_scope_single_process():

@@ -576,8 +576,9 @@ class AttentionMonitor:
         return (sq, kq), (sk, kk), heads
 
     def _dw_slot(self, k: int) -> int:
-        """Reduce-buffer values of one ΔW: the packed Gram (k² + 2), or for Krylov [‖ΔW‖_F² part, split, bad]."""
-        return k * k + 2 if self.config.route(k) == "gram" else 3
+        """Reduce-buffer values of one ΔW: the packed Gram (k² + 2), or for Krylov [‖ΔW‖_F² part, split, bad];
+        then this rank's part of ‖W_{t−δ}‖_F² (for the update/param ratio)."""
+        return (k * k + 2 if self.config.route(k) == "gram" else 3) + 1
 
     def _unit_size(self, kind: str, i: int) -> int:
         if kind == "layer":
@@ -588,9 +589,13 @@ class AttentionMonitor:
             return self._dw_slot(gram_size(w.shape, self._shard_dim(w.shape, sd)))
         return 1  # "check"
 
-    def _fill_dw(self, out: torch.Tensor, delta: torch.Tensor, shard_dim: int, k: int, key) -> None:
+    def _fill_dw(self, out: torch.Tensor, delta: torch.Tensor, shard_dim: int, k: int, key,
+                 prev: torch.Tensor) -> None:
         """This rank's part of one ΔW: its packed Gram, or (Krylov) its sum of squares, split size and
-        non-finite count, with the local ΔW kept for the Krylov products after the reduction."""
+        non-finite count, with the local ΔW kept for the Krylov products after the reduction; then
+        ‖W_{t−δ}‖_F² of the shard."""
+        out[-1] = prev.detach().to(_F64).square().sum()
+        out = out[:-1]
         if self.config.route(k) == "gram":
             out.copy_(shard_gram(delta, shard_dim, accumulate_dtype=delta.dtype))
             return
@@ -642,8 +647,8 @@ class AttentionMonitor:
         q_cur, k_cur, _ = qkv_row_blocks(w, lay.num_heads, lay.num_query_groups, lay.head_dim)
         n_q, n_k = self._dw_slot(kq), self._dw_slot(kk)
         dt = self._gram_dtype(w)
-        self._fill_dw(out[:n_q], q_cur.to(dt) - q_prev.to(dt), sq, kq, ("layer", i, "q"))
-        self._fill_dw(out[n_q:n_q + n_k], k_cur.to(dt) - k_prev.to(dt), sk, kk, ("layer", i, "k"))
+        self._fill_dw(out[:n_q], q_cur.to(dt) - q_prev.to(dt), sq, kq, ("layer", i, "q"), q_prev)
+        self._fill_dw(out[n_q:n_q + n_k], k_cur.to(dt) - k_prev.to(dt), sk, kk, ("layer", i, "k"), k_prev)
         terms = self.config.qk_terms
         if not terms:
             return
@@ -664,7 +669,7 @@ class AttentionMonitor:
         prev = self._snapshots["extras"][j].to(w.device)
         dt = self._gram_dtype(w)
         shard_dim = self._shard_dim(w.shape, sd)
-        self._fill_dw(out, w.to(dt) - prev.to(dt), shard_dim, gram_size(w.shape, shard_dim), ("extra", j))
+        self._fill_dw(out, w.to(dt) - prev.to(dt), shard_dim, gram_size(w.shape, shard_dim), ("extra", j), prev)
 
     def _gram_dtype(self, weight: torch.Tensor) -> torch.dtype:
         if self.config.gram_dtype == "auto":
@@ -673,6 +678,8 @@ class AttentionMonitor:
 
     def _dw_metrics(self, packed: torch.Tensor, k: int, prefix: str, detail: dict,
                     metrics: dict, details: dict, eig_dtype: torch.dtype = _F64, key=None) -> None:
+        weight_sq = float(packed[-1])
+        packed = packed[:-1]
         if self.config.route(k) == "krylov":
             result = self._krylov_results.pop(key)
             z = float(packed[0]) if float(packed[2]) == 0 else math.nan
@@ -687,6 +694,7 @@ class AttentionMonitor:
                 "stable_rank": float(stable_rank(sv)),
                 "fro": frobenius_from_shard_grams(packed, k),
             }
+        values["update_ratio"] = values["fro"] / math.sqrt(weight_sq) if weight_sq > 0 else math.nan
         for what, v in values.items():
             metrics[f"{prefix}_{what}"] = v
             details[f"{prefix}_{what}"] = dict(detail)
@@ -730,7 +738,7 @@ class AttentionMonitor:
     def _unit_names(self, unit) -> list[tuple[str, dict]]:
         """``(metric name, detail)`` of every value a unit produces, in a fixed order (what ``_decode_*`` writes)."""
         kind, i = unit
-        whats = ("entropy", "effective_rank", "stable_rank", "fro")
+        whats = ("entropy", "effective_rank", "stable_rank", "fro", "update_ratio")
         extra = {} if self.config.dw_scope == "global" else {"tp_rank": self.tp_rank}
         tp_tag = "" if self.config.dw_scope == "global" else f"/tp{self.tp_rank}"
         if kind == "extra":
