@@ -59,6 +59,7 @@ import torch
 from megatron_mech.config import MechConfig
 from megatron_mech.core.attribution import alert_lines
 from megatron_mech.core.detect import Alert, DetectorRegistry, default_rules
+from megatron_mech.core.mols import default_window
 from megatron_mech.model_view import ModelView
 
 __all__ = ["Action", "MechHook", "STATE_VERSION", "any_rank"]
@@ -86,11 +87,6 @@ def any_rank(flag: bool, group=None) -> bool:
     t = torch.tensor([1.0 if flag else 0.0], device=collective_device(group))
     torch.distributed.all_reduce(t, group=group)
     return bool(t.item() > 0)
-
-
-def default_window(train_steps: int) -> int:
-    """MoLS's default estimation window: ``max(5, ceil(1% of the training steps))``."""
-    return max(5, math.ceil(0.01 * int(train_steps)))
 
 
 class MechHook:
@@ -180,7 +176,7 @@ class MechHook:
             sample_passes: for ``--mech-mols-estimator samples`` only: ``fn(mols_backend, iteration)`` running the
                 extra gradient samples through the framework's schedule (called from ``before_step``).
         """
-        from megatron_mech.monitors.attention import AttentionMonitor, AttentionMonitorConfig
+        from megatron_mech.monitors.attention import AttentionMonitor
         from megatron_mech.monitors.router import RouterLayer, RouterMonitor
 
         if self._is_setup:
@@ -194,13 +190,11 @@ class MechHook:
         # one tiny all-reduce every rank joins, so every rank takes the same branches (and raises the same error)
         self.families = monitors.resolve(any_rank(bool(view.routers)))
         if "attention" in self.families:
-            self.attention = AttentionMonitor(list(view.attention_layers), AttentionMonitorConfig(
-                interval=monitors.interval, dw_scope=monitors.dw_scope, qk_terms=monitors.qk_terms,
-                qk_method=monitors.qk_method,
-                snapshot_device="cpu" if monitors.snapshot_device == "cpu" or not torch.cuda.is_available()
-                else f"cuda:{torch.cuda.current_device()}",
-                save_snapshots=monitors.checkpoint_snapshots), tp_group=view.tp_group,
-                extra_linears=dict(view.dense_linears) if monitors.all_linears else None)
+            device = ("cpu" if monitors.snapshot_device == "cpu" or not torch.cuda.is_available()
+                      else f"cuda:{torch.cuda.current_device()}")
+            self.attention = AttentionMonitor(list(view.attention_layers), monitors.attention_monitor_config(device),
+                                              tp_group=view.tp_group,
+                                              extra_linears=dict(view.dense_linears) if monitors.all_linears else None)
         if "router" in self.families:
             self.router = RouterMonitor([RouterLayer(r.layer, r.weight, r.topk) for r in view.routers],
                                         token_group=view.token_group)

@@ -80,7 +80,7 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Tuple, Union
 from megatron_mech.core.snr import SNREstimate, TwoBatchSNR, snr_ratio
 from megatron_mech.core.taxonomy import FUSED_QKV_RULES, MODULE_CLASSES, fused_qkv_multiplier
 
-__all__ = ["DEFAULT_SCALED_CLASSES", "ESTIMATORS", "MEASURED_KEYS", "QKV_BLOCK_KEYS", "MoLSConfig",
+__all__ = ["DEFAULT_SCALED_CLASSES", "ESTIMATORS", "MEASURED_KEYS", "QKV_BLOCK_KEYS", "MoLSConfig", "default_window",
            "MoLSController", "MoLSWarning"]
 
 # Classes that get a multiplier by default; norm and "other" stay at 1.0 (measured and reported only).
@@ -108,6 +108,12 @@ def _int_field(name: str, value: Any, minimum: int, allow_none: bool = False) ->
         raise ValueError(f"MoLSConfig.{name} must be >= {minimum}, got {value!r}"
                          + (" (an empty estimation window)" if name == "window_steps" else ""))
     return int(value)
+
+
+
+def default_window(train_steps: int) -> int:
+    """The default estimation window: ``max(5, ceil(1% of the training steps))``."""
+    return max(5, math.ceil(0.01 * int(train_steps)))
 
 
 @dataclass(frozen=True)
@@ -426,7 +432,9 @@ class MoLSController:
         return self._two_batch.steps if self.config.estimator == "two_batch" else self._samples.steps
 
     # ------------------------------------------------------------------ finalize
-    def _scaled_classes(self, measured: Iterable[str]) -> Tuple[str, ...]:
+    def scaled_classes(self, measured: Iterable[str]) -> Tuple[str, ...]:
+        """The module classes that get a multiplier: ``config.classes``, else the default scaled classes among
+        those present (or, without ``classes_present``, among ``measured``)."""
         if self.config.classes is not None:
             return tuple(self.config.classes)
         pool = self.classes_present if self.classes_present is not None else tuple(
@@ -446,7 +454,7 @@ class MoLSController:
         class_keys = [k for k in measured if k in MODULE_CLASSES]
         all_classes = tuple(dict.fromkeys(
             list(self.classes_present or ()) + class_keys))  # present ∪ measured, model order first
-        scaled = self._scaled_classes(class_keys)
+        scaled = self.scaled_classes(class_keys)
         lo, hi = cfg.clamp
         self.raw_alphas, self.alphas, self.clamped, self.degenerate = {}, {}, {}, {}
 

@@ -128,19 +128,23 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import logging
 import math
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_mech.core.mols import (ESTIMATORS, MEASURED_KEYS, MoLSConfig, MoLSController)
+from megatron_mech.optim import leaf_optimizers
+from megatron_mech.core.mols import MEASURED_KEYS, MoLSConfig, MoLSController, default_window
 from megatron_mech.core.snr import sample_snr
-from megatron_mech.core.taxonomy import (FUSED_QKV_RULES, MODULE_CLASSES, ModuleTaxonomy, classify_parameters,
+from megatron_mech.core.taxonomy import (MODULE_CLASSES, ModuleTaxonomy, classify_parameters,
                                     fused_qkv_blocks, is_fused_qkv)
 
 __all__ = ["MegatronMoLS", "add_mols_arguments", "apply_multipliers", "megatron_core_version",
            "mols_config_overrides", "multiplier_mode", "protect_param_group_identity"]
+
+logger = logging.getLogger(__name__)
 
 TAG = "mols_module"
 ROUTES = ("auto", "dp", "microbatch")
@@ -148,19 +152,6 @@ _KEYS = MEASURED_KEYS
 _KI = {k: i for i, k in enumerate(_KEYS)}
 _NK = len(_KEYS)
 _BLOCK_KEYS = {0: ("qk", "qkv_q"), 1: ("qk", "qkv_k"), 2: ("vo", "qkv_v")}
-
-# Sample passes of the reference estimator run through the same schedule: every MoLS wrapper passes through.
-_SUSPENDED = [0]
-
-
-@contextlib.contextmanager
-def _suspended():
-    _SUSPENDED[0] += 1
-    try:
-        yield
-    finally:
-        _SUSPENDED[0] -= 1
-
 
 # ------------------------------------------------------------------------------------------------ versions
 def megatron_core_version() -> str:
@@ -247,11 +238,6 @@ def _param_groups(optimizer) -> List[dict]:
     if isinstance(optimizer, (list, tuple)):
         return list(optimizer)
     return list(optimizer.param_groups)
-
-
-def _leaf_optimizers(optimizer) -> list:
-    chained = getattr(optimizer, "chained_optimizers", None)
-    return list(chained) if chained is not None else [optimizer]
 
 
 def _record_bases(group: dict) -> None:
@@ -347,7 +333,7 @@ def protect_param_group_identity(optimizer) -> None:
     """Make megatron-core's optimizer ``load_state_dict`` match MoLS param groups one-to-one (see the module
     docstring). Wraps each leaf optimizer *instance*'s ``load_state_dict`` once (idempotent); call it before
     loading optimizer state."""
-    for leaf in _leaf_optimizers(optimizer):
+    for leaf in leaf_optimizers(optimizer):
         if getattr(leaf, "_mols_identity_protected", False):
             continue
         original = leaf.load_state_dict
@@ -594,45 +580,14 @@ class _GradNormReader:
 
 # ------------------------------------------------------------------------------------------------ arguments
 def add_mols_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``--mech-mols*`` flags (usable inside Megatron-LM's ``extra_args_provider``)."""
-    g = parser.add_argument_group("megatron-mech MoLS (module-wise lr scaling from gradient SNR)")
-    g.add_argument("--mech-mols", action="store_true", help="enable MoLS per-module lr multipliers")
-    g.add_argument("--mech-mols-window", type=int, default=None,
-                   help="estimation window in iterations (default: 1%% of --train-iters, at least 5)")
-    g.add_argument("--mech-mols-window-start", type=int, default=0, help="first window iteration (0-based)")
-    g.add_argument("--mech-mols-base", choices=MODULE_CLASSES, default="vo", help="reference module (α = 1)")
-    g.add_argument("--mech-mols-clamp", type=float, nargs=2, metavar=("MIN", "MAX"), default=(0.5, 2.0),
-                   help="clamp range of the multipliers (default 0.5 2.0)")
-    g.add_argument("--mech-mols-estimator", choices=ESTIMATORS, default="two_batch",
-                   help="two_batch: free small/big-batch gradient norms; samples: K extra passes (reference)")
-    g.add_argument("--mech-mols-samples", type=int, default=4, help="K for --mech-mols-estimator samples")
-    g.add_argument("--mech-mols-fused-qkv-rule", choices=FUSED_QKV_RULES, default="rows",
-                   help="multiplier of the fused linear_qkv parameter from α_qk and α_vo")
-    g.add_argument("--mech-mols-classes", nargs="+", choices=MODULE_CLASSES, default=None,
-                   help="module classes to scale (default: embedding qk vo mlp head router experts present)")
-    g.add_argument("--mech-mols-min-ramp", type=int, default=10,
-                   help="ramp length when the warm-up is over at the window end")
-    g.add_argument("--mech-mols-no-scale-weight-decay", action="store_true",
-                   help="compensate decoupled weight decay (wd_mult = 1/multiplier) instead of scaling it")
+    """Add the ``--mech-mols*`` flags alone (generated from :class:`megatron_mech.config.MoLSOptions`; usable
+    inside Megatron-LM's ``extra_args_provider``)."""
+    from megatron_mech.config import MoLSOptions
+    from megatron_mech.options import add_section_flags
+
+    add_section_flags(parser.add_argument_group("megatron-mech MoLS (module-wise lr scaling from gradient SNR)"),
+                      MoLSOptions)
     return parser
-
-
-def _warmup_iters(args) -> Optional[int]:
-    gbs = getattr(args, "global_batch_size", None)
-    frac = getattr(args, "lr_warmup_fraction", None)
-    if frac:
-        decay = getattr(args, "lr_decay_iters", None) or getattr(args, "train_iters", None)
-        return int(frac * decay) if decay else None
-    if getattr(args, "lr_warmup_iters", 0):
-        return int(args.lr_warmup_iters)
-    if getattr(args, "lr_warmup_samples", 0) and gbs:
-        return int(args.lr_warmup_samples) // int(gbs)
-    return 0
-
-
-def default_window(train_iters: int) -> int:
-    """``max(5, ceil(1% of train_iters))``."""
-    return max(5, math.ceil(0.01 * int(train_iters)))
 
 
 # ------------------------------------------------------------------------------------------------ the object
@@ -734,8 +689,8 @@ class MegatronMoLS:
         self.route = None
         if config.estimator == "two_batch":
             self.route = self._choose_route(route)
-        self._log = log if log is not None else (
-            lambda msg: print(msg, flush=True) if torch.distributed.get_rank() == 0 else None)
+        self._log = log if log is not None else logger.info
+        self._suspended = 0  # > 0 while the reference estimator's sample passes run: the wrappers pass through
         self._iteration = 0  # the iteration in progress / next to run; install(iteration=...), load_state_dict
         self._fwd_count = 0
         self._snap = None
@@ -752,27 +707,22 @@ class MegatronMoLS:
         """Build from parsed arguments (``--mech-mols*`` plus Megatron's ``--train-iters``/``--train-samples``,
         ``--lr-warmup-iters``/``-samples``/``-fraction``, ``--global-batch-size``, ``--micro-batch-size``).
         Returns a no-op object when ``--mech-mols`` is not given."""
-        if not getattr(args, "mech_mols", False):
+        from megatron_mech.config import MoLSOptions
+        from megatron_mech.megatron.flags import lr_warmup_steps, train_steps
+        from megatron_mech.options import section_from_flags
+
+        options = section_from_flags(MoLSOptions, args)
+        if not options.enabled:
             return _DisabledMoLS()
-        gbs = int(args.global_batch_size)
-        train_iters = getattr(args, "train_iters", None)
-        if not train_iters and getattr(args, "train_samples", None):
-            train_iters = int(args.train_samples) // gbs
-        if not train_iters:
+        steps = train_steps(args)
+        if not steps:
             raise ValueError("--mech-mols needs --train-iters (or --train-samples) to size the estimation window")
-        window = args.mech_mols_window if args.mech_mols_window is not None else default_window(train_iters)
-        start = int(getattr(args, "mech_mols_window_start", 0) or 0)
-        config = MoLSConfig(window_start=start, window_steps=window, base=args.mech_mols_base,
-                            clamp=tuple(args.mech_mols_clamp), ramp_end=_warmup_iters(args),
-                            min_ramp_steps=getattr(args, "mech_mols_min_ramp", 10),
-                            classes=tuple(args.mech_mols_classes) if getattr(args, "mech_mols_classes", None) else None,
-                            fused_qkv_rule=args.mech_mols_fused_qkv_rule, estimator=args.mech_mols_estimator,
-                            num_samples=getattr(args, "mech_mols_samples", 4),
-                            scale_weight_decay=not getattr(args, "mech_mols_no_scale_weight_decay", False))
-        if config.window_end > train_iters:
-            raise ValueError(f"--mech-mols-window: the estimation window (iterations {start}..{config.window_end - 1})"
-                             f" does not fit in --train-iters {train_iters}")
-        return cls(config, model_chunks, optimizer_config, global_batch_size=gbs,
+        config = options.core_config(window=options.window if options.window is not None else default_window(steps),
+                                     ramp_end=lr_warmup_steps(args))
+        if config.window_end > steps:
+            raise ValueError(f"--mech-mols-window: the estimation window (iterations {config.window_start}.."
+                             f"{config.window_end - 1}) does not fit in --train-iters {steps}")
+        return cls(config, model_chunks, optimizer_config, global_batch_size=int(args.global_batch_size),
                    micro_batch_size=int(args.micro_batch_size), taxonomy=taxonomy, log=log)
 
     def _choose_route(self, route: str) -> str:
@@ -818,7 +768,21 @@ class MegatronMoLS:
             self._config_overrides = mols_config_overrides(self.model_chunks, self.optimizer_config, self.taxonomy)
         return self._config_overrides
 
+    @contextlib.contextmanager
+    def _suspend(self):
+        """The reference estimator's sample passes run through the same schedule: every MoLS wrapper of this
+        object passes through meanwhile."""
+        self._suspended += 1
+        try:
+            yield
+        finally:
+            self._suspended -= 1
+
     # -- installation
+    def attach(self, optimizer) -> "MegatronMoLS":
+        """:meth:`install` into the model's own config (the one ``forward_backward_func`` reads)."""
+        return self.install(self.model_config, optimizer)
+
     def install(self, model_config, optimizer, iteration: Optional[int] = None) -> "MegatronMoLS":
         """Attach to the optimizer and the model config: protect the param-group identity for checkpoint loads,
         wrap ``model_config.finalize_model_grads_func`` (two_batch; megatron's ``finalize_model_grads`` if unset)
@@ -831,7 +795,7 @@ class MegatronMoLS:
                              "with get_megatron_optimizer(..., config_overrides=mols.config_overrides)")
         self.optimizer = optimizer
         protect_param_group_identity(optimizer)
-        scaled = set(self.controller._scaled_classes(self.group_classes))
+        scaled = set(self.controller.scaled_classes(self.group_classes))
         for g in _param_groups(optimizer):
             _record_bases(g)
             if "default_config" in g and g.get(TAG) in scaled and g.get(TAG) != self.config.base:
@@ -869,7 +833,7 @@ class MegatronMoLS:
         @functools.wraps(forward_step_func)
         def forward_step(*args, **kwargs):
             model = args[1] if len(args) > 1 else kwargs.get("model")
-            if _SUSPENDED[0] or not torch.is_grad_enabled() or not getattr(model, "training", True):
+            if self._suspended or not torch.is_grad_enabled() or not getattr(model, "training", True):
                 return forward_step_func(*args, **kwargs)
             self._fwd_count += 1
             if self._fwd_count == 2 and self.controller.in_window(self._iteration):
@@ -884,7 +848,7 @@ class MegatronMoLS:
     def _make_finalize(self, real: Callable) -> Callable:
         @functools.wraps(real)
         def finalize_model_grads(*args, **kwargs):
-            if _SUSPENDED[0]:
+            if self._suspended:
                 return real(*args, **kwargs)
             it = self._iteration
             active = self.controller.in_window(it)
@@ -979,7 +943,7 @@ class MegatronMoLS:
         samples: Dict[str, List[torch.Tensor]] = {}
         ls = float(self.optimizer.get_loss_scale()) if self.optimizer is not None and hasattr(
             self.optimizer, "get_loss_scale") else 1.0
-        with _suspended():
+        with self._suspend():
             for _ in range(self.config.num_samples):
                 for chunk in self.model_chunks:
                     chunk.zero_grad_buffer()
