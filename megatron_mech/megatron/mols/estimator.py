@@ -35,6 +35,7 @@ __all__ = ["MegatronMoLS", "ROUTES", "add_mols_arguments"]
 logger = logging.getLogger(__name__)
 
 ROUTES = ("auto", "dp", "microbatch")
+_SAMPLE_PASSES = "_mols_sample_passes"  # attribute of the model config: > 0 while extra-sample passes run
 
 
 def add_mols_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -147,7 +148,6 @@ class MegatronMoLS:
         if config.estimator == "two_batch":
             self.route = self._choose_route(route)
         self._log = log if log is not None else logger.info
-        self._suspended = 0  # > 0 while the reference estimator's sample passes run: the wrappers pass through
         self._iteration = 0  # the iteration in progress / next to run; install(iteration=...), load_state_dict
         self._fwd_count = 0
         self._snap = None
@@ -225,15 +225,20 @@ class MegatronMoLS:
             self._config_overrides = mols_config_overrides(self.model_chunks, self.optimizer_config, self.taxonomy)
         return self._config_overrides
 
+    @property
+    def _suspended(self) -> bool:
+        return getattr(self.model_config, _SAMPLE_PASSES, 0) > 0
+
     @contextlib.contextmanager
     def _suspend(self):
-        """The reference estimator's sample passes run through the same schedule: every MoLS wrapper of this
-        object passes through meanwhile."""
-        self._suspended += 1
+        """The reference estimator's sample passes run through the same schedule, so every MoLS wrapper on this
+        model passes through meanwhile — also those of another MoLS object on the same model (a reference run
+        next to the estimator it checks). The count lives on the model's config, the object the wrappers share."""
+        setattr(self.model_config, _SAMPLE_PASSES, getattr(self.model_config, _SAMPLE_PASSES, 0) + 1)
         try:
             yield
         finally:
-            self._suspended -= 1
+            setattr(self.model_config, _SAMPLE_PASSES, getattr(self.model_config, _SAMPLE_PASSES) - 1)
 
     # -- installation
     def attach(self, optimizer) -> "MegatronMoLS":
