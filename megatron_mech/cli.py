@@ -237,7 +237,7 @@ SUBCOMMANDS: Dict[str, Subcommand] = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-mech",
-        description="megatron-mech: training-instability monitors and MoLS for Megatron-LM and DeepSpeed")
+        description="megatron-mech: training-instability monitors and MoLS for megatron-core and Megatron-LM")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, cmd in SUBCOMMANDS.items():

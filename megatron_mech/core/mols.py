@@ -1,6 +1,6 @@
 """MoLS — module-wise learning-rate scaling from gradient SNR (framework-free part).
 
-The method (SPEC §2): during a short estimation window early in training, estimate each module class's gradient
+The method: during a short estimation window early in training, estimate each module class's gradient
 signal-to-noise ratio ``S_m = ‖E[g_m]‖² / tr(Cov[g_m])``; then give every module class the lr multiplier
 
     α_m = sqrt(S_base / S_m)                 (base = "vo" by default: low-SNR modules get α > 1)
@@ -36,11 +36,11 @@ Rules chosen
 ------------
 * **Which modules are scaled.** ``classes=None`` (default) scales every present class of
   :data:`DEFAULT_SCALED_CLASSES` (embedding, qk, vo, mlp, head, router, experts); ``norm`` and ``other`` stay at
-  1.0 (SPEC §2: norms/biases stay at 1 unless measured otherwise — they are still *measured* and reported).
+  1.0 (norms and biases stay at 1 unless configured otherwise — they are still *measured* and reported).
   An explicit ``classes`` list must only name classes the model has (a class with no parameters is an error).
 * **Clamp default (0.5, 2.0).** α is a ratio of two noisy window estimates and is applied to the lr of a run
   whose base lr was tuned; lr changes beyond ~2× from a tuned Adam lr leave the flat part of the usual lr-loss
-  curve (and ≥ 4× often diverges), while the measured small-scale α spread was 0.55–1.61 (notes/experiments.md),
+  curve (and ≥ 4× often diverges), while the α spread measured in small-scale runs was 0.55–1.61,
   i.e. inside the range. A clamped module still moves in the right direction; the warning names it so the
   range can be widened deliberately (``--mech-mols-clamp``).
 * **Degenerate SNRs.** A class whose window estimate is ``S = inf`` (noise below resolution), ``0`` (no

@@ -1,4 +1,5 @@
-"""Where monitor output goes (SPEC §4: "JSONL (always), TensorBoard, W&B, Megatron's writers, DeepSpeed's monitor").
+"""Where monitor output goes: JSONL (always; ``mech.jsonl`` is the run's one record of metrics and alerts),
+TensorBoard, W&B, Megatron's writers, DeepSpeed's monitor.
 
 **Record.** One dict per logged step, built by :func:`make_record`::
 
