@@ -55,7 +55,6 @@ JSONL_NAME = "mech.jsonl"
 #: Keys of a record that :func:`make_record` owns (``extra`` may not override them).
 RESERVED_KEYS = ("step", "loss", "lr", "grad_norm", "metrics", "alerts")
 _STANDARD_SCALARS = ("loss", "lr", "grad_norm")
-_NONFINITE_TO_STR = {"nan": "nan", "inf": "inf", "-inf": "-inf"}
 _STR_TO_FLOAT = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 

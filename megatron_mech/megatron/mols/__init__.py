@@ -7,7 +7,8 @@ and ``forward_step_func`` — no patch to megatron-core) and writes the multipli
 
 Call order in a training script (every rank; megatron-core ≥ 0.16)
 ------------------------------------------------------------------
-::
+:class:`megatron_mech.hook.MechHook` makes these calls for a trainer (its MoLS touch points
+``optimizer_overrides``, ``attach_optimizer``, ``wrap_forward_step``, then ``after_optimizer_step``); used alone::
 
     model = DistributedDataParallel(config, ddp_config, GPTModel(...))        # model chunks, wrapped
     mols = MegatronMoLS.from_args(args, [model], optimizer_config)           # 1. collective (all ranks)
@@ -32,7 +33,7 @@ Call order in a training script (every rank; megatron-core ≥ 0.16)
     ckpt["mols"] = mols.state_dict()                                         # identical on every rank
 
 ``iteration`` is the number of optimizer steps completed before the current one (Megatron-LM's ``iteration``
-passed to ``train_step``; in ``megatron_mech/pretrain_gpt.py``'s 1-based loop it is ``step - 1``).
+passed to ``train_step``; the hook's 1-based ``step`` is ``iteration + 1``).
 
 **The off-by-one.** ``OptimizerParamScheduler.step()`` sets every group's ``lr`` from the group's
 ``max_lr``/``min_lr`` (0.16) for the *next* optimizer step. So the multipliers that iteration ``t + 1`` must use
