@@ -28,6 +28,10 @@ from typing import Any, Mapping, Optional
 
 from megatron_mech.options import (add_section_flags, option, section_from_dict, section_from_flags,
                                    section_to_dict)
+from megatron_mech.core.mols import ESTIMATORS
+from megatron_mech.core.spectral import QK_METHODS, QK_TERMS
+from megatron_mech.core.taxonomy import FUSED_QKV_RULES, MODULE_CLASSES
+from megatron_mech.monitors.attention import DW_SCOPES
 from megatron_mech.studies.fault_config import FaultConfig
 
 __all__ = ["MONITOR_FAMILIES", "ON_ALERT", "DetectorOverrides", "MechConfig", "MoLSOptions", "MonitorConfig",
@@ -35,8 +39,6 @@ __all__ = ["MONITOR_FAMILIES", "ON_ALERT", "DetectorOverrides", "MechConfig", "M
 
 MONITOR_FAMILIES = ("attention", "router")
 ON_ALERT = ("log", "checkpoint", "stop")
-_QK_TERMS = ("delta1", "delta2", "delta3")
-_MODULE_CLASSES = ("embedding", "qk", "vo", "mlp", "head", "router", "experts", "norm", "other")
 
 
 @dataclass
@@ -51,11 +53,11 @@ class MonitorConfig:
                            flag="--mech-interval", type=int)
     dw_scope: str = option("global", "global: exact spectra of whole TP-split matrices (one Gram all-reduce); "
                            "slice: per-shard spectra, no communication", flag="--mech-dw-scope",
-                           choices=("global", "slice"))
-    qk_terms: tuple = option(_QK_TERMS, "QK-increment terms to compute per head", flag="--mech-qk-terms",
-                             nargs="+", choices=_QK_TERMS)
+                           choices=DW_SCOPES)
+    qk_terms: tuple = option(QK_TERMS, "QK-increment terms to compute per head", flag="--mech-qk-terms",
+                             nargs="+", choices=QK_TERMS)
     qk_method: str = option("gram", "core of the compressed QK spectra (gram: float64 Grams + eigh; qr: thin QR)",
-                            flag="--mech-qk-method", choices=("gram", "qr"))
+                            flag="--mech-qk-method", choices=QK_METHODS)
     all_linears: bool = option(False, "also ΔW spectra of every dense linear (attention output, MLP fc1/fc2), "
                                "exact across TP", flag="--mech-all-linears")
     snapshot_device: str = option("cpu", "where the W_{t-δ} snapshots live (cpu: host memory, no accelerator "
@@ -63,6 +65,9 @@ class MonitorConfig:
     checkpoint_snapshots: bool = option(True, "save the snapshots with the checkpoint; the flag turns it off "
                                         "(smaller checkpoints; after a resume the first interval re-snapshots and "
                                         "is skipped)", flag="--mech-no-checkpoint-snapshots", inverted=True)
+    experts: bool = option(False, "per-expert update monitors on MoE layers (update/param ratio, its spread and "
+                           "z-score across experts, stable rank); snapshots every local expert weight in host "
+                           "memory", flag="--mech-experts")
     dp_split: bool = option(True, "share each evaluation's layers out over the data-parallel replicas (one "
                             "fixed-size all-reduce combines the results); the flag makes every replica evaluate "
                             "every layer", flag="--mech-no-dp-split", inverted=True)
@@ -78,20 +83,25 @@ class MonitorConfig:
         if unknown:
             raise ValueError(f"--mech-monitors: unknown monitor family {unknown}; expected {MONITOR_FAMILIES}")
         self.families = () if families == ("none",) else families
-        if isinstance(self.interval, bool) or int(self.interval) != self.interval or self.interval < 1:
-            raise ValueError(f"--mech-interval must be a positive integer, got {self.interval}")
-        self.interval = int(self.interval)
-        if self.dw_scope not in ("global", "slice"):
-            raise ValueError(f"--mech-dw-scope must be 'global' or 'slice', got {self.dw_scope!r}")
-        if isinstance(self.qk_terms, str):
-            self.qk_terms = (self.qk_terms,)
-        self.qk_terms = tuple(self.qk_terms)
-        if any(t not in _QK_TERMS for t in self.qk_terms) or len(set(self.qk_terms)) != len(self.qk_terms):
-            raise ValueError(f"--mech-qk-terms must be distinct terms from {_QK_TERMS}, got {self.qk_terms!r}")
-        if self.qk_method not in ("gram", "qr"):
-            raise ValueError(f"--mech-qk-method must be 'gram' or 'qr', got {self.qk_method!r}")
+        if isinstance(self.qk_terms, (list, str)):
+            self.qk_terms = (self.qk_terms,) if isinstance(self.qk_terms, str) else tuple(self.qk_terms)
         if self.snapshot_device not in ("cpu", "device"):
             raise ValueError(f"--mech-snapshot-device must be 'cpu' or 'device', got {self.snapshot_device!r}")
+        self.attention_monitor_config()  # the monitor's own checks, once
+
+    def attention_monitor_config(self, snapshot_device: str = "cpu"):
+        """The :class:`~megatron_mech.monitors.attention.AttentionMonitorConfig` of these settings; a bad value
+        raises ``ValueError`` naming its ``--mech-*`` flag."""
+        from megatron_mech.monitors.attention import AttentionMonitorConfig
+
+        try:
+            return AttentionMonitorConfig(interval=self.interval, dw_scope=self.dw_scope, qk_terms=self.qk_terms,
+                                          qk_method=self.qk_method, snapshot_device=snapshot_device,
+                                          save_snapshots=self.checkpoint_snapshots, dp_split=self.dp_split)
+        except ValueError as e:
+            name = str(e).split()[0]
+            flag = {f.name: f.metadata.get("flag") for f in dataclasses.fields(self)}.get(name)
+            raise ValueError(f"{flag or 'monitor settings'}: {e}") from None
 
     def resolve(self, has_routers: bool) -> tuple:
         """The families that run on a model with (or without) MoE routers: 'auto' resolved; 'router' on a model
@@ -142,17 +152,17 @@ class MoLSOptions:
     window: Optional[int] = option(None, "estimation window in iterations (default: 1% of the training steps, at "
                                    "least 5)", flag="--mech-mols-window", type=int)
     window_start: int = option(0, "first window iteration (0-based)", flag="--mech-mols-window-start", type=int)
-    base: str = option("vo", "reference module (α = 1)", flag="--mech-mols-base", choices=_MODULE_CLASSES)
+    base: str = option("vo", "reference module (α = 1)", flag="--mech-mols-base", choices=MODULE_CLASSES)
     clamp: tuple = option((0.5, 2.0), "clamp range of the multipliers (default 0.5 2.0)", flag="--mech-mols-clamp",
                           type=float, nargs=2, metavar=("MIN", "MAX"))
     estimator: str = option("two_batch", "two_batch: free small/big-batch gradient norms; samples: K extra "
-                            "passes (reference)", flag="--mech-mols-estimator", choices=("two_batch", "samples"))
+                            "passes (reference)", flag="--mech-mols-estimator", choices=ESTIMATORS)
     samples: int = option(4, "K for --mech-mols-estimator samples", flag="--mech-mols-samples", type=int)
     fused_qkv_rule: str = option("rows", "multiplier of the fused linear_qkv parameter from α_qk and α_vo",
-                                 flag="--mech-mols-fused-qkv-rule", choices=("rows", "qk", "vo"))
+                                 flag="--mech-mols-fused-qkv-rule", choices=FUSED_QKV_RULES)
     classes: Optional[tuple] = option(None, "module classes to scale (default: embedding qk vo mlp head router "
                                       "experts present)", flag="--mech-mols-classes", nargs="+",
-                                      choices=_MODULE_CLASSES)
+                                      choices=MODULE_CLASSES)
     min_ramp: int = option(10, "ramp length when the warm-up is over at the window end", flag="--mech-mols-min-ramp",
                            type=int)
     scale_weight_decay: bool = option(True, "decoupled weight decay scales with the lr multiplier; the flag "

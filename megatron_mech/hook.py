@@ -59,6 +59,7 @@ import torch
 from megatron_mech.config import MechConfig
 from megatron_mech.core.attribution import alert_lines
 from megatron_mech.core.detect import Alert, DetectorRegistry, default_rules
+from megatron_mech.core.mols import default_window
 from megatron_mech.model_view import ModelView
 
 __all__ = ["Action", "MechHook", "STATE_VERSION", "any_rank"]
@@ -88,11 +89,6 @@ def any_rank(flag: bool, group=None) -> bool:
     return bool(t.item() > 0)
 
 
-def default_window(train_steps: int) -> int:
-    """MoLS's default estimation window: ``max(5, ceil(1% of the training steps))``."""
-    return max(5, math.ceil(0.01 * int(train_steps)))
-
-
 class MechHook:
     """megatron-mech for one training run, one instance per rank (see the module docstring for the lifecycle).
 
@@ -117,6 +113,7 @@ class MechHook:
         """Study-only fault injection: ``hook.faults.layer_spec(...)`` builds the attention fault into the model."""
         self.attention = None
         self.router = None
+        self.experts = None
         self.mols = None
         self.families: tuple = ()
         self.alert_callbacks: List[Callable[[int, list], None]] = []
@@ -181,7 +178,7 @@ class MechHook:
             sample_passes: for ``--mech-mols-estimator samples`` only: ``fn(mols_backend, iteration)`` running the
                 extra gradient samples through the framework's schedule (called from ``before_step``).
         """
-        from megatron_mech.monitors.attention import AttentionMonitor, AttentionMonitorConfig
+        from megatron_mech.monitors.attention import AttentionMonitor
         from megatron_mech.monitors.router import RouterLayer, RouterMonitor
 
         if self._is_setup:
@@ -195,19 +192,21 @@ class MechHook:
         # one tiny all-reduce every rank joins, so every rank takes the same branches (and raises the same error)
         self.families = monitors.resolve(any_rank(bool(view.routers)))
         if "attention" in self.families:
-            self.attention = AttentionMonitor(list(view.attention_layers), AttentionMonitorConfig(
-                interval=monitors.interval, dw_scope=monitors.dw_scope, qk_terms=monitors.qk_terms,
-                qk_method=monitors.qk_method,
-                snapshot_device="cpu" if monitors.snapshot_device == "cpu" or not torch.cuda.is_available()
-                else f"cuda:{torch.cuda.current_device()}",
-                save_snapshots=monitors.checkpoint_snapshots, dp_split=monitors.dp_split), tp_group=view.tp_group,
-                extra_linears=dict(view.dense_linears) if monitors.all_linears else None,
-                dp_group=view.dp_group)
+            device = ("cpu" if monitors.snapshot_device == "cpu" or not torch.cuda.is_available()
+                      else f"cuda:{torch.cuda.current_device()}")
+            self.attention = AttentionMonitor(list(view.attention_layers), monitors.attention_monitor_config(device),
+                                              tp_group=view.tp_group,
+                                              extra_linears=dict(view.dense_linears) if monitors.all_linears else None,
+                                              dp_group=view.dp_group)
         if "router" in self.families:
             self.router = RouterMonitor([RouterLayer(r.layer, r.weight, r.topk) for r in view.routers],
                                         token_group=view.token_group)
             for r in view.routers:
                 r.capture(_LayerRecorder(self.router, r.layer))
+        if monitors.experts and view.experts:
+            from megatron_mech.monitors.experts import ExpertMonitor
+
+            self.experts = ExpertMonitor(list(view.experts), interval=monitors.interval, group=view.expert_group)
         if self._sinks is None and view.logging_rank:
             from megatron_mech.records.sinks import default_sinks
 
@@ -216,6 +215,8 @@ class MechHook:
                                         wandb_kwargs={"project": output.wandb_project} if output.wandb_project
                                         else None, truncate_after_step=start_step if start_step else None)
         self._is_setup = True
+        if start_step and start_step not in self._saved_steps:  # the checkpoint this run resumed from
+            self._saved_steps.append(int(start_step))
         if self._pending_state is not None:
             self._load_monitor_state(self._pending_state)
             self._pending_state = None
@@ -223,6 +224,8 @@ class MechHook:
         if self.attention is not None and self.attention.snapshot_step is None and self.attention.should_observe(
                 start_step):
             self.attention.observe(start_step)
+        if self.experts is not None:
+            self.experts.observe(start_step)  # a snapshot on an aligned step (experts are not checkpointed)
 
     def before_step(self, step: int) -> None:
         """Before the forward/backward of optimizer step ``step``: arm router capture on evaluation steps, run the
@@ -252,6 +255,12 @@ class MechHook:
         if observed is not None:
             metrics.update(observed[0])
             details.update(observed[1])
+        if self.experts is not None:
+            with self._timed("experts"):
+                observed = self.experts.observe(step)
+            if observed is not None:
+                metrics.update(observed[0])
+                details.update(observed[1])
         if not self._is_evaluation_step(step):
             return Action.CONTINUE
         if self.router is not None:
@@ -328,7 +337,7 @@ class MechHook:
                              f"{STATE_VERSION})")
         if self.mols is not None and state.get("mols"):
             self.mols.load_state_dict(state["mols"])
-        self._saved_steps = list(state.get("saved_steps") or [])
+        self._saved_steps = sorted(set(self._saved_steps) | {int(s) for s in state.get("saved_steps") or ()})
         if self._is_setup:
             self._load_monitor_state(state)
         else:

@@ -50,6 +50,11 @@ class ModelView:
     dp_group: Any = None
     """Data-parallel replicas holding the same weights: the attention evaluation is shared out over them
     (``None``: no split)."""
+    experts: Sequence[Any] = ()
+    """This rank's MoE experts per layer (:class:`~megatron_mech.monitors.experts.ExpertLayer`), for
+    ``--mech-experts``."""
+    expert_group: Any = None
+    """The ranks that together hold a layer's experts (EP × expert-TP), over which expert scalars are summed."""
     pp_group: Any = None
     """Pipeline group when there is more than one stage (metrics are merged over it), else ``None``."""
     logging_rank: bool = True

@@ -125,7 +125,7 @@ def section_from_dict(section: type, data: Optional[Mapping], where: str) -> Any
     values = {}
     for name, value in data.items():
         default = _default_of(fields[name])
-        if dataclasses.is_dataclass(default) and isinstance(value, Mapping):
+        if dataclasses.is_dataclass(default) and not dataclasses.is_dataclass(value):
             value = section_from_dict(type(default), value, f"{where}.{name}")
         elif isinstance(value, list):
             value = tuple(value)

@@ -50,6 +50,8 @@ from typing import Callable, Optional
 
 import torch
 
+from megatron_mech.core.masks import causal_mask
+
 __all__ = ["MASK_FILL", "PRECISIONS", "causal_mask", "fa2_backward", "fa2_forward", "flash_attention",
            "predicted_grad_error"]
 
@@ -85,11 +87,6 @@ def _scores(q, k, scale, mask):
     if mask is not None:
         s = s.masked_fill(mask, MASK_FILL)
     return s
-
-
-def causal_mask(sq: int, sk: int, device=None) -> torch.Tensor:
-    """``[sq, sk]`` bool, True above the diagonal (masked), as megatron's default causal mask (sq == sk)."""
-    return torch.triu(torch.ones(sq, sk, dtype=torch.bool, device=device), diagonal=1 + sk - sq)
 
 
 def fa2_forward(q, k, v, scale: float, mask: Optional[torch.Tensor] = None, precision: str = "fp32"):

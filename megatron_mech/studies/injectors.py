@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from megatron_mech.optim import param_groups
 from megatron_mech.studies.fault_config import FaultConfig
 
 __all__ = ["FaultInjector", "FaultSchedule", "apply_lr_fault", "effective_global_batch"]
@@ -46,14 +47,6 @@ class FaultSchedule:
 
 
 # ================================================================================================ LR / batch
-def _param_groups(target):
-    if hasattr(target, "get_lr") and hasattr(target, "optimizer"):  # megatron OptimizerParamScheduler
-        return target.optimizer.param_groups
-    if hasattr(target, "param_groups"):  # torch / megatron optimizer (ChainedOptimizer: the groups of all)
-        return target.param_groups
-    return list(target)
-
-
 _LR_MARK = "mech_lr_fault"
 
 
@@ -74,7 +67,7 @@ def apply_lr_fault(target, step: int, config: FaultConfig) -> float:
     k = config.lr_multiplier
     if k == 1.0 or not config.active(step):
         return 1.0
-    for group in _param_groups(target):
+    for group in param_groups(target):
         mark = group.get(_LR_MARK)
         if mark is not None and mark[0] == step and group["lr"] == mark[1]:
             continue  # already scaled in this step
