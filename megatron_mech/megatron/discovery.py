@@ -12,7 +12,8 @@ import torch
 from megatron_mech.model_view import ModelView, RouterView
 from megatron_mech.monitors.attention import AttentionLayer
 
-__all__ = ["find_attention_layers", "find_dense_linears", "find_routers", "megatron_model_view", "unwrap_model"]
+__all__ = ["find_attention_layers", "find_dense_linears", "find_experts", "find_routers", "megatron_model_view",
+           "unwrap_model"]
 
 
 def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
@@ -115,7 +116,7 @@ def find_experts(model_chunks: Sequence[torch.nn.Module]) -> list:
     ep_rank = ps.get_expert_model_parallel_rank()
     writes = ps.get_expert_tensor_parallel_rank() == 0
     for chunk in model_chunks:
-        for module in _unwrap(chunk).modules():
+        for module in unwrap_model(chunk).modules():
             if isinstance(module, MoELayer) and isinstance(module.experts, SequentialMLP):
                 local = module.experts.local_experts
                 found.append(ExpertLayer(
