@@ -237,3 +237,17 @@ def test_bad_shapes_raise_clear_errors():
         qk_increment_spectra(wq, wk, wq2, wk2, terms=("delta4",))
     with pytest.raises(ValueError, match="method"):
         qk_increment_spectra(wq, wk, wq2, wk2, method="svd")
+
+
+def test_gram_dtype_float64_on_float32_weights_is_exact_and_bad_values_raise():
+    """gram_dtype=float64 gives float32 weights the float64 route's accuracy (the default float32 Grams are
+    checked at their own tolerance in test_compressed_matches_dense); bad dtypes name the argument."""
+    w = make_weights(4, 2, 32, 8, 1.0, 1e-3, torch.float32, seed=5, rank=1)
+    got = qk_increment_spectra(*w, gram_dtype=torch.float64)
+    assert_spectra_close(got, dict(qk_increment_spectra_dense(*w).items()), torch.float64)
+    with pytest.raises(ValueError, match="gram_dtype"):
+        qk_increment_spectra(*w, gram_dtype=torch.float16)
+    with pytest.raises(ValueError, match="gram_dtype"):
+        qk_increment_spectra(*w, method="qr", gram_dtype=torch.float64)
+    with pytest.raises(ValueError, match="eig_dtype"):
+        spectrum_from_gram(torch.eye(3), eig_dtype=torch.float16)
