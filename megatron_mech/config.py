@@ -26,13 +26,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from megatron_mech.options import (add_section_flags, option, section_from_dict, section_from_flags,
-                                   section_to_dict)
 from megatron_mech.core.checks import is_int
 from megatron_mech.core.mols import ESTIMATORS
 from megatron_mech.core.spectral import QK_METHODS, QK_TERMS
 from megatron_mech.core.taxonomy import FUSED_QKV_RULES, MODULE_CLASSES
 from megatron_mech.monitors.attention import DW_SCOPES
+from megatron_mech.options import (add_section_flags, option, section_from_dict, section_from_flags,
+                                   section_to_dict)
 from megatron_mech.studies.fault_config import FaultConfig
 
 __all__ = ["MONITOR_FAMILIES", "ON_ALERT", "DetectorOverrides", "MechConfig", "MoLSOptions", "MonitorConfig",
