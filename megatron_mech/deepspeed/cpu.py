@@ -17,9 +17,12 @@ __all__ = ["skip_shm_comm_build", "single_process_env"]
 
 def skip_shm_comm_build() -> None:
     """Make DeepSpeed's torch backend skip building the shared-memory comm extension (CPU runs only)."""
-    import deepspeed.comm.torch as ds_torch_comm
+    import importlib
 
-    ds_torch_comm.build_shm_op = lambda: None
+    # importlib, not ``import deepspeed.comm.torch as m``: the package re-exports the real ``torch`` under
+    # that attribute name, so the ``as`` form would bind the torch module itself.
+    module = importlib.import_module("deepspeed.comm.torch")
+    module.build_shm_op = lambda: None
 
 
 def single_process_env(port: int = 29511) -> None:

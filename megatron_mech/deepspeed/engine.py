@@ -54,6 +54,18 @@ def _world_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+_SOLO = {}
+
+
+def _solo_group():
+    """A process group holding only this rank (created once; every rank takes part in creating all of them)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if "group" not in _SOLO:
+        _SOLO["group"], _ = dist.new_subgroups(group_size=1)
+    return _SOLO["group"]
+
+
 class DeepSpeedMech:
     """Monitors + detectors + MoLS for one engine. Build with :meth:`from_engine`."""
 
@@ -79,10 +91,12 @@ class DeepSpeedMech:
             self.attention_sources = find_hf_attention(model, config.attention_layout)
             device = self.attention_sources[0].buffer.device
             self.attention = AttentionMonitor(
+                # A group of this rank alone: HF models under DeepSpeed hold whole attention weights on every
+                # rank (no tensor parallelism), so the monitor needs no communication.
                 [a.spec() for a in self.attention_sources],
                 AttentionMonitorConfig(interval=config.interval, qk_terms=config.qk_terms, qk_method=config.qk_method,
                                        snapshot_device="cpu" if config.snapshot_device == "cpu" else device,
-                                       save_snapshots=config.checkpoint_snapshots))
+                                       save_snapshots=config.checkpoint_snapshots), tp_group=_solo_group())
         self.gates = gates
         self.router = None
         self._router_hooks = []

@@ -1,0 +1,383 @@
+"""torchrun worker (2 gloo ranks): the DeepSpeed adapter on real DeepSpeed engines, checked against references.
+
+Scenarios (``--scenario``):
+
+* ``attention`` (``--stage 0..3``): a small HF Llama (GQA) trains on the embedded corpus; at every evaluation
+  the attention metrics equal a dense single-process computation from the full fp32 weights read with
+  ``deepspeed.utils.safe_get_full_fp32_param`` (a different access path than the monitor's), and are the same
+  on every rank.
+* ``router`` (``--stage 1|2``): Llama with DeepSpeed MoE layers, ``ep_size=2``, top-2. The logits the gate
+  really used are captured by wrapping ``sharded_moe.top2gating`` (not the adapter's pre-hook), gathered from
+  both ranks and summarised in one process: the adapter's reduced router metrics must equal them.
+* ``mols`` (``--stage 0..3``): for each scheduler (none, WarmupLR, WarmupDecayLR, WarmupCosineLR, a client
+  ``ExponentialLR``) every group's lr equals (the same scheduler stepped alone on a plain optimizer) × the
+  controller's multiplier of its class, at every step; prints the α per class for cross-stage comparison.
+* ``resume`` (``--stage 2|3``): train 6 steps saving at step 3; a fresh engine loaded from that checkpoint
+  continues with identical losses, lrs and monitor records.
+* ``fault``: an attention fault (the studies' emulated FlashAttention-2 backward error in layer 1) injected
+  into the HF model's attention raises the attention alert; the clean run does not.
+
+Rank 0 prints ``DEEPSPEED_WORKER PASS`` (and ``@@RESULT {json}``) when every rank passed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from verdict import finish  # tests/workers/, the script's directory
+
+SEQ, MICRO, VOCAB = 32, 2, 256
+
+
+def corpus_tokens() -> torch.Tensor:
+    """The embedded corpus as UTF-8 bytes (vocabulary 256): real text without a tokenizer build."""
+    from megatron_mech.megatron.data import load_corpus
+
+    text = "\n".join(d.text for d in load_corpus(max_docs_per_source=3))
+    return torch.tensor(list(text.encode("utf-8")), dtype=torch.int64)
+
+
+def ds_config(stage: int, mech: dict, scheduler: dict | None = None, **extra) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
+           "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 9, "wall_clock_breakdown": False,
+           "mech": mech}
+    if scheduler is not None:
+        cfg["scheduler"] = scheduler
+    cfg.update(extra)
+    return cfg
+
+
+def build_engine(model, config: dict, lr: float = 3e-3, client_scheduler=None, moe: bool = False):
+    import deepspeed
+    from megatron_mech.deepspeed.mols import param_groups
+
+    groups = param_groups(model, weight_decay=0.01)
+    if moe:
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        groups = split_params_into_different_moe_groups_for_optimizer(groups)
+    optimizer = torch.optim.AdamW(groups, lr=lr)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
+                                           lr_scheduler=client_scheduler)
+    return engine
+
+
+def train_step(engine, mech, tokens, step: int, rank: int, world: int, aux=False):
+    from megatron_mech.deepspeed.batches import rank_batch
+    from megatron_mech.deepspeed.models import moe_aux_loss
+
+    batch = rank_batch(tokens, step, MICRO, rank, world, SEQ)
+    mech.before_step()
+    out = engine(input_ids=batch, labels=batch)
+    loss = out.loss + (0.01 * moe_aux_loss(engine.module) if aux else 0.0)
+    engine.backward(loss)
+    mech.after_backward()
+    engine.step()
+    mech.after_step(out.loss)
+    return float(out.loss.detach())
+
+
+def full_fp32(p: torch.Tensor) -> torch.Tensor:
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    return safe_get_full_fp32_param(p).detach().double().clone()
+
+
+# ------------------------------------------------------------------------------------------------ attention
+def reference_attention(prev: dict, cur: dict, H: int, G: int, dh: int) -> dict:
+    """Dense single-process metrics from full weights: SVD of ΔW of the Q/K rows, dense QK increments."""
+    from megatron_mech.core.spectral import matrix_spectrum, qk_increment_spectra_dense, spectral_entropy
+
+    out = {}
+    for layer in cur:
+        for m in ("q", "k"):
+            d = cur[layer][m] - prev[layer][m]
+            out[f"attn/layer{layer}/dw{m}_entropy"] = float(spectral_entropy(torch.linalg.svdvals(d)))
+            out[f"attn/layer{layer}/dw{m}_fro"] = float(d.norm())
+        d_model = cur[layer]["q"].shape[1]
+        to_heads = lambda w, n: w.view(n, dh, d_model).transpose(1, 2)  # [n, d_model, d_head]
+        spectra = qk_increment_spectra_dense(to_heads(prev[layer]["q"], H), to_heads(prev[layer]["k"], G),
+                                             to_heads(cur[layer]["q"], H), to_heads(cur[layer]["k"], G))
+        for term, sv in spectra.items():
+            ent = spectral_entropy(sv)
+            for h in range(H):
+                out[f"attn/layer{layer}/head{h}/{term}_entropy"] = float(ent[h])
+    return out
+
+
+def scenario_attention(args, rank, world, errors):
+    from megatron_mech.deepspeed.engine import DeepSpeedMech
+    from megatron_mech.deepspeed.models import dense_llama
+
+    tokens = corpus_tokens()
+    model = dense_llama(vocab_size=VOCAB, seq_len=SEQ)
+    engine = build_engine(model, ds_config(args.stage, {"interval": 2, "monitors": ["attention"]}))
+    mech = DeepSpeedMech.from_engine(engine)
+    cfg = engine.module.config
+    H, G, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+
+    def weights():
+        return {i: {"q": full_fp32(layer.self_attn.q_proj.weight), "k": full_fp32(layer.self_attn.k_proj.weight)}
+                for i, layer in enumerate(engine.module.model.layers)}
+
+    prev = weights()
+    checked = 0
+    for step in range(6):
+        train_step(engine, mech, tokens, step, rank, world)
+        if engine.global_steps % 2:
+            continue
+        cur = weights()
+        ref = reference_attention(prev, cur, H, G, dh)
+        got = mech.last_metrics
+        for name, want in ref.items():
+            have = got.get(name)
+            if have is None or not math.isclose(have, want, rel_tol=1e-6, abs_tol=1e-9):
+                errors.append(f"step {engine.global_steps} {name}: monitor {have!r} != reference {want!r}")
+        checked += len(ref)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, {k: v for k, v in got.items() if k.startswith("attn/")})
+        if any(o != everyone[0] for o in everyone):
+            errors.append(f"step {engine.global_steps}: attention metrics differ between ranks")
+        prev = cur
+    if checked == 0:
+        errors.append("no attention metric was checked")
+    return {"checked": checked, "monitor_seconds": mech.monitor_seconds}
+
+
+# ------------------------------------------------------------------------------------------------ router
+def scenario_router(args, rank, world, errors):
+    import deepspeed.moe.sharded_moe as sharded_moe
+    from megatron_mech.core.router import RoutingStats, router_weight_geometry
+    from megatron_mech.deepspeed.engine import DeepSpeedMech
+    from megatron_mech.deepspeed.models import deepspeed_moe_llama
+
+    tokens = corpus_tokens()
+    model = deepspeed_moe_llama(vocab_size=VOCAB, seq_len=SEQ, num_experts=4, ep_size=2, k=2)
+    engine = build_engine(model, ds_config(args.stage, {"interval": 2}), moe=True)
+    mech = DeepSpeedMech.from_engine(engine)
+    if mech.router is None or len(mech.gates) != 2:
+        errors.append(f"expected 2 DeepSpeed gates monitored, got {len(mech.gates)}")
+        return {}
+    used = []  # the logits TopKGate really passed to top2gating, in call order (layer 0, layer 1)
+    real_top2 = sharded_moe.top2gating
+
+    def recording_top2(logits, *a, **kw):
+        used.append(logits.detach().clone())
+        return real_top2(logits, *a, **kw)
+
+    sharded_moe.top2gating = recording_top2
+    checked = 0
+    for step in range(4):
+        used.clear()
+        train_step(engine, mech, tokens, step, rank, world, aux=True)
+        if engine.global_steps % 2:
+            continue
+        got = mech.last_metrics
+        for i, gate in enumerate(mech.gates):
+            mine = torch.cat(used[i::len(mech.gates)]) if used else torch.zeros(0, 4)
+            everyone = [None] * world
+            dist.all_gather_object(everyone, mine)
+            ref = RoutingStats(4, 20)
+            ref.update(torch.cat(everyone), 2)
+            want = ref.summary()
+            geom = router_weight_geometry(gate.module.wg.weight)
+            want.update(mean_cosine=geom.mean_cosine, conditioning=geom.conditioning,
+                        mean_deviation=geom.mean_deviation)
+            for key, value in want.items():
+                have = got.get(f"router/layer{gate.layer}/{key}")
+                if have is None or not (math.isclose(have, value, rel_tol=1e-9, abs_tol=1e-12)
+                                        or (math.isnan(have) and math.isnan(value))):
+                    errors.append(f"step {engine.global_steps} router layer {gate.layer} {key}: adapter {have!r} "
+                                  f"!= single-process {value!r}")
+                checked += 1
+            if got.get(f"router/layer{gate.layer}/tokens") != float((SEQ + 1) * MICRO * world):
+                errors.append(f"router layer {gate.layer}: tokens {got.get(f'router/layer{gate.layer}/tokens')} != "
+                              f"{(SEQ + 1) * MICRO * world} (every token of the step, both ranks)")
+    sharded_moe.top2gating = real_top2
+    return {"checked": checked}
+
+
+# ------------------------------------------------------------------------------------------------ mols
+SCHEDULERS = {
+    "none": None,
+    "WarmupLR": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3,
+                                                "warmup_num_steps": 4, "warmup_type": "linear"}},
+    "WarmupDecayLR": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 3e-3,
+                                                          "warmup_num_steps": 3, "total_num_steps": 10,
+                                                          "warmup_type": "linear"}},
+    "WarmupCosineLR": {"type": "WarmupCosineLR", "params": {"total_num_steps": 10, "warmup_num_steps": 3,
+                                                            "warmup_min_ratio": 0.1, "cos_min_ratio": 0.1}},
+    "client": "client",
+}
+
+
+def reference_scheduler(kind: str, group_lrs: list[float]):
+    """The same scheduler on a plain optimizer with the same group lrs: the base lrs without MoLS."""
+    from deepspeed.runtime import lr_schedules
+
+    params = [torch.nn.Parameter(torch.zeros(1)) for _ in group_lrs]
+    opt = torch.optim.SGD([{"params": [p], "lr": lr} for p, lr in zip(params, group_lrs)], lr=group_lrs[0])
+    spec = SCHEDULERS[kind]
+    if spec is None:
+        return opt, None
+    if spec == "client":
+        return opt, torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.8)
+    return opt, getattr(lr_schedules, spec["type"])(opt, **spec["params"])
+
+
+def scenario_mols(args, rank, world, errors):
+    from megatron_mech.deepspeed.engine import DeepSpeedMech
+    from megatron_mech.deepspeed.models import dense_llama
+
+    tokens = corpus_tokens()
+    mech_cfg = {"monitors": [], "mols": {"window_steps": 2, "ramp_end": 5, "clamp": [0.2, 5.0]}}
+    alphas = {}
+    for kind in SCHEDULERS:
+        model = dense_llama(vocab_size=VOCAB, seq_len=SEQ)
+        spec = SCHEDULERS[kind]
+        client = None
+        if spec == "client":
+            client = lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.8)  # noqa: E731
+        engine = build_engine(model, ds_config(args.stage, mech_cfg, scheduler=spec if isinstance(spec, dict) else None),
+                              client_scheduler=client)
+        initial = [g["lr"] for g in engine.optimizer.param_groups]
+        if isinstance(spec, dict) or spec == "client":
+            # the engine's scheduler already set the iteration-0 lrs; the reference starts from the group lrs
+            initial = [3e-3] * len(initial)
+        ref_opt, ref_sched = reference_scheduler(kind, initial)
+        mech = DeepSpeedMech.from_engine(engine)
+        sched = mech.mols_scheduler
+        ctl = sched.controller
+        for step in range(7):
+            train_step(engine, mech, tokens, step, rank, world)
+            if ref_sched is not None:
+                ref_sched.step()
+            for i, (g, rg) in enumerate(zip(engine.optimizer.param_groups, ref_opt.param_groups)):
+                want = rg["lr"] * ctl.multiplier(sched.iteration, g["mols_class"])
+                if not math.isclose(g["lr"], want, rel_tol=1e-12, abs_tol=0.0):
+                    errors.append(f"{kind} stage {args.stage} step {step} group {i} ({g['mols_class']}): lr "
+                                  f"{g['lr']!r} != base {rg['lr']!r} × multiplier = {want!r}")
+        if sched.iteration != 7:
+            errors.append(f"{kind}: scheduler stepped {sched.iteration} times, expected 7")
+        if not ctl.done or not any(abs(a - 1.0) > 1e-3 for a in ctl.alphas.values()):
+            errors.append(f"{kind}: MoLS did not finish with a non-trivial α: {ctl.phase} {ctl.alphas}")
+        alphas[kind] = dict(ctl.alphas)
+        mech.close()
+    return {"alphas": alphas}
+
+
+# ------------------------------------------------------------------------------------------------ resume
+def scenario_resume(args, rank, world, errors):
+    from megatron_mech.deepspeed.engine import DeepSpeedMech, load_checkpoint, save_checkpoint
+    from megatron_mech.deepspeed.models import dense_llama
+
+    tokens = corpus_tokens()
+    root = args.tmp
+    mech_cfg = {"interval": 2, "output_dir": os.path.join(root, "a"),
+                "mols": {"window_steps": 2, "ramp_end": 5, "clamp": [0.2, 5.0]}}
+    sched = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3, "warmup_num_steps": 4}}
+
+    def run(start: int, load: bool, out: str):
+        model = dense_llama(vocab_size=VOCAB, seq_len=SEQ, seed=0)
+        engine = build_engine(model, ds_config(args.stage, dict(mech_cfg, output_dir=out), scheduler=sched))
+        mech = DeepSpeedMech.from_engine(engine)
+        if load:
+            load_checkpoint(engine, mech, os.path.join(root, "ckpt"))
+        trace = {}
+        for step in range(start, 6):
+            loss = train_step(engine, mech, tokens, step, rank, world)
+            trace[step] = {"loss": loss, "lrs": [g["lr"] for g in engine.optimizer.param_groups],
+                           "metrics": dict(mech.last_metrics) if engine.global_steps % 2 == 0 else None}
+            if step == 2 and not load:
+                save_checkpoint(engine, mech, os.path.join(root, "ckpt"), tag="step3")
+        mech.close()
+        return trace
+
+    full = run(0, False, os.path.join(root, "a"))
+    resumed = run(3, True, os.path.join(root, "b"))
+    for step in range(3, 6):
+        a, b = full[step], resumed[step]
+        if a["loss"] != b["loss"] or a["lrs"] != b["lrs"]:
+            errors.append(f"step {step}: resumed loss/lrs {b['loss']}, {b['lrs']} != uninterrupted {a['loss']}, "
+                          f"{a['lrs']}")
+        if a["metrics"] != b["metrics"]:
+            diff = sorted(k for k in set(a["metrics"] or {}) | set(b["metrics"] or {})
+                          if (a["metrics"] or {}).get(k) != (b["metrics"] or {}).get(k))
+            errors.append(f"step {step}: resumed monitor metrics differ: {diff[:6]}")
+    if not any(k.startswith("attn/") for k in (full[5]["metrics"] or full[3]["metrics"] or {})):
+        if not any(k.startswith("attn/") for k in (full[4]["metrics"] or {})):
+            errors.append("the resumed window has no attention evaluation")
+    return {"steps": 3}
+
+
+# ------------------------------------------------------------------------------------------------ fault
+def scenario_fault(args, rank, world, errors):
+    from megatron_mech.deepspeed.engine import DeepSpeedMech
+    from megatron_mech.deepspeed.faults import install_attention_fault
+    from megatron_mech.deepspeed.models import dense_llama
+    from megatron_mech.studies.faults import FaultConfig, FaultSchedule
+
+    tokens = corpus_tokens()
+    results = {}
+    detector = {"warmup": 2, "baseline": 4, "persistence": 2}
+    for faulty in (False, True):
+        model = dense_llama(vocab_size=VOCAB, seq_len=SEQ, heads=4, kv_heads=4, hidden=32)
+        if faulty:
+            schedule = FaultSchedule()
+            install_attention_fault(model, FaultConfig(attention_fault=True, fault_start=args.fault_start,
+                                                       fault_layers=(1,)), schedule)
+        engine = build_engine(model, ds_config(0, {"interval": 2, "monitors": ["attention"], "detector": detector}),
+                              lr=3e-3)
+        mech = DeepSpeedMech.from_engine(engine)
+        first = None
+        for step in range(args.steps):
+            if faulty:
+                schedule.step = step
+            train_step(engine, mech, tokens, step, rank, world)
+            if first is None and any(a.family == "attention" for a in mech.last_alerts):
+                first = engine.global_steps
+        results["fault" if faulty else "clean"] = first
+        mech.close()
+    if results["clean"] is not None:
+        errors.append(f"the clean run raised an attention alert at step {results['clean']}")
+    if results["fault"] is None or results["fault"] <= args.fault_start:
+        errors.append(f"the attention fault (from step {args.fault_start}) raised no attention alert after it: "
+                      f"{results['fault']}")
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--scenario", required=True, choices=("attention", "router", "mols", "resume", "fault"))
+    parser.add_argument("--stage", type=int, default=1)
+    parser.add_argument("--tmp", default=None)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--fault-start", type=int, default=16)
+    args = parser.parse_args()
+    import logging
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    import deepspeed
+    from megatron_mech.deepspeed.cpu import skip_shm_comm_build
+
+    skip_shm_comm_build()
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    errors: list[str] = []
+    result = globals()[f"scenario_{args.scenario}"](args, rank, world, errors)
+    if rank == 0:
+        print("@@RESULT " + json.dumps(result), flush=True)
+    dist.barrier()
+    return finish(errors, "DEEPSPEED_WORKER", f"{args.scenario} stage {args.stage}", dist.all_reduce)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
