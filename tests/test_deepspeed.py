@@ -51,9 +51,9 @@ def test_mols_lr_is_base_times_multiplier_every_scheduler_zero_0_to_3():
     WarmupLR, WarmupDecayLR, WarmupCosineLR and a client scheduler at ZeRO 0-3; the measured α do not depend on
     the ZeRO stage (ZeRO 0 is plain data parallelism: the reference)."""
     result = _mols("0,1,2,3")
-    reference = result["0"]
+    reference = result["0"]["alphas"]
     for stage in ("1", "2", "3"):
-        for kind, alphas in result[stage].items():
+        for kind, alphas in result[stage]["alphas"].items():
             for cls, alpha in alphas.items():
                 assert math.isclose(alpha, reference[kind][cls], rel_tol=1e-5), (stage, kind, cls, alpha,
                                                                                  reference[kind][cls])
