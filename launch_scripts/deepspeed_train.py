@@ -46,7 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mech-interval", type=int, default=10)
     p.add_argument("--mols", action="store_true", help="module-wise lr scaling from gradient SNR")
     p.add_argument("--fault-start", type=int, default=None,
-                   help="study only: inject the attention fault (emulated FA2 backward) in layer 1 from this step")
+                   help="study only: inject the attention fault (emulated FA2 backward, γ=0.3) in layer 1 "
+                   "from this step")
     p.add_argument("--output-dir", default="runs/deepspeed")
     p.add_argument("--save", default=None, help="checkpoint directory (saved at the end)")
     p.add_argument("--load", default=None, help="resume from this checkpoint directory")
@@ -70,14 +71,15 @@ def build_config(args) -> dict:
     config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": args.zero_stage}, "steps_per_print": 10 ** 9,
               "gradient_clipping": 1.0,
-              "mech": {"interval": args.mech_interval, "output_dir": args.output_dir}}
+              "mech": {"monitors": {"interval": args.mech_interval}, "output": {"dir": args.output_dir}}}
     if args.warmup:
         config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": args.lr,
                                                               "warmup_num_steps": args.warmup}}
     if args.mols:
-        config["mech"]["mols"] = {"window_steps": max(3, args.steps // 20), "ramp_end": max(args.warmup, 1)}
-    if args.fault_start is not None:
+        config["mech"]["mols"] = {"enabled": True}  # window: 1% of the steps (at least 5); ramp: the warm-up
+    if args.fault_start is not None:  # studies: short detector baselines for a short run
         config["mech"]["detector"] = {"warmup": 2, "baseline": 4, "persistence": 2}
+        config["mech"]["fault"] = {"kind": "attention", "start": args.fault_start, "strength": 0.3, "layers": [1]}
     return config
 
 
@@ -104,6 +106,7 @@ def main(argv=None) -> int:
     from megatron_mech.deepspeed.engine import DeepSpeedMech, load_checkpoint, save_checkpoint
     from megatron_mech.deepspeed.models import moe_aux_loss
     from megatron_mech.deepspeed.mols import param_groups
+    from megatron_mech.hook import Action
 
     if not torch.cuda.is_available():
         from megatron_mech.deepspeed.cpu import single_process_env, skip_shm_comm_build
@@ -114,13 +117,6 @@ def main(argv=None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     config = build_config(args)
     model = build_model(args)
-    schedule = None
-    if args.fault_start is not None:
-        from megatron_mech.deepspeed.faults import install_attention_fault
-        from megatron_mech.studies.faults import FaultConfig
-
-        schedule = install_attention_fault(model, FaultConfig(kind="attention", start=args.fault_start, strength=0.3,
-                                                              layers=(1,)))
     groups = param_groups(model, weight_decay=0.01)
     if args.model == "ds-moe":
         from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
@@ -128,7 +124,8 @@ def main(argv=None) -> int:
         groups = split_params_into_different_moe_groups_for_optimizer(groups)
     optimizer = torch.optim.AdamW(groups, lr=args.lr)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    mech = DeepSpeedMech.from_engine(engine)  # validates the "mech" section before any training step
+    # validates the "mech" section before any training step
+    mech = DeepSpeedMech.from_engine(engine, train_steps=args.steps, lr_warmup_steps=args.warmup or None)
     if args.load:
         load_checkpoint(engine, mech, args.load)
     tokens = corpus_tokens()
@@ -137,8 +134,6 @@ def main(argv=None) -> int:
     start = engine.global_steps
     for step in range(start, args.steps):
         started = time.perf_counter()
-        if schedule is not None:
-            schedule.step = engine.global_steps + 1
         batch = rank_batch(tokens, step, args.micro_batch, rank, world, args.seq_len, seed=args.seed).to(device)
         mech.before_step()
         out = engine(input_ids=batch, labels=batch)
@@ -146,8 +141,12 @@ def main(argv=None) -> int:
         engine.backward(loss)
         mech.after_backward()
         engine.step()
-        mech.after_step(out.loss)
+        action = mech.after_step(out.loss)
         step_seconds.append(time.perf_counter() - started)
+        if action is not Action.CONTINUE and args.save:  # mech.on_alert: checkpoint (or stop) on the first alert
+            save_checkpoint(engine, mech, args.save)
+        if action is Action.STOP:
+            break
         if rank == 0 and (engine.global_steps % args.mech_interval == 0 or step == args.steps - 1):
             logger.info("step %d loss %.4f lr %.3g (%.3f s/step)", engine.global_steps, float(out.loss),
                         engine.get_lr()[0], step_seconds[-1])
@@ -157,7 +156,7 @@ def main(argv=None) -> int:
                "steps": len(step_seconds), "step_seconds_total": sum(step_seconds),
                "monitor_seconds": mech.monitor_seconds, "monitor_parts": mech.seconds,
                "monitor_share": mech.monitor_seconds / max(sum(step_seconds), 1e-12),
-               "alerts": sorted({a.metric for a in mech.last_alerts})}
+               "alerts": sorted({a.metric for a in mech.hook.alerts})}
     if rank == 0:
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         (Path(args.output_dir) / "summary.json").write_text(json.dumps(summary, indent=1))

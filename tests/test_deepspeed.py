@@ -74,34 +74,40 @@ def test_attention_fault_in_hf_model_raises_attention_alert():
 
 # ------------------------------------------------------------------------------------------------ single process
 def test_config_rejects_unknown_keys_by_name():
-    from megatron_mech.deepspeed.config import DeepSpeedMechConfig
+    from megatron_mech.deepspeed.config import parse_section
 
-    for section, name in (({"intervall": 3}, "mech.intervall"), ({"mols": {"windw": 2}}, "mech.mols.windw"),
-                          ({"detector": {"warmpu": 1}}, "mech.detector.warmpu"),
-                          ({"attention": {"layot": "auto"}}, "mech.attention.layot")):
-        with pytest.raises(ValueError, match=name.replace(".", r"\.")):
-            DeepSpeedMechConfig.from_dict(section)
+    for section, where, key in (({"intervall": 3}, "mech", "intervall"),
+                                ({"mols": {"windw": 2}}, "mech.mols", "windw"),
+                                ({"monitors": {"intervall": 2}}, "mech.monitors", "intervall"),
+                                ({"deepspeed": {"layot": "auto"}}, "mech.deepspeed", "layot")):
+        with pytest.raises(ValueError, match=where.replace(".", r"\.")) as info:
+            parse_section(section)
+        assert key in str(info.value)
 
 
-@pytest.mark.parametrize("section, field", [({"interval": 0}, "mech.interval"), ({"monitors": "attention"}, "mech.monitors"),
-                                            ({"qk_terms": ["delta4"]}, "mech.qk_terms"),
-                                            ({"mols": {"window_steps": 0}}, "mech.mols"),
-                                            ({"detector": {"baseline": 1}}, "mech.detector"),
-                                            ({"engine_monitor": "yes"}, "mech.engine_monitor")])
+@pytest.mark.parametrize("section, field", [({"monitors": {"interval": 0}}, "interval"),
+                                            ({"monitors": {"qk_terms": ["delta4"]}}, "delta4"),
+                                            ({"mols": {"clamp": [3.0, 2.0]}}, "clamp"),
+                                            ({"detector": {"baseline": 1}}, "baseline"),
+                                            ({"deepspeed": {"engine_monitor": "yes"}}, "mech.deepspeed.engine_monitor"),
+                                            ({"monitors": {"all_linears": True}}, "mech.monitors.all_linears")])
 def test_config_rejects_bad_values_naming_the_field(section, field):
-    from megatron_mech.deepspeed.config import DeepSpeedMechConfig
+    from megatron_mech.deepspeed.config import parse_section
 
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
-        DeepSpeedMechConfig.from_dict(section)
+        parse_section(section)
 
 
-def test_config_defaults_and_mols():
-    from megatron_mech.deepspeed.config import DeepSpeedMechConfig
+def test_config_is_the_hook_config_plus_deepspeed_options():
+    from megatron_mech.config import MechConfig
+    from megatron_mech.deepspeed.config import parse_section, read_section
 
-    cfg = DeepSpeedMechConfig.from_dict({"interval": 5, "mols": {"window_steps": 3, "clamp": [0.5, 3.0]}})
-    assert cfg.interval == 5 and cfg.mols.window_steps == 3 and cfg.mols.clamp == (0.5, 3.0)
-    assert DeepSpeedMechConfig.from_dict({"mols": {"enabled": False}}).mols is None
-    assert DeepSpeedMechConfig.from_dict(None).monitors == ("auto",)
+    config, options = parse_section({"monitors": {"interval": 5}, "mols": {"enabled": True, "window": 3},
+                                     "deepspeed": {"engine_monitor": False}})
+    assert isinstance(config, MechConfig) and config.monitors.interval == 5 and config.mols.window == 3
+    assert options.engine_monitor is False and options.attention_layout == "auto"
+    assert parse_section(None)[0] == MechConfig()
+    assert read_section({"train_batch_size": 4, "mech": {"on_alert": "stop"}}) == {"on_alert": "stop"}
 
 
 def test_grouped_and_concatenated_layouts_round_trip():
@@ -159,14 +165,18 @@ def test_hf_discovery_llama_mixtral_qwen2_and_phi3():
 
 
 def test_hf_router_capture_equals_the_logits_mixtral_uses():
-    """The forward hook records exactly the router logits HF Mixtral computes (single process, no group)."""
+    """The forward hook hands the router monitor exactly the logits HF Mixtral computes (single process)."""
     from megatron_mech.core.router import RoutingStats
     from megatron_mech.deepspeed.models import mixtral
-    from megatron_mech.deepspeed.router import find_gates, install_router_capture
+    from megatron_mech.deepspeed.router import find_gates, gate_capture
+    from megatron_mech.monitors.router import RouterLayer, RouterMonitor
 
     model = mixtral(vocab_size=64)
     gates = find_gates(model)
-    monitor, handles = install_router_capture(gates)
+    monitor = RouterMonitor([RouterLayer(g.layer, g.weight, g.topk) for g in gates])
+    for g in gates:
+        gate_capture(g)(lambda logits, layer=g.layer: monitor.record(layer, logits))
+        gate_capture(g)(lambda logits: pytest.fail("a second capture must not install a second hook"))
     seen = {}
     for g in gates:  # the independent reference: recompute from the gate's own input
         g.module.register_forward_pre_hook(lambda m, a, layer=g.layer: seen.setdefault(layer, []).append(
@@ -180,5 +190,4 @@ def test_hf_router_capture_equals_the_logits_mixtral_uses():
         ref.update(torch.cat(seen[g.layer]), 2)
         for key, value in ref.summary().items():
             assert math.isclose(metrics[f"router/layer{g.layer}/{key}"], value, rel_tol=1e-12, abs_tol=1e-15), key
-    for h in handles:
-        h.remove()
+        g.handle.remove()

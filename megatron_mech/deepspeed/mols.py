@@ -33,7 +33,8 @@ the new base lrs and writes ``lr = base · multiplier(class, iteration)``. Note 
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Optional
+import time
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,7 +42,7 @@ import torch.distributed as dist
 from megatron_mech.core.mols import MoLSConfig, MoLSController
 from megatron_mech.core.taxonomy import classify_parameters, is_fused_qkv
 
-__all__ = ["GROUP_KEY", "GradientStatistics", "MoLSLRScheduler", "build_controller", "group_multipliers", "param_groups"]
+__all__ = ["GROUP_KEY", "DeepSpeedMoLS", "GradientStatistics", "MoLSLRScheduler", "param_groups"]
 
 logger = logging.getLogger(__name__)
 
@@ -222,11 +223,82 @@ class MoLSLRScheduler:
         return getattr(inner, name)
 
 
-def build_controller(config: MoLSConfig, classes: Iterable[str]) -> MoLSController:
-    """A controller over the measured classes (experts excluded, see the module docstring)."""
-    return MoLSController(config, classes_present=tuple(c for c in classes if c != "experts"))
+class DeepSpeedMoLS:
+    """The MoLS backend the hook (:class:`megatron_mech.hook.MechHook`) drives, for one DeepSpeed engine.
 
+    ``attach(optimizer)`` classifies the model, builds the controller, the gradient statistics and installs
+    :class:`MoLSLRScheduler` as ``engine.lr_scheduler``. The adapter calls ``arm`` / ``micro_batch_done`` /
+    ``observe`` around each step (see :class:`megatron_mech.deepspeed.engine.DeepSpeedMech`); the hook calls
+    ``before_scheduler_step``, ``metrics`` and the state methods. ``config_overrides`` is None: the param groups
+    come from :func:`param_groups`, built before ``deepspeed.initialize``.
+    """
 
-def group_multipliers(scheduler: MoLSLRScheduler) -> dict[str, float]:
-    """``{class: current multiplier}`` for the record."""
-    return {cls: scheduler.controller.multiplier(scheduler.iteration, cls) for cls in sorted(set(scheduler.classes))}
+    config_overrides = None
+
+    def __init__(self, config: MoLSConfig, engine, token_group=None, log=None):
+        self.config, self.engine, self.token_group = config, engine, token_group
+        self.log = log or logger.info
+        self.controller: Optional[MoLSController] = None
+        self.stats: Optional[GradientStatistics] = None
+        self.scheduler: Optional[MoLSLRScheduler] = None
+        self.seconds = 0.0
+
+    def attach(self, optimizer) -> "DeepSpeedMoLS":
+        present = set(classify_parameters(self.engine.module).values()) - {"experts"}
+        self.controller = MoLSController(self.config, classes_present=tuple(present))
+        self.stats = GradientStatistics(self.engine, self.controller, group=self.token_group)
+        self.scheduler = MoLSLRScheduler(self.engine.lr_scheduler, optimizer, self.controller)
+        self.engine.lr_scheduler = self.scheduler  # DeepSpeed steps it exactly where it stepped the original
+        return self
+
+    def wrap_forward_step(self, fn):
+        return fn
+
+    @property
+    def iteration(self) -> int:
+        """The 0-based iteration about to run (= scheduler steps taken)."""
+        return self.scheduler.iteration
+
+    def arm(self) -> None:
+        self.stats.arm(self.iteration)
+
+    def after_backward(self, boundary: bool) -> None:
+        started = time.perf_counter()
+        self.stats.micro_batch_done()
+        if boundary and self.stats.armed:
+            was_done = self.controller.done
+            self.stats.observe(self.iteration)
+            if self.controller.done and not was_done:
+                self.log("MoLS: multipliers after the estimation window\n" + self.controller.table(self.iteration))
+        self.seconds += time.perf_counter() - started
+
+    def before_scheduler_step(self, iteration: Optional[int] = None) -> None:
+        """After the optimizer step of ``iteration``: complete the estimate if its window is over without a last
+        observation, and (re)write the multipliers the scheduler wrapper applies."""
+        it = self.iteration - 1 if iteration is None else int(iteration)
+        if self.controller.maybe_finalize(it):
+            self.log("MoLS: multipliers after the estimation window\n" + self.controller.table(it + 1))
+            self.scheduler._apply()
+
+    def metrics(self, iteration: Optional[int] = None) -> dict:
+        return self.controller.metrics(self.iteration if iteration is None else iteration)
+
+    def table(self, iteration: Optional[int] = None) -> str:
+        return self.controller.table(self.iteration if iteration is None else iteration)
+
+    def state_dict(self) -> dict:
+        """Plain types, identical on every rank (the statistics are all-reduced). The scheduler wrapper's own
+        state (its iteration and base lrs) is in DeepSpeed's ``lr_scheduler`` checkpoint entry."""
+        return {"version": 1, "controller": self.controller.state_dict()}
+
+    def load_state_dict(self, state) -> None:
+        if not state:
+            return
+        if state.get("version") != 1:
+            raise ValueError(f"unsupported DeepSpeed MoLS state version {state.get('version')!r}")
+        self.controller.load_state_dict(state["controller"])
+        self.scheduler._apply()
+
+    def close(self) -> None:
+        if self.stats is not None:
+            self.stats.remove()

@@ -16,7 +16,7 @@ Router weight: ``gate.wg.weight`` / ``gate.weight``, ``[E, d_model]``. Top-k: ``
 at stage 3) the partitioned gate weight is gathered into a host copy for the geometry, a collective on every
 rank in discovery order.
 
-Reduction: the :class:`~megatron_mech.monitors.router.RouterMonitor` all-reduces the statistics over the
+Reduction: the hook's :class:`~megatron_mech.monitors.router.RouterMonitor` all-reduces the statistics over the
 group of ranks whose tokens are disjoint and together make the step: DeepSpeed's sequence-data-parallel group
 (the data-parallel group, times the sequence-parallel one when that is used). Expert-parallel ranks are
 data-parallel ranks with different experts but the same replicated gate, so the reduction covers EP too.
@@ -31,9 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron_mech.deepspeed.attention import is_zero3_param
-from megatron_mech.monitors.router import RouterLayer, RouterMonitor
 
-__all__ = ["GateHandle", "find_gates", "install_router_capture", "token_group_of"]
+__all__ = ["GateHandle", "find_gates", "gate_capture", "token_group_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,29 +93,38 @@ def find_gates(model: torch.nn.Module) -> list[GateHandle]:
     return gates
 
 
-def install_router_capture(gates: list[GateHandle], token_group=None, num_bins: int = 20):
-    """Build the :class:`RouterMonitor` and register the capture hooks. Returns ``(monitor, hook handles)``."""
-    monitor = RouterMonitor([RouterLayer(g.layer, g.weight, g.topk) for g in gates], token_group=token_group,
-                            num_bins=num_bins)
-    handles = []
-    for g in gates:
-        if g.kind == "deepspeed":
-            def pre_hook(module, args, kwargs, layer=g.layer):
-                if monitor.capturing:
+def gate_capture(gate: GateHandle):
+    """``RouterView.capture`` for one gate: ``capture(observe)`` registers the hook that hands the router logits
+    ``[tokens, E]`` to ``observe`` (on evaluation steps only, when ``observe`` is the hook's recorder). The handle is
+    kept in ``gate.handle``."""
+    def capture(observe) -> None:
+        if getattr(gate, "_captured", False):   # installing twice must not observe twice
+            return
+        gate._captured = True
+        monitor = getattr(observe, "monitor", None)  # the hook's recorder: skip the work off evaluation steps
+
+        def active() -> bool:
+            return monitor is None or monitor.capturing
+
+        if gate.kind == "deepspeed":
+            # TopKGate computes its logits inline (F.linear(input.float(), wg.weight.float())) and never calls
+            # gate.wg, so we recompute them from the gate's input with the same formula.
+            def pre_hook(module, args, kwargs):
+                if active():
                     x = args[0] if args else kwargs["input"]
-                    # The same logits TopKGate computes inline (float32, [tokens, E]).
-                    monitor.record(layer, F.linear(x.detach().float(), module.wg.weight.detach().float()))
-            handles.append(g.module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+                    observe(F.linear(x.detach().float(), module.wg.weight.detach().float()))
+            gate.handle = gate.module.register_forward_pre_hook(pre_hook, with_kwargs=True)
         else:
-            def hook(module, args, output, layer=g.layer, experts=g.num_experts):
-                if monitor.capturing:
+            def hook(module, args, output):
+                if active():
                     logits = output[0] if isinstance(output, (tuple, list)) else output
-                    if not isinstance(logits, torch.Tensor) or logits.shape[-1] != experts:
-                        raise ValueError(f"router layer {layer}: the gate returned {type(logits).__name__} "
-                                         f"{tuple(getattr(logits, 'shape', ()))}, expected logits [..., {experts}]")
-                    monitor.record(layer, logits.detach())
-            handles.append(g.module.register_forward_hook(hook))
-    return monitor, handles
+                    if not isinstance(logits, torch.Tensor) or logits.shape[-1] != gate.num_experts:
+                        raise ValueError(f"router {gate.name}: the gate returned {type(logits).__name__} "
+                                         f"{tuple(getattr(logits, 'shape', ()))}, expected logits "
+                                         f"[..., {gate.num_experts}]")
+                    observe(logits.detach())
+            gate.handle = gate.module.register_forward_hook(hook)
+    return capture
 
 
 def token_group_of(engine) -> Optional[object]:

@@ -84,6 +84,20 @@ def train_step(engine, mech, tokens, step: int, rank: int, world: int, aux=False
     return float(out.loss.detach())
 
 
+def watch_metrics(mech) -> dict:
+    """What the detectors see on this rank at each evaluation: wraps the hook's registry.update (test-side)."""
+    seen = {"metrics": {}}
+    real = mech.hook.registry.update
+
+    def update(step, metrics, details=None):
+        seen["metrics"] = dict(metrics)
+        seen["step"] = step
+        return real(step, metrics, details)
+
+    mech.hook.registry.update = update
+    return seen
+
+
 def full_fp32(p: torch.Tensor) -> torch.Tensor:
     from deepspeed.utils import safe_get_full_fp32_param
 
@@ -118,14 +132,15 @@ def scenario_attention(args, stage, rank, world, errors):
 
     tokens = corpus_tokens()
     model = dense_llama(vocab_size=VOCAB, seq_len=SEQ)
-    engine = build_engine(model, ds_config(stage, {"interval": 2, "monitors": ["attention"]}))
+    engine = build_engine(model, ds_config(stage, {"monitors": {"interval": 2, "families": ["attention"]}}))
     try:  # an unknown key in the section fails before training, naming the key
-        DeepSpeedMech.from_engine(engine, {"interval": 2, "mols": {"window_stpes": 3}})
+        DeepSpeedMech.from_engine(engine, {"monitors": {"interval": 2}, "mols": {"window_stpes": 3}})
         errors.append("an unknown mech key was accepted")
     except ValueError as e:
-        if "mech.mols.window_stpes" not in str(e):
-            errors.append(f"the unknown-key error does not name mech.mols.window_stpes: {e}")
+        if "mech.mols" not in str(e) or "window_stpes" not in str(e):
+            errors.append(f"the unknown-key error does not name mech.mols window_stpes: {e}")
     mech = DeepSpeedMech.from_engine(engine)
+    seen = watch_metrics(mech)
     cfg = engine.module.config
     H, G, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
 
@@ -141,7 +156,7 @@ def scenario_attention(args, stage, rank, world, errors):
             continue
         cur = weights()
         ref = reference_attention(prev, cur, H, G, dh)
-        got = mech.last_metrics
+        got = seen["metrics"]
         for name, want in ref.items():
             have = got.get(name)
             if have is None or not math.isclose(have, want, rel_tol=1e-6, abs_tol=1e-9):
@@ -166,9 +181,10 @@ def scenario_router(args, stage, rank, world, errors):
 
     tokens = corpus_tokens()
     model = deepspeed_moe_llama(vocab_size=VOCAB, seq_len=SEQ, num_experts=4, ep_size=2, k=2)
-    engine = build_engine(model, ds_config(stage, {"interval": 2}), moe=True)
+    engine = build_engine(model, ds_config(stage, {"monitors": {"interval": 2}}), moe=True)
     mech = DeepSpeedMech.from_engine(engine)
-    if mech.router is None or len(mech.gates) != 2:
+    seen = watch_metrics(mech)
+    if len(mech.gates) != 2 or any(g.kind != "deepspeed" for g in mech.gates):
         errors.append(f"expected 2 DeepSpeed gates monitored, got {len(mech.gates)}")
         return {}
     used = []  # the logits TopKGate really passed to top2gating, in call order (layer 0, layer 1)
@@ -185,7 +201,10 @@ def scenario_router(args, stage, rank, world, errors):
         train_step(engine, mech, tokens, step, rank, world, aux=True)
         if engine.global_steps % 2:
             continue
-        got = mech.last_metrics
+        got = seen["metrics"]
+        if mech.hook.router is None:
+            errors.append("the router monitor is off on a DeepSpeed-MoE model")
+            break
         for i, gate in enumerate(mech.gates):
             mine = torch.cat(used[i::len(mech.gates)]) if used else torch.zeros(0, 4)
             everyone = [None] * world
@@ -243,7 +262,7 @@ def scenario_mols(args, stage, rank, world, errors):
     from megatron_mech.deepspeed.models import dense_llama
 
     tokens = corpus_tokens()
-    mech_cfg = {"monitors": [], "mols": {"window_steps": 2, "ramp_end": 5, "clamp": [0.2, 5.0]}}
+    mech_cfg = {"monitors": {"families": []}, "mols": {"enabled": True, "window": 2, "clamp": [0.2, 5.0]}}
     alphas = {}
     for kind in SCHEDULERS:
         model = dense_llama(vocab_size=VOCAB, seq_len=SEQ)
@@ -258,8 +277,8 @@ def scenario_mols(args, stage, rank, world, errors):
             # the engine's scheduler already set the iteration-0 lrs; the reference starts from the group lrs
             initial = [3e-3] * len(initial)
         ref_opt, ref_sched = reference_scheduler(kind, initial)
-        mech = DeepSpeedMech.from_engine(engine)
-        sched = mech.mols_scheduler
+        mech = DeepSpeedMech.from_engine(engine, train_steps=7, lr_warmup_steps=5)
+        sched = mech.mols.scheduler
         ctl = sched.controller
         for step in range(7):
             train_step(engine, mech, tokens, step, rank, world)
@@ -286,21 +305,21 @@ def scenario_resume(args, stage, rank, world, errors):
 
     tokens = corpus_tokens()
     root = os.path.join(args.tmp, f"zero{stage}")
-    mech_cfg = {"interval": 2, "output_dir": os.path.join(root, "a"),
-                "mols": {"window_steps": 2, "ramp_end": 5, "clamp": [0.2, 5.0]}}
+    mech_cfg = {"monitors": {"interval": 2}, "mols": {"enabled": True, "window": 2, "clamp": [0.2, 5.0]}}
     sched = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3, "warmup_num_steps": 4}}
 
     def run(start: int, load: bool, out: str):
         model = dense_llama(vocab_size=VOCAB, seq_len=SEQ, seed=0)
-        engine = build_engine(model, ds_config(stage, dict(mech_cfg, output_dir=out), scheduler=sched))
-        mech = DeepSpeedMech.from_engine(engine)
+        engine = build_engine(model, ds_config(stage, dict(mech_cfg, output={"dir": out}), scheduler=sched))
+        mech = DeepSpeedMech.from_engine(engine, train_steps=6, lr_warmup_steps=5)
+        seen = watch_metrics(mech)
         if load:
             load_checkpoint(engine, mech, os.path.join(root, "ckpt"))
         trace = {}
         for step in range(start, 6):
             loss = train_step(engine, mech, tokens, step, rank, world)
             trace[step] = {"loss": loss, "lrs": [g["lr"] for g in engine.optimizer.param_groups],
-                           "metrics": dict(mech.last_metrics) if engine.global_steps % 2 == 0 else None}
+                           "metrics": dict(seen["metrics"]) if engine.global_steps % 2 == 0 else None}
             if step == 2 and not load:
                 save_checkpoint(engine, mech, os.path.join(root, "ckpt"), tag="step3")
         mech.close()
@@ -327,24 +346,22 @@ def scenario_resume(args, stage, rank, world, errors):
 # ------------------------------------------------------------------------------------------------ fault
 def scenario_fault(args, stage, rank, world, errors):
     from megatron_mech.deepspeed.engine import DeepSpeedMech
-    from megatron_mech.deepspeed.faults import install_attention_fault
     from megatron_mech.deepspeed.models import dense_llama
-    from megatron_mech.studies.faults import FaultConfig, FaultSchedule
 
     tokens = corpus_tokens()
     results = {}
     detector = {"warmup": 2, "baseline": 4, "persistence": 2}
     for faulty in (False, True):
         model = dense_llama(vocab_size=VOCAB, seq_len=SEQ, heads=4, kv_heads=4, hidden=32)
-        # Both runs use the emulated FA2 attention; the clean twin has γ = 0 (the emulation's exact backward).
-        schedule = install_attention_fault(model, FaultConfig(kind="attention", start=args.fault_start,
-                                                              strength=args.gamma if faulty else 0.0, layers=(1,)))
-        engine = build_engine(model, ds_config(stage, {"interval": 2, "monitors": ["attention"],
-                                                       "detector": detector}), lr=3e-3)
+        # Both runs use the emulated FA2 attention (the adapter installs it from mech.fault); the clean twin has
+        # γ = 0, the emulation's exact backward.
+        fault = {"kind": "attention", "start": args.fault_start, "strength": args.gamma if faulty else 0.0,
+                 "layers": [1]}
+        engine = build_engine(model, ds_config(stage, {"monitors": {"interval": 2, "families": ["attention"]},
+                                                       "detector": detector, "fault": fault}), lr=3e-3)
         mech = DeepSpeedMech.from_engine(engine)
         first = None  # first attention alert attributed to the faulty layer (1)
         for step in range(args.steps):
-            schedule.step = engine.global_steps + 1  # the optimizer step about to run (1-based)
             train_step(engine, mech, tokens, step, rank, world)
             hits = [a for a in mech.last_alerts if a.family == "attention" and a.detail.get("layer") == 1]
             if first is None and hits:
