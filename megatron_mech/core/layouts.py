@@ -12,6 +12,10 @@ per-partition counts ``H/TP`` and ``G/TP`` (see :func:`qkv_partition_sizes`).
 The monitors use the paper's orientation per head, ``[d_model, d_head]`` (score = X W_q W_kᵀ Xᵀ).
 ``split_fused_qkv`` returns views in that orientation where the layout allows (K and V always; Q when there
 is one query group or one head per group).
+
+Other frameworks' layouts map onto this one: separate HF ``q_proj``/``k_proj``/``v_proj`` weights and fused
+``[Q | K | V]`` weights (Phi-3 ``qkv_proj``, :func:`concatenated_qkv_blocks`) are regrouped with
+:func:`grouped_qkv_from_blocks`; GPT-NeoX/Falcon ``query_key_value`` already groups rows per KV group.
 """
 from __future__ import annotations
 

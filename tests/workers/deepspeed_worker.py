@@ -2,20 +2,23 @@
 
 Scenarios (``--scenario``):
 
-* ``attention`` (``--stage 0..3``): a small HF Llama (GQA) trains on the embedded corpus; at every evaluation
+* ``attention`` (``--stages 1,2,3``): a small HF Llama (GQA) trains on the embedded corpus; at every evaluation
   the attention metrics equal a dense single-process computation from the full fp32 weights read with
   ``deepspeed.utils.safe_get_full_fp32_param`` (a different access path than the monitor's), and are the same
   on every rank.
-* ``router`` (``--stage 1|2``): Llama with DeepSpeed MoE layers, ``ep_size=2``, top-2. The logits the gate
+* ``router`` (``--stages 1,2``): Llama with DeepSpeed MoE layers, ``ep_size=2``, top-2. The logits the gate
   really used are captured by wrapping ``sharded_moe.top2gating`` (not the adapter's pre-hook), gathered from
   both ranks and summarised in one process: the adapter's reduced router metrics must equal them.
-* ``mols`` (``--stage 0..3``): for each scheduler (none, WarmupLR, WarmupDecayLR, WarmupCosineLR, a client
+* ``mols`` (``--stages 0,1,2,3``): for each scheduler (none, WarmupLR, WarmupDecayLR, WarmupCosineLR, a client
   ``ExponentialLR``) every group's lr equals (the same scheduler stepped alone on a plain optimizer) × the
   controller's multiplier of its class, at every step; prints the α per class for cross-stage comparison.
-* ``resume`` (``--stage 2|3``): train 6 steps saving at step 3; a fresh engine loaded from that checkpoint
+* ``resume`` (``--stages 2,3``): train 6 steps saving at step 3; a fresh engine loaded from that checkpoint
   continues with identical losses, lrs and monitor records.
-* ``fault``: an attention fault (the studies' emulated FlashAttention-2 backward error in layer 1) injected
-  into the HF model's attention raises the attention alert; the clean run does not.
+* ``fault``: an attention fault (the studies' emulated FlashAttention-2 backward error in layer 1, from
+  ``mech.fault``) in the HF model raises a layer-1 attention alert within two evaluations of its start; the
+  clean twin (γ = 0, same data and seed) has not alerted on that layer by then.
+
+Several stages run one after the other in one launch (``--stages``); each builds fresh engines.
 
 Rank 0 prints ``DEEPSPEED_WORKER PASS`` (and ``@@RESULT {json}``) when every rank passed.
 """
