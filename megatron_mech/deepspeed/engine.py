@@ -127,6 +127,9 @@ class DeepSpeedMech:
                                                       log if self.logging_rank else (lambda *_: None)))
         self.mols: Optional[DeepSpeedMoLS] = None
         if config.mols.enabled:
+            if not train_steps:
+                raise ValueError("mech.mols is enabled: pass train_steps=<optimizer steps of the run> to "
+                                 "DeepSpeedMech.from_engine (it sizes and checks the estimation window)")
             self.hook.optimizer_overrides(self.view)  # builds the backend (and checks the window fits)
             self.mols = self.hook.mols
         self.hook.attach_optimizer(engine.optimizer)  # MoLS: installs the scheduler wrapper

@@ -229,7 +229,42 @@ def scenario_router(args, stage, rank, world, errors):
                 errors.append(f"router layer {gate.layer}: tokens {got.get(f'router/layer{gate.layer}/tokens')} != "
                               f"{(SEQ + 1) * MICRO * world} (every token of the step, both ranks)")
     sharded_moe.top2gating = real_top2
+    if stage == 2:
+        checked += check_hf_mixtral(stage, rank, world, errors, tokens)
     return {"checked": checked}
+
+
+def check_hf_mixtral(stage, rank, world, errors, tokens) -> int:
+    """HF Mixtral under DeepSpeed (experts replicated, no EP): the reduced router metrics equal one process's
+    statistics of the logits every rank's gates returned (gathered)."""
+    from megatron_mech.core.router import RoutingStats
+    from megatron_mech.deepspeed.engine import DeepSpeedMech
+    from megatron_mech.deepspeed.models import mixtral
+
+    model = mixtral(vocab_size=VOCAB, seq_len=SEQ + 1, num_experts=4, top_k=2)
+    engine = build_engine(model, ds_config(stage, {"monitors": {"interval": 2, "families": ["router"]}}))
+    mech = DeepSpeedMech.from_engine(engine)
+    seen = watch_metrics(mech)
+    returned = {g.layer: [] for g in mech.gates}
+    for g in mech.gates:
+        g.module.register_forward_hook(lambda m, a, out, layer=g.layer: returned[layer].append(out[0].detach()))
+    checked = 0
+    for step in range(2):
+        for v in returned.values():
+            v.clear()
+        train_step(engine, mech, tokens, step, rank, world)
+    for g in mech.gates:
+        everyone = [None] * world
+        dist.all_gather_object(everyone, torch.cat(returned[g.layer]))
+        ref = RoutingStats(4, 20)
+        ref.update(torch.cat(everyone), 2)
+        for key, value in ref.summary().items():
+            have = seen["metrics"].get(f"router/layer{g.layer}/{key}")
+            if have is None or not math.isclose(have, value, rel_tol=1e-9, abs_tol=1e-12):
+                errors.append(f"HF Mixtral router layer {g.layer} {key}: adapter {have!r} != single-process {value!r}")
+            checked += 1
+    mech.close()
+    return checked
 
 
 # ------------------------------------------------------------------------------------------------ mols
