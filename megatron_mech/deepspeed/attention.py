@@ -39,7 +39,7 @@ import contextlib
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 

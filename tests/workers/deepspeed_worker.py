@@ -29,7 +29,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -110,7 +109,7 @@ def full_fp32(p: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------ attention
 def reference_attention(prev: dict, cur: dict, H: int, G: int, dh: int) -> dict:
     """Dense single-process metrics from full weights: SVD of ΔW of the Q/K rows, dense QK increments."""
-    from megatron_mech.core.spectral import matrix_spectrum, qk_increment_spectra_dense, spectral_entropy
+    from megatron_mech.core.spectral import qk_increment_spectra_dense, spectral_entropy
 
     out = {}
     for layer in cur:
