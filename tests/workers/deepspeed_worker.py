@@ -13,7 +13,8 @@ Scenarios (``--scenario``):
   ``ExponentialLR``) every group's lr equals (the same scheduler stepped alone on a plain optimizer) × the
   controller's multiplier of its class, at every step; prints the α per class for cross-stage comparison.
 * ``resume`` (``--stages 2,3``): train 6 steps saving at step 3; a fresh engine loaded from that checkpoint
-  continues with identical losses, lrs and monitor records.
+  continues with identical losses, lrs and monitor records. The first run also writes through
+  ``engine.monitor`` (DeepSpeed's CSV backend): its series equal ``mech.jsonl``.
 * ``fault``: an attention fault (the studies' emulated FlashAttention-2 backward error in layer 1, from
   ``mech.fault``) in the HF model raises a layer-1 attention alert within two evaluations of its start; the
   clean twin (γ = 0, same data and seed) has not alerted on that layer by then.
@@ -347,7 +348,9 @@ def scenario_resume(args, stage, rank, world, errors):
 
     def run(start: int, load: bool, out: str):
         model = dense_llama(vocab_size=VOCAB, seq_len=SEQ, seed=0)
-        engine = build_engine(model, ds_config(stage, dict(mech_cfg, output={"dir": out}), scheduler=sched))
+        csv = {} if load else {"csv_monitor": {"enabled": True, "output_path": os.path.join(root, "csv"),
+                                               "job_name": "run"}}
+        engine = build_engine(model, ds_config(stage, dict(mech_cfg, output={"dir": out}), scheduler=sched, **csv))
         mech = DeepSpeedMech.from_engine(engine, train_steps=6, lr_warmup_steps=5)
         seen = watch_metrics(mech)
         if load:
@@ -373,6 +376,16 @@ def scenario_resume(args, stage, rank, world, errors):
             diff = sorted(k for k in set(a["metrics"] or {}) | set(b["metrics"] or {})
                           if (a["metrics"] or {}).get(k) != (b["metrics"] or {}).get(k))
             errors.append(f"step {step}: resumed monitor metrics differ: {diff[:6]}")
+    if rank == 0:  # engine.monitor (its CSV backend here) got the same series as mech.jsonl
+        from megatron_mech.records.sinks import read_jsonl
+
+        records = read_jsonl(os.path.join(root, "a", "mech.jsonl"))  # decodes the JSON-safe "nan" strings
+        path = os.path.join(root, "csv", "run", "mech_attn_layer0_dwq_entropy.csv")
+        rows = [line.strip().split(",") for line in open(path)][1:] if os.path.exists(path) else []
+        # (step 2 is NaN: WarmupLR with warmup_min_lr 0 runs steps 1 and 2 at lr 0, so ΔW = 0)
+        want = [(str(r["step"]), repr(r["metrics"]["attn/layer0/dwq_entropy"])) for r in records]
+        if [(a, repr(float(b))) for a, b in rows] != want or len(rows) != 3:
+            errors.append(f"engine.monitor CSV {path}: {rows} != mech.jsonl {want}")
     evaluated = full[3]["metrics"] or {}   # global step 4: ΔW from the snapshot of step 2, saved at step 3
     if not any(k.startswith("attn/") for k in evaluated) or "symptom/loss" not in evaluated:
         errors.append(f"step 4 has no attention evaluation to compare: {sorted(evaluated)[:5]}")
