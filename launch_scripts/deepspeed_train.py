@@ -147,7 +147,7 @@ def main(argv=None) -> int:
         if action is Action.STOP:
             break
         if rank == 0 and (engine.global_steps % args.mech_interval == 0 or step == args.steps - 1):
-            logger.info("step %d loss %.4f lr %.3g (%.3f s/step)", engine.global_steps, float(out.loss),
+            logger.info("step %d loss %.4f lr %.3g (%.3f s/step)", engine.global_steps, float(out.loss.detach()),
                         engine.get_lr()[0], step_seconds[-1])
     if args.save:
         save_checkpoint(engine, mech, args.save)
