@@ -122,7 +122,10 @@ class DeepSpeedMech:
         self.view = ModelView(
             attention_layers=[a.spec() for a in self.attention_sources],
             routers=[RouterView(g.layer, g.weight, g.topk, gate_capture(g)) for g in self.gates],
-            tp_group=_solo_group(), token_group=self.token_group, logging_rank=self.logging_rank,
+            # dp_group: every rank of the (sequence-)data-parallel group holds the same dense weights (ZeRO 0-2
+            # replicate them; ZeRO 3 gathers them for the monitors), the token group itself.
+            tp_group=_solo_group(), token_group=self.token_group, dp_group=self.token_group,
+            logging_rank=self.logging_rank,
             mols=lambda core, log=None: DeepSpeedMoLS(core, engine, self.token_group,
                                                       log if self.logging_rank else (lambda *_: None)))
         self.mols: Optional[DeepSpeedMoLS] = None
