@@ -59,6 +59,14 @@ def test_mols_lr_is_base_times_multiplier_every_scheduler_zero_0_to_3():
                                                                                  reference[kind][cls])
 
 
+@pytest.mark.timeout(400)
+def test_mols_gradient_statistics_equal_autograd_reference_with_accumulation():
+    """Gradient accumulation 2 at ZeRO 0, 2 and 3: MoLS's small-batch (micro-batch) and big-batch (reduced)
+    squared norms per module class equal plain-autograd references on an untouched copy of the model."""
+    result = run_worker("mols_stats", "0,2,3")
+    assert all(result[s]["classes"] >= 5 for s in ("0", "2", "3"))
+
+
 @pytest.mark.timeout(500)
 def test_save_and_load_continue_identically_zero_2_3(tmp_path):
     run_worker("resume", "2,3", "--tmp", str(tmp_path))

@@ -12,6 +12,8 @@ Scenarios (``--scenario``):
 * ``mols`` (``--stages 0,1,2,3``): for each scheduler (none, WarmupLR, WarmupDecayLR, WarmupCosineLR, a client
   ``ExponentialLR``) every group's lr equals (the same scheduler stepped alone on a plain optimizer) × the
   controller's multiplier of its class, at every step; prints the α per class for cross-stage comparison.
+* ``mols_stats`` (``--stages 0,2,3``): with gradient accumulation 2, the small- and big-batch squared gradient
+  norms MoLS measures equal plain-autograd references on an untouched copy of the model.
 * ``resume`` (``--stages 2,3``): train 6 steps saving at step 3; a fresh engine loaded from that checkpoint
   continues with identical losses, lrs and monitor records. The first run also writes through
   ``engine.monitor`` (DeepSpeed's CSV backend): its series equal ``mech.jsonl``.
@@ -336,6 +338,71 @@ def scenario_mols(args, stage, rank, world, errors):
     return {"alphas": alphas}
 
 
+# ------------------------------------------------------------------------------------------------ mols statistics
+def scenario_mols_stats(args, stage, rank, world, errors):
+    """MoLS's two-batch inputs with gradient accumulation 2: the small-batch ‖g‖² per class equals the mean over
+    (rank, micro-batch) of the micro-batch gradients' squared norms, and the big-batch one equals ‖mean g‖², both
+    computed here with plain torch autograd on an untouched copy of the model (every rank's data is known)."""
+    import copy
+
+    from megatron_mech.core.taxonomy import classify_parameters
+    from megatron_mech.deepspeed.batches import rank_batch
+    from megatron_mech.deepspeed.engine import DeepSpeedMech
+    from megatron_mech.deepspeed.models import dense_llama
+
+    tokens = corpus_tokens()
+    model = dense_llama(vocab_size=VOCAB, seq_len=SEQ)
+    reference = copy.deepcopy(model)
+    gas = 2
+    engine = build_engine(model, ds_config(stage, {"monitors": {"families": []},
+                                                   "mols": {"enabled": True, "window": 2}},
+                                           gradient_accumulation_steps=gas))
+    mech = DeepSpeedMech.from_engine(engine, train_steps=4)
+    observed = []
+    real_observe = mech.mols.controller.observe
+
+    def observe(step, small, big, small_batch, big_batch):
+        observed.append((step, dict(small), dict(big), small_batch, big_batch))
+        return real_observe(step, small, big, small_batch, big_batch)
+
+    mech.mols.controller.observe = observe
+    mech.before_step()
+    for m in range(gas):
+        batch = rank_batch(tokens, m, MICRO, rank, world, SEQ)
+        loss = engine(input_ids=batch, labels=batch).loss
+        engine.backward(loss)
+        mech.after_backward()
+        engine.step()
+    mech.after_step(loss)
+    if len(observed) != 1 or observed[0][0] != 0:
+        errors.append(f"expected one observation of iteration 0, got {[o[0] for o in observed]}")
+        return {}
+    _, small, big, small_batch, big_batch = observed[0]
+    classes = classify_parameters(reference)
+    params = dict(reference.named_parameters())
+    grads = []
+    for r in range(world):
+        for m in range(gas):
+            batch = rank_batch(tokens, m, MICRO, r, world, SEQ)
+            reference.zero_grad()
+            reference(input_ids=batch, labels=batch).loss.backward()
+            grads.append({n: params[n].grad.detach().double().clone() for n in classes})
+    want_small, want_big = {}, {}
+    for name, cls in classes.items():
+        want_small[cls] = want_small.get(cls, 0.0) + sum(float(g[name].pow(2).sum()) for g in grads) / len(grads)
+        mean = sum(g[name] for g in grads) / len(grads)
+        want_big[cls] = want_big.get(cls, 0.0) + float(mean.pow(2).sum())
+    for cls in want_small:
+        for what, got, want in (("small", small, want_small), ("big", big, want_big)):
+            if cls not in got or not math.isclose(got[cls], want[cls], rel_tol=1e-5):
+                errors.append(f"ZeRO-{stage} {what}-batch ‖g‖² of {cls}: adapter {got.get(cls)!r} != reference "
+                              f"{want[cls]!r}")
+    if (small_batch, big_batch) != (float(MICRO), float(MICRO * gas * world)):
+        errors.append(f"batch sizes {small_batch}, {big_batch} != {MICRO}, {MICRO * gas * world}")
+    mech.close()
+    return {"classes": len(want_small)}
+
+
 # ------------------------------------------------------------------------------------------------ resume
 def scenario_resume(args, stage, rank, world, errors):
     from megatron_mech.deepspeed.engine import DeepSpeedMech, load_checkpoint, save_checkpoint
@@ -434,7 +501,7 @@ def scenario_fault(args, stage, rank, world, errors):
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--scenario", required=True, choices=("attention", "router", "mols", "resume", "fault"))
+    parser.add_argument("--scenario", required=True, choices=("attention", "router", "mols", "mols_stats", "resume", "fault"))
     parser.add_argument("--stages", default="1", help="comma-separated ZeRO stages, run one after the other")
     parser.add_argument("--tmp", default=None)
     parser.add_argument("--steps", type=int, default=22)
