@@ -35,9 +35,9 @@ def test_attention_metrics_equal_full_weight_reference_zero_1_2_3():
 
 
 @pytest.mark.timeout(400)
-def test_router_stats_equal_single_process_moe_ep2_zero_1_2():
-    result = run_worker("router", "1,2")
-    assert all(result[s]["checked"] > 0 for s in ("1", "2"))
+def test_router_stats_equal_single_process_moe_ep2_zero_1_2_and_mixtral_zero_3():
+    result = run_worker("router", "1,2,3")
+    assert all(result[s]["checked"] > 0 for s in ("1", "2", "3"))
 
 
 @functools.lru_cache(maxsize=None)

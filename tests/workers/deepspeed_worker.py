@@ -6,9 +6,10 @@ Scenarios (``--scenario``):
   the attention metrics equal a dense single-process computation from the full fp32 weights read with
   ``deepspeed.utils.safe_get_full_fp32_param`` (a different access path than the monitor's), and are the same
   on every rank.
-* ``router`` (``--stages 1,2``): Llama with DeepSpeed MoE layers, ``ep_size=2``, top-2. The logits the gate
+* ``router`` (``--stages 1,2,3``): Llama with DeepSpeed MoE layers, ``ep_size=2``, top-2 (ZeRO 1, 2). The logits the gate
   really used are captured by wrapping ``sharded_moe.top2gating`` (not the adapter's pre-hook), gathered from
-  both ranks and summarised in one process: the adapter's reduced router metrics must equal them.
+  both ranks and summarised in one process: the adapter's reduced router metrics must equal them. Also HF
+  Mixtral (ZeRO 2 and 3): the gates' returned logits, gathered, and the geometry of the full fp32 gate weight.
 * ``mols`` (``--stages 0,1,2,3``): for each scheduler (none, WarmupLR, WarmupDecayLR, WarmupCosineLR, a client
   ``ExponentialLR``) every group's lr equals (the same scheduler stepped alone on a plain optimizer) × the
   controller's multiplier of its class, at every step; prints the α per class for cross-stage comparison.
@@ -185,6 +186,8 @@ def scenario_router(args, stage, rank, world, errors):
     from megatron_mech.deepspeed.models import deepspeed_moe_llama
 
     tokens = corpus_tokens()
+    if stage == 3:  # DeepSpeed refuses its own MoE at ZeRO-3; HF Mixtral's gates are partitioned and gathered
+        return {"checked": check_hf_mixtral(stage, rank, world, errors, tokens)}
     model = deepspeed_moe_llama(vocab_size=VOCAB, seq_len=SEQ, num_experts=4, ep_size=2, k=2)
     engine = build_engine(model, ds_config(stage, {"monitors": {"interval": 2}}), moe=True)
     mech = DeepSpeedMech.from_engine(engine)
@@ -238,8 +241,9 @@ def scenario_router(args, stage, rank, world, errors):
 
 def check_hf_mixtral(stage, rank, world, errors, tokens) -> int:
     """HF Mixtral under DeepSpeed (experts replicated, no EP): the reduced router metrics equal one process's
-    statistics of the logits every rank's gates returned (gathered)."""
-    from megatron_mech.core.router import RoutingStats
+    statistics of the logits every rank's gates returned (gathered), and the router geometry equals that of the
+    full fp32 gate weight (at ZeRO-3 the adapter gathers the partitioned gate)."""
+    from megatron_mech.core.router import RoutingStats, router_weight_geometry
     from megatron_mech.deepspeed.engine import DeepSpeedMech
     from megatron_mech.deepspeed.models import mixtral
 
@@ -260,7 +264,10 @@ def check_hf_mixtral(stage, rank, world, errors, tokens) -> int:
         dist.all_gather_object(everyone, torch.cat(returned[g.layer]))
         ref = RoutingStats(4, 20)
         ref.update(torch.cat(everyone), 2)
-        for key, value in ref.summary().items():
+        want = ref.summary()
+        geom = router_weight_geometry(full_fp32(g.param))
+        want.update(mean_cosine=geom.mean_cosine, conditioning=geom.conditioning, mean_deviation=geom.mean_deviation)
+        for key, value in want.items():
             have = seen["metrics"].get(f"router/layer{g.layer}/{key}")
             if have is None or not math.isclose(have, value, rel_tol=1e-9, abs_tol=1e-12):
                 errors.append(f"HF Mixtral router layer {g.layer} {key}: adapter {have!r} != single-process {value!r}")
