@@ -106,7 +106,14 @@ class DeepSpeedMech:
         self.token_group = token_group_of(engine) if _distributed() else None
         model = engine.module
         families = config.monitors.families
-        wants = lambda family: family in families or "auto" in families  # noqa: E731
+
+        def wants(family: str) -> bool:
+            return family in families or "auto" in families
+
+        if config.fault.lr_multiplier != 1.0 and engine.lr_scheduler is None and not config.mols.enabled:
+            # The LR fault scales the lr a scheduler set for the step; without one it would compound every step.
+            raise ValueError(f"mech.fault kind {config.fault.kind!r} needs an lr scheduler in the DeepSpeed config "
+                             f"(the fault multiplies each step's scheduled lr)")
         self.attention_sources = find_hf_attention(model, options.attention_layout) if wants("attention") else []
         self.gates = find_gates(model) if wants("router") else []
         self._sinks = None
