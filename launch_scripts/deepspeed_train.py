@@ -1,0 +1,171 @@
+"""Train a small HF model with DeepSpeed on the embedded corpus, with megatron-mech's monitors (and MoLS).
+
+Models: ``llama`` (dense, grouped-query attention), ``mixtral`` (HF MoE blocks) or ``ds-moe`` (Llama with
+``deepspeed.moe`` feed-forward layers, expert parallel with ``--ep-size``). The DeepSpeed config is built from the
+flags, or read from ``--deepspeed-config`` (its ``"mech"`` section configures the monitors either way).
+
+    torchrun --nproc_per_node=2 launch_scripts/deepspeed_train.py --zero-stage 2 --steps 40 --output-dir runs/ds
+    deepspeed --num_accelerators 2 launch_scripts/deepspeed_train.py --model ds-moe --ep-size 2 --zero-stage 1
+
+On CPU machines set ``OMP_NUM_THREADS=1`` under the ``deepspeed`` launcher. Writes ``<output-dir>/mech.jsonl``
+(one record per evaluation) and ``<output-dir>/summary.json`` (step time and monitor cost), from rank 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+logger = logging.getLogger("deepspeed_train")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=("llama", "mixtral", "ds-moe"), default="llama")
+    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=2)
+    p.add_argument("--deepspeed-config", default=None, help="a DeepSpeed JSON config (overrides the flags below)")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--experts", type=int, default=4)
+    p.add_argument("--ep-size", type=int, default=1)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=10, help="WarmupLR steps (0: no scheduler)")
+    p.add_argument("--mech-interval", type=int, default=10)
+    p.add_argument("--mols", action="store_true", help="module-wise lr scaling from gradient SNR")
+    p.add_argument("--fault-start", type=int, default=None,
+                   help="study only: inject the attention fault (emulated FA2 backward, γ=0.3) in layer 1 "
+                   "from this step")
+    p.add_argument("--output-dir", default="runs/deepspeed")
+    p.add_argument("--save", default=None, help="checkpoint directory (saved at the end)")
+    p.add_argument("--load", default=None, help="resume from this checkpoint directory")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # the deepspeed launcher's
+    return p.parse_args(argv)
+
+
+def corpus_tokens() -> torch.Tensor:
+    """The embedded corpus as UTF-8 bytes (vocabulary 256): real English text, no tokenizer to build."""
+    from megatron_mech.megatron.data import load_corpus
+
+    text = "\n".join(d.text for d in load_corpus())
+    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
+
+
+def build_config(args) -> dict:
+    if args.deepspeed_config:
+        with open(args.deepspeed_config, encoding="utf-8") as f:
+            return json.load(f)
+    config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": args.zero_stage}, "steps_per_print": 10 ** 9,
+              "gradient_clipping": 1.0,
+              "mech": {"monitors": {"interval": args.mech_interval}, "output": {"dir": args.output_dir}}}
+    if args.warmup:
+        config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": args.lr,
+                                                              "warmup_num_steps": args.warmup}}
+    if args.mols:
+        config["mech"]["mols"] = {"enabled": True}  # window: 1% of the steps (at least 5); ramp: the warm-up
+    if args.fault_start is not None:  # studies: short detector baselines for a short run
+        config["mech"]["detector"] = {"warmup": 2, "baseline": 4, "persistence": 2}
+        config["mech"]["fault"] = {"kind": "attention", "start": args.fault_start, "strength": 0.3, "layers": [1]}
+    return config
+
+
+def build_model(args):
+    from megatron_mech.deepspeed import models
+
+    common = dict(vocab_size=256, hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+                  ffn=4 * args.hidden, seq_len=args.seq_len + 1, seed=args.seed)
+    if args.model == "llama":
+        return models.dense_llama(**common)
+    if args.model == "mixtral":
+        return models.mixtral(num_experts=args.experts, **common)
+    return models.deepspeed_moe_llama(num_experts=args.experts, ep_size=args.ep_size, **common)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    import deepspeed
+    import torch.distributed as dist
+
+    from megatron_mech.deepspeed.batches import rank_batch
+    from megatron_mech.deepspeed.engine import DeepSpeedMech, load_checkpoint, save_checkpoint
+    from megatron_mech.deepspeed.models import moe_aux_loss
+    from megatron_mech.deepspeed.mols import param_groups
+    from megatron_mech.hook import Action
+
+    if not torch.cuda.is_available():
+        from megatron_mech.deepspeed.cpu import single_process_env, skip_shm_comm_build
+
+        single_process_env()
+        skip_shm_comm_build()
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = build_config(args)
+    model = build_model(args)
+    groups = param_groups(model, weight_decay=0.01)
+    if args.model == "ds-moe":
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        groups = split_params_into_different_moe_groups_for_optimizer(groups)
+    optimizer = torch.optim.AdamW(groups, lr=args.lr)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    # validates the "mech" section before any training step
+    mech = DeepSpeedMech.from_engine(engine, train_steps=args.steps, lr_warmup_steps=args.warmup or None)
+    if args.load:
+        load_checkpoint(engine, mech, args.load)
+    tokens = corpus_tokens()
+    device = engine.device
+    step_seconds = []
+    start = engine.global_steps
+    for step in range(start, args.steps):
+        started = time.perf_counter()
+        batch = rank_batch(tokens, step, args.micro_batch, rank, world, args.seq_len, seed=args.seed).to(device)
+        mech.before_step()
+        out = engine(input_ids=batch, labels=batch)
+        loss = out.loss + 0.01 * moe_aux_loss(engine.module).to(out.loss.device)
+        engine.backward(loss)
+        mech.after_backward()
+        engine.step()
+        action = mech.after_step(out.loss)
+        step_seconds.append(time.perf_counter() - started)
+        if action is not Action.CONTINUE and args.save:  # mech.on_alert: checkpoint (or stop) on the first alert
+            save_checkpoint(engine, mech, args.save)
+        if action is Action.STOP:
+            break
+        if rank == 0 and (engine.global_steps % args.mech_interval == 0 or step == args.steps - 1):
+            logger.info("step %d loss %.4f lr %.3g (%.3f s/step)", engine.global_steps, float(out.loss.detach()),
+                        engine.get_lr()[0], step_seconds[-1])
+    if args.save:
+        save_checkpoint(engine, mech, args.save)
+    summary = {"model": args.model, "zero_stage": engine.zero_optimization_stage(), "world": world,
+               "steps": len(step_seconds), "step_seconds_total": sum(step_seconds),
+               "monitor_seconds": mech.monitor_seconds, "monitor_parts": mech.seconds,
+               "monitor_share": mech.monitor_seconds / max(sum(step_seconds), 1e-12),
+               "alerts": sorted({a.metric for a in mech.hook.alerts})}
+    if rank == 0:
+        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(args.output_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
+        logger.info("monitor cost: %.3f s of %.3f s (%.2f%% of step time)", summary["monitor_seconds"],
+                    summary["step_seconds_total"], 100 * summary["monitor_share"])
+    mech.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""Attention discovery for HF-style models under DeepSpeed, and ZeRO-aware weight access.
+
+Discovery
+---------
+* **Separate projections** (Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, …): a module with ``q_proj`` and
+  ``k_proj`` linears. Weights ``[out, in]``: ``q_proj.weight`` ``[H·d_head, d_model]``, ``k_proj.weight``
+  ``[G·d_head, d_model]``, rows ordered by head.
+* **Fused QKV**: ``query_key_value`` (GPT-NeoX, Falcon: rows grouped per KV group, the Megatron layout),
+  ``qkv_proj`` / ``Wqkv`` (Phi-3, MPT: ``[Q | K | V]``), ``c_attn`` (GPT-2 ``Conv1D``, ``[in, out]``,
+  ``[Q | K | V]`` columns).
+* Heads ``H`` = ``config.num_attention_heads``, KV heads ``G`` = ``config.num_key_value_heads`` (default ``H``),
+  ``d_head`` = ``config.head_dim`` or ``hidden_size / H``; the weight shapes are checked against them.
+  The layer index is the module's ``layer_idx`` (HF attention modules carry it), else the position in
+  discovery order.
+
+Each layer becomes an :class:`~megatron_mech.monitors.attention.AttentionLayer` whose ``qkv_weight`` is a
+buffer in the grouped fused layout (:func:`megatron_mech.core.layouts.grouped_qkv_from_blocks`) that
+:meth:`HFAttention.refresh` fills from the live weights right before each snapshot/evaluation. Only the Q and
+K rows are filled (the monitor reads nothing else; the V rows stay zero). Buffer: ``4·(H + 2G)·d_head·d_model``
+bytes per layer on the weight's device (float32; float64 for float64 weights).
+
+ZeRO weight access (what we chose and why)
+------------------------------------------
+* **ZeRO 0/1/2**: every data-parallel rank holds the full module weights (ZeRO-1/2 partition optimizer state
+  and gradients, and all-gather the updated weights after each step). They are read directly: no collective.
+  With bf16/fp16 training these are the 16-bit module weights, upcast exactly (the weights the model runs).
+* **ZeRO 3**: each rank holds a contiguous ``1/N`` slice of the *flattened* parameter (``param.ds_tensor``).
+  The slice boundaries fall at arbitrary element offsets, not on rows or columns, so a rank holds partial
+  rows, and the Gram ``ΔWᵀΔW = Σ_rows r rᵀ`` needs cross products of pieces held on different ranks: the
+  shard-Gram path the tensor-parallel monitors use (whole rows per rank, one all-reduce) does not apply.
+  So we gather: ``deepspeed.zero.GatheredParameters([q_proj.weight, k_proj.weight], modifier_rank=None)``
+  per layer (read only, one layer's Q and K in memory at a time), only on steps that are multiples of the
+  interval. Every rank issues these all-gathers in the same (discovery) order. The traffic is the Q and K
+  weights once every δ steps, against every parameter twice per step in ZeRO-3's own forward/backward.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron_mech.core.layouts import concatenated_qkv_blocks, grouped_qkv_from_blocks, qkv_partition_sizes
+from megatron_mech.monitors.attention import AttentionLayer
+
+__all__ = ["HFAttention", "AttentionGeometry", "attention_geometry", "find_hf_attention", "is_zero3_param"]
+
+logger = logging.getLogger(__name__)
+
+# Fused-QKV attribute name -> its default row layout.
+_FUSED_NAMES = {"query_key_value": "grouped", "qkv_proj": "concatenated", "Wqkv": "concatenated",
+                "c_attn": "concatenated"}
+
+
+@dataclass(frozen=True)
+class AttentionGeometry:
+    """Head counts of the model: ``num_heads`` H query heads, ``num_kv_heads`` G key/value heads, ``head_dim``."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def attention_geometry(model: torch.nn.Module, num_heads: Optional[int] = None, num_kv_heads: Optional[int] = None,
+                       head_dim: Optional[int] = None) -> AttentionGeometry:
+    """Head counts from the HF model config (``model.config``), with explicit values taking precedence."""
+    config = getattr(model, "config", None)
+    if num_heads is None:
+        num_heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+    if num_heads is None:
+        raise ValueError("attention monitors: the model has no config.num_attention_heads; pass num_heads")
+    if num_kv_heads is None:
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None) \
+            or num_heads
+    if head_dim is None:
+        head_dim = getattr(config, "head_dim", None)
+        if head_dim is None:
+            hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+            if hidden is None:
+                raise ValueError("attention monitors: the model config has neither head_dim nor hidden_size; "
+                                 "pass head_dim")
+            head_dim = hidden // num_heads
+    qkv_partition_sizes(int(num_heads), int(num_kv_heads))
+    return AttentionGeometry(int(num_heads), int(num_kv_heads), int(head_dim))
+
+
+def is_zero3_param(p: torch.Tensor) -> bool:
+    """True for a ZeRO-3 partitioned parameter (DeepSpeed sets ``ds_id``/``ds_status`` on them)."""
+    return hasattr(p, "ds_id") and hasattr(p, "ds_status")
+
+
+def _full_shape(p: torch.Tensor) -> tuple:
+    return tuple(getattr(p, "ds_shape", p.shape))
+
+
+def _gathered(params, enabled: bool):
+    if not enabled:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(params), modifier_rank=None)
+
+
+class HFAttention:
+    """One attention layer of an HF model: where its Q/K weights live, and the fused buffer the monitor reads."""
+
+    def __init__(self, layer: int, name: str, layout: str, geometry: AttentionGeometry,
+                 q: Optional[torch.nn.Parameter] = None, k: Optional[torch.nn.Parameter] = None,
+                 fused: Optional[torch.nn.Parameter] = None, transposed: bool = False):
+        self.layer, self.name, self.layout, self.geometry = layer, name, layout, geometry
+        self.q, self.k, self.fused, self.transposed = q, k, fused, transposed
+        H, G, dh = geometry.num_heads, geometry.num_kv_heads, geometry.head_dim
+        if layout == "separate":
+            d_model = _full_shape(q)[1]
+            for what, p, count in (("q_proj", q, H), ("k_proj", k, G)):
+                if _full_shape(p) != (count * dh, d_model):
+                    raise ValueError(f"{name}.{what}.weight has shape {_full_shape(p)}, expected "
+                                     f"({count}·{dh}, {d_model}) from the model config (heads {H}, kv heads {G}, "
+                                     f"head_dim {dh})")
+            ref = q
+        else:
+            shape = _full_shape(fused)
+            if transposed:
+                shape = shape[::-1]
+            rows = (H + 2 * G) * dh
+            if shape[0] != rows:
+                raise ValueError(f"{name}: fused QKV weight has {shape[0]} output rows, expected (H + 2G)·d_head = "
+                                 f"({H} + 2·{G})·{dh} = {rows} from the model config")
+            d_model = shape[1]
+            ref = fused
+        self.d_model = d_model
+        dtype = torch.float64 if ref.dtype == torch.float64 else torch.float32
+        self.buffer = torch.zeros((H + 2 * G) * dh, d_model, dtype=dtype, device=ref.device)
+        self.zero3 = is_zero3_param(ref)
+
+    @property
+    def params(self) -> list:
+        return [self.q, self.k] if self.layout == "separate" else [self.fused]
+
+    def spec(self) -> AttentionLayer:
+        g = self.geometry
+        return AttentionLayer(layer=self.layer, qkv_weight=self.buffer, num_heads=g.num_heads,
+                              num_query_groups=g.num_kv_heads, head_dim=g.head_dim, head_offset=0)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Copy the live Q and K weights into the buffer (under ZeRO-3: gathered, a collective on every rank)."""
+        g = self.geometry
+        with _gathered(self.params, self.zero3):
+            if self.layout == "separate":
+                q_rows, k_rows = self.q.detach(), self.k.detach()
+            else:
+                w = self.fused.detach()
+                if self.transposed:
+                    w = w.t()
+                if self.layout == "grouped":
+                    self.buffer.copy_(w)
+                    return
+                q_rows, k_rows, _ = concatenated_qkv_blocks(w, g.num_heads, g.num_kv_heads, g.head_dim)
+            grouped_qkv_from_blocks(q_rows, k_rows, None, g.num_heads, g.num_kv_heads, g.head_dim, out=self.buffer)
+
+
+def _layer_index(module: torch.nn.Module, name: str, position: int) -> int:
+    idx = getattr(module, "layer_idx", None)
+    if isinstance(idx, int) and not isinstance(idx, bool):
+        return idx
+    numbers = re.findall(r"\.(\d+)\.", f".{name}.")
+    return int(numbers[-1]) if numbers else position
+
+
+def find_hf_attention(model: torch.nn.Module, layout: str = "auto", geometry: Optional[AttentionGeometry] = None
+                      ) -> list[HFAttention]:
+    """Every attention layer of ``model`` (a bare HF model or a DeepSpeed engine's ``module``), in module order.
+
+    ``layout``: ``auto`` (separate ``q_proj``/``k_proj`` first, else a known fused name with its default
+    layout), or force ``separate`` / ``grouped`` / ``concatenated`` for the fused weight. Raises ``ValueError``
+    when nothing is found or a weight's shape disagrees with the config, naming the module.
+    """
+    if layout not in ("auto", "separate", "grouped", "concatenated"):
+        raise ValueError(f"attention layout must be auto, separate, grouped or concatenated, got {layout!r}")
+    geometry = geometry or attention_geometry(model)
+    found: list[HFAttention] = []
+    for name, module in model.named_modules():
+        q, k = getattr(module, "q_proj", None), getattr(module, "k_proj", None)
+        if isinstance(q, torch.nn.Module) and isinstance(k, torch.nn.Module) and layout in ("auto", "separate") \
+                and isinstance(getattr(q, "weight", None), torch.Tensor):
+            found.append(HFAttention(_layer_index(module, name, len(found)), name, "separate", geometry,
+                                     q=q.weight, k=k.weight))
+            continue
+        if layout == "separate":
+            continue
+        for attr, default_layout in _FUSED_NAMES.items():
+            sub = getattr(module, attr, None)
+            if isinstance(sub, torch.nn.Module) and isinstance(getattr(sub, "weight", None), torch.Tensor):
+                transposed = type(sub).__name__ == "Conv1D"  # GPT-2 stores [in, out]
+                found.append(HFAttention(_layer_index(module, name, len(found)), f"{name}.{attr}",
+                                         default_layout if layout == "auto" else layout, geometry,
+                                         fused=sub.weight, transposed=transposed))
+                break
+    if not found:
+        raise ValueError("attention monitors: no attention layer found (looked for q_proj/k_proj and fused "
+                         f"{', '.join(_FUSED_NAMES)}); set \"mech\": {{\"monitors\": []}} or name the layout")
+    layers = [a.layer for a in found]
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"attention monitors: duplicate layer indices {layers} among {[a.name for a in found]}")
+    logger.info("megatron-mech: %d attention layers (%s layout), H=%d G=%d d_head=%d", len(found),
+                found[0].layout, geometry.num_heads, geometry.num_kv_heads, geometry.head_dim)
+    return found

@@ -1,0 +1,95 @@
+"""The ``"mech"`` section of a DeepSpeed JSON config: parsed, validated, unknown keys rejected by name.
+
+DeepSpeed keeps unknown *top-level* sections of its config in ``engine._config._param_dict`` without looking
+at them, so a typo inside our section would otherwise be silently ignored for a whole run. The section is
+:class:`megatron_mech.config.MechConfig` as a dict (the same settings as the ``--mech-*`` flags of the
+Megatron adapters), plus one DeepSpeed-only subsection ``"deepspeed"`` (:class:`DeepSpeedOptions`). Every key
+is checked when the adapter is built, before training; a bad one raises ``ValueError`` naming the full key
+path (``mech.mols.windw``) and what is accepted.
+
+Example::
+
+    "mech": {
+      "monitors": {"families": ["auto"], "interval": 10},   # attention, plus router when the model has MoE
+      "detector": {"warmup": 20, "baseline": 30},
+      "mols": {"enabled": true, "window": 20},
+      "output": {"dir": "runs/ds"},                         # mech.jsonl (global rank 0)
+      "on_alert": "log",
+      "deepspeed": {"engine_monitor": true, "attention_layout": "auto"}
+    }
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any, Mapping, Optional
+
+from megatron_mech.config import MechConfig
+
+__all__ = ["ATTENTION_LAYOUTS", "SECTION", "DeepSpeedOptions", "parse_section", "read_section"]
+
+SECTION = "mech"
+ATTENTION_LAYOUTS = ("auto", "separate", "grouped", "concatenated")
+
+
+@dataclass(frozen=True)
+class DeepSpeedOptions:
+    """Settings only the DeepSpeed adapter has (``mech.deepspeed``).
+
+    Attributes:
+        engine_monitor: also write every record through ``engine.monitor`` (the TensorBoard / W&B / CSV / Comet
+            backends of the DeepSpeed config; DeepSpeed writes them from rank 0).
+        attention_layout: how attention weights are stored: ``auto`` (separate ``q_proj``/``k_proj`` if present,
+            else a known fused name with its usual layout), ``separate``, ``grouped`` (fused, rows grouped per
+            KV group: Megatron, GPT-NeoX, Falcon) or ``concatenated`` (fused ``[Q | K | V]``: Phi-3, MPT, GPT-2).
+    """
+
+    engine_monitor: bool = True
+    attention_layout: str = "auto"
+
+    def __post_init__(self):
+        if not isinstance(self.engine_monitor, bool):
+            raise ValueError(f"mech.deepspeed.engine_monitor must be true or false, got {self.engine_monitor!r}")
+        if self.attention_layout not in ATTENTION_LAYOUTS:
+            raise ValueError(f"mech.deepspeed.attention_layout must be one of {ATTENTION_LAYOUTS}, got "
+                             f"{self.attention_layout!r}")
+
+
+def parse_section(section: Optional[Mapping[str, Any]]) -> tuple[MechConfig, DeepSpeedOptions]:
+    """The ``"mech"`` section → ``(MechConfig, DeepSpeedOptions)``. None/absent: every default. Raises
+    ``ValueError`` naming ``mech.<key>`` for unknown keys and bad values."""
+    if section is None:
+        return MechConfig(), DeepSpeedOptions()
+    if not isinstance(section, Mapping):
+        raise ValueError(f"the DeepSpeed config's {SECTION!r} section must be a JSON object, got "
+                         f"{type(section).__name__}")
+    section = dict(section)
+    ds = section.pop("deepspeed", None) or {}
+    if not isinstance(ds, Mapping):
+        raise ValueError(f"mech.deepspeed must be a JSON object, got {type(ds).__name__}")
+    allowed = {f.name for f in fields(DeepSpeedOptions)}
+    unknown = sorted(set(ds) - allowed)
+    if unknown:
+        raise ValueError(f"unknown key(s) in the DeepSpeed config: {', '.join('mech.deepspeed.' + k for k in unknown)}"
+                         f"; mech.deepspeed accepts {', '.join(sorted(allowed))}")
+    options = DeepSpeedOptions(**ds)
+    config = MechConfig.from_dict(section, SECTION)
+    if config.monitors.all_linears:
+        raise ValueError("mech.monitors.all_linears is not available in the DeepSpeed adapter (attention Q/K and "
+                         "routers only)")
+    return config, options
+
+
+def read_section(config: Any) -> Optional[Mapping[str, Any]]:
+    """The raw ``"mech"`` section of a DeepSpeed config given as a dict, a JSON path, a ``DeepSpeedConfig`` or an
+    engine (``engine._config._param_dict``, where DeepSpeed keeps the sections it does not know)."""
+    if hasattr(config, "_config"):          # an engine
+        config = config._config
+    if hasattr(config, "_param_dict"):      # a DeepSpeedConfig
+        config = config._param_dict
+    if isinstance(config, (str, bytes)) or hasattr(config, "__fspath__"):
+        with open(config, encoding="utf-8") as f:
+            config = json.load(f)
+    if not isinstance(config, Mapping):
+        raise ValueError(f"cannot read a DeepSpeed config from {type(config).__name__}")
+    return config.get(SECTION)

@@ -1,0 +1,288 @@
+"""The DeepSpeed adapter: one ``DeepSpeedEngine`` translated onto the hook's lifecycle.
+
+The monitors, detectors, MoLS controller, alert policy and records belong to :class:`megatron_mech.hook.MechHook`;
+this module finds what the hook needs in a DeepSpeed engine (a :class:`~megatron_mech.model_view.ModelView`:
+the HF attention layers, the routers, the groups), installs the MoLS backend, and calls the hook at the right
+points of a DeepSpeed step. Every rank builds it (after ``deepspeed.initialize``) and calls it at the same
+points of every step; the monitors issue their collectives at the same steps, in the same order, on every
+rank, and a rank with nothing to add (no routed tokens) still joins. Global rank 0 writes the records.
+
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=cfg)
+    mech = DeepSpeedMech.from_engine(engine, train_steps=T)   # reads and validates cfg["mech"]
+    load_checkpoint(engine, mech, ckpt_dir)                    # optional resume
+    for batch in data:
+        mech.before_step()
+        for micro in split(batch):                             # gradient accumulation: engine.step per micro-batch
+            loss = engine(micro); engine.backward(loss)
+            mech.after_backward()                              # MoLS statistics, before engine.step()
+            engine.step()
+        action = mech.after_step(loss)                         # after the optimizer step
+        if action is not Action.CONTINUE: save_checkpoint(engine, mech, ckpt_dir)
+        if action is Action.STOP: break
+
+Step numbering: the hook's ``step`` is the 1-based number of the optimizer step, ``engine.global_steps`` after it.
+
+State: everything the hook keeps is identical on every rank here — the attention snapshots (full weights:
+read directly at ZeRO 0–2, gathered at ZeRO 3), the detectors (fed identical, reduced metrics) and the MoLS
+controller (fed all-reduced statistics) — so :func:`save_checkpoint` stores it once, in
+``engine.save_checkpoint(client_state=...)``, which DeepSpeed writes from the data-parallel writer and every
+rank reads back. The MoLS scheduler wrapper's state is in DeepSpeed's own ``lr_scheduler`` entry. No rank
+needs a file of its own.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_mech.config import MechConfig
+from megatron_mech.deepspeed.attention import find_hf_attention
+from megatron_mech.deepspeed.config import DeepSpeedOptions, parse_section, read_section
+from megatron_mech.deepspeed.mols import DeepSpeedMoLS
+from megatron_mech.deepspeed.router import find_gates, gate_capture, token_group_of
+from megatron_mech.hook import Action, MechHook
+from megatron_mech.model_view import ModelView, RouterView
+
+__all__ = ["CLIENT_STATE_KEY", "DeepSpeedMech", "load_checkpoint", "save_checkpoint"]
+
+logger = logging.getLogger(__name__)
+CLIENT_STATE_KEY = "megatron_mech"
+
+_SOLO: dict = {}
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _solo_group():
+    """A process group holding only this rank: HF models under DeepSpeed keep whole attention weights on every
+    rank (no tensor parallelism), so the attention monitor needs no communication. Created once; every rank
+    takes part in creating all of them."""
+    if not _distributed():
+        return None
+    if "group" not in _SOLO:
+        _SOLO["group"], _ = dist.new_subgroups(group_size=1)
+    return _SOLO["group"]
+
+
+class _DeferredSinks:
+    """The logging rank's sinks, opened when the hook is set up: after a checkpoint load, so ``mech.jsonl`` can be
+    cut back to the loaded step (records a crashed run wrote after it are dropped)."""
+
+    def __init__(self, config: MechConfig, engine_monitor):
+        self.config, self.engine_monitor, self.inner = config, engine_monitor, None
+
+    def open(self, start_step: int) -> None:
+        from megatron_mech.records.sinks import DeepSpeedMonitorSink, default_sinks
+
+        output = self.config.output
+        extra = [DeepSpeedMonitorSink(self.engine_monitor)] if self.engine_monitor is not None else []
+        self.inner = default_sinks(output.dir or "runs/mech", tensorboard=output.tensorboard_dir or False,
+                                   wandb_kwargs={"project": output.wandb_project} if output.wandb_project else None,
+                                   extra=extra, truncate_after_step=start_step if start_step else None)
+
+    def write(self, record) -> None:
+        self.inner.write(record)
+
+    def flush(self) -> None:
+        if self.inner is not None:
+            self.inner.flush()
+
+    def close(self) -> None:
+        if self.inner is not None:
+            self.inner.close()
+
+
+class DeepSpeedMech:
+    """The hook plus what DeepSpeed needs around it. Build with :meth:`from_engine`."""
+
+    def __init__(self, engine, config: MechConfig, options: DeepSpeedOptions = DeepSpeedOptions(), *,
+                 train_steps: Optional[int] = None, lr_warmup_steps: Optional[int] = None):
+        self.engine, self.config, self.options = engine, config, options
+        self.logging_rank = (dist.get_rank() if _distributed() else 0) == 0
+        self.token_group = token_group_of(engine) if _distributed() else None
+        model = engine.module
+        families = config.monitors.families
+
+        def wants(family: str) -> bool:
+            return family in families or "auto" in families
+
+        if config.fault.lr_multiplier != 1.0 and engine.lr_scheduler is None and not config.mols.enabled:
+            # The LR fault scales the lr a scheduler set for the step; without one it would compound every step.
+            raise ValueError(f"mech.fault kind {config.fault.kind!r} needs an lr scheduler in the DeepSpeed config "
+                             f"(the fault multiplies each step's scheduled lr)")
+        self.attention_sources = find_hf_attention(model, options.attention_layout) if wants("attention") else []
+        self.gates = find_gates(model) if wants("router") else []
+        self._sinks = None
+        if self.logging_rank:
+            monitor = getattr(engine, "monitor", None)
+            use_monitor = options.engine_monitor and monitor is not None and getattr(monitor, "enabled", False)
+            self._sinks = _DeferredSinks(config, monitor if use_monitor else None)
+        self.hook = MechHook(config, train_steps=train_steps, lr_warmup_steps=lr_warmup_steps, sinks=self._sinks)
+        if config.fault.attention_enabled:  # studies: the emulated FA2 attention, told the step by the hook
+            from megatron_mech.deepspeed.faults import install_attention_fault
+
+            install_attention_fault(model, config.fault, self.hook.faults.schedule)
+        self.view = ModelView(
+            attention_layers=[a.spec() for a in self.attention_sources],
+            routers=[RouterView(g.layer, g.weight, g.topk, gate_capture(g)) for g in self.gates],
+            # dp_group: every rank of the (sequence-)data-parallel group holds the same dense weights (ZeRO 0-2
+            # replicate them; ZeRO 3 gathers them for the monitors), the token group itself.
+            tp_group=_solo_group(), token_group=self.token_group, dp_group=self.token_group,
+            logging_rank=self.logging_rank,
+            mols=lambda core, log=None: DeepSpeedMoLS(core, engine, self.token_group,
+                                                      log if self.logging_rank else (lambda *_: None)))
+        self.mols: Optional[DeepSpeedMoLS] = None
+        if config.mols.enabled:
+            if not train_steps:
+                raise ValueError("mech.mols is enabled: pass train_steps=<optimizer steps of the run> to "
+                                 "DeepSpeedMech.from_engine (it sizes and checks the estimation window)")
+            self.hook.optimizer_overrides(self.view)  # builds the backend (and checks the window fits)
+            self.mols = self.hook.mols
+        self.hook.attach_optimizer(engine.optimizer)  # MoLS: installs the scheduler wrapper
+        self._is_setup = False
+        self.last_action = Action.CONTINUE
+
+    @classmethod
+    def from_engine(cls, engine, config: Any = None, **kwargs) -> "DeepSpeedMech":
+        """Build from the engine's own config (its ``"mech"`` section) or from ``config`` (a section dict, or a
+        ``(MechConfig, DeepSpeedOptions)`` pair). Raises ``ValueError`` naming any unknown or bad ``mech`` key,
+        before any training step. ``kwargs``: ``train_steps`` (needed by MoLS to size its window),
+        ``lr_warmup_steps`` (MoLS ramps its multipliers in until then)."""
+        if isinstance(config, tuple):
+            mech_config, options = config
+        else:
+            mech_config, options = parse_section(read_section(engine) if config is None else config)
+        return cls(engine, mech_config, options, **kwargs)
+
+    # -------------------------------------------------------------------------------------------- per step
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken so far (``engine.global_steps``)."""
+        return int(self.engine.global_steps)
+
+    def is_evaluation_step(self, step: int) -> bool:
+        return step % self.config.monitors.interval == 0
+
+    def _refresh(self, step: int) -> None:
+        """Copy the live weights into what the monitors read (ZeRO-3: gathers, same order on every rank)."""
+        if self.hook.attention is not None and self.hook.attention.should_observe(step):
+            with self.hook._timed("attention"):
+                for source in self.attention_sources:
+                    source.refresh()
+        if self.hook.router is not None and self.is_evaluation_step(step):
+            with self.hook._timed("router"):
+                for gate in self.gates:
+                    gate.refresh()
+
+    def _setup(self) -> None:
+        start = self.step
+        if self._sinks is not None:
+            self._sinks.open(start)
+        self._refresh_all()
+        self.hook.setup(self.view, self.engine.optimizer, start_step=start)
+        self._is_setup = True
+
+    def _refresh_all(self) -> None:
+        for source in self.attention_sources:
+            source.refresh()
+        for gate in self.gates:
+            gate.refresh()
+
+    def before_step(self) -> None:
+        """Before the first forward of optimizer step ``self.step + 1``."""
+        if not self._is_setup:
+            self._setup()
+        self.hook.before_step(self.step + 1)
+        if self.mols is not None:
+            self.mols.arm()
+
+    def after_backward(self) -> None:
+        """After every ``engine.backward``; at the accumulation boundary, before ``engine.step()``, MoLS reads the
+        reduced gradients (window steps only)."""
+        if self.mols is not None:
+            self.mols.after_backward(self.engine.is_gradient_accumulation_boundary())
+
+    def after_step(self, loss, extra: Optional[dict] = None) -> Action:
+        """After ``engine.step()`` at the accumulation boundary. ``loss``: this rank's loss (averaged over the
+        data-parallel ranks here on evaluation steps, so every rank feeds the detectors the same value). Returns
+        the hook's :class:`~megatron_mech.hook.Action` (identical on every rank)."""
+        step = self.step
+        loss_value = float(loss.detach().float().mean()) if isinstance(loss, torch.Tensor) else float(loss)
+        if self.is_evaluation_step(step) and _distributed():
+            t = torch.tensor([loss_value], dtype=torch.float64)
+            dist.all_reduce(t, group=self.token_group)
+            loss_value = float(t) / dist.get_world_size(self.token_group)
+        grad_norm = self.engine.get_global_grad_norm()
+        grad_norm = float(grad_norm) if grad_norm is not None else None
+        base_lr = self.mols.scheduler.base_lrs[0] if self.mols is not None else float(self.engine.get_lr()[0])
+        self._refresh(step)
+        self.last_action = self.hook.after_optimizer_step(step, loss=loss_value, grad_norm=grad_norm, lr=base_lr,
+                                                          extra=extra)
+        return self.last_action
+
+    # -------------------------------------------------------------------------------------------- reporting
+    @property
+    def last_alerts(self):
+        return self.hook.last_alerts
+
+    @property
+    def monitor_seconds(self) -> float:
+        """Wall time this rank spent in megatron-mech: snapshots and evaluations (with ZeRO-3 gathers), router
+        capture and reduction, detectors, output, and MoLS statistics."""
+        return self.hook.evaluation_seconds + self.hook.mols_seconds
+
+    @property
+    def seconds(self) -> dict:
+        parts = dict(self.hook.seconds)
+        parts["router_capture"] = self.hook.router_capture_seconds
+        parts["mols"] = self.hook.mols_seconds
+        return parts
+
+    # -------------------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        return self.hook.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        if self._is_setup:
+            raise RuntimeError("load the checkpoint before the first before_step(): the monitors resume from it")
+        self.hook.load_state_dict(state)
+
+    def close(self) -> None:
+        for g in self.gates:
+            handle = getattr(g, "handle", None)
+            if handle is not None:
+                handle.remove()
+        if self.mols is not None:
+            self.mols.close()
+        self.hook.close()
+
+
+def save_checkpoint(engine, mech: DeepSpeedMech, save_dir, tag=None, client_state: Optional[dict] = None, **kwargs):
+    """``engine.save_checkpoint`` with the hook's state in ``client_state`` (every rank calls it); tells the hook
+    (``first_alert.json`` next to the alert's checkpoint)."""
+    state = dict(client_state or {})
+    state[CLIENT_STATE_KEY] = mech.state_dict()
+    result = engine.save_checkpoint(save_dir, tag=tag, client_state=state, **kwargs)
+    from pathlib import Path
+
+    mech.hook.checkpoint_saved(mech.step, Path(save_dir) / str(tag if tag is not None else f"global_step{mech.step}"))
+    return result
+
+
+def load_checkpoint(engine, mech: DeepSpeedMech, load_dir, tag=None, **kwargs):
+    """``engine.load_checkpoint`` and restore the hook from its ``client_state`` (before the first step); returns
+    DeepSpeed's ``(load_path, client_state)`` without our entry. Raises ``ValueError`` when nothing is found."""
+    path, client_state = engine.load_checkpoint(load_dir, tag=tag, **kwargs)
+    if path is None:
+        raise ValueError(f"no DeepSpeed checkpoint found in {load_dir} (tag {tag})")
+    client_state = dict(client_state or {})
+    state = client_state.pop(CLIENT_STATE_KEY, None)
+    if state is None:
+        raise ValueError(f"checkpoint {path} has no {CLIENT_STATE_KEY!r} client state (saved without "
+                         f"megatron_mech.deepspeed.engine.save_checkpoint?)")
+    mech.load_state_dict(state)
+    return path, client_state
