@@ -22,12 +22,12 @@ rank, and a rank with nothing to add (no routed tokens) still joins. Global rank
 
 Step numbering: the hook's ``step`` is the 1-based number of the optimizer step, ``engine.global_steps`` after it.
 
-State: everything the hook keeps is identical on every rank here — the attention snapshots (full weights:
-read directly at ZeRO 0–2, gathered at ZeRO 3), the detectors (fed identical, reduced metrics) and the MoLS
-controller (fed all-reduced statistics) — so :func:`save_checkpoint` stores it once, in
-``engine.save_checkpoint(client_state=...)``, which DeepSpeed writes from the data-parallel writer and every
-rank reads back. The MoLS scheduler wrapper's state is in DeepSpeed's own ``lr_scheduler`` entry. No rank
-needs a file of its own.
+State: the detectors (fed identical, reduced metrics) and the MoLS controller (fed all-reduced statistics) are
+the same on every rank, but the attention snapshots are not: with the data-parallel split each rank holds the
+snapshots of its own share of the layers. So :func:`save_checkpoint` writes the hook's state per rank, next to
+DeepSpeed's files (``<save_dir>/<tag>/mech_rank00000.pt``, loaded with ``weights_only=True``), and puts only a
+small marker (world size, file pattern) in ``engine.save_checkpoint(client_state=...)``. The MoLS scheduler
+wrapper's state is in DeepSpeed's own ``lr_scheduler`` entry.
 """
 from __future__ import annotations
 
@@ -261,28 +261,60 @@ class DeepSpeedMech:
         self.hook.close()
 
 
+def _rank_and_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _rank_state_file(tag_dir, rank: int):
+    from pathlib import Path
+
+    return Path(tag_dir) / f"mech_rank{rank:05d}.pt"
+
+
 def save_checkpoint(engine, mech: DeepSpeedMech, save_dir, tag=None, client_state: Optional[dict] = None, **kwargs):
-    """``engine.save_checkpoint`` with the hook's state in ``client_state`` (every rank calls it); tells the hook
+    """``engine.save_checkpoint`` plus the hook's per-rank state file (every rank calls it); tells the hook
     (``first_alert.json`` next to the alert's checkpoint)."""
+    import torch
+
+    rank, world = _rank_and_world()
+    tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
     state = dict(client_state or {})
-    state[CLIENT_STATE_KEY] = mech.state_dict()
+    state[CLIENT_STATE_KEY] = {"per_rank_files": True, "world_size": world}
     result = engine.save_checkpoint(save_dir, tag=tag, client_state=state, **kwargs)
     from pathlib import Path
 
-    mech.hook.checkpoint_saved(mech.step, Path(save_dir) / str(tag if tag is not None else f"global_step{mech.step}"))
+    tag_dir = Path(save_dir) / tag
+    tag_dir.mkdir(parents=True, exist_ok=True)
+    torch.save(mech.state_dict(), _rank_state_file(tag_dir, rank))
+    mech.hook.checkpoint_saved(mech.step, tag_dir)
     return result
 
 
 def load_checkpoint(engine, mech: DeepSpeedMech, load_dir, tag=None, **kwargs):
-    """``engine.load_checkpoint`` and restore the hook from its ``client_state`` (before the first step); returns
-    DeepSpeed's ``(load_path, client_state)`` without our entry. Raises ``ValueError`` when nothing is found."""
+    """``engine.load_checkpoint`` and restore the hook from this rank's state file (before the first step); returns
+    DeepSpeed's ``(load_path, client_state)`` without our entry. Raises ``ValueError`` when nothing is found, or
+    when the checkpoint was written by a different number of ranks."""
+    import torch
+    from pathlib import Path
+
     path, client_state = engine.load_checkpoint(load_dir, tag=tag, **kwargs)
     if path is None:
         raise ValueError(f"no DeepSpeed checkpoint found in {load_dir} (tag {tag})")
     client_state = dict(client_state or {})
-    state = client_state.pop(CLIENT_STATE_KEY, None)
-    if state is None:
+    marker = client_state.pop(CLIENT_STATE_KEY, None)
+    if not isinstance(marker, dict) or not marker.get("per_rank_files"):
         raise ValueError(f"checkpoint {path} has no {CLIENT_STATE_KEY!r} client state (saved without "
                          f"megatron_mech.deepspeed.engine.save_checkpoint?)")
-    mech.load_state_dict(state)
+    rank, world = _rank_and_world()
+    if marker.get("world_size") != world:
+        raise ValueError(f"checkpoint {path} holds megatron-mech state for {marker.get('world_size')} ranks; this "
+                         f"run has {world}: resume with the same number of ranks")
+    state_file = _rank_state_file(Path(path).parent, rank)
+    if not state_file.is_file():
+        raise ValueError(f"checkpoint {path}: missing megatron-mech state file {state_file}")
+    mech.load_state_dict(torch.load(state_file, map_location="cpu", weights_only=True))
     return path, client_state
