@@ -212,7 +212,7 @@ def test_state_dict_round_trip_mid_run(save):
     torch.save(first.state_dict(), buffer)
     buffer.seek(0)
     resumed = AttentionMonitor([AttentionLayer(0, weight_b, h, g, HEAD_DIM)], cfg)
-    resumed.load_state_dict(torch.load(buffer, weights_only=False))
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
     after = run_loop(resumed, weight_b, updates, steps, start=8)
 
     assert sorted(before) == [3, 6]

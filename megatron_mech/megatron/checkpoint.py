@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["load_checkpoint", "load_distributed_optimizer_state", "save_checkpoint"]
+__all__ = ["load_checkpoint", "load_distributed_optimizer_state", "read_checkpoint_file", "save_checkpoint"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -70,6 +70,23 @@ def load_distributed_optimizer_state(optimizer, filename: str) -> None:
             state["step"] = step.detach().clone()
 
 
+def read_checkpoint_file(path) -> dict:
+    """Load one of our per-rank checkpoint files with ``weights_only=True``.
+
+    Our files hold only tensors, numbers, strings, lists and dicts, which the restricted unpickler accepts; a
+    file whose pickle would construct anything else (e.g. call ``os.system``) is refused before any of its code
+    runs. Any failure becomes a ``RuntimeError`` naming the file; the file is left untouched.
+    """
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise RuntimeError(f"cannot read checkpoint file {path} (loaded with weights_only=True: only tensors and "
+                           f"plain Python data are accepted): {exc}") from exc
+    if not isinstance(state, dict):
+        raise RuntimeError(f"checkpoint file {path} does not hold a state dict (got {type(state).__name__})")
+    return state
+
+
 def save_checkpoint(save_dir, step: int, model, optimizer, scheduler, layout: dict, mech=None, mols=None) -> Path:
     """Every rank writes its file; the tracker moves after a barrier. Returns the iteration directory."""
     rank = torch.distributed.get_rank()
@@ -100,13 +117,9 @@ def load_checkpoint(load_dir, model, optimizer, scheduler, layout: dict, mols=No
             raise FileNotFoundError(f"--load {load_dir}: no {TRACKER}")
         return 0, None
     step = int(tracker.read_text().strip())
-    rank = torch.distributed.get_rank()
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     directory = Path(load_dir) / f"iter_{step:07d}"
-    path = directory / f"rank{rank:04d}.pt"
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # a clear message instead of a pickle traceback; the checkpoint is left untouched
-        raise RuntimeError(f"cannot read checkpoint file {path}: {exc}") from exc
+    state = read_checkpoint_file(directory / f"rank{rank:04d}.pt")
     if state.get("layout") != layout:
         raise ValueError(f"checkpoint {directory} was written with parallel layout {state.get('layout')}, this run "
                          f"is {layout}; per-rank checkpoints need the same layout")
