@@ -22,6 +22,8 @@ from typing import Callable, Optional
 
 import torch
 
+from megatron_mech.core.spectral import guarded_linalg
+
 __all__ = ["slq_trace_function", "slq_spectral_entropy", "sharded_gram_matvec"]
 
 
@@ -63,7 +65,7 @@ def slq_trace_function(matvec: Callable[[torch.Tensor], torch.Tensor], n: int, f
             v = v.to(device)
         alpha, beta = _lanczos(matvec, v, min(steps, n))
         tridiagonal = torch.diag(alpha) + torch.diag(beta, 1) + torch.diag(beta, -1)
-        theta, vecs = torch.linalg.eigh(tridiagonal)
+        theta, vecs = guarded_linalg(torch.linalg.eigh, tridiagonal, outputs=2)  # NaN, never an exception
         tau = vecs[0] ** 2
         total += float(n * (tau * f(theta.clamp_min(0))).sum())  # ‖v‖² = n for Rademacher probes
     return total / probes
