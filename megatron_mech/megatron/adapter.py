@@ -338,7 +338,7 @@ class MegatronMech:
             metrics.update(observed[0])
             details.update(observed[1])
         if not self.is_evaluation_step(step):
-            return []
+            return self._nonfinite_symptoms(step, loss, lr, grad_norm, extra)
         if self.router is not None:
             with self._timed("router"):
                 observed = self.router.observe(step)
@@ -371,16 +371,44 @@ class MegatronMech:
                     self.sinks.write(make_record(step, scalars, metrics, alerts, extra=extra))
         return alerts
 
+    def _nonfinite_symptoms(self, step: int, loss: float, lr: float, grad_norm: Optional[float],
+                            extra: Optional[dict]) -> list:
+        """Between evaluations: a non-finite loss or grad norm is judged at once, not at the next evaluation.
+
+        Both values are identical on every rank (the loss is averaged over data-parallel ranks and the grad
+        norm is reduced over the whole model), so every rank fires the same alerts without a collective.
+        """
+        symptoms = {"symptom/loss": float(loss)}
+        if grad_norm is not None:
+            symptoms["symptom/grad_norm"] = float(grad_norm)
+        if all(math.isfinite(v) for v in symptoms.values()):
+            return []
+        alerts = self.registry.update(step, symptoms)
+        self.last_alerts = alerts
+        if self.logging_rank and alerts:
+            with self._timed("output"):
+                for line in alert_lines(alerts):
+                    self.printer(f"[mech] ALERT step {step}: {line}")
+                if self.sinks is not None:
+                    from megatron_mech.records.sinks import make_record
+
+                    scalars = {"loss": float(loss), "lr": float(lr), "grad_norm": symptoms.get("symptom/grad_norm")}
+                    self.sinks.write(make_record(step, scalars, {}, alerts, extra=extra))
+        return alerts
+
     def alert_action(self, step: int, alerts: Sequence[Alert]) -> Optional[str]:
         """What the trainer should do after this step: None, "log", "checkpoint" or "stop".
 
         Acts on the run's *first* alert only. Whether anything fired is agreed with one tiny all-reduce on
         evaluation steps, so every rank takes the same branch (saving and stopping are collective) even if a
-        rank's metrics differed in the last bit. User callbacks (``alert_callbacks``) run on every rank.
+        rank's metrics differed in the last bit. Between evaluations only non-finite loss/grad-norm alerts
+        exist, and those are identical on every rank (see ``_nonfinite_symptoms``): no collective is needed.
+        User callbacks (``alert_callbacks``) run on every rank.
         """
         if not self.is_evaluation_step(step):
-            return None
-        fired = _any_rank(bool(alerts))
+            fired = bool(alerts)
+        else:
+            fired = _any_rank(bool(alerts))
         if not fired:
             return None
         for callback in self.alert_callbacks:

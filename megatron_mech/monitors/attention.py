@@ -32,6 +32,12 @@ Metrics (``L`` = global layer index, ``H`` = global head index, ``r`` = TP rank)
 * ``attn/layer{L}/head{H}/{term}_entropy`` for ``term`` in ``qk_terms`` (Δ1, Δ2 — the early-warning one —
   and Δ3, see :func:`~megatron_mech.core.spectral.qk_increment_spectra`), and head aggregates
   ``attn/layer{L}/{term}_entropy_mean`` / ``_min`` (NaN if any head is NaN: a NaN is a fault flag).
+* Frozen matrices: when ΔW is exactly zero (a frozen layer, or lr 0), its spectrum is empty and every
+  spectral metric would be NaN — which a detector reads as a fault. Instead ``{prefix}_frozen`` is 1.0 (0.0
+  otherwise; ``attn/layer{L}/dwq_frozen``, ``dwk_frozen``, ``linear/{name}/dw_frozen``) and the undefined
+  metrics are ``None`` ("not measured"; detectors skip them): the matrix's entropy, effective and stable rank,
+  and the per-head terms that vanish with it (Δ3 when either ΔW_q or ΔW_k is zero, Δ1/Δ2 when both are)
+  with their aggregates. A NaN therefore always means non-finite weights.
 * Extra linears (``extra_linears={name: (weight, shard_dim)}``): ``linear/{name}/dw_entropy``,
   ``dw_effective_rank``, ``dw_stable_rank``, ``dw_fro`` — not matched by the default alert rules (they are
   not attention-family signals; add a rule to alert on them).
@@ -491,6 +497,10 @@ class AttentionMonitor:
             "stable_rank": float(stable_rank(sv)),
             "fro": frobenius_from_shard_grams(packed, k),
         }
+        frozen = values["fro"] == 0.0  # exactly zero increment: nothing to take a spectrum of
+        if frozen:
+            values.update(entropy=None, effective_rank=None, stable_rank=None)
+        values["frozen"] = 1.0 if frozen else 0.0
         for what, v in values.items():
             metrics[f"{prefix}_{what}"] = v
             details[f"{prefix}_{what}"] = dict(detail)
@@ -510,15 +520,17 @@ class AttentionMonitor:
             return
         block = buf[n_q + n_k:].view(len(terms), heads).cpu()
         first = 0 if self._collective else lay.head_offset
+        q_frozen, k_frozen = metrics[f"{scoped}/dwq_frozen"] == 1.0, metrics[f"{scoped}/dwk_frozen"] == 1.0
         for t, term in enumerate(terms):
             row = block[t]
+            vanished = (q_frozen or k_frozen) if term == "delta3" else (q_frozen and k_frozen)
             for name, value in ((f"{scoped}/{term}_entropy_mean", row.mean()),
                                 (f"{scoped}/{term}_entropy_min", row.amin())):
-                metrics[name] = float(value)
+                metrics[name] = None if vanished else float(value)
                 details[name] = {"layer": L, "term": term, **extra}
             for h, value in enumerate(row.tolist()):
                 name = f"attn/layer{L}/head{first + h}/{term}_entropy"
-                metrics[name] = value
+                metrics[name] = None if vanished else value
                 details[name] = {"layer": L, "head": first + h, "term": term, **extra}
 
     def _decode_extra(self, j: int, buf: torch.Tensor, metrics: dict, details: dict) -> None:
