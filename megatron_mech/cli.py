@@ -86,8 +86,13 @@ def torchrun_prefix(nproc: int) -> List[str]:
 
 
 def train_command(nproc: int, steps: int, out: str, dense: bool = False, extra=()) -> List[str]:
-    """The torchrun command line the ``train`` subcommand runs (also used by the demo and benchmarks)."""
+    """The torchrun command line the ``train`` subcommand runs (also used by the demo and benchmarks).
+
+    The preset's LR warm-up (30 steps) is scaled down for short runs (a tenth of the steps, at least 1) unless
+    ``--lr-warmup-iters`` is given in ``extra``."""
     preset = list(SMALL_MOE_PRESET)
+    warmup = preset.index("--lr-warmup-iters") + 1
+    preset[warmup] = str(min(int(preset[warmup]), max(1, steps // 10)))
     if dense:
         i = preset.index("--num-experts")
         del preset[i:i + 4]  # --num-experts N --moe-router-topk K
@@ -97,9 +102,22 @@ def train_command(nproc: int, steps: int, out: str, dense: bool = False, extra=(
             "--save", out, "--tensorboard-dir", f"{out}/tb", *[a for a in extra if a != "--"]]
 
 
+def _check_counts(**counts: int) -> Optional[str]:
+    """The first ``--name value`` that is not >= 1, as an error message (None if all are fine)."""
+    for name, value in counts.items():
+        if value < 1:
+            return f"--{name.replace('_', '-')} must be >= 1, got {value}"
+    return None
+
+
 def _run_train(args: argparse.Namespace) -> int:
     import os
     import subprocess
+
+    error = _check_counts(nproc=args.nproc, steps=args.steps)
+    if error:
+        print(f"megatron-mech train: error: {error}", file=sys.stderr)
+        return 2
 
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -160,6 +178,13 @@ def _run_demo(args: argparse.Namespace) -> int:
     from megatron_mech.records.sinks import read_jsonl
 
     steps, start = (120, 60) if args.quick else (args.steps, args.fault_start)
+    error = _check_counts(steps=steps, seed=args.seed + 1)
+    if error is None and start >= steps:
+        error = (f"--fault-start {start} is not before --steps {steps}: the fault runs would inject nothing "
+                 f"(raise --steps or lower --fault-start; the detectors need ~250 steps of baseline first)")
+    if error:
+        print(f"megatron-mech demo: error: {error}", file=sys.stderr)
+        return 2
     faults = ["attention"] if args.quick else list(dict.fromkeys(args.faults))
     detector = (["--mech-detector-warmup", "4", "--mech-detector-baseline", "6"] if args.quick else [])
     out = Path(args.out)
@@ -171,7 +196,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         run_dir = out / name
         cmd = [*torchrun_prefix(2), "-m", "megatron_mech.megatron.pretrain_gpt", *LEAD_MODEL, "--seed", str(args.seed),
                "--train-iters", str(steps), "--save", str(run_dir), "--tensorboard-dir", str(run_dir / "tb"),
-               "--mech-on-alert", "checkpoint", *detector, *fault]
+               "--mech-on-alert", "checkpoint", "--overwrite-run", *detector, *fault]  # the demo owns its folders
         what = f", {_DEMO_FAULTS[name][0]} from step {start}" if fault else ""
         print(f"== {name} run ({steps} steps{what}) ==", flush=True)
         if _stream(cmd, env, f"[{name}]"):
@@ -248,7 +273,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        hint = ""
+        if args.command == "train" and any(u.startswith("--") for u in unknown):
+            hint = ("; training flags go after '--', e.g. megatron-mech train --steps 100 -- --mech-interval 5 "
+                    "(all of them: python -m megatron_mech.megatron.pretrain_gpt --help)")
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     return int(args._run(args) or 0)
 
 

@@ -291,6 +291,9 @@ class MegatronMech:
         self.last_alerts: list[Alert] = []
         self.alert_callbacks: list[Callable[[int, list], None]] = []  # user hooks: fn(step, alerts), every rank
         self.first_alert_step: Optional[int] = None
+        # the training loss of every step since step 1, kept with the monitor state so that a resumed run's
+        # summary covers the whole run
+        self.losses: list[float] = []
         self.seconds: dict[str, float] = {}  # wall time per monitor part (attention, router, detectors, output)
 
     @classmethod
@@ -330,6 +333,7 @@ class MegatronMech:
 
     def after_step(self, step: int, loss: float, lr: float, grad_norm: Optional[float], extra: Optional[dict] = None):
         """Call after ``optimizer.step()`` (step = number of optimizer steps taken). Returns this step's alerts."""
+        self.losses.append(float(loss))
         metrics: dict[str, float] = {}
         details: dict[str, dict] = {}
         with self._timed("attention"):
@@ -453,7 +457,7 @@ class MegatronMech:
 
     # -------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict:
-        return {"version": 1, "first_alert_step": self.first_alert_step,
+        return {"version": 1, "first_alert_step": self.first_alert_step, "losses": list(self.losses),
                 "attention": self.attention.state_dict() if self.attention is not None else None,
                 "router": self.router.state_dict() if self.router is not None else None,
                 "detectors": self.registry.state_dict()}
@@ -467,6 +471,7 @@ class MegatronMech:
             self.router.load_state_dict(state.get("router"))
         self.registry.load_state_dict(state["detectors"])
         self.first_alert_step = state.get("first_alert_step")
+        self.losses = [float(v) for v in state.get("losses", [])]
 
 
 def _any_rank(flag: bool) -> bool:

@@ -87,6 +87,19 @@ def read_checkpoint_file(path) -> dict:
     return state
 
 
+def check_mols_match(state: dict, mols, directory) -> None:
+    """MoLS splits the optimizer's parameter groups per module class: a checkpoint saved with it on cannot be
+    loaded into an optimizer built with it off (or the reverse). Refuse by name, before megatron's group errors."""
+    saved = state.get("mols_enabled")
+    if saved is None:  # older checkpoints: an enabled MoLS always saved a non-empty state
+        saved = bool(state.get("mols"))
+    current = bool(getattr(mols, "enabled", False))
+    if saved != current:
+        raise ValueError(f"checkpoint {directory} was saved with MoLS {'on' if saved else 'off'} (--mech-mols), "
+                         f"this run has it {'on' if current else 'off'}: the optimizer's parameter groups differ. "
+                         f"{'Add' if saved else 'Remove'} --mech-mols to resume it")
+
+
 def save_checkpoint(save_dir, step: int, model, optimizer, scheduler, layout: dict, mech=None, mols=None) -> Path:
     """Every rank writes its file; the tracker moves after a barrier. Returns the iteration directory."""
     rank = torch.distributed.get_rank()
@@ -97,7 +110,8 @@ def save_checkpoint(save_dir, step: int, model, optimizer, scheduler, layout: di
     state = {"iteration": step, "layout": layout, "model": model.state_dict(),
              "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state(),
              "mech": mech.state_dict() if mech is not None else None,
-             "mols": mols.state_dict() if mols is not None else None}
+             "mols": mols.state_dict() if mols is not None else None,
+             "mols_enabled": bool(getattr(mols, "enabled", False))}
     tmp = directory / f".rank{rank:04d}.pt.tmp"
     torch.save(state, tmp)
     os.replace(tmp, directory / f"rank{rank:04d}.pt")  # atomic: a file that exists is complete
@@ -123,6 +137,7 @@ def load_checkpoint(load_dir, model, optimizer, scheduler, layout: dict, mols=No
     if state.get("layout") != layout:
         raise ValueError(f"checkpoint {directory} was written with parallel layout {state.get('layout')}, this run "
                          f"is {layout}; per-rank checkpoints need the same layout")
+    check_mols_match(state, mols, directory)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     if _uses_distributed_optimizer(optimizer):

@@ -404,6 +404,10 @@ class DataPaths:
     valid_prefix: str
     tokenizer_path: str
     meta: Mapping[str, Any] = dataclasses.field(compare=False, hash=False, repr=False)
+    # (prefixes, weights or None) per split when it is a blend of several prefixes (``--data-path`` forms);
+    # None: the single train/valid prefix above
+    train_blend: Optional[tuple] = None
+    valid_blend: Optional[tuple] = None
 
     @property
     def vocab_size(self) -> int:
@@ -685,7 +689,8 @@ def build_gpt_datasets(paths: DataPaths, seq_length: int, seed: int = 1234,
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
-        blend_per_split=[([paths.train_prefix], None), ([paths.valid_prefix], None), None],
+        blend_per_split=[paths.train_blend or ([paths.train_prefix], None),
+                         paths.valid_blend or ([paths.valid_prefix], None), None],
         tokenizer=tok,
         path_to_cache=str(cache_dir) if cache_dir is not None else paths.index_cache_dir,
         **kwargs,

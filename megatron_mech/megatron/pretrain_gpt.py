@@ -22,6 +22,7 @@ import json
 import warnings
 import math
 import os
+import sys
 import time
 from datetime import timedelta
 from functools import partial
@@ -29,8 +30,10 @@ from pathlib import Path
 
 import torch
 
-from megatron_mech.megatron.adapter import MegatronMech, add_arguments, validate_parallel_sizes
+from megatron_mech.megatron.adapter import MechConfig, MegatronMech, add_arguments, validate_parallel_sizes
 from megatron_mech.megatron.checkpoint import load_checkpoint, save_checkpoint
+from megatron_mech.megatron.data_path import parse_data_path
+from megatron_mech.megatron.run_directory import check_run_directories, clear_previous_run
 from megatron_mech.megatron.mols import MegatronMoLS, add_mols_arguments
 from megatron_mech.studies import faults
 from megatron_mech.core.attribution import alert_lines
@@ -77,8 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--sequence-parallel", action="store_true", help="forced on for MoE with TP > 1")
     t.add_argument("--use-distributed-optimizer", action="store_true")
     d = p.add_argument_group("data")
-    d.add_argument("--data-path", default=None, help="Megatron .bin/.idx prefix (default: embedded corpus)")
-    d.add_argument("--valid-data-path", default=None, help="validation prefix (with --data-path)")
+    d.add_argument("--data-path", nargs="+", default=None,
+                   help="Megatron .bin/.idx prefix(es), optionally weighted: 'PREFIX', 'P1 P2' or '0.3 P1 0.7 P2' "
+                        "(default: embedded corpus)")
+    d.add_argument("--valid-data-path", nargs="+", default=None,
+                   help="validation prefix(es), same forms (default: the --data-path blend)")
     d.add_argument("--tokenizer-json", default=None, help="tokenizers JSON for --data-path")
     d.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary of the embedded corpus")
     o = p.add_argument_group("logging and checkpoints")
@@ -92,23 +98,59 @@ def build_parser() -> argparse.ArgumentParser:
                    help="save (with --save) and exit when the step is a multiple of this (0: run to the end)")
     o.add_argument("--tensorboard-dir", default=None)
     o.add_argument("--exit-on-missing-checkpoint", action="store_true")
+    o.add_argument("--overwrite-run", action="store_true",
+                   help="start over in an output directory that holds a previous run (its mech.jsonl, summary.json "
+                        "and checkpoint tracker are removed); without it such a start is refused")
     add_arguments(p)
     add_mols_arguments(p)
     faults.add_fault_arguments(p)
     return p
 
 
+# flags that must be >= 1, and flags that must be >= 0 (0 = off)
+_POSITIVE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+                   "global_batch_size", "train_iters", "log_interval", "eval_iters", "moe_router_topk")
+_NON_NEGATIVE_FLAGS = ("eval_interval", "save_interval", "exit_interval", "lr_warmup_iters")
+
+
 def check_args(args, world_size: int) -> None:
-    """Inconsistent sizes fail here, identically on every rank, before any collective."""
+    """Every flag check that needs no data, model or process group: called before any of them is built, and
+    identical on every rank. Errors name the flag."""
+    for name in _POSITIVE_FLAGS:
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in _NON_NEGATIVE_FLAGS:
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0 = off), got {getattr(args, name)}")
+    for name in ("num_query_groups", "ffn_hidden_size", "num_experts", "moe_ffn_hidden_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    MechConfig.from_args(args)  # --mech-* flags (e.g. --mech-interval 0), before anything is built
     tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
+    if tp >= 1 and args.num_attention_heads % tp:
+        raise ValueError(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}")
+    groups = args.num_query_groups or args.num_attention_heads
+    if args.num_attention_heads % groups:
+        raise ValueError(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+                         f"--num-query-groups {groups}")
+    attention_monitor = any(m in ("attention", "auto") for m in (args.mech_monitors or ()))
     validate_parallel_sizes(world_size, tp, ep, num_experts=args.num_experts,
-                            num_query_groups=args.num_query_groups or args.num_attention_heads)
+                            num_query_groups=args.num_query_groups if attention_monitor else None)
     dp = world_size // tp
     if args.global_batch_size % (args.micro_batch_size * dp):
         raise ValueError(f"--global-batch-size {args.global_batch_size} is not divisible by "
                          f"micro-batch-size × DP = {args.micro_batch_size} × {dp}")
-    if args.num_attention_heads % tp:
-        raise ValueError(f"--num-attention-heads {args.num_attention_heads} is not divisible by TP {tp}")
+    if args.valid_data_path and not args.data_path:
+        raise ValueError("--valid-data-path needs --data-path")
+    if args.data_path:
+        if not args.tokenizer_json:
+            raise ValueError("--data-path needs --tokenizer-json (the tokenizer the .bin/.idx was made with)")
+        if not os.path.isfile(args.tokenizer_json):
+            raise ValueError(f"--tokenizer-json {args.tokenizer_json} does not exist")
+        parse_data_path(args.data_path, "--data-path")
+        if args.valid_data_path:
+            parse_data_path(args.valid_data_path, "--valid-data-path")
     if args.num_experts is not None and args.tensor_model_parallel_size > 1:
         args.sequence_parallel = True  # megatron-core's MoE layer requires SP when TP > 1
     if args.lr_warmup_iters >= args.train_iters:
@@ -160,10 +202,12 @@ def build_data(args, rank: int, index_cache_dir=None):
     from megatron_mech.megatron import data as mdata
 
     if args.data_path:
-        if not args.tokenizer_json:
-            raise ValueError("--data-path needs --tokenizer-json")
-        paths = mdata.DataPaths(train_prefix=args.data_path, valid_prefix=args.valid_data_path or args.data_path,
-                                tokenizer_path=args.tokenizer_json, meta={})
+        train = parse_data_path(args.data_path, "--data-path")
+        valid = parse_data_path(args.valid_data_path, "--valid-data-path") if args.valid_data_path else train
+        paths = mdata.DataPaths(root=os.path.dirname(os.path.abspath(train.prefixes[0])),
+                                train_prefix=train.prefixes[0], valid_prefix=valid.prefixes[0],
+                                tokenizer_path=args.tokenizer_json, meta={},
+                                train_blend=train.as_megatron_blend(), valid_blend=valid.as_megatron_blend())
     else:
         if rank == 0:
             paths = mdata.prepare_data(vocab_size=args.vocab_size, quiet=False)
@@ -242,8 +286,24 @@ def evaluate(args, model, forward_backward, valid_sampler, fast_forward, dp_grou
     return average_over(losses, dp_group)
 
 
+def preflight(args, world: int, rank: int):
+    """All start-up checks, before any process group, data or model: ``(fault, run directory plan)``.
+    A bad flag or directory ends the process with one line naming it (exit code 2) on every rank."""
+    try:
+        check_args(args, world)
+        fault = faults.FaultConfig.from_args(args)
+        fault.validate_for_model(args.num_layers, args.num_attention_heads)
+        plan = check_run_directories(args, rank)
+    except ValueError as exc:
+        print(f"pretrain_gpt: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    return fault, plan
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    fault, plan = preflight(args, world, rank)
     cuda = torch.cuda.is_available()
     mcpu = None
     if not cuda:
@@ -264,9 +324,11 @@ def main(argv=None):
         if is_last:
             print(msg, flush=True)
 
-    check_args(args, world)  # raises on every rank alike, before any collective
-    fault = faults.FaultConfig.from_args(args)
-    fault.validate_for_model(args.num_layers, args.num_attention_heads)
+    if rank == 0:
+        clear_previous_run(plan, args.save)  # --overwrite-run on a fresh start
+    torch.distributed.barrier()
+    if plan.warning:
+        log(f"[train] {plan.warning}")
     args.global_batch_size = faults.effective_global_batch(
         fault, args.global_batch_size, args.micro_batch_size, world // args.tensor_model_parallel_size)
     if fault.kind != "none":
@@ -341,7 +403,7 @@ def main(argv=None):
 
     tokens_per_step = args.global_batch_size * args.seq_length
     t_start, window_t, window_steps = time.perf_counter(), time.perf_counter(), 0
-    loss_history, step_seconds, action = [], [], None
+    step_seconds, action = [], None
     for step in range(start_step + 1, args.train_iters + 1):
         step_started = time.perf_counter()
         mech.before_step(step)
@@ -362,7 +424,6 @@ def main(argv=None):
         scheduler.step(increment=1)
         loss = average_over([float(r["lm loss"]) for r in out], dp_group)
         lr = _base_lr(optimizer)
-        loss_history.append(loss)
         alerts = mech.after_step(step, loss=loss, lr=lr,
                                  grad_norm=float(grad_norm) if grad_norm is not None else None,
                                  extra={"tokens": step * tokens_per_step, **_mols_extra(mols, iteration)})
@@ -398,7 +459,7 @@ def main(argv=None):
     if args.save and not already_saved:
         save_checkpoint(args.save, final_step, model, optimizer, scheduler, layout, mech=mech, mols=mols)
     elapsed = time.perf_counter() - t_start
-    summary = {"final_step": final_step, "final_valid_loss": val, "losses": loss_history, "seconds": elapsed,
+    summary = {"final_step": final_step, "final_valid_loss": val, "losses": mech.losses, "seconds": elapsed,
                "step_seconds": step_seconds, "params_per_rank": n_params, "fault": fault.to_dict(),
                "stopped_on_alert": action == "stop",
                "attribution": alert_lines(mech.registry.alerts),
@@ -407,14 +468,29 @@ def main(argv=None):
                "monitor_breakdown": {**mech.seconds, "router_capture": mech.router.capture_seconds
                                      if mech.router is not None else 0.0}, "alerts": [a.to_dict() for a in mech.registry.alerts]}
     if is_last:
-        Path(output_dir).mkdir(parents=True, exist_ok=True)
-        (Path(output_dir) / "summary.json").write_text(json.dumps(summary))
+        write_summary(Path(output_dir) / "summary.json", summary, log)
         log(f"[train] done: {final_step} steps in {elapsed:.0f}s, monitors {mech.evaluation_seconds:.1f}s "
             f"({100 * mech.evaluation_seconds / max(elapsed, 1e-9):.1f}%), {len(mech.registry.alerts)} alerts; "
             f"output in {output_dir}")
     mech.close()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+
+
+def write_summary(path: Path, summary: dict, log) -> bool:
+    """Write ``summary.json`` atomically. Monitor output never kills a run: a failure (disk full, permissions)
+    is reported loudly and the run ends normally, its checkpoints intact."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(summary))
+        os.replace(tmp, path)
+        return True
+    except OSError as exc:
+        message = f"[mech] ERROR: could not write {path}: {exc}; the run's checkpoints are not affected"
+        log(message)
+        print(message, file=sys.stderr, flush=True)
+        return False
 
 
 def _base_lr(optimizer) -> float:

@@ -1,4 +1,5 @@
-"""Loading a checkpoint never runs code from it: our per-rank files are read with ``weights_only=True``.
+"""Loading a checkpoint never runs code from it (our per-rank files are read with ``weights_only=True``), and a
+checkpoint that does not fit the run (MoLS on/off) is refused by name before anything is loaded.
 
 The reference is the payload itself: a crafted ``rank0000.pt`` whose pickle would create a marker file (through
 ``os.system``, as a real attack would) must be refused with an error naming the file, and the marker must not
@@ -47,3 +48,16 @@ def test_genuine_state_loads_with_weights_only(tmp_path):
     _, path = _write_run(tmp_path, state)
     loaded = read_checkpoint_file(path)
     assert torch.equal(loaded["model"]["w"], state["model"]["w"]) and loaded["mech"] == state["mech"]
+
+
+def test_mols_on_off_mismatch_is_refused_by_name(tmp_path):
+    """Saved with --mech-mols and loaded without (and the reverse): refused before the optimizer is touched."""
+    class MoLS:
+        enabled = True
+
+    for saved, current in ((True, None), (False, MoLS())):
+        run, _ = _write_run(tmp_path / str(saved), {"iteration": 5, "layout": {}, "model": {}, "mols_enabled": saved,
+                                                     "mols": {"version": 1} if saved else {}})
+        with pytest.raises(ValueError, match="--mech-mols") as info:
+            load_checkpoint(run, model=None, optimizer=None, scheduler=None, layout={}, mols=current)
+        assert ("Remove" if not saved else "Add") in str(info.value)
