@@ -151,6 +151,7 @@ def test_resume_continues_the_monitor_series_exactly(tmp_path):
         assert a["loss"] == b["loss"]
         assert a["metrics"] == b["metrics"], a["step"]
     assert full["summary"]["alerts"] == resumed["summary"]["alerts"]
+    assert resumed["summary"]["losses"] == full["summary"]["losses"]  # the whole run, not only after the resume
 
 
 def test_resume_with_distributed_optimizer_and_mols_is_exact(tmp_path):

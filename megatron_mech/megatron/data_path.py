@@ -65,9 +65,9 @@ def parse_data_path(values: Sequence[str] | str, flag: str = "--data-path", chec
                              f"(weights go before every prefix, or before none)")
         if prefix.endswith((".bin", ".idx")):
             raise ValueError(f"{flag}: give the prefix without .bin/.idx, got {prefix!r}")
-        if check_files:
-            for ext in (".bin", ".idx"):
-                if not os.path.isfile(prefix + ext):
-                    raise ValueError(f"{flag}: {prefix + ext} does not exist (a prefix names <prefix>.bin and "
-                                     f"<prefix>.idx)")
+    for prefix in blend.prefixes if check_files else ():
+        for ext in (".bin", ".idx"):
+            if not os.path.isfile(prefix + ext):
+                raise ValueError(f"{flag}: {prefix + ext} does not exist (a prefix names <prefix>.bin and "
+                                 f"<prefix>.idx)")
     return blend
