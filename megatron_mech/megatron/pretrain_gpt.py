@@ -34,6 +34,7 @@ from megatron_mech.megatron.adapter import MechConfig, MegatronMech, add_argumen
 from megatron_mech.megatron.checkpoint import load_checkpoint, save_checkpoint
 from megatron_mech.megatron.data_path import parse_data_path
 from megatron_mech.megatron.run_directory import check_run_directories, clear_previous_run
+from megatron_mech.megatron.stop_signals import StopOnSignal
 from megatron_mech.megatron.mols import MegatronMoLS, add_mols_arguments
 from megatron_mech.studies import faults
 from megatron_mech.core.attribution import alert_lines
@@ -316,6 +317,7 @@ def main(argv=None):
     from megatron_mech.megatron.cpu_shims import apply_megatron_fixes
 
     apply_megatron_fixes()  # megatron-core 0.16.1 bugs without Transformer Engine, on GPUs too
+    stop_signal = StopOnSignal().install()  # SIGTERM/SIGINT: finish the step, save, write output, exit
     torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     is_last = rank == world - 1
@@ -451,6 +453,9 @@ def main(argv=None):
         if action == "stop":
             log(f"[train] stopping at step {step} on alert (--mech-on-alert stop)")
             break
+        if stop_signal.agreed():  # one tiny all-reduce: every rank stops after the same step
+            log(f"[train] {stop_signal.stopped_by} received: stopping cleanly after step {step}")
+            break
 
     final_step = step if args.train_iters > start_step else start_step
     val = evaluate(args, model, forward_backward, valid_sampler, fast_forward, dp_group)
@@ -461,7 +466,7 @@ def main(argv=None):
     elapsed = time.perf_counter() - t_start
     summary = {"final_step": final_step, "final_valid_loss": val, "losses": mech.losses, "seconds": elapsed,
                "step_seconds": step_seconds, "params_per_rank": n_params, "fault": fault.to_dict(),
-               "stopped_on_alert": action == "stop",
+               "stopped_on_alert": action == "stop", "stopped_by_signal": stop_signal.stopped_by,
                "attribution": alert_lines(mech.registry.alerts),
                "monitor_seconds": mech.evaluation_seconds, "mols_seconds": mols.seconds,
                "final_mols": mols.metrics(final_step - 1) if final_step else {},
@@ -475,6 +480,7 @@ def main(argv=None):
     mech.close()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    stop_signal.uninstall()
 
 
 def write_summary(path: Path, summary: dict, log) -> bool:
