@@ -22,9 +22,13 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--min-lr", "2e-4", "--lr-warmup-iters", "5", "--log-interval", "5", "--eval-iters", "1",
         "--mech-interval", "5", "--seed", "11"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
-# Measured: TP=2 vs TP=1 (dense) and EP=2 vs EP=1 (MoE) monitor entropies differ by ≤ ~1e-4 after 20 steps
-# (float32 training; ΔW over 5 steps is ~1e-3 of W, so a 1e-7 weight difference is ~1e-4 of ΔW).
-TRAINING_TOL = 2e-3
+# What is left between layouts is float32 reordering in the TP/DP reductions (~1e-7 relative on the weights;
+# ΔW over 5 steps is ~1e-3 of W, so ~1e-4 relative on ΔW at worst). The grad norm used for clipping is
+# accumulated in float64 by our CPU shim: with megatron's fp32 fallback it was itself ~1e-4 off, and TP=2
+# vs TP=1 measured (this 20-step dense run, AMD EPYC) 2.8e-5 on the entropies and 1.5e-4 on the linears'
+# metrics; with float64 accumulation 3.8e-7 and 2.2e-6 (loss gap 2.4e-7), DP=2 vs DP=1 6e-8. The tolerance
+# is ~10x the worst remaining difference.
+TRAINING_TOL = 2e-5
 
 
 def train(tmp_path: Path, name: str, nproc: int, *extra: str, steps: int = 20, capture: bool = False) -> dict:
@@ -89,7 +93,7 @@ def test_dense_loss_falls_and_every_layer_and_head_is_recorded(dense_runs):
 def test_tp2_global_spectra_equal_tp1(dense_runs):
     tp1, tp2 = dense_runs["tp1"], dense_runs["tp2"]
     loss_gap = max(abs(a - b) for a, b in zip(tp1["summary"]["losses"], tp2["summary"]["losses"]))
-    assert loss_gap < 1e-4
+    assert loss_gap < 1e-5  # measured 2.4e-7
     # every dense linear too: attention output and MLP fc1/fc2 are split across TP (rows or columns)
     linear = series(tp1, "linear/")
     assert {k for _, k in linear} >= {f"linear/layer{i}/{n}/dw_entropy" for i in range(2)
