@@ -301,3 +301,13 @@ def test_guard_keeps_good_batch_elements_when_lapack_fails_on_one():
 
     nan_out = S.guarded_linalg(hopeless, torch.stack([good]))
     assert nan_out.shape == (1, 8) and bool(nan_out.isnan().all())
+
+
+def test_qk_terms_as_one_string_and_complex_weights():
+    gen = torch.Generator().manual_seed(3)
+    w = [torch.randn(2, 16, 4, generator=gen, dtype=torch.float64) for _ in range(4)]
+    one = S.qk_increment_spectra(*w, terms="delta2")  # used to be split into 'd', 'e', 'l', ...
+    assert one.delta2 is not None and one.delta1 is None and one.delta3 is None
+    assert torch.equal(one.delta2, S.qk_increment_spectra(*w, terms=("delta2",)).delta2)
+    with pytest.raises(ValueError, match="wq must be real"):
+        S.qk_increment_spectra(w[0], w[1], w[2].to(torch.complex128), w[3])

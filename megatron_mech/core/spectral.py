@@ -228,6 +228,8 @@ def _validate_qk(wq_prev, wk_prev, wq, wk, terms) -> tuple[int, int, int, int, t
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"{name} must be a 3-D tensor ([heads, d_model, d_head]), got "
                              f"{getattr(t, 'shape', type(t))}")
+        if t.is_complex():
+            raise ValueError(f"{name} must be real, got a complex tensor (its imaginary part would be dropped)")
     if wq_prev.shape != wq.shape:
         raise ValueError(f"wq_prev {tuple(wq_prev.shape)} and wq {tuple(wq.shape)} differ in shape")
     if wk_prev.shape != wk.shape:
@@ -242,7 +244,7 @@ def _validate_qk(wq_prev, wk_prev, wq, wk, terms) -> tuple[int, int, int, int, t
     if num_heads % num_groups:
         raise ValueError(f"number of query heads H={num_heads} is not divisible by the number of K groups "
                          f"G={num_groups}")
-    terms = tuple(terms)
+    terms = (terms,) if isinstance(terms, str) else tuple(terms)  # "delta2" is one term, not 6 characters
     unknown = [t for t in terms if t not in QK_TERMS]
     if unknown or not terms:
         raise ValueError(f"terms must be a non-empty subset of {QK_TERMS}, got {terms}")
