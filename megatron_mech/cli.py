@@ -41,7 +41,7 @@ def _run_prepare_data(args: argparse.Namespace) -> int:
     try:
         paths = prepare_data(args.out_dir, vocab_size=args.vocab_size, valid_fraction=args.valid_fraction,
                              force=args.force, max_docs_per_source=args.max_docs_per_source, quiet=args.quiet)
-    except MissingDataPackageError as e:
+    except (MissingDataPackageError, OSError) as e:  # e.g. a read-only target: one line, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
     meta = paths.meta

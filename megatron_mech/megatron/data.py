@@ -471,7 +471,12 @@ def _data_paths(out_dir: Path, meta: Dict[str, Any]) -> DataPaths:
 
 @contextlib.contextmanager
 def _file_lock(path: Path):
-    """Exclusive inter-process lock (fcntl.flock; filelock as a fallback off POSIX)."""
+    """Exclusive inter-process lock (fcntl.flock; filelock as a fallback off POSIX). The lock file is removed
+    when released, success or failure, so no stale ``.lock`` is left behind.
+
+    Removing a flock'ed file is safe with the usual check: a waiter that gets the lock on a file that was
+    unlinked (or replaced) meanwhile sees a different inode at ``path`` and retries on the current one.
+    """
     try:
         import fcntl
     except ImportError:  # pragma: no cover - Windows
@@ -480,12 +485,24 @@ def _file_lock(path: Path):
         with FileLock(str(path)):
             yield
         return
-    with open(path, "a+") as f:
+    while True:
+        f = open(path, "a+")
         fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+            if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        f.close()  # the holder removed it while we waited: lock the current one
+    try:
+        yield
+    finally:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+        f.close()
 
 
 def _log(msg: str, quiet: bool) -> None:
@@ -524,8 +541,13 @@ def prepare_data(out_dir: "os.PathLike[str] | str | None" = None, vocab_size: in
         if cached is not None:
             return cached
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(out.parent / f".{out.name}.lock"):
+    with contextlib.ExitStack() as stack:
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            stack.enter_context(_file_lock(out.parent / f".{out.name}.lock"))
+        except OSError as e:  # a read-only target: say where and what to do
+            raise OSError(e.errno, f"cannot write the corpus to {out} ({e.strerror or e}); choose a writable "
+                                   f"--out-dir (or set $MEGATRON_MECH_DATA)") from e
         if not force:  # somebody else may have built it while we waited for the lock
             cached = _read_cache(out, params)
             if cached is not None:
