@@ -81,8 +81,8 @@ def test_unwritable_file_in_place_of_a_directory_is_found_at_start(tmp_path):
     (["--save-interval", "-5"], "--save-interval must be >= 0"),
     (["--eval-interval", "-1"], "--eval-interval must be >= 0"),
     (["--mech-interval", "0"], "--mech-interval must be a positive integer"),
-    (["--num-attention-heads", "6", "--tensor-model-parallel-size", "4"],
-     "--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4"),
+    (["--num-attention-heads", "3", "--tensor-model-parallel-size", "2"],
+     "--num-attention-heads 3 is not divisible by --tensor-model-parallel-size 2"),  # not about query groups
     (["--num-query-groups", "1", "--tensor-model-parallel-size", "2"], "--num-query-groups 1 is not divisible by TP"),
     (["--valid-data-path", "x"], "--valid-data-path needs --data-path"),
     (["--data-path", "x"], "--data-path needs --tokenizer-json"),

@@ -128,16 +128,17 @@ def check_args(args, world_size: int) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     MechConfig.from_args(args)  # --mech-* flags (e.g. --mech-interval 0), before anything is built
     tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
-    if tp >= 1 and args.num_attention_heads % tp:
+    validate_parallel_sizes(world_size, tp, ep, num_experts=args.num_experts)  # sizes vs the world first
+    if args.num_attention_heads % tp:
         raise ValueError(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
                          f"--tensor-model-parallel-size {tp}")
     groups = args.num_query_groups or args.num_attention_heads
     if args.num_attention_heads % groups:
         raise ValueError(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
                          f"--num-query-groups {groups}")
-    attention_monitor = any(m in ("attention", "auto") for m in (args.mech_monitors or ()))
-    validate_parallel_sizes(world_size, tp, ep, num_experts=args.num_experts,
-                            num_query_groups=args.num_query_groups if attention_monitor else None)
+    if any(m in ("attention", "auto") for m in (args.mech_monitors or ())):
+        # megatron-core replicates K/V heads when TP does not divide the groups; only our monitor cannot
+        validate_parallel_sizes(world_size, tp, ep, num_experts=args.num_experts, num_query_groups=groups)
     dp = world_size // tp
     if args.global_batch_size % (args.micro_batch_size * dp):
         raise ValueError(f"--global-batch-size {args.global_batch_size} is not divisible by "
