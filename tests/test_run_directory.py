@@ -109,3 +109,16 @@ def test_entry_point_refuses_before_building_anything(tmp_path):
     assert text.count("already holds a run") >= 2 and "[train] world=" not in text  # every rank, before training
     assert "pretrain_gpt: error:" in text and "in check_run_directories" not in text  # one line, no worker traceback
     assert len((tmp_path / "run" / "mech.jsonl").read_text().splitlines()) == 15
+
+
+def test_summary_write_failure_is_reported_not_fatal(tmp_path, capsys):
+    """One policy for monitor output: a failed write (here a file where the directory should be; disk full
+    behaves the same) is said loudly and the run goes on to its normal end."""
+    from megatron_mech.megatron.pretrain_gpt import write_summary
+
+    logged = []
+    (tmp_path / "blocker").write_text("")
+    assert write_summary(tmp_path / "blocker" / "summary.json", {"final_step": 3}, logged.append) is False
+    assert "could not write" in logged[0] and "could not write" in capsys.readouterr().err
+    assert write_summary(tmp_path / "ok" / "summary.json", {"final_step": 3}, logged.append) is True
+    assert json.loads((tmp_path / "ok" / "summary.json").read_text()) == {"final_step": 3}
