@@ -6,8 +6,8 @@ which moves only after every rank has written its file (a killed save never beco
 same parallel layout (it is recorded and checked); resharding is Megatron-LM's dist-checkpointing's job in a
 user's fork.
 
-Load order matters: optimizer → MoLS (rewrites each group's ``max_lr``/``min_lr``) → scheduler (recomputes the
-lrs from them). The distributed optimizer's parameter state is loaded through
+The hook's state is one entry, ``"mech"`` (monitors, detectors, MoLS, first-alert step). Load order matters:
+optimizer → hook (MoLS rewrites each group's ``max_lr``/``min_lr``) → scheduler (recomputes the lrs from them). The distributed optimizer's parameter state is loaded through
 :func:`load_distributed_optimizer_state`, which works around two megatron-core 0.16.1 problems seen without
 TE/apex (see there).
 """
@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
 
 import torch
 
-__all__ = ["load_checkpoint", "load_distributed_optimizer_state", "read_checkpoint_file", "save_checkpoint"]
+from megatron_mech.optim import inner_optimizer, leaf_optimizers
+
+__all__ = ["check_mols_match", "load_checkpoint", "load_distributed_optimizer_state", "read_checkpoint_file",
+           "save_checkpoint"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -43,7 +45,7 @@ def _set_rng_state(state: dict) -> None:
 def _uses_distributed_optimizer(optimizer) -> bool:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    return any(isinstance(o, DistributedOptimizer) for o in getattr(optimizer, "chained_optimizers", [optimizer]))
+    return any(isinstance(o, DistributedOptimizer) for o in leaf_optimizers(optimizer))
 
 
 def load_distributed_optimizer_state(optimizer, filename: str) -> None:
@@ -57,8 +59,8 @@ def load_distributed_optimizer_state(optimizer, filename: str) -> None:
       (a wrong bias correction after a resume).
     """
     stash = []
-    for leaf in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(leaf, "optimizer", None)
+    for leaf in leaf_optimizers(optimizer):
+        inner = inner_optimizer(leaf)
         for state in (inner.state.values() if inner is not None else ()):
             if "step" in state:
                 stash.append((state, state.pop("step")))
@@ -87,20 +89,24 @@ def read_checkpoint_file(path) -> dict:
     return state
 
 
-def check_mols_match(state: dict, mols, directory) -> None:
+def _mols_enabled(hook) -> bool:
+    return hook is not None and getattr(hook, "mols", None) is not None
+
+
+def check_mols_match(state: dict, hook, directory) -> None:
     """MoLS splits the optimizer's parameter groups per module class: a checkpoint saved with it on cannot be
     loaded into an optimizer built with it off (or the reverse). Refuse by name, before megatron's group errors."""
     saved = state.get("mols_enabled")
-    if saved is None:  # older checkpoints: an enabled MoLS always saved a non-empty state
-        saved = bool(state.get("mols"))
-    current = bool(getattr(mols, "enabled", False))
+    if saved is None:  # checkpoints without the flag: an enabled MoLS always saved a non-empty state
+        saved = bool(state.get("mols") or (state.get("mech") or {}).get("mols"))
+    current = _mols_enabled(hook)
     if saved != current:
         raise ValueError(f"checkpoint {directory} was saved with MoLS {'on' if saved else 'off'} (--mech-mols), "
                          f"this run has it {'on' if current else 'off'}: the optimizer's parameter groups differ. "
                          f"{'Add' if saved else 'Remove'} --mech-mols to resume it")
 
 
-def save_checkpoint(save_dir, step: int, model, optimizer, scheduler, layout: dict, mech=None, mols=None) -> Path:
+def save_checkpoint(save_dir, step: int, model, optimizer, scheduler, layout: dict, hook=None) -> Path:
     """Every rank writes its file; the tracker moves after a barrier. Returns the iteration directory."""
     rank = torch.distributed.get_rank()
     directory = Path(save_dir) / f"iter_{step:07d}"
@@ -109,9 +115,7 @@ def save_checkpoint(save_dir, step: int, model, optimizer, scheduler, layout: di
         optimizer.save_parameter_state(str(directory / f"distopt_rank{rank:04d}.pt"))
     state = {"iteration": step, "layout": layout, "model": model.state_dict(),
              "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state(),
-             "mech": mech.state_dict() if mech is not None else None,
-             "mols": mols.state_dict() if mols is not None else None,
-             "mols_enabled": bool(getattr(mols, "enabled", False))}
+             "mech": hook.state_dict() if hook is not None else None, "mols_enabled": _mols_enabled(hook)}
     tmp = directory / f".rank{rank:04d}.pt.tmp"
     torch.save(state, tmp)
     os.replace(tmp, directory / f"rank{rank:04d}.pt")  # atomic: a file that exists is complete
@@ -122,14 +126,14 @@ def save_checkpoint(save_dir, step: int, model, optimizer, scheduler, layout: di
     return directory
 
 
-def load_checkpoint(load_dir, model, optimizer, scheduler, layout: dict, mols=None,
-                    exit_on_missing: bool = False) -> tuple[int, Optional[dict]]:
-    """Restore this rank's state; returns ``(iteration, monitor state)`` or ``(0, None)`` if nothing is saved."""
+def load_checkpoint(load_dir, model, optimizer, scheduler, layout: dict, hook=None,
+                    exit_on_missing: bool = False) -> int:
+    """Restore this rank's state (the hook's too); returns the checkpoint's step, or 0 if nothing is saved."""
     tracker = Path(load_dir) / TRACKER
     if not tracker.exists():
         if exit_on_missing:
             raise FileNotFoundError(f"--load {load_dir}: no {TRACKER}")
-        return 0, None
+        return 0
     step = int(tracker.read_text().strip())
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     directory = Path(load_dir) / f"iter_{step:07d}"
@@ -137,13 +141,16 @@ def load_checkpoint(load_dir, model, optimizer, scheduler, layout: dict, mols=No
     if state.get("layout") != layout:
         raise ValueError(f"checkpoint {directory} was written with parallel layout {state.get('layout')}, this run "
                          f"is {layout}; per-rank checkpoints need the same layout")
-    check_mols_match(state, mols, directory)
+    check_mols_match(state, hook, directory)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     if _uses_distributed_optimizer(optimizer):
         load_distributed_optimizer_state(optimizer, str(directory / f"distopt_rank{rank:04d}.pt"))
-    if mols is not None and state.get("mols") is not None:
-        mols.load_state_dict(state["mols"])  # before the scheduler: it recomputes lrs from the groups
+    mech = state.get("mech")
+    if mech is not None and state.get("mols"):  # checkpoints of earlier releases kept MoLS in its own entry
+        mech = {**mech, "mols": state["mols"]}
+    if hook is not None and mech is not None:
+        hook.load_state_dict(mech)  # before the scheduler: MoLS rewrites the groups it recomputes lrs from
     scheduler.load_state_dict(state["scheduler"])
     _set_rng_state(state["rng"])
-    return step, state["mech"]
+    return step
