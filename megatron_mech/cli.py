@@ -80,13 +80,14 @@ def torchrun_prefix(nproc: int) -> List[str]:
 def train_command(nproc: int, steps: int, out: str, dense: bool = False, extra=()) -> List[str]:
     """The torchrun command line the ``train`` subcommand runs (also used by the demo and benchmarks).
 
-    The preset's LR warm-up is scaled down for short runs (to a tenth of the steps, at least 1) unless
-    ``--lr-warmup-iters`` is given in ``extra`` (the last one wins)."""
+    The preset's LR warm-up is kept when it fits (it must be shorter than the run) and otherwise becomes a tenth
+    of the steps (at least 1); a ``--lr-warmup-iters`` in ``extra`` wins either way (the last one counts)."""
     from megatron_mech.megatron.presets import small_moe
 
     preset = [*small_moe(nproc, dense), "--log-interval", "10", "--eval-interval", "100"]
     warmup = preset.index("--lr-warmup-iters") + 1
-    preset[warmup] = str(min(int(preset[warmup]), max(1, steps // 10)))
+    if int(preset[warmup]) >= steps:
+        preset[warmup] = str(max(1, steps // 10))
     return [*torchrun_prefix(nproc), "-m", "megatron_mech.megatron.pretrain_gpt", *preset, "--train-iters", str(steps),
             "--save", out, "--tensorboard-dir", f"{out}/tb", *[a for a in extra if a != "--"]]
 

@@ -52,12 +52,12 @@ def test_genuine_state_loads_with_weights_only(tmp_path):
 
 def test_mols_on_off_mismatch_is_refused_by_name(tmp_path):
     """Saved with --mech-mols and loaded without (and the reverse): refused before the optimizer is touched."""
-    class MoLS:
-        enabled = True
+    class HookWithMoLS:  # what load_checkpoint reads of the hook: whether MoLS is on
+        mols = object()
 
-    for saved, current in ((True, None), (False, MoLS())):
+    for saved, current in ((True, None), (False, HookWithMoLS())):
         run, _ = _write_run(tmp_path / str(saved), {"iteration": 5, "layout": {}, "model": {}, "mols_enabled": saved,
-                                                     "mols": {"version": 1} if saved else {}})
+                                                     "mech": {"mols": {"version": 1} if saved else None}})
         with pytest.raises(ValueError, match="--mech-mols") as info:
-            load_checkpoint(run, model=None, optimizer=None, scheduler=None, layout={}, mols=current)
+            load_checkpoint(run, model=None, optimizer=None, scheduler=None, layout={}, hook=current)
         assert ("Remove" if not saved else "Add") in str(info.value)

@@ -31,5 +31,5 @@ def test_short_train_scales_the_preset_warmup():
         return int(cmd[len(cmd) - 1 - cmd[::-1].index("--lr-warmup-iters") + 1])  # the last one wins (argparse)
 
     assert warmup(train_command(2, 20, "out")) == 2 < 20
-    assert warmup(train_command(2, 300, "out")) == 30
+    assert warmup(train_command(2, 300, "out")) == 50  # the preset's, where it fits
     assert warmup(train_command(2, 20, "out", extra=["--", "--lr-warmup-iters", "5"])) == 5  # the user's wins

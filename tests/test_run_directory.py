@@ -80,7 +80,7 @@ def test_unwritable_file_in_place_of_a_directory_is_found_at_start(tmp_path):
     (["--micro-batch-size", "0"], "--micro-batch-size must be >= 1"),
     (["--save-interval", "-5"], "--save-interval must be >= 0"),
     (["--eval-interval", "-1"], "--eval-interval must be >= 0"),
-    (["--mech-interval", "0"], "--mech-interval must be a positive integer"),
+    (["--mech-interval", "0"], "--mech-interval: interval must be an int >= 1, got 0"),
     (["--num-attention-heads", "3", "--tensor-model-parallel-size", "2"],
      "--num-attention-heads 3 is not divisible by --tensor-model-parallel-size 2"),  # not about query groups
     (["--num-query-groups", "1", "--tensor-model-parallel-size", "2"], "--num-query-groups 1 is not divisible by TP"),
@@ -111,14 +111,14 @@ def test_entry_point_refuses_before_building_anything(tmp_path):
     assert len((tmp_path / "run" / "mech.jsonl").read_text().splitlines()) == 15
 
 
-def test_summary_write_failure_is_reported_not_fatal(tmp_path, capsys):
+def test_summary_write_failure_is_reported_not_fatal(tmp_path, caplog):
     """One policy for monitor output: a failed write (here a file where the directory should be; disk full
     behaves the same) is said loudly and the run goes on to its normal end."""
     from megatron_mech.megatron.pretrain_gpt import write_summary
 
-    logged = []
     (tmp_path / "blocker").write_text("")
-    assert write_summary(tmp_path / "blocker" / "summary.json", {"final_step": 3}, logged.append) is False
-    assert "could not write" in logged[0] and "could not write" in capsys.readouterr().err
-    assert write_summary(tmp_path / "ok" / "summary.json", {"final_step": 3}, logged.append) is True
+    with caplog.at_level("ERROR"):
+        assert write_summary(tmp_path / "blocker" / "summary.json", {"final_step": 3}) is False
+    assert "could not write" in caplog.text
+    assert write_summary(tmp_path / "ok" / "summary.json", {"final_step": 3}) is True
     assert json.loads((tmp_path / "ok" / "summary.json").read_text()) == {"final_step": 3}
