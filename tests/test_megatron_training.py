@@ -120,7 +120,7 @@ def single_process_stats(run: dict, step: int, layer: int) -> RoutingStats:
     """RoutingStats of every token every rank recorded at ``step``, computed in this one process."""
     reference = RoutingStats(4)
     for path in sorted((run["dir"] / "captured").glob("rank*.pt")):
-        for logits in torch.load(path)[step].get(layer, []):
+        for logits in torch.load(path, weights_only=True)[step].get(layer, []):
             reference.update(logits, topk=2)
     return reference
 
