@@ -45,6 +45,14 @@ By default the baseline is frozen once collected: slow healthy drift *against* t
 entropies rise slowly in clean runs, the loss falls) is harmless, drift *toward* it eventually alerts —
 re-baseline (``reset``) after a deliberate change of regime (e.g. a new LR schedule phase).
 
+Level criterion (``level = ℓ``, optional): an evaluation is out of band only if its score reaches the threshold
+*and* its value is beyond the absolute level ``ℓ`` in the bad direction (down: ``x ≤ ℓ``; up: ``x ≥ ℓ``; not
+allowed with ``both``). The relative score alone measures distance from a baseline, and a baseline taken in
+the early transient, or a series that drifts for a long time, puts healthy values far from it; the level says
+what a fault *looks like* in the metric's own units, independent of the model's size. Normalized spectral
+entropies live in [0, 1] whatever the width: an attention-precision collapse drives them to ~1e-3 while healthy
+dips stay above a few hundredths, so a level between the two separates them without per-size tuning.
+
 Tracking baseline (``track = L > 0``), for series whose healthy drift goes the bad way (routing entropies fall
 for thousands of steps as experts specialize): after the baseline is collected, every in-band evaluation is
 held back for ``L`` evaluations and then joins a sliding window of the last ``baseline`` admitted values, from
@@ -63,13 +71,16 @@ from typing import Any, Mapping, Sequence
 
 from megatron_mech.core.checks import is_finite_real, is_int
 
-__all__ = ["FAMILIES", "DIRECTIONS", "Alert", "DetectorConfig", "Detector", "SeriesRule", "DetectorRegistry",
+__all__ = ["ATTENTION_LEVELS", "FAMILIES", "DIRECTIONS", "Alert", "DetectorConfig", "Detector", "SeriesRule", "DetectorRegistry",
            "default_rules"]
 
 FAMILIES = ("attention", "router", "symptom")
 DIRECTIONS = ("down", "up", "both")
 MAD_TO_SIGMA = 1.4826  # MAD × this = σ for Gaussian data
 ROUTER_TRACK = 20  # lag (evaluations) of the router rules' tracking baseline; see default_rules
+# Absolute levels (normalized spectral entropy, in [0, 1]) below which an attention evaluation can be out of band:
+# a precision collapse reaches ~1e-3, healthy dips stayed above ~0.03 (Δ2) / ~0.05 (ΔW); see default_rules.
+ATTENTION_LEVELS = {"delta2_entropy": 0.01, "dw_entropy": 0.02}
 
 
 def _check_family(family: str) -> None:
@@ -140,6 +151,9 @@ class DetectorConfig:
             docstring).
         recede: None = fire at persistence; ``0 <= r < 1`` = fire only while the out-of-band run is not receding
             by more than the fraction ``r`` of its peak score (module docstring).
+        level: None = no level criterion; a finite number = the value must also be at or beyond this absolute
+            level in the bad direction to count as out of band (metric units; module docstring). Not allowed
+            with ``direction="both"``.
     """
 
     warmup: int = 20
@@ -152,8 +166,15 @@ class DetectorConfig:
     abs_floor: float = 1e-6
     track: int = 0
     recede: float | None = None
+    level: float | None = None
 
     def __post_init__(self) -> None:
+        if self.level is not None:
+            if not is_finite_real(self.level):
+                raise ValueError(f"level must be None or a finite number, got {self.level!r}")
+            if self.direction == "both":
+                raise ValueError("level needs direction 'down' or 'up' (a one-sided absolute level), "
+                                 "got direction 'both'")
         if not is_int(self.track) or self.track < 0:
             raise ValueError(f"track must be an int >= 0 (0 = frozen baseline), got {self.track!r}")
         if not is_int(self.warmup) or self.warmup < 0:
@@ -270,6 +291,13 @@ class Detector:
                 self._values = (self._values + [oldest])[-self.config.baseline:]
                 self._freeze_baseline()
 
+    def beyond_level(self, value: float) -> bool:
+        """Whether ``value`` passes the level criterion (always True without a level)."""
+        level = self.config.level
+        if level is None:
+            return True
+        return value <= level if self.config.direction == "down" else value >= level
+
     # ------------------------------------------------------------------ main entry
     def _alert(self, step: int, value: float, score: float, detail: Mapping[str, Any] | None) -> Alert:
         self._n_alerts += 1
@@ -319,7 +347,7 @@ class Detector:
 
         s = self.score(value)
         self._last_score = s
-        out = s >= c.threshold
+        out = s >= c.threshold and self.beyond_level(value)
         if c.track:
             self._track(value, admissible=not out and not self._active and math.isfinite(value))
         if self._active:
@@ -374,7 +402,7 @@ class Detector:
 
 
 _OVERRIDES = ("warmup", "baseline", "threshold", "persistence", "rel_floor", "rel_cap", "abs_floor", "track",
-              "recede")
+              "recede", "level")
 
 
 @dataclass(frozen=True)
@@ -395,6 +423,7 @@ class SeriesRule:
     abs_floor: float | None = None
     track: int | None = None
     recede: float | None = None
+    level: float | None = None
 
     def __post_init__(self) -> None:
         _check_family(self.family)
@@ -420,6 +449,15 @@ def default_rules() -> list[SeriesRule]:
       ``rel_cap=0.1`` so that, even with a noisy baseline, a collapse to zero scores ≥ 10 > threshold 6 (the
       band's lower edge is then at least 40% of the baseline median); ``rel_floor=0.05``; ``recede=0.05``:
       a run of out-of-band evaluations that is already turning back fires only if it deepens again.
+      **Level criterion**: an attention evaluation is out of band only if the entropy is also at or below
+      ``ATTENTION_LEVELS`` (0.01 for per-head Δ2, 0.02 for per-layer ΔW). The relative score alone
+      false-alarmed on clean runs: a clean head's Δ2 entropy wandered from 0.35 down to 0.10 (score 10.5
+      against a baseline of 0.38), and in short runs the baseline sits in the early transient (0.57) that every
+      layer leaves on its way down. Measured on a 120-step tuning run (seed 11, the quick demo's fault run,
+      γ = 0.1 in layer 1 from step 60): the minimum over the healthy layers' heads of Δ2 entropy was 0.029 and
+      of ΔW entropy 0.055, while the faulty layer's Δ2 fell through 0.0125, 0.0066, 0.0035 to 0.001 (steps
+      80–110) and its ΔW to 0.015 by step 100 and 0.002 by step 120. The entropies are normalized to [0, 1]
+      for every matrix size, so the levels do not depend on the model's width.
       Norms (‖W_Q‖₂, Frobenius) are deliberately *not* monitored: they grow naturally and false-alarmed on clean
       runs.
     * Router (names as in ``RoutingStats.summary()`` under ``router/layer{L}/``): ``entropy_mean``,
@@ -431,8 +469,8 @@ def default_rules() -> list[SeriesRule]:
       (``track=ROUTER_TRACK`` = 20 evaluations): routing entropy falls for the whole run as experts specialize,
       and a frozen baseline false-alarmed on a clean 800-step tuning run (seed 1234, layer-2 ``entropy_p05``
       1.16 → 0.78 by step 550); a router collapse from an LR fault develops within tens of evaluations and is
-      still caught. Attention baselines stay frozen: their clean drift is upward (harmless), and a slowly
-      developing precision fault must not be absorbed.
+      still caught. Attention baselines stay frozen — a slowly developing precision fault must not be absorbed
+      by a baseline that follows it — and clean downward drift is made harmless by the level criterion.
     * Symptoms: ``symptom/loss`` and ``symptom/grad_norm`` ``up``. The loss falls during training, away from
       the bad direction, so a frozen baseline is conservative; grad-norm spikes are heavy-tailed, hence
       ``persistence=5`` and ``rel_floor=0.25``.
@@ -451,14 +489,16 @@ def default_rules() -> list[SeriesRule]:
     # (7.0, 8.5, 7.5) alerted at steps 65 and 70, before layer 1's collapse at 75; with it layer 1 alerted
     # first and the same clean dips alerted only later, if at all.
     ent_attn = dict(ent, recede=0.05)
+    delta2_attn = dict(ent_attn, level=ATTENTION_LEVELS["delta2_entropy"])
+    dw_attn = dict(ent_attn, level=ATTENTION_LEVELS["dw_entropy"])
     near_zero_up_router = dict(near_zero_up, track=ROUTER_TRACK)
     router_ent = ("entropy_mean", "entropy_norm_mean", "entropy_p05", "entropy_p50", "load_entropy")
     return [
         # First-order Δ2 per head and ΔW per layer only: Δ1 (≈ Δ2 + a second-order term) adds nothing, and Δ3
         # (second order) is noisy — both false-alarmed on clean tuning runs (benchmarks/lead_time.py); they
         # are still logged. threshold 7: a clean run's per-head Δ2 reached score 6.15 late in training.
-        SeriesRule("attn/*/head*/delta2_entropy", "attention", **ent_attn, threshold=7.0),
-        SeriesRule("attn/*/dw?_entropy", "attention", **ent_attn, threshold=7.0),
+        SeriesRule("attn/*/head*/delta2_entropy", "attention", **delta2_attn, threshold=7.0),
+        SeriesRule("attn/*/dw?_entropy", "attention", **dw_attn, threshold=7.0),
         *(SeriesRule(f"router/*/{name}", "router", **ent_router) for name in router_ent),
         SeriesRule("router/*/mean_cosine", "router", **near_zero_up_router),
         SeriesRule("router/*/low_entropy_frac", "router", **near_zero_up_router),
