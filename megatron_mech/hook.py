@@ -114,6 +114,8 @@ class MechHook:
         self.attention = None
         self.router = None
         self.mols = None
+        self.max_logit = None
+        """:class:`~megatron_mech.logit_symptom.MaxLogitRecorder` when the framework captures attention inputs."""
         self.families: tuple = ()
         self.alert_callbacks: List[Callable[[int, list], None]] = []
         """User hooks ``fn(step, alerts)``, called on every rank when an evaluation step has alerts."""
@@ -202,6 +204,13 @@ class MechHook:
                                         token_group=view.token_group)
             for r in view.routers:
                 r.capture(_LayerRecorder(self.router, r.layer))
+        # max-attention-logit symptom: on when any rank's framework captures attention inputs (agreed by all)
+        if any_rank(bool(view.attention_logit_capture)):
+            from megatron_mech.logit_symptom import MaxLogitRecorder
+
+            self.max_logit = MaxLogitRecorder()
+            for capture in view.attention_logit_capture:
+                capture(self.max_logit.record)
         if self._sinks is None and view.logging_rank:
             from megatron_mech.records.sinks import default_sinks
 
@@ -223,6 +232,8 @@ class MechHook:
         MoLS extra samples (``samples`` estimator), tell the fault injector the step, apply an LR fault."""
         if self.router is not None:
             self.router.capturing = self._is_evaluation_step(step)
+        if self.max_logit is not None:
+            self.max_logit.capturing = self._is_evaluation_step(step)
         if self.mols is not None and self._sample_passes is not None:
             self._sample_passes(self.mols, step - 1)
         self.faults.before_step(step)
@@ -262,6 +273,10 @@ class MechHook:
             for stage_metrics, stage_details in gathered:
                 metrics.update(stage_metrics)
                 details.update(stage_details)
+        if self.max_logit is not None:  # every rank, every evaluation step (one all-reduce)
+            with self._timed("max_logit"):
+                metrics.update(self.max_logit.observe())
+                self.max_logit.capturing = False
         metrics["symptom/loss"] = float(loss)
         if grad_norm is not None:
             metrics["symptom/grad_norm"] = float(grad_norm)
@@ -373,8 +388,10 @@ class MechHook:
     @property
     def evaluation_seconds(self) -> float:
         """Wall time spent in the monitors on this rank so far: snapshots and evaluations, detectors, output, and
-        router-logit capture inside the forward passes of evaluation steps (for overhead reporting)."""
-        return sum(self.seconds.values()) + self.router_capture_seconds
+        router-logit capture and the max-attention-logit inside the forward passes of evaluation steps (for
+        overhead reporting)."""
+        return (sum(self.seconds.values()) + self.router_capture_seconds
+                + (self.max_logit.seconds if self.max_logit is not None else 0.0))
 
     @property
     def router_capture_seconds(self) -> float:

@@ -108,6 +108,21 @@ def test_dp2_equals_dp1_on_the_same_global_batch(dense_runs):
     print(f"DP2 vs DP1 delta2 entropy: max |diff| {worst:.2e}")
 
 
+def test_max_attention_logit_is_one_value_over_heads_and_ranks(dense_runs):
+    # The symptom is the maximum over every layer, head, token and rank: split over TP (heads) or DP (tokens),
+    # the all-reduced maximum must equal the single-process one, up to the training drift between the runs
+    # (relative TRAINING_TOL: the logits are O(1–10), the runs' weights differ by float reordering only).
+    ref = series(dense_runs["tp1"], "symptom/max_attn_logit")
+    assert sorted(step for step, _ in ref) == list(range(5, 21, 5))
+    assert all(math.isfinite(v) and v > 0 for v in ref.values())
+    for name in ("tp2", "dp2"):
+        got = series(dense_runs[name], "symptom/max_attn_logit")
+        assert got.keys() == ref.keys(), name
+        worst = max(abs(got[k] - ref[k]) / abs(ref[k]) for k in ref)
+        assert worst <= TRAINING_TOL, (name, worst)
+        print(f"{name} vs TP1 max attention logit: max relative diff {worst:.2e}")
+
+
 @pytest.fixture(scope="module")
 def moe_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("moe")
