@@ -52,6 +52,9 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
     m.add_argument("--seq-length", type=int, default=128)
     m.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
     m.add_argument("--swiglu", action="store_true")
+    m.add_argument("--qk-layernorm", action="store_true",
+                   help="normalize queries and keys per head before the dot product (prevents attention-logit "
+                        "growth at high learning rates)")
     m.add_argument("--position-embedding-type", choices=("rope", "learned_absolute"), default="rope")
     m.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     m.add_argument("--num-experts", type=int, default=None)

@@ -78,14 +78,16 @@ def build_model(args, injector=None, backward_context=None):
         ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
         tensor_model_parallel_size=args.tensor_model_parallel_size, sequence_parallel=args.sequence_parallel,
-        normalization=args.normalization, gated_linear_unit=args.swiglu,
+        normalization=args.normalization, gated_linear_unit=args.swiglu, qk_layernorm=args.qk_layernorm,
         activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
         add_bias_linear=not (args.num_experts or args.swiglu), hidden_dropout=0.0, attention_dropout=0.0,
         params_dtype=torch.float32, pipeline_dtype=torch.float32, **cpu_kwargs, **moe)
     if injector is not None and injector.config.attention_enabled:  # local spec with the emulated FA2 attention
-        spec = injector.layer_spec(args.num_experts, args.normalization, backward_context=backward_context)
+        spec = injector.layer_spec(args.num_experts, args.normalization, backward_context=backward_context,
+                                   qk_layernorm=args.qk_layernorm)
     else:
-        spec = get_gpt_layer_local_spec(num_experts=args.num_experts, normalization=args.normalization)
+        spec = get_gpt_layer_local_spec(num_experts=args.num_experts, normalization=args.normalization,
+                                        qk_layernorm=args.qk_layernorm)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
                      max_sequence_length=args.seq_length, position_embedding_type=args.position_embedding_type,
                      share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
