@@ -127,7 +127,8 @@ def _add_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/demo", help="demo directory (clean/, one folder per fault, demo.md, demo*.png)")
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--fault-start", type=int, default=300, help="after the detectors' 250-step baseline")
-    p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--seed", type=int, default=21,
+                   help="default: a reporting seed (the detector was tuned on other seeds, see studies.leadtime)")
     p.add_argument("--faults", nargs="+", default=["attention", "lr"], choices=("attention", "lr"),
                    help="fault runs after the clean run (attention precision; LR ×4, a router fault)")
     p.add_argument("--quick", action="store_true",
