@@ -111,3 +111,17 @@ def test_hook_records_the_maximum_on_evaluation_steps_only():
         assert got[step] == pytest.approx(expected[step], rel=1e-6)
     assert MAX_LOGIT_METRIC not in [d.metric for d in hook.registry.detectors.values()]  # logged, not alerted on
     hook.close()
+
+
+def test_chunked_rows_give_the_same_maximum(monkeypatch):
+    # Long sequences are processed in query-row chunks; force tiny chunks and compare with one chunk.
+    import megatron_mech.core.attention_logits as AL
+
+    gen = torch.Generator().manual_seed(5)
+    q, k = torch.randn(2, 4, 33, 8, generator=gen), torch.randn(2, 2, 33, 8, generator=gen)
+    mask = torch.rand(2, 1, 33, 33, generator=gen) < 0.3
+    whole = AL.max_attention_logit(q, k, 0.3, causal=True, mask=mask)
+    monkeypatch.setattr(AL, "CHUNK_ELEMENTS", 2 * 4 * 33 * 5)  # 5 query rows per chunk
+    # a different matmul shape may sum the 8 products in another order: float32 rounding only
+    assert AL.max_attention_logit(q, k, 0.3, causal=True, mask=mask) == pytest.approx(whole, rel=1e-6)
+    assert whole == pytest.approx(loop_reference(q, k, 0.3, True, mask), rel=1e-5)

@@ -14,7 +14,9 @@ from typing import Optional
 
 import torch
 
-__all__ = ["max_attention_logit"]
+__all__ = ["CHUNK_ELEMENTS", "max_attention_logit"]
+
+CHUNK_ELEMENTS = 1 << 24  # logits computed at once (64 MiB in float32)
 
 
 def max_attention_logit(query: torch.Tensor, key: torch.Tensor, scale: float, *, causal: bool = True,
@@ -34,18 +36,29 @@ def max_attention_logit(query: torch.Tensor, key: torch.Tensor, scale: float, *,
                          f"or query heads a multiple of key groups)")
     with torch.no_grad():
         dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-        q = query.detach().to(dtype)
-        k = key.detach().to(dtype)
+        k = key.detach()
         if g != h:
             k = k.repeat_interleave(h // g, dim=1)
-        logits = torch.matmul(q, k.transpose(-1, -2)) * float(scale)  # [b, h, sq, sk]
-        masked = torch.zeros((sq, sk), dtype=torch.bool, device=logits.device)
-        if causal:
-            masked = torch.ones((sq, sk), dtype=torch.bool, device=logits.device).triu(1 + sk - sq)
+        k_t = k.to(dtype).transpose(-1, -2)  # [b, h, d, sk]
         if mask is not None:
-            masked = masked | mask.to(device=logits.device, dtype=torch.bool)
-        nan = torch.isnan(logits).any()
-        logits = logits.masked_fill(masked, float("-inf"))
-        if bool(nan):
-            return float("nan")
-        return float(logits.max()) if logits.numel() else float("-inf")
+            mask = mask.to(device=query.device, dtype=torch.bool)
+        # Query rows in chunks, so the [b, h, rows, sk] logits stay within CHUNK_ELEMENTS (long sequences would
+        # otherwise materialize the full attention matrix, which the fused kernels never do).
+        rows = max(1, CHUNK_ELEMENTS // max(1, b * h * sk))
+        best = float("-inf")
+        for start in range(0, sq, rows):
+            stop = min(sq, start + rows)
+            logits = torch.matmul(query.detach()[:, :, start:stop].to(dtype), k_t) * float(scale)
+            if bool(torch.isnan(logits).any()):
+                return float("nan")
+            masked = torch.zeros((stop - start, sk), dtype=torch.bool, device=logits.device)
+            if causal:  # query i (aligned at the end of the keys) sees keys j <= i + sk - sq
+                i = torch.arange(start, stop, device=logits.device).unsqueeze(1)
+                j = torch.arange(sk, device=logits.device).unsqueeze(0)
+                masked = j > i + (sk - sq)
+            if mask is not None:
+                masked = masked | mask.expand(b, h, sq, sk)[:, :, start:stop]
+            logits = logits.masked_fill(masked, float("-inf"))
+            if logits.numel():
+                best = max(best, float(logits.max()))
+        return best
