@@ -34,8 +34,9 @@ def model_flags(hidden: int, moe: bool, nproc: int = 2) -> list:
     """The project's small GPT preset at width ``hidden`` (FFN 2×hidden, 4 heads, 4 layers), MoE (EP=nproc) or
     dense, evaluated every 5 steps."""
     flags = small_moe(nproc, dense=not moe)
-    return [*flags, "--hidden-size", str(hidden), "--ffn-hidden-size", str(2 * hidden),
-            "--log-interval", "100", "--mech-interval", "5", "--eval-iters", "1"]
+    for name, value in (("--hidden-size", hidden), ("--ffn-hidden-size", 2 * hidden)):  # in place: one value each
+        flags[flags.index(name) + 1] = str(value)
+    return [*flags, "--log-interval", "100", "--mech-interval", "5", "--eval-iters", "1"]
 
 
 def _finished(run_dir: Path, steps: int) -> bool:

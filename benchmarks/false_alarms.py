@@ -81,7 +81,8 @@ def summarize(runs: list, scale_e: float, scale_s: float) -> dict:
                     "margin_min": min((s.threshold - s.peak_score for s in finite), default=None),
                     "peak_beyond_level": _quantiles([s.peak_score_beyond_level for s in members
                                                      if math.isfinite(s.peak_score_beyond_level)]),
-                    "level": members[0].level if members else None,
+                    "level": (members[0].level if len({s.level for s in members}) == 1 else
+                              "/".join(sorted({str(s.level) for s in members if s.level is not None}))),
                     "lowest_value": min((s.extreme_value for s in members if s.extreme_value is not None
                                          and s.level is not None and s.family == "attention"), default=None)}
     alarms = [{"run": run["name"], "metric": s.metric, "steps": s.alarm_steps}
@@ -92,6 +93,8 @@ def summarize(runs: list, scale_e: float, scale_s: float) -> dict:
 def _fmt(x, spec=".3g"):
     if x is None:
         return "–"
+    if isinstance(x, str):
+        return x
     if isinstance(x, float) and not math.isfinite(x):
         return str(x)
     return format(x, spec)
