@@ -76,7 +76,7 @@ def _fmt(x):
 
 
 def report(args, rows: list) -> str:
-    names = list(rows[0]["signals"]) if rows else []
+    names = list(rows[0]["score"]["signals"]) if rows else []
     lines = [("**TUNING RUN — not a result.** " if args.tuning_run else "")
              + f"LR sweep of the small GPT ({args.model}, hidden {args.width}, 4 layers, 4 heads; 2 CPU processes), "
              f"{args.steps} steps, constant LR after a {max(1, args.steps // 20)}-step warm-up, no injected fault, "
