@@ -41,7 +41,7 @@ from megatron_mech.studies.natural import (loss_spike_step, max_logit_signal_ste
                                            self_divergence_step)
 
 logger = logging.getLogger("benchmarks.natural_instability")
-DEFAULT_LRS = [2e-3, 1e-2, 3e-2, 1e-1]  # the preset trains at 2e-3
+DEFAULT_LRS = [2e-3, 1e-2, 3e-2, 1e-1, 3e-1]  # the preset trains at 2e-3; logit growth is visible from 3e-2 on
 
 
 def run_flags(args, lr: float, qk_layernorm: bool, seed: int) -> list:
