@@ -25,8 +25,8 @@ A framework adapter is a translation onto its lifecycle::
 (step)`` comes before its forward/backward, ``after_optimizer_step(step)`` after ``optimizer.step()``, so the
 weights are then ``W_step``; ``start_step`` is the number of optimizer steps already done (0 for a fresh run, the
 checkpoint's step on resume). Monitors evaluate on multiples of the interval, the fault is on from its ``start``
-step, and MoLS's estimation window is placed on the same steps (MoLS's internal ``iteration`` is ``step − 1``,
-Megatron-LM's ``iteration`` before the step; ``--mech-mols-window-start`` is in those units).
+step, and MoLS's estimation window is placed on the same steps (``--mech-mols-window-start`` is a step; MoLS's
+core counts ``iteration = step − 1``, Megatron-LM's ``iteration`` before the step, and the hook translates).
 
 **MoLS touch points.** MoLS changes the optimizer, so it needs three calls before the training loop:
 ``optimizer_overrides`` (its per-module param groups, passed to the framework's optimizer builder),
@@ -149,8 +149,8 @@ class MechHook:
         window = options.window if options.window is not None else default_window(self.train_steps)
         core = options.core_config(window=window, ramp_end=self.lr_warmup_steps)
         if core.window_end > self.train_steps:
-            raise ValueError(f"--mech-mols-window: the estimation window (iterations {core.window_start}.."
-                             f"{core.window_end - 1}) does not fit in --train-iters {self.train_steps}")
+            raise ValueError(f"--mech-mols-window: the estimation window (steps {core.window_start + 1}.."
+                             f"{core.window_end}) does not fit in --train-iters {self.train_steps}")
         self.mols = view.mols(core, log=logger.info)
         return self.mols.config_overrides
 
@@ -219,6 +219,8 @@ class MechHook:
                                         wandb_kwargs={"project": output.wandb_project} if output.wandb_project
                                         else None, truncate_after_step=start_step if start_step else None)
         self._is_setup = True
+        if start_step and start_step not in self._saved_steps:  # the checkpoint this run resumed from
+            self._saved_steps.append(int(start_step))
         if self._pending_state is not None:
             self._load_monitor_state(self._pending_state)
             self._pending_state = None
@@ -364,7 +366,7 @@ class MechHook:
                              f"{STATE_VERSION})")
         if self.mols is not None and state.get("mols"):
             self.mols.load_state_dict(state["mols"])
-        self._saved_steps = list(state.get("saved_steps") or [])
+        self._saved_steps = sorted(set(self._saved_steps) | {int(s) for s in state.get("saved_steps") or ()})
         self.losses = [float(v) for v in state.get("losses") or []]
         if self._is_setup:
             self._load_monitor_state(state)
