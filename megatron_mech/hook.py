@@ -115,10 +115,14 @@ class MechHook:
         self.router = None
         self.experts = None
         self.mols = None
+        self.max_logit = None
+        """:class:`~megatron_mech.logit_symptom.MaxLogitRecorder` when the framework captures attention inputs."""
         self.families: tuple = ()
         self.alert_callbacks: List[Callable[[int, list], None]] = []
         """User hooks ``fn(step, alerts)``, called on every rank when an evaluation step has alerts."""
         self.first_alert_step: Optional[int] = None
+        self.losses: List[float] = []
+        """The loss of every step since step 1 (kept in the state, so a resumed run's summary covers the run)."""
         self.last_alerts: List[Alert] = []
         self.seconds: dict = {}
         """Wall time per part on this rank (attention, router, detectors, output, ...), for overhead reports."""
@@ -207,6 +211,13 @@ class MechHook:
             from megatron_mech.monitors.experts import ExpertMonitor
 
             self.experts = ExpertMonitor(list(view.experts), interval=monitors.interval, group=view.expert_group)
+        # max-attention-logit symptom: on when any rank's framework captures attention inputs (agreed by all)
+        if any_rank(bool(view.attention_logit_capture)):
+            from megatron_mech.logit_symptom import MaxLogitRecorder
+
+            self.max_logit = MaxLogitRecorder()
+            for capture in view.attention_logit_capture:
+                capture(self.max_logit.record)
         if self._sinks is None and view.logging_rank:
             from megatron_mech.records.sinks import default_sinks
 
@@ -232,6 +243,8 @@ class MechHook:
         MoLS extra samples (``samples`` estimator), tell the fault injector the step, apply an LR fault."""
         if self.router is not None:
             self.router.capturing = self._is_evaluation_step(step)
+        if self.max_logit is not None:
+            self.max_logit.capturing = self._is_evaluation_step(step)
         if self.mols is not None and self._sample_passes is not None:
             self._sample_passes(self.mols, step - 1)
         self.faults.before_step(step)
@@ -248,6 +261,7 @@ class MechHook:
         ``extra``: more plain values for this step's record. Returns the :class:`Action` for the trainer.
         """
         mols_metrics = self._mols_step(step)
+        self.losses.append(float(loss))
         metrics: dict = {}
         details: dict = {}
         with self._timed("attention"):
@@ -262,7 +276,7 @@ class MechHook:
                 metrics.update(observed[0])
                 details.update(observed[1])
         if not self._is_evaluation_step(step):
-            return Action.CONTINUE
+            return self._nonfinite_symptoms(step, loss, grad_norm, lr, extra)
         if self.router is not None:
             with self._timed("router"):
                 observed = self.router.observe(step)
@@ -276,6 +290,10 @@ class MechHook:
 
                     self._stage_exchange = MetricExchange(self._view.pp_group)
                 metrics, details = self._stage_exchange.combine(metrics, details)
+        if self.max_logit is not None:  # every rank, every evaluation step (one all-reduce)
+            with self._timed("max_logit"):
+                metrics.update(self.max_logit.observe())
+                self.max_logit.capturing = False
         metrics["symptom/loss"] = float(loss)
         if grad_norm is not None:
             metrics["symptom/grad_norm"] = float(grad_norm)
@@ -296,6 +314,32 @@ class MechHook:
                     record_extra["mols"] = mols_metrics
                 self._sinks.write(make_record(step, scalars, metrics, alerts, extra=record_extra))
         return self._alert_action(step, alerts)
+
+    def _nonfinite_symptoms(self, step: int, loss: float, grad_norm: Optional[float], lr: float,
+                            extra: Optional[dict]) -> Action:
+        """Between evaluations: a non-finite loss or grad norm is judged at once, not at the next evaluation.
+
+        Both values are identical on every rank (the loss is averaged over data-parallel ranks, the grad norm
+        reduced over the whole model), so every rank fires the same alerts and takes the same action without a
+        collective.
+        """
+        symptoms = {"symptom/loss": float(loss)}
+        if grad_norm is not None:
+            symptoms["symptom/grad_norm"] = float(grad_norm)
+        if all(math.isfinite(v) for v in symptoms.values()):
+            return Action.CONTINUE
+        with self._timed("detectors"):
+            alerts = self.registry.update(step, symptoms)
+        self.last_alerts = alerts
+        if self._sinks is not None and alerts:
+            with self._timed("output"):
+                for line in alert_lines(alerts):
+                    logger.info(f"[mech] ALERT step {step}: {line}")
+                from megatron_mech.records.sinks import make_record
+
+                scalars = {"loss": float(loss), "lr": float(lr), "grad_norm": symptoms.get("symptom/grad_norm")}
+                self._sinks.write(make_record(step, scalars, {}, alerts, extra=dict(extra or {})))
+        return self._alert_action(step, alerts, collective=False)
 
     def checkpoint_saved(self, step: int, directory) -> None:
         """The trainer saved a checkpoint of ``step`` in ``directory``. For the first alert's checkpoint the
@@ -320,7 +364,7 @@ class MechHook:
     # ------------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         """One versioned entry per rank: monitors, detectors, MoLS and the first-alert step."""
-        return {"version": STATE_VERSION, "first_alert_step": self.first_alert_step,
+        return {"version": STATE_VERSION, "first_alert_step": self.first_alert_step, "losses": list(self.losses),
                 "attention": self.attention.state_dict() if self.attention is not None else None,
                 "router": self.router.state_dict() if self.router is not None else None,
                 "detectors": self.registry.state_dict(),
@@ -338,6 +382,7 @@ class MechHook:
         if self.mols is not None and state.get("mols"):
             self.mols.load_state_dict(state["mols"])
         self._saved_steps = sorted(set(self._saved_steps) | {int(s) for s in state.get("saved_steps") or ()})
+        self.losses = [float(v) for v in state.get("losses") or []]
         if self._is_setup:
             self._load_monitor_state(state)
         else:
@@ -360,8 +405,10 @@ class MechHook:
     @property
     def evaluation_seconds(self) -> float:
         """Wall time spent in the monitors on this rank so far: snapshots and evaluations, detectors, output, and
-        router-logit capture inside the forward passes of evaluation steps (for overhead reporting)."""
-        return sum(self.seconds.values()) + self.router_capture_seconds
+        router-logit capture and the max-attention-logit inside the forward passes of evaluation steps (for
+        overhead reporting)."""
+        return (sum(self.seconds.values()) + self.router_capture_seconds
+                + (self.max_logit.seconds if self.max_logit is not None else 0.0))
 
     @property
     def router_capture_seconds(self) -> float:
@@ -389,10 +436,11 @@ class MechHook:
             self._scheduler.step(increment=0)  # same step count: the lrs again, with the new multipliers
         return self.mols.metrics(step - 1)
 
-    def _alert_action(self, step: int, alerts) -> Action:
+    def _alert_action(self, step: int, alerts, collective: bool = True) -> Action:
         """Acts on the run's *first* alert only; whether anything fired is agreed with one tiny all-reduce on
-        evaluation steps, so every rank takes the same branch even if a rank's metrics differed in the last bit."""
-        if not any_rank(bool(alerts)):
+        evaluation steps, so every rank takes the same branch even if a rank's metrics differed in the last bit
+        (``collective=False``: alerts known to be identical on every rank, see ``_nonfinite_symptoms``)."""
+        if not (any_rank(bool(alerts)) if collective else bool(alerts)):
             return Action.CONTINUE
         for callback in self.alert_callbacks:
             callback(step, list(alerts))

@@ -59,6 +59,12 @@ class ModelView:
     """Pipeline group when there is more than one stage (metrics are merged over it), else ``None``."""
     logging_rank: bool = True
     """Whether this rank writes the records (exactly one rank per run)."""
+    attention_logit_capture: Sequence[Callable[[Callable[..., None]], None]] = ()
+    """One ``capture(record)`` per self-attention layer on this rank (empty: the framework offers none). It
+    installs ``record(layer, query [b, h, sq, d], key [b, g, sk, d], scale, causal, mask=None)``, called with the
+    inputs of every forward of the layer's attention kernel (``scale``: the softmax scale applied to ``q·k``;
+    ``mask``: bool, True = masked out). Installing twice must not record twice. Feeds the max-attention-logit
+    symptom (:mod:`megatron_mech.logit_symptom`)."""
     mols: Optional[Callable[..., Any]] = None
     """MoLS factory of this framework, ``mols(core_config, log=...) -> backend`` (``None``: MoLS unavailable).
     The backend offers ``config_overrides``, ``attach(optimizer)``, ``wrap_forward_step(fn)``,

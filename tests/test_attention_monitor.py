@@ -44,7 +44,8 @@ def np_entropy(sv: np.ndarray, power: float = 2.0, normalized: bool = True) -> f
 def np_dw_metrics(delta: np.ndarray, power: float = 2.0) -> dict[str, float]:
     sv = np.linalg.svd(delta, compute_uv=False)
     return {"entropy": np_entropy(sv, power), "effective_rank": math.exp(np_entropy(sv, power, False)),
-            "stable_rank": float((sv ** 2).sum() / sv[0] ** 2), "fro": float(np.linalg.norm(delta))}
+            "stable_rank": float((sv ** 2).sum() / sv[0] ** 2), "fro": float(np.linalg.norm(delta)),
+            "frozen": 0.0}
 
 
 def blocks(weight: torch.Tensor, h: int, g: int, dh: int):
@@ -162,7 +163,8 @@ def test_power_and_terms_config():
         weight += updates[1]
     metrics, _ = no_heads.observe(2)
     assert sorted(metrics) == sorted(f"attn/layer0/dw{t}_{w}" for t in "qk"
-                                     for w in ("entropy", "effective_rank", "stable_rank", "fro", "update_ratio"))
+                                     for w in ("entropy", "effective_rank", "stable_rank", "fro", "update_ratio",
+                                               "frozen"))
 
 
 def test_extra_linears_and_slice_scope_single_process():
@@ -220,7 +222,7 @@ def test_state_dict_round_trip_mid_run(save):
     torch.save(first.state_dict(), buffer)
     buffer.seek(0)
     resumed = AttentionMonitor([AttentionLayer(0, weight_b, h, g, HEAD_DIM)], cfg)
-    resumed.load_state_dict(torch.load(buffer, weights_only=False))
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
     after = run_loop(resumed, weight_b, updates, steps, start=8)
 
     assert sorted(before) == [3, 6]
@@ -257,6 +259,37 @@ def test_non_finite_weight_gives_nan_metrics():
     metrics, _ = monitor.observe(9)
     assert math.isnan(metrics["attn/layer1/dwk_entropy"])
     assert math.isnan(metrics["attn/layer1/head0/delta2_entropy"])
+
+
+def test_frozen_layer_is_flagged_not_nan():
+    """A zero increment (frozen Q, then frozen Q and K) gives a frozen flag and "not measured" entropies,
+    never the NaN that means non-finite weights; the detectors skip it instead of alerting."""
+    from megatron_mech.core.detect import DetectorRegistry
+
+    h, g = 4, 2
+    weight = make_weight(h, g)
+    updates = make_updates(weight.shape, 9)
+    q_rows = torch.zeros(weight.shape[0], dtype=torch.bool)
+    for group in range(g):  # the Q rows of each group: the first h/g head blocks of the group's block
+        start = group * (h // g + 2) * HEAD_DIM
+        q_rows[start:start + (h // g) * HEAD_DIM] = True
+    monitor = AttentionMonitor([AttentionLayer(0, weight, h, g, HEAD_DIM)], AttentionMonitorConfig(interval=3))
+    run_loop(monitor, weight, updates, 3)
+    with torch.no_grad():  # steps 4-6: only K (and V) move
+        for s in (4, 5, 6):
+            weight[~q_rows] += updates[s][~q_rows]
+    metrics, _ = monitor.observe(6)
+    assert metrics["attn/layer0/dwq_frozen"] == 1.0 and metrics["attn/layer0/dwk_frozen"] == 0.0
+    assert metrics["attn/layer0/dwq_entropy"] is None and metrics["attn/layer0/dwq_fro"] == 0.0
+    assert math.isfinite(metrics["attn/layer0/dwk_entropy"])
+    assert metrics["attn/layer0/head1/delta3_entropy"] is None  # ΔW_q ΔW_kᵀ = 0
+    assert math.isfinite(metrics["attn/layer0/head1/delta2_entropy"])  # W_q ΔW_kᵀ ≠ 0
+    metrics, _ = monitor.observe(9)  # steps 7-9: nothing moves
+    assert metrics["attn/layer0/dwq_frozen"] == metrics["attn/layer0/dwk_frozen"] == 1.0
+    entropies = {n: v for n, v in metrics.items() if n.endswith("entropy") or "_entropy_" in n}
+    assert entropies and all(v is None for v in entropies.values())
+    registry = DetectorRegistry()
+    assert registry.update(9, metrics) == []
 
 
 def test_bf16_weights_snapshot_float32():

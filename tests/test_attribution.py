@@ -26,3 +26,29 @@ def test_groups_by_family_and_layer_and_quotes_first_order_term():
                         "(Δ2 spectral entropy 0.4 vs baseline 0.8, score 8.0, since step 140)")
     assert lines[1].startswith("router collapse suspected in layer 0, busiest expert 2 (expert-load entropy 0.7")
     assert lines[2].startswith("training symptom (loss 6 vs baseline 5")
+
+
+def test_same_step_groups_strongest_evidence_first():
+    """Two layers alerting in the same evaluation: the one furthest from its own baseline is named first."""
+    alerts = [alert("attn/layer0/head0/delta2_entropy", "attention", 75, 0.11, 0.57, 7.2, layer=0, head=0),
+              alert("attn/layer1/head3/delta2_entropy", "attention", 75, 0.026, 0.49, 9.5, layer=1, head=3)]
+    assert [g["layer"] for g in summarize_alerts(alerts)] == [1, 0]
+    assert alert_lines(alerts)[0].startswith("attention-precision fault suspected in layer 1, head 3")
+
+
+def test_global_blowup_is_one_nonfinite_line_not_a_layer_or_router_diagnosis():
+    nan, inf = float("nan"), float("inf")
+    alerts = [alert("attn/layer0/head0/delta2_entropy", "attention", 40, nan, 0.5, inf, layer=0, head=0),
+              alert("attn/layer2/dwq_entropy", "attention", 40, nan, 0.5, inf, layer=2),
+              alert("router/layer1/entropy_mean", "router", 40, nan, 1.2, inf, layer=1),
+              alert("symptom/loss", "symptom", 40, nan, 5.0, inf),
+              alert("symptom/grad_norm", "symptom", 40, inf, nan, inf)]
+    groups = summarize_alerts(alerts)
+    assert len(groups) == 1 and groups[0]["family"] == "nonfinite" and groups[0]["count"] == 5
+    line = alert_lines(alerts)[0]
+    assert line.startswith("training went non-finite at step 40: loss, grad-norm and 3 monitor series at once")
+    assert "router collapse" not in line and "layer 0" not in line
+    # one non-finite series alone is still that series' own alert, named by place
+    single = [alert("attn/layer1/head2/delta2_entropy", "attention", 50, nan, nan, inf, layer=1, head=2)]
+    assert alert_lines(single)[0] == ("attention-precision fault suspected in layer 1, head 2 "
+                                      "(Δ2 spectral entropy non-finite (nan), since step 50)")

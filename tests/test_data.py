@@ -257,7 +257,40 @@ def test_interrupted_build_cleans_up(tmp_path, monkeypatch):
     monkeypatch.setattr(D, "_build", boom)
     with pytest.raises(KeyboardInterrupt):
         D.prepare_data(tmp_path / "d", **TINY)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".d.lock"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no temp dir, and no stale .d.lock either
+
+
+def test_file_lock_is_removed_and_still_excludes(tmp_path):
+    """The lock file goes when released; a second holder waits for the first (threads: flock is per open file)."""
+    import threading
+    import time
+
+    path, order = tmp_path / ".x.lock", []
+
+    def hold(name, seconds):
+        with D._file_lock(path):
+            order.append(f"{name}+")
+            time.sleep(seconds)
+            order.append(f"{name}-")
+
+    first = threading.Thread(target=hold, args=("a", 0.3))
+    first.start()
+    while not order:
+        time.sleep(0.01)
+    second = threading.Thread(target=hold, args=("b", 0.0))
+    second.start()
+    first.join()
+    second.join()
+    assert order == ["a+", "a-", "b+", "b-"] and not path.exists()
+
+
+def test_cli_prepare_data_unwritable_target_is_one_line(tmp_path, capsys):
+    from megatron_mech import cli
+
+    (tmp_path / "file").write_text("")  # a file where a directory is needed: unwritable, even for root
+    assert cli.main(["prepare-data", "--out-dir", str(tmp_path / "file" / "data"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "cannot write the corpus to" in err and "--out-dir" in err
 
 
 def test_refuses_to_replace_a_foreign_directory(tmp_path):

@@ -14,6 +14,10 @@ def test_demo_quick_writes_report_with_attention_attribution(tmp_path):
     report = (tmp_path / "demo.md").read_text()
     # the fault is injected in layer 1: attribution must name it
     assert "attention-precision fault suspected in layer 1" in report, report
+    # the clean run raises no alert, and the fault run's timeline starts with the injected layer
+    assert "- clean run: 0 alerts (false alarms)" in report, report
+    timeline = report.split("Alert timeline:", 1)[1].strip().splitlines()
+    assert timeline[0].startswith("- attention-precision fault suspected in layer 1"), report
     assert (tmp_path / "demo.png").stat().st_size > 10_000
     assert "[attention] [mech] ALERT" in out.stdout  # alerts stream as they happen
     assert (tmp_path / "clean" / "report.png").exists() and (tmp_path / "attention" / "report.png").exists()

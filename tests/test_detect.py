@@ -141,28 +141,81 @@ def test_collapse_with_huge_mad_band_needs_rel_cap():
 
 
 # ---------------------------------------------------------------------------------------------------- NaN handling
-def test_nan_during_baseline_is_ignored():
-    det = Detector(cfg(warmup=2, baseline=4), "m", "attention")
-    det.update(0, NAN)  # warm-up counts evaluations, finite or not
+def test_nan_never_enters_the_baseline_but_alerts_at_once_in_every_phase():
+    det = Detector(cfg(warmup=2, baseline=4, persistence=2), "m", "attention")
+    first = det.update(0, NAN)  # warm-up counts evaluations, finite or not; a NaN alerts even here
+    assert first is not None and first.score == math.inf and math.isnan(first.baseline) and det.phase == "warmup"
     det.update(1, 1.0)
     assert det.phase == "baseline"
+    fired = {}
     for i, v in enumerate([1.0, NAN, 2.0, float("inf"), 3.0, NAN], start=2):
-        assert det.update(i, v) is None
+        fired[i] = det.update(i, v)
         assert det.phase == "baseline"
+    # steps 1-2 (finite) re-armed it, so the NaN at 3 alerts; then one finite value (4, 6) before each
+    # non-finite one (5, 7) is too short to re-arm with persistence 2: quiet
+    assert [i for i, a in fired.items() if a is not None] == [3]
     det.update(8, 10.0)  # 4th finite value freezes the baseline
     assert det.phase == "monitoring"
     assert det.baseline_median == 2.5  # median of [1, 2, 3, 10]
+    assert det.n_alerts == 2
 
 
-def test_nan_during_monitoring_counts_as_out_of_band():
+def test_nan_during_monitoring_alerts_at_once_and_latches():
     values = noise("gauss", 0, 40)
     det = Detector(cfg(), "m", "router")
     run(det, values)
-    assert det.update(40, NAN) is None and det.last_score == math.inf
-    assert det.update(41, 0.1) is None  # a real drop continues the streak
-    a = det.update(42, float("-inf"))
-    assert a is not None and a.step == 42 and a.score == math.inf and a.value == -math.inf
-    assert "non-finite" in a.describe()
+    a = det.update(40, NAN)
+    assert a is not None and a.step == 40 and a.score == math.inf and math.isnan(a.value)
+    assert a.baseline == det.baseline_median and "non-finite" in a.describe()
+    assert det.last_score == math.inf and det.active
+    assert run(det, [0.1, float("-inf"), 0.1, NAN], start=41) == []  # latched: one event, one alert
+    assert run(det, [1.0] * 3, start=45) == []  # back in band: re-armed
+    b = det.update(48, float("-inf"))
+    assert b is not None and b.value == -math.inf
+
+
+def test_990_nan_evaluations_after_10_good_ones_alert_through_the_registry():
+    """The default rules need 50 evaluations before a baseline exists; a NaN loss must not wait for it."""
+    reg = DetectorRegistry()
+    alerts = []
+    for step in range(1000):
+        loss = 5.0 - 0.001 * step if step < 10 else NAN
+        alerts += reg.update(step, {"symptom/loss": loss, "symptom/grad_norm": 1.0})
+    assert [(a.metric, a.step) for a in alerts] == [("symptom/loss", 10)]
+
+
+def test_registry_skips_unmeasured_values():
+    reg = DetectorRegistry([SeriesRule("m", "attention", warmup=0, baseline=3)])
+    assert reg.update(0, {"m": None}) == [] and reg.detectors == {}  # None = not measured, as in the sinks
+    for step in range(3):
+        reg.update(step + 1, {"m": 1.0})
+    assert reg.detectors["m"].phase == "monitoring"
+
+
+def test_receding_excursion_is_held_until_it_deepens_again():
+    """recede: the k-th out-of-band evaluation must be within (1 - r) of the run's peak score to fire."""
+    def make(recede):
+        det = Detector(cfg(warmup=0, baseline=5, rel_floor=0.0, abs_floor=0.1, recede=recede), "m", "attention")
+        run(det, [1.0] * 5)  # median 1, MAD 0 -> scale = abs_floor = 0.1: score = (1 - x) / 0.1
+        return det
+    dip = [0.1, 0.05, 0.2, 0.15]  # scores 9.0, 9.5, 8.0, 8.5: peaks, then turns back
+    assert [a.step for a in run(make(None), dip, start=5)] == [7]  # plain persistence fires at the 3rd
+    held = make(0.05)
+    assert run(held, dip + [1.0], start=5) == []  # 8.0 and 8.5 < 0.95 × 9.5: a transient, never fires
+    deepening = make(0.05)
+    assert [a.step for a in run(deepening, dip + [0.02], start=5)] == [9]  # 9.8 ≥ 0.95 × 9.8: fires
+    floor = make(0.05)  # a collapse that sits at its floor: tiny wiggles around the peak still fire at once
+    assert [a.step for a in run(floor, [0.010, 0.012, 0.011], start=5)] == [7]
+    with pytest.raises(ValueError, match="recede"):
+        DetectorConfig(recede=1.0)
+
+
+def test_receding_state_survives_a_checkpoint():
+    det = Detector(cfg(warmup=0, baseline=5, rel_floor=0.0, abs_floor=0.1, recede=0.05), "m", "attention")
+    run(det, [1.0] * 5 + [0.1, 0.05, 0.2])
+    other = Detector(det.config, "m", "attention")
+    other.load_state_dict(json.loads(json.dumps(det.state_dict())))
+    assert other.update(8, 0.02) is not None and det.update(8, 0.02) is not None
 
 
 # ---------------------------------------------------------------------------------------------------- latching
@@ -184,8 +237,8 @@ def test_latching_and_re_arming():
 # ---------------------------------------------------------------------------------------------------- checkpointing
 def _event_series(seed: int) -> list[float]:
     v = noise("t3", seed, 400)
-    v[5] = NAN  # warm-up
-    v[12] = NAN  # baseline
+    v[5] = NAN  # warm-up: an alert at once
+    v[12] = NAN  # baseline: another (re-armed by the finite values between)
     v[100:110] = [0.2] * 10  # alert, latch
     v[110:112] = [1.0, 1.0]  # too short to re-arm
     v[112:120] = [0.2] * 8
@@ -204,7 +257,7 @@ def test_state_round_trip_continues_identically(cut):
     make = lambda: Detector(cfg(), "attn/layer0/dwq_entropy", "attention")  # noqa: E731
     full = make()
     ref = run(full, values)
-    assert len(ref) == 2
+    assert [a.step for a in ref] == [5, 12, 102, 200]
     first = make()
     got = run(first, values[:cut])
     state = json.loads(json.dumps(first.state_dict()))  # plain types (json keeps inf as Infinity)

@@ -22,6 +22,12 @@ from dist_utils import REPO_ROOT, run_torchrun, run_worker_jobs
 
 WORKER = REPO_ROOT / "tests" / "workers" / "faults_worker.py"
 TRAIN_JOB = {"id": "train", "steps": 100, "start": 20, "gamma": 0.1, "window": 20, "lr": 3e-3, "seed": 0}
+# Stock DotProductAttention and the emulated FA2 core compute the same fp32 forward with different summation
+# orders (one softmax over the whole row vs a tiled online softmax), so their losses agree only up to float
+# reordering: a few fp32 ulps per op, ~1e-7 relative measured on Intel and AMD. The bound is the one the
+# gradients are already held to (stock_vs_off_max_rel < 1e-5). The same code path with the fault on or off is
+# still compared bit for bit: the fault lives in the backward only.
+LOSS_PATH_RTOL = 1e-5
 
 
 # ================================================================================================ helpers
@@ -342,7 +348,8 @@ def test_fp32_equals_megatron_dot_product_attention(megatron_results):
 def test_gpt_with_fault_spec_changes_exactly_the_faulty_place(megatron_results):
     r = _result(megatron_results, "gpt_selectivity")
     assert r["same_weights"] and r["core_types"] == ["EmulatedFlashAttention"] * 3 and r["faulty_layers"] == [1]
-    assert r["loss_stock"] == r["loss_off"] == r["loss_on"]  # the fault lives in the backward only
+    assert r["loss_off"] == r["loss_on"]  # same code path: the fault lives in the backward only
+    assert r["loss_stock"] == pytest.approx(r["loss_off"], rel=LOSS_PATH_RTOL, abs=0)
     assert r["stock_vs_off_max_rel"] < 1e-5  # emulated fp32 attention = megatron's, whole model
     assert r["untold_schedule"]["injected"] == [0, 0, 0] and len(r["untold_schedule"]["warnings"]) == 1
     assert r["injected_off"] == [0, 0, 0] and r["injected_on"] == [0, 1, 0]  # start step respected
@@ -406,4 +413,7 @@ def test_tensor_parallel_head_mapping_torchrun():
         assert r0["injected"] == [0, 0, 0] and r1["injected"] == [0, 1, 0]
         assert r0["layer1_qkv_changed"] == 0.0 and r1["layer1_qkv_changed"] > 1e-3
         for r in (r0, r1):
-            assert r["losses"][0] == r["losses"][1] == r["losses"][2] and r["stock_vs_off_max_rel"] < 1e-5
+            loss_stock, loss_off, loss_on = r["losses"]
+            assert loss_off == loss_on  # same code path: the fault lives in the backward only
+            assert loss_stock == pytest.approx(loss_off, rel=LOSS_PATH_RTOL, abs=0)
+            assert r["stock_vs_off_max_rel"] < 1e-5

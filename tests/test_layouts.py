@@ -64,3 +64,13 @@ def test_bad_layouts_raise_clear_errors():
         split_fused_qkv(weight[None], 8, 2, 4)
     with pytest.raises(ValueError, match="must both be"):
         fuse_qkv(torch.randn(4, 6, 2), torch.randn(2, 6, 2), torch.randn(2, 6, 3))
+
+
+def test_float_counts_are_refused_by_name():
+    """head_dim=4.0 used to reach view() and fail there with a TypeError."""
+    from megatron_mech.core.layouts import split_fused_qkv
+
+    weight = torch.zeros((4 + 2 * 2) * 4, 16)
+    with pytest.raises(ValueError, match="head_dim must be an int, got 4.0"):
+        split_fused_qkv(weight, 4, 2, 4.0)
+    split_fused_qkv(weight, 4, 2, 4)

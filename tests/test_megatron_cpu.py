@@ -199,3 +199,20 @@ def test_real_torchrun_moe_ep2_matches_fork_runner(results):
     assert result["applied"] == list(mcpu.SHIMS)
     expected = _losses(results["moe_ep2_distopt"])
     assert result["losses"] == pytest.approx(expected, abs=1e-5)
+
+
+def test_grad_norm_accumulates_in_float64():
+    """The clipping grad norm (no apex): float64 accumulation agrees with an exact float64 reference to ~1e-15,
+    where fp32 per-tensor norms combined in fp32 (megatron's local fallback) are off by orders of magnitude more.
+    The reference is an independent float64 sum of squares."""
+    from megatron_mech.megatron.cpu_shims import float64_l2_norm
+
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(786_432, generator=gen) * 1e-3, torch.randn(64, 128, generator=gen) * 10.0,
+             torch.full((1000,), 3e-4)]
+    reference = math.sqrt(sum(float(g.double().square().sum()) for g in grads))
+    norm, _ = float64_l2_norm(2048, None, [grads], False)
+    assert norm.dtype == torch.float64 and norm.shape == (1,)
+    assert abs(float(norm) - reference) <= 1e-13 * reference
+    fp32 = float(torch.norm(torch.tensor([float(torch.norm(g)) for g in grads])))  # megatron's fallback
+    assert abs(fp32 - reference) > 100 * abs(float(norm) - reference)

@@ -22,9 +22,13 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--min-lr", "2e-4", "--lr-warmup-iters", "5", "--log-interval", "5", "--eval-iters", "1",
         "--mech-interval", "5", "--seed", "11"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
-# Measured: TP=2 vs TP=1 (dense) and EP=2 vs EP=1 (MoE) monitor entropies differ by ≤ ~1e-4 after 20 steps
-# (float32 training; ΔW over 5 steps is ~1e-3 of W, so a 1e-7 weight difference is ~1e-4 of ΔW).
-TRAINING_TOL = 2e-3
+# What is left between layouts is float32 reordering in the TP/DP reductions (~1e-7 relative on the weights;
+# ΔW over 5 steps is ~1e-3 of W, so ~1e-4 relative on ΔW at worst). The grad norm used for clipping is
+# accumulated in float64 by our CPU shim: with megatron's fp32 fallback it was itself ~1e-4 off, and TP=2
+# vs TP=1 measured (this 20-step dense run, AMD EPYC) 2.8e-5 on the entropies and 1.5e-4 on the linears'
+# metrics; with float64 accumulation 3.8e-7 and 2.2e-6 (loss gap 2.4e-7), DP=2 vs DP=1 6e-8. The tolerance
+# is ~10x the worst remaining difference.
+TRAINING_TOL = 2e-5
 
 
 def train(tmp_path: Path, name: str, nproc: int, *extra: str, steps: int = 20, capture: bool = False) -> dict:
@@ -89,7 +93,7 @@ def test_dense_loss_falls_and_every_layer_and_head_is_recorded(dense_runs):
 def test_tp2_global_spectra_equal_tp1(dense_runs):
     tp1, tp2 = dense_runs["tp1"], dense_runs["tp2"]
     loss_gap = max(abs(a - b) for a, b in zip(tp1["summary"]["losses"], tp2["summary"]["losses"]))
-    assert loss_gap < 1e-4
+    assert loss_gap < 1e-5  # measured 2.4e-7
     # every dense linear too: attention output and MLP fc1/fc2 are split across TP (rows or columns)
     linear = series(tp1, "linear/")
     assert {k for _, k in linear} >= {f"linear/layer{i}/{n}/dw_entropy" for i in range(2)
@@ -104,6 +108,21 @@ def test_dp2_equals_dp1_on_the_same_global_batch(dense_runs):
     print(f"DP2 vs DP1 delta2 entropy: max |diff| {worst:.2e}")
 
 
+def test_max_attention_logit_is_one_value_over_heads_and_ranks(dense_runs):
+    # The symptom is the maximum over every layer, head, token and rank: split over TP (heads) or DP (tokens),
+    # the all-reduced maximum must equal the single-process one, up to the training drift between the runs
+    # (relative TRAINING_TOL: the logits are O(1–10), the runs' weights differ by float reordering only).
+    ref = series(dense_runs["tp1"], "symptom/max_attn_logit")
+    assert sorted(step for step, _ in ref) == list(range(5, 21, 5))
+    assert all(math.isfinite(v) and v > 0 for v in ref.values())
+    for name in ("tp2", "dp2"):
+        got = series(dense_runs[name], "symptom/max_attn_logit")
+        assert got.keys() == ref.keys(), name
+        worst = max(abs(got[k] - ref[k]) / abs(ref[k]) for k in ref)
+        assert worst <= TRAINING_TOL, (name, worst)
+        print(f"{name} vs TP1 max attention logit: max relative diff {worst:.2e}")
+
+
 @pytest.fixture(scope="module")
 def moe_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("moe")
@@ -116,7 +135,7 @@ def single_process_stats(run: dict, step: int, layer: int) -> RoutingStats:
     """RoutingStats of every token every rank recorded at ``step``, computed in this one process."""
     reference = RoutingStats(4)
     for path in sorted((run["dir"] / "captured").glob("rank*.pt")):
-        for logits in torch.load(path)[step].get(layer, []):
+        for logits in torch.load(path, weights_only=True)[step].get(layer, []):
             reference.update(logits, topk=2)
     return reference
 
@@ -151,6 +170,7 @@ def test_resume_continues_the_monitor_series_exactly(tmp_path):
         assert a["loss"] == b["loss"]
         assert a["metrics"] == b["metrics"], a["step"]
     assert full["summary"]["alerts"] == resumed["summary"]["alerts"]
+    assert resumed["summary"]["losses"] == full["summary"]["losses"]  # the whole run, not only after the resume
 
 
 def test_resume_with_distributed_optimizer_and_mols_is_exact(tmp_path):

@@ -348,7 +348,7 @@ def test_stats_state_dict_round_trip_and_reset():
     torch.save(stats.state_dict(), buffer)
     buffer.seek(0)
     restored = RoutingStats(5, num_bins=7)
-    restored.load_state_dict(torch.load(buffer))
+    restored.load_state_dict(torch.load(buffer, weights_only=True))
     assert restored.summary() == stats.summary() and restored.low_entropy_threshold == 0.3
     more = random_logits(torch.Generator().manual_seed(4), 50, 5)
     stats.update(more, topk=2)

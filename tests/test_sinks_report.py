@@ -371,3 +371,43 @@ def test_run_report(tmp_path, capsys):
     (tmp_path / "empty" / JSONL_NAME).write_text("")
     assert run_report(argparse.Namespace(run_dir=str(tmp_path / "empty"), out=None, metrics=None)) == 2
     assert "holds no records" in capsys.readouterr().err
+
+
+def test_unusable_lines_are_skipped_with_a_warning_naming_the_line(tmp_path):
+    """Non-UTF-8 bytes, a 'metrics' that is not an object, an alert without 'metric': each line is skipped with
+    a warning, as a truncated line already was; the good records all survive."""
+    path = tmp_path / JSONL_NAME
+    good = [encode_record(make_record(s, {"loss": 1.0}, {"m": 0.5}, [alert(step=s)] if s == 20 else []))
+            for s in (10, 20, 30)]
+    bad_alert = json.dumps({"step": 25, "metrics": {}, "alerts": [{"family": "attention", "step": 25}]})
+    lines = [good[0].encode(), b'{"step": 12, "note": "caf\xe9"}', json.dumps({"step": 15, "metrics": [1, 2]}).encode(),
+             good[1].encode(), bad_alert.encode(), json.dumps({"step": "x"}).encode(), good[2].encode()]
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.warns(RuntimeWarning) as caught:
+        records = read_jsonl(path)
+    assert [r["step"] for r in records] == [10, 20, 30]
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 4 and all("skipping corrupt line" in m for m in messages)
+    assert f"{path}:2:" in messages[0] and "utf-8" in messages[0].lower()
+    assert "'metrics' must be an object" in messages[1] and "unreadable alert" in messages[2]
+
+
+def test_run_report_into_out_dir_for_a_read_only_run(tmp_path, capsys):
+    import os
+    import stat
+
+    from megatron_mech.records.report import add_report_arguments, run_report
+
+    synthetic_run(tmp_path / "run", n=20)
+    parser = argparse.ArgumentParser()
+    add_report_arguments(parser)
+    assert run_report(parser.parse_args([str(tmp_path / "run"), "--out-dir", str(tmp_path / "elsewhere")])) == 0
+    assert (tmp_path / "elsewhere" / "report.png").is_file() and (tmp_path / "elsewhere" / "report.md").is_file()
+    assert not (tmp_path / "run" / "report.md").exists()
+    if os.geteuid() != 0:  # root writes anyway; the message path is what is checked here
+        (tmp_path / "run").chmod(stat.S_IRUSR | stat.S_IXUSR)
+        try:
+            assert run_report(parser.parse_args([str(tmp_path / "run")])) == 2
+            assert "--out-dir" in capsys.readouterr().err
+        finally:
+            (tmp_path / "run").chmod(stat.S_IRWXU)

@@ -273,3 +273,14 @@ def test_state_dict_round_trip_mid_window():
     assert resumed.skipped == 1
     with pytest.raises(ValueError, match="version"):
         TwoBatchSNR().load_state_dict({"version": 99})
+
+
+def test_two_batch_refuses_negative_squared_norms_and_changes_nothing():
+    from megatron_mech.core.snr import TwoBatchSNR
+
+    est = TwoBatchSNR()
+    est.update({"qk": 1.0}, {"qk": 0.5}, small_batch=8, big_batch=64)
+    before = est.estimates()
+    with pytest.raises(ValueError, match="squared norms must be >= 0.*'qk'"):
+        est.update({"qk": -1.0}, {"qk": 0.5}, small_batch=8, big_batch=64)
+    assert est.estimates() == before

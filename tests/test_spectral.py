@@ -251,3 +251,79 @@ def test_gram_dtype_float64_on_float32_weights_is_exact_and_bad_values_raise():
         qk_increment_spectra(*w, method="qr", gram_dtype=torch.float64)
     with pytest.raises(ValueError, match="eig_dtype"):
         spectrum_from_gram(torch.eye(3), eig_dtype=torch.float16)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Extreme and non-finite input: one policy, never an exception from LAPACK
+# ---------------------------------------------------------------------------------------------------------
+from megatron_mech.core import spectral as S  # noqa: E402
+
+
+def test_spectral_entropy_non_finite_policy():
+    """NaN, +inf and -inf all give NaN (a flagged metric); a finite negative value is the caller's error."""
+    for bad in (math.nan, math.inf, -math.inf):
+        assert math.isnan(float(S.spectral_entropy(torch.tensor([1.0, bad]))))
+    assert math.isnan(float(S.spectral_entropy(torch.zeros(3))))  # a zero increment (frozen layer)
+    with pytest.raises(ValueError, match="non-negative"):
+        S.spectral_entropy(torch.tensor([1.0, -0.5]))
+    with pytest.raises(ValueError, match="real"):
+        S.matrix_spectrum(torch.ones(3, 2, dtype=torch.complex64))
+
+
+def test_spectral_entropy_is_scale_free_up_to_float64_range():
+    sv = torch.tensor([3.0, 2.0, 1.0, 0.5], dtype=torch.float64)
+    ref = float(S.spectral_entropy(sv))
+    for scale in (1e-150, 1e150, 1e300):  # σ² would under/overflow without the max-normalisation
+        assert float(S.spectral_entropy(sv * scale)) == pytest.approx(ref, rel=1e-12)
+
+
+@pytest.mark.parametrize("scale", [1e100, 1e200, 1e300])
+def test_huge_finite_weights_never_raise(scale):
+    """Entries near 1e200 made eigh raise LinAlgError; every route now returns numbers or NaN."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 8, generator=gen, dtype=torch.float64) * scale
+    assert torch.allclose(S.matrix_spectrum(x) / scale, S.matrix_spectrum(x / scale), rtol=1e-10)
+    S.spectrum_from_gram(x.T @ x)  # the Gram overflows to inf at 1e200: NaN, no exception
+    wq = torch.randn(4, 32, 8, generator=gen, dtype=torch.float64) * scale
+    wk = torch.randn(2, 32, 8, generator=gen, dtype=torch.float64) * scale
+    for method in ("gram", "qr"):
+        out = S.qk_increment_spectra(wq, wk, wq * 1.01, wk * 0.99, method=method)
+        assert out.delta2.shape == (4, 16)
+
+
+def test_guard_keeps_good_batch_elements_when_lapack_fails_on_one():
+    """A batch where eigvalsh fails as a whole: the good element is still exact (vs a lone call), the
+    ill-scaled one is retried rescaled (eigenvalues scale linearly)."""
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(8, 8, generator=gen, dtype=torch.float64)
+    good = a @ a.T
+    calls = []
+
+    def flaky(m):
+        calls.append(m.shape)
+        if m.dim() == 3 or float(m.abs().amax()) > 1e6:  # the batch and the unscaled element fail
+            raise torch.linalg.LinAlgError("did not converge")
+        return torch.linalg.eigvalsh(m)
+
+    out = S.guarded_linalg(flaky, torch.stack([good, good * 1e10]))
+    ref = torch.linalg.eigvalsh(good)
+    assert torch.allclose(out[0], ref, rtol=1e-12, atol=0)
+    assert torch.allclose(out[1], ref * 1e10, rtol=1e-10, atol=0)
+
+    def hopeless(m):  # fails on everything but the identity-shaped probe of the NaN fallback
+        if m.dim() == 3 or not torch.equal(m, torch.eye(8, dtype=m.dtype)):
+            raise torch.linalg.LinAlgError("did not converge")
+        return torch.linalg.eigvalsh(m)
+
+    nan_out = S.guarded_linalg(hopeless, torch.stack([good]))
+    assert nan_out.shape == (1, 8) and bool(nan_out.isnan().all())
+
+
+def test_qk_terms_as_one_string_and_complex_weights():
+    gen = torch.Generator().manual_seed(3)
+    w = [torch.randn(2, 16, 4, generator=gen, dtype=torch.float64) for _ in range(4)]
+    one = S.qk_increment_spectra(*w, terms="delta2")  # used to be split into 'd', 'e', 'l', ...
+    assert one.delta2 is not None and one.delta1 is None and one.delta3 is None
+    assert torch.equal(one.delta2, S.qk_increment_spectra(*w, terms=("delta2",)).delta2)
+    with pytest.raises(ValueError, match="wq must be real"):
+        S.qk_increment_spectra(w[0], w[1], w[2].to(torch.complex128), w[3])

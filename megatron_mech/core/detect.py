@@ -27,12 +27,31 @@ a collapse toward zero could never fire; capping the scale at ``rel_cap·|m|`` g
 scores ``≥ 1/rel_cap``. Both are fractions of the baseline median, so they are scale-free. ``abs_floor`` (in
 the metric's units) only prevents a zero scale.
 
-Non-finite values: ignored while collecting the baseline (they do not count toward it); during monitoring they
-are out-of-band with score ``+inf`` — a NaN/Inf monitor value is itself a fault sign.
+Non-finite values alert at once, in every phase (warm-up and baseline included, no persistence needed): a
+NaN/Inf loss, grad norm or monitor value is itself a fault sign, and waiting for a baseline would leave the
+first hundreds of steps unprotected. Such an alert has ``score = inf`` and ``baseline = nan`` when no baseline
+exists yet; the detector then latches for non-finite values until ``persistence`` consecutive finite evaluations
+re-arm it. Non-finite values never enter the baseline; during monitoring they also count as out of band.
+
+Receding excursions (``recede = r``, optional): a run of out-of-band evaluations fires only while it is not
+receding, i.e. when the ``k``-th (or a later) evaluation's score is at least ``(1 − r)`` × the run's peak
+score. A collapse keeps deepening or sits at its floor (scores within a hair of the peak) and fires as before;
+a transient dip of a healthy series that is already climbing back when persistence is reached is held until it
+either deepens again or returns to the band. Attention entropies need this: in the early transient every
+layer's update spectrum dips and recovers, and with a short baseline such a dip in a healthy layer reached
+persistence one evaluation before the faulty layer's collapse did.
 
 By default the baseline is frozen once collected: slow healthy drift *against* the bad direction (attention
 entropies rise slowly in clean runs, the loss falls) is harmless, drift *toward* it eventually alerts —
 re-baseline (``reset``) after a deliberate change of regime (e.g. a new LR schedule phase).
+
+Level criterion (``level = ℓ``, optional): an evaluation is out of band only if its score reaches the threshold
+*and* its value is beyond the absolute level ``ℓ`` in the bad direction (down: ``x ≤ ℓ``; up: ``x ≥ ℓ``; not
+allowed with ``both``). The relative score alone measures distance from a baseline, and a baseline taken in
+the early transient, or a series that drifts for a long time, puts healthy values far from it; the level says
+what a fault *looks like* in the metric's own units, independent of the model's size. Normalized spectral
+entropies live in [0, 1] whatever the width: an attention-precision collapse drives them to ~1e-3 while healthy
+dips stay above a few hundredths, so a level between the two separates them without per-size tuning.
 
 Tracking baseline (``track = L > 0``), for series whose healthy drift goes the bad way (routing entropies fall
 for thousands of steps as experts specialize): after the baseline is collected, every in-band evaluation is
@@ -52,13 +71,16 @@ from typing import Any, Mapping, Sequence
 
 from megatron_mech.core.checks import is_finite_real, is_int
 
-__all__ = ["FAMILIES", "DIRECTIONS", "Alert", "DetectorConfig", "Detector", "SeriesRule", "DetectorRegistry",
+__all__ = ["ATTENTION_LEVELS", "FAMILIES", "DIRECTIONS", "Alert", "DetectorConfig", "Detector", "SeriesRule", "DetectorRegistry",
            "default_rules"]
 
 FAMILIES = ("attention", "router", "symptom")
 DIRECTIONS = ("down", "up", "both")
 MAD_TO_SIGMA = 1.4826  # MAD × this = σ for Gaussian data
 ROUTER_TRACK = 20  # lag (evaluations) of the router rules' tracking baseline; see default_rules
+# Absolute levels (normalized spectral entropy, in [0, 1]) below which an attention evaluation can be out of band:
+# a precision collapse reaches ~1e-3, healthy dips stayed above ~0.03 (Δ2) / ~0.05 (ΔW); see default_rules.
+ATTENTION_LEVELS = {"delta2_entropy": 0.01, "dw_entropy": 0.02}
 
 
 def _check_family(family: str) -> None:
@@ -127,6 +149,11 @@ class DetectorConfig:
         abs_floor: the scale is at least this (metric units), ``> 0`` so the scale is never zero.
         track: ``0`` = frozen baseline; ``L > 0`` = tracking baseline with lag ``L`` evaluations (module
             docstring).
+        recede: None = fire at persistence; ``0 <= r < 1`` = fire only while the out-of-band run is not receding
+            by more than the fraction ``r`` of its peak score (module docstring).
+        level: None = no level criterion; a finite number = the value must also be at or beyond this absolute
+            level in the bad direction to count as out of band (metric units; module docstring). Not allowed
+            with ``direction="both"``.
     """
 
     warmup: int = 20
@@ -138,8 +165,16 @@ class DetectorConfig:
     rel_cap: float | None = None
     abs_floor: float = 1e-6
     track: int = 0
+    recede: float | None = None
+    level: float | None = None
 
     def __post_init__(self) -> None:
+        if self.level is not None:
+            if not is_finite_real(self.level):
+                raise ValueError(f"level must be None or a finite number, got {self.level!r}")
+            if self.direction == "both":
+                raise ValueError("level needs direction 'down' or 'up' (a one-sided absolute level), "
+                                 "got direction 'both'")
         if not is_int(self.track) or self.track < 0:
             raise ValueError(f"track must be an int >= 0 (0 = frozen baseline), got {self.track!r}")
         if not is_int(self.warmup) or self.warmup < 0:
@@ -159,6 +194,10 @@ class DetectorConfig:
             if not is_finite_real(v) or v <= 0 or v < self.rel_floor:
                 raise ValueError(f"rel_cap must be None or a finite number > 0 and >= rel_floor "
                                  f"({self.rel_floor}), got {v!r}")
+        if self.recede is not None:
+            v = self.recede
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+                raise ValueError(f"recede must be None or a number in [0, 1), got {v!r}")
 
 
 class Detector:
@@ -184,6 +223,9 @@ class Detector:
         self._active = False          # latched after an alert
         self._last_score: float | None = None
         self._n_alerts = 0
+        self._run_peak = 0.0          # highest score of the current out-of-band run (while armed)
+        self._nonfinite_latched = False  # a non-finite alert fired; re-armed by `persistence` finite values
+        self._n_finite = 0            # consecutive finite evaluations while latched for non-finite values
 
     # ------------------------------------------------------------------ properties
     @property
@@ -249,15 +291,55 @@ class Detector:
                 self._values = (self._values + [oldest])[-self.config.baseline:]
                 self._freeze_baseline()
 
+    def beyond_level(self, value: float) -> bool:
+        """Whether ``value`` passes the level criterion (always True without a level)."""
+        level = self.config.level
+        if level is None:
+            return True
+        return value <= level if self.config.direction == "down" else value >= level
+
     # ------------------------------------------------------------------ main entry
+    def _alert(self, step: int, value: float, score: float, detail: Mapping[str, Any] | None) -> Alert:
+        self._n_alerts += 1
+        return Alert(metric=self.metric, family=self.family, step=int(step), value=value,
+                     baseline=self._median if self._median is not None else math.nan, score=score,
+                     detail=dict(detail or {}))
+
+    def _update_nonfinite(self, step: int, value: float, detail: Mapping[str, Any] | None) -> Alert | None:
+        """A NaN/Inf evaluation: alert at once (unless already latched for non-finite values), any phase."""
+        c = self.config
+        self._n_finite = 0
+        alert = None
+        if not self._nonfinite_latched:
+            self._nonfinite_latched = True
+            alert = self._alert(step, value, math.inf, detail)
+        if self._scale is None:
+            if self._n_warmup < c.warmup:
+                self._n_warmup += 1  # warm-up counts evaluations, finite or not; the baseline only finite ones
+            return alert
+        self._last_score = math.inf  # monitoring: also out of band for the baseline-relative rule
+        if c.track:
+            self._track(value, admissible=False)
+        self._n_in = 0
+        if alert is not None:  # the band rule must not fire a second alert for the same event
+            self._pending = [None] * len(self._pending)
+            self._active, self._n_out, self._run_peak = True, 0, 0.0
+        return alert
+
     def update(self, step: int, value: float, detail: Mapping[str, Any] | None = None) -> Alert | None:
         """Feed one evaluation; return an :class:`Alert` when one fires, else None."""
         value = float(value)
         c = self.config
+        if not math.isfinite(value):
+            return self._update_nonfinite(step, value, detail)
+        if self._nonfinite_latched:
+            self._n_finite += 1
+            if self._n_finite >= c.persistence:
+                self._nonfinite_latched, self._n_finite = False, 0
         if self._scale is None:
             if self._n_warmup < c.warmup:
                 self._n_warmup += 1
-            elif math.isfinite(value):  # non-finite values never enter the baseline
+            else:
                 self._values.append(value)
                 if len(self._values) >= c.baseline:
                     self._freeze_baseline()
@@ -265,7 +347,7 @@ class Detector:
 
         s = self.score(value)
         self._last_score = s
-        out = s >= c.threshold
+        out = s >= c.threshold and self.beyond_level(value)
         if c.track:
             self._track(value, admissible=not out and not self._active and math.isfinite(value))
         if self._active:
@@ -274,27 +356,34 @@ class Detector:
             if self._n_in >= c.persistence:
                 self._active, self._n_in, self._n_out = False, 0, 0
             return None
-        self._n_out = self._n_out + 1 if out else 0
+        if out:
+            self._n_out += 1
+            self._run_peak = max(self._run_peak, s)
+        else:
+            self._n_out, self._run_peak = 0, 0.0
         if self._n_out < c.persistence:
             return None
+        if c.recede is not None and s < (1.0 - c.recede) * self._run_peak:
+            return None  # the excursion is receding: a transient on its way back, not (yet) a collapse
         self._pending = [None] * len(self._pending)  # the onset's values must never join the baseline
-        self._active, self._n_out, self._n_in = True, 0, 0
-        self._n_alerts += 1
-        return Alert(metric=self.metric, family=self.family, step=int(step), value=value,
-                     baseline=self._median, score=s, detail=dict(detail or {}))
+        self._active, self._n_out, self._n_in, self._run_peak = True, 0, 0, 0.0
+        return self._alert(step, value, s, detail)
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
         """Dynamic state in plain Python types (the config is not restored from it; it is recorded for audit)."""
-        return {"version": 2, "metric": self.metric, "family": self.family,
+        return {"version": 3, "metric": self.metric, "family": self.family,
                 "config": dataclasses.asdict(self.config),
                 "n_warmup": self._n_warmup, "values": list(self._values), "pending": list(self._pending),
                 "median": self._median,
                 "mad": self._mad, "scale": self._scale, "n_out": self._n_out, "n_in": self._n_in,
-                "active": self._active, "last_score": self._last_score, "n_alerts": self._n_alerts}
+                "active": self._active, "last_score": self._last_score, "n_alerts": self._n_alerts,
+                "run_peak": self._run_peak, "nonfinite_latched": self._nonfinite_latched,
+                "n_finite": self._n_finite}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if state.get("version") not in (1, 2):  # version 1: before tracking baselines (no "pending")
+        # version 1: before tracking baselines (no "pending"); 2: before receding runs and non-finite latching
+        if state.get("version") not in (1, 2, 3):
             raise ValueError(f"unsupported Detector state version {state.get('version')!r}")
         if state["metric"] != self.metric:
             raise ValueError(f"state is for metric {state['metric']!r}, this detector is {self.metric!r}")
@@ -307,9 +396,13 @@ class Detector:
         self._active = bool(state["active"])
         self._last_score = opt(state["last_score"])
         self._n_alerts = int(state["n_alerts"])
+        self._run_peak = float(state.get("run_peak", 0.0))
+        self._nonfinite_latched = bool(state.get("nonfinite_latched", False))
+        self._n_finite = int(state.get("n_finite", 0))
 
 
-_OVERRIDES = ("warmup", "baseline", "threshold", "persistence", "rel_floor", "rel_cap", "abs_floor", "track")
+_OVERRIDES = ("warmup", "baseline", "threshold", "persistence", "rel_floor", "rel_cap", "abs_floor", "track",
+              "recede", "level")
 
 
 @dataclass(frozen=True)
@@ -329,6 +422,8 @@ class SeriesRule:
     rel_cap: float | None = None
     abs_floor: float | None = None
     track: int | None = None
+    recede: float | None = None
+    level: float | None = None
 
     def __post_init__(self) -> None:
         _check_family(self.family)
@@ -352,7 +447,17 @@ def default_rules() -> list[SeriesRule]:
       ``attention``, ``down`` — the fault is a collapse onto a few modes; threshold 7. Warm-up 30
       evaluations skips the early transient (which lasted until ~step 300 in the experiments), baseline 20.
       ``rel_cap=0.1`` so that, even with a noisy baseline, a collapse to zero scores ≥ 10 > threshold 6 (the
-      band's lower edge is then at least 40% of the baseline median); ``rel_floor=0.05``.
+      band's lower edge is then at least 40% of the baseline median); ``rel_floor=0.05``; ``recede=0.05``:
+      a run of out-of-band evaluations that is already turning back fires only if it deepens again.
+      **Level criterion**: an attention evaluation is out of band only if the entropy is also at or below
+      ``ATTENTION_LEVELS`` (0.01 for per-head Δ2, 0.02 for per-layer ΔW). The relative score alone
+      false-alarmed on clean runs: a clean head's Δ2 entropy wandered from 0.35 down to 0.10 (score 10.5
+      against a baseline of 0.38), and in short runs the baseline sits in the early transient (0.57) that every
+      layer leaves on its way down. Measured on a 120-step tuning run (seed 11, the quick demo's fault run,
+      γ = 0.1 in layer 1 from step 60): the minimum over the healthy layers' heads of Δ2 entropy was 0.029 and
+      of ΔW entropy 0.055, while the faulty layer's Δ2 fell through 0.0125, 0.0066, 0.0035 to 0.001 (steps
+      80–110) and its ΔW to 0.015 by step 100 and 0.002 by step 120. The entropies are normalized to [0, 1]
+      for every matrix size, so the levels do not depend on the model's width.
       Norms (‖W_Q‖₂, Frobenius) are deliberately *not* monitored: they grow naturally and false-alarmed on clean
       runs.
     * Router (names as in ``RoutingStats.summary()`` under ``router/layer{L}/``): ``entropy_mean``,
@@ -364,8 +469,8 @@ def default_rules() -> list[SeriesRule]:
       (``track=ROUTER_TRACK`` = 20 evaluations): routing entropy falls for the whole run as experts specialize,
       and a frozen baseline false-alarmed on a clean 800-step tuning run (seed 1234, layer-2 ``entropy_p05``
       1.16 → 0.78 by step 550); a router collapse from an LR fault develops within tens of evaluations and is
-      still caught. Attention baselines stay frozen: their clean drift is upward (harmless), and a slowly
-      developing precision fault must not be absorbed.
+      still caught. Attention baselines stay frozen — a slowly developing precision fault must not be absorbed
+      by a baseline that follows it — and clean downward drift is made harmless by the level criterion.
     * Symptoms: ``symptom/loss`` and ``symptom/grad_norm`` ``up``. The loss falls during training, away from
       the bad direction, so a frozen baseline is conservative; grad-norm spikes are heavy-tailed, hence
       ``persistence=5`` and ``rel_floor=0.25``.
@@ -377,14 +482,23 @@ def default_rules() -> list[SeriesRule]:
     # Routers specialize for thousands of steps (entropies fall, the low-entropy fraction creeps up): their
     # baseline tracks with a lag of ROUTER_TRACK evaluations instead of being frozen.
     ent_router = dict(ent, track=ROUTER_TRACK)
+    # Attention: hold an out-of-band run that is already receding by more than 5% of its peak score when it
+    # reaches persistence. A precision collapse deepens monotonically or sits at its floor (scores within ~1%
+    # of the peak); healthy layers' early-transient dips turn back. Measured on a short-baseline fault run
+    # (γ = 0.1 in layer 1 from step 60): without it a healthy layer 0 (scores 8.7, 9.2, 8.0) and layer 3
+    # (7.0, 8.5, 7.5) alerted at steps 65 and 70, before layer 1's collapse at 75; with it layer 1 alerted
+    # first and the same clean dips alerted only later, if at all.
+    ent_attn = dict(ent, recede=0.05)
+    delta2_attn = dict(ent_attn, level=ATTENTION_LEVELS["delta2_entropy"])
+    dw_attn = dict(ent_attn, level=ATTENTION_LEVELS["dw_entropy"])
     near_zero_up_router = dict(near_zero_up, track=ROUTER_TRACK)
     router_ent = ("entropy_mean", "entropy_norm_mean", "entropy_p05", "entropy_p50", "load_entropy")
     return [
         # First-order Δ2 per head and ΔW per layer only: Δ1 (≈ Δ2 + a second-order term) adds nothing, and Δ3
         # (second order) is noisy — both false-alarmed on clean tuning runs (benchmarks/lead_time.py); they
         # are still logged. threshold 7: a clean run's per-head Δ2 reached score 6.15 late in training.
-        SeriesRule("attn/*/head*/delta2_entropy", "attention", **ent, threshold=7.0),
-        SeriesRule("attn/*/dw?_entropy", "attention", **ent, threshold=7.0),
+        SeriesRule("attn/*/head*/delta2_entropy", "attention", **delta2_attn, threshold=7.0),
+        SeriesRule("attn/*/dw?_entropy", "attention", **dw_attn, threshold=7.0),
         *(SeriesRule(f"router/*/{name}", "router", **ent_router) for name in router_ent),
         SeriesRule("router/*/mean_cosine", "router", **near_zero_up_router),
         SeriesRule("router/*/low_entropy_frac", "router", **near_zero_up_router),
@@ -434,6 +548,8 @@ class DetectorRegistry:
         details = details or {}
         fired = []
         for name, value in metrics.items():
+            if value is None:  # not measured this time (as in the sinks): nothing to judge
+                continue
             det = self._detector(name)
             if det is None:
                 continue

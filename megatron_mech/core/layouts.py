@@ -42,6 +42,9 @@ def qkv_partition_sizes(num_heads: int, num_query_groups: int, tp_size: int = 1)
 
 def _check_fused(weight: torch.Tensor, num_heads: int, num_query_groups: int, head_dim: int) -> int:
     qkv_partition_sizes(num_heads, num_query_groups)
+    for name, value in (("num_heads", num_heads), ("num_query_groups", num_query_groups), ("head_dim", head_dim)):
+        if isinstance(value, bool) or not isinstance(value, int):  # 4.0 would reach view() as a float
+            raise ValueError(f"{name} must be an int, got {value!r}")
     if head_dim < 1:
         raise ValueError(f"head_dim must be positive, got {head_dim}")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:

@@ -129,7 +129,10 @@ class MetricExchange:
 
     def combine(self, metrics: dict, details: dict) -> tuple[dict, dict]:
         """Every rank's metrics and details, identical on every rank of the group. Every rank must call it at
-        the same evaluations (a rank with nothing to report passes empty dicts)."""
+        the same evaluations (a rank with nothing to report passes empty dicts). ``None`` values ("not measured",
+        e.g. the entropies of a frozen matrix) are not carried: they are absent from the result, which the
+        detectors and sinks read the same way."""
+        metrics = {name: value for name, value in metrics.items() if value is not None}
         if not distributed_active(self.group):
             return dict(metrics), {name: dict(details.get(name, {})) for name in metrics}
         rank = dist.get_rank(self.group)

@@ -22,7 +22,10 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["krylov_spectral_summaries", "krylov_spectral_summaries_many", "slq_trace_function", "slq_spectral_entropy", "sharded_gram_matvec"]
+from megatron_mech.core.spectral import guarded_linalg
+
+__all__ = ["krylov_spectral_summaries", "krylov_spectral_summaries_many", "slq_trace_function", "slq_spectral_entropy",
+           "sharded_gram_matvec"]
 
 
 def _lanczos(matvec: Callable[[torch.Tensor], torch.Tensor], start: torch.Tensor, steps: int):
@@ -63,7 +66,7 @@ def slq_trace_function(matvec: Callable[[torch.Tensor], torch.Tensor], n: int, f
             v = v.to(device)
         alpha, beta = _lanczos(matvec, v, min(steps, n))
         tridiagonal = torch.diag(alpha) + torch.diag(beta, 1) + torch.diag(beta, -1)
-        theta, vecs = torch.linalg.eigh(tridiagonal)
+        theta, vecs = guarded_linalg(torch.linalg.eigh, tridiagonal, outputs=2)  # NaN, never an exception
         tau = vecs[0] ** 2
         total += float(n * (tau * f(theta.clamp_min(0))).sum())  # ‖v‖² = n for Rademacher probes
     return total / probes

@@ -114,7 +114,8 @@ class TwoBatchSNR:
         """Add one step. Validates everything before changing any state (a failed call changes nothing).
 
         Raises:
-            ValueError: ``big_batch > small_batch > 0`` violated, or the module sets of the two mappings differ.
+            ValueError: ``big_batch > small_batch > 0`` violated, the module sets of the two mappings differ, or a
+                squared norm is negative (a caller's bug: it would bias the estimate silently).
         """
         bs, bb = _check_batches(small_batch, big_batch)
         small_keys, big_keys = set(small_sq_norms), set(big_sq_norms)
@@ -124,6 +125,10 @@ class TwoBatchSNR:
         inv_gap = 1.0 / (1.0 / bs - 1.0 / bb)
         # Convert everything first so a bad value (e.g. a string) raises before any state changes.
         pairs = [(name, float(small_sq_norms[name]), float(big_sq_norms[name])) for name in small_sq_norms]
+        negative = [(name, s, b) for name, s, b in pairs if s < 0 or b < 0]  # NaN compares False: skipped below
+        if negative:
+            raise ValueError(f"squared norms must be >= 0, got {negative[0][1]} (small) / {negative[0][2]} (big) "
+                             f"for module {negative[0][0]!r}")
         for name, s, b in pairs:
             if not (math.isfinite(s) and math.isfinite(b)):
                 self._skipped[name] = self._skipped.get(name, 0) + 1

@@ -26,7 +26,14 @@ Bad input
 ---------
 Shape errors raise ``ValueError`` naming the offending argument. Non-finite *values* never reach LAPACK:
 a head (or matrix) whose inputs contain NaN/Inf gets a spectrum of NaNs, and every derived metric is NaN, so
-the monitor reports a flagged metric instead of crashing the training run.
+the monitor reports a flagged metric instead of crashing the training run. Finite but extreme values (entries
+near 1e100–1e300, whose Grams overflow or leave LAPACK's convergence range) cannot crash it either: every
+LAPACK call goes through a guard that retries a failed batch element by element, rescaled to unit max-abs
+(spectra scale exactly with the matrix), and gives NaN for an element that still fails.
+
+Spectral entropy policy: a spectrum with any non-finite entry (NaN, +inf or −inf) or with total weight 0 (an
+all-zero increment: a frozen layer) gives NaN; a finite negative entry is a caller's error (``ValueError``).
+The monitors tell the two NaN cases apart with a separate ``frozen`` flag.
 """
 from __future__ import annotations
 
@@ -63,10 +70,61 @@ def _as_spectrum(singular_values: torch.Tensor) -> torch.Tensor:
         raise ValueError("singular_values must have at least one dimension (the spectrum), got a scalar")
     if singular_values.shape[-1] == 0:
         raise ValueError("singular_values has an empty last dimension")
+    if singular_values.is_complex():
+        raise ValueError("singular_values must be real, got a complex tensor")
     sv = singular_values.detach().to(torch.float64)
-    if bool((sv < 0).any()):
+    if bool(((sv < 0) & torch.isfinite(sv)).any()):  # -inf is non-finite: NaN like +inf and NaN, not an error
         raise ValueError("singular_values must be non-negative (got a negative entry)")
     return sv
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Guarded LAPACK calls: a monitor never crashes training
+# ---------------------------------------------------------------------------------------------------------
+def guarded_linalg(fn, x: torch.Tensor, outputs: int = 1):
+    """``fn(x)`` over a batch of matrices ``[..., m, n]``; ``fn``'s outputs are homogeneous of degree 1 in ``x``
+    (eigenvalues, singular values; with ``outputs=2`` the second output — eigenvectors — of degree 0).
+
+    Elements with a non-finite entry are zeroed before LAPACK and NaN-ed after. If LAPACK fails on the batch,
+    each element is retried alone, then rescaled to unit max-abs (results scaled back); an element that still
+    fails gives NaN. Returns what ``fn`` returns.
+    """
+    finite = torch.isfinite(x).flatten(-2).all(dim=-1)
+    clean = torch.where(finite[..., None, None], x, torch.zeros((), dtype=x.dtype, device=x.device))
+    try:
+        result = fn(clean)
+    except RuntimeError:  # torch.linalg.LinAlgError is a RuntimeError
+        result = _guarded_elementwise(fn, clean, outputs)
+    if outputs == 1:
+        return result.masked_fill(~finite[..., None], math.nan)
+    return tuple(r.masked_fill(~finite.reshape(finite.shape + (1,) * (r.dim() - finite.dim())), math.nan)
+                 for r in result)
+
+
+def _guarded_elementwise(fn, x: torch.Tensor, outputs: int):
+    batch = x.shape[:-2]
+    flat = x.reshape(-1, *x.shape[-2:])
+    parts = []
+    for m in flat:
+        part = None
+        for attempt in ("plain", "rescaled"):
+            scale = m.abs().amax() if attempt == "rescaled" else None
+            if attempt == "rescaled" and not (scale > 0):
+                break
+            try:
+                out = fn(m / scale if scale is not None else m)
+            except RuntimeError:
+                continue
+            outs = out if outputs > 1 else (out,)
+            part = tuple(o * scale if (scale is not None and i == 0) else o for i, o in enumerate(outs))
+            break
+        if part is None:  # LAPACK gave up on this element: a flagged metric, not an exception
+            shapes = fn(torch.eye(*m.shape, dtype=m.dtype, device=m.device))
+            shapes = shapes if outputs > 1 else (shapes,)
+            part = tuple(torch.full_like(o, math.nan) for o in shapes)
+        parts.append(part)
+    stacked = tuple(torch.stack([p[i] for p in parts]).reshape(*batch, *parts[0][i].shape) for i in range(outputs))
+    return stacked if outputs > 1 else stacked[0]
 
 
 def spectral_entropy(singular_values: torch.Tensor, power: float = 2.0, normalized: bool = True) -> torch.Tensor:
@@ -83,7 +141,9 @@ def spectral_entropy(singular_values: torch.Tensor, power: float = 2.0, normaliz
         raise ValueError(f"power must be positive, got {power}")
     sv = _as_spectrum(singular_values)
     n = sv.shape[-1]
-    weights = sv.pow(power)
+    # p is scale-free: divide by the largest value first so σ^power cannot overflow for large finite σ
+    top = sv.amax(dim=-1, keepdim=True)
+    weights = torch.where((top > 0) & torch.isfinite(top), sv / top, sv).pow(power)
     total = weights.sum(dim=-1, keepdim=True)
     p = weights / total
     # 0·log 0 = 0: xlogy(0, 0) is 0 by definition, unlike p * log(p).
@@ -126,11 +186,10 @@ def matrix_spectrum(delta: torch.Tensor) -> torch.Tensor:
     if not isinstance(delta, torch.Tensor) or delta.dim() < 2:
         raise ValueError(f"delta must be a tensor of at least 2 dimensions [..., m, n], got "
                          f"{getattr(delta, 'shape', type(delta))}")
+    if delta.is_complex():
+        raise ValueError("delta must be real, got a complex tensor (its imaginary part would be dropped)")
     x = delta.detach().to(_compute_dtype(delta))
-    finite = torch.isfinite(x).flatten(-2).all(dim=-1)
-    x = torch.where(finite[..., None, None], x, torch.zeros((), dtype=x.dtype, device=x.device))
-    sv = torch.linalg.svdvals(x).to(torch.float64)
-    return sv.masked_fill(~finite[..., None], math.nan)
+    return guarded_linalg(torch.linalg.svdvals, x).to(torch.float64)
 
 
 def spectrum_from_gram(gram: torch.Tensor, eig_dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -146,14 +205,13 @@ def spectrum_from_gram(gram: torch.Tensor, eig_dtype: torch.dtype = torch.float6
     """
     if not isinstance(gram, torch.Tensor) or gram.dim() < 2 or gram.shape[-1] != gram.shape[-2]:
         raise ValueError(f"gram must be a square matrix [..., k, k], got {getattr(gram, 'shape', type(gram))}")
+    if gram.is_complex():
+        raise ValueError("gram must be real, got a complex tensor")
     if eig_dtype not in (torch.float32, torch.float64):
         raise ValueError(f"eig_dtype must be torch.float32 or torch.float64, got {eig_dtype!r}")
     g = gram.detach().to(eig_dtype)
-    finite = torch.isfinite(g).flatten(-2).all(dim=-1)
-    g = torch.where(finite[..., None, None], g, torch.zeros((), dtype=g.dtype, device=g.device))
-    eig = torch.linalg.eigvalsh(0.5 * (g + g.transpose(-1, -2))).to(torch.float64)
-    sv = eig.clamp_min(0).sqrt().flip(-1)
-    return sv.masked_fill(~finite[..., None], math.nan)
+    eig = guarded_linalg(torch.linalg.eigvalsh, 0.5 * (g + g.transpose(-1, -2))).to(torch.float64)
+    return eig.clamp_min(0).sqrt().flip(-1)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -182,6 +240,8 @@ def _validate_qk(wq_prev, wk_prev, wq, wk, terms) -> tuple[int, int, int, int, t
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"{name} must be a 3-D tensor ([heads, d_model, d_head]), got "
                              f"{getattr(t, 'shape', type(t))}")
+        if t.is_complex():
+            raise ValueError(f"{name} must be real, got a complex tensor (its imaginary part would be dropped)")
     if wq_prev.shape != wq.shape:
         raise ValueError(f"wq_prev {tuple(wq_prev.shape)} and wq {tuple(wq.shape)} differ in shape")
     if wk_prev.shape != wk.shape:
@@ -196,7 +256,7 @@ def _validate_qk(wq_prev, wk_prev, wq, wk, terms) -> tuple[int, int, int, int, t
     if num_heads % num_groups:
         raise ValueError(f"number of query heads H={num_heads} is not divisible by the number of K groups "
                          f"G={num_groups}")
-    terms = tuple(terms)
+    terms = (terms,) if isinstance(terms, str) else tuple(terms)  # "delta2" is one term, not 6 characters
     unknown = [t for t in terms if t not in QK_TERMS]
     if unknown or not terms:
         raise ValueError(f"terms must be a non-empty subset of {QK_TERMS}, got {terms}")
@@ -250,18 +310,18 @@ def _core_spectrum_from_grams(gram_a: torch.Tensor, gram_b: torch.Tensor) -> tor
     factor, info = torch.linalg.cholesky_ex(gram_a)
     singular = info != 0
     if bool(singular.any()):
-        lam, vecs = torch.linalg.eigh(gram_a[singular])
+        lam, vecs = guarded_linalg(torch.linalg.eigh, gram_a[singular], outputs=2)
         factor[singular] = vecs * lam.clamp_min(0).sqrt()[:, None, :]
     core = factor.transpose(1, 2) @ gram_b @ factor
-    eig = torch.linalg.eigvalsh(0.5 * (core + core.transpose(1, 2)))
+    eig = guarded_linalg(torch.linalg.eigvalsh, 0.5 * (core + core.transpose(1, 2)))
     return eig.clamp_min(0).sqrt().flip(-1)
 
 
 def _core_spectrum_qr(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Singular values of ``A Bᵀ`` via thin QR: A = Q_a R_a, B = Q_b R_b → σ(R_a R_bᵀ). [H, d, r] → [H, r]."""
-    r_a = torch.linalg.qr(a, mode="r").R
+    r_a = torch.linalg.qr(a, mode="r").R  # Householder QR does not iterate: it does not fail to converge
     r_b = torch.linalg.qr(b, mode="r").R
-    return torch.linalg.svdvals(r_a @ r_b.transpose(1, 2))
+    return guarded_linalg(torch.linalg.svdvals, r_a @ r_b.transpose(1, 2))
 
 
 def _pad_to(sv: torch.Tensor, width: int) -> torch.Tensor:

@@ -20,7 +20,8 @@ import torch
 
 from megatron_mech.optim import inner_optimizer, leaf_optimizers
 
-__all__ = ["load_checkpoint", "load_distributed_optimizer_state", "save_checkpoint"]
+__all__ = ["check_mols_match", "load_checkpoint", "load_distributed_optimizer_state", "read_checkpoint_file",
+           "save_checkpoint"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -71,6 +72,40 @@ def load_distributed_optimizer_state(optimizer, filename: str) -> None:
             state["step"] = step.detach().clone()
 
 
+def read_checkpoint_file(path) -> dict:
+    """Load one of our per-rank checkpoint files with ``weights_only=True``.
+
+    Our files hold only tensors, numbers, strings, lists and dicts, which the restricted unpickler accepts; a
+    file whose pickle would construct anything else (e.g. call ``os.system``) is refused before any of its code
+    runs. Any failure becomes a ``RuntimeError`` naming the file; the file is left untouched.
+    """
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise RuntimeError(f"cannot read checkpoint file {path} (loaded with weights_only=True: only tensors and "
+                           f"plain Python data are accepted): {exc}") from exc
+    if not isinstance(state, dict):
+        raise RuntimeError(f"checkpoint file {path} does not hold a state dict (got {type(state).__name__})")
+    return state
+
+
+def _mols_enabled(hook) -> bool:
+    return hook is not None and getattr(hook, "mols", None) is not None
+
+
+def check_mols_match(state: dict, hook, directory) -> None:
+    """MoLS splits the optimizer's parameter groups per module class: a checkpoint saved with it on cannot be
+    loaded into an optimizer built with it off (or the reverse). Refuse by name, before megatron's group errors."""
+    saved = state.get("mols_enabled")
+    if saved is None:  # checkpoints without the flag: an enabled MoLS always saved a non-empty state
+        saved = bool(state.get("mols") or (state.get("mech") or {}).get("mols"))
+    current = _mols_enabled(hook)
+    if saved != current:
+        raise ValueError(f"checkpoint {directory} was saved with MoLS {'on' if saved else 'off'} (--mech-mols), "
+                         f"this run has it {'on' if current else 'off'}: the optimizer's parameter groups differ. "
+                         f"{'Add' if saved else 'Remove'} --mech-mols to resume it")
+
+
 def save_checkpoint(save_dir, step: int, model, optimizer, scheduler, layout: dict, hook=None) -> Path:
     """Every rank writes its file; the tracker moves after a barrier. Returns the iteration directory."""
     rank = torch.distributed.get_rank()
@@ -80,7 +115,7 @@ def save_checkpoint(save_dir, step: int, model, optimizer, scheduler, layout: di
         optimizer.save_parameter_state(str(directory / f"distopt_rank{rank:04d}.pt"))
     state = {"iteration": step, "layout": layout, "model": model.state_dict(),
              "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state(),
-             "mech": hook.state_dict() if hook is not None else None}
+             "mech": hook.state_dict() if hook is not None else None, "mols_enabled": _mols_enabled(hook)}
     tmp = directory / f".rank{rank:04d}.pt.tmp"
     torch.save(state, tmp)
     os.replace(tmp, directory / f"rank{rank:04d}.pt")  # atomic: a file that exists is complete
@@ -100,16 +135,13 @@ def load_checkpoint(load_dir, model, optimizer, scheduler, layout: dict, hook=No
             raise FileNotFoundError(f"--load {load_dir}: no {TRACKER}")
         return 0
     step = int(tracker.read_text().strip())
-    rank = torch.distributed.get_rank()
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     directory = Path(load_dir) / f"iter_{step:07d}"
-    path = directory / f"rank{rank:04d}.pt"
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # a clear message instead of a pickle traceback; the checkpoint is left untouched
-        raise RuntimeError(f"cannot read checkpoint file {path}: {exc}") from exc
+    state = read_checkpoint_file(directory / f"rank{rank:04d}.pt")
     if state.get("layout") != layout:
         raise ValueError(f"checkpoint {directory} was written with parallel layout {state.get('layout')}, this run "
                          f"is {layout}; per-rank checkpoints need the same layout")
+    check_mols_match(state, hook, directory)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     if _uses_distributed_optimizer(optimizer):

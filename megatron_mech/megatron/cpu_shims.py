@@ -67,7 +67,8 @@ Shims (see ``SHIMS``; each comment in the code names the failing call and file)
 ``alltoall_stream``    placeholder DtoH stream + CPU split-size conversion in the alltoall dispatcher.
 ``torch_norm_sp``      torch LayerNorm/RMSNorm under sequence parallelism (``transformer/torch_norm.py``).
 ``uneven_gather``      gloo all_gather/reduce_scatter with uneven splits (``tensor_parallel/mappings.py``).
-``clip_grads``         ``clip_grad_by_total_norm_fp32`` without the CUDA type assert, ``_foreach_mul_``.
+``clip_grads``         ``clip_grad_by_total_norm_fp32`` without the CUDA type assert, ``_foreach_mul_``; without
+                      apex, the grad-norm's squares accumulated in float64 (:func:`float64_l2_norm`).
 
 Everything is process-wide (module attributes of torch / megatron) except the TorchFunctionMode, which
 torch keeps per thread: call ``apply_cpu_shims()`` on the thread that trains (the main thread).
@@ -538,16 +539,38 @@ def _cpu_clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_deco
         torch._foreach_mul_(grads, clip_coeff)
 
 
+def float64_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor=False, *args):
+    """Drop-in for megatron's ``local_multi_tensor_l2_norm`` (the no-apex path of ``get_grad_norm_fp32``) that
+    accumulates in float64: ``sqrt(Σ_tensors Σ_elements g²)``, each tensor cast to float64 before its norm.
+
+    Returns ``(norm [1] float64, None)``. Megatron's version takes fp32 ``torch.norm`` per tensor and combines
+    them in fp32: ~3e-5 relative error on a random 786k-element tensor and ~3e-4 on a real embedding gradient,
+    enough to make clipped TP=2 and TP=1 runs drift apart. The float64 result also makes the cross-rank sum
+    of squares (megatron all-reduces ``norm**2``) a float64 sum.
+    """
+    if per_tensor:
+        raise NotImplementedError("per-tensor norms are not used by get_grad_norm_fp32")
+    total = torch.zeros((), dtype=torch.float64)
+    for tensor_list in tensor_lists:
+        for tensor in tensor_list:
+            total += torch.linalg.vector_norm(tensor.detach(), dtype=torch.float64).square().cpu()
+    return total.sqrt().reshape(1), None
+
+
 @_shim("clip_grads")
 def _apply_clip_grads():
-    """Gradient clipping without the CUDA type assert (optimizer/clip_grads.py clip_grad_by_total_norm_fp32)."""
+    """Gradient clipping without the CUDA type assert (optimizer/clip_grads.py clip_grad_by_total_norm_fp32),
+    and a float64 grad norm where megatron falls back to its local fp32 one (no apex)."""
     # optimizer/clip_grads.py:167 `assert param.grad.type() == 'torch.cuda.FloatTensor'` fails for CPU grads
     # whenever clip_grad > 0. Replaced in clip_grads and in optimizer/optimizer.py, which imported the name.
     from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer import optimizer as moptimizer
+    from megatron.core.utils import local_multi_tensor_l2_norm
 
     clip_grads.clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
     moptimizer.clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
+    if getattr(clip_grads, "l2_norm_impl", None) is local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = float64_l2_norm
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -404,6 +404,10 @@ class DataPaths:
     valid_prefix: str
     tokenizer_path: str
     meta: Mapping[str, Any] = dataclasses.field(compare=False, hash=False, repr=False)
+    # (prefixes, weights or None) per split when it is a blend of several prefixes (``--data-path`` forms);
+    # None: the single train/valid prefix above
+    train_blend: Optional[tuple] = None
+    valid_blend: Optional[tuple] = None
 
     @property
     def vocab_size(self) -> int:
@@ -467,7 +471,12 @@ def _data_paths(out_dir: Path, meta: Dict[str, Any]) -> DataPaths:
 
 @contextlib.contextmanager
 def _file_lock(path: Path):
-    """Exclusive inter-process lock (fcntl.flock; filelock as a fallback off POSIX)."""
+    """Exclusive inter-process lock (fcntl.flock; filelock as a fallback off POSIX). The lock file is removed
+    when released, success or failure, so no stale ``.lock`` is left behind.
+
+    Removing a flock'ed file is safe with the usual check: a waiter that gets the lock on a file that was
+    unlinked (or replaced) meanwhile sees a different inode at ``path`` and retries on the current one.
+    """
     try:
         import fcntl
     except ImportError:  # pragma: no cover - Windows
@@ -476,12 +485,24 @@ def _file_lock(path: Path):
         with FileLock(str(path)):
             yield
         return
-    with open(path, "a+") as f:
+    while True:
+        f = open(path, "a+")
         fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+            if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        f.close()  # the holder removed it while we waited: lock the current one
+    try:
+        yield
+    finally:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+        f.close()
 
 
 def _log(msg: str, quiet: bool) -> None:
@@ -520,8 +541,13 @@ def prepare_data(out_dir: "os.PathLike[str] | str | None" = None, vocab_size: in
         if cached is not None:
             return cached
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(out.parent / f".{out.name}.lock"):
+    with contextlib.ExitStack() as stack:
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            stack.enter_context(_file_lock(out.parent / f".{out.name}.lock"))
+        except OSError as e:  # a read-only target: say where and what to do
+            raise OSError(e.errno, f"cannot write the corpus to {out} ({e.strerror or e}); choose a writable "
+                                   f"--out-dir (or set $MEGATRON_MECH_DATA)") from e
         if not force:  # somebody else may have built it while we waited for the lock
             cached = _read_cache(out, params)
             if cached is not None:
@@ -685,7 +711,8 @@ def build_gpt_datasets(paths: DataPaths, seq_length: int, seed: int = 1234,
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
-        blend_per_split=[([paths.train_prefix], None), ([paths.valid_prefix], None), None],
+        blend_per_split=[paths.train_blend or ([paths.train_prefix], None),
+                         paths.valid_blend or ([paths.valid_prefix], None), None],
         tokenizer=tok,
         path_to_cache=str(cache_dir) if cache_dir is not None else paths.index_cache_dir,
         **kwargs,

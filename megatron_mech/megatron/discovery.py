@@ -12,8 +12,8 @@ import torch
 from megatron_mech.model_view import ModelView, RouterView
 from megatron_mech.monitors.attention import AttentionLayer
 
-__all__ = ["find_attention_layers", "find_dense_linears", "find_experts", "find_routers", "megatron_model_view",
-           "unwrap_model"]
+__all__ = ["find_attention_layers", "find_attention_logit_captures", "find_dense_linears", "find_experts",
+           "find_routers", "megatron_model_view", "unwrap_model"]
 
 
 def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
@@ -127,6 +127,49 @@ def find_experts(model_chunks: Sequence[torch.nn.Module]) -> list:
     return sorted(found, key=lambda lay: lay.layer)
 
 
+def find_attention_logit_captures(model_chunks: Sequence[torch.nn.Module]) -> list:
+    """``capture(record)`` for the core attention of every megatron-core ``SelfAttention`` on this rank: a forward
+    pre-hook that hands ``record`` the kernel's query and key (``[s, b, heads, d]`` → ``[b, heads, s, d]``), the
+    effective softmax scale and the causal flag. Installing again replaces ``record`` (one pre-hook per module)."""
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    captures = []
+    for chunk in model_chunks:
+        for module in unwrap_model(chunk).modules():
+            if not isinstance(module, SelfAttention):
+                continue
+            core = module.core_attention
+            layer = module.layer_number - 1
+            head_dim = module.hidden_size_per_attention_head
+
+            def capture(record, core=core, layer=layer, head_dim=head_dim):
+                core._mech_record_logits = record
+                if getattr(core, "_mech_logit_hook", None) is not None:
+                    return
+
+                def pre_hook(mod, args, kwargs):
+                    query = args[0] if args else kwargs.get("query")
+                    key = args[1] if len(args) > 1 else kwargs.get("key")
+                    mask = args[3] if len(args) > 3 else kwargs.get("attention_mask")
+                    if query is None or key is None or query.dim() != 4:
+                        return None
+                    scale = getattr(mod, "softmax_scale", None) or head_dim ** -0.5
+                    softmax = getattr(mod, "scale_mask_softmax", None)
+                    coeff = getattr(softmax, "scale", None) if softmax is not None else None
+                    mask_type = kwargs.get("attn_mask_type") or getattr(mod, "attn_mask_type", None)
+                    causal = mask_type == AttnMaskType.causal
+                    mod._mech_record_logits(layer, query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3),
+                                            float(scale) * (coeff if coeff is not None else 1.0), causal,
+                                            mask=None if causal or mask is None or mask.dtype != torch.bool
+                                            else mask)
+                    return None
+
+                core._mech_logit_hook = core.register_forward_pre_hook(pre_hook, with_kwargs=True)
+
+            captures.append(capture)
+    return captures
+
 
 def megatron_model_view(model_chunks: Sequence[torch.nn.Module], *, sequence_parallel: bool = False,
                         optimizer_config=None, global_batch_size: Optional[int] = None,
@@ -154,6 +197,7 @@ def megatron_model_view(model_chunks: Sequence[torch.nn.Module], *, sequence_par
         routers=[RouterView(layer, router.weight, router.topk, _gating_capture(router))
                  for layer, router in find_routers(chunks)],
         dense_linears=find_dense_linears(chunks),
+        attention_logit_capture=find_attention_logit_captures(chunks),
         tp_group=ps.get_tensor_model_parallel_group(), token_group=token_group,
         dp_group=(ps.get_data_parallel_group(with_context_parallel=True)
                   if ps.get_data_parallel_world_size(with_context_parallel=True) > 1 else None),

@@ -52,6 +52,9 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
     m.add_argument("--seq-length", type=int, default=128)
     m.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
     m.add_argument("--swiglu", action="store_true")
+    m.add_argument("--qk-layernorm", action="store_true",
+                   help="normalize queries and keys per head before the dot product (prevents attention-logit "
+                        "growth at high learning rates)")
     m.add_argument("--position-embedding-type", choices=("rope", "learned_absolute"), default="rope")
     m.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     m.add_argument("--num-experts", type=int, default=None)
@@ -85,8 +88,11 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
                    help="selective recompute modules (megatron-core names, e.g. core_attn moe)")
     t.add_argument("--use-distributed-optimizer", action="store_true")
     d = p.add_argument_group("data")
-    d.add_argument("--data-path", default=None, help="Megatron .bin/.idx prefix (default: embedded corpus)")
-    d.add_argument("--valid-data-path", default=None, help="validation prefix (with --data-path)")
+    d.add_argument("--data-path", nargs="+", default=None,
+                   help="Megatron .bin/.idx prefix(es), optionally weighted: 'PREFIX', 'P1 P2' or '0.3 P1 0.7 P2' "
+                        "(default: embedded corpus)")
+    d.add_argument("--valid-data-path", nargs="+", default=None,
+                   help="validation prefix(es), same forms (default: the --data-path blend)")
     d.add_argument("--tokenizer-json", default=None, help="tokenizers JSON for --data-path")
     d.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary of the embedded corpus")
     o = p.add_argument_group("logging and checkpoints")
@@ -100,23 +106,64 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
                    help="save (with --save) and exit when the step is a multiple of this (0: run to the end)")
     o.add_argument("--tensorboard-dir", default=None)
     o.add_argument("--exit-on-missing-checkpoint", action="store_true")
+    o.add_argument("--overwrite-run", action="store_true",
+                   help="start over in an output directory that holds a previous run (its mech.jsonl, summary.json "
+                        "and checkpoint tracker are removed); without it such a start is refused")
     add_arguments(p)
     return p
 
 
+# flags that must be >= 1, and flags that must be >= 0 (0 = off)
+_POSITIVE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+                   "global_batch_size", "train_iters", "log_interval", "eval_iters", "moe_router_topk")
+_NON_NEGATIVE_FLAGS = ("eval_interval", "save_interval", "exit_interval", "lr_warmup_iters")
+
+
 def check_args(args, world_size: int) -> None:
-    """Inconsistent sizes fail here, identically on every rank, before any collective."""
+    """Every flag check that needs no data, model or process group: called before any of them is built, and
+    identical on every rank. Errors name the flag."""
+    import os
+
+    from megatron_mech.megatron.data_path import parse_data_path
+
+    for name in _POSITIVE_FLAGS:
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in _NON_NEGATIVE_FLAGS:
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0 = off), got {getattr(args, name)}")
+    for name in ("num_query_groups", "ffn_hidden_size", "num_experts", "moe_ffn_hidden_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    MechConfig.from_flags(args)  # --mech-* flags (e.g. --mech-interval 0), before anything is built
     tp, ep, pp = args.tensor_model_parallel_size, args.expert_model_parallel_size, args.pipeline_model_parallel_size
-    validate_parallel_sizes(world_size, tp, ep, pp=pp, num_experts=args.num_experts,
-                            num_query_groups=args.num_query_groups or args.num_attention_heads)
+    validate_parallel_sizes(world_size, tp, ep, pp=pp, num_experts=args.num_experts)  # sizes vs the world first
     if args.num_layers % pp:
         raise ValueError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    if args.num_attention_heads % tp:
+        raise ValueError(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}")
+    groups = args.num_query_groups or args.num_attention_heads
+    if args.num_attention_heads % groups:
+        raise ValueError(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+                         f"--num-query-groups {groups}")
+    if any(m in ("attention", "auto") for m in (args.mech_monitors or ())):
+        # megatron-core replicates K/V heads when TP does not divide the groups; only our monitor cannot
+        validate_parallel_sizes(world_size, tp, ep, pp=pp, num_experts=args.num_experts, num_query_groups=groups)
     dp = world_size // (tp * pp)
     if args.global_batch_size % (args.micro_batch_size * dp):
         raise ValueError(f"--global-batch-size {args.global_batch_size} is not divisible by "
                          f"micro-batch-size × DP = {args.micro_batch_size} × {dp}")
-    if args.num_attention_heads % tp:
-        raise ValueError(f"--num-attention-heads {args.num_attention_heads} is not divisible by TP {tp}")
+    if args.valid_data_path and not args.data_path:
+        raise ValueError("--valid-data-path needs --data-path")
+    if args.data_path:
+        if not args.tokenizer_json:
+            raise ValueError("--data-path needs --tokenizer-json (the tokenizer the .bin/.idx was made with)")
+        if not os.path.isfile(args.tokenizer_json):
+            raise ValueError(f"--tokenizer-json {args.tokenizer_json} does not exist")
+        parse_data_path(args.data_path, "--data-path")
+        if args.valid_data_path:
+            parse_data_path(args.valid_data_path, "--valid-data-path")
     if args.num_experts is not None and args.tensor_model_parallel_size > 1:
         args.sequence_parallel = True  # megatron-core's MoE layer requires SP when TP > 1
     if args.lr_warmup_iters >= args.train_iters:

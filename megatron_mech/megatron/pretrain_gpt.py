@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -39,7 +40,10 @@ from megatron_mech.core.sharded import collective_device
 from megatron_mech.hook import Action, MechHook
 from megatron_mech.logs import configure_logging
 from megatron_mech.megatron.checkpoint import load_checkpoint, save_checkpoint
+from megatron_mech.megatron.data_path import parse_data_path
 from megatron_mech.megatron.flags import build_parser, check_args, lr_warmup_steps, train_steps
+from megatron_mech.megatron.run_directory import check_run_directories, clear_previous_run
+from megatron_mech.megatron.stop_signals import StopOnSignal
 from megatron_mech.optim import base_lr
 
 # megatron-core announces every missing GPU-only package (TE, apex) on every rank; the run's own log matters more.
@@ -118,7 +122,7 @@ def _build_model(args, injector=None, backward_context=None, pipeline_size: int 
         ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
         tensor_model_parallel_size=args.tensor_model_parallel_size, sequence_parallel=args.sequence_parallel,
-        normalization=args.normalization, gated_linear_unit=args.swiglu,
+        normalization=args.normalization, gated_linear_unit=args.swiglu, qk_layernorm=args.qk_layernorm,
         activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
         add_bias_linear=not (args.num_experts or args.swiglu), hidden_dropout=0.0, attention_dropout=0.0,
         params_dtype=torch.float32, pipeline_dtype=torch.float32, pipeline_model_parallel_size=pipeline_size,
@@ -130,9 +134,11 @@ def _build_model(args, injector=None, backward_context=None, pipeline_size: int 
         **(dict(recompute_modules=args.recompute_modules) if args.recompute_modules else {}),
         **cpu_kwargs, **moe)
     if injector is not None and injector.config.attention_enabled:  # local spec with the emulated FA2 attention
-        spec = injector.layer_spec(args.num_experts, args.normalization, backward_context=backward_context)
+        spec = injector.layer_spec(args.num_experts, args.normalization, backward_context=backward_context,
+                                   qk_layernorm=args.qk_layernorm)
     else:
-        spec = get_gpt_layer_local_spec(num_experts=args.num_experts, normalization=args.normalization)
+        spec = get_gpt_layer_local_spec(num_experts=args.num_experts, normalization=args.normalization,
+                                        qk_layernorm=args.qk_layernorm)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
                      max_sequence_length=args.seq_length, position_embedding_type=args.position_embedding_type,
                      share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
@@ -145,10 +151,12 @@ def build_data(args, rank: int, index_cache_dir=None):
     from megatron_mech.megatron import data as mdata
 
     if args.data_path:
-        if not args.tokenizer_json:
-            raise ValueError("--data-path needs --tokenizer-json")
-        paths = mdata.DataPaths(train_prefix=args.data_path, valid_prefix=args.valid_data_path or args.data_path,
-                                tokenizer_path=args.tokenizer_json, meta={})
+        train = parse_data_path(args.data_path, "--data-path")
+        valid = parse_data_path(args.valid_data_path, "--valid-data-path") if args.valid_data_path else train
+        paths = mdata.DataPaths(root=os.path.dirname(os.path.abspath(train.prefixes[0])),
+                                train_prefix=train.prefixes[0], valid_prefix=valid.prefixes[0],
+                                tokenizer_path=args.tokenizer_json, meta={},
+                                train_blend=train.as_megatron_blend(), valid_blend=valid.as_megatron_blend())
     else:
         if rank == 0:
             paths = mdata.prepare_data(vocab_size=args.vocab_size, quiet=False)
@@ -362,11 +370,11 @@ def build_training(args, runtime: Runtime, config: MechConfig) -> Training:
                     sum(p.numel() for p in model.parameters()), tokenizer.vocab_size)
 
 
-def train(args, t: Training, runtime: Runtime) -> dict:
+def train(args, t: Training, runtime: Runtime, stop_signal: StopOnSignal) -> dict:
     """The training loop; its only calls into megatron-mech are the hook's lifecycle methods."""
     tokens_per_step = args.global_batch_size * args.seq_length
     t_start, window_t, window_steps = time.perf_counter(), time.perf_counter(), 0
-    losses, step_seconds, action, step = [], [], Action.CONTINUE, t.start_step
+    step_seconds, action, step = [], Action.CONTINUE, t.start_step
     for step in range(t.start_step + 1, args.train_iters + 1):
         step_started = time.perf_counter()
         t.hook.before_step(step)
@@ -380,7 +388,6 @@ def train(args, t: Training, runtime: Runtime) -> dict:
         t.scheduler.step(increment=1)
         loss = average_over([float(r["lm loss"]) for r in out], t.dp_group, t.pp_group)
         lr = base_lr(t.optimizer)
-        losses.append(loss)
         action = t.hook.after_optimizer_step(step, loss=loss, lr=lr,
                                              grad_norm=float(grad_norm) if grad_norm is not None else None,
                                              extra={"tokens": step * tokens_per_step})
@@ -409,8 +416,11 @@ def train(args, t: Training, runtime: Runtime) -> dict:
         if action is Action.STOP:
             logger.info(f"[train] stopping at step {step} on alert (--mech-on-alert stop)")
             break
-    return {"final_step": step, "losses": losses, "step_seconds": step_seconds,
-            "seconds": time.perf_counter() - t_start, "stopped_on_alert": action is Action.STOP}
+        if stop_signal.agreed():  # one tiny all-reduce: every rank stops after the same step
+            logger.info(f"[train] {stop_signal.stopped_by} received: stopping cleanly after step {step}")
+            break
+    return {"final_step": step, "step_seconds": step_seconds, "seconds": time.perf_counter() - t_start,
+            "stopped_on_alert": action is Action.STOP, "stopped_by_signal": stop_signal.stopped_by}
 
 
 def finish(args, t: Training, runtime: Runtime, run: dict, output_dir: str) -> None:
@@ -431,41 +441,77 @@ def finish(args, t: Training, runtime: Runtime, run: dict, output_dir: str) -> N
     if runtime.logging_rank:
         alerts = read_alerts(Path(output_dir) / "mech.jsonl")  # the record of truth, incl. before a resume
         elapsed = run["seconds"]
-        summary = {"final_step": final_step, "final_valid_loss": val, "first_step": t.start_step + 1,
-                   "losses": run["losses"], "seconds": elapsed, "step_seconds": run["step_seconds"],
+        losses = hook.losses  # every step's loss since step 1, kept in the hook's state across resumes
+        summary = {"final_step": final_step, "final_valid_loss": val, "first_step": final_step - len(losses) + 1,
+                   "losses": losses, "seconds": elapsed, "step_seconds": run["step_seconds"],
                    "params_per_rank": t.n_params, "fault": hook.config.fault.to_dict(),
-                   "stopped_on_alert": run["stopped_on_alert"], "attribution": alert_lines(alerts),
+                   "stopped_on_alert": run["stopped_on_alert"], "stopped_by_signal": run["stopped_by_signal"],
+                   "attribution": alert_lines(alerts),
                    "monitor_seconds": hook.evaluation_seconds, "mols_seconds": hook.mols_seconds,
                    "final_mols": hook.mols_metrics(final_step),
                    "monitor_breakdown": {**hook.seconds, "router_capture": hook.router_capture_seconds},
                    "alerts": [a.to_dict() for a in alerts]}
-        Path(output_dir).mkdir(parents=True, exist_ok=True)
-        (Path(output_dir) / "summary.json").write_text(json.dumps(summary))
+        write_summary(Path(output_dir) / "summary.json", summary)
         logger.info(f"[train] done: {final_step} steps in {elapsed:.0f}s, monitors {hook.evaluation_seconds:.1f}s "
                     f"({100 * hook.evaluation_seconds / max(elapsed, 1e-9):.1f}%), {len(hook.alerts)} alerts; "
                     f"output in {output_dir}")
 
 
+def write_summary(path: Path, summary: dict) -> bool:
+    """Write ``summary.json`` atomically. Monitor output never kills a run: a failure (disk full, permissions)
+    is reported loudly and the run ends normally, its checkpoints intact."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(summary))
+        os.replace(tmp, path)
+        return True
+    except OSError as exc:
+        logger.error(f"[mech] ERROR: could not write {path}: {exc}; the run's checkpoints are not affected")
+        return False
+
+
+def preflight(args, world: int, rank: int):
+    """All start-up checks, before any process group, data or model: flags, the hook's configuration and the
+    run directories. A bad flag or directory ends the process with one line naming it (exit code 2) on every
+    rank. Returns ``(config, run directory plan)``."""
+    try:
+        check_args(args, world)
+        config = MechConfig.from_flags(args, tensorboard_dir=args.tensorboard_dir)
+        config.output.dir = args.mech_output_dir or args.save or "runs/mech"
+        config.fault.validate_for_model(args.num_layers, args.num_attention_heads)
+        plan = check_run_directories(args, rank)
+    except ValueError as exc:
+        print(f"pretrain_gpt: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    return config, plan
+
+
 def main(argv=None):
     args = build_parser(__doc__).parse_args(argv)
+    config, plan = preflight(args, int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0")))
+    output_dir = config.output.dir
+    stop_signal = StopOnSignal().install()  # SIGTERM/SIGINT: finish the step, save, write output, exit
     runtime = init_runtime()
     configure_logging(runtime.logging_rank)
-    check_args(args, runtime.world)  # raises on every rank alike, before any collective
-    output_dir = args.mech_output_dir or args.save or "runs/mech"
-    config = MechConfig.from_flags(args, tensorboard_dir=args.tensorboard_dir)
-    config.output.dir = output_dir
-    config.fault.validate_for_model(args.num_layers, args.num_attention_heads)
+    if runtime.rank == 0:
+        clear_previous_run(plan, args.save)  # --overwrite-run on a fresh start
+    torch.distributed.barrier()
+    if plan.warning:
+        logger.warning(f"[train] {plan.warning}")
     t = build_training(args, runtime, config)
     logger.info(f"[train] world={runtime.world} TP={args.tensor_model_parallel_size} "
                 f"EP={args.expert_model_parallel_size} PP={args.pipeline_model_parallel_size} "
                 f"DP={torch.distributed.get_world_size(t.dp_group)} "
                 f"params/rank={t.n_params/1e6:.2f}M vocab={t.vocab_size} steps {t.start_step}->{args.train_iters} "
                 f"monitors={','.join(t.hook.families) or 'none'} every {args.mech_interval}")
-    run = train(args, t, runtime) if args.train_iters > t.start_step else {
-        "final_step": t.start_step, "losses": [], "step_seconds": [], "seconds": 0.0, "stopped_on_alert": False}
+    run = train(args, t, runtime, stop_signal) if args.train_iters > t.start_step else {
+        "final_step": t.start_step, "step_seconds": [], "seconds": 0.0, "stopped_on_alert": False,
+        "stopped_by_signal": None}
     finish(args, t, runtime, run, output_dir)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    stop_signal.uninstall()
 
 
 if __name__ == "__main__":

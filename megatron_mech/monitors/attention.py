@@ -34,6 +34,12 @@ Metrics (``L`` = global layer index, ``H`` = global head index, ``r`` = TP rank)
   ``attn/layer{L}/{term}_entropy_mean`` / ``_min`` (NaN if any head is NaN: a NaN is a fault flag). Only the
   per-head ``delta2_entropy`` is alerted on by default (``attn/*/head*/delta2_entropy``); Δ1, Δ3 and the
   aggregates are logged.
+* Frozen matrices: when ΔW is exactly zero (a frozen layer, or lr 0), its spectrum is empty and every
+  spectral metric would be NaN — which a detector reads as a fault. Instead ``{prefix}_frozen`` is 1.0 (0.0
+  otherwise; ``attn/layer{L}/dwq_frozen``, ``dwk_frozen``, ``linear/{name}/dw_frozen``) and the undefined
+  metrics are ``None`` ("not measured"; detectors skip them): the matrix's entropy, effective and stable rank,
+  and the per-head terms that vanish with it (Δ3 when either ΔW_q or ΔW_k is zero, Δ1/Δ2 when both are)
+  with their aggregates. A NaN therefore always means non-finite weights.
 * Extra linears (``extra_linears={name: (weight, shard_dim)}``): ``linear/{name}/dw_entropy``,
   ``dw_effective_rank``, ``dw_stable_rank``, ``dw_fro`` — not matched by the default alert rules (they are
   not attention-family signals; add a rule to alert on them).
@@ -696,6 +702,10 @@ class AttentionMonitor:
                 "stable_rank": float(stable_rank(sv)),
                 "fro": frobenius_from_shard_grams(packed, k),
             }
+        frozen = values["fro"] == 0.0  # exactly zero increment: nothing to take a spectrum of
+        if frozen:
+            values.update(entropy=None, effective_rank=None, stable_rank=None)
+        values["frozen"] = 1.0 if frozen else 0.0
         values["update_ratio"] = values["fro"] / math.sqrt(weight_sq) if weight_sq > 0 else math.nan
         for what, v in values.items():
             metrics[f"{prefix}_{what}"] = v
@@ -718,15 +728,17 @@ class AttentionMonitor:
             return
         block = buf[n_q + n_k:].view(len(terms), heads).cpu()
         first = 0 if self._collective else lay.head_offset
+        q_frozen, k_frozen = metrics[f"{scoped}/dwq_frozen"] == 1.0, metrics[f"{scoped}/dwk_frozen"] == 1.0
         for t, term in enumerate(terms):
             row = block[t]
+            vanished = (q_frozen or k_frozen) if term == "delta3" else (q_frozen and k_frozen)
             for name, value in ((f"{scoped}/{term}_entropy_mean", row.mean()),
                                 (f"{scoped}/{term}_entropy_min", row.amin())):
-                metrics[name] = float(value)
+                metrics[name] = None if vanished else float(value)
                 details[name] = {"layer": L, "term": term, **extra}
             for h, value in enumerate(row.tolist()):
                 name = f"attn/layer{L}/head{first + h}/{term}_entropy"
-                metrics[name] = value
+                metrics[name] = None if vanished else value
                 details[name] = {"layer": L, "head": first + h, "term": term, **extra}
 
     def _decode_extra(self, j: int, buf: torch.Tensor, metrics: dict, details: dict) -> None:
@@ -740,7 +752,7 @@ class AttentionMonitor:
     def _unit_names(self, unit) -> list[tuple[str, dict]]:
         """``(metric name, detail)`` of every value a unit produces, in a fixed order (what ``_decode_*`` writes)."""
         kind, i = unit
-        whats = ("entropy", "effective_rank", "stable_rank", "fro", "update_ratio")
+        whats = ("entropy", "effective_rank", "stable_rank", "fro", "frozen", "update_ratio")
         extra = {} if self.config.dw_scope == "global" else {"tp_rank": self.tp_rank}
         tp_tag = "" if self.config.dw_scope == "global" else f"/tp{self.tp_rank}"
         if kind == "extra":
@@ -770,19 +782,23 @@ class AttentionMonitor:
     def _combine_replicas(self, step: int, local: dict[str, float]) -> tuple[dict[str, float], dict[str, dict]]:
         """ONE SUM all-reduce over ``dp_group`` of a fixed-size float64 buffer: per unit its values in
         ``_unit_names`` order, written by the replica that evaluated it (zeros elsewhere, so the sum is that
-        replica's value bit for bit), then one step slot to check that every replica evaluated this step."""
+        replica's value bit for bit), then one step slot to check that every replica evaluated this step, then
+        one "unmeasured" mark per value (``None``: the entropies of a frozen matrix), so ``None`` survives."""
         names = [self._unit_names(u) for u in self._units]
         total = sum(len(n) for n in names)
         device = collective_device(self.dp_group, fallback=self._device())
-        buf = torch.zeros(total + 1, dtype=_F64)
+        buf = torch.zeros(2 * total + 1, dtype=_F64)
         offset = 0
         for unit, unit_names in zip(self._units, names):
             if unit in self._mine:
                 missing = [n for n, _ in unit_names if n not in local]
                 if missing:
                     raise RuntimeError(f"AttentionMonitor: internal error, metrics {missing[:3]} not produced")
-                buf[offset:offset + len(unit_names)] = torch.tensor([local[n] for n, _ in unit_names],
-                                                                    dtype=_F64)
+                row = [local[n] for n, _ in unit_names]
+                buf[offset:offset + len(row)] = torch.tensor([math.nan if v is None else v for v in row],
+                                                             dtype=_F64)
+                buf[total + 1 + offset:total + 1 + offset + len(row)] = torch.tensor(
+                    [1.0 if v is None else 0.0 for v in row], dtype=_F64)
             offset += len(unit_names)
         buf[total] = float(step)
         buf = buf.to(device)
@@ -796,8 +812,9 @@ class AttentionMonitor:
         details: dict[str, dict] = {}
         offset = 0
         for unit_names in names:
-            for (name, detail), value in zip(unit_names, values[offset:offset + len(unit_names)]):
-                metrics[name] = value
+            unmeasured = values[total + 1 + offset:total + 1 + offset + len(unit_names)]
+            for (name, detail), value, none in zip(unit_names, values[offset:offset + len(unit_names)], unmeasured):
+                metrics[name] = None if none else value
                 details[name] = detail
             offset += len(unit_names)
         return metrics, details

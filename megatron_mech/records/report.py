@@ -486,8 +486,10 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``megatron-mech report``."""
     parser.add_argument("run_dir", help=f"run directory holding {JSONL_NAME} (or the path of a JSONL log)")
     parser.add_argument("--out", default=None,
-                        help=f"output PNG (default: {REPORT_PNG} next to the JSONL); {REPORT_MD} always goes "
-                             "next to the JSONL")
+                        help=f"output PNG (default: {REPORT_PNG} in --out-dir)")
+    parser.add_argument("--out-dir", default=None,
+                        help=f"where {REPORT_PNG} and {REPORT_MD} go (default: next to the JSONL); for a run "
+                             "directory you cannot write into")
     parser.add_argument("--metrics", nargs="+", default=None, metavar="GLOB",
                         help="only draw metrics matching these fnmatch globs, e.g. 'router/*' "
                              "'attn/layer1/*' (the loss panel is always drawn)")
@@ -496,20 +498,30 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
 def run_report(args: argparse.Namespace) -> int:
     """Write the PNG and ``report.md``, print their paths. Returns 0, or 2 (message on stderr) when the log is
     missing, empty or has nothing to draw."""
+    out_dir = getattr(args, "out_dir", None)
     try:
         jsonl = resolve_jsonl(args.run_dir)
         records = read_jsonl(jsonl)
-        png = _save_plot(jsonl, records, getattr(args, "out", None), getattr(args, "metrics", None))
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    md_path = jsonl.with_name(REPORT_MD)
-    md = summarize_run(records, title=run_name(jsonl))
+    out_png = getattr(args, "out", None) or (Path(out_dir) / REPORT_PNG if out_dir else None)
+    md_path = Path(out_dir) / REPORT_MD if out_dir else jsonl.with_name(REPORT_MD)
     try:
-        rel = png.resolve().relative_to(md_path.resolve().parent)
-    except ValueError:
-        rel = png.resolve()
-    md_path.write_text(md + f"\n![report]({rel.as_posix()})\n", encoding="utf-8")
+        png = _save_plot(jsonl, records, out_png, getattr(args, "metrics", None))
+        md = summarize_run(records, title=run_name(jsonl))
+        try:
+            rel = png.resolve().relative_to(md_path.resolve().parent)
+        except ValueError:
+            rel = png.resolve()
+        md_path.parent.mkdir(parents=True, exist_ok=True)
+        md_path.write_text(md + f"\n![report]({rel.as_posix()})\n", encoding="utf-8")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: cannot write the report ({e}); choose a writable place with --out-dir", file=sys.stderr)
+        return 2
     print(f"plot:    {png}")
     print(f"summary: {md_path}")
     return 0

@@ -201,28 +201,53 @@ def _alerts_text(alerts: Sequence[Alert]) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ reading
+def _record_problem(obj: Mapping[str, Any]) -> str | None:
+    """Why a decoded JSON object is not a usable record (None if it is)."""
+    step = obj.get("step")
+    if isinstance(step, bool) or not isinstance(step, int):
+        return f"'step' must be an int, got {step!r}"
+    metrics = obj.get("metrics")
+    if metrics is not None and not isinstance(metrics, dict):
+        return f"'metrics' must be an object, got {type(metrics).__name__}"
+    alerts = obj.get("alerts")
+    if alerts is not None:
+        if not isinstance(alerts, list):
+            return f"'alerts' must be a list, got {type(alerts).__name__}"
+        for alert in alerts:
+            try:
+                Alert.from_dict(alert)
+            except (KeyError, TypeError, ValueError) as e:
+                return f"unreadable alert {alert!r} ({type(e).__name__}: {e})"
+    return None
+
+
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     """All records of a JSONL log, decoded (non-finite strings back to floats).
 
-    A truncated or otherwise unparsable line — normally the last one, left by a crash mid-write — is skipped
-    with a :class:`RuntimeWarning` (which says whether it was the last line); blank lines are ignored.
+    A line that cannot be used — truncated (normally the last one, left by a crash mid-write), not UTF-8, not
+    JSON, or not a record (``step`` not an int, ``metrics`` not an object, an alert without its fields) — is
+    skipped with a :class:`RuntimeWarning` naming the file and line; blank lines are ignored.
     """
     path = Path(path)
-    lines = path.read_text(encoding="utf-8").splitlines()
+    lines = path.read_bytes().split(b"\n")
     last = max((i for i, ln in enumerate(lines) if ln.strip()), default=-1)
     records = []
-    for i, line in enumerate(lines):
-        if not line.strip():
+    for i, raw in enumerate(lines):
+        if not raw.strip():
             continue
         try:
-            obj = json.loads(line)
+            obj = json.loads(raw.decode("utf-8"))
             if not isinstance(obj, dict):
                 raise ValueError(f"not a JSON object: {type(obj).__name__}")
-        except ValueError as e:
+            obj = decode_record(obj)
+            problem = _record_problem(obj)
+            if problem:
+                raise ValueError(problem)
+        except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
             where = "truncated last line (crash mid-write?)" if i == last else "corrupt line"
             warnings.warn(f"{path}:{i + 1}: skipping {where}: {e}", RuntimeWarning, stacklevel=2)
             continue
-        records.append(decode_record(obj))
+        records.append(obj)
     return records
 
 

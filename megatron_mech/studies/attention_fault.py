@@ -122,6 +122,9 @@ class EmulatedFlashAttention(DotProductAttention):
         gammas = None
         if self.training and torch.is_grad_enabled() and self.fault_active():
             gammas = self.head_gammas
+            fraction = self.fault.ramp_fraction(self.schedule.step) if self.schedule.step is not None else 1.0
+            if fraction < 1.0:  # a slowly developing fault: γ grows linearly over FaultConfig.ramp steps
+                gammas = gammas * fraction
         context = FlashAttention2Function.apply(q, k, v, mask, float(self.effective_scale), self.precision,
                                                 gammas, self._count_injected, self.backward_context)
         # [b, np, sq, hn] -> [sq, b, np·hn]

@@ -67,7 +67,7 @@ def run_demo(args: argparse.Namespace) -> int:
         run_dir = out / name
         cmd = [*torchrun_prefix(2), "-m", "megatron_mech.megatron.pretrain_gpt", *LEAD_MODEL, "--seed", str(args.seed),
                "--train-iters", str(steps), "--save", str(run_dir), "--tensorboard-dir", str(run_dir / "tb"),
-               "--mech-on-alert", "checkpoint", *detector, *fault]
+               "--mech-on-alert", "checkpoint", "--overwrite-run", *detector, *fault]  # the demo owns its folders
         what = f", {DEMO_FAULTS[name][0]} from step {start}" if fault else ""
         print(f"== {name} run ({steps} steps{what}) ==", flush=True)
         if _stream(cmd, env, f"[{name}]"):

@@ -57,12 +57,19 @@ class FaultConfig:
                             flag="--mech-fault-precision", choices=PRECISIONS)
     lr_factor: Optional[float] = option(None, "combined only: LR multiplier k (default 4)",
                                         flag="--mech-fault-lr-factor", type=float)
+    ramp: int = option(0, "slowly developing fault: steps over which the strength grows linearly from 0 at the "
+                          "start step to its full value (attention: γ; lr: k from 1); 0 = full strength at once",
+                       flag="--mech-fault-ramp", type=int)
 
     def __post_init__(self):
         if self.kind not in FAULT_KINDS:
             raise ValueError(f"FaultConfig.kind: unknown fault kind {self.kind!r}; expected one of {list(FAULT_KINDS)}")
         if not is_int(self.start) or self.start < 0:
             raise ValueError(f"FaultConfig.start must be an integer >= 0, got {self.start!r}")
+        if not is_int(self.ramp) or self.ramp < 0:
+            raise ValueError(f"FaultConfig.ramp must be an integer >= 0 (steps), got {self.ramp!r}")
+        if self.ramp and self.kind == "small_batch":
+            raise ValueError("FaultConfig.ramp does not apply to kind 'small_batch' (the batch is fixed for the run)")
         if self.precision not in PRECISIONS:
             raise ValueError(f"FaultConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.strength is None:
@@ -131,6 +138,25 @@ class FaultConfig:
         """γ of the attention fault (0 when the kind has none)."""
         return float(self.strength) if self.attention_enabled else 0.0
 
+    def ramp_fraction(self, step: Optional[int]) -> float:
+        """Fraction of the full strength in force at optimizer step ``step``: 0 before ``start`` (or for an
+        unknown step), ``min(1, (step − start + 1) / ramp)`` while ramping, 1 without a ramp. The ramp stands in
+        for a bias that accumulates over hundreds to thousands of steps, so that the time between a fault's
+        onset and the loss diverging is long enough to measure a lead time in."""
+        if not self.active(step):
+            return 0.0
+        if not self.ramp:
+            return 1.0
+        return min(1.0, (step - self.start + 1) / self.ramp)
+
+    def gamma_at(self, step: Optional[int]) -> float:
+        """γ of the attention fault in force at ``step`` (ramped; 0 when off or without an attention part)."""
+        return self.gamma * self.ramp_fraction(step)
+
+    def lr_multiplier_at(self, step: Optional[int]) -> float:
+        """LR multiplier in force at ``step``: ``1 + (k − 1)·ramp_fraction(step)`` (1 when off)."""
+        return 1.0 + (self.lr_multiplier - 1.0) * self.ramp_fraction(step)
+
     @property
     def lr_multiplier(self) -> float:
         """k of the LR fault (1 when the kind has none)."""
@@ -174,7 +200,8 @@ class FaultConfig:
             parts.append(f"LR × {self.lr_multiplier:g}")
         if self.kind == "small_batch":
             parts.append(f"global batch / {self.batch_divisor}")
-        return " + ".join(parts) + f" from step {self.start}"
+        ramp = f", ramping up over {self.ramp} steps" if self.ramp else ""
+        return " + ".join(parts) + f" from step {self.start}{ramp}"
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

@@ -15,6 +15,10 @@ Four faults, chosen with :class:`FaultConfig` (command line: :func:`add_fault_ar
 ``combined``
     ``attention`` (γ = ``strength``) and ``lr`` (k = ``lr_factor``) together, same start step.
 
+Any of the attention and LR faults can develop slowly: with ``ramp`` (``--mech-fault-ramp N``) the strength
+grows linearly from nothing at the start step to its full value N steps later (:meth:`FaultConfig.ramp_fraction`),
+standing in for a bias that accumulates over hundreds to thousands of steps.
+
 A trainer uses one object, :class:`FaultInjector` (:mod:`megatron_mech.studies.injectors`); the hook
 (:class:`megatron_mech.hook.MechHook`) owns one and calls it. Importing this module does not import megatron-core:
 :class:`EmulatedFlashAttention` and :func:`attention_fault_spec` are loaded on first use.

@@ -56,6 +56,9 @@ def apply_lr_fault(target, step: int, config: FaultConfig) -> float:
     ``target``: an optimizer (torch or megatron, incl. ``ChainedOptimizer``), a megatron
     ``OptimizerParamScheduler`` or a list of param-group dicts. Returns the factor applied (1.0 = nothing).
 
+    With ``config.ramp > 0`` the factor grows linearly from 1 to k over ``ramp`` steps
+    (:meth:`FaultConfig.lr_multiplier_at`).
+
     Call it every iteration **immediately before** ``optimizer.step()``, with ``step`` = the number of that
     optimizer step (1-based). megatron's ``OptimizerParamScheduler.step()`` rewrites every group's
     ``lr = get_lr(group)`` (from its per-group ``max_lr``/``min_lr``) after each optimizer step, so scaling the
@@ -64,7 +67,7 @@ def apply_lr_fault(target, step: int, config: FaultConfig) -> float:
     checkpoints untouched (a resumed run re-applies it). Calling it twice in one step does not compound (each
     group remembers the step and the value it wrote).
     """
-    k = config.lr_multiplier
+    k = config.lr_multiplier_at(step)  # ramped when config.ramp > 0
     if k == 1.0 or not config.active(step):
         return 1.0
     for group in param_groups(target):

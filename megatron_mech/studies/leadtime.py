@@ -11,7 +11,7 @@ import math
 
 from megatron_mech.megatron.presets import small_moe
 
-__all__ = ["DIVERGENCE_HOLD", "FAULT_FLAGS", "LEAD_MODEL", "divergence_step", "first_alert", "loss_gap",
+__all__ = ["REPORTING_SEEDS", "SLOW_RAMP", "TUNING_SEEDS", "check_reporting_seeds", "DIVERGENCE_HOLD", "FAULT_FLAGS", "LEAD_MODEL", "divergence_step", "first_alert", "loss_gap",
            "moving_average", "peak_score", "plot_fault"]
 
 # The fault studies' runs: the project's small MoE GPT (EP=2 on 2 processes), evaluated every 5 steps.
@@ -20,13 +20,35 @@ LEAD_MODEL = [*small_moe(2), "--log-interval", "100", "--mech-interval", "5", "-
 # (+0.27–0.37 nats, for good) ~45 steps after onset; γ = 0.03 rose only 0.15–0.18 nats (gradient clipping
 # holds it) although every monitor fired. LR ×4 (×10 too) bumps the loss and recovers: routers are what it
 # breaks here. Layer 1 is explicit so the attribution can be checked against the injected layer.
+SLOW_RAMP = 400  # steps over which the slow fault's γ reaches full strength (benchmarks: --slow-ramp)
 FAULT_FLAGS = {
     "attention": ["--mech-fault", "attention", "--mech-fault-strength", "0.1", "--mech-fault-layers", "1"],
     "lr": ["--mech-fault", "lr", "--mech-fault-strength", "4"],
     "small_batch": ["--mech-fault", "small_batch", "--mech-fault-strength", "4"],
+    # The slowly developing precision fault: γ grows from 0 to 0.1 over SLOW_RAMP steps after the start, standing
+    # in for a bias that accumulates; lead time is read as a fraction of the onset → divergence interval.
+    "slow_attention": ["--mech-fault", "attention", "--mech-fault-strength", "0.1", "--mech-fault-layers", "1",
+                       "--mech-fault-ramp", str(SLOW_RAMP)],
     "combined": ["--mech-fault", "combined", "--mech-fault-strength", "0.1", "--mech-fault-layers", "1",
                  "--mech-fault-lr-factor", "4"],
 }
+
+
+# Seeds, fixed up front. Tuning seeds are the ones detector rules, levels and fault strengths were read off
+# (1234: the original rules and fault strengths; 11: the attention levels, read off the quick demo's runs);
+# results are reported on the reporting seeds only, which no setting was chosen on. The benchmarks refuse a
+# tuning seed unless told it is a tuning run.
+TUNING_SEEDS = (11, 1234)
+REPORTING_SEEDS = (21, 22, 23, 24, 25)
+
+
+def check_reporting_seeds(seeds, allow_tuning: bool = False) -> None:
+    """ValueError if ``seeds`` contains a tuning seed (unless ``allow_tuning``): results must be held out."""
+    tuned = sorted(set(seeds) & set(TUNING_SEEDS))
+    if tuned and not allow_tuning:
+        raise ValueError(f"--seeds {tuned}: tuning seeds (the detector was set on {list(TUNING_SEEDS)}) cannot be "
+                         f"reported; use reporting seeds such as {list(REPORTING_SEEDS)}, or --tuning-run to "
+                         f"look at tuning seeds (the output is then marked as a tuning run)")
 
 
 DIVERGENCE_HOLD = 50  # steps a divergence must last before the end of the run to count

@@ -204,7 +204,7 @@ def main() -> int:
     buf.seek(0)
     resumed = AttentionMonitor(model.shard_layers(), cfg, extra_linears=model.shard_extras())
     calls.clear()
-    resumed.load_state_dict(torch.load(buf, weights_only=False))
+    resumed.load_state_dict(torch.load(buf, weights_only=True))
     expect(calls == ["all_reduce"], f"load_state_dict collectives {calls}")
     for step in range(STEPS + 1, STEPS + INTERVAL + 1):
         model.step()

@@ -130,8 +130,9 @@ def check_layout(name, tp_group, dp_group, tp_rank, tp, calls, expect) -> None:
                + str([k for k in want[0] if k not in got[0] or not same({k: got[0][k]}, {k: want[0][k]})][:5]))
         expect(got[1] == want[1], f"{name}: step {step}: details differ")
         if step == STEPS:
-            nan_layer3 = [k for k in got[0] if k.startswith("attn/layer3/dwq")]
+            nan_layer3 = [k for k in got[0] if k.startswith("attn/layer3/dwq") and not k.endswith("_frozen")]
             expect(all(math.isnan(got[0][k]) for k in nan_layer3), f"{name}: NaN layer 3 not flagged")
+            expect(got[0]["attn/layer3/dwq_frozen"] == 0.0, f"{name}: a NaN update is not a frozen matrix")
             expect(not math.isnan(got[0]["attn/layer0/dwq_entropy"]), f"{name}: NaN leaked into layer 0")
         if step == 4:
             saved = split.state_dict()

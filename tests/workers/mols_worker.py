@@ -303,7 +303,7 @@ def _save(bundle, path_prefix: str) -> bytes:
 
 
 def _load(bundle, blob: bytes, path_prefix: str, order: str = "mols_first"):
-    state = torch.load(io.BytesIO(blob), weights_only=False)
+    state = torch.load(io.BytesIO(blob), weights_only=True)
     bundle["model"].load_state_dict(state["model"])
     bundle["optimizer"].load_state_dict(state["optimizer"])
     if bundle["opt_config"].use_distributed_optimizer:

@@ -1,0 +1,115 @@
+"""Start-up checks of a run's directories: nothing a user saved is lost or silently mixed, and a directory that
+cannot be written is found before training, not at the final save.
+
+Rules (checked on every rank before any data, model or process group is built; errors name the flag):
+
+* ``--save``, ``--mech-output-dir`` (default ``--save``) and ``--tensorboard-dir`` must be writable: each rank
+  writes and removes a probe file.
+* A fresh start — no ``--load``, or a ``--load`` directory without a checkpoint — into an output directory that
+  already holds a run (``mech.jsonl`` with records, ``summary.json``, or a checkpoint tracker under ``--save``)
+  is refused: appending would mix two runs, and starting over would truncate records no checkpoint explains.
+  ``--overwrite-run`` starts over deliberately (the old records, summary, alert marker and tracker go).
+* ``--load`` pointing at a directory without a checkpoint (a typo, or a crash before the first save) when
+  there is nothing to lose starts at step 0 with a loud warning (Megatron-LM's behaviour), unless
+  ``--exit-on-missing-checkpoint``.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from megatron_mech.megatron.checkpoint import TRACKER
+
+__all__ = ["RunDirectoryPlan", "check_run_directories", "clear_previous_run"]
+
+JSONL = "mech.jsonl"
+SUMMARY = "summary.json"
+FIRST_ALERT = "first_alert.json"
+
+
+@dataclass(frozen=True)
+class RunDirectoryPlan:
+    """What the start-up checks decided.
+
+    Attributes:
+        output_dir: where mech.jsonl and summary.json go.
+        resume: True when ``--load`` holds a checkpoint (the run continues it).
+        overwrite: True when a previous run in the output directory is to be replaced (``--overwrite-run``).
+        warning: a message to print loudly at start (e.g. ``--load`` without a checkpoint), or None.
+    """
+
+    output_dir: str
+    resume: bool
+    overwrite: bool
+    warning: Optional[str] = None
+
+
+def _probe_writable(directory: str, flag: str, rank: int) -> None:
+    probe = Path(directory) / f".mech_write_probe.rank{rank}"
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(f"{flag} {directory} is not writable ({exc.strerror or exc}); training would only find "
+                         f"out at its first save") from exc
+
+
+def _previous_run(output_dir: str, save_dir: Optional[str]) -> list:
+    """What in these directories belongs to an earlier run (empty list: nothing)."""
+    found = []
+    jsonl = Path(output_dir) / JSONL
+    if jsonl.is_file() and jsonl.stat().st_size > 0:
+        found.append(str(jsonl))
+    if (Path(output_dir) / SUMMARY).is_file():
+        found.append(str(Path(output_dir) / SUMMARY))
+    if save_dir and (Path(save_dir) / TRACKER).is_file():
+        found.append(str(Path(save_dir) / TRACKER))
+    return found
+
+
+def check_run_directories(args, rank: int = 0) -> RunDirectoryPlan:
+    """Apply the module's rules to parsed entry-point flags; raise ``ValueError`` naming the flag."""
+    output_dir = args.mech_output_dir or args.save or "runs/mech"
+    output_flag = "--mech-output-dir" if args.mech_output_dir else ("--save" if args.save else
+                                                                     "--mech-output-dir (default runs/mech)")
+    for flag, directory in (("--save", args.save), (output_flag, output_dir),
+                            ("--tensorboard-dir", args.tensorboard_dir)):
+        if directory:
+            _probe_writable(directory, flag, rank)
+    overwrite = bool(getattr(args, "overwrite_run", False))
+    resume = bool(args.load) and (Path(args.load) / TRACKER).is_file()
+    warning = None
+    if args.load and not resume:
+        if args.exit_on_missing_checkpoint:
+            raise ValueError(f"--load {args.load}: no checkpoint there (no {TRACKER}) and "
+                             f"--exit-on-missing-checkpoint is set")
+        warning = (f"WARNING: --load {args.load} holds no checkpoint (no {TRACKER}): starting from step 0. "
+                   f"Check the path if you meant to resume.")
+    if not resume:
+        previous = _previous_run(output_dir, args.save)
+        if previous and not overwrite:
+            why = (f"--load {args.load} holds no checkpoint, so this run would start at step 0"
+                   if args.load else "this is a fresh run (no --load)")
+            raise ValueError(f"{output_dir} already holds a run ({', '.join(previous)}) and {why}: its records "
+                             f"would be mixed with or replaced by this one. Use another --save/--mech-output-dir, "
+                             f"resume with --load pointing at its checkpoint, or pass --overwrite-run to start over")
+    return RunDirectoryPlan(output_dir=output_dir, resume=resume, overwrite=overwrite and not resume,
+                            warning=warning)
+
+
+def clear_previous_run(plan: RunDirectoryPlan, save_dir: Optional[str]) -> None:
+    """``--overwrite-run`` on a fresh start: remove the previous run's records, summary, alert marker and
+    checkpoint tracker (its ``iter_*`` directories stay until overwritten; none of them is "latest" any more).
+    Call on one rank only."""
+    if not plan.overwrite:
+        return
+    for path in (Path(plan.output_dir) / JSONL, Path(plan.output_dir) / SUMMARY,
+                 Path(plan.output_dir) / FIRST_ALERT,
+                 *([Path(save_dir) / TRACKER, Path(save_dir) / FIRST_ALERT] if save_dir else [])):
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,59 @@
+"""The two detection benchmarks' scoring and report code on synthetic runs (no training): a clean run with one
+alarm, and a run that diverges after the monitors and the max-logit signal fire."""
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+
+from benchmarks import false_alarms, natural_instability
+from megatron_mech.core.detect import Alert
+from megatron_mech.studies.clean_scores import replay
+
+
+def _records(n, collapse_at=None):
+    out = []
+    for i in range(n):
+        v = 0.4 + 0.004 * ((i * 7) % 5)
+        if collapse_at is not None and i >= collapse_at:
+            v = 0.001
+        out.append({"step": 5 * (i + 1), "metrics": {"attn/layer0/head0/delta2_entropy": v,
+                                                     "attn/layer0/dwq_entropy": 0.5 + 0.005 * (i % 3),
+                                                     "symptom/loss": 6.0 - 0.001 * i}})
+    return out
+
+
+def test_false_alarm_summary_and_report():
+    runs = [{"name": "dense_h64_s21", "scores": replay(_records(120)), "command": "cmd"},
+            {"name": "dense_h256_s21", "scores": replay(_records(120, collapse_at=100)), "command": "cmd"}]
+    summary = false_alarms.summarize(runs, 1e4, 1e3)
+    overall = next(r for r in summary["rates"] if r["group"] == "all")
+    monitored = 120 - 50  # default rules: warm-up 30 + baseline 20 evaluations
+    assert overall["series_evaluations"] == 2 * 3 * monitored and overall["alarms"] == 1
+    assert overall["rate"] == pytest.approx(1 / (6 * monitored)) and overall["upper_95"] > overall["rate"]
+    assert summary["alarms"] == [{"run": "dense_h256_s21", "metric": "attn/layer0/head0/delta2_entropy",
+                                  "steps": [5 * (100 + 3)]}]
+    args = argparse.Namespace(tuning_run=False, steps=600, seeds=[21], widths=[64, 256], models=["dense"],
+                              scale_evaluations=1e4, scale_series=1e3)
+    text = false_alarms.report(args, runs, summary)
+    assert "| all | 1 | 420 |" in text and "dense_h256_s21: `attn/layer0/head0/delta2_entropy`" in text
+
+
+def test_natural_instability_score_and_report():
+    losses = [6.0] * 300 + [math.nan] * 10
+    records = [{"step": 5 * (i + 1), "metrics": {"symptom/max_attn_logit": 5.0 if i < 52 else 80.0}}
+               for i in range(62)]
+    alerts = [Alert("attn/layer2/head1/delta2_entropy", "attention", 250, 0.001, 0.3, 12.0, {"layer": 2}),
+              Alert("symptom/grad_norm", "symptom", 290, 9.0, 1.0, 20.0)]
+    run = {"losses": losses, "alerts": alerts, "records": records, "command": "cmd"}
+    s = natural_instability.score(run, steps=310, margin=1.0)
+    assert s["divergence"] == 301 and s["first_family"] == "attention" and s["first_monitor_alert"] == 250
+    assert s["lead"]["monitors"] == 51 and s["lead_fraction"] == pytest.approx(51 / 301)
+    assert s["signals"]["max attention logit"] == 5 * (52 + 5) and s["lead"]["max attention logit"] == 301 - 285
+    assert s["signals"]["loss spike (10× early max)"] == 301
+    args = argparse.Namespace(tuning_run=False, model="dense", width=64, steps=310, seeds=[21], margin=1.0)
+    text = natural_instability.report(args, [{"lr": 0.03, "qk_layernorm": False, "seed": 21, "score": s,
+                                              "command": "cmd"}])
+    assert "runs that diverged: 1 of 1; monitors alerted before divergence in 1" in text
+    assert "monitors ahead of **max attention logit**" in text

@@ -1,0 +1,124 @@
+"""Start-up checks of the run directories (megatron_mech.megatron.run_directory) and of the entry point's flags.
+
+These run before any process group, data or model exists, so they are tested on parsed flags directly; one
+torchrun test checks that the entry point applies them before training (exit code 2, the reason on every rank,
+the previous run's records untouched).
+"""
+import json
+import os
+import stat
+
+import pytest
+
+from dist_utils import REPO_ROOT, run_torchrun
+from megatron_mech.megatron.checkpoint import TRACKER
+from megatron_mech.megatron.pretrain_gpt import build_parser, check_args
+from megatron_mech.megatron.run_directory import check_run_directories, clear_previous_run
+
+LAUNCHER = REPO_ROOT / "launch_scripts" / "pretrain_gpt_mech.py"
+
+
+def parse(*flags):
+    return build_parser().parse_args(list(flags))
+
+
+def previous_run(directory, records=15):
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "mech.jsonl").write_text("".join(json.dumps({"step": 5 * (i + 1)}) + "\n" for i in range(records)))
+    (directory / "summary.json").write_text("{}")
+
+
+def test_fresh_run_into_a_previous_run_is_refused(tmp_path):
+    previous_run(tmp_path / "run")
+    with pytest.raises(ValueError, match="already holds a run .*mech.jsonl.*--overwrite-run"):
+        check_run_directories(parse("--save", str(tmp_path / "run")))
+    plan = check_run_directories(parse("--save", str(tmp_path / "run"), "--overwrite-run"))
+    assert plan.overwrite and not plan.resume
+    clear_previous_run(plan, str(tmp_path / "run"))
+    assert not (tmp_path / "run" / "mech.jsonl").exists() and not (tmp_path / "run" / "summary.json").exists()
+    assert check_run_directories(parse("--save", str(tmp_path / "empty"))).warning is None  # a new directory is fine
+
+
+def test_load_without_a_checkpoint_never_truncates_records(tmp_path):
+    previous_run(tmp_path / "run")
+    with pytest.raises(ValueError, match="holds no checkpoint, so this run would start at step 0"):
+        check_run_directories(parse("--save", str(tmp_path / "run"), "--load", str(tmp_path / "typo")))
+    assert len((tmp_path / "run" / "mech.jsonl").read_text().splitlines()) == 15
+    # nothing to lose: start at 0 with a loud warning (Megatron-LM's behaviour), or refuse if asked to
+    plan = check_run_directories(parse("--save", str(tmp_path / "new"), "--load", str(tmp_path / "new")))
+    assert not plan.resume and "holds no checkpoint" in plan.warning
+    with pytest.raises(ValueError, match="--exit-on-missing-checkpoint"):
+        check_run_directories(parse("--save", str(tmp_path / "new"), "--load", str(tmp_path / "new"),
+                                    "--exit-on-missing-checkpoint"))
+    # a real checkpoint: resume, the records after it are the sink's to truncate
+    (tmp_path / "run" / TRACKER).write_text("10")
+    assert check_run_directories(parse("--save", str(tmp_path / "run"), "--load", str(tmp_path / "run"))).resume
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write into read-only directories")
+def test_unwritable_directories_are_found_at_start(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    try:
+        for flag in ("--save", "--mech-output-dir", "--tensorboard-dir"):
+            with pytest.raises(ValueError, match=f"{flag} .* is not writable"):
+                check_run_directories(parse(flag, str(locked / "sub")))
+    finally:
+        locked.chmod(stat.S_IRWXU)
+
+
+def test_unwritable_file_in_place_of_a_directory_is_found_at_start(tmp_path):
+    """Works as root too: a file where the directory should be."""
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="--save .* is not writable"):
+        check_run_directories(parse("--save", str(tmp_path / "file" / "run")))
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--log-interval", "0"], "--log-interval must be >= 1"),
+    (["--micro-batch-size", "0"], "--micro-batch-size must be >= 1"),
+    (["--save-interval", "-5"], "--save-interval must be >= 0"),
+    (["--eval-interval", "-1"], "--eval-interval must be >= 0"),
+    (["--mech-interval", "0"], "--mech-interval: interval must be an int >= 1, got 0"),
+    (["--num-attention-heads", "3", "--tensor-model-parallel-size", "2"],
+     "--num-attention-heads 3 is not divisible by --tensor-model-parallel-size 2"),  # not about query groups
+    (["--num-query-groups", "1", "--tensor-model-parallel-size", "2"], "--num-query-groups 1 is not divisible by TP"),
+    (["--valid-data-path", "x"], "--valid-data-path needs --data-path"),
+    (["--data-path", "x"], "--data-path needs --tokenizer-json"),
+])
+def test_bad_flags_are_named(flags, message):
+    with pytest.raises(ValueError) as info:
+        check_args(parse(*flags), world_size=2)
+    assert message in str(info.value)
+
+
+def test_replicated_kv_is_refused_only_with_the_attention_monitor():
+    """megatron-core replicates K/V heads when there are fewer query groups than TP ranks; only our attention
+    monitor cannot handle that layout."""
+    check_args(parse("--num-query-groups", "1", "--tensor-model-parallel-size", "2", "--mech-monitors", "none"), 2)
+    check_args(parse("--num-query-groups", "1", "--tensor-model-parallel-size", "2", "--mech-monitors", "router",
+                     "--num-experts", "4"), 2)
+
+
+def test_entry_point_refuses_before_building_anything(tmp_path):
+    previous_run(tmp_path / "run")
+    with pytest.raises(AssertionError) as failure:
+        run_torchrun(LAUNCHER, "--train-iters", "30", "--save", str(tmp_path / "run"), nproc=2, timeout=120)
+    text = str(failure.value)
+    assert text.count("already holds a run") >= 2 and "[train] world=" not in text  # every rank, before training
+    assert "pretrain_gpt: error:" in text and "in check_run_directories" not in text  # one line, no worker traceback
+    assert len((tmp_path / "run" / "mech.jsonl").read_text().splitlines()) == 15
+
+
+def test_summary_write_failure_is_reported_not_fatal(tmp_path, caplog):
+    """One policy for monitor output: a failed write (here a file where the directory should be; disk full
+    behaves the same) is said loudly and the run goes on to its normal end."""
+    from megatron_mech.megatron.pretrain_gpt import write_summary
+
+    (tmp_path / "blocker").write_text("")
+    with caplog.at_level("ERROR"):
+        assert write_summary(tmp_path / "blocker" / "summary.json", {"final_step": 3}) is False
+    assert "could not write" in caplog.text
+    assert write_summary(tmp_path / "ok" / "summary.json", {"final_step": 3}) is True
+    assert json.loads((tmp_path / "ok" / "summary.json").read_text()) == {"final_step": 3}
