@@ -7,6 +7,10 @@ from setuptools import find_packages, setup
 
 EXTRAS = {
     "megatron": ["megatron-core>=0.13", "psutil"],
+    # A Megatron-LM fork's own pretrain_gpt.py (megatron/training/) imports these beyond megatron-core's own
+    # dependencies; pybind11 builds its dataset helpers; triton is imported at module level by
+    # megatron/core/transformer/custom_layers/batch_invariant_kernels.py (no triton kernel runs on CPU).
+    "megatron-lm": ["megatron-core>=0.13", "psutil", "six", "regex", "pydantic>=2", "pybind11", "triton"],
     "deepspeed": ["deepspeed>=0.16"],
     "viz": ["matplotlib>=3.7", "tensorboard>=2.12"],
     "data": ["tokenizers>=0.15"],

