@@ -1,6 +1,391 @@
-"""Functions a patched Megatron-LM fork calls (probe)."""
-from megatron_mech.megatron_lm import cpu
+"""The functions a patched Megatron-LM fork calls: every line the patch set adds is a call into this module.
+
+All logic stays in the package; the patches (``patches/megatron-lm/<tag>/``) only add these calls, at:
+
+====================================  =====================================================================
+call                                  place in the fork (core_v0.16.1 names)
+====================================  =====================================================================
+:func:`on_start`                      ``pretrain_gpt.py`` ``__main__``, before ``pretrain``: CPU shims
+                                      (CPU-only machines), megatron-core fixes
+:func:`extra_args_provider`           ``pretrain_gpt.py``: wraps the fork's own ``extra_args_provider``
+                                      (``--mech-*``, ``--mech-mols*``, ``--mech-fault*``)
+:func:`wrap_forward_step`             ``pretrain_gpt.py``: the ``forward_step`` given to ``pretrain``
+:func:`optimizer_config_overrides`    ``setup_model_and_optimizer``: between ``get_megatron_optimizer_config``
+                                      and ``get_megatron_optimizer`` (MoLS per-class param groups)
+:func:`on_optimizer_built`            right after ``get_megatron_optimizer``, before ``load_checkpoint``
+:func:`on_setup`                      end of ``setup_model_and_optimizer`` (model, optimizer, loaded state)
+:func:`on_train_start`                ``train``, after ``config.finalize_model_grads_func`` is set
+:func:`before_step`                   start of ``train_step``
+:func:`after_optimizer_step`          ``train_step``, between ``optimizer.step()`` and the scheduler step
+:func:`log_to_writers`                ``training_log``, with Megatron's TensorBoard / W&B writers
+:func:`add_checkpoint_state`          ``generate_state_dict`` (save side and load template)
+:func:`restore_checkpoint_state`      ``load_checkpoint``, after the optimizer and scheduler are loaded
+====================================  =====================================================================
+
+One :class:`MechRun` per process (module global ``RUN``) holds the monitors (:class:`MegatronMech`), MoLS
+(:class:`MegatronMoLS`) and what passes between call sites. Every rank makes every call in the same order:
+the monitors and MoLS issue their collectives there.
+
+Ranks and writers. The monitors reduce their statistics over the model-parallel groups, so every rank holds
+the same metrics; rank ``world_size - 1`` — where Megatron creates its TensorBoard and W&B writers — writes
+``<output>/mech.jsonl`` and forwards the same records to those writers in ``training_log``.
+
+Checkpoint state. Per-rank monitor state and the (rank-identical) MoLS state go under the key
+``megatron_mech``: for ``--ckpt-format torch_dist`` one ``ShardedObject`` per rank (the pattern of
+Megatron's rerun-state machine); for the legacy ``torch`` format, the state of the rank that writes the file
+(expert-data-parallel rank 0, Megatron's legacy rule; only those ranks build the state dict, so no collective
+is possible there), which every rank of that group loads. That is exact because the state is the same on
+those ranks: weight snapshots of replicated (data-parallel) shards, all-reduced detector and MoLS state.
+A checkpoint without the key (a run started before the patch) loads and the monitors start afresh.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch
+
+__all__ = ["RUN", "MechRun", "STATE_KEY", "on_start", "extra_args_provider", "wrap_forward_step", "optimizer_config_overrides",
+           "on_optimizer_built", "on_setup", "on_train_start", "before_step", "after_optimizer_step",
+           "log_to_writers", "add_checkpoint_state", "restore_checkpoint_state"]
+
+logger = logging.getLogger(__name__)
+
+STATE_KEY = "megatron_mech"
+STATE_VERSION = 1
+# Marker in the checkpoint's common (non-sharded) part: its ShardedObjects exist, so the load template may ask.
+MARKER_KEY = "megatron_mech_state_version"
 
 
-def on_start():
-    cpu.apply_training_cpu_shims()
+@dataclass
+class MechRun:
+    """What one process's call sites share. Built by the call sites; users read it, e.g. ``RUN.mech``."""
+
+    mech: Any = None  # MegatronMech, from on_setup
+    mols: Any = None  # MegatronMoLS (or its disabled stand-in), from optimizer_config_overrides
+    model: Any = None
+    optimizer: Any = None
+    scheduler: Any = None
+    pending: List[dict] = field(default_factory=list)  # records not yet given to Megatron's writers
+    restored: Optional[dict] = None  # this rank's state read by load_checkpoint, applied in on_setup
+    checkpoint_has_state: bool = False  # load side: the checkpoint being loaded carries our state
+    started: bool = False
+
+
+RUN = MechRun()
+
+
+def _args():
+    from megatron.training import get_args
+
+    return get_args()
+
+
+# --------------------------------------------------------------------------------------------- start, flags
+def on_start() -> List[str]:
+    """``pretrain_gpt.py``, before ``pretrain``: on a machine without CUDA apply the CPU shims for
+    megatron-core and for the fork's training layer; everywhere apply megatron-core's no-TE fixes. Returns
+    the names of what was applied."""
+    from megatron_mech.megatron.cpu_shims import apply_megatron_fixes
+    from megatron_mech.megatron_lm.cpu import apply_training_cpu_shims
+
+    applied = apply_training_cpu_shims() + apply_megatron_fixes()
+    RUN.started = True
+    if applied:
+        logger.info("megatron-mech: applied %s", ", ".join(applied))
+    return applied
+
+
+def extra_args_provider(other=None):
+    """An ``extra_args_provider`` adding our flags after the fork's own ``other(parser)`` (if any)."""
+    from megatron_mech.megatron.adapter import add_arguments
+    from megatron_mech.megatron.mols import add_mols_arguments
+    from megatron_mech.studies.faults import add_fault_arguments
+
+    def provider(parser):
+        if other is not None:
+            parser = other(parser)
+        add_arguments(parser)
+        add_mols_arguments(parser)
+        add_fault_arguments(parser)
+        return parser
+
+    return provider
+
+
+def wrap_forward_step(forward_step_func):
+    """``pretrain_gpt.py``: the ``forward_step`` passed to ``pretrain``, seen through MoLS (which, on its
+    micro-batch route, reads the gradient when the step's 2nd forward starts). MoLS is built later, inside
+    ``pretrain``: the wrapper asks for it at call time; without ``--mech-mols`` it calls straight through."""
+    import functools
+
+    cache = {}
+
+    @functools.wraps(forward_step_func)
+    def forward_step(*args, **kwargs):
+        mols = RUN.mols
+        if mols is None or not mols.enabled:
+            return forward_step_func(*args, **kwargs)
+        if cache.get("mols") is not mols:
+            cache["mols"], cache["fn"] = mols, mols.wrap_forward_step(forward_step_func)
+        return cache["fn"](*args, **kwargs)
+
+    return forward_step
+
+
+# --------------------------------------------------------------------------------------------- optimizer
+def optimizer_config_overrides(model, optimizer_config, config_overrides):
+    """``setup_model_and_optimizer``: the ``config_overrides`` to pass to ``get_megatron_optimizer``.
+
+    Without ``--mech-mols``: the fork's own, unchanged. With it: the fork's overrides (standard ones and any the
+    fork adds, e.g. decoupled lr for embedding/output) plus one ``{"mols_module": class}`` override per
+    parameter, so each module class gets its own groups. MoLS scales a group's own ``max_lr``/``min_lr``: with
+    ``--decoupled-lr`` the embedding/output groups run at ``decoupled_lr × multiplier``. Overrides of one
+    parameter that set the same key to different values make megatron-core raise ``ValueError``; ours use a
+    key of their own and never conflict.
+    """
+    from megatron_mech.megatron.mols import MegatronMoLS, mols_config_overrides
+
+    args = _args()
+    _check_supported(args)
+    RUN.mols = MegatronMoLS.from_args(args, model, optimizer_config, log=_log_last_rank)
+    if not RUN.mols.enabled:
+        return config_overrides
+    return mols_config_overrides(model, optimizer_config, RUN.mols.taxonomy, extra_overrides=config_overrides)
+
+
+def _check_supported(args) -> None:
+    on_alert = getattr(args, "mech_on_alert", "log")
+    if on_alert != "log":
+        raise ValueError(f"--mech-on-alert {on_alert}: the Megatron-LM patch set logs alerts only; use "
+                         "--mech-on-alert log (alert callbacks: megatron_mech.megatron_lm.callsites.RUN.mech)")
+
+
+def on_optimizer_built(model, optimizer) -> None:
+    """Right after ``get_megatron_optimizer``, before any optimizer state is loaded: MoLS attaches to the
+    param groups and makes the checkpoint load match them one-to-one (see :mod:`.param_groups`)."""
+    from megatron.core.utils import get_model_config
+
+    from megatron_mech.megatron_lm.param_groups import protect_for_this_version
+
+    RUN.model, RUN.optimizer = model, optimizer
+    if RUN.mols is not None and RUN.mols.enabled:
+        RUN.mols.install(get_model_config(model[0]), optimizer)
+        protect_for_this_version(optimizer)
+
+
+# --------------------------------------------------------------------------------------------- set-up
+def on_setup(model, optimizer, opt_param_scheduler) -> None:
+    """End of ``setup_model_and_optimizer``: build the monitors (every rank; collective) and restore the state
+    ``load_checkpoint`` read."""
+    from megatron_mech.megatron.adapter import MegatronMech, MechConfig, build_sinks
+    from megatron_mech.records.sinks import CallbackSink, MultiSink
+
+    args = _args()
+    RUN.model, RUN.optimizer, RUN.scheduler = model, optimizer, opt_param_scheduler
+    if optimizer is None:  # --skip-train: no training steps to monitor
+        return
+    world = torch.distributed.get_world_size()
+    logging_rank = torch.distributed.get_rank() == world - 1
+    output_dir = args.mech_output_dir or (f"{args.save}/mech" if args.save else "runs/mech")
+    resume_step = args.iteration if args.iteration else None
+    # Megatron's writers are fed in training_log; our own sinks: the JSONL file and the hand-over list.
+    sinks = None
+    if logging_rank:
+        sinks = build_sinks(output_dir, None, MechConfig.from_args(args).wandb_project, resume_step=resume_step)
+        sinks = MultiSink([sinks, CallbackSink(RUN.pending.append)])
+    RUN.mech = MegatronMech.from_args(args, model, output_dir=output_dir, printer=_log_last_rank)
+    if RUN.mech.sinks is not None:
+        RUN.mech.sinks.close()  # from_args opened the default JSONL sink: ours (same file) replaces it
+    RUN.mech.sinks = sinks
+    if RUN.restored is not None:
+        state = RUN.restored
+        if state.get("mech") is not None:
+            RUN.mech.load_state_dict(state["mech"])
+        if RUN.mols is not None and RUN.mols.enabled and state.get("mols"):
+            RUN.mols.load_state_dict(state["mols"])
+            if opt_param_scheduler is not None:
+                opt_param_scheduler.step(increment=0)  # the loaded scheduler set lrs before MoLS's max_lr
+        RUN.restored = None
+
+
+def on_train_start(model, optimizer, config, iteration: int) -> None:
+    """``train``, after ``config.finalize_model_grads_func = finalize_model_grads`` (which replaces whatever was
+    there): MoLS measures around that function, and the monitors take their first snapshot."""
+    if RUN.mols is not None and RUN.mols.enabled and RUN.mols.config.estimator == "two_batch":
+        current = config.finalize_model_grads_func
+        if not getattr(current, "_mols_real", None):
+            RUN.mols._finalize_wrapper = RUN.mols._make_finalize(current)
+            config.finalize_model_grads_func = RUN.mols._finalize_wrapper
+        RUN.mols.model_config = config
+    if RUN.mech is not None:
+        RUN.mech.begin(int(iteration))
+
+
+# --------------------------------------------------------------------------------------------- per step
+def before_step(iteration: int) -> None:
+    """Start of ``train_step(..., iteration)``: this step ends with optimizer step ``iteration + 1``."""
+    from megatron_mech.studies.faults import set_fault_step
+
+    step = int(iteration) + 1
+    set_fault_step(step)
+    if RUN.mech is not None:
+        RUN.mech.before_step(step)
+
+
+def _mean_loss(losses_reduced) -> float:
+    """This step's mean loss over the global batch, as ``train_step`` reduces it (last pipeline stage)."""
+    from megatron.core import parallel_state as mpu
+
+    if not losses_reduced or not mpu.is_pipeline_last_stage(ignore_virtual=True):
+        return math.nan
+    key = next(iter(losses_reduced[0]))
+    values = [x[key].detach().float().view(-1) for x in losses_reduced]
+    if values[0].numel() == 2:  # [sum, tokens] per micro-batch: a token-weighted mean over DP
+        total = torch.vstack(values).sum(dim=0).clone()
+        torch.distributed.all_reduce(total, group=mpu.get_data_parallel_group(with_context_parallel=True))
+        return float(total[0] / total[1])
+    return float(torch.cat(values).mean())
+
+
+def _sync_params_if_gather_overlaps(model) -> None:
+    """With ``--overlap-param-gather`` the model's params are gathered at the next forward: gather them now
+    (as Megatron's weight-hash check does) so the monitors read the updated weights."""
+    args = _args()
+    if not (getattr(args, "overlap_param_gather", False) and getattr(args, "use_distributed_optimizer", False)):
+        return
+    for chunk in model:
+        chunk.disable_forward_pre_hook(param_sync=True)
+    for chunk in model:
+        chunk.enable_forward_pre_hook()
+
+
+def _group_lrs(optimizer) -> Dict[str, List[float]]:
+    """``{class: sorted distinct lrs}`` of the MoLS-tagged param groups (the lrs this step used)."""
+    from megatron_mech.megatron.mols import TAG, _param_groups
+
+    out: Dict[str, set] = {}
+    for group in _param_groups(optimizer):
+        if group.get("params") and TAG in group:
+            out.setdefault(group[TAG], set()).add(float(group["lr"]))
+    return {cls: sorted(v) for cls, v in sorted(out.items())}
+
+
+def after_optimizer_step(model, optimizer, iteration: int, losses_reduced, update_successful,
+                         grad_norm) -> list:
+    """``train_step``, after ``optimizer.step()`` and before ``opt_param_scheduler.step``: the monitors evaluate
+    (step ``iteration + 1``), MoLS writes the multipliers of the next step. Returns this step's alerts."""
+    step = int(iteration) + 1
+    extra: Dict[str, Any] = {}
+    mols = RUN.mols
+    if mols is not None and mols.enabled:
+        extra["mols"] = mols.metrics(int(iteration))  # the multipliers this step used
+        extra["mols_group_lr"] = _group_lrs(optimizer)
+        mols.before_scheduler_step(int(iteration))
+    if RUN.mech is None:
+        return []
+    mech = RUN.mech
+    attention = mech.attention
+    if mech.is_evaluation_step(step) or (attention is not None and attention.should_observe(step)):
+        _sync_params_if_gather_overlaps(model)
+    loss = _mean_loss(losses_reduced)
+    lr = _base_lr(optimizer)
+    norm = None if grad_norm is None else float(grad_norm)
+    extra["update_successful"] = bool(update_successful)
+    alerts = mech.after_step(step, loss=loss, lr=lr, grad_norm=norm, extra=extra)
+    mech.alert_action(step, alerts)  # collective on evaluation steps; alerts are logged by the monitors
+    return alerts
+
+
+def _base_lr(optimizer) -> float:
+    """The lr of the first ``default_config`` group (what Megatron logs; MoLS keeps it unscaled)."""
+    groups = optimizer.param_groups
+    return float(next((g["lr"] for g in groups if g.get("default_config", True)), groups[0]["lr"]))
+
+
+# --------------------------------------------------------------------------------------------- logging
+_WRITER_SINKS: Dict[int, Any] = {}
+
+
+def log_to_writers(iteration: int, writer=None, wandb_writer=None) -> int:
+    """``training_log``: hand the records of the steps since the last call to Megatron's TensorBoard and W&B
+    writers (which exist on rank ``world_size - 1`` only; elsewhere the list is just cleared). Tags:
+    ``mech/<metric>`` and ``mech/alerts``. Returns the number of records written."""
+    from megatron_mech.records.sinks import TensorBoardSink, WandbSink
+
+    records, RUN.pending[:] = list(RUN.pending), []
+    if not records or (writer is None and wandb_writer is None):
+        return 0
+    sinks = []
+    for target, cls, kw in ((writer, TensorBoardSink, "writer"), (wandb_writer, WandbSink, "run")):
+        if target is not None:
+            if id(target) not in _WRITER_SINKS:
+                _WRITER_SINKS[id(target)] = cls(**{kw: target})
+            sinks.append(_WRITER_SINKS[id(target)])
+    for record in records:
+        for sink in sinks:
+            sink.write(record)
+    return len(records)
+
+
+def _log_last_rank(message: str) -> None:
+    if torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
+        print(message, flush=True)
+
+
+# --------------------------------------------------------------------------------------------- checkpoint
+def _rank_state() -> dict:
+    return {"version": STATE_VERSION,
+            "mech": RUN.mech.state_dict() if RUN.mech is not None else None,
+            "mols": RUN.mols.state_dict() if RUN.mols is not None and RUN.mols.enabled else None}
+
+
+def add_checkpoint_state(state_dict: dict, ckpt_format: str, loading: bool = False) -> dict:
+    """``generate_state_dict``: add this run's state under ``megatron_mech`` (save side), or the template to load
+    it into (``loading=True``, ``torch_dist`` only, when the checkpoint has it). No collective. Returns
+    ``state_dict``."""
+    if RUN.mech is None and RUN.mols is None:
+        return state_dict  # not set up (e.g. a conversion tool): nothing of ours
+    if ckpt_format == "torch_dist":
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+        if loading and not RUN.checkpoint_has_state:
+            return state_dict
+        state_dict[STATE_KEY] = ShardedObject(STATE_KEY, _rank_state(), (torch.distributed.get_world_size(),),
+                                              (torch.distributed.get_rank(),), replica_id=0)
+        state_dict[MARKER_KEY] = STATE_VERSION
+    elif ckpt_format == "torch" and not loading:
+        state_dict[STATE_KEY] = {"version": STATE_VERSION, "world_size": torch.distributed.get_world_size(),
+                                 "state": _rank_state()}
+    elif not loading:
+        logger.warning("megatron-mech: checkpoint format %s is not supported; monitor/MoLS state not saved",
+                       ckpt_format)
+    return state_dict
+
+
+def note_checkpoint_contents(common_state_dict: Optional[dict]) -> None:
+    """``load_checkpoint``, once the checkpoint's common part is read: whether it carries our state (so the
+    ``torch_dist`` load template asks for it only then)."""
+    RUN.checkpoint_has_state = bool(common_state_dict) and MARKER_KEY in common_state_dict
+
+
+def restore_checkpoint_state(state_dict: Optional[dict], ckpt_format: str) -> bool:
+    """``load_checkpoint``, after model/optimizer/scheduler are loaded: keep this rank's saved state for
+    :func:`on_setup` (which builds the monitors). Returns whether state was found."""
+    saved = (state_dict or {}).get(STATE_KEY)
+    if saved is None:
+        logger.info("megatron-mech: the checkpoint carries no monitor/MoLS state; monitors start afresh")
+        return False
+    if ckpt_format == "torch":
+        if saved.get("world_size") != torch.distributed.get_world_size():
+            logger.warning("megatron-mech: checkpoint from %s ranks, running on %s: monitor state not restored",
+                           saved.get("world_size"), torch.distributed.get_world_size())
+            return False
+        saved = saved["state"]
+    if not isinstance(saved, dict) or saved.get("version") != STATE_VERSION:
+        raise ValueError(f"checkpoint key {STATE_KEY!r}: unsupported megatron-mech state "
+                         f"(version {getattr(saved, 'get', lambda k: None)('version')})")
+    RUN.restored = saved
+    return True
