@@ -251,15 +251,16 @@ def _mean_loss(losses_reduced) -> float:
 
 
 def _sync_params_if_gather_overlaps(model) -> None:
-    """With ``--overlap-param-gather`` the model's params are gathered at the next forward: gather them now
-    (as Megatron's weight-hash check does) so the monitors read the updated weights."""
+    """With ``--overlap-param-gather`` the model's params are all-gathered from the optimizer's shards only at
+    the next forward: gather them now, synchronously, so the monitors read the updated weights. This is the
+    gather Megatron's weight-hash check forces (``disable_forward_pre_hook(param_sync=True)``), called
+    directly because the pre-hooks are not always registered here (Megatron removes them for the first step).
+    Collective: every rank calls it on the same steps."""
     args = _args()
     if not (getattr(args, "overlap_param_gather", False) and getattr(args, "use_distributed_optimizer", False)):
         return
     for chunk in model:
-        chunk.disable_forward_pre_hook(param_sync=True)
-    for chunk in model:
-        chunk.enable_forward_pre_hook()
+        chunk.start_param_sync(force_sync=True)
 
 
 def _group_lrs(optimizer) -> Dict[str, List[float]]:
