@@ -1,7 +1,7 @@
-"""megatron-mech: mechanism-based instability monitors and MoLS for Megatron-LM and DeepSpeed.
+"""megatron-mech: mechanism-based instability monitors and MoLS for megatron-core and Megatron-LM.
 
 torch is a plain requirement on purpose: users bring the torch build that matches their CUDA stack.
-The CI/dev install path (``.ci/install``) pins ``torch==2.13.0`` (CPU wheel) *before* installing this package.
+The CI/dev install path (``scripts/setup.sh``) pins ``torch==2.13.0`` (CPU wheel) *before* installing this package.
 """
 from setuptools import find_packages, setup
 
@@ -11,7 +11,6 @@ EXTRAS = {
     # dependencies; pybind11 builds its dataset helpers; triton is imported at module level by
     # megatron/core/transformer/custom_layers/batch_invariant_kernels.py (no triton kernel runs on CPU).
     "megatron-lm": ["megatron-core>=0.13", "psutil", "six", "regex", "pydantic>=2", "pybind11", "triton"],
-    "deepspeed": ["deepspeed>=0.16"],
     "viz": ["matplotlib>=3.7", "tensorboard>=2.12"],
     "data": ["tokenizers>=0.15"],
     "test": ["pytest>=7", "hypothesis>=6", "pytest-timeout>=2"],
@@ -22,7 +21,7 @@ setup(
     name="megatron-mech",
     version="0.1.0",
     description="Mechanism-based training-instability monitors and module-wise LR scaling (MoLS) "
-    "for Megatron-LM and DeepSpeed",
+    "for megatron-core and Megatron-LM",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["megatron_mech", "megatron_mech.*"]),

@@ -1,5 +1,5 @@
 """torchrun worker for bench_monitor_overhead.py: the real training entry point with every collective issued
-inside the monitors (``MegatronMech.after_step``) counted. Rank 0 writes ``COUNT_FILE`` (JSON):
+inside the monitors (``MechHook.after_optimizer_step``) counted. Rank 0 writes ``COUNT_FILE`` (JSON):
 {"evaluations": n, "collectives": [...per evaluation...], "bytes": [...]}.
 
 Usage: torchrun ... benchmarks/_comm_worker.py COUNT_FILE <pretrain_gpt flags>
@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch.distributed as dist  # noqa: E402
 
-from megatron_mech.megatron import adapter as adapter  # noqa: E402
+from megatron_mech.hook import MechHook  # noqa: E402
 from megatron_mech.megatron.pretrain_gpt import main  # noqa: E402
 
 count_file = Path(sys.argv[1])
@@ -37,7 +37,7 @@ def counting(name):
 for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast"):
     setattr(dist, name, counting(name))
 
-original_after_step = adapter.MegatronMech.after_step
+original_after_step = MechHook.after_optimizer_step
 
 
 def after_step(self, step, *args, **kwargs):
@@ -51,7 +51,7 @@ def after_step(self, step, *args, **kwargs):
             per_evaluation.append(dict(current))
 
 
-adapter.MegatronMech.after_step = after_step
+MechHook.after_optimizer_step = after_step
 try:
     main(sys.argv[2:])
 finally:

@@ -7,7 +7,7 @@
    * accounted: wall time spent inside the monitors (evaluations, router-logit capture, detectors, JSONL)
      divided by the total step time of that same run — insensitive to machine noise between runs.
 2. Collectives and bytes issued by the monitors per evaluation at TP = 1, 2, 4 (counted by wrapping
-   torch.distributed inside ``MegatronMech.after_step``), same model shapes.
+   torch.distributed inside ``MechHook.after_optimizer_step``), same model shapes.
 3. What one global ΔW evaluation costs at frontier shapes (hidden 8192, 80 layers): the Gram route per
    matrix timed here at d = 1024…4096 and extrapolated as c·d³, next to the matrix-free SLQ estimate
    (megatron_mech/slq.py) with its measured entropy error.
@@ -22,7 +22,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -169,7 +168,7 @@ def main(argv=None):
         summary[name] = {"mean_step_s": mean_step, "end_to_end_overhead": ratio, "accounted_share": share}
         lines.append(f"| {name} | {mean_step*1e3:.1f} | {100*ratio:+.2f}% | {100*share:.2f}% |")
     lines += derived_overhead(overhead)
-    lines += ["", "Monitor communication per evaluation (all collectives inside `MegatronMech.after_step`):", "",
+    lines += ["", "Monitor communication per evaluation (all collectives inside `MechHook.after_optimizer_step`):", "",
               "| TP | collectives | MiB |", "|---|---|---|"]
     for tp, c in comm.items():
         lines.append(f"| {tp} | {c['collectives']} | {c['bytes']/2**20:.2f} |")

@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,10 +36,10 @@ sys.path.insert(0, str(REPO))
 
 from megatron_mech.core.attribution import alert_lines  # noqa: E402
 from megatron_mech.cli import torchrun_prefix  # noqa: E402
-from megatron_mech.core.detect import Alert  # noqa: E402
+from megatron_mech.studies.demo import step_losses  # noqa: E402
 from megatron_mech.studies.leadtime import (DIVERGENCE_HOLD, FAULT_FLAGS, LEAD_MODEL,  # noqa: E402
                                     divergence_step, first_alert, loss_gap, peak_score, plot_fault)
-from megatron_mech.records.sinks import read_jsonl  # noqa: E402
+from megatron_mech.records.sinks import read_alerts, read_jsonl  # noqa: E402
 
 MODEL = LEAD_MODEL
 FAULTS = FAULT_FLAGS
@@ -56,9 +54,8 @@ def launch(run_dir: Path, seed: int, steps: int, fault: list, start: int, env, r
     if not (reuse and (run_dir / "summary.json").exists()):
         cmd = [*torchrun_prefix(2), str(REPO / "launch_scripts" / "pretrain_gpt_mech.py"), *args]
         subprocess.run(cmd, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    alerts = [Alert.from_dict(a) for a in summary["alerts"]]
-    return {"losses": summary["losses"], "alerts": alerts, "records": read_jsonl(run_dir / "mech.jsonl"),
+    return {"losses": step_losses(run_dir), "alerts": read_alerts(run_dir / "mech.jsonl"),
+            "records": read_jsonl(run_dir / "mech.jsonl"),
             "seed": seed, "command": " ".join(["torchrun --nproc_per_node=2 launch_scripts/pretrain_gpt_mech.py",
                                                 *args])}
 

@@ -4,7 +4,7 @@
         --expert-model-parallel-size 2 --train-iters 300 --save runs/demo
 
 See ``python launch_scripts/pretrain_gpt_mech.py --help`` for every flag; the code is
-``megatron_mech/pretrain_gpt.py`` (installed with the package, so this file is only a launcher).
+``megatron_mech/megatron/pretrain_gpt.py`` (installed with the package, so this file is only a launcher).
 """
 import sys
 from pathlib import Path

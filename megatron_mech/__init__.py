@@ -1,9 +1,10 @@
-"""megatron-mech: mechanism-based instability monitors and MoLS for Megatron-LM and DeepSpeed.
+"""megatron-mech: mechanism-based instability monitors and MoLS for megatron-core and Megatron-LM.
 
-The framework-free math lives in small modules (``spectral``, ``layouts``, ``router``, ``snr``, ``detect``);
-framework adapters live in ``megatron_mech.megatron``. The names below are the small public API. They
-are loaded lazily so that ``import megatron_mech`` (and the ``megatron-mech`` CLI) does not pay for torch
-until a name is used.
+Layers: the framework-free math in ``megatron_mech.core``; the monitors (``monitors``) and records (``records``)
+on top of it; the one object a trainer calls, ``megatron_mech.hook.MechHook``, configured by
+``megatron_mech.config.MechConfig``; one adapter package per framework (``megatron``); studies outside the product
+API (``studies``). The names below are the core's small public API. They are loaded lazily so that
+``import megatron_mech`` (and the ``megatron-mech`` CLI) does not pay for torch until a name is used.
 """
 import importlib
 

@@ -63,19 +63,11 @@ def _run_prepare_data(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------------
 # train: the small MoE GPT on this machine, monitors on, then the report
 # ---------------------------------------------------------------------------------------------------
-# A ~1.4M-parameter MoE GPT that trains a few hundred steps on 2 CPU processes in minutes.
-SMALL_MOE_PRESET = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
-                    "--ffn-hidden-size", "256", "--num-experts", "4", "--moe-router-topk", "2",
-                    "--seq-length", "128", "--micro-batch-size", "4", "--global-batch-size", "16",
-                    "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "30", "--log-interval", "10",
-                    "--eval-interval", "100", "--vocab-size", "8192"]
-
-
 def _add_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=2, help="processes (torchrun --nproc_per_node)")
     p.add_argument("--steps", type=int, default=300, help="--train-iters")
     p.add_argument("--out", default="runs/small_moe", help="run directory (checkpoint, mech.jsonl, tb/, report)")
-    p.add_argument("--dense", action="store_true", help="a dense GPT instead of the MoE preset")
+    p.add_argument("--dense", action="store_true", help="a dense GPT of the same shape instead of the MoE")
     p.add_argument("extra", nargs=argparse.REMAINDER,
                    help="after '--': more pretrain_gpt flags (they override the preset), e.g. -- --mech-interval 5")
 
@@ -87,12 +79,9 @@ def torchrun_prefix(nproc: int) -> List[str]:
 
 def train_command(nproc: int, steps: int, out: str, dense: bool = False, extra=()) -> List[str]:
     """The torchrun command line the ``train`` subcommand runs (also used by the demo and benchmarks)."""
-    preset = list(SMALL_MOE_PRESET)
-    if dense:
-        i = preset.index("--num-experts")
-        del preset[i:i + 4]  # --num-experts N --moe-router-topk K
-    else:
-        preset += ["--expert-model-parallel-size", str(nproc)]
+    from megatron_mech.megatron.presets import small_moe
+
+    preset = [*small_moe(nproc, dense), "--log-interval", "10", "--eval-interval", "100"]
     return [*torchrun_prefix(nproc), "-m", "megatron_mech.megatron.pretrain_gpt", *preset, "--train-iters", str(steps),
             "--save", out, "--tensorboard-dir", f"{out}/tb", *[a for a in extra if a != "--"]]
 
@@ -120,104 +109,16 @@ def _add_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--fault-start", type=int, default=300, help="after the detectors' 250-step baseline")
     p.add_argument("--seed", type=int, default=11)
-    p.add_argument("--faults", nargs="+", default=["attention", "lr"], choices=list(_DEMO_FAULTS),
+    p.add_argument("--faults", nargs="+", default=["attention", "lr"], choices=("attention", "lr"),
                    help="fault runs after the clean run (attention precision; LR ×4, a router fault)")
     p.add_argument("--quick", action="store_true",
                    help="a ~2-minute smoke version (120 steps, short detector baseline) for CI")
 
 
-def _stream(cmd, env, prefix: str) -> int:
-    """Run a training command, echoing its progress/alert lines (prefixed) as they come."""
-    import subprocess
-
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    tail = []
-    for line in proc.stdout:
-        tail = (tail + [line])[-40:]
-        if line.startswith(("[train]", "[mech]", "[fault]", "[eval]")):
-            print(f"{prefix} {line.rstrip()}", flush=True)
-    code = proc.wait()
-    if code:
-        print("".join(tail), file=sys.stderr)
-    return code
-
-
-_DEMO_FAULTS = {
-    "attention": ("attention-precision fault", "the biased bf16-rounding mechanism of FlashAttention's backward "
-                  "injected into layer 1"),
-    "lr": ("router fault (LR ×4)", "the learning rate multiplied by 4, which destabilizes the MoE routers"),
-}
-
-
 def _run_demo(args: argparse.Namespace) -> int:
-    import json
-    import os
-    from pathlib import Path
+    from megatron_mech.studies.demo import run_demo
 
-    from megatron_mech.core.attribution import alert_lines
-    from megatron_mech.core.detect import Alert
-    from megatron_mech.studies.leadtime import FAULT_FLAGS, LEAD_MODEL, divergence_step, first_alert, plot_fault
-    from megatron_mech.records.sinks import read_jsonl
-
-    steps, start = (120, 60) if args.quick else (args.steps, args.fault_start)
-    faults = ["attention"] if args.quick else list(dict.fromkeys(args.faults))
-    detector = (["--mech-detector-warmup", "4", "--mech-detector-baseline", "6"] if args.quick else [])
-    out = Path(args.out)
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    runs = {}
-    for name in ["clean", *faults]:
-        fault = [*FAULT_FLAGS[name], "--mech-fault-start", str(start)] if name != "clean" else []
-        run_dir = out / name
-        cmd = [*torchrun_prefix(2), "-m", "megatron_mech.megatron.pretrain_gpt", *LEAD_MODEL, "--seed", str(args.seed),
-               "--train-iters", str(steps), "--save", str(run_dir), "--tensorboard-dir", str(run_dir / "tb"),
-               "--mech-on-alert", "checkpoint", *detector, *fault]
-        what = f", {_DEMO_FAULTS[name][0]} from step {start}" if fault else ""
-        print(f"== {name} run ({steps} steps{what}) ==", flush=True)
-        if _stream(cmd, env, f"[{name}]"):
-            print(f"error: the {name} run failed", file=sys.stderr)
-            return 1
-        summary = json.loads((run_dir / "summary.json").read_text())
-        runs[name] = {"losses": summary["losses"], "alerts": [Alert.from_dict(a) for a in summary["alerts"]],
-                      "records": read_jsonl(run_dir / "mech.jsonl"), "seed": args.seed}
-        run_report(argparse.Namespace(run_dir=str(run_dir), out=None, metrics=None))
-
-    clean = runs["clean"]
-    lines = ["# megatron-mech demo: faults caught before the loss moves", "",
-             f"Runs of the small MoE GPT (seed {args.seed}, {steps} steps), identical except for one injected fault "
-             f"from step {start}. Loss divergence: the 20-step moving-average loss stays > 0.2 nats above the "
-             f"clean run until the end.", "",
-             f"- clean run: {len(clean['alerts'])} alerts (false alarms)"]
-    for name in faults:
-        faulty = runs[name]
-        divergence = divergence_step(faulty["losses"], clean["losses"], 0.2)
-        firsts = {f: first_alert(faulty["alerts"], f) for f in ("attention", "router", "symptom")}
-        plot = "demo.png" if name == "attention" else f"demo_{name}.png"
-        plot_fault(out / plot, name, clean, faulty, start, divergence, firsts)
-        title, what = _DEMO_FAULTS[name]
-        lines += ["", f"## {title}", "", f"Fault: {what}, from step {start}.", "",
-                  f"- first attention alert: {firsts['attention'] or 'none'}; first router alert: "
-                  f"{firsts['router'] or 'none'}; first symptom (loss/grad-norm) alert — what you have today: "
-                  f"{firsts['symptom'] or 'none'}; loss divergence: {divergence or 'not within the run'}"]
-        first = min((s for s in (firsts["attention"], firsts["router"]) if s), default=None)
-        if first and firsts["symptom"]:
-            lines.append(f"- **the monitors fired {firsts['symptom'] - first} steps before the loss/grad-norm "
-                         f"alarm**")
-        elif first:
-            lines.append("- **the monitors fired; the loss/grad-norm alarm never did**")
-        if divergence and first:
-            lines.append(f"- **lead time of the monitors: {divergence - first} steps** "
-                         f"({100 * (first - start) / max(1, divergence - start):.0f}% of the way from fault onset "
-                         f"to divergence)")
-        lines += ["", "Alert timeline:", ""]
-        lines += [f"- {line}" for line in alert_lines(faulty["alerts"])] or ["- no alerts"]
-        lines += ["", f"![monitors vs loss]({plot})"]
-    lines += ["", "Per-run reports: " + ", ".join(f"`{n}/report.md`" for n in runs) + ". Each fault run saved a "
-              "checkpoint at its first alert (`<run>/first_alert.json` names it)."]
-    (out / "demo.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"\nreport: {out / 'demo.md'}\nplots:  " + ", ".join(str(p) for p in sorted(out.glob("demo*.png"))))
-    return 0
+    return run_demo(args)
 
 
 from megatron_mech.records.report import add_report_arguments, run_report  # noqa: E402  (cheap: no matplotlib/torch)
@@ -269,7 +170,7 @@ SUBCOMMANDS: Dict[str, Subcommand] = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-mech",
-        description="megatron-mech: training-instability monitors and MoLS for Megatron-LM and DeepSpeed")
+        description="megatron-mech: training-instability monitors and MoLS for megatron-core and Megatron-LM")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, cmd in SUBCOMMANDS.items():

@@ -136,6 +136,24 @@ def test_dq_dk_error_matches_qiu_yao_formula(precision):
             assert float(torch.nn.functional.cosine_similarity(err.flatten(), pred.flatten(), dim=0)) > 0.98
 
 
+def test_bf16_gqa_key_value_gradients_are_rounded_after_the_group_sum():
+    """With GQA the kernel writes dK/dV per query head in bf16 and sums the heads of a group; the sum is written in
+    bf16 again. Reference: the per-query-head gradients of the same bf16 backward without GQA (every query head
+    with its own copy of its group's K/V), rounded, summed over the group in float64, rounded to bf16."""
+    q, k, v, do, scale, mask = _inputs(h=4, g=2, dtype=torch.float32, seed=3)
+    o, lse = F.fa2_forward(q, k, v, scale, mask, "bf16")
+    _, dk, dv, _ = F.fa2_backward(q, k, v, o, lse, do, scale, mask, "bf16")
+    k_rep, v_rep = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    _, dk_heads, dv_heads, _ = F.fa2_backward(q, k_rep, v_rep, o, lse, do, scale, mask, "bf16")  # no GQA: [b, h, ...]
+    bf16 = lambda x: x.to(torch.bfloat16).to(torch.float32)  # noqa: E731
+    for got, per_head in ((dk, dk_heads), (dv, dv_heads)):
+        assert torch.equal(got, bf16(got))  # written in bf16
+        expected = bf16(per_head.double().view(2, 2, 2, 48, 16).sum(dim=2).float())
+        # fp32 addition of two values is their exact sum rounded once, as the float64 sum rounded to fp32: equal bits
+        assert torch.equal(got, expected)
+        assert not torch.equal(per_head.view(2, 2, 2, 48, 16).sum(dim=2), expected)  # the second rounding matters
+
+
 def test_dq_error_sign_structure_and_low_rank():
     """Row i of dQ_err is −τ·γ|δ_i|·(PK)_i: anti-parallel to the attention-weighted key, and the rows are nearly
     parallel when keys share a direction (as trained keys and attention sinks do), so the error is ~rank 1 while

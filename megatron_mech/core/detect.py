@@ -1,4 +1,4 @@
-"""Online, baseline-relative alerting on monitor series (SPEC §1c, §1d).
+"""Online, baseline-relative alerting on monitor series.
 
 Absolute thresholds do not transfer between models, so every series is judged against *its own* healthy
 baseline: robust statistics (median / MAD) of a window taken after an initial warm-up, a direction in which a
@@ -8,7 +8,7 @@ Life of a :class:`Detector` (one per series)::
 
     warmup      the first ``warmup`` evaluations are ignored: the early-training transient is wide and drifting,
                 and a baseline taken there makes the band so wide that a collapse can never cross it
-                (notes/experiments.md, "Baseline pitfall").
+                (as seen in small-scale runs).
     baseline    the next ``baseline`` *finite* evaluations are collected; then median ``m``, ``MAD`` and the scale
                 are frozen.
     monitoring  every evaluation gets a score (below); ``k`` consecutive evaluations with score ≥ threshold fire

@@ -1,6 +1,6 @@
 """MoLS — module-wise learning-rate scaling from gradient SNR (framework-free part).
 
-The method (SPEC §2): during a short estimation window early in training, estimate each module class's gradient
+The method: during a short estimation window early in training, estimate each module class's gradient
 signal-to-noise ratio ``S_m = ‖E[g_m]‖² / tr(Cov[g_m])``; then give every module class the lr multiplier
 
     α_m = sqrt(S_base / S_m)                 (base = "vo" by default: low-SNR modules get α > 1)
@@ -36,11 +36,11 @@ Rules chosen
 ------------
 * **Which modules are scaled.** ``classes=None`` (default) scales every present class of
   :data:`DEFAULT_SCALED_CLASSES` (embedding, qk, vo, mlp, head, router, experts); ``norm`` and ``other`` stay at
-  1.0 (SPEC §2: norms/biases stay at 1 unless measured otherwise — they are still *measured* and reported).
+  1.0 (norms and biases stay at 1 unless configured otherwise — they are still *measured* and reported).
   An explicit ``classes`` list must only name classes the model has (a class with no parameters is an error).
 * **Clamp default (0.5, 2.0).** α is a ratio of two noisy window estimates and is applied to the lr of a run
   whose base lr was tuned; lr changes beyond ~2× from a tuned Adam lr leave the flat part of the usual lr-loss
-  curve (and ≥ 4× often diverges), while the measured small-scale α spread was 0.55–1.61 (notes/experiments.md),
+  curve (and ≥ 4× often diverges), while the α spread measured in small-scale runs was 0.55–1.61,
   i.e. inside the range. A clamped module still moves in the right direction; the warning names it so the
   range can be widened deliberately (``--mech-mols-clamp``).
 * **Degenerate SNRs.** A class whose window estimate is ``S = inf`` (noise below resolution), ``0`` (no
@@ -80,7 +80,7 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Tuple, Union
 from megatron_mech.core.snr import SNREstimate, TwoBatchSNR, snr_ratio
 from megatron_mech.core.taxonomy import FUSED_QKV_RULES, MODULE_CLASSES, fused_qkv_multiplier
 
-__all__ = ["DEFAULT_SCALED_CLASSES", "ESTIMATORS", "MEASURED_KEYS", "QKV_BLOCK_KEYS", "MoLSConfig",
+__all__ = ["DEFAULT_SCALED_CLASSES", "ESTIMATORS", "MEASURED_KEYS", "QKV_BLOCK_KEYS", "MoLSConfig", "default_window",
            "MoLSController", "MoLSWarning"]
 
 # Classes that get a multiplier by default; norm and "other" stay at 1.0 (measured and reported only).
@@ -108,6 +108,12 @@ def _int_field(name: str, value: Any, minimum: int, allow_none: bool = False) ->
         raise ValueError(f"MoLSConfig.{name} must be >= {minimum}, got {value!r}"
                          + (" (an empty estimation window)" if name == "window_steps" else ""))
     return int(value)
+
+
+
+def default_window(train_steps: int) -> int:
+    """The default estimation window: ``max(5, ceil(1% of the training steps))``."""
+    return max(5, math.ceil(0.01 * int(train_steps)))
 
 
 @dataclass(frozen=True)
@@ -426,7 +432,9 @@ class MoLSController:
         return self._two_batch.steps if self.config.estimator == "two_batch" else self._samples.steps
 
     # ------------------------------------------------------------------ finalize
-    def _scaled_classes(self, measured: Iterable[str]) -> Tuple[str, ...]:
+    def scaled_classes(self, measured: Iterable[str]) -> Tuple[str, ...]:
+        """The module classes that get a multiplier: ``config.classes``, else the default scaled classes among
+        those present (or, without ``classes_present``, among ``measured``)."""
         if self.config.classes is not None:
             return tuple(self.config.classes)
         pool = self.classes_present if self.classes_present is not None else tuple(
@@ -446,7 +454,7 @@ class MoLSController:
         class_keys = [k for k in measured if k in MODULE_CLASSES]
         all_classes = tuple(dict.fromkeys(
             list(self.classes_present or ()) + class_keys))  # present ∪ measured, model order first
-        scaled = self._scaled_classes(class_keys)
+        scaled = self.scaled_classes(class_keys)
         lo, hi = cfg.clamp
         self.raw_alphas, self.alphas, self.clamped, self.degenerate = {}, {}, {}, {}
 

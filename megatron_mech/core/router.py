@@ -1,6 +1,6 @@
 """MoE router statistics: weight geometry, per-token routing entropy, and mergeable routing summaries.
 
-Why these signals (SPEC §1b): a mixture-of-experts router can fall into a "stable winner" feedback loop in
+Why these signals: a mixture-of-experts router can fall into a "stable winner" feedback loop in
 which one expert's logit margin grows coherently and routing diversity collapses. The full-softmax entropy
 per token and the top-1/top-2 margin react to that before discrete top-k assignments or capacity overflow
 change; the router weight geometry says whether the router can discriminate at all.

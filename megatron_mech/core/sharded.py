@@ -1,4 +1,4 @@
-"""Exact singular values of a matrix split across ranks, never gathering it (SPEC §1a, §3).
+"""Exact singular values of a matrix split across ranks, never gathering it.
 
 A tensor-parallel weight ``M`` (``[m, n]``) is split along ``shard_dim`` over the ranks of ``group``:
 

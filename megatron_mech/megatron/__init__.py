@@ -1,1 +1,2 @@
-"""megatron-core adapter: flags, model discovery, checkpoints, data, MoLS param groups, CPU shims, entry point."""
+"""megatron-core adapter: flags, model discovery, checkpoints, data, MoLS, CPU shims and fixes, the entry point, and
+Megatron-LM's callback system onto the hook."""

@@ -6,8 +6,8 @@ which moves only after every rank has written its file (a killed save never beco
 same parallel layout (it is recorded and checked); resharding is Megatron-LM's dist-checkpointing's job in a
 user's fork.
 
-Load order matters: optimizer → MoLS (rewrites each group's ``max_lr``/``min_lr``) → scheduler (recomputes the
-lrs from them). The distributed optimizer's parameter state is loaded through
+The hook's state is one entry, ``"mech"`` (monitors, detectors, MoLS, first-alert step). Load order matters:
+optimizer → hook (MoLS rewrites each group's ``max_lr``/``min_lr``) → scheduler (recomputes the lrs from them). The distributed optimizer's parameter state is loaded through
 :func:`load_distributed_optimizer_state`, which works around two megatron-core 0.16.1 problems seen without
 TE/apex (see there).
 """
@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
 
 import torch
+
+from megatron_mech.optim import inner_optimizer, leaf_optimizers
 
 __all__ = ["load_checkpoint", "load_distributed_optimizer_state", "save_checkpoint"]
 
@@ -43,7 +44,7 @@ def _set_rng_state(state: dict) -> None:
 def _uses_distributed_optimizer(optimizer) -> bool:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    return any(isinstance(o, DistributedOptimizer) for o in getattr(optimizer, "chained_optimizers", [optimizer]))
+    return any(isinstance(o, DistributedOptimizer) for o in leaf_optimizers(optimizer))
 
 
 def load_distributed_optimizer_state(optimizer, filename: str) -> None:
@@ -57,8 +58,8 @@ def load_distributed_optimizer_state(optimizer, filename: str) -> None:
       (a wrong bias correction after a resume).
     """
     stash = []
-    for leaf in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(leaf, "optimizer", None)
+    for leaf in leaf_optimizers(optimizer):
+        inner = inner_optimizer(leaf)
         for state in (inner.state.values() if inner is not None else ()):
             if "step" in state:
                 stash.append((state, state.pop("step")))
@@ -70,7 +71,7 @@ def load_distributed_optimizer_state(optimizer, filename: str) -> None:
             state["step"] = step.detach().clone()
 
 
-def save_checkpoint(save_dir, step: int, model, optimizer, scheduler, layout: dict, mech=None, mols=None) -> Path:
+def save_checkpoint(save_dir, step: int, model, optimizer, scheduler, layout: dict, hook=None) -> Path:
     """Every rank writes its file; the tracker moves after a barrier. Returns the iteration directory."""
     rank = torch.distributed.get_rank()
     directory = Path(save_dir) / f"iter_{step:07d}"
@@ -79,8 +80,7 @@ def save_checkpoint(save_dir, step: int, model, optimizer, scheduler, layout: di
         optimizer.save_parameter_state(str(directory / f"distopt_rank{rank:04d}.pt"))
     state = {"iteration": step, "layout": layout, "model": model.state_dict(),
              "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state(),
-             "mech": mech.state_dict() if mech is not None else None,
-             "mols": mols.state_dict() if mols is not None else None}
+             "mech": hook.state_dict() if hook is not None else None}
     tmp = directory / f".rank{rank:04d}.pt.tmp"
     torch.save(state, tmp)
     os.replace(tmp, directory / f"rank{rank:04d}.pt")  # atomic: a file that exists is complete
@@ -91,14 +91,14 @@ def save_checkpoint(save_dir, step: int, model, optimizer, scheduler, layout: di
     return directory
 
 
-def load_checkpoint(load_dir, model, optimizer, scheduler, layout: dict, mols=None,
-                    exit_on_missing: bool = False) -> tuple[int, Optional[dict]]:
-    """Restore this rank's state; returns ``(iteration, monitor state)`` or ``(0, None)`` if nothing is saved."""
+def load_checkpoint(load_dir, model, optimizer, scheduler, layout: dict, hook=None,
+                    exit_on_missing: bool = False) -> int:
+    """Restore this rank's state (the hook's too); returns the checkpoint's step, or 0 if nothing is saved."""
     tracker = Path(load_dir) / TRACKER
     if not tracker.exists():
         if exit_on_missing:
             raise FileNotFoundError(f"--load {load_dir}: no {TRACKER}")
-        return 0, None
+        return 0
     step = int(tracker.read_text().strip())
     rank = torch.distributed.get_rank()
     directory = Path(load_dir) / f"iter_{step:07d}"
@@ -114,8 +114,11 @@ def load_checkpoint(load_dir, model, optimizer, scheduler, layout: dict, mols=No
     optimizer.load_state_dict(state["optimizer"])
     if _uses_distributed_optimizer(optimizer):
         load_distributed_optimizer_state(optimizer, str(directory / f"distopt_rank{rank:04d}.pt"))
-    if mols is not None and state.get("mols") is not None:
-        mols.load_state_dict(state["mols"])  # before the scheduler: it recomputes lrs from the groups
+    mech = state.get("mech")
+    if mech is not None and state.get("mols"):  # checkpoints of earlier releases kept MoLS in its own entry
+        mech = {**mech, "mols": state["mols"]}
+    if hook is not None and mech is not None:
+        hook.load_state_dict(mech)  # before the scheduler: MoLS rewrites the groups it recomputes lrs from
     scheduler.load_state_dict(state["scheduler"])
     _set_rng_state(state["rng"])
-    return step, state["mech"]
+    return step

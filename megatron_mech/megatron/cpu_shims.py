@@ -37,8 +37,8 @@ Public API
     seed + 1024 + 100 * ep_rank + etp_rank). Identical to Megatron-LM's ``_set_random_seed`` core on GPU.
 ``fast_forward()`` / ``fast_forward_module(module)``
     The ``cuda_device_mode`` shim is a ``TorchFunctionMode``: every torch call goes through a Python hook
-    (measured here: forward of the 83k-param test GPT 5.9 -> 4.5 ms, tiny MoE 12.8 -> 9.5 ms without it; the
-    notes saw up to ~3x). Nothing inside the forward of the local (non-TE) GPT/MoE layers needs the mode,
+    (measured here: forward of the 83k-param test GPT 5.9 -> 4.5 ms, tiny MoE 12.8 -> 9.5 ms without it; up
+    to ~3x on other shapes). Nothing inside the forward of the local (non-TE) GPT/MoE layers needs the mode,
     so run the forward under ``torch._C.DisableTorchFunction()``: either
     ``with mcpu.fast_forward(): output = model(...)`` inside ``forward_step_func``, or once
     ``mcpu.fast_forward_module(model)`` (wraps that instance's ``forward``). Both are no-ops when the
@@ -92,7 +92,6 @@ __all__ = [
     "fast_forward",
     "fast_forward_module",
     "model_parallel_seed",
-    "model_parallel_cpu_seed",
 ]
 
 # TransformerConfig kwargs for CPU runs: no fused CUDA kernels, weights initialised on the CPU from the full
@@ -350,8 +349,6 @@ def model_parallel_seed(seed: int, **kwargs) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed, **kwargs)
 
 
-model_parallel_cpu_seed = model_parallel_seed
-
 
 # --------------------------------------------------------------------------------------------------------
 # 2. causal masks for fused_softmax (the forward runs without the TorchFunctionMode)
@@ -359,7 +356,9 @@ model_parallel_cpu_seed = model_parallel_seed
 @functools.lru_cache(maxsize=16)
 def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
     # Same as transformer/utils.py get_default_causal_mask without device="cuda"; read-only, so cached.
-    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+    from megatron_mech.core.masks import causal_mask
+
+    return causal_mask(sq, sq)
 
 
 def _cpu_sliding_window_causal_mask(sq, skv, window_size) -> torch.Tensor:
@@ -387,14 +386,11 @@ def _apply_causal_mask():
 @_shim("te_general_gemm")
 def _apply_te_general_gemm():
     """Bind moe_utils.te_general_gemm = None (NameError in RouterGatingLinearFunction without TE)."""
-    # transformer/moe/moe_utils.py imports te_general_gemm only inside `try: ... transformer_engine` and never
-    # defines a fallback, yet RouterGatingLinearFunction.forward/backward test `te_general_gemm is not None`:
-    # NameError on every MoE forward without Transformer Engine (megatron-core 0.16.1 bug). None selects the
-    # torch.mm path that is already there.
-    from megatron.core.transformer.moe import moe_utils
+    # The one megatron-core fix every machine without TE needs (GPUs too): applied here as well so that a CPU
+    # process that only calls apply_cpu_shims() trains.
+    from megatron_mech.megatron.fixes import bind_te_general_gemm
 
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+    bind_te_general_gemm()
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -591,21 +587,6 @@ def apply_cpu_shims(only: Optional[Iterable[str]] = None, exclude: Iterable[str]
             _APPLIED.append(name)
             applied.append(name)
     return applied
-
-
-def apply_megatron_fixes() -> List[str]:
-    """Work around megatron-core bugs that hit *any* machine without Transformer Engine, GPUs included.
-
-    Today one: ``te_general_gemm`` (see the shim of that name) — the MoE router raises NameError on every
-    forward without TE, on CPU and on GPU alike (seen on an H200 without TE). Safe to call anywhere, any number
-    of times: it binds the missing name only when it is missing, and returns the names it bound.
-    """
-    from megatron.core.transformer.moe import moe_utils
-
-    if hasattr(moe_utils, "te_general_gemm"):
-        return []
-    _apply_te_general_gemm()
-    return ["te_general_gemm"]
 
 
 def applied_cpu_shims() -> Tuple[str, ...]:

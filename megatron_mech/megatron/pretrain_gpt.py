@@ -1,4 +1,4 @@
-"""The training entry point: a megatron-core GPT (dense or MoE) with megatron-mech's monitors; launch with torchrun.
+"""The training entry point: a megatron-core GPT (dense or MoE) with megatron-mech's hook; launch with torchrun.
 
     torchrun --nproc_per_node=2 launch_scripts/pretrain_gpt_mech.py --num-layers 4 --hidden-size 128 \\
         --num-attention-heads 4 --num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2 \\
@@ -8,118 +8,51 @@
 Built only from megatron-core's real parts: ``GPTModel`` (local layer spec), ``DistributedDataParallel``,
 ``get_megatron_optimizer``, ``OptimizerParamScheduler``, ``get_forward_backward_func``, and ``GPTDataset``
 over the embedded corpus (``megatron-mech prepare-data``; built automatically on first use) or any Megatron
-``.bin/.idx`` prefix given with ``--data-path`` and ``--tokenizer-json``. Flags follow Megatron-LM's names;
-the ``--mech-*`` flags come from :func:`megatron_mech.megatron.adapter.add_arguments`.
+``.bin/.idx`` prefix given with ``--data-path`` and ``--tokenizer-json``. Flags follow Megatron-LM's names
+(:mod:`megatron_mech.megatron.flags`); the ``--mech-*`` flags come from :class:`megatron_mech.config.MechConfig`.
 
-On a machine without CUDA the CPU shims are applied and gloo is used; on GPUs nothing is patched and nccl is
-used. Checkpoints (``--save``/``--load``) are per rank (model, optimizer, scheduler, RNG, data position,
-monitor state) and resume needs the same parallel layout.
+The training loop talks to megatron-mech through :class:`megatron_mech.hook.MechHook` only. On a machine without
+CUDA the CPU shims are applied and gloo is used; on GPUs nccl is used and only the megatron-core fixes that any
+machine without Transformer Engine needs are applied (:mod:`megatron_mech.megatron.fixes`). Checkpoints
+(``--save``/``--load``) are per rank (model, optimizer, scheduler, RNG, data position, the hook's state) and
+resume needs the same parallel layout.
 """
 from __future__ import annotations
 
-import argparse
+import contextlib
 import json
-import warnings
+import logging
 import math
 import os
 import time
+import warnings
+from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
-from megatron_mech.megatron.adapter import MegatronMech, add_arguments, validate_parallel_sizes
+from megatron_mech.config import MechConfig
+from megatron_mech.core.sharded import collective_device
+from megatron_mech.hook import Action, MechHook
+from megatron_mech.logs import configure_logging
 from megatron_mech.megatron.checkpoint import load_checkpoint, save_checkpoint
-from megatron_mech.megatron.mols import MegatronMoLS, add_mols_arguments
-from megatron_mech.studies import faults
-from megatron_mech.core.attribution import alert_lines
+from megatron_mech.megatron.flags import build_parser, check_args, lr_warmup_steps, train_steps
+from megatron_mech.optim import base_lr
 
 # megatron-core announces every missing GPU-only package (TE, apex) on every rank; the run's own log matters more.
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|apex|TE ).*")
 warnings.filterwarnings("ignore", category=FutureWarning)
 
-
-# -------------------------------------------------------------------------------------------------- arguments
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    m = p.add_argument_group("model")
-    m.add_argument("--num-layers", type=int, default=4)
-    m.add_argument("--hidden-size", type=int, default=128)
-    m.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4×hidden")
-    m.add_argument("--num-attention-heads", type=int, default=4)
-    m.add_argument("--num-query-groups", type=int, default=None, help="GQA groups (default: = heads)")
-    m.add_argument("--seq-length", type=int, default=128)
-    m.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
-    m.add_argument("--swiglu", action="store_true")
-    m.add_argument("--position-embedding-type", choices=("rope", "learned_absolute"), default="rope")
-    m.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    m.add_argument("--num-experts", type=int, default=None)
-    m.add_argument("--moe-router-topk", type=int, default=2)
-    m.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="default ffn-hidden-size")
-    m.add_argument("--moe-token-dispatcher-type", choices=("alltoall", "allgather"), default="alltoall")
-    m.add_argument("--moe-aux-loss-coeff", type=float, default=1e-2)
-    t = p.add_argument_group("training")
-    t.add_argument("--micro-batch-size", type=int, default=4)
-    t.add_argument("--global-batch-size", type=int, default=8)
-    t.add_argument("--train-iters", type=int, default=100)
-    t.add_argument("--lr", type=float, default=1e-3)
-    t.add_argument("--min-lr", type=float, default=1e-4)
-    t.add_argument("--lr-warmup-iters", type=int, default=20)
-    t.add_argument("--lr-decay-style", choices=("cosine", "linear", "constant"), default="cosine")
-    t.add_argument("--weight-decay", type=float, default=0.1)
-    t.add_argument("--adam-beta1", type=float, default=0.9)
-    t.add_argument("--adam-beta2", type=float, default=0.95)
-    t.add_argument("--clip-grad", type=float, default=1.0)
-    t.add_argument("--seed", type=int, default=1234)
-    t.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    t.add_argument("--expert-model-parallel-size", type=int, default=1)
-    t.add_argument("--sequence-parallel", action="store_true", help="forced on for MoE with TP > 1")
-    t.add_argument("--use-distributed-optimizer", action="store_true")
-    d = p.add_argument_group("data")
-    d.add_argument("--data-path", default=None, help="Megatron .bin/.idx prefix (default: embedded corpus)")
-    d.add_argument("--valid-data-path", default=None, help="validation prefix (with --data-path)")
-    d.add_argument("--tokenizer-json", default=None, help="tokenizers JSON for --data-path")
-    d.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary of the embedded corpus")
-    o = p.add_argument_group("logging and checkpoints")
-    o.add_argument("--log-interval", type=int, default=10)
-    o.add_argument("--eval-interval", type=int, default=0, help="validation every N steps (0: only at the end)")
-    o.add_argument("--eval-iters", type=int, default=4)
-    o.add_argument("--save", default=None)
-    o.add_argument("--save-interval", type=int, default=0, help="0: save only at the end (when --save)")
-    o.add_argument("--load", default=None)
-    o.add_argument("--exit-interval", type=int, default=0,
-                   help="save (with --save) and exit when the step is a multiple of this (0: run to the end)")
-    o.add_argument("--tensorboard-dir", default=None)
-    o.add_argument("--exit-on-missing-checkpoint", action="store_true")
-    add_arguments(p)
-    add_mols_arguments(p)
-    faults.add_fault_arguments(p)
-    return p
-
-
-def check_args(args, world_size: int) -> None:
-    """Inconsistent sizes fail here, identically on every rank, before any collective."""
-    tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
-    validate_parallel_sizes(world_size, tp, ep, num_experts=args.num_experts,
-                            num_query_groups=args.num_query_groups or args.num_attention_heads)
-    dp = world_size // tp
-    if args.global_batch_size % (args.micro_batch_size * dp):
-        raise ValueError(f"--global-batch-size {args.global_batch_size} is not divisible by "
-                         f"micro-batch-size × DP = {args.micro_batch_size} × {dp}")
-    if args.num_attention_heads % tp:
-        raise ValueError(f"--num-attention-heads {args.num_attention_heads} is not divisible by TP {tp}")
-    if args.num_experts is not None and args.tensor_model_parallel_size > 1:
-        args.sequence_parallel = True  # megatron-core's MoE layer requires SP when TP > 1
-    if args.lr_warmup_iters >= args.train_iters:
-        raise ValueError(f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --train-iters "
-                         f"{args.train_iters}")
-    if args.load is None and args.exit_on_missing_checkpoint:
-        raise ValueError("--exit-on-missing-checkpoint needs --load")
+logger = logging.getLogger("megatron_mech.train")
 
 
 # -------------------------------------------------------------------------------------------------- building
-def build_model(args, fault=None):
+def build_model(args, injector=None, backward_context=None):
+    """The megatron-core GPT of ``args`` (local layer spec; the attention fault's emulated attention when
+    ``injector`` has one)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
@@ -145,8 +78,8 @@ def build_model(args, fault=None):
         activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
         add_bias_linear=not (args.num_experts or args.swiglu), hidden_dropout=0.0, attention_dropout=0.0,
         params_dtype=torch.float32, pipeline_dtype=torch.float32, **cpu_kwargs, **moe)
-    if fault is not None and fault.attention_enabled:  # megatron's local spec with the emulated FA2 attention
-        spec = faults.attention_fault_spec(args.num_experts, args.normalization, fault)
+    if injector is not None and injector.config.attention_enabled:  # local spec with the emulated FA2 attention
+        spec = injector.layer_spec(args.num_experts, args.normalization, backward_context=backward_context)
     else:
         spec = get_gpt_layer_local_spec(num_experts=args.num_experts, normalization=args.normalization)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
@@ -219,10 +152,9 @@ def make_forward_step(fast_forward):
     return forward_step
 
 
-def average_over(values, group):
-    t = torch.tensor([sum(values), float(len(values))], dtype=torch.float64)
-    if torch.cuda.is_available():
-        t = t.cuda()
+def average_over(values, group) -> float:
+    """The mean of ``values`` over every rank of ``group`` (each rank may hold a different number of values)."""
+    t = torch.tensor([sum(values), float(len(values))], dtype=torch.float64, device=collective_device(group))
     torch.distributed.all_reduce(t, group=group)
     return float(t[0] / t[1]) if t[1] > 0 else math.nan
 
@@ -242,46 +174,81 @@ def evaluate(args, model, forward_backward, valid_sampler, fast_forward, dp_grou
     return average_over(losses, dp_group)
 
 
-def main(argv=None):
-    args = build_parser().parse_args(argv)
-    cuda = torch.cuda.is_available()
-    mcpu = None
-    if not cuda:
-        from megatron_mech.megatron import cpu_shims as mcpu
+# -------------------------------------------------------------------------------------------------- the run
+@dataclass
+class Runtime:
+    """The process: rank, world, device and the CPU fast path (a no-op context on GPUs)."""
 
-        mcpu.apply_cpu_shims()
+    rank: int
+    world: int
+    cuda: bool
+    fast_forward: Callable = contextlib.nullcontext
+
+    @property
+    def logging_rank(self) -> bool:
+        return self.rank == self.world - 1  # Megatron-LM's print_rank_last
+
+
+@dataclass
+class Training:
+    """Everything the loop needs, built once."""
+
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    hook: MechHook
+    layout: dict
+    start_step: int
+    train_sampler: Any
+    valid_sampler: Any
+    forward_backward: Callable
+    forward_step: Callable
+    dp_group: Any
+    n_params: int
+    vocab_size: int
+
+
+def init_runtime() -> Runtime:
+    """CPU shims (no CUDA) or the CUDA device, the megatron-core fixes, then the default process group."""
+    from megatron_mech.megatron.fixes import apply_megatron_fixes
+
+    cuda = torch.cuda.is_available()
+    fast_forward = contextlib.nullcontext
+    if not cuda:
+        from megatron_mech.megatron import cpu_shims
+
+        cpu_shims.apply_cpu_shims()
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+        fast_forward = cpu_shims.fast_forward
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    from megatron_mech.megatron.cpu_shims import apply_megatron_fixes
-
     apply_megatron_fixes()  # megatron-core 0.16.1 bugs without Transformer Engine, on GPUs too
     torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    is_last = rank == world - 1
+    return Runtime(torch.distributed.get_rank(), torch.distributed.get_world_size(), cuda, fast_forward)
 
-    def log(msg):
-        if is_last:
-            print(msg, flush=True)
 
-    check_args(args, world)  # raises on every rank alike, before any collective
-    fault = faults.FaultConfig.from_args(args)
-    fault.validate_for_model(args.num_layers, args.num_attention_heads)
-    args.global_batch_size = faults.effective_global_batch(
-        fault, args.global_batch_size, args.micro_batch_size, world // args.tensor_model_parallel_size)
-    if fault.kind != "none":
-        log(f"[fault] {fault.describe()}")
-
+def build_training(args, runtime: Runtime, config: MechConfig) -> Training:
+    """Model, optimizer, scheduler, data and the hook, with any checkpoint loaded (collective, every rank)."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
+    from megatron_mech.megatron.discovery import megatron_model_view
+
+    hook = MechHook(config, train_steps=train_steps(args), lr_warmup_steps=lr_warmup_steps(args))
+    tp = args.tensor_model_parallel_size
+    args.global_batch_size = hook.faults.global_batch(args.global_batch_size, args.micro_batch_size,
+                                                      runtime.world // tp)
+    if config.fault.kind != "none":
+        logger.info(f"[fault] {config.fault.describe()}")
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp,
                                  expert_model_parallel_size=args.expert_model_parallel_size)
-    if mcpu is not None:
-        mcpu.model_parallel_seed(args.seed)
+    if not runtime.cuda:
+        from megatron_mech.megatron.cpu_shims import model_parallel_seed
+
+        model_parallel_seed(args.seed)
     else:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -290,150 +257,153 @@ def main(argv=None):
 
     # megatron writes its sample-index cache in place: give each run its own, so concurrent runs never race
     run_dir = args.mech_output_dir or args.save
-    train_ds, valid_ds, tokenizer = build_data(args, rank, f"{run_dir}/gpt_index_cache" if run_dir else None)
-    tp = args.tensor_model_parallel_size
+    train_ds, valid_ds, tokenizer = build_data(args, runtime.rank, f"{run_dir}/gpt_index_cache" if run_dir else None)
     args.padded_vocab_size = int(math.ceil(tokenizer.vocab_size / (128 * tp)) * 128 * tp)
 
-    config, model = build_model(args, fault)
-    if cuda:
+    model_config, model = build_model(args, hook.faults, backward_context=runtime.fast_forward)
+    if runtime.cuda:
         model.cuda(torch.cuda.current_device())
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=args.use_distributed_optimizer,
-                                               overlap_grad_reduce=False)
-    model = DistributedDataParallel(config, ddp_config, model)
-    fast_forward = mcpu.fast_forward if mcpu is not None else _null_context
+    model = DistributedDataParallel(model_config, DistributedDataParallelConfig(
+        use_distributed_optimizer=args.use_distributed_optimizer, overlap_grad_reduce=False), model)
     optimizer_config = OptimizerConfig(
         optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2, clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,
         bf16=False, fp16=False)
-    mols = MegatronMoLS.from_args(args, [model], optimizer_config, log=log)  # a no-op object without --mech-mols
-    optimizer = get_megatron_optimizer(optimizer_config, [model], config_overrides=mols.config_overrides)
-    config.finalize_model_grads_func = finalize_model_grads
-    mols.install(config, optimizer)  # wraps finalize_model_grads; before any optimizer state is loaded
+    view = megatron_model_view([model], sequence_parallel=args.sequence_parallel, optimizer_config=optimizer_config,
+                               global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size)
+    optimizer = get_megatron_optimizer(optimizer_config, [model], config_overrides=hook.optimizer_overrides(view))
+    model_config.finalize_model_grads_func = finalize_model_grads
+    hook.attach_optimizer(optimizer)  # MoLS wraps finalize_model_grads; before any optimizer state is loaded
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters,
         lr_decay_steps=args.train_iters, lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
         end_wd=args.weight_decay, wd_incr_steps=args.train_iters, wd_incr_style="constant")
-    config.grad_scale_func = optimizer.scale_loss
-    config.no_sync_func = model.no_sync
+    model_config.grad_scale_func = optimizer.scale_loss
+    model_config.no_sync_func = model.no_sync
 
-    layout = {"world": world, "tp": tp, "ep": args.expert_model_parallel_size,
+    layout = {"world": runtime.world, "tp": tp, "ep": args.expert_model_parallel_size,
               "dist_opt": bool(args.use_distributed_optimizer)}
-    start_step, mech_state = (load_checkpoint(args.load, model, optimizer, scheduler, layout, mols=mols,
-                                              exit_on_missing=args.exit_on_missing_checkpoint)
-                              if args.load else (0, None))
-    output_dir = args.mech_output_dir or args.save or "runs/mech"
-    mech = MegatronMech.from_args(args, [model], output_dir=output_dir, tensorboard_dir=args.tensorboard_dir,
-                                  resume_step=start_step if args.load else None, printer=log)
-    if mech_state is not None:
-        mech.load_state_dict(mech_state)
-    mech.begin(start_step)  # snapshot the weights the first interval starts from
+    start_step = (load_checkpoint(args.load, model, optimizer, scheduler, layout, hook=hook,
+                                  exit_on_missing=args.exit_on_missing_checkpoint) if args.load else 0)
 
-    dp_group, dp_rank, dp_size = (ps.get_data_parallel_group(), ps.get_data_parallel_rank(),
-                                  ps.get_data_parallel_world_size())
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     train_sampler = GlobalBatchSampler(train_ds, args.global_batch_size, args.micro_batch_size, dp_rank, dp_size)
     valid_sampler = GlobalBatchSampler(valid_ds, args.global_batch_size, args.micro_batch_size, dp_rank, dp_size)
     forward_backward = get_forward_backward_func()
-    forward_step = mols.wrap_forward_step(make_forward_step(fast_forward))
-    n_params = sum(p.numel() for p in model.parameters())
-    log(f"[train] world={world} TP={tp} EP={args.expert_model_parallel_size} DP={dp_size} "
-        f"params/rank={n_params/1e6:.2f}M vocab={tokenizer.vocab_size} steps {start_step}->{args.train_iters} "
-        f"monitors={','.join(mech.config.monitors) or 'none'} every {args.mech_interval}")
+    forward_step = hook.wrap_forward_step(make_forward_step(runtime.fast_forward))
 
+    def sample_passes(mols, iteration):  # the extra-sample MoLS reference: micro-batches past the training range
+        return mols.sample_step(iteration, forward_backward, forward_step,
+                                (b for k in range(1_000_000) for b in train_sampler.micro_batches(args.train_iters + k)),
+                                seq_length=args.seq_length, micro_batch_size=args.micro_batch_size)
+
+    hook.setup(view, optimizer, start_step=start_step, scheduler=scheduler, sample_passes=sample_passes)
+    return Training(model, optimizer, scheduler, hook, layout, start_step, train_sampler, valid_sampler,
+                    forward_backward, forward_step, ps.get_data_parallel_group(),
+                    sum(p.numel() for p in model.parameters()), tokenizer.vocab_size)
+
+
+def train(args, t: Training, runtime: Runtime) -> dict:
+    """The training loop; its only calls into megatron-mech are the hook's lifecycle methods."""
     tokens_per_step = args.global_batch_size * args.seq_length
     t_start, window_t, window_steps = time.perf_counter(), time.perf_counter(), 0
-    loss_history, step_seconds, action = [], [], None
-    for step in range(start_step + 1, args.train_iters + 1):
+    losses, step_seconds, action, step = [], [], Action.CONTINUE, t.start_step
+    for step in range(t.start_step + 1, args.train_iters + 1):
         step_started = time.perf_counter()
-        mech.before_step(step)
-        iteration = step - 1  # optimizer steps done before this one (Megatron-LM's `iteration`)
-        mols.sample_step(iteration, forward_backward, forward_step,
-                         (b for k in range(1_000_000) for b in train_sampler.micro_batches(args.train_iters + k)),
-                         seq_length=args.seq_length, micro_batch_size=args.micro_batch_size)
-        faults.set_fault_step(step)  # the attention fault's modules read the step at backward time
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        micro = list(train_sampler.micro_batches(step - 1))
-        out = forward_backward(forward_step_func=forward_step, data_iterator=iter(micro), model=[model],
-                               num_microbatches=len(micro), seq_length=args.seq_length,
-                               micro_batch_size=args.micro_batch_size, forward_only=False)
-        faults.apply_lr_fault(optimizer, step, fault)  # no-op unless an LR fault is active
-        ok, grad_norm, _ = optimizer.step()
-        mols.before_scheduler_step(iteration)  # multipliers for the next step, read by scheduler.step()
-        scheduler.step(increment=1)
-        loss = average_over([float(r["lm loss"]) for r in out], dp_group)
-        lr = _base_lr(optimizer)
-        loss_history.append(loss)
-        alerts = mech.after_step(step, loss=loss, lr=lr,
-                                 grad_norm=float(grad_norm) if grad_norm is not None else None,
-                                 extra={"tokens": step * tokens_per_step, **_mols_extra(mols, iteration)})
-        action = mech.alert_action(step, alerts)  # identical on every rank (decided collectively)
-        if action in ("checkpoint", "stop") and args.save:
-            directory = save_checkpoint(args.save, step, model, optimizer, scheduler, layout, mech=mech, mols=mols)
-            mech.record_alert_checkpoint(step, directory, args.save)
+        t.hook.before_step(step)
+        t.model.zero_grad_buffer()
+        t.optimizer.zero_grad()
+        micro = list(t.train_sampler.micro_batches(step - 1))
+        out = t.forward_backward(forward_step_func=t.forward_step, data_iterator=iter(micro), model=[t.model],
+                                 num_microbatches=len(micro), seq_length=args.seq_length,
+                                 micro_batch_size=args.micro_batch_size, forward_only=False)
+        _, grad_norm, _ = t.optimizer.step()
+        t.scheduler.step(increment=1)
+        loss = average_over([float(r["lm loss"]) for r in out], t.dp_group)
+        lr = base_lr(t.optimizer)
+        losses.append(loss)
+        action = t.hook.after_optimizer_step(step, loss=loss, lr=lr,
+                                             grad_norm=float(grad_norm) if grad_norm is not None else None,
+                                             extra={"tokens": step * tokens_per_step})
+        if action is not Action.CONTINUE and args.save:  # identical on every rank: saving is collective
+            t.hook.checkpoint_saved(step, save_checkpoint(args.save, step, t.model, t.optimizer, t.scheduler,
+                                                          t.layout, hook=t.hook))
         step_seconds.append(time.perf_counter() - step_started)
         window_steps += 1
         if step % args.log_interval == 0 or step == args.train_iters:
             now = time.perf_counter()
             tok_s = window_steps * tokens_per_step / (now - window_t)
-            eta = (args.train_iters - step) * (now - t_start) / max(1, step - start_step)
-            log(f"[train] step {step:5d}/{args.train_iters} loss {loss:.4f} lr {lr:.2e} grad-norm "
-                f"{float(grad_norm or 0):.3f} {tok_s:,.0f} tok/s ETA {eta:5.0f}s")
+            eta = (args.train_iters - step) * (now - t_start) / max(1, step - t.start_step)
+            logger.info(f"[train] step {step:5d}/{args.train_iters} loss {loss:.4f} lr {lr:.2e} grad-norm "
+                        f"{float(grad_norm or 0):.3f} {tok_s:,.0f} tok/s ETA {eta:5.0f}s")
             window_t, window_steps = now, 0
         if args.eval_interval and step % args.eval_interval == 0:
-            val = evaluate(args, model, forward_backward, valid_sampler, fast_forward, dp_group)
-            log(f"[eval] step {step} validation loss {val:.4f} ppl {math.exp(min(val, 50)):.2f}")
+            val = evaluate(args, t.model, t.forward_backward, t.valid_sampler, runtime.fast_forward, t.dp_group)
+            logger.info(f"[eval] step {step} validation loss {val:.4f} ppl {math.exp(min(val, 50)):.2f}")
         if args.save and args.save_interval and step % args.save_interval == 0:
-            save_checkpoint(args.save, step, model, optimizer, scheduler, layout, mech=mech, mols=mols)
+            t.hook.checkpoint_saved(step, save_checkpoint(args.save, step, t.model, t.optimizer, t.scheduler,
+                                                          t.layout, hook=t.hook))
         if args.exit_interval and step % args.exit_interval == 0 and step < args.train_iters:
-            log(f"[train] exit interval reached at step {step}")
+            logger.info(f"[train] exit interval reached at step {step}")
             break
-        if action == "stop":
-            log(f"[train] stopping at step {step} on alert (--mech-on-alert stop)")
+        if action is Action.STOP:
+            logger.info(f"[train] stopping at step {step} on alert (--mech-on-alert stop)")
             break
+    return {"final_step": step, "losses": losses, "step_seconds": step_seconds,
+            "seconds": time.perf_counter() - t_start, "stopped_on_alert": action is Action.STOP}
 
-    final_step = step if args.train_iters > start_step else start_step
-    val = evaluate(args, model, forward_backward, valid_sampler, fast_forward, dp_group)
-    log(f"[eval] final validation loss {val:.4f} ppl {math.exp(min(val, 50)):.2f}")
-    already_saved = (args.save_interval and final_step % args.save_interval == 0) or action == "stop"
+
+def finish(args, t: Training, runtime: Runtime, run: dict, output_dir: str) -> None:
+    """Final validation, the last checkpoint, the hook's close, and ``summary.json`` (logging rank)."""
+    from megatron_mech.core.attribution import alert_lines
+    from megatron_mech.records.sinks import read_alerts
+
+    final_step = run["final_step"]
+    val = evaluate(args, t.model, t.forward_backward, t.valid_sampler, runtime.fast_forward, t.dp_group)
+    logger.info(f"[eval] final validation loss {val:.4f} ppl {math.exp(min(val, 50)):.2f}")
+    already_saved = (args.save_interval and final_step % args.save_interval == 0) or run["stopped_on_alert"]
     if args.save and not already_saved:
-        save_checkpoint(args.save, final_step, model, optimizer, scheduler, layout, mech=mech, mols=mols)
-    elapsed = time.perf_counter() - t_start
-    summary = {"final_step": final_step, "final_valid_loss": val, "losses": loss_history, "seconds": elapsed,
-               "step_seconds": step_seconds, "params_per_rank": n_params, "fault": fault.to_dict(),
-               "stopped_on_alert": action == "stop",
-               "attribution": alert_lines(mech.registry.alerts),
-               "monitor_seconds": mech.evaluation_seconds, "mols_seconds": mols.seconds,
-               "final_mols": mols.metrics(final_step - 1) if final_step else {},
-               "monitor_breakdown": {**mech.seconds, "router_capture": mech.router.capture_seconds
-                                     if mech.router is not None else 0.0}, "alerts": [a.to_dict() for a in mech.registry.alerts]}
-    if is_last:
+        t.hook.checkpoint_saved(final_step, save_checkpoint(args.save, final_step, t.model, t.optimizer,
+                                                            t.scheduler, t.layout, hook=t.hook))
+    hook = t.hook
+    hook.close()
+    if runtime.logging_rank:
+        alerts = read_alerts(Path(output_dir) / "mech.jsonl")  # the record of truth, incl. before a resume
+        elapsed = run["seconds"]
+        summary = {"final_step": final_step, "final_valid_loss": val, "first_step": t.start_step + 1,
+                   "losses": run["losses"], "seconds": elapsed, "step_seconds": run["step_seconds"],
+                   "params_per_rank": t.n_params, "fault": hook.config.fault.to_dict(),
+                   "stopped_on_alert": run["stopped_on_alert"], "attribution": alert_lines(alerts),
+                   "monitor_seconds": hook.evaluation_seconds, "mols_seconds": hook.mols_seconds,
+                   "final_mols": hook.mols_metrics(final_step),
+                   "monitor_breakdown": {**hook.seconds, "router_capture": hook.router_capture_seconds},
+                   "alerts": [a.to_dict() for a in alerts]}
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         (Path(output_dir) / "summary.json").write_text(json.dumps(summary))
-        log(f"[train] done: {final_step} steps in {elapsed:.0f}s, monitors {mech.evaluation_seconds:.1f}s "
-            f"({100 * mech.evaluation_seconds / max(elapsed, 1e-9):.1f}%), {len(mech.registry.alerts)} alerts; "
-            f"output in {output_dir}")
-    mech.close()
+        logger.info(f"[train] done: {final_step} steps in {elapsed:.0f}s, monitors {hook.evaluation_seconds:.1f}s "
+                    f"({100 * hook.evaluation_seconds / max(elapsed, 1e-9):.1f}%), {len(hook.alerts)} alerts; "
+                    f"output in {output_dir}")
+
+
+def main(argv=None):
+    args = build_parser(__doc__).parse_args(argv)
+    runtime = init_runtime()
+    configure_logging(runtime.logging_rank)
+    check_args(args, runtime.world)  # raises on every rank alike, before any collective
+    output_dir = args.mech_output_dir or args.save or "runs/mech"
+    config = MechConfig.from_flags(args, tensorboard_dir=args.tensorboard_dir)
+    config.output.dir = output_dir
+    config.fault.validate_for_model(args.num_layers, args.num_attention_heads)
+    t = build_training(args, runtime, config)
+    logger.info(f"[train] world={runtime.world} TP={args.tensor_model_parallel_size} "
+                f"EP={args.expert_model_parallel_size} DP={torch.distributed.get_world_size(t.dp_group)} "
+                f"params/rank={t.n_params/1e6:.2f}M vocab={t.vocab_size} steps {t.start_step}->{args.train_iters} "
+                f"monitors={','.join(t.hook.families) or 'none'} every {args.mech_interval}")
+    run = train(args, t, runtime) if args.train_iters > t.start_step else {
+        "final_step": t.start_step, "losses": [], "step_seconds": [], "seconds": 0.0, "stopped_on_alert": False}
+    finish(args, t, runtime, run, output_dir)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
-
-
-def _base_lr(optimizer) -> float:
-    """The unscaled lr: MoLS marks the groups it scales ``default_config=False`` (as Megatron-LM logs)."""
-    groups = optimizer.param_groups
-    return next((g["lr"] for g in groups if g.get("default_config", True)), groups[0]["lr"])
-
-
-def _mols_extra(mols, iteration):
-    metrics = mols.metrics(iteration)
-    return {"mols": metrics} if metrics else {}
-
-
-class _null_context:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 if __name__ == "__main__":

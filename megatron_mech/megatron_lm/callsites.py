@@ -22,9 +22,11 @@ call                                  place in the fork (core_v0.16.1 names)
 :func:`restore_checkpoint_state`      ``load_checkpoint``, after the optimizer and scheduler are loaded
 ====================================  =====================================================================
 
-One :class:`MechRun` per process (module global ``RUN``) holds the monitors (:class:`MegatronMech`), MoLS
-(:class:`MegatronMoLS`) and what passes between call sites. Every rank makes every call in the same order:
-the monitors and MoLS issue their collectives there.
+Every call is a translation onto :class:`megatron_mech.hook.MechHook`'s lifecycle (one hook per process, made
+from Megatron's parsed arguments on first use, :func:`get_hook`); one :class:`MechRun` per process (module
+global ``RUN``) holds the hook and what passes between call sites. Every rank makes every call in the same
+order: the monitors and MoLS issue their collectives there. ``--mech-on-alert`` must stay ``log`` (alerts are
+logged and recorded; saving or stopping from inside ``train_step`` would need more patch lines).
 
 Ranks and writers. The monitors reduce their statistics over the model-parallel groups, so every rank holds
 the same metrics; rank ``world_size - 1`` — where Megatron creates its TensorBoard and W&B writers — writes
@@ -47,7 +49,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-__all__ = ["RUN", "MechRun", "STATE_KEY", "on_start", "extra_args_provider", "wrap_forward_step", "optimizer_config_overrides",
+__all__ = ["RUN", "MechRun", "STATE_KEY", "get_hook", "on_start", "extra_args_provider", "wrap_forward_step", "optimizer_config_overrides",
            "on_optimizer_built", "on_setup", "on_train_start", "before_step", "after_optimizer_step",
            "log_to_writers", "add_checkpoint_state", "restore_checkpoint_state"]
 
@@ -61,15 +63,12 @@ MARKER_KEY = "megatron_mech_state_version"
 
 @dataclass
 class MechRun:
-    """What one process's call sites share. Built by the call sites; users read it, e.g. ``RUN.mech``."""
+    """What one process's call sites share. Users may read it, e.g. ``RUN.hook.alerts``."""
 
-    mech: Any = None  # MegatronMech, from on_setup
-    mols: Any = None  # MegatronMoLS (or its disabled stand-in), from optimizer_config_overrides
-    model: Any = None
-    optimizer: Any = None
-    scheduler: Any = None
+    hook: Any = None  # MechHook, from get_hook()
+    view: Any = None  # the model's ModelView, from optimizer_config_overrides
     pending: List[dict] = field(default_factory=list)  # records not yet given to Megatron's writers
-    restored: Optional[dict] = None  # this rank's state read by load_checkpoint, applied in on_setup
+    restored: Optional[dict] = None  # this rank's hook state read by load_checkpoint, applied in on_setup
     checkpoint_has_state: bool = False  # load side: the checkpoint being loaded carries our state
     started: bool = False
 
@@ -83,12 +82,33 @@ def _args():
     return get_args()
 
 
+def get_hook():
+    """This process's :class:`~megatron_mech.hook.MechHook`, made from Megatron's parsed arguments on first use
+    (the ``--spec`` fault module may ask for it while the model is built)."""
+    if RUN.hook is None:
+        from megatron_mech.config import MechConfig
+        from megatron_mech.hook import MechHook
+        from megatron_mech.megatron.flags import lr_warmup_steps, train_steps
+
+        args = _args()
+        on_alert = getattr(args, "mech_on_alert", "log")
+        if on_alert != "log":
+            raise ValueError(f"--mech-on-alert {on_alert}: the Megatron-LM patch set logs alerts only; use "
+                             "--mech-on-alert log (alert callbacks: megatron_mech.megatron_lm.callsites.RUN.hook)")
+        if getattr(args, "mech_mols", False) and getattr(args, "mech_mols_estimator", "two_batch") != "two_batch":
+            raise ValueError("--mech-mols-estimator samples is not wired into the Megatron-LM patch set; use "
+                             "two_batch (the default)")
+        RUN.hook = MechHook(MechConfig.from_flags(args), train_steps=train_steps(args),
+                            lr_warmup_steps=lr_warmup_steps(args))
+    return RUN.hook
+
+
 # --------------------------------------------------------------------------------------------- start, flags
 def on_start() -> List[str]:
     """``pretrain_gpt.py``, before ``pretrain``: on a machine without CUDA apply the CPU shims for
     megatron-core and for the fork's training layer; everywhere apply megatron-core's no-TE fixes. Returns
     the names of what was applied."""
-    from megatron_mech.megatron.cpu_shims import apply_megatron_fixes
+    from megatron_mech.megatron.fixes import apply_megatron_fixes
     from megatron_mech.megatron_lm.cpu import apply_training_cpu_shims
 
     applied = apply_training_cpu_shims() + apply_megatron_fixes()
@@ -99,18 +119,14 @@ def on_start() -> List[str]:
 
 
 def extra_args_provider(other=None):
-    """An ``extra_args_provider`` adding our flags after the fork's own ``other(parser)`` (if any)."""
-    from megatron_mech.megatron.adapter import add_arguments
-    from megatron_mech.megatron.mols import add_mols_arguments
-    from megatron_mech.studies.faults import add_fault_arguments
+    """An ``extra_args_provider`` adding every ``--mech-*`` flag (monitors, detectors, output, MoLS, study
+    faults) after the fork's own ``other(parser)`` (if any)."""
+    from megatron_mech.megatron.flags import add_arguments
 
     def provider(parser):
         if other is not None:
             parser = other(parser)
-        add_arguments(parser)
-        add_mols_arguments(parser)
-        add_fault_arguments(parser)
-        return parser
+        return add_arguments(parser)
 
     return provider
 
@@ -118,18 +134,18 @@ def extra_args_provider(other=None):
 def wrap_forward_step(forward_step_func):
     """``pretrain_gpt.py``: the ``forward_step`` passed to ``pretrain``, seen through MoLS (which, on its
     micro-batch route, reads the gradient when the step's 2nd forward starts). MoLS is built later, inside
-    ``pretrain``: the wrapper asks for it at call time; without ``--mech-mols`` it calls straight through."""
+    ``pretrain``: the wrapper asks the hook at call time; without ``--mech-mols`` it calls straight through."""
     import functools
 
     cache = {}
 
     @functools.wraps(forward_step_func)
     def forward_step(*args, **kwargs):
-        mols = RUN.mols
-        if mols is None or not mols.enabled:
+        mols = RUN.hook.mols if RUN.hook is not None else None
+        if mols is None:
             return forward_step_func(*args, **kwargs)
         if cache.get("mols") is not mols:
-            cache["mols"], cache["fn"] = mols, mols.wrap_forward_step(forward_step_func)
+            cache["mols"], cache["fn"] = mols, RUN.hook.wrap_forward_step(forward_step_func)
         return cache["fn"](*args, **kwargs)
 
     return forward_step
@@ -144,95 +160,80 @@ def optimizer_config_overrides(model, optimizer_config, config_overrides):
     parameter, so each module class gets its own groups. MoLS scales a group's own ``max_lr``/``min_lr``: with
     ``--decoupled-lr`` the embedding/output groups run at ``decoupled_lr × multiplier``. Overrides of one
     parameter that set the same key to different values make megatron-core raise ``ValueError``; ours use a
-    key of their own and never conflict.
+    key of their own and never conflict. Collective (every rank) with MoLS.
     """
-    from megatron_mech.megatron.mols import MegatronMoLS, mols_config_overrides
+    from megatron_mech.megatron.discovery import megatron_model_view
+    from megatron_mech.megatron.mols import mols_config_overrides
 
     args = _args()
-    _check_supported(args)
-    RUN.mols = MegatronMoLS.from_args(args, model, optimizer_config, log=_log_last_rank)
-    if not RUN.mols.enabled:
+    hook = get_hook()
+    RUN.view = megatron_model_view(model, sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
+                                   optimizer_config=optimizer_config, global_batch_size=args.global_batch_size,
+                                   micro_batch_size=args.micro_batch_size)
+    if hook.optimizer_overrides(RUN.view) is None:
         return config_overrides
-    return mols_config_overrides(model, optimizer_config, RUN.mols.taxonomy, extra_overrides=config_overrides)
-
-
-def _check_supported(args) -> None:
-    on_alert = getattr(args, "mech_on_alert", "log")
-    if on_alert != "log":
-        raise ValueError(f"--mech-on-alert {on_alert}: the Megatron-LM patch set logs alerts only; use "
-                         "--mech-on-alert log (alert callbacks: megatron_mech.megatron_lm.callsites.RUN.mech)")
+    return mols_config_overrides(model, optimizer_config, hook.mols.taxonomy, extra_overrides=config_overrides)
 
 
 def on_optimizer_built(model, optimizer) -> None:
     """Right after ``get_megatron_optimizer``, before any optimizer state is loaded: MoLS attaches to the
     param groups and makes the checkpoint load match them one-to-one (see :mod:`.param_groups`)."""
-    from megatron.core.utils import get_model_config
-
     from megatron_mech.megatron_lm.param_groups import protect_for_this_version
 
-    RUN.model, RUN.optimizer = model, optimizer
-    if RUN.mols is not None and RUN.mols.enabled:
-        RUN.mols.install(get_model_config(model[0]), optimizer)
+    hook = get_hook()
+    hook.attach_optimizer(optimizer)
+    if hook.mols is not None:
         protect_for_this_version(optimizer)
 
 
 # --------------------------------------------------------------------------------------------- set-up
 def on_setup(model, optimizer, opt_param_scheduler) -> None:
-    """End of ``setup_model_and_optimizer``: build the monitors (every rank; collective) and restore the state
-    ``load_checkpoint`` read."""
-    from megatron_mech.megatron.adapter import MegatronMech, MechConfig, build_sinks
-    from megatron_mech.records.sinks import CallbackSink, MultiSink
+    """End of ``setup_model_and_optimizer``: restore the state ``load_checkpoint`` read and set the hook up
+    (monitors built, first snapshot; every rank, collective)."""
+    from megatron_mech.records.sinks import CallbackSink, default_sinks
 
-    args = _args()
-    RUN.model, RUN.optimizer, RUN.scheduler = model, optimizer, opt_param_scheduler
     if optimizer is None:  # --skip-train: no training steps to monitor
         return
-    world = torch.distributed.get_world_size()
-    logging_rank = torch.distributed.get_rank() == world - 1
-    output_dir = args.mech_output_dir or (f"{args.save}/mech" if args.save else "runs/mech")
-    resume_step = args.iteration if args.iteration else None
-    # Megatron's writers are fed in training_log; our own sinks: the JSONL file and the hand-over list.
-    sinks = None
-    if logging_rank:
-        sinks = build_sinks(output_dir, None, MechConfig.from_args(args).wandb_project, resume_step=resume_step)
-        sinks = MultiSink([sinks, CallbackSink(RUN.pending.append)])
-    RUN.mech = MegatronMech.from_args(args, model, output_dir=output_dir, printer=_log_last_rank)
-    if RUN.mech.sinks is not None:
-        RUN.mech.sinks.close()  # from_args opened the default JSONL sink: ours (same file) replaces it
-    RUN.mech.sinks = sinks
+    args = _args()
+    hook = get_hook()
+    start_step = int(getattr(args, "iteration", 0) or 0)
+    if RUN.view is None:  # optimizer built without our overrides call (a fork's own optimizer path)
+        from megatron_mech.megatron.discovery import megatron_model_view
+
+        RUN.view = megatron_model_view(model, sequence_parallel=bool(getattr(args, "sequence_parallel", False)))
+    if RUN.view.logging_rank:
+        # mech.jsonl (the record of truth) here; Megatron's TensorBoard/W&B writers get the records in
+        # training_log (log_to_writers). The hook takes the sinks it is given.
+        output = hook.config.output
+        hook._sinks = default_sinks(
+            output.dir or args.save or "runs/mech",
+            wandb_kwargs={"project": output.wandb_project} if output.wandb_project else None,
+            extra=[CallbackSink(RUN.pending.append)], truncate_after_step=start_step or None)
     if RUN.restored is not None:
-        state = RUN.restored
-        if state.get("mech") is not None:
-            RUN.mech.load_state_dict(state["mech"])
-        if RUN.mols is not None and RUN.mols.enabled and state.get("mols"):
-            RUN.mols.load_state_dict(state["mols"])
-            if opt_param_scheduler is not None:
-                opt_param_scheduler.step(increment=0)  # the loaded scheduler set lrs before MoLS's max_lr
+        hook.load_state_dict(RUN.restored)  # MoLS now, the monitors at setup
         RUN.restored = None
+        if hook.mols is not None and opt_param_scheduler is not None:
+            opt_param_scheduler.step(increment=0)  # the scheduler set lrs from max_lr before MoLS restored them
+    hook.setup(RUN.view, optimizer, start_step=start_step)
 
 
 def on_train_start(model, optimizer, config, iteration: int) -> None:
-    """``train``, after ``config.finalize_model_grads_func = finalize_model_grads`` (which replaces whatever was
-    there): MoLS measures around that function, and the monitors take their first snapshot."""
-    if RUN.mols is not None and RUN.mols.enabled and RUN.mols.config.estimator == "two_batch":
+    """``train``, after ``config.finalize_model_grads_func = finalize_model_grads`` (which replaced whatever was
+    there): MoLS measures around that function, so it wraps the new one."""
+    hook = get_hook()
+    mols = hook.mols
+    if mols is not None and getattr(mols.config, "estimator", "two_batch") == "two_batch":
         current = config.finalize_model_grads_func
         if not getattr(current, "_mols_real", None):
-            RUN.mols._finalize_wrapper = RUN.mols._make_finalize(current)
-            config.finalize_model_grads_func = RUN.mols._finalize_wrapper
-        RUN.mols.model_config = config
-    if RUN.mech is not None:
-        RUN.mech.begin(int(iteration))
+            mols._finalize_wrapper = mols._make_finalize(current)
+            config.finalize_model_grads_func = mols._finalize_wrapper
+        mols.model_config = config
 
 
 # --------------------------------------------------------------------------------------------- per step
 def before_step(iteration: int) -> None:
     """Start of ``train_step(..., iteration)``: this step ends with optimizer step ``iteration + 1``."""
-    from megatron_mech.studies.faults import set_fault_step
-
-    step = int(iteration) + 1
-    set_fault_step(step)
-    if RUN.mech is not None:
-        RUN.mech.before_step(step)
+    get_hook().before_step(int(iteration) + 1)
 
 
 def _mean_loss(losses_reduced) -> float:
@@ -265,45 +266,34 @@ def _sync_params_if_gather_overlaps(model) -> None:
 
 def _group_lrs(optimizer) -> Dict[str, List[float]]:
     """``{class: sorted distinct lrs}`` of the MoLS-tagged param groups (the lrs this step used)."""
-    from megatron_mech.megatron.mols import TAG, _param_groups
+    from megatron_mech.megatron.mols import TAG
+    from megatron_mech.optim import param_groups
 
     out: Dict[str, set] = {}
-    for group in _param_groups(optimizer):
+    for group in param_groups(optimizer):
         if group.get("params") and TAG in group:
             out.setdefault(group[TAG], set()).add(float(group["lr"]))
     return {cls: sorted(v) for cls, v in sorted(out.items())}
 
 
-def after_optimizer_step(model, optimizer, iteration: int, losses_reduced, update_successful,
-                         grad_norm) -> list:
-    """``train_step``, after ``optimizer.step()`` and before ``opt_param_scheduler.step``: the monitors evaluate
-    (step ``iteration + 1``), MoLS writes the multipliers of the next step. Returns this step's alerts."""
+def after_optimizer_step(model, optimizer, iteration: int, losses_reduced, update_successful, grad_norm):
+    """``train_step``, after ``optimizer.step()`` and before ``opt_param_scheduler.step``: MoLS writes the
+    multipliers of the next step (the scheduler step right after applies them), the monitors evaluate step
+    ``iteration + 1``. Returns the hook's :class:`~megatron_mech.hook.Action` (always CONTINUE: alerts are
+    logged)."""
+    from megatron_mech.optim import base_lr
+
+    hook = get_hook()
     step = int(iteration) + 1
-    extra: Dict[str, Any] = {}
-    mols = RUN.mols
-    if mols is not None and mols.enabled:
-        extra["mols"] = mols.metrics(int(iteration))  # the multipliers this step used
-        extra["mols_group_lr"] = _group_lrs(optimizer)
-        mols.before_scheduler_step(int(iteration))
-    if RUN.mech is None:
-        return []
-    mech = RUN.mech
-    attention = mech.attention
-    if mech.is_evaluation_step(step) or (attention is not None and attention.should_observe(step)):
+    attention = hook.attention
+    if step % hook.config.monitors.interval == 0 or (attention is not None and attention.should_observe(step)):
         _sync_params_if_gather_overlaps(model)
-    loss = _mean_loss(losses_reduced)
-    lr = _base_lr(optimizer)
-    norm = None if grad_norm is None else float(grad_norm)
-    extra["update_successful"] = bool(update_successful)
-    alerts = mech.after_step(step, loss=loss, lr=lr, grad_norm=norm, extra=extra)
-    mech.alert_action(step, alerts)  # collective on evaluation steps; alerts are logged by the monitors
-    return alerts
-
-
-def _base_lr(optimizer) -> float:
-    """The lr of the first ``default_config`` group (what Megatron logs; MoLS keeps it unscaled)."""
-    groups = optimizer.param_groups
-    return float(next((g["lr"] for g in groups if g.get("default_config", True)), groups[0]["lr"]))
+    extra: Dict[str, Any] = {"update_successful": bool(update_successful)}
+    if hook.mols is not None:
+        extra["mols_group_lr"] = _group_lrs(optimizer)
+    return hook.after_optimizer_step(step, loss=_mean_loss(losses_reduced),
+                                     grad_norm=None if grad_norm is None else float(grad_norm),
+                                     lr=float(base_lr(optimizer)), extra=extra)
 
 
 # --------------------------------------------------------------------------------------------- logging
@@ -331,23 +321,16 @@ def log_to_writers(iteration: int, writer=None, wandb_writer=None) -> int:
     return len(records)
 
 
-def _log_last_rank(message: str) -> None:
-    if torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
-        print(message, flush=True)
-
-
 # --------------------------------------------------------------------------------------------- checkpoint
 def _rank_state() -> dict:
-    return {"version": STATE_VERSION,
-            "mech": RUN.mech.state_dict() if RUN.mech is not None else None,
-            "mols": RUN.mols.state_dict() if RUN.mols is not None and RUN.mols.enabled else None}
+    return {"version": STATE_VERSION, "hook": RUN.hook.state_dict()}
 
 
 def add_checkpoint_state(state_dict: dict, ckpt_format: str, loading: bool = False) -> dict:
-    """``generate_state_dict``: add this run's state under ``megatron_mech`` (save side), or the template to load
-    it into (``loading=True``, ``torch_dist`` only, when the checkpoint has it). No collective. Returns
+    """``generate_state_dict``: add this rank's hook state under ``megatron_mech`` (save side), or the template
+    to load it into (``loading=True``, ``torch_dist`` only, when the checkpoint has it). No collective. Returns
     ``state_dict``."""
-    if RUN.mech is None and RUN.mols is None:
+    if RUN.hook is None:
         return state_dict  # not set up (e.g. a conversion tool): nothing of ours
     if ckpt_format == "torch_dist":
         from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -367,14 +350,14 @@ def add_checkpoint_state(state_dict: dict, ckpt_format: str, loading: bool = Fal
 
 
 def note_checkpoint_contents(common_state_dict: Optional[dict]) -> None:
-    """``load_checkpoint``, once the checkpoint's common part is read: whether it carries our state (so the
-    ``torch_dist`` load template asks for it only then)."""
+    """``load_checkpoint`` (``torch_dist``), once the checkpoint's common part is read: whether it carries our
+    state, so the load template asks for it only then."""
     RUN.checkpoint_has_state = bool(common_state_dict) and MARKER_KEY in common_state_dict
 
 
 def restore_checkpoint_state(state_dict: Optional[dict], ckpt_format: str) -> bool:
     """``load_checkpoint``, after model/optimizer/scheduler are loaded: keep this rank's saved state for
-    :func:`on_setup` (which builds the monitors). Returns whether state was found."""
+    :func:`on_setup`. Returns whether state was found."""
     saved = (state_dict or {}).get(STATE_KEY)
     if saved is None:
         logger.info("megatron-mech: the checkpoint carries no monitor/MoLS state; monitors start afresh")
@@ -388,5 +371,5 @@ def restore_checkpoint_state(state_dict: Optional[dict], ckpt_format: str) -> bo
     if not isinstance(saved, dict) or saved.get("version") != STATE_VERSION:
         raise ValueError(f"checkpoint key {STATE_KEY!r}: unsupported megatron-mech state "
                          f"(version {getattr(saved, 'get', lambda k: None)('version')})")
-    RUN.restored = saved
+    RUN.restored = saved["hook"]
     return True

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from typing import List
 
-from megatron_mech.megatron.mols import TAG, _inner_groups, _leaf_optimizers, _saved_groups
+from megatron_mech.megatron.mols.param_groups import TAG, _inner_groups, _saved_groups
+from megatron_mech.optim import leaf_optimizers
 
 __all__ = ["override_keys_identify_groups", "protect_for_this_version"]
 
@@ -42,7 +43,7 @@ def protect_for_this_version(optimizer) -> List[str]:
     if not override_keys_identify_groups():
         return []
     keys = list(_BASE_OF)
-    for leaf in _leaf_optimizers(optimizer):
+    for leaf in leaf_optimizers(optimizer):
         if getattr(leaf, "_mols_override_keys_pinned", False):
             continue
         original = leaf.load_state_dict

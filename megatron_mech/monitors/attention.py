@@ -1,4 +1,4 @@
-"""Attention-side monitor (SPEC §1a): ΔW spectra of the Q and K row blocks of ``linear_qkv`` and the per-head
+"""Attention-side monitor: ΔW spectra of the Q and K row blocks of ``linear_qkv`` and the per-head
 spectra of the QK bilinear increments, framework-free.
 
 A framework adapter finds each layer's fused QKV parameter (local TP shard, Megatron layout, see
@@ -27,11 +27,13 @@ Metrics (``L`` = global layer index, ``H`` = global head index, ``r`` = TP rank)
   log of min(m, n)) of ΔW of the Q rows ``[H·d_head, d_model]`` and K rows ``[G·d_head, d_model]`` of
   ``linear_qkv``; in the ``global`` scope of the *whole* matrix across TP. Also ``dwq_effective_rank``
   (exp of the unnormalised entropy), ``dwq_stable_rank`` (‖ΔW‖_F²/‖ΔW‖₂²) and ``dwq_fro`` (‖ΔW‖_F), same for
-  ``dwk``. Only the names ending in ``entropy`` match ``detect.default_rules`` (``attn/*entropy``) and are
-  alerted on; the rest are logged.
+  ``dwk``. Of these only ``dwq_entropy`` and ``dwk_entropy`` match ``detect.default_rules``
+  (``attn/*/dw?_entropy``) and are alerted on; the rest are logged.
 * ``attn/layer{L}/head{H}/{term}_entropy`` for ``term`` in ``qk_terms`` (Δ1, Δ2 — the early-warning one —
   and Δ3, see :func:`~megatron_mech.core.spectral.qk_increment_spectra`), and head aggregates
-  ``attn/layer{L}/{term}_entropy_mean`` / ``_min`` (NaN if any head is NaN: a NaN is a fault flag).
+  ``attn/layer{L}/{term}_entropy_mean`` / ``_min`` (NaN if any head is NaN: a NaN is a fault flag). Only the
+  per-head ``delta2_entropy`` is alerted on by default (``attn/*/head*/delta2_entropy``); Δ1, Δ3 and the
+  aggregates are logged.
 * Extra linears (``extra_linears={name: (weight, shard_dim)}``): ``linear/{name}/dw_entropy``,
   ``dw_effective_rank``, ``dw_stable_rank``, ``dw_fro`` — not matched by the default alert rules (they are
   not attention-family signals; add a rule to alert on them).

@@ -254,6 +254,93 @@ def _layer_colors(layers: Sequence[int]):
     return {layer: cmap(0.8 * i / max(n - 1, 1)) for i, layer in enumerate(layers)}
 
 
+def _draw_panel(ax, panel: _Panel, colors: Mapping[int, Any], alerts: Sequence[Alert], highlight: bool,
+                alerted_layers: set) -> None:
+    """One panel: its series (NaN/inf as gaps, inf marked), the alert lines and markers, its legend."""
+    from matplotlib.lines import Line2D
+
+    ax.set_ylabel(panel.ylabel, fontsize=9)
+    ax.grid(True, alpha=0.3, linewidth=0.6)
+    labelled = False
+    for ln in panel.lines:
+        color = colors[ln.layer] if ln.layer is not None else None
+        finite = [(s, v) for s, v in zip(ln.steps, ln.values) if math.isfinite(v)]
+        # NaN breaks the line (a gap); ±inf is drawn as a gap too and marked below.
+        ys = [v if math.isfinite(v) else math.nan for v in ln.values]
+        lw, alpha = 1.4, 1.0
+        if highlight and ln.layer is not None:
+            lw, alpha = (2.4, 1.0) if ln.layer in alerted_layers else (1.0, 0.35)
+        (h,) = ax.plot(ln.steps, ys, ls=ln.style, lw=lw, alpha=alpha, color=color, label=ln.label,
+                       marker="." if len(finite) <= 30 else None, markersize=3,
+                       zorder=3 if alpha == 1.0 else 2)
+        labelled |= ln.label is not None
+        bad = [s for s, v in zip(ln.steps, ln.values) if not math.isfinite(v)]
+        if bad:
+            ax.plot(bad, [0.04] * len(bad), ls="none", marker="x", ms=6, mew=1.5, color=h.get_color(),
+                    transform=ax.get_xaxis_transform(), clip_on=False)
+    if panel.logy:
+        ax.set_yscale("log")
+    for a in alerts:
+        ax.axvline(a.step, color=FAMILY_COLORS[a.family], ls=_FAMILY_STYLE[a.family], lw=1.1, alpha=0.75,
+                   zorder=0.5)
+        if a.metric in panel.names and math.isfinite(a.value):
+            ax.plot([a.step], [a.value], ls="none", marker="v", ms=8, mec="black", mew=0.6,
+                    color=FAMILY_COLORS[a.family], zorder=5)
+    handles = []
+    if labelled:
+        handles += ax.get_legend_handles_labels()[0]
+    for style, label in panel.style_legend:
+        handles.append(Line2D([], [], color="0.3", ls=style, label=label))
+    if handles:
+        ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.005, 1.0),
+                  borderaxespad=0.0, frameon=False)
+
+
+def _annotate_first_alerts(top, alerts: Sequence[Alert]) -> None:
+    """Label the first alert of each family in the top panel (staggered heights so labels do not collide)."""
+    first_by_family: dict[str, Alert] = {}
+    for a in alerts:
+        first_by_family.setdefault(a.family, a)
+    for i, fam in enumerate(f for f in FAMILIES if f in first_by_family):
+        a = first_by_family[fam]
+        where = "".join(f" {k[0].upper()}{v}" for k, v in a.detail.items() if k in ("layer", "head"))
+        top.annotate(f"first {fam}: {a.metric.split('/')[-1]}{where} @ {a.step}",
+                     xy=(a.step, 0.96 - 0.16 * i), xycoords=top.get_xaxis_transform(), xytext=(4, 0),
+                     textcoords="offset points", va="top", fontsize=8, color=FAMILY_COLORS[fam],
+                     bbox=dict(boxstyle="round,pad=0.2", fc="white", ec=FAMILY_COLORS[fam], lw=0.6, alpha=0.85))
+
+
+def _figure_legends(fig, axes, alerts: Sequence[Alert], layers: Sequence[int], colors: Mapping[int, Any]) -> None:
+    """Alert families (bottom) and layers (right; the same colour in every panel; a colour bar when many)."""
+    from matplotlib.lines import Line2D
+
+    fam_handles = []
+    for fam in FAMILIES:
+        fa = [a for a in alerts if a.family == fam]
+        if fa:
+            fam_handles.append(Line2D([], [], color=FAMILY_COLORS[fam], ls=_FAMILY_STYLE[fam], lw=1.5,
+                                      label=f"{fam} alert ×{len(fa)} (first @ step {fa[0].step})"))
+    if fam_handles:
+        fig.legend(handles=fam_handles, loc="outside lower center", ncols=len(fam_handles), fontsize=9,
+                   frameon=False)
+    if not layers:
+        return
+    if len(layers) <= 16:
+        lay_handles = [Line2D([], [], color=colors[L], lw=2, label=f"layer {L}") for L in layers]
+        fig.legend(handles=lay_handles, loc="outside right upper", fontsize=8, frameon=False,
+                   title="layer colour", title_fontsize=8)
+        return
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import BoundaryNorm, ListedColormap
+
+    cmap = ListedColormap([colors[L] for L in layers])
+    norm = BoundaryNorm(list(range(len(layers) + 1)), cmap.N)
+    cb = fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=list(axes), shrink=0.6, aspect=40, pad=0.01)
+    idx = list(range(0, len(layers), max(1, len(layers) // 8)))
+    cb.set_ticks([i + 0.5 for i in idx], labels=[str(layers[i]) for i in idx])
+    cb.set_label("layer")
+
+
 def build_figure(records: Sequence[Mapping[str, Any]], metrics: Sequence[str] | None = None,
                  title: str | None = None):
     """Build (do not save) the report figure. Returns ``(figure, panels)`` with ``panels`` an ordered dict
@@ -264,7 +351,6 @@ def build_figure(records: Sequence[Mapping[str, Any]], metrics: Sequence[str] | 
     Raises ValueError when there is nothing to draw.
     """
     from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
 
     series = collect_series(records)
     alerts = collect_alerts(records)
@@ -275,93 +361,18 @@ def build_figure(records: Sequence[Mapping[str, Any]], metrics: Sequence[str] | 
 
     layers = sorted({ln.layer for p in panels for ln in p.lines if ln.layer is not None})
     colors = _layer_colors(layers)
-    n = len(panels)
-    fig = Figure(figsize=(13, 1.2 + 2.1 * n), layout="constrained")
-    axes = fig.subplots(n, 1, sharex=True, squeeze=False)[:, 0]
-    out: dict[str, Any] = {}
-    first_by_family: dict[str, Alert] = {}
-    for a in alerts:
-        first_by_family.setdefault(a.family, a)
-
+    fig = Figure(figsize=(13, 1.2 + 2.1 * len(panels)), layout="constrained")
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
     # With many layers, the layers named by alerts are drawn bold and the others faded, so the culprit stands out.
     alerted_layers = {_alert_layer(a) for a in alerts} - {None}
     highlight = len(layers) > 4 and bool(alerted_layers)
-
+    out: dict[str, Any] = {}
     for ax, panel in zip(axes, panels):
         out[panel.key] = ax
-        ax.set_ylabel(panel.ylabel, fontsize=9)
-        ax.grid(True, alpha=0.3, linewidth=0.6)
-        labelled = False
-        for ln in panel.lines:
-            color = colors[ln.layer] if ln.layer is not None else None
-            finite = [(s, v) for s, v in zip(ln.steps, ln.values) if math.isfinite(v)]
-            # NaN breaks the line (a gap); ±inf is drawn as a gap too and marked below.
-            ys = [v if math.isfinite(v) else math.nan for v in ln.values]
-            lw, alpha = 1.4, 1.0
-            if highlight and ln.layer is not None:
-                lw, alpha = (2.4, 1.0) if ln.layer in alerted_layers else (1.0, 0.35)
-            (h,) = ax.plot(ln.steps, ys, ls=ln.style, lw=lw, alpha=alpha, color=color, label=ln.label,
-                           marker="." if len(finite) <= 30 else None, markersize=3,
-                           zorder=3 if alpha == 1.0 else 2)
-            labelled |= ln.label is not None
-            bad = [s for s, v in zip(ln.steps, ln.values) if not math.isfinite(v)]
-            if bad:
-                ax.plot(bad, [0.04] * len(bad), ls="none", marker="x", ms=6, mew=1.5, color=h.get_color(),
-                        transform=ax.get_xaxis_transform(), clip_on=False)
-        if panel.logy:
-            ax.set_yscale("log")
-        for a in alerts:
-            ax.axvline(a.step, color=FAMILY_COLORS[a.family], ls=_FAMILY_STYLE[a.family], lw=1.1, alpha=0.75,
-                       zorder=0.5)
-            if a.metric in panel.names and math.isfinite(a.value):
-                ax.plot([a.step], [a.value], ls="none", marker="v", ms=8, mec="black", mew=0.6,
-                        color=FAMILY_COLORS[a.family], zorder=5)
-        handles = []
-        if labelled:
-            handles += ax.get_legend_handles_labels()[0]
-        for style, label in panel.style_legend:
-            handles.append(Line2D([], [], color="0.3", ls=style, label=label))
-        if handles:
-            ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.005, 1.0),
-                      borderaxespad=0.0, frameon=False)
-
-    # Label the first alert of each family in the top panel (staggered heights so labels do not collide).
-    top = axes[0]
-    for i, fam in enumerate(f for f in FAMILIES if f in first_by_family):
-        a = first_by_family[fam]
-        where = "".join(f" {k[0].upper()}{v}" for k, v in a.detail.items() if k in ("layer", "head"))
-        top.annotate(f"first {fam}: {a.metric.split('/')[-1]}{where} @ {a.step}",
-                     xy=(a.step, 0.96 - 0.16 * i), xycoords=top.get_xaxis_transform(), xytext=(4, 0),
-                     textcoords="offset points", va="top", fontsize=8, color=FAMILY_COLORS[fam],
-                     bbox=dict(boxstyle="round,pad=0.2", fc="white", ec=FAMILY_COLORS[fam], lw=0.6, alpha=0.85))
+        _draw_panel(ax, panel, colors, alerts, highlight, alerted_layers)
+    _annotate_first_alerts(axes[0], alerts)
     axes[-1].set_xlabel("step")
-
-    # Figure legends: alert families (top) and layers (right; same colour in every panel).
-    fam_handles = []
-    for fam in FAMILIES:
-        fa = [a for a in alerts if a.family == fam]
-        if fa:
-            fam_handles.append(Line2D([], [], color=FAMILY_COLORS[fam], ls=_FAMILY_STYLE[fam], lw=1.5,
-                                      label=f"{fam} alert ×{len(fa)} (first @ step {fa[0].step})"))
-    if fam_handles:
-        fig.legend(handles=fam_handles, loc="outside lower center", ncols=len(fam_handles), fontsize=9,
-                   frameon=False)
-    if layers:
-        if len(layers) <= 16:
-            lay_handles = [Line2D([], [], color=colors[L], lw=2, label=f"layer {L}") for L in layers]
-            fig.legend(handles=lay_handles, loc="outside right upper", fontsize=8, frameon=False,
-                       title="layer colour", title_fontsize=8)
-        else:
-            from matplotlib.cm import ScalarMappable
-            from matplotlib.colors import BoundaryNorm, ListedColormap
-
-            cmap = ListedColormap([colors[L] for L in layers])
-            norm = BoundaryNorm(list(range(len(layers) + 1)), cmap.N)
-            cb = fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=list(axes), shrink=0.6, aspect=40,
-                              pad=0.01)
-            idx = list(range(0, len(layers), max(1, len(layers) // 8)))
-            cb.set_ticks([i + 0.5 for i in idx], labels=[str(layers[i]) for i in idx])
-            cb.set_label("layer")
+    _figure_legends(fig, axes, alerts, layers, colors)
 
     steps = sorted({r["step"] for r in records if isinstance(r.get("step"), int)})
     n_alerts = len(alerts)

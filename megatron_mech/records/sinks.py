@@ -1,4 +1,5 @@
-"""Where monitor output goes (SPEC §4: "JSONL (always), TensorBoard, W&B, Megatron's writers, DeepSpeed's monitor").
+"""Where monitor output goes: JSONL (always; ``mech.jsonl`` is the run's one record of metrics and alerts),
+TensorBoard, W&B, Megatron's writers, DeepSpeed's monitor.
 
 **Record.** One dict per logged step, built by :func:`make_record`::
 
@@ -44,7 +45,7 @@ from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, runtime
 from megatron_mech.core.detect import Alert
 
 __all__ = ["JSONL_NAME", "RESERVED_KEYS", "make_record", "encode_record", "decode_record", "record_alerts",
-           "record_scalars", "read_jsonl", "truncate_jsonl", "Sink", "JsonlSink", "TensorBoardSink", "WandbSink",
+           "record_scalars", "read_alerts", "read_jsonl", "truncate_jsonl", "Sink", "JsonlSink", "TensorBoardSink", "WandbSink",
            "DeepSpeedMonitorSink", "CallbackSink", "MultiSink", "default_sinks"]
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,6 @@ JSONL_NAME = "mech.jsonl"
 #: Keys of a record that :func:`make_record` owns (``extra`` may not override them).
 RESERVED_KEYS = ("step", "loss", "lr", "grad_norm", "metrics", "alerts")
 _STANDARD_SCALARS = ("loss", "lr", "grad_norm")
-_NONFINITE_TO_STR = {"nan": "nan", "inf": "inf", "-inf": "-inf"}
 _STR_TO_FLOAT = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
@@ -224,6 +224,15 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
             continue
         records.append(decode_record(obj))
     return records
+
+
+def read_alerts(path: str | os.PathLike) -> list[Alert]:
+    """Every alert of a run, in step order, from its ``mech.jsonl`` (the run's one record of alerts; a missing
+    file has none)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [alert for record in read_jsonl(path) for alert in record_alerts(record)]
 
 
 # ------------------------------------------------------------------------------------------------ sinks

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import math
 
+from megatron_mech.megatron.presets import small_moe
+
 __all__ = ["DIVERGENCE_HOLD", "FAULT_FLAGS", "LEAD_MODEL", "divergence_step", "first_alert", "loss_gap",
            "moving_average", "peak_score", "plot_fault"]
 
-# The small MoE GPT of the fault studies: 4 layers, hidden 64, 4 heads, 4 experts top-2, EP=2 on 2 processes.
-LEAD_MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
-              "--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
-              "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "16", "--lr", "2e-3",
-              "--min-lr", "2e-4", "--lr-warmup-iters", "50", "--log-interval", "100", "--mech-interval", "5",
-              "--eval-iters", "1"]
+# The fault studies' runs: the project's small MoE GPT (EP=2 on 2 processes), evaluated every 5 steps.
+LEAD_MODEL = [*small_moe(2), "--log-interval", "100", "--mech-interval", "5", "--eval-iters", "1"]
 # Strengths set on tuning seed 1234 (800 steps, not reported): γ = 0.1 in layer 1 made the loss diverge there
 # (+0.27–0.37 nats, for good) ~45 steps after onset; γ = 0.03 rose only 0.15–0.18 nats (gradient clipping
 # holds it) although every monitor fired. LR ×4 (×10 too) bumps the loss and recovers: routers are what it

@@ -166,7 +166,7 @@ def job_gpt_selectivity(opts):
     fault = faults.FaultConfig(kind="attention", start=5, strength=0.5, layers=[1], heads=[0])
     schedule = faults.FaultSchedule()
     stock = _gpt(config, get_gpt_layer_local_spec())
-    emulated = _gpt(config, faults.layer_spec_with_fault(None, None, fault, schedule=schedule))
+    emulated = _gpt(config, faults.attention_fault_spec(None, None, fault, schedule=schedule))
     sd_stock, sd_emulated = stock.state_dict(), emulated.state_dict()
     same_weights = sd_stock.keys() == sd_emulated.keys() and all(
         torch.equal(a, sd_emulated[n]) for n, a in sd_stock.items() if torch.is_tensor(a))
@@ -206,7 +206,7 @@ def job_gpt_selectivity(opts):
     stock_vs_off = max(_rel(g_off[n], g_stock[n]) for n in g_stock)
 
     # bf16 numerics on the same GPT: close to fp32, not equal
-    bf16_model = _gpt(config, faults.layer_spec_with_fault(None, None, faults.FaultConfig(kind="none"),
+    bf16_model = _gpt(config, faults.attention_fault_spec(None, None, faults.FaultConfig(kind="none"),
                                                            precision="bf16", force_emulation=True))
     loss_bf16, g_bf16 = _loss_and_grads(bf16_model, tokens, labels)
     flat = lambda g: torch.cat([t.reshape(-1) for t in g.values()]).double()  # noqa: E731
@@ -271,7 +271,8 @@ def _train(fault, steps, seed, lr, window, precision="fp32"):
 
     config = _config(num_layers=2, heads=4, groups=4)
     injector = faults.FaultInjector(fault) if fault is not None else None
-    spec = injector.layer_spec() if injector is not None else get_gpt_layer_local_spec()
+    spec = (injector.layer_spec(backward_context=mcpu.fast_forward) if injector is not None
+            else get_gpt_layer_local_spec())
     model = _gpt(config, spec, seed=seed, untie=False)
     model = DistributedDataParallel(config, DistributedDataParallelConfig(overlap_grad_reduce=False), model)
     mcpu.fast_forward_module(model)

@@ -125,7 +125,7 @@ def build(spec: dict, mols_config=None, protect: bool = True):
         if protect:
             mols.install(config, optimizer)
         else:  # for the identity job: install without the load_state_dict protection
-            import megatron_mech.megatron.mols as mm
+            import megatron_mech.megatron.mols.estimator as mm  # where install() looks the name up
             saved = mm.protect_param_group_identity
             mm.protect_param_group_identity = lambda opt: None
             try:

@@ -1,0 +1,403 @@
+"""One object per rank that a trainer calls: :class:`MechHook`.
+
+The hook owns everything megatron-mech does in a run: the attention and router monitors, MoLS, the detector
+registry, the output sinks, the alert policy (``log | checkpoint | stop``) and, for studies, fault injection.
+A framework adapter is a translation onto its lifecycle::
+
+    hook = MechHook(config, train_steps=T, lr_warmup_steps=W)      # every rank; config: MechConfig
+    overrides = hook.optimizer_overrides(view)                     # (MoLS) before the optimizer exists
+    optimizer = build_optimizer(..., overrides)                    # the framework's builder
+    hook.attach_optimizer(optimizer)                               # (MoLS) before loading optimizer state or
+                                                                   #   building the LR scheduler
+    ... build the scheduler; load the checkpoint: hook.load_state_dict(ckpt["mech"]) ...
+    hook.setup(view, optimizer, start_step=s0, scheduler=scheduler)  # after model, optimizer and checkpoint
+    forward_step = hook.wrap_forward_step(forward_step)            # (MoLS) gradient statistics inside a step
+    for step in range(s0 + 1, T + 1):
+        hook.before_step(step)                                     # before the forward/backward
+        ... forward/backward; optimizer.step(); scheduler.step() ...
+        action = hook.after_optimizer_step(step, loss=..., grad_norm=..., lr=...)
+        if action is not Action.CONTINUE: save; hook.checkpoint_saved(step, directory)
+        if action is Action.STOP: break
+    ckpt["mech"] = hook.state_dict()                               # per rank, one versioned entry
+    hook.close()
+
+**One step convention.** ``step`` is the number of the optimizer step being taken, counted from 1: ``before_step
+(step)`` comes before its forward/backward, ``after_optimizer_step(step)`` after ``optimizer.step()``, so the
+weights are then ``W_step``; ``start_step`` is the number of optimizer steps already done (0 for a fresh run, the
+checkpoint's step on resume). Monitors evaluate on multiples of the interval, the fault is on from its ``start``
+step, and MoLS's estimation window is placed on the same steps (MoLS's internal ``iteration`` is ``step − 1``,
+Megatron-LM's ``iteration`` before the step; ``--mech-mols-window-start`` is in those units).
+
+**MoLS touch points.** MoLS changes the optimizer, so it needs three calls before the training loop:
+``optimizer_overrides`` (its per-module param groups, passed to the framework's optimizer builder),
+``attach_optimizer`` (right after the optimizer exists: protects the param-group identity for checkpoint loads
+and installs the gradient-statistics seam, so it must precede any optimizer-state load and the LR scheduler),
+and ``wrap_forward_step`` (a micro-batch snapshot on one estimator route; the identity otherwise). Without
+``--mech-mols`` all three are no-ops. The new multipliers are written in ``after_optimizer_step``; when a
+``scheduler`` is given to ``setup`` the hook then re-derives the lrs with ``scheduler.step(0)`` (megatron-core's
+``OptimizerParamScheduler``: same step count, same lrs, now with the new multipliers), so the trainer may call
+``after_optimizer_step`` after ``scheduler.step()``, as Megatron-LM's callbacks do.
+
+**Collectives.** Every rank must call every lifecycle method at every step: the monitors reduce on evaluation
+steps, and the alert decision is one tiny all-reduce there, so the returned :class:`Action` is identical on every
+rank. A rank without MoE layers still joins the router reduction. Only the logging rank writes output.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable, List, Optional
+
+import torch
+
+from megatron_mech.config import MechConfig
+from megatron_mech.core.attribution import alert_lines
+from megatron_mech.core.detect import Alert, DetectorRegistry, default_rules
+from megatron_mech.core.mols import default_window
+from megatron_mech.model_view import ModelView
+
+__all__ = ["Action", "MechHook", "STATE_VERSION", "any_rank"]
+
+logger = logging.getLogger("megatron_mech")
+
+STATE_VERSION = 2
+"""Version of :meth:`MechHook.state_dict` (1 = the monitors-only entry of earlier releases, still loadable)."""
+
+
+class Action(str, enum.Enum):
+    """What the trainer must do after a step; identical on every rank."""
+
+    CONTINUE = "continue"
+    CHECKPOINT = "checkpoint"  # save a checkpoint now, then go on
+    STOP = "stop"  # save a checkpoint now, then leave the training loop
+
+
+def any_rank(flag: bool, group=None) -> bool:
+    """True if ``flag`` holds on any rank of ``group`` (one tiny all-reduce; every rank must call it)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return flag
+    from megatron_mech.core.sharded import collective_device
+
+    t = torch.tensor([1.0 if flag else 0.0], device=collective_device(group))
+    torch.distributed.all_reduce(t, group=group)
+    return bool(t.item() > 0)
+
+
+class MechHook:
+    """megatron-mech for one training run, one instance per rank (see the module docstring for the lifecycle).
+
+    Args:
+        config: the run's :class:`~megatron_mech.config.MechConfig` (same on every rank).
+        train_steps: the run's number of optimizer steps (sizes MoLS's default window; checks it fits).
+        lr_warmup_steps: the lr warm-up length in steps (MoLS ramps its multipliers in until then).
+        sinks: the logging rank's output (default: ``mech.jsonl`` in ``config.output.dir`` plus TensorBoard /
+            W&B when configured, :func:`megatron_mech.records.sinks.default_sinks`).
+    """
+
+    def __init__(self, config: MechConfig, *, train_steps: Optional[int] = None,
+                 lr_warmup_steps: Optional[int] = None, sinks=None):
+        from megatron_mech.studies.injectors import FaultInjector
+
+        self.config = config
+        self.train_steps = train_steps
+        self.lr_warmup_steps = lr_warmup_steps
+        self.registry = DetectorRegistry(rules=[dataclasses.replace(rule, **config.detector.as_rule_fields())
+                                                for rule in default_rules()])
+        self.faults = FaultInjector(config.fault)
+        """Study-only fault injection: ``hook.faults.layer_spec(...)`` builds the attention fault into the model."""
+        self.attention = None
+        self.router = None
+        self.mols = None
+        self.families: tuple = ()
+        self.alert_callbacks: List[Callable[[int, list], None]] = []
+        """User hooks ``fn(step, alerts)``, called on every rank when an evaluation step has alerts."""
+        self.first_alert_step: Optional[int] = None
+        self.last_alerts: List[Alert] = []
+        self.seconds: dict = {}
+        """Wall time per part on this rank (attention, router, detectors, output, ...), for overhead reports."""
+        self._sinks = sinks
+        self._view: Optional[ModelView] = None
+        self._optimizer = None
+        self._scheduler = None
+        self._sample_passes = None
+        self._saved_steps: List[int] = []
+        self._pending_state: Optional[dict] = None
+        self._is_setup = False
+
+    # ------------------------------------------------------------------------------------------------ MoLS
+    def optimizer_overrides(self, view: ModelView) -> Any:
+        """MoLS touch point 1, before the optimizer exists: the framework's param-group overrides (megatron-core:
+        ``config_overrides`` of ``get_megatron_optimizer``), or ``None`` without MoLS. Collective with MoLS."""
+        options = self.config.mols
+        if not options.enabled:
+            return None
+        if view.mols is None:
+            raise ValueError("--mech-mols: this framework adapter provides no MoLS backend")
+        if not self.train_steps:
+            raise ValueError("--mech-mols needs the number of training steps (--train-iters or --train-samples) "
+                             "to size the estimation window")
+        window = options.window if options.window is not None else default_window(self.train_steps)
+        core = options.core_config(window=window, ramp_end=self.lr_warmup_steps)
+        if core.window_end > self.train_steps:
+            raise ValueError(f"--mech-mols-window: the estimation window (iterations {core.window_start}.."
+                             f"{core.window_end - 1}) does not fit in --train-iters {self.train_steps}")
+        self.mols = view.mols(core, log=logger.info)
+        return self.mols.config_overrides
+
+    def attach_optimizer(self, optimizer) -> None:
+        """MoLS touch point 2, right after the optimizer is built and before any optimizer state is loaded or the
+        LR scheduler is built. A no-op without MoLS."""
+        self._optimizer = optimizer
+        if self.mols is not None:
+            self.mols.attach(optimizer)
+
+    def wrap_forward_step(self, forward_step: Callable) -> Callable:
+        """MoLS touch point 3: the trainer's forward-step function, wrapped when MoLS's estimator reads gradient
+        statistics between micro-batches (returned unchanged otherwise)."""
+        return self.mols.wrap_forward_step(forward_step) if self.mols is not None else forward_step
+
+    # ------------------------------------------------------------------------------------------------ lifecycle
+    def setup(self, view: ModelView, optimizer=None, *, start_step: int = 0, scheduler=None,
+              sample_passes: Optional[Callable[[Any, int], Any]] = None) -> None:
+        """After the model, the optimizer and any checkpoint exist: build the monitors and take the first snapshot.
+
+        Args:
+            view: this rank's :class:`~megatron_mech.model_view.ModelView`.
+            optimizer: the optimizer (the LR fault scales its param groups' lr).
+            start_step: optimizer steps already done (0, or the resumed checkpoint's step).
+            scheduler: the LR scheduler, if the trainer calls ``after_optimizer_step`` after ``scheduler.step()``
+                (the hook re-derives the lrs after writing MoLS multipliers).
+            sample_passes: for ``--mech-mols-estimator samples`` only: ``fn(mols_backend, iteration)`` running the
+                extra gradient samples through the framework's schedule (called from ``before_step``).
+        """
+        from megatron_mech.monitors.attention import AttentionMonitor
+        from megatron_mech.monitors.router import RouterLayer, RouterMonitor
+
+        if self._is_setup:
+            raise RuntimeError("MechHook.setup was called twice")
+        self._view = view
+        if optimizer is not None:
+            self._optimizer = optimizer
+        self._scheduler = scheduler
+        self._sample_passes = sample_passes
+        monitors = self.config.monitors
+        # one tiny all-reduce every rank joins, so every rank takes the same branches (and raises the same error)
+        self.families = monitors.resolve(any_rank(bool(view.routers)))
+        if "attention" in self.families:
+            device = ("cpu" if monitors.snapshot_device == "cpu" or not torch.cuda.is_available()
+                      else f"cuda:{torch.cuda.current_device()}")
+            self.attention = AttentionMonitor(list(view.attention_layers), monitors.attention_monitor_config(device),
+                                              tp_group=view.tp_group,
+                                              extra_linears=dict(view.dense_linears) if monitors.all_linears else None)
+        if "router" in self.families:
+            self.router = RouterMonitor([RouterLayer(r.layer, r.weight, r.topk) for r in view.routers],
+                                        token_group=view.token_group)
+            for r in view.routers:
+                r.capture(_LayerRecorder(self.router, r.layer))
+        if self._sinks is None and view.logging_rank:
+            from megatron_mech.records.sinks import default_sinks
+
+            output = self.config.output
+            self._sinks = default_sinks(output.dir or "runs/mech", tensorboard=output.tensorboard_dir or False,
+                                        wandb_kwargs={"project": output.wandb_project} if output.wandb_project
+                                        else None, truncate_after_step=start_step if start_step else None)
+        self._is_setup = True
+        if self._pending_state is not None:
+            self._load_monitor_state(self._pending_state)
+            self._pending_state = None
+        # snapshot the weights the first interval starts from
+        if self.attention is not None and self.attention.snapshot_step is None and self.attention.should_observe(
+                start_step):
+            self.attention.observe(start_step)
+
+    def before_step(self, step: int) -> None:
+        """Before the forward/backward of optimizer step ``step``: arm router capture on evaluation steps, run the
+        MoLS extra samples (``samples`` estimator), tell the fault injector the step, apply an LR fault."""
+        if self.router is not None:
+            self.router.capturing = self._is_evaluation_step(step)
+        if self.mols is not None and self._sample_passes is not None:
+            self._sample_passes(self.mols, step - 1)
+        self.faults.before_step(step)
+        if self._optimizer is not None:
+            self.faults.before_optimizer_step(self._optimizer, step)  # the lr is untouched by forward/backward
+
+    def after_optimizer_step(self, step: int, *, loss: float, grad_norm: Optional[float], lr: float,
+                             extra: Optional[dict] = None) -> Action:
+        """After ``optimizer.step()`` of ``step`` (and, with a scheduler given to ``setup``, after
+        ``scheduler.step()``): MoLS multipliers of the next step, monitors, detectors, records, alert policy.
+
+        ``loss``: the step's loss, identical on every rank (already averaged over data parallelism);
+        ``grad_norm``: the optimizer's global gradient norm (``None`` when not computed); ``lr``: the base lr;
+        ``extra``: more plain values for this step's record. Returns the :class:`Action` for the trainer.
+        """
+        mols_metrics = self._mols_step(step)
+        metrics: dict = {}
+        details: dict = {}
+        with self._timed("attention"):
+            observed = self.attention.observe(step) if self.attention is not None else None
+        if observed is not None:
+            metrics.update(observed[0])
+            details.update(observed[1])
+        if not self._is_evaluation_step(step):
+            return Action.CONTINUE
+        if self.router is not None:
+            with self._timed("router"):
+                observed = self.router.observe(step)
+                self.router.capturing = False
+            metrics.update(observed[0])
+            details.update(observed[1])
+        if self._view is not None and self._view.pp_group is not None:  # each stage holds its own layers: merge
+            with self._timed("pipeline_gather"):
+                gathered = [None] * torch.distributed.get_world_size(self._view.pp_group)
+                torch.distributed.all_gather_object(gathered, (metrics, details), group=self._view.pp_group)
+            for stage_metrics, stage_details in gathered:
+                metrics.update(stage_metrics)
+                details.update(stage_details)
+        metrics["symptom/loss"] = float(loss)
+        if grad_norm is not None:
+            metrics["symptom/grad_norm"] = float(grad_norm)
+        # Every rank runs the detectors on identical metrics, so every rank knows the alerts without a broadcast.
+        with self._timed("detectors"):
+            alerts = self.registry.update(step, metrics, details)
+        self.last_alerts = alerts
+        if self._sinks is not None:
+            with self._timed("output"):
+                for line in alert_lines(alerts):  # one line per (family, layer), not per series
+                    logger.info(f"[mech] ALERT step {step}: {line}")
+                from megatron_mech.records.sinks import make_record
+
+                scalars = {"loss": float(loss), "lr": float(lr),
+                           "grad_norm": float(grad_norm) if grad_norm is not None else math.nan}
+                record_extra = dict(extra or {})
+                if mols_metrics:
+                    record_extra["mols"] = mols_metrics
+                self._sinks.write(make_record(step, scalars, metrics, alerts, extra=record_extra))
+        return self._alert_action(step, alerts)
+
+    def checkpoint_saved(self, step: int, directory) -> None:
+        """The trainer saved a checkpoint of ``step`` in ``directory``. For the first alert's checkpoint the
+        logging rank writes ``first_alert.json`` next to it (the alert step, its checkpoint, and the last
+        checkpoint of this run before the alert, to roll back to); the alerts themselves are in ``mech.jsonl``."""
+        earlier = [s for s in self._saved_steps if s < step]
+        self._saved_steps.append(int(step))
+        if step != self.first_alert_step or self._view is None or not self._view.logging_rank:
+            return
+        directory = Path(directory)
+        record = {"step": int(step), "checkpoint": str(directory),
+                  "last_checkpoint_before_alert": max(earlier) if earlier else None}
+        (directory.parent / "first_alert.json").write_text(json.dumps(record, indent=1))
+        logger.info(f"[mech] first alert at step {step}: checkpoint {directory}"
+                    + (f"; roll back to iter_{max(earlier):07d} (before the alert)" if earlier else ""))
+
+    def close(self) -> None:
+        """Flush and close the output (logging rank)."""
+        if self._sinks is not None:
+            self._sinks.close()
+
+    # ------------------------------------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """One versioned entry per rank: monitors, detectors, MoLS and the first-alert step."""
+        return {"version": STATE_VERSION, "first_alert_step": self.first_alert_step,
+                "attention": self.attention.state_dict() if self.attention is not None else None,
+                "router": self.router.state_dict() if self.router is not None else None,
+                "detectors": self.registry.state_dict(),
+                "mols": self.mols.state_dict() if self.mols is not None else None,
+                "saved_steps": list(self._saved_steps)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`. Call after ``attach_optimizer`` (MoLS writes its restored multipliers into
+        the param groups, so load it before the LR scheduler's state) and before or after ``setup`` (the
+        monitor part is applied once the monitors exist)."""
+        version = state.get("version") if isinstance(state, dict) else None
+        if version not in (1, STATE_VERSION):
+            raise ValueError(f"not a megatron-mech state (version {version!r}; this release reads 1 and "
+                             f"{STATE_VERSION})")
+        if self.mols is not None and state.get("mols"):
+            self.mols.load_state_dict(state["mols"])
+        self._saved_steps = list(state.get("saved_steps") or [])
+        if self._is_setup:
+            self._load_monitor_state(state)
+        else:
+            self._pending_state = state
+
+    def _load_monitor_state(self, state: dict) -> None:
+        if self.attention is not None and state.get("attention") is not None:
+            self.attention.load_state_dict(state["attention"])
+        if self.router is not None:
+            self.router.load_state_dict(state.get("router"))
+        self.registry.load_state_dict(state["detectors"])
+        self.first_alert_step = state.get("first_alert_step")
+
+    # ------------------------------------------------------------------------------------------------ reporting
+    @property
+    def alerts(self) -> List[Alert]:
+        """Every alert of this run so far (also in ``mech.jsonl``, the record of truth)."""
+        return self.registry.alerts
+
+    @property
+    def evaluation_seconds(self) -> float:
+        """Wall time spent in the monitors on this rank so far: snapshots and evaluations, detectors, output, and
+        router-logit capture inside the forward passes of evaluation steps (for overhead reporting)."""
+        return sum(self.seconds.values()) + self.router_capture_seconds
+
+    @property
+    def router_capture_seconds(self) -> float:
+        """Wall time spent capturing router logits inside the forward passes."""
+        return self.router.capture_seconds if self.router is not None else 0.0
+
+    @property
+    def mols_seconds(self) -> float:
+        """Wall time MoLS spent measuring and applying on this rank."""
+        return self.mols.seconds if self.mols is not None else 0.0
+
+    def mols_metrics(self, step: int) -> dict:
+        """MoLS's SNR / α / multiplier values in force after ``step`` (empty without MoLS)."""
+        return self.mols.metrics(step - 1) if self.mols is not None and step else {}
+
+    # ------------------------------------------------------------------------------------------------ internals
+    def _is_evaluation_step(self, step: int) -> bool:
+        return step % self.config.monitors.interval == 0
+
+    def _mols_step(self, step: int) -> dict:
+        if self.mols is None:
+            return {}
+        self.mols.before_scheduler_step(step - 1)  # multipliers of the next step
+        if self._scheduler is not None:
+            self._scheduler.step(increment=0)  # same step count: the lrs again, with the new multipliers
+        return self.mols.metrics(step - 1)
+
+    def _alert_action(self, step: int, alerts) -> Action:
+        """Acts on the run's *first* alert only; whether anything fired is agreed with one tiny all-reduce on
+        evaluation steps, so every rank takes the same branch even if a rank's metrics differed in the last bit."""
+        if not any_rank(bool(alerts)):
+            return Action.CONTINUE
+        for callback in self.alert_callbacks:
+            callback(step, list(alerts))
+        if self.first_alert_step is not None:
+            return Action.CONTINUE
+        self.first_alert_step = step
+        return {"log": Action.CONTINUE, "checkpoint": Action.CHECKPOINT, "stop": Action.STOP}[self.config.on_alert]
+
+    @contextlib.contextmanager
+    def _timed(self, part: str):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[part] = self.seconds.get(part, 0.0) + time.perf_counter() - started
+
+
+class _LayerRecorder:
+    """``observe(logits)`` for one router layer: hands the logits to the router monitor under its layer index."""
+
+    def __init__(self, monitor, layer: int):
+        self.monitor, self.layer = monitor, layer
+
+    def __call__(self, logits: torch.Tensor) -> None:
+        self.monitor.record(self.layer, logits)

@@ -1,0 +1,133 @@
+"""megatron-core model discovery: the attention layers, MoE routers and dense linears of a model, as a
+:class:`~megatron_mech.model_view.ModelView` for the hook.
+
+Knows megatron-core's module classes, names and process groups and nothing about the monitors' math.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from megatron_mech.model_view import ModelView, RouterView
+from megatron_mech.monitors.attention import AttentionLayer
+
+__all__ = ["find_attention_layers", "find_dense_linears", "find_routers", "megatron_model_view", "unwrap_model"]
+
+
+def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
+    """The model inside megatron's wrappers (``DistributedDataParallel``, ``Float16Module``: each has ``.module``)."""
+    while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
+        module = module.module
+    return module
+
+
+def find_attention_layers(model_chunks: Sequence[torch.nn.Module]) -> list[AttentionLayer]:
+    """Every megatron-core ``SelfAttention`` with a fused ``linear_qkv`` on this rank, in layer order."""
+    from megatron.core.transformer.attention import SelfAttention
+
+    found = []
+    for chunk in model_chunks:
+        for module in unwrap_model(chunk).modules():
+            if isinstance(module, SelfAttention):
+                tp_size = torch.distributed.get_world_size(module.tp_group) if module.tp_group is not None else 1
+                if module.config.num_query_groups < tp_size:
+                    raise ValueError(
+                        f"num_query_groups={module.config.num_query_groups} < TP={tp_size}: megatron replicates "
+                        f"K/V heads across TP ranks in this layout, which the attention monitor does not support")
+                tp_rank = torch.distributed.get_rank(module.tp_group) if module.tp_group is not None else 0
+                found.append(AttentionLayer(
+                    layer=module.layer_number - 1,  # megatron counts from 1, over all pipeline stages
+                    qkv_weight=module.linear_qkv.weight,
+                    num_heads=module.num_attention_heads_per_partition,
+                    num_query_groups=module.num_query_groups_per_partition,
+                    head_dim=module.hidden_size_per_attention_head,
+                    head_offset=tp_rank * module.num_attention_heads_per_partition))
+    return sorted(found, key=lambda spec: spec.layer)
+
+
+def find_dense_linears(model_chunks: Sequence[torch.nn.Module]) -> dict:
+    """``{"layer{L}/<name>": (weight shard, shard_dim)}`` for the dense linears of every transformer layer:
+    attention output (RowParallel: split on dim 1) and MLP fc1 (ColumnParallel: dim 0) / fc2 (RowParallel: dim 1).
+    MoE experts are left out: each expert-parallel rank holds different experts, so they are not one matrix."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    found = {}
+    for chunk in model_chunks:
+        for layer in unwrap_model(chunk).modules():
+            if not isinstance(layer, TransformerLayer):
+                continue
+            candidates = {"linear_proj": getattr(layer.self_attention, "linear_proj", None),
+                          "linear_fc1": getattr(layer.mlp, "linear_fc1", None),
+                          "linear_fc2": getattr(layer.mlp, "linear_fc2", None)}
+            for name, module in candidates.items():
+                if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                    dim = 0 if isinstance(module, ColumnParallelLinear) else 1
+                    found[f"layer{layer.layer_number - 1}/{name}"] = (module.weight, dim)
+    return dict(sorted(found.items()))
+
+
+def find_routers(model_chunks: Sequence[torch.nn.Module]) -> list[tuple[int, torch.nn.Module]]:
+    """``(layer index, TopKRouter)`` for every MoE layer on this rank."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    routers = []
+    for chunk in model_chunks:
+        for module in unwrap_model(chunk).modules():
+            if isinstance(module, TopKRouter):
+                routers.append((module.layer_number - 1, module))
+    return sorted(routers, key=lambda item: item[0])
+
+
+def _gating_capture(router: torch.nn.Module) -> Callable[[Callable[[torch.Tensor], None]], None]:
+    """``capture(observe)`` for one ``TopKRouter``: wrap this instance's ``gating`` so every micro-batch's full
+    logits (before top-k) reach ``observe``; ``TopKRouter.forward`` routes on the same, unchanged logits.
+    Installing again replaces the observer (one wrapper per router)."""
+
+    def capture(observe: Callable[[torch.Tensor], None]) -> None:
+        router._mech_observe = observe
+        if getattr(router, "_mech_wrapped", False):
+            return
+        original = router.gating
+
+        def gating(input, *args, **kwargs):
+            logits = original(input, *args, **kwargs)
+            router._mech_observe(logits)
+            return logits
+
+        router.gating = gating
+        router._mech_wrapped = True
+
+    return capture
+
+
+def megatron_model_view(model_chunks: Sequence[torch.nn.Module], *, sequence_parallel: bool = False,
+                        optimizer_config=None, global_batch_size: Optional[int] = None,
+                        micro_batch_size: Optional[int] = None) -> ModelView:
+    """The :class:`ModelView` of megatron-core model chunks on this rank (after ``initialize_model_parallel``).
+
+    ``sequence_parallel``: routed tokens are then split over TP×DP (else DP). ``optimizer_config``,
+    ``global_batch_size`` and ``micro_batch_size`` (in sequences) make MoLS available
+    (:class:`megatron_mech.megatron.mols.MegatronMoLS`); without them the view offers no MoLS.
+    The logging rank is the last rank (Megatron-LM's ``print_rank_last``)."""
+    from megatron.core import parallel_state as ps
+
+    chunks = list(model_chunks)
+    token_group = (ps.get_tensor_and_data_parallel_group(with_context_parallel=True) if sequence_parallel
+                   else ps.get_data_parallel_group(with_context_parallel=True))
+    mols = None
+    if optimizer_config is not None:
+        def mols(core_config, log=None):
+            from megatron_mech.megatron.mols import MegatronMoLS
+
+            return MegatronMoLS(core_config, chunks, optimizer_config, global_batch_size=int(global_batch_size),
+                                micro_batch_size=int(micro_batch_size), log=log)
+    return ModelView(
+        attention_layers=find_attention_layers(chunks),
+        routers=[RouterView(layer, router.weight, router.topk, _gating_capture(router))
+                 for layer, router in find_routers(chunks)],
+        dense_linears=find_dense_linears(chunks),
+        tp_group=ps.get_tensor_model_parallel_group(), token_group=token_group,
+        pp_group=ps.get_pipeline_model_parallel_group() if ps.get_pipeline_model_parallel_world_size() > 1 else None,
+        logging_rank=torch.distributed.get_rank() == torch.distributed.get_world_size() - 1, mols=mols)

@@ -1,0 +1,58 @@
+"""What a framework adapter tells the hook about the model: a framework-neutral description.
+
+A framework adapter (:mod:`megatron_mech.megatron.discovery` for megatron-core; the DeepSpeed and Megatron-LM
+adapters alike) finds the attention layers, the MoE routers, the dense linears and the process groups and hands
+them over as one :class:`ModelView`. The hook (:class:`megatron_mech.hook.MechHook`) never looks inside the
+model itself.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+
+from megatron_mech.monitors.attention import AttentionLayer
+
+__all__ = ["ModelView", "RouterView"]
+
+
+@dataclass
+class RouterView:
+    """One MoE router on this rank."""
+
+    layer: int
+    """0-based global layer index (the index in the metric names)."""
+    weight: torch.Tensor
+    """The router weight ``[num_experts, d_model]`` (``[out, in]``, the framework's own parameter)."""
+    topk: int
+    """Experts per token."""
+    capture: Callable[[Callable[[torch.Tensor], None]], None]
+    """``capture(observe)`` installs ``observe``: the framework then calls ``observe(logits)`` with the full router
+    logits ``[tokens, num_experts]`` (before top-k) of every micro-batch, and routes on those same logits.
+    Installing twice must not observe twice."""
+
+
+@dataclass
+class ModelView:
+    """The model as the monitors and MoLS see it, on one rank."""
+
+    attention_layers: Sequence[AttentionLayer] = ()
+    """This rank's self-attention layers (fused QKV weight shard, head counts, first global head), layer order."""
+    routers: Sequence[RouterView] = ()
+    """This rank's MoE routers, layer order (empty on a dense model or a rank without MoE layers)."""
+    dense_linears: Mapping[str, tuple] = field(default_factory=dict)
+    """``{"layer{L}/<name>": (weight shard [out, in], shard dim)}``: dense linears for ``--mech-all-linears``."""
+    tp_group: Any = None
+    """Tensor-parallel group of the attention weights (``None``: no TP)."""
+    token_group: Any = None
+    """The group over which routed tokens are split (DP, or TP×DP with sequence parallelism)."""
+    pp_group: Any = None
+    """Pipeline group when there is more than one stage (metrics are merged over it), else ``None``."""
+    logging_rank: bool = True
+    """Whether this rank writes the records (exactly one rank per run)."""
+    mols: Optional[Callable[..., Any]] = None
+    """MoLS factory of this framework, ``mols(core_config, log=...) -> backend`` (``None``: MoLS unavailable).
+    The backend offers ``config_overrides``, ``attach(optimizer)``, ``wrap_forward_step(fn)``,
+    ``before_scheduler_step(iteration)``, ``metrics(iteration)``, ``seconds``, ``state_dict``/``load_state_dict``
+    (see :class:`megatron_mech.megatron.mols.MegatronMoLS`)."""

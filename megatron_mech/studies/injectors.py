@@ -1,0 +1,130 @@
+"""The one fault API a trainer uses: :class:`FaultInjector`, plus the LR and batch injectors it applies.
+
+::
+
+    injector = FaultInjector(FaultConfig(kind="attention", start=300, strength=1e-2, layers=[1]))
+    args.global_batch_size = injector.global_batch(args.global_batch_size, micro_batch_size, dp_size)  # once
+    spec = injector.layer_spec(num_experts, normalization)        # the model's layer spec (attention faults)
+    for step in range(start + 1, train_iters + 1):                # step: number of this optimizer step (1-based)
+        injector.before_step(step)                                # before forward/backward
+        ... forward_backward(...) ...
+        injector.before_optimizer_step(optimizer, step)           # before optimizer.step() (LR faults)
+
+:class:`megatron_mech.hook.MechHook` owns one injector (``hook.faults``) and makes both per-step calls in its
+``before_step``. Each injector has its own :class:`FaultSchedule` (the step the injected attention modules read
+at backward time): nothing is process-global, so two models in one process do not share a step.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron_mech.optim import param_groups
+from megatron_mech.studies.fault_config import FaultConfig
+
+__all__ = ["FaultInjector", "FaultSchedule", "apply_lr_fault", "effective_global_batch"]
+
+
+class FaultSchedule:
+    """The current optimizer step, shared by every injected module (one object, read at forward time).
+
+    The trainer (through :meth:`FaultInjector.before_step`) sets ``schedule.step = step`` before the
+    forward/backward of optimizer step ``step``; the attention fault is on in that step's backward iff ``step >= start``.
+    ``step`` starts as ``None`` (= never told): a fault with ``start > 0`` then stays off, with one warning
+    (``start == 0`` means "from the beginning" and is on whatever the step).
+    """
+
+    def __init__(self, step: Optional[int] = None):
+        self.step = step
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state.get("step")
+
+    def __repr__(self):
+        return f"FaultSchedule(step={self.step})"
+
+
+# ================================================================================================ LR / batch
+_LR_MARK = "mech_lr_fault"
+
+
+def apply_lr_fault(target, step: int, config: FaultConfig) -> float:
+    """Multiply every param group's ``lr`` by k when ``config`` has an LR part and ``step >= config.start``.
+
+    ``target``: an optimizer (torch or megatron, incl. ``ChainedOptimizer``), a megatron
+    ``OptimizerParamScheduler`` or a list of param-group dicts. Returns the factor applied (1.0 = nothing).
+
+    Call it every iteration **immediately before** ``optimizer.step()``, with ``step`` = the number of that
+    optimizer step (1-based). megatron's ``OptimizerParamScheduler.step()`` rewrites every group's
+    ``lr = get_lr(group)`` (from its per-group ``max_lr``/``min_lr``) after each optimizer step, so scaling the
+    freshly scheduled ``lr`` once per step gives exactly ``k × scheduled lr`` from the start step on, composes
+    with per-group multipliers (MoLS writes ``max_lr``; we never touch it) and leaves the scheduler's state and
+    checkpoints untouched (a resumed run re-applies it). Calling it twice in one step does not compound (each
+    group remembers the step and the value it wrote).
+    """
+    k = config.lr_multiplier
+    if k == 1.0 or not config.active(step):
+        return 1.0
+    for group in param_groups(target):
+        mark = group.get(_LR_MARK)
+        if mark is not None and mark[0] == step and group["lr"] == mark[1]:
+            continue  # already scaled in this step
+        group["lr"] = group["lr"] * k
+        group[_LR_MARK] = (step, group["lr"])
+    return k
+
+
+def effective_global_batch(config: FaultConfig, global_batch: int, micro_batch_size: Optional[int] = None,
+                           data_parallel_size: int = 1, step: Optional[int] = None) -> int:
+    """The global batch of a ``small_batch`` run: ``global_batch / divisor`` (unchanged for other kinds).
+
+    The fault is a flag change for the trainer: use the returned value as ``--global-batch-size`` for the whole
+    run (``start`` 0, the intended use; the LR is deliberately *not* rescaled, so gradient noise goes up). With a
+    ``step`` and ``start > 0`` it returns the reduced batch only from ``start`` on (a trainer that changes the
+    batch mid-run must re-index its sampler). With ``micro_batch_size`` it checks that the result is a multiple
+    of ``micro_batch_size × data_parallel_size`` (ValueError otherwise).
+    """
+    if config.kind != "small_batch" or (step is not None and not config.active(step)):
+        return int(global_batch)
+    divisor = config.batch_divisor
+    if global_batch % divisor:
+        raise ValueError(f"FaultConfig.strength: global batch {global_batch} is not divisible by the small-batch "
+                         f"divisor {divisor}")
+    reduced = global_batch // divisor
+    if micro_batch_size is not None and reduced % (micro_batch_size * data_parallel_size):
+        raise ValueError(f"FaultConfig.strength: reduced global batch {reduced} (= {global_batch} / {divisor}) is "
+                         f"not a multiple of micro-batch × DP = {micro_batch_size} × {data_parallel_size}")
+    return reduced
+
+
+class FaultInjector:
+    """The fault of one run, for the trainer: ``global_batch`` (once), ``layer_spec`` (model building),
+    ``before_step`` (each step, before the forward) and ``before_optimizer_step`` (each step, after the backward
+    and before ``optimizer.step()``; the lr is untouched by forward/backward, so any point after the previous
+    step's ``scheduler.step()`` is the same)."""
+
+    def __init__(self, config: FaultConfig, schedule: Optional[FaultSchedule] = None):
+        self.config = config
+        self.schedule = schedule if schedule is not None else FaultSchedule()
+
+    def layer_spec(self, num_experts=None, normalization=None, **kwargs):
+        """megatron-core's local GPT layer spec with the emulated FA2 attention bound to this injector's schedule
+        (the stock spec when the fault has no attention part); see
+        :func:`megatron_mech.studies.attention_fault.attention_fault_spec` for ``kwargs``."""
+        from megatron_mech.studies.attention_fault import attention_fault_spec
+
+        return attention_fault_spec(num_experts, normalization, self.config, schedule=self.schedule, **kwargs)
+
+    def global_batch(self, global_batch: int, micro_batch_size=None, data_parallel_size: int = 1) -> int:
+        """The run's global batch (reduced for ``small_batch``; see :func:`effective_global_batch`)."""
+        return effective_global_batch(self.config, global_batch, micro_batch_size, data_parallel_size)
+
+    def before_step(self, step: int) -> None:
+        """Tell the injected attention modules the optimizer step about to run."""
+        self.schedule.step = int(step)
+
+    def before_optimizer_step(self, optimizer, step: int) -> float:
+        """Apply an LR fault to this step's lr (see :func:`apply_lr_fault`); returns the factor applied."""
+        return apply_lr_fault(optimizer, step, self.config)

@@ -1,0 +1,116 @@
+"""MechHook's lifecycle in one process, framework-free: a real AttentionMonitor on a real weight that the test
+updates like an optimizer would, the real detectors and sinks, the alert policy, one-entry resume and the LR
+fault. (The megatron-core path, with real collectives, is covered by the torchrun training tests.)"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_mech.config import DetectorOverrides, MechConfig, MonitorConfig
+from megatron_mech.hook import Action, MechHook
+from megatron_mech.model_view import ModelView
+from megatron_mech.monitors.attention import AttentionLayer
+from megatron_mech.records.sinks import CallbackSink
+from megatron_mech.studies.fault_config import FaultConfig
+
+HEADS, GROUPS, HEAD_DIM, D_MODEL = 2, 2, 8, 16
+SPIKE = 12  # the step whose loss jumps
+
+
+def _config(on_alert="log", interval=2, fault=None):
+    return MechConfig(monitors=MonitorConfig(families=("attention",), interval=interval, qk_terms=("delta2",)),
+                      detector=DetectorOverrides(warmup=0, baseline=3, persistence=1), on_alert=on_alert,
+                      fault=fault or FaultConfig())
+
+
+def _loss(step):
+    return 5.0 - 0.01 * step + (50.0 if step >= SPIKE else 0.0)
+
+
+def _update(weight, step):
+    """The optimizer step of ``step``: a deterministic full-rank update of the fused QKV weight."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    with torch.no_grad():
+        weight.add_(1e-2 * torch.randn(weight.shape, generator=gen, dtype=weight.dtype))
+
+
+class _Run:
+    """A hook on a one-layer model view; ``records`` collects what the hook writes."""
+
+    def __init__(self, config, weight=None, start_step=0, state=None, optimizer=None):
+        rows = (HEADS + 2 * GROUPS) * HEAD_DIM
+        self.weight = weight if weight is not None else torch.randn(
+            rows, D_MODEL, generator=torch.Generator().manual_seed(0), dtype=torch.float32)
+        self.records = []
+        self.hook = MechHook(config, sinks=CallbackSink(self.records.append))
+        view = ModelView(attention_layers=[AttentionLayer(0, self.weight, HEADS, GROUPS, HEAD_DIM)])
+        assert self.hook.optimizer_overrides(view) is None  # no MoLS: nothing to change in the optimizer
+        self.hook.attach_optimizer(optimizer)
+        if state is not None:
+            self.hook.load_state_dict(state)
+        self.hook.setup(view, optimizer, start_step=start_step)
+
+    def steps(self, first, last):
+        actions = {}
+        for step in range(first, last + 1):
+            self.hook.before_step(step)
+            _update(self.weight, step)
+            actions[step] = self.hook.after_optimizer_step(step, loss=_loss(step), grad_norm=1.0, lr=1e-3)
+        return actions
+
+
+def test_records_on_the_interval_grid_and_stop_on_the_first_alert_only():
+    run = _Run(_config(on_alert="stop"))
+    actions = run.steps(1, 16)
+    assert [r["step"] for r in run.records] == [2, 4, 6, 8, 10, 12, 14, 16]  # multiples of the interval only
+    assert all("attn/layer0/head1/delta2_entropy" in r["metrics"] for r in run.records)
+    alerted = [r["step"] for r in run.records if r["alerts"]]
+    assert alerted and alerted[0] == SPIKE and {a["family"] for a in run.records[5]["alerts"]} == {"symptom"}
+    # the first alert decides (stop); later alerts only log; steps without an evaluation never act
+    assert actions[SPIKE] is Action.STOP
+    assert all(a is Action.CONTINUE for s, a in actions.items() if s != SPIKE)
+    assert run.hook.first_alert_step == SPIKE
+    assert Action("checkpoint") is Action.CHECKPOINT  # the policy's values are the flag's
+
+
+def test_resume_from_one_state_entry_continues_the_series_exactly():
+    full = _Run(_config())
+    full.steps(1, 16)
+    first = _Run(_config())
+    first.steps(1, 7)
+    state = first.hook.state_dict()
+    assert state["version"] == 2 and set(state) >= {"attention", "detectors", "mols", "first_alert_step"}
+    resumed = _Run(_config(), weight=first.weight.clone(), start_step=7, state=state)
+    resumed.steps(8, 16)
+    expected = [r for r in full.records if r["step"] > 7]
+    assert [r["step"] for r in resumed.records] == [r["step"] for r in expected]
+    for got, want in zip(resumed.records, expected):  # same process, same computation: bit-equal
+        assert got["metrics"] == want["metrics"] and got["alerts"] == want["alerts"]
+    with pytest.raises(ValueError, match="version"):
+        _Run(_config()).hook.load_state_dict({"version": 99})
+
+
+def test_lr_fault_scales_the_lr_from_its_start_step():
+    weight = torch.nn.Parameter(torch.zeros(3))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    run = _Run(_config(fault=FaultConfig(kind="lr", start=5, strength=4.0)), optimizer=optimizer)
+    seen = {}
+    for step in range(1, 8):
+        optimizer.param_groups[0]["lr"] = 0.1  # what the LR scheduler sets after every step
+        run.hook.before_step(step)
+        seen[step] = optimizer.param_groups[0]["lr"]
+        run.hook.after_optimizer_step(step, loss=1.0, grad_norm=None, lr=0.1)
+    assert [seen[s] for s in range(1, 5)] == [0.1] * 4
+    assert all(math.isclose(seen[s], 0.4) for s in range(5, 8))
+    assert run.hook.faults.schedule.step == 7  # the attention modules of a fault read the same step
+
+
+def test_setup_twice_and_unknown_router_request_are_errors():
+    run = _Run(_config())
+    with pytest.raises(RuntimeError, match="twice"):
+        run.hook.setup(ModelView(), None)
+    hook = MechHook(MechConfig(monitors=MonitorConfig(families=("router",))))
+    with pytest.raises(ValueError, match="no MoE routers"):
+        hook.setup(ModelView())
