@@ -13,8 +13,9 @@ call                                  place in the fork (core_v0.16.1 names)
 :func:`optimizer_config_overrides`    ``setup_model_and_optimizer``: between ``get_megatron_optimizer_config``
                                       and ``get_megatron_optimizer`` (MoLS per-class param groups)
 :func:`on_optimizer_built`            right after ``get_megatron_optimizer``, before ``load_checkpoint``
-:func:`on_setup`                      end of ``setup_model_and_optimizer`` (model, optimizer, loaded state)
-:func:`on_train_start`                ``train``, after ``config.finalize_model_grads_func`` is set
+:func:`on_setup`                      end of ``setup_model_and_optimizer`` (model, optimizer, loaded state):
+                                      the hook's ``setup`` (monitors, first snapshot)
+:func:`on_train_start`                ``train``, after ``config.finalize_model_grads_func`` is set (MoLS)
 :func:`before_step`                   start of ``train_step``
 :func:`after_optimizer_step`          ``train_step``, between ``optimizer.step()`` and the scheduler step
 :func:`log_to_writers`                ``training_log``, with Megatron's TensorBoard / W&B writers
