@@ -208,6 +208,8 @@ class MechHook:
                                         wandb_kwargs={"project": output.wandb_project} if output.wandb_project
                                         else None, truncate_after_step=start_step if start_step else None)
         self._is_setup = True
+        if start_step and start_step not in self._saved_steps:  # the checkpoint this run resumed from
+            self._saved_steps.append(int(start_step))
         if self._pending_state is not None:
             self._load_monitor_state(self._pending_state)
             self._pending_state = None
@@ -320,7 +322,7 @@ class MechHook:
                              f"{STATE_VERSION})")
         if self.mols is not None and state.get("mols"):
             self.mols.load_state_dict(state["mols"])
-        self._saved_steps = list(state.get("saved_steps") or [])
+        self._saved_steps = sorted(set(self._saved_steps) | {int(s) for s in state.get("saved_steps") or ()})
         if self._is_setup:
             self._load_monitor_state(state)
         else:

@@ -47,6 +47,9 @@ class ModelView:
     """Tensor-parallel group of the attention weights (``None``: no TP)."""
     token_group: Any = None
     """The group over which routed tokens are split (DP, or TP×DP with sequence parallelism)."""
+    dp_group: Any = None
+    """Data-parallel replicas holding the same weights: the attention evaluation is shared out over them
+    (``None``: no split)."""
     pp_group: Any = None
     """Pipeline group when there is more than one stage (metrics are merged over it), else ``None``."""
     logging_rank: bool = True

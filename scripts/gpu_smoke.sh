@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Single-GPU smoke test (not part of CI, which has no GPU): the monitors' math on CUDA equals CPU, and the
-# training entry point trains a small MoE GPT on one GPU over nccl with the monitors on. Nothing is patched
-# on a GPU machine (the CPU shims stay off). Usage: bash scripts/gpu_smoke.sh OUT_DIR
+# training entry point trains a small MoE GPT on one GPU over nccl with the monitors on. The CPU shims stay off
+# on a GPU machine; only the megatron-core fixes of megatron_mech.megatron.fixes apply (as on every machine).
+# Usage: bash scripts/gpu_smoke.sh OUT_DIR
 set -euo pipefail
 out=${1:-runs/gpu_smoke}
 mkdir -p "$out"

@@ -50,6 +50,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from megatron_mech.core.checks import is_finite_real, is_int
+
 __all__ = ["FAMILIES", "DIRECTIONS", "Alert", "DetectorConfig", "Detector", "SeriesRule", "DetectorRegistry",
            "default_rules"]
 
@@ -110,10 +112,6 @@ class Alert:
                    detail=dict(d.get("detail", {})))
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 @dataclass
 class DetectorConfig:
     """Detector settings; counts are in evaluations (calls to ``update``), not training steps.
@@ -142,25 +140,23 @@ class DetectorConfig:
     track: int = 0
 
     def __post_init__(self) -> None:
-        if not _is_int(self.track) or self.track < 0:
+        if not is_int(self.track) or self.track < 0:
             raise ValueError(f"track must be an int >= 0 (0 = frozen baseline), got {self.track!r}")
-        if not _is_int(self.warmup) or self.warmup < 0:
+        if not is_int(self.warmup) or self.warmup < 0:
             raise ValueError(f"warmup must be an int >= 0, got {self.warmup!r}")
-        if not _is_int(self.baseline) or self.baseline < 3:
+        if not is_int(self.baseline) or self.baseline < 3:
             raise ValueError(f"baseline must be an int >= 3, got {self.baseline!r}")
         if self.direction not in DIRECTIONS:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {self.direction!r}")
-        if not _is_int(self.persistence) or self.persistence < 1:
+        if not is_int(self.persistence) or self.persistence < 1:
             raise ValueError(f"persistence must be an int >= 1, got {self.persistence!r}")
         for name, positive in (("threshold", True), ("rel_floor", False), ("abs_floor", True)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-                    or v < 0 or (positive and v == 0):
+            if not is_finite_real(v) or v < 0 or (positive and v == 0):
                 raise ValueError(f"{name} must be a finite number {'>' if positive else '>='} 0, got {v!r}")
         if self.rel_cap is not None:
             v = self.rel_cap
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-                    or v <= 0 or v < self.rel_floor:
+            if not is_finite_real(v) or v <= 0 or v < self.rel_floor:
                 raise ValueError(f"rel_cap must be None or a finite number > 0 and >= rel_floor "
                                  f"({self.rel_floor}), got {v!r}")
 

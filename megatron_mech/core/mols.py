@@ -77,6 +77,7 @@ import warnings
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Dict, Iterable, Mapping, Optional, Tuple, Union
 
+from megatron_mech.core.checks import is_whole
 from megatron_mech.core.snr import SNREstimate, TwoBatchSNR, snr_ratio
 from megatron_mech.core.taxonomy import FUSED_QKV_RULES, MODULE_CLASSES, fused_qkv_multiplier
 
@@ -101,8 +102,7 @@ class MoLSWarning(UserWarning):
 def _int_field(name: str, value: Any, minimum: int, allow_none: bool = False) -> Optional[int]:
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) and not (isinstance(value, float)
-                                                                       and value.is_integer()):
+    if not is_whole(value):
         raise ValueError(f"MoLSConfig.{name} must be an integer, got {value!r}")
     if int(value) < minimum:
         raise ValueError(f"MoLSConfig.{name} must be >= {minimum}, got {value!r}"

@@ -129,5 +129,7 @@ def megatron_model_view(model_chunks: Sequence[torch.nn.Module], *, sequence_par
                  for layer, router in find_routers(chunks)],
         dense_linears=find_dense_linears(chunks),
         tp_group=ps.get_tensor_model_parallel_group(), token_group=token_group,
+        dp_group=(ps.get_data_parallel_group(with_context_parallel=True)
+                  if ps.get_data_parallel_world_size(with_context_parallel=True) > 1 else None),
         pp_group=ps.get_pipeline_model_parallel_group() if ps.get_pipeline_model_parallel_world_size() > 1 else None,
         logging_rank=torch.distributed.get_rank() == torch.distributed.get_world_size() - 1, mols=mols)

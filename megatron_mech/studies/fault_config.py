@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from megatron_mech.core.checks import is_int
 from megatron_mech.options import add_section_flags, option, section_from_flags
 from megatron_mech.studies.fa2_numerics import PRECISIONS
 
@@ -60,7 +61,7 @@ class FaultConfig:
     def __post_init__(self):
         if self.kind not in FAULT_KINDS:
             raise ValueError(f"FaultConfig.kind: unknown fault kind {self.kind!r}; expected one of {list(FAULT_KINDS)}")
-        if isinstance(self.start, bool) or not isinstance(self.start, int) or self.start < 0:
+        if not is_int(self.start) or self.start < 0:
             raise ValueError(f"FaultConfig.start must be an integer >= 0, got {self.start!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"FaultConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
@@ -110,7 +111,7 @@ class FaultConfig:
             raise ValueError(f"FaultConfig.{name} must be a non-empty list of integers (use None for all)"
                              if allow_none else f"FaultConfig.{name} must be a non-empty list of integers")
         for v in values:
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            if not is_int(v) or v < 0:
                 raise ValueError(f"FaultConfig.{name}: every entry must be an integer >= 0, got {v!r}")
         if len(set(values)) != len(values):
             raise ValueError(f"FaultConfig.{name}: duplicate entries in {values}")
