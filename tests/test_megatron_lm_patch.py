@@ -154,3 +154,13 @@ def test_cli_patch_check_and_errors(trees, tmp_path):
     assert out.returncode == 2 and "no patch series for this release" in out.stderr and "core_v0.19.0" in out.stderr
     out = run("check", str(root), "--series", TAGS[0])
     assert out.returncode == 0 and "state: applied" in out.stdout
+
+
+def test_partial_series_is_completed_by_apply(trees):
+    root = unpack(TAGS[0], trees / "partial")
+    first = sorted(patcher.select_series(root)[1].glob("*.patch"))[0]
+    assert subprocess.run(["git", "apply", str(first)], cwd=root, capture_output=True).returncode == 0
+    report = patcher.check(root)
+    assert report.state == "partial" and [p.state for p in report.patches] == ["applied", "clean", "clean"]
+    assert patcher.apply(root).state == "applied"
+    check_call_sites(root)
