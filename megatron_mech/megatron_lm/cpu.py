@@ -9,6 +9,20 @@ It is called by the patched ``pretrain_gpt.py`` (through :func:`megatron_mech.me
 after the fork's modules are imported and before ``pretrain`` runs. Each shim's comment names the failing
 call of Megatron-LM core_v0.16.1.
 
+What a fork's own ``pretrain_gpt.py`` (core_v0.16.1) needed to train on CPU over gloo, found by running it:
+
+* packages beyond megatron-core's: ``six``, ``regex``, ``pydantic`` (imports), ``triton`` (imported at module
+  level by ``megatron/core/transformer/custom_layers/batch_invariant_kernels.py``; no kernel runs),
+  ``pybind11`` plus ``make`` and a C++ compiler (the fork builds its dataset helpers at start-up) — the
+  ``megatron-lm`` extra of this package;
+* megatron-core's CPU shims (:mod:`megatron_mech.megatron.cpu_shims`) and the training-layer shims below:
+  ``allow_no_cuda`` (the CUDA assert), ``model_parallel_init`` (model-parallel set-up and RNG seeding gated on a
+  CUDA device count), ``compile_dependencies`` (helpers built with this interpreter; no fused-kernel build),
+  ``jit_warmup`` (a CUDA-only torch.compile warm-up), ``streams`` (``torch.cuda.Stream`` around the DDP wrap),
+  ``cuda_rng_state`` (the rerun state machine and checkpoints save the CUDA generator state);
+* a tokenizer that works offline: ``--tokenizer-type NullTokenizer --vocab-size N`` over pre-tokenized
+  ``.bin/.idx`` data (``megatron-mech prepare-data``).
+
 Run-time requirements on CPU (flags, not shims): ``--distributed-backend gloo``, ``--transformer-impl
 local``, ``--use-cpu-initialization``, ``--no-gradient-accumulation-fusion``, every fusion off
 (``--no-bias-gelu-fusion --no-bias-dropout-fusion --no-masked-softmax-fusion --no-persist-layer-norm
