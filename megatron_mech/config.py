@@ -26,12 +26,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from megatron_mech.options import (add_section_flags, option, section_from_dict, section_from_flags,
-                                   section_to_dict)
+from megatron_mech.core.checks import is_int
 from megatron_mech.core.mols import ESTIMATORS
 from megatron_mech.core.spectral import QK_METHODS, QK_TERMS
 from megatron_mech.core.taxonomy import FUSED_QKV_RULES, MODULE_CLASSES
 from megatron_mech.monitors.attention import DW_SCOPES
+from megatron_mech.options import (add_section_flags, option, section_from_dict, section_from_flags,
+                                   section_to_dict)
 from megatron_mech.studies.fault_config import FaultConfig
 
 __all__ = ["MONITOR_FAMILIES", "ON_ALERT", "DetectorOverrides", "MechConfig", "MoLSOptions", "MonitorConfig",
@@ -145,7 +146,8 @@ class MoLSOptions:
     enabled: bool = option(False, "enable MoLS per-module lr multipliers", flag="--mech-mols")
     window: Optional[int] = option(None, "estimation window in iterations (default: 1% of the training steps, at "
                                    "least 5)", flag="--mech-mols-window", type=int)
-    window_start: int = option(0, "first window iteration (0-based)", flag="--mech-mols-window-start", type=int)
+    window_start: int = option(0, "first optimizer step of the estimation window (1-based like every step; 0 or 1: "
+                               "the first step)", flag="--mech-mols-window-start", type=int)
     base: str = option("vo", "reference module (α = 1)", flag="--mech-mols-base", choices=MODULE_CLASSES)
     clamp: tuple = option((0.5, 2.0), "clamp range of the multipliers (default 0.5 2.0)", flag="--mech-mols-clamp",
                           type=float, nargs=2, metavar=("MIN", "MAX"))
@@ -167,14 +169,17 @@ class MoLSOptions:
         if self.classes is not None and not isinstance(self.classes, str):
             self.classes = tuple(self.classes) or None
         self.clamp = tuple(self.clamp)
+        if not is_int(self.window_start) or self.window_start < 0:
+            raise ValueError(f"--mech-mols-window-start must be an integer >= 0, got {self.window_start!r}")
         self.core_config(window=self.window if self.window is not None else 1)  # validates every field once
 
     def core_config(self, *, window: Optional[int] = None, ramp_end: Optional[int] = None):
         """The :class:`megatron_mech.core.mols.MoLSConfig` of these options with ``window`` (default: the
-        option's) and ``ramp_end`` (the end of the lr warm-up, 0-based iterations)."""
+        option's) and ``ramp_end`` (the end of the lr warm-up). The core counts ``iteration = step − 1``
+        (optimizer steps done before the step), so the window's first step ``s`` is its iteration ``s − 1``."""
         from megatron_mech.core.mols import MoLSConfig
 
-        return MoLSConfig(window_start=self.window_start, window_steps=self.window if window is None else window,
+        return MoLSConfig(window_start=max(0, self.window_start - 1), window_steps=self.window if window is None else window,
                           base=self.base, clamp=tuple(self.clamp), ramp_end=ramp_end, min_ramp_steps=self.min_ramp,
                           classes=tuple(self.classes) if self.classes else None,
                           fused_qkv_rule=self.fused_qkv_rule, estimator=self.estimator, num_samples=self.samples,

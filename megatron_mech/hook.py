@@ -25,8 +25,8 @@ A framework adapter is a translation onto its lifecycle::
 (step)`` comes before its forward/backward, ``after_optimizer_step(step)`` after ``optimizer.step()``, so the
 weights are then ``W_step``; ``start_step`` is the number of optimizer steps already done (0 for a fresh run, the
 checkpoint's step on resume). Monitors evaluate on multiples of the interval, the fault is on from its ``start``
-step, and MoLS's estimation window is placed on the same steps (MoLS's internal ``iteration`` is ``step − 1``,
-Megatron-LM's ``iteration`` before the step; ``--mech-mols-window-start`` is in those units).
+step, and MoLS's estimation window is placed on the same steps (``--mech-mols-window-start`` is a step; MoLS's
+core counts ``iteration = step − 1``, Megatron-LM's ``iteration`` before the step, and the hook translates).
 
 **MoLS touch points.** MoLS changes the optimizer, so it needs three calls before the training loop:
 ``optimizer_overrides`` (its per-module param groups, passed to the framework's optimizer builder),
@@ -145,8 +145,8 @@ class MechHook:
         window = options.window if options.window is not None else default_window(self.train_steps)
         core = options.core_config(window=window, ramp_end=self.lr_warmup_steps)
         if core.window_end > self.train_steps:
-            raise ValueError(f"--mech-mols-window: the estimation window (iterations {core.window_start}.."
-                             f"{core.window_end - 1}) does not fit in --train-iters {self.train_steps}")
+            raise ValueError(f"--mech-mols-window: the estimation window (steps {core.window_start + 1}.."
+                             f"{core.window_end}) does not fit in --train-iters {self.train_steps}")
         self.mols = view.mols(core, log=logger.info)
         return self.mols.config_overrides
 

@@ -177,8 +177,8 @@ class MegatronMoLS:
         config = options.core_config(window=options.window if options.window is not None else default_window(steps),
                                      ramp_end=lr_warmup_steps(args))
         if config.window_end > steps:
-            raise ValueError(f"--mech-mols-window: the estimation window (iterations {config.window_start}.."
-                             f"{config.window_end - 1}) does not fit in --train-iters {steps}")
+            raise ValueError(f"--mech-mols-window: the estimation window (steps {config.window_start + 1}.."
+                             f"{config.window_end}) does not fit in --train-iters {steps}")
         return cls(config, model_chunks, optimizer_config, global_batch_size=int(args.global_batch_size),
                    micro_batch_size=int(args.micro_batch_size), taxonomy=taxonomy, log=log)
 
