@@ -9,6 +9,10 @@ EXTRAS = {
     "megatron": ["megatron-core>=0.13", "psutil"],
     # DeepSpeed adapter: engines (ZeRO 0-3, deepspeed.moe) and the HF models it discovers (AttentionInterface).
     "deepspeed": ["deepspeed>=0.16", "transformers>=4.48"],
+    # A Megatron-LM fork's own pretrain_gpt.py (megatron/training/) imports these beyond megatron-core's own
+    # dependencies; pybind11 builds its dataset helpers; triton is imported at module level by
+    # megatron/core/transformer/custom_layers/batch_invariant_kernels.py (no triton kernel runs on CPU).
+    "megatron-lm": ["megatron-core>=0.13", "psutil", "six", "regex", "pydantic>=2", "pybind11", "triton"],
     "viz": ["matplotlib>=3.7", "tensorboard>=2.12"],
     "data": ["tokenizers>=0.15"],
     "test": ["pytest>=7", "hypothesis>=6", "pytest-timeout>=2"],

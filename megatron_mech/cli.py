@@ -151,9 +151,41 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 from megatron_mech.records.report import add_report_arguments, run_report  # noqa: E402  (cheap: no matplotlib/torch)
 
+# ---------------------------------------------------------------------------------------------------
+# patch: the Megatron-LM patch set
+# ---------------------------------------------------------------------------------------------------
+def _add_patch(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=("check", "apply", "revert"),
+                   help="check: report each patch's state (applied / clean / conflict, by file and hunk); "
+                        "apply / revert: idempotent, all-or-nothing")
+    p.add_argument("megatron_lm_dir", metavar="MEGATRON_LM_DIR", help="root of the Megatron-LM tree (fork)")
+    p.add_argument("--series", default=None,
+                   help="series to use, e.g. core_v0.17.1 (default: from megatron/core/package_info.py)")
+    p.add_argument("--patches-dir", default=None,
+                   help="where the core_v* series live (default: patches/megatron-lm of this checkout, "
+                        "or $MEGATRON_MECH_PATCHES)")
+
+
+def _run_patch(args: argparse.Namespace) -> int:
+    from megatron_mech.megatron_lm import patcher
+
+    action = {"check": patcher.check, "apply": patcher.apply, "revert": patcher.revert}[args.action]
+    try:
+        report = action(args.megatron_lm_dir, args.patches_dir, args.series)
+    except patcher.PatchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(report.lines()))
+    if args.action == "check":
+        return 1 if report.state == patcher.CONFLICT else 0
+    return 0
+
+
 SUBCOMMANDS: Dict[str, Subcommand] = {
     "prepare-data": Subcommand("build (or find) the embedded Shakespeare + KJV corpus as Megatron .bin/.idx",
                                _add_prepare_data, _run_prepare_data),
+    "patch": Subcommand("check, apply or revert the Megatron-LM patch set on a fork (MEGATRON_LM_DIR)",
+                        _add_patch, _run_patch),
     "demo": Subcommand("a clean and an attention-fault run of a small MoE GPT: alert timeline, lead time, plot",
                        _add_demo, _run_demo),
     "train": Subcommand("train the small MoE GPT on this machine with the monitors on, then draw the report",

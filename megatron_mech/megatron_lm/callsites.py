@@ -1,0 +1,376 @@
+"""The functions a patched Megatron-LM fork calls: every line the patch set adds is a call into this module.
+
+All logic stays in the package; the patches (``patches/megatron-lm/<tag>/``) only add these calls, at:
+
+====================================  =====================================================================
+call                                  place in the fork (core_v0.16.1 names)
+====================================  =====================================================================
+:func:`on_start`                      ``pretrain_gpt.py`` ``__main__``, before ``pretrain``: CPU shims
+                                      (CPU-only machines), megatron-core fixes
+:func:`extra_args_provider`           ``pretrain_gpt.py``: wraps the fork's own ``extra_args_provider``
+                                      (``--mech-*``, ``--mech-mols*``, ``--mech-fault*``)
+:func:`wrap_forward_step`             ``pretrain_gpt.py``: the ``forward_step`` given to ``pretrain``
+:func:`optimizer_config_overrides`    ``setup_model_and_optimizer``: between ``get_megatron_optimizer_config``
+                                      and ``get_megatron_optimizer`` (MoLS per-class param groups)
+:func:`on_optimizer_built`            right after ``get_megatron_optimizer``, before ``load_checkpoint``
+:func:`on_setup`                      end of ``setup_model_and_optimizer`` (model, optimizer, loaded state):
+                                      the hook's ``setup`` (monitors, first snapshot)
+:func:`on_train_start`                ``train``, after ``config.finalize_model_grads_func`` is set (MoLS)
+:func:`before_step`                   start of ``train_step``
+:func:`after_optimizer_step`          ``train_step``, between ``optimizer.step()`` and the scheduler step
+:func:`log_to_writers`                ``training_log``, with Megatron's TensorBoard / W&B writers
+:func:`add_checkpoint_state`          ``generate_state_dict`` (save side and load template)
+:func:`restore_checkpoint_state`      ``load_checkpoint``, after the optimizer and scheduler are loaded
+====================================  =====================================================================
+
+Every call is a translation onto :class:`megatron_mech.hook.MechHook`'s lifecycle (one hook per process, made
+from Megatron's parsed arguments on first use, :func:`get_hook`); one :class:`MechRun` per process (module
+global ``RUN``) holds the hook and what passes between call sites. Every rank makes every call in the same
+order: the monitors and MoLS issue their collectives there. ``--mech-on-alert`` must stay ``log`` (alerts are
+logged and recorded; saving or stopping from inside ``train_step`` would need more patch lines).
+
+Ranks and writers. The monitors reduce their statistics over the model-parallel groups, so every rank holds
+the same metrics; rank ``world_size - 1`` — where Megatron creates its TensorBoard and W&B writers — writes
+``<output>/mech.jsonl`` and forwards the same records to those writers in ``training_log``.
+
+Checkpoint state. Per-rank monitor state and the (rank-identical) MoLS state go under the key
+``megatron_mech``: for ``--ckpt-format torch_dist`` one ``ShardedObject`` per rank (the pattern of
+Megatron's rerun-state machine); for the legacy ``torch`` format, the state of the rank that writes the file
+(expert-data-parallel rank 0, Megatron's legacy rule; only those ranks build the state dict, so no collective
+is possible there), which every rank of that group loads. That is exact because the state is the same on
+those ranks: weight snapshots of replicated (data-parallel) shards, all-reduced detector and MoLS state.
+A checkpoint without the key (a run started before the patch) loads and the monitors start afresh.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch
+
+__all__ = ["RUN", "MechRun", "STATE_KEY", "get_hook", "on_start", "extra_args_provider", "wrap_forward_step", "optimizer_config_overrides",
+           "on_optimizer_built", "on_setup", "on_train_start", "before_step", "after_optimizer_step",
+           "log_to_writers", "add_checkpoint_state", "restore_checkpoint_state"]
+
+logger = logging.getLogger(__name__)
+
+STATE_KEY = "megatron_mech"
+STATE_VERSION = 1
+# Marker in the checkpoint's common (non-sharded) part: its ShardedObjects exist, so the load template may ask.
+MARKER_KEY = "megatron_mech_state_version"
+
+
+@dataclass
+class MechRun:
+    """What one process's call sites share. Users may read it, e.g. ``RUN.hook.alerts``."""
+
+    hook: Any = None  # MechHook, from get_hook()
+    view: Any = None  # the model's ModelView, from optimizer_config_overrides
+    pending: List[dict] = field(default_factory=list)  # records not yet given to Megatron's writers
+    restored: Optional[dict] = None  # this rank's hook state read by load_checkpoint, applied in on_setup
+    checkpoint_has_state: bool = False  # load side: the checkpoint being loaded carries our state
+    started: bool = False
+
+
+RUN = MechRun()
+
+
+def _args():
+    from megatron.training import get_args
+
+    return get_args()
+
+
+def get_hook():
+    """This process's :class:`~megatron_mech.hook.MechHook`, made from Megatron's parsed arguments on first use
+    (the ``--spec`` fault module may ask for it while the model is built)."""
+    if RUN.hook is None:
+        from megatron_mech.config import MechConfig
+        from megatron_mech.hook import MechHook
+        from megatron_mech.megatron.flags import lr_warmup_steps, train_steps
+
+        args = _args()
+        on_alert = getattr(args, "mech_on_alert", "log")
+        if on_alert != "log":
+            raise ValueError(f"--mech-on-alert {on_alert}: the Megatron-LM patch set logs alerts only; use "
+                             "--mech-on-alert log (alert callbacks: megatron_mech.megatron_lm.callsites.RUN.hook)")
+        if getattr(args, "mech_mols", False) and getattr(args, "mech_mols_estimator", "two_batch") != "two_batch":
+            raise ValueError("--mech-mols-estimator samples is not wired into the Megatron-LM patch set; use "
+                             "two_batch (the default)")
+        RUN.hook = MechHook(MechConfig.from_flags(args), train_steps=train_steps(args),
+                            lr_warmup_steps=lr_warmup_steps(args))
+    return RUN.hook
+
+
+# --------------------------------------------------------------------------------------------- start, flags
+def on_start() -> List[str]:
+    """``pretrain_gpt.py``, before ``pretrain``: on a machine without CUDA apply the CPU shims for
+    megatron-core and for the fork's training layer; everywhere apply megatron-core's no-TE fixes. Returns
+    the names of what was applied."""
+    from megatron_mech.megatron.fixes import apply_megatron_fixes
+    from megatron_mech.megatron_lm.cpu import apply_training_cpu_shims
+
+    applied = apply_training_cpu_shims() + apply_megatron_fixes()
+    RUN.started = True
+    if applied:
+        logger.info("megatron-mech: applied %s", ", ".join(applied))
+    return applied
+
+
+def extra_args_provider(other=None):
+    """An ``extra_args_provider`` adding every ``--mech-*`` flag (monitors, detectors, output, MoLS, study
+    faults) after the fork's own ``other(parser)`` (if any)."""
+    from megatron_mech.megatron.flags import add_arguments
+
+    def provider(parser):
+        if other is not None:
+            parser = other(parser)
+        return add_arguments(parser)
+
+    return provider
+
+
+def wrap_forward_step(forward_step_func):
+    """``pretrain_gpt.py``: the ``forward_step`` passed to ``pretrain``, seen through MoLS (which, on its
+    micro-batch route, reads the gradient when the step's 2nd forward starts). MoLS is built later, inside
+    ``pretrain``: the wrapper asks the hook at call time; without ``--mech-mols`` it calls straight through."""
+    import functools
+
+    cache = {}
+
+    @functools.wraps(forward_step_func)
+    def forward_step(*args, **kwargs):
+        mols = RUN.hook.mols if RUN.hook is not None else None
+        if mols is None:
+            return forward_step_func(*args, **kwargs)
+        if cache.get("mols") is not mols:
+            cache["mols"], cache["fn"] = mols, RUN.hook.wrap_forward_step(forward_step_func)
+        return cache["fn"](*args, **kwargs)
+
+    return forward_step
+
+
+# --------------------------------------------------------------------------------------------- optimizer
+def optimizer_config_overrides(model, optimizer_config, config_overrides):
+    """``setup_model_and_optimizer``: the ``config_overrides`` to pass to ``get_megatron_optimizer``.
+
+    Without ``--mech-mols``: the fork's own, unchanged. With it: the fork's overrides (standard ones and any the
+    fork adds, e.g. decoupled lr for embedding/output) plus one ``{"mols_module": class}`` override per
+    parameter, so each module class gets its own groups. MoLS scales a group's own ``max_lr``/``min_lr``: with
+    ``--decoupled-lr`` the embedding/output groups run at ``decoupled_lr × multiplier``. Overrides of one
+    parameter that set the same key to different values make megatron-core raise ``ValueError``; ours use a
+    key of their own and never conflict. Collective (every rank) with MoLS.
+    """
+    from megatron_mech.megatron.discovery import megatron_model_view
+    from megatron_mech.megatron.mols import mols_config_overrides
+
+    args = _args()
+    hook = get_hook()
+    RUN.view = megatron_model_view(model, sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
+                                   optimizer_config=optimizer_config, global_batch_size=args.global_batch_size,
+                                   micro_batch_size=args.micro_batch_size)
+    if hook.optimizer_overrides(RUN.view) is None:
+        return config_overrides
+    return mols_config_overrides(model, optimizer_config, hook.mols.taxonomy, extra_overrides=config_overrides)
+
+
+def on_optimizer_built(model, optimizer) -> None:
+    """Right after ``get_megatron_optimizer``, before any optimizer state is loaded: MoLS attaches to the
+    param groups and makes the checkpoint load match them one-to-one (see :mod:`.param_groups`)."""
+    from megatron_mech.megatron_lm.param_groups import protect_for_this_version
+
+    hook = get_hook()
+    hook.attach_optimizer(optimizer)
+    if hook.mols is not None:
+        protect_for_this_version(optimizer)
+
+
+# --------------------------------------------------------------------------------------------- set-up
+def on_setup(model, optimizer, opt_param_scheduler) -> None:
+    """End of ``setup_model_and_optimizer``: restore the state ``load_checkpoint`` read and set the hook up
+    (monitors built, first snapshot; every rank, collective)."""
+    from megatron_mech.records.sinks import CallbackSink, default_sinks
+
+    if optimizer is None:  # --skip-train: no training steps to monitor
+        return
+    args = _args()
+    hook = get_hook()
+    start_step = int(getattr(args, "iteration", 0) or 0)
+    if RUN.view is None:  # optimizer built without our overrides call (a fork's own optimizer path)
+        from megatron_mech.megatron.discovery import megatron_model_view
+
+        RUN.view = megatron_model_view(model, sequence_parallel=bool(getattr(args, "sequence_parallel", False)))
+    if RUN.view.logging_rank:
+        # mech.jsonl (the record of truth) here; Megatron's TensorBoard/W&B writers get the records in
+        # training_log (log_to_writers). The hook takes the sinks it is given.
+        output = hook.config.output
+        hook._sinks = default_sinks(
+            output.dir or args.save or "runs/mech",
+            wandb_kwargs={"project": output.wandb_project} if output.wandb_project else None,
+            extra=[CallbackSink(RUN.pending.append)], truncate_after_step=start_step or None)
+    if RUN.restored is not None:
+        hook.load_state_dict(RUN.restored)  # MoLS now, the monitors at setup
+        RUN.restored = None
+        if hook.mols is not None and opt_param_scheduler is not None:
+            opt_param_scheduler.step(increment=0)  # the scheduler set lrs from max_lr before MoLS restored them
+    hook.setup(RUN.view, optimizer, start_step=start_step)
+
+
+def on_train_start(model, optimizer, config, iteration: int) -> None:
+    """``train``, after ``config.finalize_model_grads_func = finalize_model_grads`` (which replaced whatever was
+    there): MoLS measures around that function, so it wraps the new one."""
+    hook = get_hook()
+    mols = hook.mols
+    if mols is not None and getattr(mols.config, "estimator", "two_batch") == "two_batch":
+        current = config.finalize_model_grads_func
+        if not getattr(current, "_mols_real", None):
+            mols._finalize_wrapper = mols._make_finalize(current)
+            config.finalize_model_grads_func = mols._finalize_wrapper
+        mols.model_config = config
+
+
+# --------------------------------------------------------------------------------------------- per step
+def before_step(iteration: int) -> None:
+    """Start of ``train_step(..., iteration)``: this step ends with optimizer step ``iteration + 1``."""
+    get_hook().before_step(int(iteration) + 1)
+
+
+def _mean_loss(losses_reduced) -> float:
+    """This step's mean loss over the global batch, as ``train_step`` reduces it (last pipeline stage)."""
+    from megatron.core import parallel_state as mpu
+
+    if not losses_reduced or not mpu.is_pipeline_last_stage(ignore_virtual=True):
+        return math.nan
+    key = next(iter(losses_reduced[0]))
+    values = [x[key].detach().float().view(-1) for x in losses_reduced]
+    if values[0].numel() == 2:  # [sum, tokens] per micro-batch: a token-weighted mean over DP
+        total = torch.vstack(values).sum(dim=0).clone()
+        torch.distributed.all_reduce(total, group=mpu.get_data_parallel_group(with_context_parallel=True))
+        return float(total[0] / total[1])
+    return float(torch.cat(values).mean())
+
+
+def _sync_params_if_gather_overlaps(model) -> None:
+    """With ``--overlap-param-gather`` the model's params are all-gathered from the optimizer's shards only at
+    the next forward: gather them now, synchronously, so the monitors read the updated weights. This is the
+    gather Megatron's weight-hash check forces (``disable_forward_pre_hook(param_sync=True)``), called
+    directly because the pre-hooks are not always registered here (Megatron removes them for the first step).
+    Collective: every rank calls it on the same steps."""
+    args = _args()
+    if not (getattr(args, "overlap_param_gather", False) and getattr(args, "use_distributed_optimizer", False)):
+        return
+    for chunk in model:
+        chunk.start_param_sync(force_sync=True)
+
+
+def _group_lrs(optimizer) -> Dict[str, List[float]]:
+    """``{class: sorted distinct lrs}`` of the MoLS-tagged param groups (the lrs this step used)."""
+    from megatron_mech.megatron.mols import TAG
+    from megatron_mech.optim import param_groups
+
+    out: Dict[str, set] = {}
+    for group in param_groups(optimizer):
+        if group.get("params") and TAG in group:
+            out.setdefault(group[TAG], set()).add(float(group["lr"]))
+    return {cls: sorted(v) for cls, v in sorted(out.items())}
+
+
+def after_optimizer_step(model, optimizer, iteration: int, losses_reduced, update_successful, grad_norm):
+    """``train_step``, after ``optimizer.step()`` and before ``opt_param_scheduler.step``: MoLS writes the
+    multipliers of the next step (the scheduler step right after applies them), the monitors evaluate step
+    ``iteration + 1``. Returns the hook's :class:`~megatron_mech.hook.Action` (always CONTINUE: alerts are
+    logged)."""
+    from megatron_mech.optim import base_lr
+
+    hook = get_hook()
+    step = int(iteration) + 1
+    attention = hook.attention
+    if step % hook.config.monitors.interval == 0 or (attention is not None and attention.should_observe(step)):
+        _sync_params_if_gather_overlaps(model)
+    extra: Dict[str, Any] = {"update_successful": bool(update_successful)}
+    if hook.mols is not None:
+        extra["mols_group_lr"] = _group_lrs(optimizer)
+    return hook.after_optimizer_step(step, loss=_mean_loss(losses_reduced),
+                                     grad_norm=None if grad_norm is None else float(grad_norm),
+                                     lr=float(base_lr(optimizer)), extra=extra)
+
+
+# --------------------------------------------------------------------------------------------- logging
+_WRITER_SINKS: Dict[int, Any] = {}
+
+
+def log_to_writers(iteration: int, writer=None, wandb_writer=None) -> int:
+    """``training_log``: hand the records of the steps since the last call to Megatron's TensorBoard and W&B
+    writers (which exist on rank ``world_size - 1`` only; elsewhere the list is just cleared). Tags:
+    ``mech/<metric>`` and ``mech/alerts``. Returns the number of records written."""
+    from megatron_mech.records.sinks import TensorBoardSink, WandbSink
+
+    records, RUN.pending[:] = list(RUN.pending), []
+    if not records or (writer is None and wandb_writer is None):
+        return 0
+    sinks = []
+    for target, cls, kw in ((writer, TensorBoardSink, "writer"), (wandb_writer, WandbSink, "run")):
+        if target is not None:
+            if id(target) not in _WRITER_SINKS:
+                _WRITER_SINKS[id(target)] = cls(**{kw: target})
+            sinks.append(_WRITER_SINKS[id(target)])
+    for record in records:
+        for sink in sinks:
+            sink.write(record)
+    return len(records)
+
+
+# --------------------------------------------------------------------------------------------- checkpoint
+def _rank_state() -> dict:
+    return {"version": STATE_VERSION, "hook": RUN.hook.state_dict()}
+
+
+def add_checkpoint_state(state_dict: dict, ckpt_format: str, loading: bool = False) -> dict:
+    """``generate_state_dict``: add this rank's hook state under ``megatron_mech`` (save side), or the template
+    to load it into (``loading=True``, ``torch_dist`` only, when the checkpoint has it). No collective. Returns
+    ``state_dict``."""
+    if RUN.hook is None:
+        return state_dict  # not set up (e.g. a conversion tool): nothing of ours
+    if ckpt_format == "torch_dist":
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+        if loading and not RUN.checkpoint_has_state:
+            return state_dict
+        state_dict[STATE_KEY] = ShardedObject(STATE_KEY, _rank_state(), (torch.distributed.get_world_size(),),
+                                              (torch.distributed.get_rank(),), replica_id=0)
+        state_dict[MARKER_KEY] = STATE_VERSION
+    elif ckpt_format == "torch" and not loading:
+        state_dict[STATE_KEY] = {"version": STATE_VERSION, "world_size": torch.distributed.get_world_size(),
+                                 "state": _rank_state()}
+    elif not loading:
+        logger.warning("megatron-mech: checkpoint format %s is not supported; monitor/MoLS state not saved",
+                       ckpt_format)
+    return state_dict
+
+
+def note_checkpoint_contents(common_state_dict: Optional[dict]) -> None:
+    """``load_checkpoint`` (``torch_dist``), once the checkpoint's common part is read: whether it carries our
+    state, so the load template asks for it only then."""
+    RUN.checkpoint_has_state = bool(common_state_dict) and MARKER_KEY in common_state_dict
+
+
+def restore_checkpoint_state(state_dict: Optional[dict], ckpt_format: str) -> bool:
+    """``load_checkpoint``, after model/optimizer/scheduler are loaded: keep this rank's saved state for
+    :func:`on_setup`. Returns whether state was found."""
+    saved = (state_dict or {}).get(STATE_KEY)
+    if saved is None:
+        logger.info("megatron-mech: the checkpoint carries no monitor/MoLS state; monitors start afresh")
+        return False
+    if ckpt_format == "torch":
+        if saved.get("world_size") != torch.distributed.get_world_size():
+            logger.warning("megatron-mech: checkpoint from %s ranks, running on %s: monitor state not restored",
+                           saved.get("world_size"), torch.distributed.get_world_size())
+            return False
+        saved = saved["state"]
+    if not isinstance(saved, dict) or saved.get("version") != STATE_VERSION:
+        raise ValueError(f"checkpoint key {STATE_KEY!r}: unsupported megatron-mech state "
+                         f"(version {getattr(saved, 'get', lambda k: None)('version')})")
+    RUN.restored = saved["hook"]
+    return True

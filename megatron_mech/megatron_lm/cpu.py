@@ -1,0 +1,224 @@
+"""Run a Megatron-LM fork's own training layer (``megatron/training/``) on CPU over gloo.
+
+``megatron_mech.megatron.cpu_shims`` makes megatron-core train on CPU. A Megatron-LM fork adds its training
+layer on top (``initialize_megatron``, ``pretrain``, ``get_model``, ``train``), which has its own CUDA-only
+steps. This module patches exactly those, process-wide, **only when** ``torch.cuda.is_available()`` is
+False; on a GPU machine :func:`apply_training_cpu_shims` patches nothing and returns ``[]``.
+
+It is called by the patched ``pretrain_gpt.py`` (through :func:`megatron_mech.megatron_lm.callsites.on_start`)
+after the fork's modules are imported and before ``pretrain`` runs. Each shim's comment names the failing
+call of Megatron-LM core_v0.16.1.
+
+What a fork's own ``pretrain_gpt.py`` (core_v0.16.1) needed to train on CPU over gloo, found by running it:
+
+* packages beyond megatron-core's: ``six``, ``regex``, ``pydantic`` (imports), ``triton`` (imported at module
+  level by ``megatron/core/transformer/custom_layers/batch_invariant_kernels.py``; no kernel runs),
+  ``pybind11`` plus ``make`` and a C++ compiler (the fork builds its dataset helpers at start-up) — the
+  ``megatron-lm`` extra of this package;
+* megatron-core's CPU shims (:mod:`megatron_mech.megatron.cpu_shims`) and the training-layer shims below:
+  ``allow_no_cuda`` (the CUDA assert), ``model_parallel_init`` (model-parallel set-up and RNG seeding gated on a
+  CUDA device count), ``compile_dependencies`` (helpers built with this interpreter; no fused-kernel build),
+  ``jit_warmup`` (a CUDA-only torch.compile warm-up), ``streams`` (``torch.cuda.Stream`` around the DDP wrap),
+  ``cuda_rng_state`` (the rerun state machine and checkpoints save the CUDA generator state);
+* a tokenizer that works offline: ``--tokenizer-type NullTokenizer --vocab-size N`` over pre-tokenized
+  ``.bin/.idx`` data (``megatron-mech prepare-data``).
+
+Run-time requirements on CPU (flags, not shims): ``--distributed-backend gloo``, ``--transformer-impl
+local``, ``--use-cpu-initialization``, ``--no-gradient-accumulation-fusion``, every fusion off
+(``--no-bias-gelu-fusion --no-bias-dropout-fusion --no-masked-softmax-fusion --no-persist-layer-norm
+--no-rope-fusion``), fp32, and for MoE ``--disable-bias-linear``. :data:`CPU_TRAINING_FLAGS` lists them.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import subprocess
+import sys
+import sysconfig
+from typing import Callable, Dict, List
+
+import torch
+
+from megatron_mech.megatron import cpu_shims
+
+__all__ = ["CPU_TRAINING_FLAGS", "TRAINING_SHIMS", "apply_training_cpu_shims", "applied_training_cpu_shims"]
+
+logger = logging.getLogger(__name__)
+
+# Megatron-LM command-line flags a CPU run needs (the training-layer equivalent of CPU_CONFIG_KWARGS).
+CPU_TRAINING_FLAGS = (
+    "--distributed-backend", "gloo", "--transformer-impl", "local", "--use-cpu-initialization",
+    "--no-gradient-accumulation-fusion", "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion",
+    "--no-bias-dropout-fusion", "--no-masked-softmax-fusion", "--no-persist-layer-norm", "--no-rope-fusion",
+)
+
+TRAINING_SHIMS: Dict[str, Callable[[], None]] = {}
+_APPLIED: List[str] = []
+
+
+def _shim(name: str):
+    def register(fn):
+        TRAINING_SHIMS[name] = fn
+        return fn
+
+    return register
+
+
+@contextlib.contextmanager
+def _one_virtual_device():
+    """``torch.cuda.device_count()`` reads 1 and ``set_device`` is a no-op inside the block.
+
+    Megatron-LM gates model-parallel set-up and the model-parallel RNG seeding on ``device_count() > 0``
+    (``initialize.py`` ``_initialize_distributed`` / ``_set_random_seed``); on CPU both must still run. Kept
+    to those two calls: elsewhere device_count stays 0.
+    """
+    count, set_device = torch.cuda.device_count, torch.cuda.set_device
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.set_device = lambda device: None
+    try:
+        yield
+    finally:
+        torch.cuda.device_count, torch.cuda.set_device = count, set_device
+
+
+@_shim("allow_no_cuda")
+def _apply_allow_no_cuda():
+    # initialize.py:62 `assert torch.cuda.is_available(), "Megatron requires CUDA."` unless allow_no_cuda;
+    # pretrain() calls initialize_megatron by the name it imported into training.py.
+    from megatron.training import initialize, training
+
+    original = initialize.initialize_megatron
+
+    @functools.wraps(original)
+    def initialize_megatron(*args, **kwargs):
+        kwargs["allow_no_cuda"] = True
+        return original(*args, **kwargs)
+
+    initialize.initialize_megatron = initialize_megatron
+    training.initialize_megatron = initialize_megatron
+
+
+@_shim("model_parallel_init")
+def _apply_model_parallel_init():
+    # initialize.py:319-395 `_initialize_distributed` calls `initialize_model_parallel` only when
+    # `torch.cuda.device_count() > 0`; `_set_random_seed` (421) seeds the model-parallel RNG tracker (which
+    # core attention always forks) only then too. The rng_tracker shim of cpu_shims makes the seeding
+    # itself CPU-safe.
+    from megatron.training import initialize
+
+    for name in ("_initialize_distributed", "_set_random_seed"):
+        original = getattr(initialize, name)
+
+        @functools.wraps(original)
+        def wrapped(*args, __original=original, **kwargs):
+            with _one_virtual_device():
+                return __original(*args, **kwargs)
+
+        setattr(initialize, name, wrapped)
+
+
+def _compile_dataset_helpers() -> None:
+    """Build ``megatron/core/datasets/helpers_cpp`` with *this* interpreter's pybind11 and extension suffix.
+
+    The fork's Makefile asks ``python3`` on PATH for both, which is not the training interpreter in a
+    virtual environment (and may lack pybind11): pass them to make explicitly.
+    """
+    from megatron.core import datasets
+
+    src_dir = os.path.dirname(os.path.abspath(datasets.__file__))
+    includes = subprocess.run([sys.executable, "-m", "pybind11", "--includes"], check=True, text=True,
+                              capture_output=True).stdout.strip()
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    result = subprocess.run(["make", "-C", src_dir, f"CPPFLAGS={includes}", f"LIBEXT={suffix}"],
+                            text=True, capture_output=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"building the dataset helpers in {src_dir} failed (needs make, a C++ compiler and "
+                           f"pybind11):\n{result.stdout}\n{result.stderr}")
+
+
+@_shim("compile_dependencies")
+def _apply_compile_dependencies():
+    # initialize.py:179 `_compile_dependencies`: the dataset helpers via the fork's Makefile (python3 on PATH)
+    # and `fused_kernels.load`, which runs `$CUDA_HOME/bin/nvcc -V`. On CPU: the helpers only, built by
+    # rank 0 while the others wait; no fused kernels (every fusion is off on CPU).
+    from megatron.training import initialize
+
+    def _compile_dependencies():
+        if torch.distributed.get_rank() == 0:
+            _compile_dataset_helpers()
+        torch.distributed.barrier()
+
+    initialize._compile_dependencies = _compile_dependencies
+
+
+@_shim("jit_warmup")
+def _apply_jit_warmup():
+    # initialize.py:439 `set_jit_fusion_options` -> `_warmup_jit_function` runs the bias-gelu / bias-dropout
+    # fusions on device="cuda" tensors through torch.compile; those fusions are off on CPU.
+    from megatron.training import initialize, training
+
+    def set_jit_fusion_options():
+        logger.info("CPU run: JIT fusion warm-up skipped (fusions are off)")
+
+    initialize.set_jit_fusion_options = set_jit_fusion_options
+    training.set_jit_fusion_options = set_jit_fusion_options
+
+
+class _NoStream:
+    """Stands in for ``torch.cuda.Stream`` on CPU, where work is synchronous: waits are no-ops."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+@_shim("streams")
+def _apply_streams():
+    # training.py:1325 get_model: `ddp_stream = torch.cuda.Stream()`, `wait_stream(current_stream())`,
+    # `with torch.cuda.stream(ddp_stream):` around the DDP wrap.
+    torch.cuda.Stream = _NoStream
+    torch.cuda.current_stream = lambda device=None: _NoStream()
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    torch.cuda.empty_cache = lambda: None
+
+
+_NO_CUDA_RNG_STATE = torch.zeros(0, dtype=torch.uint8)
+
+
+@_shim("cuda_rng_state")
+def _apply_cuda_rng_state():
+    # rerun_state_machine.py:957 `_save_state` (every step) and checkpointing.py:343 `get_rng_state` save
+    # `torch.cuda.get_rng_state()` next to the CPU generator's state, and restore it with `set_rng_state`.
+    # Without CUDA there is no CUDA generator: an empty state, and restoring it is a no-op. The CPU generator
+    # state is saved and restored by Megatron itself (`torch_rng_state`).
+    torch.cuda.get_rng_state = lambda device="cuda": _NO_CUDA_RNG_STATE.clone()
+    torch.cuda.set_rng_state = lambda new_state, device="cuda": None
+
+
+def apply_training_cpu_shims() -> List[str]:
+    """Apply megatron-core's CPU shims and then the training-layer ones; return the names applied now.
+
+    ``[]`` on a machine with CUDA. Idempotent. Call after the fork's ``megatron.training`` is importable,
+    before ``pretrain``.
+    """
+    if torch.cuda.is_available():
+        return []
+    applied = cpu_shims.apply_cpu_shims()
+    for name, apply in TRAINING_SHIMS.items():
+        if name not in _APPLIED:
+            apply()
+            _APPLIED.append(name)
+            applied.append(name)
+    return applied
+
+
+def applied_training_cpu_shims() -> List[str]:
+    """Names of the training-layer shims applied in this process so far."""
+    return list(_APPLIED)
