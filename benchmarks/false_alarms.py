@@ -39,7 +39,7 @@ from benchmarks._results import write_results  # noqa: E402
 from benchmarks._train_runs import model_flags, train_run  # noqa: E402
 from megatron_mech.studies.clean_scores import (binomial_upper_bound, expected_alarms, kind_of,  # noqa: E402
                                                 replay)
-from megatron_mech.studies.leadtime import REPORTING_SEEDS, TUNING_SEEDS, check_reporting_seeds  # noqa: E402
+from megatron_mech.studies.leadtime import REPORTING_SEEDS, TUNING_SEEDS, parse_study_args  # noqa: E402
 
 logger = logging.getLogger("benchmarks.false_alarms")
 
@@ -144,11 +144,7 @@ def main(argv=None):
     p.add_argument("--scale-evaluations", type=float, default=1e4)
     p.add_argument("--scale-series", type=float, default=1e3)
     p.add_argument("--no-write", action="store_true")
-    args = p.parse_args(argv)
-    try:
-        check_reporting_seeds(args.seeds, args.tuning_run)
-    except ValueError as e:
-        p.error(str(e))
+    args = parse_study_args(p, argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     runs = []
     with tempfile.TemporaryDirectory(prefix="mech_fa_") as tmp:

@@ -40,7 +40,7 @@ from megatron_mech.core.attribution import alert_lines  # noqa: E402
 from megatron_mech.cli import torchrun_prefix  # noqa: E402
 from megatron_mech.studies.demo import step_losses  # noqa: E402
 from megatron_mech.studies.leadtime import (DIVERGENCE_HOLD, FAULT_FLAGS, LEAD_MODEL,  # noqa: E402
-                                    REPORTING_SEEDS, TUNING_SEEDS, check_reporting_seeds, divergence_step, first_alert, loss_gap, peak_score, plot_fault)
+                                    REPORTING_SEEDS, TUNING_SEEDS, parse_study_args, divergence_step, first_alert, loss_gap, peak_score, plot_fault)
 from megatron_mech.records.sinks import read_alerts, read_jsonl  # noqa: E402
 
 MODEL = LEAD_MODEL
@@ -105,11 +105,7 @@ def main(argv=None):
                    help="with --runs-dir: load runs that already finished there instead of training them again "
                         "(re-scores them with the current detector-free bookkeeping: divergence, tables, plots)")
     p.add_argument("--no-write", action="store_true")
-    args = p.parse_args(argv)
-    try:
-        check_reporting_seeds(args.seeds, args.tuning_run)
-    except ValueError as e:
-        p.error(str(e))
+    args = parse_study_args(p, argv)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     if args.slow_ramp is not None:
         flags = FAULTS["slow_attention"]

@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks._results import write_results  # noqa: E402
 from benchmarks._train_runs import model_flags, train_run  # noqa: E402
-from megatron_mech.studies.leadtime import REPORTING_SEEDS, TUNING_SEEDS, check_reporting_seeds, first_alert  # noqa: E402
+from megatron_mech.studies.leadtime import REPORTING_SEEDS, TUNING_SEEDS, parse_study_args, first_alert  # noqa: E402
 from megatron_mech.studies.natural import (loss_spike_step, max_logit_signal_step,  # noqa: E402
                                            self_divergence_step)
 
@@ -124,11 +124,7 @@ def main(argv=None):
     p.add_argument("--reuse", action="store_true", help="with --runs-dir: reuse finished runs, resume unfinished ones")
     p.add_argument("--tuning-run", action="store_true", help="allow tuning seeds (the report says so)")
     p.add_argument("--no-write", action="store_true")
-    args = p.parse_args(argv)
-    try:
-        check_reporting_seeds(args.seeds, args.tuning_run)
-    except ValueError as e:
-        p.error(str(e))
+    args = parse_study_args(p, argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     qk = {"both": (False, True), "off": (False,), "on": (True,)}[args.qk_layernorm]
     rows = []

@@ -1,5 +1,6 @@
 """The one divergence definition and the first-alert bookkeeping of the lead-time benchmark and the demo."""
 import math
+import pytest
 
 from megatron_mech.core.detect import Alert
 from megatron_mech.studies.leadtime import divergence_step, first_alert, loss_gap, moving_average, peak_score
@@ -64,3 +65,21 @@ def test_loss_gap_is_the_difference_of_the_moving_averages_at_equal_tokens():
     assert all(math.isclose(g, 0.3) for g in loss_gap(faulty, clean))
     # ratio 2: faulty step s ↔ clean step ceil(s/2); only the first 2·len(clean) faulty steps are compared
     assert len(loss_gap(faulty * 3, clean, tokens_ratio=2)) == 200
+
+
+def test_study_arguments_refuse_tuning_seeds_unless_marked():
+    """A benchmark may not report a seed its rules were tuned on: a usage error naming the seed, unless the
+    run is marked as a tuning run."""
+    import argparse
+
+    from megatron_mech.studies.leadtime import REPORTING_SEEDS, TUNING_SEEDS, parse_study_args
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--seeds", type=int, nargs="+")
+    p.add_argument("--tuning-run", action="store_true")
+    tuned = str(TUNING_SEEDS[0])
+    with pytest.raises(SystemExit) as exc:
+        parse_study_args(p, ["--seeds", str(REPORTING_SEEDS[0]), tuned])
+    assert exc.value.code == 2
+    assert parse_study_args(p, ["--seeds", tuned, "--tuning-run"]).seeds == [TUNING_SEEDS[0]]
+    assert parse_study_args(p, ["--seeds", str(REPORTING_SEEDS[0])]).seeds == [REPORTING_SEEDS[0]]

@@ -11,7 +11,7 @@ import math
 
 from megatron_mech.megatron.presets import small_moe
 
-__all__ = ["REPORTING_SEEDS", "SLOW_RAMP", "TUNING_SEEDS", "check_reporting_seeds", "DIVERGENCE_HOLD", "FAULT_FLAGS", "LEAD_MODEL", "divergence_step", "first_alert", "loss_gap",
+__all__ = ["REPORTING_SEEDS", "SLOW_RAMP", "TUNING_SEEDS", "check_reporting_seeds", "parse_study_args", "DIVERGENCE_HOLD", "FAULT_FLAGS", "LEAD_MODEL", "divergence_step", "first_alert", "loss_gap",
            "moving_average", "peak_score", "plot_fault"]
 
 # The fault studies' runs: the project's small MoE GPT (EP=2 on 2 processes), evaluated every 5 steps.
@@ -49,6 +49,17 @@ def check_reporting_seeds(seeds, allow_tuning: bool = False) -> None:
         raise ValueError(f"--seeds {tuned}: tuning seeds (the detector was set on {list(TUNING_SEEDS)}) cannot be "
                          f"reported; use reporting seeds such as {list(REPORTING_SEEDS)}, or --tuning-run to "
                          f"look at tuning seeds (the output is then marked as a tuning run)")
+
+
+def parse_study_args(parser, argv=None):
+    """``parser.parse_args(argv)`` for a study with ``--seeds`` and ``--tuning-run``; a tuning seed without
+    ``--tuning-run`` is a usage error naming the seeds (exit code 2)."""
+    args = parser.parse_args(argv)
+    try:
+        check_reporting_seeds(args.seeds, args.tuning_run)
+    except ValueError as e:
+        parser.error(str(e))
+    return args
 
 
 DIVERGENCE_HOLD = 50  # steps a divergence must last before the end of the run to count
