@@ -45,7 +45,18 @@ def run_torchrun(script: str | os.PathLike, *args: str, nproc: int = 2, timeout:
                f"--master_port={port}", str(script), *args]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True, start_new_session=True, cwd=REPO_ROOT))
-    outputs, failed = [], False
+    outputs = communicate_all(procs, timeout, what="torchrun")
+    failed = any(p.returncode != 0 for p in procs)
+    joined = "\n".join(f"--- node {i} ---\n{o}" for i, o in enumerate(outputs))
+    if failed:
+        raise AssertionError(f"torchrun failed\n{joined[-12000:]}")
+    return subprocess.CompletedProcess(args=[str(script)], returncode=0, stdout=joined)
+
+
+def communicate_all(procs: list, timeout: float, what: str = "launch") -> list[str]:
+    """Wait for every process (each started with ``start_new_session=True``) and return their outputs. On a
+    timeout, kill every process group so nothing keeps running, and raise ``AssertionError`` naming ``what``."""
+    outputs = []
     for p in procs:
         try:
             out, _ = p.communicate(timeout=timeout)
@@ -56,13 +67,9 @@ def run_torchrun(script: str | os.PathLike, *args: str, nproc: int = 2, timeout:
                 except ProcessLookupError:
                     pass
             out, _ = p.communicate()
-            raise AssertionError(f"torchrun timed out after {timeout}s (hang?)\n{out[-6000:]}")
+            raise AssertionError(f"{what} timed out after {timeout}s (hang?)\n{out[-6000:]}")
         outputs.append(out)
-        failed |= p.returncode != 0
-    joined = "\n".join(f"--- node {i} ---\n{o}" for i, o in enumerate(outputs))
-    if failed:
-        raise AssertionError(f"torchrun failed\n{joined[-12000:]}")
-    return subprocess.CompletedProcess(args=[str(script)], returncode=0, stdout=joined)
+    return outputs
 
 
 def run_worker_jobs(worker: str | os.PathLike, jobs: list[dict], timeout: float) -> dict[str, dict]:

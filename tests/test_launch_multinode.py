@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
 
-from dist_utils import REPO_ROOT, free_port, run_torchrun
+from dist_utils import REPO_ROOT, communicate_all, free_port, run_torchrun
 
 SCRIPT = REPO_ROOT / "launch_scripts" / "torchrun_multinode.sh"
 SBATCH = REPO_ROOT / "launch_scripts" / "slurm_megatron_mech.sbatch"
@@ -47,17 +46,7 @@ def test_two_torchrun_agents_on_loopback_train_like_one_node(tmp_path):
     port = free_port()
     multi = tmp_path / "two_nodes"
     agents = [_launch(rank, port, multi) for rank in (0, 1)]
-    outputs = []
-    for agent in agents:
-        try:
-            outputs.append(agent.communicate(timeout=420)[0])
-        except subprocess.TimeoutExpired:
-            for a in agents:
-                try:
-                    os.killpg(a.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            pytest.fail("the two-node launch timed out (rendezvous or collective hang?)")
+    outputs = communicate_all(agents, 420, what="the two-node launch (rendezvous or collective hang?)")
     assert [a.returncode for a in agents] == [0, 0], "\n".join(o[-4000:] for o in outputs)
     assert "world=2" in outputs[1]  # the last rank logs; it runs on node 1
 
