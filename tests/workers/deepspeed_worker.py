@@ -551,4 +551,10 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Leave without running C++ static destructors: after a finished, passing run a DeepSpeed/gloo process
+    # sometimes aborts at interpreter exit ("terminate called without an active exception", exit -6), which
+    # would fail the verdict already agreed on above. The run's own checks are complete at this point.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
