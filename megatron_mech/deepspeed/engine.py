@@ -32,6 +32,7 @@ wrapper's state is in DeepSpeed's own ``lr_scheduler`` entry.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -262,31 +263,21 @@ class DeepSpeedMech:
 
 
 def _rank_and_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    return (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
 
 
 def _rank_state_file(tag_dir, rank: int):
-    from pathlib import Path
-
     return Path(tag_dir) / f"mech_rank{rank:05d}.pt"
 
 
 def save_checkpoint(engine, mech: DeepSpeedMech, save_dir, tag=None, client_state: Optional[dict] = None, **kwargs):
     """``engine.save_checkpoint`` plus the hook's per-rank state file (every rank calls it); tells the hook
     (``first_alert.json`` next to the alert's checkpoint)."""
-    import torch
-
     rank, world = _rank_and_world()
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
     state = dict(client_state or {})
     state[CLIENT_STATE_KEY] = {"per_rank_files": True, "world_size": world}
     result = engine.save_checkpoint(save_dir, tag=tag, client_state=state, **kwargs)
-    from pathlib import Path
-
     tag_dir = Path(save_dir) / tag
     tag_dir.mkdir(parents=True, exist_ok=True)
     torch.save(mech.state_dict(), _rank_state_file(tag_dir, rank))
@@ -298,9 +289,6 @@ def load_checkpoint(engine, mech: DeepSpeedMech, load_dir, tag=None, **kwargs):
     """``engine.load_checkpoint`` and restore the hook from this rank's state file (before the first step); returns
     DeepSpeed's ``(load_path, client_state)`` without our entry. Raises ``ValueError`` when nothing is found, or
     when the checkpoint was written by a different number of ranks."""
-    import torch
-    from pathlib import Path
-
     path, client_state = engine.load_checkpoint(load_dir, tag=tag, **kwargs)
     if path is None:
         raise ValueError(f"no DeepSpeed checkpoint found in {load_dir} (tag {tag})")
