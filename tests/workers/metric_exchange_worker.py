@@ -1,7 +1,8 @@
 """torchrun worker (3 ranks, gloo): MetricExchange merges different per-rank metric dicts exactly.
 
 Rank 0 reports layers 0-1, rank 1 layers 2-3 plus a name rank 0 also reports (owned by rank 0), rank 2
-nothing (a stage without such layers). Checks, on every rank: the merged dict equals the union computed
+nothing (a stage without such layers); rank 1 also reports one value as None (not measured), which
+is left out. Checks, on every rank: the merged dict equals the union computed
 directly (bit for bit, NaN and inf included), numeric detail fields (a per-step "expert") are current at every
 call while string fields come from the plan; one all_reduce per call once planned (the plan's all_gather_object
 happens once); a name that appears later makes every rank re-plan in step and the result is still exact.
@@ -30,6 +31,9 @@ def local(rank: int, step: int, extra: bool) -> tuple[dict, dict]:
         name = f"router/layer{L}/entropy_mean"
         metrics[name] = math.inf if (L, step) == (2, 1) else 0.5 * L
         details[name] = {"layer": L, "expert": (step + L) % 4, "expert_load": 0.25 + 0.01 * step}
+    if rank == 1:  # not measured (a frozen matrix's entropy): absent from the merge, on every rank
+        metrics["attn/layer3/dwk_entropy"] = None
+        details["attn/layer3/dwk_entropy"] = {"layer": 3, "matrix": "k"}
     if rank in (0, 1):
         metrics["symptom/shared"] = 7.0 + rank       # both report it: rank 0 owns it
         details["symptom/shared"] = {}
@@ -66,7 +70,7 @@ def main() -> int:
         want_m, want_d = {}, {}
         for r in reversed(range(world)):                 # lowest rank wins for a shared name
             m, d = local(r, step, extra)
-            want_m.update(m)
+            want_m.update({k: v for k, v in m.items() if v is not None})
             want_d.update(d)
         expect(same(merged, want_m), f"step {step}: merged metrics differ")
         expect(details == {k: want_d.get(k, {}) for k in want_m}, f"step {step}: details differ")
