@@ -20,6 +20,9 @@ to look at them anyway, marked as such). Writes ``benchmarks/results/false_alarm
     python benchmarks/false_alarms.py --runs-dir runs/false_alarms        # 5 seeds × 2 widths × 2 models × 2000 steps
     python benchmarks/false_alarms.py --runs-dir runs/false_alarms --reuse   # continue / re-score
     python benchmarks/false_alarms.py --seeds 21 --widths 64 --models dense --steps 150 --no-write   # smoke
+    # an explicit plan instead of the full product (model:width:steps:seeds), e.g. what fits a short session:
+    python benchmarks/false_alarms.py --runs-dir runs/false_alarms --reuse \
+        --plan moe:64:2000:21,22,23 dense:64:2000:21,22,23,24,25 dense:256:1000:21
 """
 from __future__ import annotations
 
@@ -39,7 +42,8 @@ from benchmarks._results import write_results  # noqa: E402
 from benchmarks._train_runs import model_flags, train_run  # noqa: E402
 from megatron_mech.studies.clean_scores import (binomial_upper_bound, expected_alarms, kind_of,  # noqa: E402
                                                 replay)
-from megatron_mech.studies.leadtime import REPORTING_SEEDS, TUNING_SEEDS, parse_study_args  # noqa: E402
+from megatron_mech.studies.leadtime import (REPORTING_SEEDS, TUNING_SEEDS, check_reporting_seeds,  # noqa: E402
+                                            parse_study_args)  # noqa: E402
 
 logger = logging.getLogger("benchmarks.false_alarms")
 
@@ -100,12 +104,30 @@ def _fmt(x, spec=".3g"):
     return format(x, spec)
 
 
+def parse_plan(entries, seeds, widths, models, steps) -> list:
+    """The runs to make, as ``(model, width, steps, seed)``: the full product of the seed / width / model options,
+    or the explicit ``model:width:steps:seed,seed,...`` entries of ``--plan``."""
+    if not entries:
+        return [(m, w, steps, s) for m in models for w in widths for s in seeds]
+    plan = []
+    for entry in entries:
+        try:
+            model, width, n, seed_list = entry.split(":")
+            if model not in ("moe", "dense"):
+                raise ValueError(f"model must be moe or dense, got {model!r}")
+            plan += [(model, int(width), int(n), int(s)) for s in seed_list.split(",")]
+        except ValueError as err:
+            raise SystemExit(f"--plan entry {entry!r}: expected model:width:steps:seed,seed,... ({err})")
+    return plan
+
+
 def report(args, runs: list, summary: dict) -> str:
+    shape = (f"{args.steps} steps each, seeds {args.seeds}, widths {args.widths}, models {args.models}"
+             if not args.plan else "plan " + ", ".join(f"`{e}`" for e in args.plan) + " (model:width:steps:seeds)")
     lines = [("**TUNING RUN — not a result.** " if args.tuning_run else "")
              + f"Clean runs of the small GPT (4 layers, 4 heads, FFN 2×hidden; MoE: 4 experts top-2, EP=2; 2 CPU "
-             f"processes), {args.steps} steps each, monitors every 5 steps, default detector rules replayed on "
-             f"the recorded series. Seeds {args.seeds} (reporting seeds; tuning seeds {list(TUNING_SEEDS)} are "
-             f"never reported), widths {args.widths}, models {args.models}: {len(runs)} runs.", "",
+             f"processes), {shape}, monitors every 5 steps, default detector rules replayed on the recorded series. "
+             f"Reporting seeds only (tuning seeds {list(TUNING_SEEDS)} are never reported): {len(runs)} runs.", "",
              "Rate = alarms / monitored series-evaluations (the detector had its baseline). Upper bound: one-sided "
              "95% Clopper–Pearson (≈ 3/n with no alarm). Scaled: a run of "
              f"{args.scale_evaluations:.0e} evaluations × {args.scale_series:.0e} series at that rate, treating "
@@ -138,6 +160,8 @@ def main(argv=None):
     p.add_argument("--widths", type=int, nargs="+", default=[64, 256], help="hidden sizes")
     p.add_argument("--models", nargs="+", default=["moe", "dense"], choices=("moe", "dense"))
     p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--plan", nargs="+", default=None, metavar="MODEL:WIDTH:STEPS:SEEDS",
+                   help="explicit runs instead of the seeds × widths × models product, e.g. moe:64:2000:21,22,23")
     p.add_argument("--runs-dir", default=None, help="keep the runs here (default: a temporary folder)")
     p.add_argument("--reuse", action="store_true", help="with --runs-dir: reuse finished runs, resume unfinished ones")
     p.add_argument("--tuning-run", action="store_true", help="allow tuning seeds (the report says so)")
@@ -145,29 +169,32 @@ def main(argv=None):
     p.add_argument("--scale-series", type=float, default=1e3)
     p.add_argument("--no-write", action="store_true")
     args = parse_study_args(p, argv)
+    plan = parse_plan(args.plan, args.seeds, args.widths, args.models, args.steps)
+    try:  # the plan's seeds pass the same tuning-seed check as --seeds
+        check_reporting_seeds(sorted({seed for *_, seed in plan}), args.tuning_run)
+    except ValueError as e:
+        p.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     runs = []
     with tempfile.TemporaryDirectory(prefix="mech_fa_") as tmp:
         work = Path(args.runs_dir or tmp)
-        for model in args.models:
-            for width in args.widths:
-                for seed in args.seeds:
-                    name = f"{model}_h{width}_s{seed}"
-                    t0 = time.perf_counter()
-                    run = train_run(work / name, [*model_flags(width, model == "moe"), "--seed", str(seed)],
-                                    args.steps, reuse=args.reuse)
-                    scores = replay(run["records"])
-                    runs.append({"name": name, "model": model, "width": width, "seed": seed, "scores": scores,
-                                 "command": run["command"], "alerts_fired": len(run["alerts"])})
-                    logger.info(f"{name}: {sum(s.alarms for s in scores.values())} alarms over "
-                                f"{sum(s.evaluations for s in scores.values())} series-evaluations "
-                                f"({time.perf_counter() - t0:.0f}s)")
+        for model, width, steps, seed in plan:
+            name = f"{model}_h{width}_s{seed}"
+            t0 = time.perf_counter()
+            run = train_run(work / name, [*model_flags(width, model == "moe"), "--seed", str(seed)], steps,
+                            reuse=args.reuse)
+            scores = replay(run["records"])
+            runs.append({"name": name, "model": model, "width": width, "seed": seed, "steps": steps,
+                         "scores": scores, "command": run["command"], "alerts_fired": len(run["alerts"])})
+            logger.info(f"{name}: {sum(s.alarms for s in scores.values())} alarms over "
+                        f"{sum(s.evaluations for s in scores.values())} series-evaluations "
+                        f"({time.perf_counter() - t0:.0f}s)")
     summary = summarize(runs, args.scale_evaluations, args.scale_series)
     text = report(args, runs, summary)
     print(text)
     if not args.no_write:
         data = {"tuning_run": args.tuning_run, "seeds": args.seeds, "widths": args.widths, "models": args.models,
-                "steps": args.steps, **summary,
+                "steps": args.steps, "plan": args.plan, **summary,
                 "runs": [{k: v for k, v in run.items() if k != "scores"} for run in runs]}
         write_results("false_alarms", text, data)
 

@@ -35,9 +35,20 @@ def test_false_alarm_summary_and_report():
     assert summary["alarms"] == [{"run": "dense_h256_s21", "metric": "attn/layer0/head0/delta2_entropy",
                                   "steps": [5 * (100 + 3)]}]
     args = argparse.Namespace(tuning_run=False, steps=600, seeds=[21], widths=[64, 256], models=["dense"],
-                              scale_evaluations=1e4, scale_series=1e3)
+                              scale_evaluations=1e4, scale_series=1e3, plan=None)
     text = false_alarms.report(args, runs, summary)
     assert "| all | 1 | 420 |" in text and "dense_h256_s21: `attn/layer0/head0/delta2_entropy`" in text
+
+
+def test_false_alarm_plan():
+    # Without a plan: the seeds × widths × models product at --steps; with one: exactly its entries.
+    assert false_alarms.parse_plan(None, [21, 22], [64], ["moe", "dense"], 600) == [
+        ("moe", 64, 600, 21), ("moe", 64, 600, 22), ("dense", 64, 600, 21), ("dense", 64, 600, 22)]
+    assert false_alarms.parse_plan(["moe:64:2000:21,23", "dense:256:1000:22"], [], [], [], 0) == [
+        ("moe", 64, 2000, 21), ("moe", 64, 2000, 23), ("dense", 256, 1000, 22)]
+    for bad in ("moe:64:2000", "sparse:64:2000:21", "moe:64:x:21"):
+        with pytest.raises(SystemExit, match="--plan entry"):
+            false_alarms.parse_plan([bad], [], [], [], 0)
 
 
 def test_natural_instability_score_and_report():
