@@ -692,7 +692,7 @@ class MoLSController:
     def metrics(self, step: Optional[int] = None) -> Dict[str, float]:
         """Flat scalars for JSONL / TensorBoard: ``mols/snr/{key}`` (running estimate during the window, final
         after), ``mols/grad_sq/{key}``, ``mols/trace_cov/{key}``, ``mols/alpha/{class}`` (clamped α, after the
-        window), ``mols/target/{class}`` (the group multiplier after the ramp) and ``mols/mult/{class}`` (the
+        window), ``mols/alpha_raw/{key}`` (before the clamp), ``mols/target/{class}`` (the group multiplier after the ramp) and ``mols/mult/{class}`` (the
         live multiplier at ``step``), plus ``mols/window_observed`` and ``mols/done``."""
         out: Dict[str, float] = {}
         for k, e in self.estimates().items():
@@ -701,6 +701,8 @@ class MoLSController:
             out[f"mols/trace_cov/{k}"] = e.trace_cov
         for c, a in self.alphas.items():
             out[f"mols/alpha/{c}"] = a
+        for k, a in self.raw_alphas.items():
+            out[f"mols/alpha_raw/{k}"] = a  # before the clamp: where the estimate sits against it
         for c, t in self.targets.items():
             out[f"mols/target/{c}"] = t
         if step is not None:
