@@ -18,8 +18,8 @@ Seeds: the tuning seeds (:data:`TUNING_SEEDS`) are the ones hand-set settings an
 results are reported on the reporting seeds (:data:`REPORTING_SEEDS`). A tuning seed is refused without
 ``--tuning-run`` (the output is then marked as a tuning run).
 
-    python benchmarks/bench_mols.py --steps 600 --window 20               # 5 reporting seeds × 2 arms
-    python benchmarks/bench_mols.py --measure-scale                       # s/step of a 20-30M model
+    python benchmarks/bench_mols.py --steps 300 --window 20 --eval-interval 30   # 5 seeds × 2 arms, ~27 min
+    python benchmarks/bench_mols.py --measure-scale                       # s/step of a 20-30M model, ~3 min
     python benchmarks/bench_mols.py --seeds 21 --steps 40 --no-write      # smoke
 """
 from __future__ import annotations
@@ -221,8 +221,13 @@ def report(a, arms: dict, results: dict, scales: list) -> tuple:
                 cells.append(f"{s['final_valid_loss']:.4f} ({r if r is not None else '–'})")
         lines.append(f"| {seed} | " + " | ".join(cells) + " |")
     # S and α over the whole run, and the clamp
-    mols_runs = results.get(("mols", 1.0)) or next((results[(arm, 1.0)] for arm in arms if arm != "adamw"
-                                                    and (arm, 1.0) in results), None)
+    if len(scales) > 1:  # plain AdamW at its best global lr among the scales run
+        best = min(scales, key=lambda sc: statistics.fmean(s["final_valid_loss"] for s in results[("adamw", sc)]))
+        lines += ["", f"Best AdamW lr scale among {scales}: {best:g} (mean validation loss "
+                      f"{statistics.fmean(s['final_valid_loss'] for s in results[('adamw', best)]):.4f})."]
+    ref_scale = 1.0 if 1.0 in scales else scales[0]
+    mols_runs = results.get(("mols", ref_scale)) or next((results[(arm, ref_scale)] for arm in arms
+                                                          if arm != "adamw"), None)
     if mols_runs:
         lines += snr_tables(mols_runs, a)
     return "\n".join(lines), summary
