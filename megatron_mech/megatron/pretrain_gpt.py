@@ -453,6 +453,7 @@ def finish(args, t: Training, runtime: Runtime, run: dict, output_dir: str) -> N
                    "monitor_seconds": hook.evaluation_seconds, "mols_seconds": hook.mols_seconds,
                    "final_mols": hook.mols_metrics(final_step),
                    "mols_diagnostics": hook.mols_diagnostics(),
+                   "mols_diagnostic_seconds": hook.mols_diagnostic_seconds,
                    "valid_history": run["valid_history"] + [[final_step, val]],
                    "monitor_breakdown": {**hook.seconds, "router_capture": hook.router_capture_seconds},
                    "alerts": [a.to_dict() for a in alerts]}

@@ -157,6 +157,7 @@ class MegatronMoLS:
         self.last_observation: Optional[dict] = None
         self._config_overrides = None
         self.seconds = 0.0  # wall time spent measuring and applying (overhead accounting, benchmarks)
+        self.diagnostic_seconds = 0.0  # wall time of the post-window diagnostic (report only; not in seconds)
 
     # -- construction helpers
     @classmethod
@@ -301,7 +302,7 @@ class MegatronMoLS:
             if self._fwd_count == 2 and self._measuring(self._iteration):
                 started = time.perf_counter()
                 self._snap = self._reader.local("pre")
-                self.seconds += time.perf_counter() - started
+                self._account(self._iteration, time.perf_counter() - started)
             return forward_step_func(*args, **kwargs)
 
         forward_step._mols_wrapped = True
@@ -316,17 +317,23 @@ class MegatronMoLS:
             active = self._measuring(it)
             started = time.perf_counter()
             pre = self._reader.local("pre") if active and self.route == "dp" else None
-            self.seconds += time.perf_counter() - started
+            self._account(it, time.perf_counter() - started)
             out = real(*args, **kwargs)
             if active:
                 started = time.perf_counter()
                 self._observe(it, pre)
-                self.seconds += time.perf_counter() - started
+                self._account(it, time.perf_counter() - started)
             self._fwd_count, self._snap = 0, None
             return out
 
         finalize_model_grads._mols_real = real
         return finalize_model_grads
+
+    def _account(self, it: int, seconds: float) -> None:
+        if self.controller.in_window(it) or not self.controller.in_diagnostic(it):
+            self.seconds += seconds
+        else:
+            self.diagnostic_seconds += seconds
 
     def _measuring(self, it: int) -> bool:
         """Gradient statistics are taken at window iterations and at post-window diagnostic iterations."""
