@@ -15,6 +15,8 @@ EXTRAS = {
     "megatron-lm": ["megatron-core>=0.13", "psutil", "six", "regex", "pydantic>=2", "pybind11", "triton"],
     "viz": ["matplotlib>=3.7", "tensorboard>=2.12"],
     "data": ["tokenizers>=0.15"],
+    # LoRA fine-tuning with MoLS (tests and benchmarks/bench_mols_lora.py): peft wraps HF transformers models.
+    "lora": ["peft>=0.13", "transformers>=4.48"],
     "test": ["pytest>=7", "hypothesis>=6", "pytest-timeout>=2"],
 }
 EXTRAS["all"] = sorted({req for reqs in EXTRAS.values() for req in reqs})

@@ -1,20 +1,35 @@
-"""AdamW vs AdamW + MoLS at equal tokens on a small LLaMA-like megatron-core model and the embedded corpus.
+"""AdamW vs AdamW + MoLS (and hand-set per-class multipliers) at equal tokens on a LLaMA-like megatron-core model
+and the embedded corpus, over paired seeds.
 
 Both arms of a seed see the same data in the same order (the dataset order follows ``--seed``) and start from
-the same weights; only ``--mech-mols`` differs (plus, with ``--fused-rules``, the rule giving the fused
-``linear_qkv`` its single multiplier). Reported: final validation loss / perplexity mean ± std over seeds and
-the paired difference, the per-module S and α table of the first MoLS run, and the estimation overhead as the
-wall time spent inside MoLS over the training time of the same run (its memory cost is per-module scalars).
+the same weights (the initialisation follows ``--seed``); only the MoLS flags differ. Reported per arm and base-lr
+scale: final validation loss, the paired difference to AdamW at the same lr with a 95 % Student-t interval and
+whether it excludes zero, the steps and tokens each arm needs to reach AdamW's final validation loss (periodic
+validation every ``--eval-interval`` steps), the per-class S and α of the window and of later diagnostic blocks
+(the SNR re-measured after the window, report only), where α sits against the clamp, the estimation overhead,
+and per-seed tables.
 
-    python benchmarks/bench_mols.py                          # 3 seeds × 2 arms, ~15 min on 2 cores
-    python benchmarks/bench_mols.py --seeds 1 --steps 60 --no-write    # quick look
+Arms (``--arms``): ``adamw``; ``mols`` (default MoLS); ``mols-qk`` / ``mols-vo`` (other fused-QKV rules);
+``grid`` (the hand-set grid: embedding/head × qk multipliers from ``--grid-values``, each pair a fixed-multiplier
+arm, the all-ones pair being AdamW itself); ``fixed:embedding=2,head=2,qk=0.5`` (one hand-set setting, e.g. the
+grid's best on the tuning seeds). ``--lr-scales 0.5 1 2`` repeats every arm at those multiples of ``--lr``.
+
+Seeds: the tuning seeds (:data:`TUNING_SEEDS`) are the ones hand-set settings and default changes are chosen on;
+results are reported on the reporting seeds (:data:`REPORTING_SEEDS`). A tuning seed is refused without
+``--tuning-run`` (the output is then marked as a tuning run).
+
+    python benchmarks/bench_mols.py --steps 300 --window 20 --eval-interval 30   # 5 seeds × 2 arms, ~27 min
+    python benchmarks/bench_mols.py --measure-scale                       # s/step of a 20-30M model, ~3 min
+    python benchmarks/bench_mols.py --seeds 21 --steps 40 --no-write      # smoke
 """
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -27,77 +42,317 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks._results import write_results  # noqa: E402
 from megatron_mech.cli import torchrun_prefix  # noqa: E402
+from megatron_mech.core.mols import default_window, parse_fixed_multipliers  # noqa: E402
+from megatron_mech.studies.paired import paired_ci  # noqa: E402
 
-# LLaMA-like: RMSNorm, SwiGLU, RoPE, untied embedding/head; 4 layers, hidden 128, BPE vocab 8192.
-LLAMA = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--ffn-hidden-size", "352",
-         "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
-         "--untie-embeddings-and-output-weights", "--seq-length", "128", "--micro-batch-size", "4",
-         "--global-batch-size", "16", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "40",
-         "--weight-decay", "0.1", "--eval-iters", "8", "--log-interval", "1000", "--mech-monitors", "none"]
+logger = logging.getLogger("bench_mols")
+
+# Seeds fixed up front: hand-set multipliers and any MoLS default change are chosen on the tuning seeds only;
+# results are reported on the reporting seeds.
+TUNING_SEEDS = (31, 32)
+REPORTING_SEEDS = (21, 22, 23, 24, 25)
+
+# The issue's full protocol at the 20-30M scale (for the projection of --measure-scale).
+FULL_PROTOCOL = {"steps": 2000, "main": (5, 2), "grid": (2, 8), "lr": (3, 4), "lora_minutes": 5}
+# A 20-30M-parameter LLaMA-like configuration of the same model (hidden 512, 6 layers, 8 heads, SwiGLU 1408:
+# 2·8192·512 embedding+head + 6 × (4·512² + 3·512·1408) ≈ 27.7M parameters).
+SCALE_MODEL = {"hidden": 512, "layers": 6, "heads": 8, "ffn": 1408}
 
 
-def run(run_dir: Path, seed: int, steps: int, extra: list, env) -> dict:
-    args = [*LLAMA, "--seed", str(seed), "--train-iters", str(steps), "--mech-output-dir", str(run_dir), *extra]
+def model_flags(a) -> list:
+    """LLaMA-like: RMSNorm, SwiGLU, RoPE, untied embedding/head, BPE vocab 8192."""
+    ffn = a.ffn or 32 * math.ceil(a.hidden * 11 / 4 / 32)  # 352 at hidden 128 (the committed baseline)
+    return ["--num-layers", str(a.layers), "--hidden-size", str(a.hidden), "--num-attention-heads", str(a.heads),
+            "--ffn-hidden-size", str(ffn), "--normalization", "RMSNorm", "--swiglu",
+            "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
+            "--seq-length", str(a.seq), "--micro-batch-size", str(a.micro_batch),
+            "--global-batch-size", str(a.global_batch), "--weight-decay", "0.1", "--eval-iters", str(a.eval_iters),
+            "--log-interval", "1000", "--mech-monitors", "none"]
+
+
+def lr_flags(a, scale: float, steps: int) -> list:
+    warmup = a.warmup if a.warmup is not None else max(1, min(40, steps // 4))
+    return ["--lr", f"{a.lr * scale:g}", "--min-lr", f"{a.lr * scale / 10:g}", "--lr-warmup-iters", str(warmup)]
+
+
+def expand_arms(a) -> dict:
+    """Arm label → extra flags."""
+    mols = ["--mech-mols", *([] if a.window is None else ["--mech-mols-window", str(a.window)]),
+            "--mech-mols-diagnostic-interval", str(a.diagnostic_interval), *shlex.split(a.mols_extra)]
+    arms = {}
+    for arm in a.arms:
+        if arm == "adamw":
+            arms["adamw"] = []
+        elif arm == "mols":
+            arms["mols"] = mols
+        elif arm in ("mols-qk", "mols-vo"):
+            arms[arm] = [*mols, "--mech-mols-fused-qkv-rule", arm.split("-")[1]]
+        elif arm == "grid":
+            for eh in a.grid_values:
+                for qk in a.grid_values:
+                    if eh == 1 and qk == 1:
+                        continue  # all multipliers 1: that is the adamw arm
+                    arms[f"fixed:embedding={eh:g},head={eh:g},qk={qk:g}"] = [
+                        *mols, "--mech-mols-fixed", f"embedding={eh:g}", f"head={eh:g}", f"qk={qk:g}"]
+        elif arm.startswith("fixed:"):
+            items = [x for x in arm[len("fixed:"):].split(",") if x]
+            parse_fixed_multipliers(items, flag=f"--arms {arm}")  # a clear error before any run starts
+            arms[arm] = [*mols, "--mech-mols-fixed", *items]
+        else:
+            raise SystemExit(f"--arms: unknown arm {arm!r} (adamw, mols, mols-qk, mols-vo, grid, "
+                             f"fixed:CLASS=MULT,...)")
+    if "adamw" not in arms:
+        raise SystemExit("--arms must include adamw (every difference is paired against it)")
+    return arms
+
+
+def run(run_dir: Path, seed: int, steps: int, flags: list, env) -> dict:
+    args = [*flags, "--seed", str(seed), "--train-iters", str(steps), "--mech-output-dir", str(run_dir)]
     cmd = [*torchrun_prefix(2), str(REPO / "launch_scripts" / "pretrain_gpt_mech.py"), *args]
-    subprocess.run(cmd, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    done = subprocess.run(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"training run failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
     return json.loads((run_dir / "summary.json").read_text())
+
+
+def steps_to_reach(history, target: float):
+    """First evaluated step whose validation loss is ≤ ``target`` (``None`` when never)."""
+    return next((int(s) for s, v in history if v <= target), None)
+
+
+def measure_scale(a, env) -> None:
+    """Time a few steps of the 20-30M configuration (and of the benchmark's own) and project the full protocol."""
+    rows, data = [], {}
+    configs = {"benchmark model": dict(hidden=a.hidden, layers=a.layers, heads=a.heads, ffn=a.ffn),
+               "20-30M model": dict(SCALE_MODEL)}
+    load = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="mech_mols_scale_") as work:
+        for name, cfg in configs.items():
+            b = argparse.Namespace(**{**vars(a), **cfg})
+            steps = a.measure_warmup + a.measure_steps
+            s = run(Path(work) / name.replace(" ", "_"), REPORTING_SEEDS[0], steps,
+                    [*model_flags(b), *lr_flags(b, 1.0, steps), "--eval-iters", "1"], env)
+            timed = s["step_seconds"][a.measure_warmup:]
+            sps = statistics.fmean(timed)
+            data[name] = {"config": cfg, "params": s["params_per_rank"], "seconds_per_step": sps,
+                          "timed_steps": len(timed)}
+            logger.info(f"{name}: {s['params_per_rank'] / 1e6:.1f}M parameters, {sps:.2f} s/step")
+    fp = FULL_PROTOCOL
+    runs = fp["main"][0] * fp["main"][1] + fp["grid"][0] * fp["grid"][1] + fp["lr"][0] * fp["lr"][1]
+    big = data["20-30M model"]["seconds_per_step"]
+    hours = runs * fp["steps"] * big / 3600
+    rows = ["| model | parameters | s/step (mean of timed steps) | timed steps |", "|---|---|---|---|"]
+    for name, d in data.items():
+        rows.append(f"| {name} ({d['config']['layers']} layers, hidden {d['config']['hidden']}) | "
+                    f"{d['params'] / 1e6:.1f}M | {d['seconds_per_step']:.2f} | {d['timed_steps']} |")
+    text = "\n".join([
+        f"Step time measured after {a.measure_warmup} warm-up steps; seq {a.seq}, global batch {a.global_batch} "
+        f"(micro-batch {a.micro_batch}, DP=2 on 2 processes). Load average at the start: "
+        f"{load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1/5/15 min) on {os.cpu_count()} cores"
+        + (" — the machine was shared, so these step times are upper bounds." if load[0] > 0.6 * (os.cpu_count() or 1)
+           else "."), "", *rows, "",
+        f"Full protocol at the 20-30M scale, {fp['steps']} steps per run: main comparison {fp['main'][0]} seeds × "
+        f"{fp['main'][1]} arms, hand-set grid {fp['grid'][0]} seeds × {fp['grid'][1]} settings, LR robustness "
+        f"{fp['lr'][0]} seeds × {fp['lr'][1]} runs (AdamW and MoLS at 0.5× and 2×) = {runs} runs × {fp['steps']} "
+        f"steps × {big:.2f} s/step = **{hours:.1f} hours** of this machine (without validation passes and the "
+        f"LoRA study), against a budget of about half an hour for all MoLS runs."])
+    logger.info(text)
+    if not a.no_write:
+        logger.info(f"wrote {write_results('bench_mols_scale', text, {'measured': data, 'projected_hours': hours, 'protocol': fp})}")
+
+
+def report(a, arms: dict, results: dict, scales: list) -> tuple:
+    """Markdown and the JSON summary from ``results[(arm, scale)] = [summary per seed]``."""
+    gbs_tokens = a.global_batch * a.seq
+    window = a.window if a.window is not None else default_window(a.steps)
+    warm = a.warmup if a.warmup is not None else max(1, min(40, a.steps // 4))
+    ffn = a.ffn or 32 * math.ceil(a.hidden * 11 / 4 / 32)
+    params = next(iter(results.values()))[0]["params_per_rank"]
+    lines = [("**TUNING RUN (tuning seeds; not a reported result).** " if a.tuning_run else "")
+             + f"Model: LLaMA-like megatron-core GPT ({a.layers} layers, hidden {a.hidden}, {a.heads} heads, SwiGLU "
+             f"{ffn}, RMSNorm, RoPE, untied head; {params / 1e6:.2f}M parameters), BPE vocab 8192, seq {a.seq}, "
+             f"global batch {a.global_batch} (micro-batch {a.micro_batch}, DP=2), AdamW (0.9, 0.95, wd 0.1), lr "
+             f"{a.lr:g} × scale → 1/10 of it, cosine, {warm} warm-up steps, {a.steps} steps "
+             f"({a.steps * gbs_tokens:,} tokens); validation every {a.eval_interval} steps on the same "
+             f"{a.eval_iters} batches. MoLS window {window} steps, ramp to the end of warm-up, diagnostic SNR every "
+             f"{a.diagnostic_interval} steps after the window"
+             + (f", extra MoLS flags `{a.mols_extra}`" if a.mols_extra else "") + f". Seeds {a.seeds}; both arms "
+             f"of a seed share data order and initial weights. Tuning seeds {list(TUNING_SEEDS)}, reporting seeds "
+             f"{list(REPORTING_SEEDS)}.", "",
+             "| arm | lr scale | validation loss (mean ± sd) | ppl | paired Δ vs AdamW, 95 % CI | steps to AdamW's "
+             "final loss (mean; reached) | MoLS overhead (+ diagnostic) |", "|---|---|---|---|---|---|---|"]
+    summary = {}
+    for scale in scales:
+        base = {s["seed"]: s for s in results[("adamw", scale)]}
+        for arm in arms:
+            runs = results[(arm, scale)]
+            losses = [s["final_valid_loss"] for s in runs]
+            mean = statistics.fmean(losses)
+            sd = statistics.stdev(losses) if len(losses) > 1 else 0.0
+            reach = [steps_to_reach(s["valid_history"], base[s["seed"]]["final_valid_loss"]) for s in runs]
+            got = [r for r in reach if r is not None]
+            entry = {"valid_loss_mean": mean, "valid_loss_sd": sd, "steps_to_adamw_final": reach,
+                     "overhead": statistics.fmean(s["mols_seconds"] / max(sum(s["step_seconds"]), 1e-9)
+                                                  for s in runs),
+                     "diagnostic_overhead": statistics.fmean(s.get("mols_diagnostic_seconds", 0.0)
+                                                             / max(sum(s["step_seconds"]), 1e-9) for s in runs)}
+            ci_text = "–"
+            if arm != "adamw":
+                ci = paired_ci([s["final_valid_loss"] - base[s["seed"]]["final_valid_loss"] for s in runs])
+                entry.update(paired_diff_mean=ci.mean, paired_diff_sd=ci.sd, ci_low=ci.low, ci_high=ci.high,
+                             excludes_zero=ci.excludes_zero)
+                ci_text = ci.text()
+            reach_text = (f"{statistics.fmean(got):.0f} ({statistics.fmean(got) * gbs_tokens / 1e6:.2f}M tokens); "
+                          f"{len(got)}/{len(reach)}" if got else f"not reached; 0/{len(reach)}")
+            summary[f"{arm}@{scale:g}"] = entry
+            overhead, diag = entry["overhead"], entry["diagnostic_overhead"]
+            lines.append(f"| {arm} | {scale:g} | {mean:.4f} ± {sd:.4f} | {math.exp(mean):.2f} | {ci_text} | "
+                         f"{reach_text} | {'–' if arm == 'adamw' else f'{100 * overhead:.2f}% (+{100 * diag:.2f}%)'} |")
+    # per-seed tables
+    lines += ["", "Final validation loss per seed (and the step at which each run first reached AdamW's final "
+              "validation loss at the same lr scale, at the resolution of the validation interval):", "",
+              "| seed | " + " | ".join(f"{arm} @{sc:g}" for sc in scales for arm in arms) + " |",
+              "|---|" + "---|" * (len(arms) * len(scales))]
+    for i, seed in enumerate(a.seeds):
+        cells = []
+        for sc in scales:
+            target = results[("adamw", sc)][i]["final_valid_loss"]
+            for arm in arms:
+                s = results[(arm, sc)][i]
+                r = steps_to_reach(s["valid_history"], target)
+                cells.append(f"{s['final_valid_loss']:.4f} ({r if r is not None else '–'})")
+        lines.append(f"| {seed} | " + " | ".join(cells) + " |")
+    # S and α over the whole run, and the clamp
+    if len(scales) > 1:  # plain AdamW at its best global lr among the scales run
+        best = min(scales, key=lambda sc: statistics.fmean(s["final_valid_loss"] for s in results[("adamw", sc)]))
+        lines += ["", f"Best AdamW lr scale among {scales}: {best:g} (mean validation loss "
+                      f"{statistics.fmean(s['final_valid_loss'] for s in results[('adamw', best)]):.4f})."]
+    ref_scale = 1.0 if 1.0 in scales else scales[0]
+    mols_runs = results.get(("mols", ref_scale)) or next((results[(arm, ref_scale)] for arm in arms
+                                                          if arm != "adamw"), None)
+    if mols_runs:
+        lines += snr_tables(mols_runs, a)
+    return "\n".join(lines), summary
+
+
+def snr_tables(runs, a) -> list:
+    """Per-class S and α of the window and of every diagnostic block (mean over seeds), and the clamp."""
+    first = runs[0]["final_mols"]
+    keys = [k.split("/")[-1] for k in first if k.startswith("mols/snr/")]
+    lo, hi = 0.5, 2.0
+    if "--mech-mols-clamp" in a.mols_extra:
+        parts = shlex.split(a.mols_extra)
+        i = parts.index("--mech-mols-clamp")
+        lo, hi = float(parts[i + 1]), float(parts[i + 2])
+
+    def mean_of(values):
+        vals = [v for v in values if v is not None and math.isfinite(v)]
+        return statistics.fmean(vals) if vals else float("nan")
+
+    window = a.window if a.window is not None else default_window(a.steps)
+    blocks = [("window", f"1–{window}", [{"snr": {k: s["final_mols"].get(f"mols/snr/{k}") for k in keys},
+                                          "alpha": {k: s["final_mols"].get(f"mols/alpha_raw/{k}") for k in keys}}
+                                         for s in runs])]
+    for b in range(max(len(s.get("mols_diagnostics", [])) for s in runs)):
+        per_seed = [s["mols_diagnostics"][b] for s in runs if len(s.get("mols_diagnostics", [])) > b]
+        d0 = per_seed[0]
+        blocks.append((f"diagnostic {b + 1}", f"{d0['start'] + 1}–{d0['end'] + 1}", per_seed))
+    out = ["", f"Per-class gradient SNR S and unclamped α = sqrt(S_vo / S) over the whole run (mean over "
+           f"{len(runs)} MoLS seeds; the window sets the multipliers, the diagnostic blocks are measured after it "
+           f"and change nothing):", "",
+           "| block | steps | " + " | ".join(f"S {k}" for k in keys) + " | " + " | ".join(f"α {k}" for k in keys)
+           + " |", "|---|---|" + "---|" * (2 * len(keys))]
+    for name, steps, per_seed in blocks:
+        s_cells = [f"{mean_of(d['snr'].get(k) for d in per_seed):.3g}" for k in keys]
+        a_cells = [f"{mean_of(d['alpha'].get(k) for d in per_seed):.3g}" for k in keys]
+        out.append(f"| {name} | {steps} | " + " | ".join(s_cells) + " | " + " | ".join(a_cells) + " |")
+    out += ["", f"Where the window's α sits against the clamp [{lo:g}, {hi:g}] (unclamped α over seeds; live "
+            f"multiplier at the end of the run):", "",
+            "| class | α min | α mean | α max | seeds clamped low / high | final multiplier (mean) |",
+            "|---|---|---|---|---|---|"]
+    for k in keys:
+        raw = [s["final_mols"].get(f"mols/alpha_raw/{k}") for s in runs]
+        raw = [r for r in raw if r is not None and math.isfinite(r)]
+        mult = mean_of(s["final_mols"].get(f"mols/mult/{k}") for s in runs)
+        if not raw:
+            continue
+        out.append(f"| {k} | {min(raw):.3g} | {statistics.fmean(raw):.3g} | {max(raw):.3g} | "
+                   f"{sum(r < lo for r in raw)} / {sum(r > hi for r in raw)} | "
+                   f"{'–' if not math.isfinite(mult) else format(mult, '.3g')} |")
+    return out
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seeds", type=int, nargs="+", default=[21, 22, 23])
+    p.add_argument("--seeds", type=int, nargs="+", default=list(REPORTING_SEEDS),
+                   help=f"paired seeds (default: the reporting seeds {list(REPORTING_SEEDS)})")
+    p.add_argument("--tuning-run", action="store_true",
+                   help=f"allow the tuning seeds {list(TUNING_SEEDS)} (output marked as a tuning run)")
     p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--ffn", type=int, default=None, help="SwiGLU hidden size (default ≈ 2.75 × hidden, /32)")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--global-batch", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-3, help="base (peak) lr; min lr is a tenth of it")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: min(40, steps/4))")
+    p.add_argument("--lr-scales", type=float, nargs="+", default=[1.0], help="repeat every arm at these lr multiples")
+    p.add_argument("--arms", nargs="+", default=["adamw", "mols"],
+                   help="adamw, mols, mols-qk, mols-vo, grid, fixed:CLASS=MULT,... (see the module docstring)")
     p.add_argument("--fused-rules", nargs="*", default=[], choices=["qk", "vo"],
-                   help="extra MoLS arms with another fused-QKV rule (the default arm uses 'rows')")
+                   help="shorthand for the arms mols-qk / mols-vo")
+    p.add_argument("--grid-values", type=float, nargs="+", default=[0.5, 1.0, 2.0],
+                   help="multipliers of the hand-set grid (embedding/head × qk)")
+    p.add_argument("--window", type=int, default=None, help="MoLS window in steps (default: max(5, 1%% of steps))")
+    p.add_argument("--diagnostic-interval", type=int, default=None,
+                   help="re-measure the SNR every N steps after the window (default: steps/6)")
+    p.add_argument("--mols-extra", default="", help="extra --mech-mols-* flags for every MoLS arm (one string)")
+    p.add_argument("--eval-interval", type=int, default=None, help="validation every N steps (default: steps/10)")
+    p.add_argument("--eval-iters", type=int, default=8)
+    p.add_argument("--results-name", default="bench_mols")
+    p.add_argument("--measure-scale", action="store_true",
+                   help="only time the 20-30M model (and this one) and project the full protocol's hours")
+    p.add_argument("--measure-warmup", type=int, default=2)
+    p.add_argument("--measure-steps", type=int, default=8)
     p.add_argument("--no-write", action="store_true")
-    args = p.parse_args(argv)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    tuned = sorted(set(a.seeds) & set(TUNING_SEEDS))
+    if tuned and not a.tuning_run:
+        p.error(f"--seeds {tuned}: tuning seeds (hand-set settings and defaults are chosen on {list(TUNING_SEEDS)}) "
+                f"cannot be reported; use reporting seeds {list(REPORTING_SEEDS)}, or --tuning-run")
+    a.arms = list(dict.fromkeys([*a.arms, *(f"mols-{r}" for r in a.fused_rules)]))
+    a.eval_interval = a.eval_interval or max(1, a.steps // 10)
+    a.diagnostic_interval = a.diagnostic_interval if a.diagnostic_interval is not None else max(1, a.steps // 6)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    arms = {"adamw": [], "adamw+mols": ["--mech-mols"],
-            **{f"adamw+mols ({r})": ["--mech-mols", "--mech-mols-fused-qkv-rule", r] for r in args.fused_rules}}
-    results = {arm: [] for arm in arms}
+    if a.measure_scale:
+        return measure_scale(a, env)
+    arms = expand_arms(a)
+    scales = list(dict.fromkeys(a.lr_scales))
+    results = {}
     with tempfile.TemporaryDirectory(prefix="mech_mols_") as work:
-        for seed in args.seeds:
-            for arm, extra in arms.items():
-                t0 = time.perf_counter()
-                s = run(Path(work) / f"{arm.replace(' ', '_')}_{seed}", seed, args.steps, extra, env)
-                s["seed"] = seed
-                results[arm].append(s)
-                print(f"seed {seed} {arm:22s}: valid loss {s['final_valid_loss']:.4f} "
-                      f"(ppl {math.exp(s['final_valid_loss']):.1f}), MoLS {s['mols_seconds']:.2f}s of "
-                      f"{sum(s['step_seconds']):.0f}s ({time.perf_counter()-t0:.0f}s)", flush=True)
-
-    lines = [f"Model: LLaMA-like megatron-core GPT (4 layers, hidden 128, 4 heads, SwiGLU, RMSNorm, RoPE, untied "
-             f"head), BPE vocab 8192, seq 128, global batch 16 (micro-batch 4, DP=2), AdamW (0.9, 0.95, wd 0.1), "
-             f"lr 1e-3 → 1e-4 cosine, 40 warm-up steps, {args.steps} steps; MoLS window = max(5, 1% of steps), "
-             f"ramp to the end of warm-up, base vo, clamp [0.5, 2]. Seeds {args.seeds}; both arms of a seed "
-             f"share data order and initial weights.", "",
-             "| arm | validation loss (mean ± std) | perplexity | paired Δ vs AdamW | MoLS overhead |",
-             "|---|---|---|---|---|"]
-    base = {s["seed"]: s["final_valid_loss"] for s in results["adamw"]}
-    summary = {}
-    for arm, runs in results.items():
-        losses = [s["final_valid_loss"] for s in runs]
-        mean, std = statistics.mean(losses), statistics.stdev(losses) if len(losses) > 1 else 0.0
-        diffs = [s["final_valid_loss"] - base[s["seed"]] for s in runs]
-        dmean = statistics.mean(diffs)
-        dstd = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
-        overhead = statistics.mean(s["mols_seconds"] / sum(s["step_seconds"]) for s in runs)
-        summary[arm] = {"valid_loss_mean": mean, "valid_loss_std": std, "paired_diff_mean": dmean,
-                        "paired_diff_std": dstd, "overhead": overhead}
-        lines.append(f"| {arm} | {mean:.4f} ± {std:.4f} | {math.exp(mean):.2f} | "
-                     f"{'–' if arm == 'adamw' else f'{dmean:+.4f} ± {dstd:.4f}'} | "
-                     f"{'–' if arm == 'adamw' else f'{100 * overhead:.2f}%'} |")
-    first = results["adamw+mols"][0].get("final_mols", {})
-    classes = sorted({k.split("/")[-1] for k in first if k.startswith("mols/snr/")})
-    lines += ["", f"Per-module SNR S and multipliers of the first MoLS run (seed {args.seeds[0]}):", "",
-              "| module | S | α | live multiplier at the end |", "|---|---|---|---|"]
-    for c in classes:
-        lines.append(f"| {c} | {first.get(f'mols/snr/{c}', float('nan')):.4g} | "
-                     f"{first.get(f'mols/alpha/{c}', float('nan')):.3g} | {first.get(f'mols/mult/{c}', float('nan')):.3g} |")
-    text = "\n".join(lines)
-    print(text)
-    if not args.no_write:
-        print(f"wrote {write_results('bench_mols', text, {'summary': summary, 'runs': {a: [{k: v for k, v in s.items() if k not in ('losses', 'step_seconds')} for s in r] for a, r in results.items()}})}")
+        for scale in scales:
+            for seed in a.seeds:
+                for arm, extra in arms.items():
+                    t0 = time.perf_counter()
+                    flags = [*model_flags(a), *lr_flags(a, scale, a.steps), "--eval-interval", str(a.eval_interval),
+                             *extra]
+                    s = run(Path(work) / f"{len(results)}_{seed}", seed, a.steps, flags, env)
+                    s["seed"] = seed
+                    results.setdefault((arm, scale), []).append(s)
+                    logger.info(f"lr×{scale:g} seed {seed} {arm}: valid loss {s['final_valid_loss']:.4f}, MoLS "
+                                f"{s['mols_seconds']:.2f}s of {sum(s['step_seconds']):.0f}s "
+                                f"({time.perf_counter() - t0:.0f}s)")
+    text, summary = report(a, arms, results, scales)
+    logger.info(text)
+    if not a.no_write:
+        keep = ("final_valid_loss", "valid_history", "final_mols", "mols_diagnostics", "mols_seconds",
+                "mols_diagnostic_seconds", "seed",
+                "params_per_rank", "seconds")
+        runs = {f"{arm}@{sc:g}": [{k: s.get(k) for k in keep} for s in r] for (arm, sc), r in results.items()}
+        logger.info(f"wrote {write_results(a.results_name, text, {'summary': summary, 'runs': runs})}")
 
 
 if __name__ == "__main__":

@@ -170,6 +170,13 @@ class MoLSOptions:
     scale_weight_decay: bool = option(True, "decoupled weight decay scales with the lr multiplier; the flag "
                                       "compensates it instead (wd_mult = 1/multiplier)",
                                       flag="--mech-mols-no-scale-weight-decay", inverted=True)
+    fixed: Optional[tuple] = option(None, "hand-set multipliers CLASS=MULT ... instead of the SNR estimate (a "
+                                    "hand-tuned reference; other classes stay at 1)", flag="--mech-mols-fixed",
+                                    nargs="+", metavar="CLASS=MULT")
+    diagnostic_interval: int = option(0, "after the window, re-measure the SNR (report only) every N iterations "
+                                      "(0 = off)", flag="--mech-mols-diagnostic-interval", type=int)
+    diagnostic_steps: Optional[int] = option(None, "iterations per diagnostic measurement (default: the window "
+                                             "length)", flag="--mech-mols-diagnostic-steps", type=int)
 
     def __post_init__(self):
         if self.classes is not None and not isinstance(self.classes, str):
@@ -189,7 +196,20 @@ class MoLSOptions:
                           base=self.base, clamp=tuple(self.clamp), ramp_end=ramp_end, min_ramp_steps=self.min_ramp,
                           classes=tuple(self.classes) if self.classes else None,
                           fused_qkv_rule=self.fused_qkv_rule, estimator=self.estimator, num_samples=self.samples,
-                          scale_weight_decay=self.scale_weight_decay)
+                          scale_weight_decay=self.scale_weight_decay,
+                          fixed_multipliers=self.fixed_multipliers(),
+                          diagnostic_interval=self.diagnostic_interval, diagnostic_steps=self.diagnostic_steps)
+
+    def fixed_multipliers(self):
+        """``--mech-mols-fixed`` as ``{class: multiplier}`` (``None`` when not given); ``ValueError`` names the
+        flag and the bad item."""
+        if not self.fixed:
+            return None
+        from megatron_mech.core.mols import parse_fixed_multipliers
+
+        if isinstance(self.fixed, Mapping):
+            return parse_fixed_multipliers([f"{k}={v}" for k, v in self.fixed.items()])
+        return parse_fixed_multipliers([self.fixed] if isinstance(self.fixed, str) else self.fixed)
 
 
 @dataclass

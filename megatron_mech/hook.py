@@ -420,6 +420,17 @@ class MechHook:
         """Wall time MoLS spent measuring and applying on this rank."""
         return self.mols.seconds if self.mols is not None else 0.0
 
+    @property
+    def mols_diagnostic_seconds(self) -> float:
+        """Wall time of MoLS's post-window SNR diagnostic on this rank (report only; not in :attr:`mols_seconds`)."""
+        return float(getattr(self.mols, "diagnostic_seconds", 0.0)) if self.mols is not None else 0.0
+
+    def mols_diagnostics(self) -> list:
+        """MoLS's post-window diagnostic blocks (``--mech-mols-diagnostic-interval``): per block its iterations and
+        per-key S and α; empty without MoLS or without the diagnostic."""
+        controller = getattr(self.mols, "controller", None)
+        return list(getattr(controller, "diagnostics", [])) if controller is not None else []
+
     def mols_metrics(self, step: int) -> dict:
         """MoLS's SNR / α / multiplier values in force after ``step`` (empty without MoLS)."""
         return self.mols.metrics(step - 1) if self.mols is not None and step else {}

@@ -82,7 +82,7 @@ from megatron_mech.core.snr import SNREstimate, TwoBatchSNR, snr_ratio
 from megatron_mech.core.taxonomy import FUSED_QKV_RULES, MODULE_CLASSES, fused_qkv_multiplier
 
 __all__ = ["DEFAULT_SCALED_CLASSES", "ESTIMATORS", "MEASURED_KEYS", "QKV_BLOCK_KEYS", "MoLSConfig", "default_window",
-           "MoLSController", "MoLSWarning"]
+           "MoLSController", "MoLSWarning", "check_fixed_multipliers", "parse_fixed_multipliers"]
 
 # Classes that get a multiplier by default; norm and "other" stay at 1.0 (measured and reported only).
 DEFAULT_SCALED_CLASSES = ("embedding", "qk", "vo", "mlp", "head", "router", "experts")
@@ -111,6 +111,47 @@ def _int_field(name: str, value: Any, minimum: int, allow_none: bool = False) ->
 
 
 
+def check_fixed_multipliers(fixed: Mapping[str, float]) -> Dict[str, float]:
+    """Validate ``{class: multiplier}`` (known module classes, positive finite values); a plain dict back."""
+    if not isinstance(fixed, Mapping) or not fixed:
+        raise ValueError(f"MoLSConfig.fixed_multipliers must be a non-empty mapping class -> multiplier, got "
+                         f"{fixed!r}")
+    unknown = [c for c in fixed if c not in MODULE_CLASSES]
+    if unknown:
+        raise ValueError(f"MoLSConfig.fixed_multipliers: unknown module class(es) {unknown}; expected some of "
+                         f"{', '.join(MODULE_CLASSES)}")
+    out = {}
+    for c, m in fixed.items():
+        try:
+            v = float(m)
+        except (TypeError, ValueError):
+            v = float("nan")
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"MoLSConfig.fixed_multipliers[{c!r}] must be a positive finite number, got {m!r}")
+        out[str(c)] = v
+    return out
+
+
+def parse_fixed_multipliers(items, flag: str = "--mech-mols-fixed") -> Dict[str, float]:
+    """``["embedding=2", "qk=0.5"]`` → ``{"embedding": 2.0, "qk": 0.5}``; a ``ValueError`` names ``flag`` and
+    the bad item (no ``=``, unknown class, repeated class, non-positive value)."""
+    out: Dict[str, float] = {}
+    for item in items:
+        name, sep, value = str(item).partition("=")
+        if not sep:
+            raise ValueError(f"{flag}: expected CLASS=MULTIPLIER, got {item!r}")
+        if name in out:
+            raise ValueError(f"{flag}: class {name!r} given twice")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            raise ValueError(f"{flag}: multiplier of {name!r} is not a number: {value!r}") from None
+    try:
+        return check_fixed_multipliers(out)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
+
+
 def default_window(train_steps: int) -> int:
     """The default estimation window: ``max(5, ceil(1% of the training steps))``."""
     return max(5, math.ceil(0.01 * int(train_steps)))
@@ -136,6 +177,14 @@ class MoLSConfig:
         num_samples: K, extra gradient samples per window step for ``estimator="samples"`` (≥ 2).
         scale_weight_decay: True (default): decoupled weight decay scales with the lr multiplier (AdamW
             semantics); False: compensate with ``wd_mult = 1/multiplier``.
+        fixed_multipliers: ``{class: multiplier}`` set by hand instead of from the SNRs (a hand-tuned reference
+            run): the named classes ramp to these values on the same schedule, every other class stays at 1;
+            the window is still measured and reported. ``None`` (default): α from the SNRs.
+        diagnostic_interval: after the window, measure the SNR again (report only, the multipliers do not
+            change) in blocks of ``diagnostic_steps`` iterations starting every ``diagnostic_interval``
+            iterations after the window end; 0 (default) = no diagnostic.
+        diagnostic_steps: length of a diagnostic block in iterations (``None``: the window length); at most
+            ``diagnostic_interval``.
     """
 
     window_start: int = 0
@@ -149,6 +198,9 @@ class MoLSConfig:
     estimator: str = "two_batch"
     num_samples: int = 4
     scale_weight_decay: bool = True
+    fixed_multipliers: Optional[Mapping[str, float]] = None
+    diagnostic_interval: int = 0
+    diagnostic_steps: Optional[int] = None
 
     def __post_init__(self):
         set_ = object.__setattr__
@@ -189,6 +241,16 @@ class MoLSConfig:
         set_(self, "num_samples", _int_field("num_samples", self.num_samples, 2))
         if not isinstance(self.scale_weight_decay, bool):
             raise ValueError(f"MoLSConfig.scale_weight_decay must be a bool, got {self.scale_weight_decay!r}")
+        if self.fixed_multipliers is not None:
+            set_(self, "fixed_multipliers", check_fixed_multipliers(self.fixed_multipliers))
+        set_(self, "diagnostic_interval", _int_field("diagnostic_interval", self.diagnostic_interval, 0))
+        set_(self, "diagnostic_steps", _int_field("diagnostic_steps", self.diagnostic_steps, 1, allow_none=True))
+        if self.diagnostic_interval and self.diagnostic_steps and self.diagnostic_steps > self.diagnostic_interval:
+            raise ValueError(f"MoLSConfig.diagnostic_steps ({self.diagnostic_steps}) must not exceed "
+                             f"diagnostic_interval ({self.diagnostic_interval})")
+        if self.diagnostic_interval and self.estimator != "two_batch":
+            raise ValueError("MoLSConfig.diagnostic_interval needs estimator='two_batch' (the samples estimator "
+                             "would cost K extra passes per diagnostic step)")
 
     @property
     def window_end(self) -> int:
@@ -205,10 +267,17 @@ class MoLSConfig:
             return self.ramp_end
         return end + self.min_ramp_steps
 
+    @property
+    def diagnostic_block(self) -> int:
+        """Length of a post-window diagnostic block (``diagnostic_steps``, default the window length)."""
+        n = self.diagnostic_steps if self.diagnostic_steps is not None else (self.window_steps or 1)
+        return min(n, self.diagnostic_interval) if self.diagnostic_interval else n
+
     def to_dict(self) -> Dict[str, Any]:
         d = asdict(self)
         d["clamp"] = list(self.clamp)
         d["classes"] = list(self.classes) if self.classes is not None else None
+        d["fixed_multipliers"] = dict(self.fixed_multipliers) if self.fixed_multipliers is not None else None
         return d
 
     @classmethod
@@ -219,6 +288,8 @@ class MoLSConfig:
             kw["clamp"] = tuple(kw["clamp"])
         if kw.get("classes") is not None:
             kw["classes"] = tuple(kw["classes"])
+        if kw.get("fixed_multipliers") is not None:
+            kw["fixed_multipliers"] = dict(kw["fixed_multipliers"])
         return cls(**kw)
 
 
@@ -315,6 +386,11 @@ class MoLSController:
                 if missing:
                     raise ValueError(f"MoLSConfig.classes names module class(es) with no parameters in this "
                                      f"model: {missing} (present: {', '.join(present)})")
+            if config.fixed_multipliers is not None:
+                missing = [c for c in config.fixed_multipliers if c not in present]
+                if missing:
+                    raise ValueError(f"MoLSConfig.fixed_multipliers names module class(es) with no parameters "
+                                     f"in this model: {missing} (present: {', '.join(present)})")
         if fused_qkv is not None:
             h, g = (int(x) for x in fused_qkv)
             if h < 1 or g < 1 or h % g:
@@ -332,6 +408,10 @@ class MoLSController:
         self.targets: Dict[str, float] = {}             # group class -> multiplier reached after the ramp
         self.clamped: Dict[str, float] = {}             # class -> raw α that was clamped
         self.degenerate: Dict[str, str] = {}            # key -> reason α = 1
+        self.measured_alphas: Dict[str, float] = {}     # class -> clamped α from the SNRs (also with fixed)
+        self._diag = TwoBatchSNR()                      # the diagnostic block in progress
+        self._diag_block: Optional[int] = None          # its first iteration
+        self.diagnostics: list = []                     # finished blocks: {"start", "end", "snr", "alpha"}
 
     # ------------------------------------------------------------------ window
     @property
@@ -421,6 +501,59 @@ class MoLSController:
             return True
         return False
 
+    # ------------------------------------------------------------------ diagnostic after the window
+    def diagnostic_block_start(self, step: int) -> Optional[int]:
+        """First iteration of the diagnostic block holding ``step``, or ``None`` when ``step`` is not in one.
+        Blocks start at ``window_end + k·diagnostic_interval`` (k ≥ 1) and last ``config.diagnostic_block``
+        iterations; only after the estimate is complete."""
+        cfg, step = self.config, int(step)
+        if not cfg.diagnostic_interval or self.phase != "done":
+            return None
+        offset = step - self.window_end
+        if offset < cfg.diagnostic_interval:
+            return None
+        start = self.window_end + (offset // cfg.diagnostic_interval) * cfg.diagnostic_interval
+        return start if step - start < cfg.diagnostic_block else None
+
+    def in_diagnostic(self, step: int) -> bool:
+        """True when ``step`` is a post-window diagnostic iteration (see :meth:`diagnostic_block_start`)."""
+        return self.diagnostic_block_start(step) is not None
+
+    def observe_diagnostic(self, step: int, small_sq_norms: Mapping[str, float], big_sq_norms: Mapping[str, float],
+                           small_batch: Union[float, Mapping[str, float]],
+                           big_batch: Union[float, Mapping[str, float]]) -> bool:
+        """Two-batch statistics of a diagnostic iteration (same arguments as :meth:`observe`). Changes no
+        multiplier: at the block's last iteration the block's per-key S and ``sqrt(S_base/S)`` (unclamped) are
+        appended to :attr:`diagnostics`. Returns False outside a diagnostic block."""
+        start = self.diagnostic_block_start(step)
+        if start is None:
+            return False
+        if self._diag_block != start:  # a new block (an unfinished earlier one is dropped)
+            self._diag, self._diag_block = TwoBatchSNR(), start
+        keys = set(small_sq_norms)
+        if keys != set(big_sq_norms):
+            raise ValueError("small_sq_norms and big_sq_norms must name the same keys")
+        by_batch: Dict[Tuple[float, float], list] = {}
+        for k in small_sq_norms:
+            bs = float(small_batch[k] if isinstance(small_batch, Mapping) else small_batch)
+            bb = float(big_batch[k] if isinstance(big_batch, Mapping) else big_batch)
+            if not (math.isfinite(bs) and math.isfinite(bb) and bb > bs > 0):
+                raise ValueError(f"need big_batch > small_batch > 0, got {bs}, {bb} for {k!r}")
+            by_batch.setdefault((bs, bb), []).append(k)
+        for (bs, bb), ks in by_batch.items():
+            self._diag.update({k: small_sq_norms[k] for k in ks}, {k: big_sq_norms[k] for k in ks}, bs, bb)
+        if int(step) >= start + self.config.diagnostic_block - 1:
+            est = self._diag.estimates()
+            base = est[self.config.base].snr if self.config.base in est else float("nan")
+            alpha = {}
+            for k, e in est.items():
+                ok = all(math.isfinite(x) and x > 0 for x in (base, e.snr))
+                alpha[k] = math.sqrt(base / e.snr) if ok else float("nan")
+            self.diagnostics.append({"start": start, "end": int(step), "snr": {k: e.snr for k, e in est.items()},
+                                     "alpha": alpha})
+            self._diag, self._diag_block = TwoBatchSNR(), None
+        return True
+
     def estimates(self) -> Dict[str, SNREstimate]:
         """The current window estimates per key (running during the window, final after it)."""
         if self.config.estimator == "two_batch":
@@ -490,6 +623,8 @@ class MoLSController:
                 self.clamped[c] = raw
             self.alphas[c] = a
         degenerate_scaled = {k: v for k, v in self.degenerate.items() if k in scaled}
+        if cfg.fixed_multipliers is not None:  # the measured α are not used: nothing to warn about
+            degenerate_scaled, self.clamped = {}, {}
         if degenerate_scaled:
             warnings.warn("MoLS: alpha = 1 (no scaling) for module class(es) with a degenerate SNR estimate: "
                           + ", ".join(f"{k} ({v})" for k, v in degenerate_scaled.items())
@@ -500,6 +635,12 @@ class MoLSController:
                           + ", ".join(f"{c} (alpha {raw:.3g} -> {self.alphas[c]:.3g})"
                                       for c, raw in self.clamped.items())
                           + " (widen with --mech-mols-clamp MIN MAX)", MoLSWarning, stacklevel=2)
+        self.measured_alphas = dict(self.alphas)
+        fixed = cfg.fixed_multipliers
+        if fixed is not None:  # a hand-set reference: the SNRs are reported, the multipliers are the user's
+            scaled = tuple(c for c in all_classes if c in fixed)
+            self.alphas = {c: float(fixed.get(c, 1.0)) for c in all_classes}
+            self.clamped = {}
         self.targets = {}
         for c in all_classes:
             if c not in scaled:
@@ -551,7 +692,7 @@ class MoLSController:
     def metrics(self, step: Optional[int] = None) -> Dict[str, float]:
         """Flat scalars for JSONL / TensorBoard: ``mols/snr/{key}`` (running estimate during the window, final
         after), ``mols/grad_sq/{key}``, ``mols/trace_cov/{key}``, ``mols/alpha/{class}`` (clamped α, after the
-        window), ``mols/target/{class}`` (the group multiplier after the ramp) and ``mols/mult/{class}`` (the
+        window), ``mols/alpha_raw/{key}`` (before the clamp), ``mols/target/{class}`` (the group multiplier after the ramp) and ``mols/mult/{class}`` (the
         live multiplier at ``step``), plus ``mols/window_observed`` and ``mols/done``."""
         out: Dict[str, float] = {}
         for k, e in self.estimates().items():
@@ -560,11 +701,23 @@ class MoLSController:
             out[f"mols/trace_cov/{k}"] = e.trace_cov
         for c, a in self.alphas.items():
             out[f"mols/alpha/{c}"] = a
+        for k, a in self.raw_alphas.items():
+            out[f"mols/alpha_raw/{k}"] = a  # before the clamp: where the estimate sits against it
         for c, t in self.targets.items():
             out[f"mols/target/{c}"] = t
         if step is not None:
             for c, m in self.multipliers(step).items():
                 out[f"mols/mult/{c}"] = m
+        if self.config.fixed_multipliers is not None:
+            for c, a in self.measured_alphas.items():
+                out[f"mols/alpha_measured/{c}"] = a
+        if self.diagnostics:
+            last = self.diagnostics[-1]
+            for k, v in last["snr"].items():
+                out[f"mols/diag_snr/{k}"] = v
+            for k, v in last["alpha"].items():
+                out[f"mols/diag_alpha/{k}"] = v
+            out["mols/diag_end"] = float(last["end"])
         out["mols/window_observed"] = float(self.observed_steps)
         out["mols/done"] = 1.0 if self.done else 0.0
         return out
@@ -614,6 +767,11 @@ class MoLSController:
             "targets": dict(self.targets),
             "clamped": dict(self.clamped),
             "degenerate": dict(self.degenerate),
+            "measured_alphas": dict(self.measured_alphas),
+            "diagnostics": [{"start": d["start"], "end": d["end"], "snr": dict(d["snr"]), "alpha": dict(d["alpha"])}
+                            for d in self.diagnostics],
+            "diagnostic_block": self._diag_block,
+            "diagnostic_sums": self._diag.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any], strict_config: bool = True) -> None:
@@ -629,7 +787,7 @@ class MoLSController:
             saved = MoLSConfig.from_dict(state["config"])
             mine = self.config
             diffs = [n for n in ("window_start", "window_steps", "base", "estimator", "clamp", "classes",
-                                 "fused_qkv_rule") if getattr(saved, n) != getattr(mine, n)]
+                                 "fused_qkv_rule", "fixed_multipliers") if getattr(saved, n) != getattr(mine, n)]
             if diffs:
                 raise ValueError("MoLS state was saved with a different configuration ("
                                  + ", ".join(f"{n}: saved {getattr(saved, n)!r}, now {getattr(mine, n)!r}"
@@ -646,3 +804,13 @@ class MoLSController:
         self.targets = {str(k): float(v) for k, v in state["targets"].items()}
         self.clamped = {str(k): float(v) for k, v in state["clamped"].items()}
         self.degenerate = {str(k): str(v) for k, v in state["degenerate"].items()}
+        # keys added later: states saved before them have no diagnostic and no fixed multipliers
+        self.measured_alphas = {str(k): float(v) for k, v in state.get("measured_alphas", state["alphas"]).items()}
+        self.diagnostics = [{"start": int(d["start"]), "end": int(d["end"]),
+                             "snr": {str(k): float(v) for k, v in d["snr"].items()},
+                             "alpha": {str(k): float(v) for k, v in d["alpha"].items()}}
+                            for d in state.get("diagnostics", [])]
+        self._diag_block = state.get("diagnostic_block")
+        self._diag = TwoBatchSNR()
+        if state.get("diagnostic_sums"):
+            self._diag.load_state_dict(state["diagnostic_sums"])

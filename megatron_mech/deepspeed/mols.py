@@ -123,8 +123,9 @@ class GradientStatistics:
         return scale
 
     def arm(self, iteration: int) -> bool:
-        """Before the first micro-batch of ``iteration``: collect micro-batch norms if it is a window step."""
-        self.armed = self.controller.in_window(iteration)
+        """Before the first micro-batch of ``iteration``: collect micro-batch norms if it is a window step (or a
+        post-window diagnostic step, which is reported only)."""
+        self.armed = self.controller.in_window(iteration) or self.controller.in_diagnostic(iteration)
         self._local.zero_()
         return self.armed
 
@@ -154,8 +155,10 @@ class GradientStatistics:
                                "mech.micro_batch_done() after every engine.backward)")
         small = {c: float(local[i]) / micro for c, i in self._index.items()}
         bigd = {c: float(big[i]) for c, i in self._index.items()}
-        return self.controller.observe(iteration, small, bigd, float(self.engine.train_micro_batch_size_per_gpu()),
-                                       float(self.engine.train_batch_size()))
+        observe = self.controller.observe if self.controller.in_window(iteration) else \
+            self.controller.observe_diagnostic
+        return observe(iteration, small, bigd, float(self.engine.train_micro_batch_size_per_gpu()),
+                       float(self.engine.train_batch_size()))
 
     def remove(self) -> None:
         for h in self._handles:

@@ -375,6 +375,7 @@ def train(args, t: Training, runtime: Runtime, stop_signal: StopOnSignal) -> dic
     tokens_per_step = args.global_batch_size * args.seq_length
     t_start, window_t, window_steps = time.perf_counter(), time.perf_counter(), 0
     step_seconds, action, step = [], Action.CONTINUE, t.start_step
+    valid_history = []  # (step, validation loss) of every periodic evaluation (--eval-interval)
     for step in range(t.start_step + 1, args.train_iters + 1):
         step_started = time.perf_counter()
         t.hook.before_step(step)
@@ -407,6 +408,7 @@ def train(args, t: Training, runtime: Runtime, stop_signal: StopOnSignal) -> dic
             val = evaluate(args, t.model, t.forward_backward, t.valid_sampler, runtime.fast_forward, t.dp_group,
                        t.pp_group)
             logger.info(f"[eval] step {step} validation loss {val:.4f} ppl {math.exp(min(val, 50)):.2f}")
+            valid_history.append([step, val])
         if args.save and args.save_interval and step % args.save_interval == 0:
             t.hook.checkpoint_saved(step, save_checkpoint(args.save, step, t.model, t.optimizer, t.scheduler,
                                                           t.layout, hook=t.hook))
@@ -420,6 +422,7 @@ def train(args, t: Training, runtime: Runtime, stop_signal: StopOnSignal) -> dic
             logger.info(f"[train] {stop_signal.stopped_by} received: stopping cleanly after step {step}")
             break
     return {"final_step": step, "step_seconds": step_seconds, "seconds": time.perf_counter() - t_start,
+            "valid_history": valid_history,
             "stopped_on_alert": action is Action.STOP, "stopped_by_signal": stop_signal.stopped_by}
 
 
@@ -449,6 +452,9 @@ def finish(args, t: Training, runtime: Runtime, run: dict, output_dir: str) -> N
                    "attribution": alert_lines(alerts),
                    "monitor_seconds": hook.evaluation_seconds, "mols_seconds": hook.mols_seconds,
                    "final_mols": hook.mols_metrics(final_step),
+                   "mols_diagnostics": hook.mols_diagnostics(),
+                   "mols_diagnostic_seconds": hook.mols_diagnostic_seconds,
+                   "valid_history": run["valid_history"] + [[final_step, val]],
                    "monitor_breakdown": {**hook.seconds, "router_capture": hook.router_capture_seconds},
                    "alerts": [a.to_dict() for a in alerts]}
         write_summary(Path(output_dir) / "summary.json", summary)

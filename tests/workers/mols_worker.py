@@ -169,7 +169,9 @@ def mols_config(spec: dict, **over):
               min_ramp_steps=int(spec.get("min_ramp", 10)), base=spec.get("base", "vo"),
               clamp=tuple(spec.get("clamp", (0.5, 2.0))), estimator=spec.get("estimator", "two_batch"),
               num_samples=int(spec.get("K", 4)), scale_weight_decay=bool(spec.get("scale_wd", True)),
-              classes=tuple(spec["classes"]) if spec.get("classes") else None)
+              classes=tuple(spec["classes"]) if spec.get("classes") else None,
+              fixed_multipliers=spec.get("fixed"), diagnostic_interval=int(spec.get("diag_interval", 0)),
+              diagnostic_steps=spec.get("diag_steps"))
     kw.update(over)
     return MoLSConfig(**kw)
 
@@ -243,7 +245,8 @@ def _final(mols):
     return {"snr": c.snr, "alphas": c.alphas, "raw_alphas": c.raw_alphas, "targets": c.targets,
             "clamped": c.clamped, "window_end": c.window_end, "ramp_end": c.ramp_end, "route": mols.route,
             "keys": mols.keys, "expert_keys": sorted(mols.expert_keys), "done": c.done, "table": c.table(),
-            "metrics": mols.metrics(), "state": mols.state_dict()}
+            "metrics": mols.metrics(), "state": mols.state_dict(), "diagnostics": c.diagnostics,
+            "measured_alphas": c.measured_alphas, "fused_qkv": c.fused_qkv}
 
 
 # ------------------------------------------------------------------------------------------------ job kinds

@@ -157,6 +157,7 @@ class MegatronMoLS:
         self.last_observation: Optional[dict] = None
         self._config_overrides = None
         self.seconds = 0.0  # wall time spent measuring and applying (overhead accounting, benchmarks)
+        self.diagnostic_seconds = 0.0  # wall time of the post-window diagnostic (report only; not in seconds)
 
     # -- construction helpers
     @classmethod
@@ -298,10 +299,10 @@ class MegatronMoLS:
             if self._suspended or not torch.is_grad_enabled() or not getattr(model, "training", True):
                 return forward_step_func(*args, **kwargs)
             self._fwd_count += 1
-            if self._fwd_count == 2 and self.controller.in_window(self._iteration):
+            if self._fwd_count == 2 and self._measuring(self._iteration):
                 started = time.perf_counter()
                 self._snap = self._reader.local("pre")
-                self.seconds += time.perf_counter() - started
+                self._account(self._iteration, time.perf_counter() - started)
             return forward_step_func(*args, **kwargs)
 
         forward_step._mols_wrapped = True
@@ -313,20 +314,30 @@ class MegatronMoLS:
             if self._suspended:
                 return real(*args, **kwargs)
             it = self._iteration
-            active = self.controller.in_window(it)
+            active = self._measuring(it)
             started = time.perf_counter()
             pre = self._reader.local("pre") if active and self.route == "dp" else None
-            self.seconds += time.perf_counter() - started
+            self._account(it, time.perf_counter() - started)
             out = real(*args, **kwargs)
             if active:
                 started = time.perf_counter()
                 self._observe(it, pre)
-                self.seconds += time.perf_counter() - started
+                self._account(it, time.perf_counter() - started)
             self._fwd_count, self._snap = 0, None
             return out
 
         finalize_model_grads._mols_real = real
         return finalize_model_grads
+
+    def _account(self, it: int, seconds: float) -> None:
+        if self.controller.in_window(it) or not self.controller.in_diagnostic(it):
+            self.seconds += seconds
+        else:
+            self.diagnostic_seconds += seconds
+
+    def _measuring(self, it: int) -> bool:
+        """Gradient statistics are taken at window iterations and at post-window diagnostic iterations."""
+        return self.controller.in_window(it) or self.controller.in_diagnostic(it)
 
     def _observe(self, it: int, pre) -> None:
         r = self._reader
@@ -380,6 +391,10 @@ class MegatronMoLS:
             big_n[k] = post[row, KEY_INDEX[k]].item() / post_div / ls2
         self.last_observation = {"iteration": it, "small": small_n, "big": big_n, "small_batch": small_b,
                                  "big_batch": B, "route": self.route}
+        if not self.controller.in_window(it):  # a diagnostic iteration: reported, multipliers unchanged
+            self.controller.observe_diagnostic(it, small_n, big_n, small_b, B)
+            self._observed_iteration = it
+            return
         was_done = self.controller.done
         self.controller.observe(it, small_n, big_n, small_b, B)
         self._observed_iteration = it
