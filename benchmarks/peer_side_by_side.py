@@ -96,7 +96,7 @@ def peer_routing_entropy(logits: torch.Tensor) -> torch.Tensor:
 def our_dw_entropy(delta: torch.Tensor) -> torch.Tensor:
     k = min(delta.shape)
     shard_dim = 0 if delta.shape[0] >= delta.shape[1] else 1
-    packed = shard_gram(delta, shard_dim, accumulate_dtype=torch.float32).double()
+    packed = shard_gram(delta, shard_dim, accumulate_dtype=torch.float32, lower_only=True).double()
     return spectral_entropy(spectrum_from_shard_grams(packed, k, eig_dtype=torch.float32))
 
 
