@@ -877,6 +877,7 @@ class AttentionMonitor:
                 offsets.append(total)
                 total += sizes[u]
             buf = torch.zeros(total, dtype=_F64, device=device)
+            self._qk_jobs = []                             # only this bucket's cores (never a failed one's)
             for u, off in zip(bucket, offsets):
                 kind, i = units[u]
                 piece = buf[off:off + sizes[u]]
