@@ -390,10 +390,26 @@ def _block_grams(delta: torch.Tensor, base: torch.Tensor, core_dtype: torch.dtyp
     ``ΔΔᵀ``, ``ΔWᵀ``, ``WWᵀ``, each one batched GEMM in the input dtype, returned in ``core_dtype``. The fourth
     block is the transpose of the second, and every other block pair a term needs (e.g. W' = W + Δ) follows
     from these three in ``core_dtype``, so no d_model-long product is formed twice. (Three d_head-wide GEMMs do
-    3/4 of the FLOPs of the one 2·d_head-wide Gram of the stacked [Δ; W].)"""
-    return {("d", "d"): (delta @ delta.transpose(1, 2)).to(core_dtype),
+    3/4 of the FLOPs of the one 2·d_head-wide Gram of the stacked [Δ; W]; the two symmetric ones are formed
+    by their lower block rows, which brings it to 5/8.)"""
+    return {("d", "d"): _symmetric_gram(delta).to(core_dtype),
             ("d", "w"): (delta @ base.transpose(1, 2)).to(core_dtype),
-            ("w", "w"): (base @ base.transpose(1, 2)).to(core_dtype)}
+            ("w", "w"): _symmetric_gram(base).to(core_dtype)}
+
+
+def _symmetric_gram(x: torch.Tensor) -> torch.Tensor:
+    """``x xᵀ`` for ``x`` [N, n, d_model] with 3/4 of the GEMM FLOPs: the two lower block rows of a 2 × 2
+    split (``x₁x₁ᵀ`` and ``x₂xᵀ``), the upper-right block mirrored from the lower-left one (an n²/4 copy).
+    Rows narrower than 32 per half go through one GEMM (too small to gain)."""
+    n = x.shape[1]
+    half = n // 2
+    if half < 32:
+        return x @ x.transpose(1, 2)
+    out = torch.empty(x.shape[0], n, n, dtype=x.dtype, device=x.device)
+    torch.matmul(x[:, :half], x[:, :half].transpose(1, 2), out=out[:, :half, :half])
+    torch.matmul(x[:, half:], x.transpose(1, 2), out=out[:, half:, :])
+    out[:, :half, half:] = out[:, half:, :half].transpose(1, 2)
+    return out
 
 
 def _gram_block(blocks: dict, left: str, right: str) -> torch.Tensor:
