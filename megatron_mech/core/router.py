@@ -134,8 +134,12 @@ def routing_entropy(logits: torch.Tensor) -> torch.Tensor:
     # -inf entries (masked experts) are clamped to the most negative finite value: p = 0 there, and 0 * y = 0.
     y = (z - z.amax(dim=-1, keepdim=True)).clamp_min(-torch.finfo(z.dtype).max)
     probs = torch.softmax(y, dim=-1)
-    # sum_e p_e y_e as a batched [1, E] x [E, 1] product: one fused kernel (mul + sum is two passes).
-    p_dot_y = torch.matmul(probs.reshape(-1, 1, experts), y.reshape(-1, experts, 1)).reshape(z.shape[:-1])
+    # sum_e p_e y_e. On CPU as a batched [1, E] x [E, 1] product: one kernel (mul + sum is two passes, slower
+    # there); elsewhere mul + sum, which is fast on an accelerator and never goes through a TF32 matmul.
+    if z.device.type == "cpu":
+        p_dot_y = torch.matmul(probs.reshape(-1, 1, experts), y.reshape(-1, experts, 1)).reshape(z.shape[:-1])
+    else:
+        p_dot_y = (probs * y).sum(dim=-1)
     entropy = -torch.log(probs.amax(dim=-1)) - p_dot_y     # log S - sum p y, with log S = -log p_max
     return entropy.clamp_min(0.0)
 

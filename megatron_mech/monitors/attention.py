@@ -223,7 +223,10 @@ class AttentionMonitorConfig:
         eval_device: where an evaluation computes (ΔW, Grams, eigenproblems): ``"device"`` (default: where the
             live weights are; the snapshots are copied there) or ``"host"`` (CPU, where the snapshots live by
             default; the Q/K rows of the live weights are copied to host memory, and the accelerator does no
-            monitor arithmetic). The reduce buffers travel on the collective's device either way.
+            monitor arithmetic). The reduce buffers travel on the collective's device either way. On a GPU whose
+            float32 matmuls are allowed TF32 (10-bit mantissa) by the training script, the float32 Grams on the
+            device would be rounded to ~1e-3: use ``"host"`` or ``gram_dtype="float64"`` there (the monitor
+            does not touch the process-wide matmul precision flags).
         qk_batch: how the per-head r × r eigenproblems of the Gram route are grouped (``qk_method="gram"``):
             ``"all"`` (default): one batched Cholesky + ``eigvalsh`` for all heads, terms and layers of an
             evaluation bucket that share a core size; ``"item"``: one per layer; ``"head"``: one per head and
