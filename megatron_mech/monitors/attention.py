@@ -85,10 +85,13 @@ Only the Q and K row blocks (not V) of each layer, and the extra linears, are sn
 ``snapshot_device`` (host memory by default), as float32 — float64 for float64 weights. Upcasting bf16/fp16 is
 exact, so the snapshot is the live weight bit for bit and ΔW is not quantized a second time; float32 (rather
 than the weight's own 16-bit dtype) keeps the monitor correct if an adapter points it at fp32 main params.
-Host memory: ``4·(H + G)·d_head·d_model`` bytes per layer and rank. ΔW, the Grams and the QK spectra are
+Host memory: ``4·(H + G)·d_head·d_model`` bytes per layer and rank (a 70B-shaped layout at TP 8, PP 8, DP 16
+with the data-parallel split: one layer per rank, 36 MiB). The snapshot cannot be replaced by a reference to
+the optimizer's previous buffer (where the main params are copied into the model params): that buffer holds
+W_{t−1}, while ΔW spans δ steps, so W_{t−δ} has to be kept somewhere. ΔW, the Grams and the QK spectra are
 computed on the weight's device (``eval_device="device"``) or on the host (``"host"``), in float32 for
-float32/bf16/fp16 weights (``gram_dtype``) and reduced in a float64 buffer. Non-finite weights give NaN metrics (flagged by the detectors),
-never an exception.
+float32/bf16/fp16 weights (``gram_dtype``) and reduced in a float64 buffer. Non-finite weights give NaN
+metrics (flagged by the detectors), never an exception.
 
 State
 -----
