@@ -22,6 +22,7 @@ from megatron_mech.core.spectral import (
     spectral_entropy,
 )
 from megatron_mech.monitors import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
+from megatron_mech.monitors import attention as attention_module
 
 
 def layer_weights(heads, groups, d_model, d_head, seed, dtype=torch.float32, rank=None):
@@ -101,7 +102,7 @@ def fused_qkv(wq, wk, wv):
 
 
 @pytest.mark.parametrize("eval_device", ["device", "host"])
-def test_monitor_batch_modes_and_eval_device_agree(eval_device):
+def test_monitor_batch_modes_and_eval_device_agree(eval_device, monkeypatch):
     """Two layers of real head geometry through AttentionMonitor: every qk_batch mode and both evaluation
     devices give the same metrics (on this CPU-only machine "device" is the CPU too: this checks the host path
     end to end, the GPU comparison is for a GPU run)."""
@@ -112,20 +113,22 @@ def test_monitor_batch_modes_and_eval_device_agree(eval_device):
     live = [fused_qkv(w[0], w[1], torch.randn(2, 256, 64, generator=gen)) for w in weights]
     nxt = [fused_qkv(w[2], w[3], torch.randn(2, 256, 64, generator=gen)) for w in weights]
     metrics = {}
-    for mode in ("all", "item", "head"):
+    for mode in ("all", "item", "head", "all, flushed per layer"):
+        if mode.startswith("all,"):        # the memory cap on pending cores reached after every layer
+            monkeypatch.setattr(attention_module, "_QK_BATCH_BYTES", 1)
         params = [p.clone() for p in live]
         layers = [AttentionLayer(layer=i, qkv_weight=p, num_heads=4, num_query_groups=2, head_dim=64)
                   for i, p in enumerate(params)]
-        monitor = AttentionMonitor(layers, AttentionMonitorConfig(interval=2, qk_batch=mode,
+        monitor = AttentionMonitor(layers, AttentionMonitorConfig(interval=2, qk_batch=mode.split(",")[0],
                                                                   eval_device=eval_device))
         assert monitor.observe(0) is None
         for p, q in zip(params, nxt):
             p.copy_(q)
         metrics[mode], _ = monitor.observe(2)
-    assert metrics["all"].keys() == metrics["head"].keys() == metrics["item"].keys()
+    assert all(m.keys() == metrics["all"].keys() for m in metrics.values())
     heads = [n for n in metrics["all"] if "/head" in n]
     assert len(heads) == 2 * 4 * len(QK_TERMS)
-    for mode in ("item", "head"):
+    for mode in ("item", "head", "all, flushed per layer"):
         for name, value in metrics["all"].items():
             other = metrics[mode][name]
             assert (value is None) == (other is None), name

@@ -135,6 +135,9 @@ DW_ROUTES = ("auto", "gram", "krylov")
 EVAL_DEVICES = ("device", "host")
 _STATE_VERSION = 1
 _F64 = torch.float64
+# Pending QK cores (2·T·H·(2·d_head)² values per layer: 50 MiB in float32 for 32 heads and 3 terms) are solved
+# as soon as they exceed this, so batching across layers never holds more than ~this much extra memory.
+_QK_BATCH_BYTES = 256 * 2 ** 20
 
 
 def _is_int(x: Any) -> bool:
@@ -225,14 +228,15 @@ class AttentionMonitorConfig:
             replica; the others add exact zeros). False: every replica evaluates everything.
         eval_device: where an evaluation computes (ΔW, Grams, eigenproblems): ``"device"`` (default: where the
             live weights are; the snapshots are copied there) or ``"host"`` (CPU, where the snapshots live by
-            default; the Q/K rows of the live weights are copied to host memory, and the accelerator does no
-            monitor arithmetic). The reduce buffers travel on the collective's device either way. On a GPU whose
+            default; the live fused QKV weight is copied to host memory, and the accelerator does no monitor
+            arithmetic). The reduce buffers travel on the collective's device either way. On a GPU whose
             float32 matmuls are allowed TF32 (10-bit mantissa) by the training script, the float32 Grams on the
             device would be rounded to ~1e-3: use ``"host"`` or ``gram_dtype="float64"`` there (the monitor
             does not touch the process-wide matmul precision flags).
         qk_batch: how the per-head r × r eigenproblems of the Gram route are grouped (``qk_method="gram"``):
             ``"all"`` (default): one batched Cholesky + ``eigvalsh`` for all heads, terms and layers of an
-            evaluation bucket that share a core size; ``"item"``: one per layer; ``"head"``: one per head and
+            evaluation bucket that share a core size (in batches of at most 256 MiB of cores); ``"item"``: one
+            per layer; ``"head"``: one per head and
             term. Same values to rounding; ``"all"`` makes the fewest calls (the kernel-launch count on an
             accelerator, the per-call overhead on a CPU); see ``benchmarks/peer_side_by_side.py`` for the
             measured gain.
@@ -700,6 +704,9 @@ class AttentionMonitor:
         target = block[:, start:start + lay.num_heads]         # zero padding elsewhere: the SUM gathers heads
         if self.config.qk_method == "gram":   # the cores wait for the rest of the bucket: one eigenproblem batch
             self._qk_jobs.append((qk_increment_cores(wq_prev, wk_prev, wq, wk, terms=terms, gram_dtype=dt), target))
+            held = sum(c.grams_a.numel() * c.grams_a.element_size() * 2 for c, _ in self._qk_jobs)
+            if held > _QK_BATCH_BYTES:
+                self._run_qk_jobs()
             return
         spectra = qk_increment_spectra(wq_prev, wk_prev, wq, wk, terms=terms, method=self.config.qk_method)
         self._write_qk_entropies(spectra, target)
