@@ -12,10 +12,11 @@ formulas its description gives (nothing of its code is used):
 Ours: :func:`megatron_mech.core.sharded.shard_gram` (lower triangle only) + ``spectrum_from_shard_grams`` (the
 monitor's ΔW route, through its float64 reduce buffer: float32 Gram and eigenproblem for float32 weights),
 :func:`megatron_mech.core.spectral.qk_increment_spectra` (Δ2 only: three float32 d_head-wide block Grams —
-the symmetric two by their lower block rows — balanced, unit-scaled float32 r×r cores) and :func:`megatron_mech.core.router.routing_entropy` (one softmax
-pass). Batched rows: the per-head r×r eigenproblems of several layers through
-:func:`megatron_mech.core.spectral.spectra_from_qk_cores` — one call per head, one per layer, one for all —
-and a multi-layer Δ2 evaluation, the peer head by head against ours batched across layers.
+the symmetric two by their lower block rows — balanced, unit-scaled float32 r×r cores) and
+:func:`megatron_mech.core.router.routing_entropy` (one softmax pass). Batched rows: the per-head r×r
+eigenproblems of several layers through :func:`megatron_mech.core.spectral.spectra_from_qk_cores` — one call
+per head, one per layer, one for all — and a multi-layer Δ2 evaluation, the peer head by head against ours
+batched across layers.
 
 Accuracy is measured against float64 dense references (SVD of ΔW, of the d×d Δ2 product; the float64
 entropy formula). Timings are best of ``--repeats``, the two implementations interleaved. The Δ2 Gram route
@@ -221,10 +222,12 @@ def main(argv=None) -> int:
     t = interleaved({"peer": lambda: [peer_delta2_spectra(*w) for w in layers],
                      "ours": lambda: our_delta2_layers(layers)}, args.repeats)
     w64 = [x.double() for x in layers[0]]
-    dense = (w64[2][:1] - w64[0][:1]) @ w64[1][:1].transpose(1, 2) + w64[0][:1] @ (w64[3][:1] - w64[1][:1]).transpose(1, 2)
+    dense = ((w64[2][:1] - w64[0][:1]) @ w64[1][:1].transpose(1, 2)
+             + w64[0][:1] @ (w64[3][:1] - w64[1][:1]).transpose(1, 2))
     ref = float(spectral_entropy(matrix_spectrum(dense)[:, : 2 * args.head_dim])[0])
     rows.append({"computation": f"Δ2, {args.layers} layers × {args.heads} heads, d={args.layer_d_model}, batched "
-                                "across layers", "peer_s": t["peer"], "ours_s": t["ours"], "ratio": t["peer"] / t["ours"],
+                                "across layers",
+                 "peer_s": t["peer"], "ours_s": t["ours"], "ratio": t["peer"] / t["ours"],
                  "err_ours": abs(float(spectral_entropy(our_delta2_layers(layers)[0][:1])[0]) - ref),
                  "err_peer": abs(float(spectral_entropy(peer_delta2_spectra(*[x[:1] for x in layers[0]]))[0]) - ref)})
 

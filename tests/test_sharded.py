@@ -132,8 +132,9 @@ def test_sharded_spectra_under_torchrun_gloo(nproc):
 @pytest.mark.parametrize("shard_dim", [0, 1])
 def test_lower_only_gram_is_the_lower_triangle_by_blocks(shard_dim):
     """k = 1100 takes the blocked path (2 column blocks of uneven width): the packed Gram is the lower triangle
-    of the full one (above the whole diagonal blocks exact zeros), and the spectrum, norm and non-finite count are those of the full
-    route. float64: the blocks are the same dot products as the full GEMM's, to rounding (1e-12 relative)."""
+    of the full one (above the whole diagonal blocks exact zeros), and the spectrum, norm and non-finite count
+    are those of the full route. float64: the blocks are the same dot products as the full GEMM's, to rounding
+    (1e-12 relative)."""
     gen = torch.Generator().manual_seed(3)
     M = torch.randn(40, 1100, dtype=torch.float64, generator=gen)
     M = M if shard_dim == 0 else M.T.contiguous()          # Gram over the 1100-long side either way
