@@ -28,9 +28,9 @@ from typing import Any, Mapping, Optional
 
 from megatron_mech.core.checks import is_int
 from megatron_mech.core.mols import ESTIMATORS
-from megatron_mech.core.spectral import QK_METHODS, QK_TERMS
+from megatron_mech.core.spectral import QK_BATCHES, QK_METHODS, QK_TERMS
 from megatron_mech.core.taxonomy import FUSED_QKV_RULES, MODULE_CLASSES
-from megatron_mech.monitors.attention import DW_SCOPES
+from megatron_mech.monitors.attention import DW_SCOPES, EVAL_DEVICES
 from megatron_mech.options import (add_section_flags, option, section_from_dict, section_from_flags,
                                    section_to_dict)
 from megatron_mech.studies.fault_config import FaultConfig
@@ -57,8 +57,15 @@ class MonitorConfig:
                            choices=DW_SCOPES)
     qk_terms: tuple = option(QK_TERMS, "QK-increment terms to compute per head", flag="--mech-qk-terms",
                              nargs="+", choices=QK_TERMS)
-    qk_method: str = option("gram", "core of the compressed QK spectra (gram: float64 Grams + eigh; qr: thin QR)",
+    qk_method: str = option("gram", "core of the compressed QK spectra (gram: block Grams + small batched "
+                            "eigenproblems, float32 for float32/bf16 weights; qr: thin QR)",
                             flag="--mech-qk-method", choices=QK_METHODS)
+    eval_device: str = option("device", "where an evaluation computes: device (where the weights are; snapshots "
+                              "copied there) or host (CPU, where the snapshots live; no accelerator arithmetic)",
+                              flag="--mech-eval-device", choices=EVAL_DEVICES)
+    qk_batch: str = option("all", "grouping of the per-head eigenproblems: all (one batched call for every layer "
+                           "and head of an evaluation), item (one per layer), head (one per head)",
+                           flag="--mech-qk-batch", choices=QK_BATCHES)
     all_linears: bool = option(False, "also ΔW spectra of every dense linear (attention output, MLP fc1/fc2), "
                                "exact across TP", flag="--mech-all-linears")
     snapshot_device: str = option("cpu", "where the W_{t-δ} snapshots live (cpu: host memory, no accelerator "
@@ -98,7 +105,8 @@ class MonitorConfig:
         try:
             return AttentionMonitorConfig(interval=self.interval, dw_scope=self.dw_scope, qk_terms=self.qk_terms,
                                           qk_method=self.qk_method, snapshot_device=snapshot_device,
-                                          save_snapshots=self.checkpoint_snapshots, dp_split=self.dp_split)
+                                          save_snapshots=self.checkpoint_snapshots, dp_split=self.dp_split,
+                                          eval_device=self.eval_device, qk_batch=self.qk_batch)
         except ValueError as e:
             name = str(e).split()[0]
             flag = {f.name: f.metadata.get("flag") for f in dataclasses.fields(self)}.get(name)

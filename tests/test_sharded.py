@@ -127,3 +127,32 @@ def test_bucket_plan_and_no_dist_packing():
 def test_sharded_spectra_under_torchrun_gloo(nproc):
     result = run_torchrun(WORKER, nproc=nproc, timeout=200)
     assert "SHARDED PASS" in result.stdout, result.stdout[-4000:]
+
+
+@pytest.mark.parametrize("shard_dim", [0, 1])
+def test_lower_only_gram_is_the_lower_triangle_by_blocks(shard_dim):
+    """k = 1100 takes the blocked path (2 column blocks of uneven width): the packed Gram is the lower triangle
+    of the full one (above the whole diagonal blocks exact zeros), and the spectrum, norm and non-finite count
+    are those of the full route. float64: the blocks are the same dot products as the full GEMM's, to rounding
+    (1e-12 relative)."""
+    gen = torch.Generator().manual_seed(3)
+    M = torch.randn(40, 1100, dtype=torch.float64, generator=gen)
+    M = M if shard_dim == 0 else M.T.contiguous()          # Gram over the 1100-long side either way
+    k = gram_size(M.shape, shard_dim)
+    assert k == 1100
+    full = shard_gram(M, shard_dim)
+    lower = shard_gram(M, shard_dim, lower_only=True)
+    g_full, g_lower = full[: k * k].view(k, k), lower[: k * k].view(k, k)
+    upper = torch.ones(k, k, dtype=torch.bool).triu(1)
+    formed = upper & (g_lower != 0)                         # inside the whole diagonal blocks only
+    assert formed.any() and not formed[:550, 550:].any()   # the upper-right block is never formed
+    torch.testing.assert_close(g_lower[formed], g_full[formed], rtol=1e-12, atol=1e-12 * float(g_full.abs().max()))
+    torch.testing.assert_close(g_lower.tril(), g_full.tril(), rtol=1e-12, atol=1e-12 * float(g_full.abs().max()))
+    assert torch.equal(lower[k * k:], full[k * k:])
+    torch.testing.assert_close(spectrum_from_shard_grams(lower, k), spectrum_from_shard_grams(full, k),
+                               rtol=0, atol=1e-10 * float(matrix_spectrum(M)[0]))
+    assert math.isclose(frobenius_from_shard_grams(lower, k), frobenius_from_shard_grams(full, k), rel_tol=1e-12)
+    M[3, 7] = math.nan
+    bad = shard_gram(M, shard_dim, lower_only=True)
+    assert bad[-1] == 1 and torch.isfinite(bad[:-1]).all()
+    assert torch.isnan(spectrum_from_shard_grams(bad, k)).all()

@@ -130,7 +130,11 @@ def assert_spectra_close(got, want, dtype):
     # (eigenvalues carry an absolute error of eps·σ_max²), hence 1e-6 rather than ~1e-14.
     # float32 weights: the Gram route forms its Grams in float32 (the documented dtype policy), so a singular
     # value near zero is resolved to ~sqrt(c·eps32)·σ_max ≈ 3e-4·σ_max; entropies (p ∝ σ²) stay within 1e-4.
-    rel, ent_tol = (1e-3, 1e-4) if dtype == torch.float32 else (1e-6, 1e-5)
+    # That σ_max is the factors' scale ‖A‖·‖B‖ (balanced), which exceeds the product's top singular value when
+    # the product cancels: Δ3 = ΔW_q ΔW_kᵀ of rank-1 increments with d_model < 2·d_head (H=6, G=3, d_model 4,
+    # d_head 8, full-size steps) measured 1.9e-3 of the product's top value with float64 cores and 2.6e-3
+    # with the float32 cores of float32 Grams (entropy error 3e-5), hence 5e-3 for float32.
+    rel, ent_tol = (5e-3, 1e-4) if dtype == torch.float32 else (1e-6, 1e-5)
     for name, ref in want.items():
         x = getattr(got, name)
         assert x.shape == ref.shape and x.dtype == torch.float64

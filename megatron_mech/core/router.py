@@ -22,11 +22,16 @@ Formulas
 * Conditioning ratio ``eps = max_i ||w_i - w_bar|| / ||w_bar||`` and ``mean_deviation = mean_i ||w_i -
   w_bar|| / ||w_bar||`` with ``w_bar`` the mean row. Small eps <=> rows nearly identical <=> a redundant,
   non-discriminative router. ``||w_bar|| = 0`` gives ``inf`` for both (also for an all-zero weight).
-* Routing entropy (nats) of p = softmax(z) over all E experts: ``H = -sum_e p_e log p_e`` with p from
-  ``softmax`` and log p from ``log_softmax`` (both max-shift internally, so nothing overflows, and log p is
-  accurate even where p underflows). Every term is >= 0, so there is no cancellation even for logits of
-  +-1e4. Masked experts (logit -inf) and underflowed ones have p_e = 0 and contribute 0 (the 0 * (-inf)
-  product is never formed). Normalised entropy is ``H / log E`` in [0, 1].
+* Routing entropy (nats) of p = softmax(z) over all E experts, from ONE softmax pass. With the shifted
+  logits y = z - max_e z (all <= 0, so nothing overflows) and S = sum_e exp(y_e): ``log p_e = y_e - log S``,
+  hence ``H = -sum_e p_e log p_e = log S - sum_e p_e y_e``, and ``log S = -log p_max`` because the top expert
+  has y = 0, p_max = 1/S. So H needs p (one fused ``softmax``), one dot product p.y per token and one log;
+  no ``exp`` of underflowing values (an explicit exp of very negative logits, and a second exp pass inside
+  ``log_softmax``, are several times slower on CPU on peaked routing, the case we monitor for). Both terms
+  are >= 0 (p.y <= 0 <= log S), so there is no cancellation even for logits of +-1e4; the relative error is a
+  few eps. Masked experts (logit -inf) and underflowed ones have p_e = 0 and contribute 0 (y is clamped to the
+  most negative finite value first, so the 0 * (-inf) product is never formed). Normalised entropy is
+  ``H / log E`` in [0, 1].
 * Margin: top-1 logit minus top-2 logit, per token. Load: how many times each expert is in a token's top-k.
   Load entropy: entropy of the load fractions divided by log E (1 = perfectly balanced).
 
@@ -124,14 +129,18 @@ def routing_entropy(logits: torch.Tensor) -> torch.Tensor:
     if logits.ndim < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must have a non-empty last (expert) dim, got shape {tuple(logits.shape)}")
     z = logits.to(_compute_dtype(logits))
-    # softmax / log_softmax are fused, vectorised kernels; an explicit exp of max-shifted logits is several
-    # times slower on CPU when most of them underflow (peaked routing, the case we monitor for).
-    log_probs = torch.log_softmax(z, dim=-1)
-    probs = torch.softmax(z, dim=-1)
-    # Masked experts: p = 0 and log p = -inf. Replace log p by 0 *before* multiplying so that neither the value
-    # nor the gradient ever sees 0 * (-inf).
-    log_probs = torch.where(probs > 0, log_probs, torch.zeros((), dtype=z.dtype, device=z.device))
-    entropy = -(probs * log_probs).sum(dim=-1)
+    experts = z.shape[-1]
+    # y = z - max <= 0. A NaN or +inf logit, or an all -inf row, makes the row's y NaN and hence H NaN.
+    # -inf entries (masked experts) are clamped to the most negative finite value: p = 0 there, and 0 * y = 0.
+    y = (z - z.amax(dim=-1, keepdim=True)).clamp_min(-torch.finfo(z.dtype).max)
+    probs = torch.softmax(y, dim=-1)
+    # sum_e p_e y_e. On CPU as a batched [1, E] x [E, 1] product: one kernel (mul + sum is two passes, slower
+    # there); elsewhere mul + sum, which is fast on an accelerator and never goes through a TF32 matmul.
+    if z.device.type == "cpu":
+        p_dot_y = torch.matmul(probs.reshape(-1, 1, experts), y.reshape(-1, experts, 1)).reshape(z.shape[:-1])
+    else:
+        p_dot_y = (probs * y).sum(dim=-1)
+    entropy = -torch.log(probs.amax(dim=-1)) - p_dot_y     # log S - sum p y, with log S = -log p_max
     return entropy.clamp_min(0.0)
 
 

@@ -108,22 +108,61 @@ def gram_size(shape: Sequence[int], shard_dim: int) -> int:
     return int(shape[1 - shard_dim])
 
 
-def shard_gram(local: torch.Tensor, shard_dim: int, accumulate_dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def _lower_block_count(k: int, lower_only: bool) -> int:
+    """Column blocks of the lower-triangle Gram: (b + 1)/(2b) of the full GEMM's FLOPs with blocks ≥ 512 wide,
+    at most 8 (56 %). Measured on one CPU core, k = 4096: 4 blocks take 0.66 and 8 blocks 0.58 of the full
+    GEMM's time (narrower blocks would lose more GEMM speed than they save)."""
+    return max(1, min(8, k // 512)) if lower_only else 1
+
+
+def _gram_into(a: torch.Tensor, gram: torch.Tensor, lower_only: bool) -> None:
+    """``gram ← aᵀa`` for ``a`` ``[m_r, k]`` (any strides), written in place; with ``lower_only`` only the block
+    lower triangle (diagonal blocks whole) is formed and the rest of ``gram`` is left as it was."""
+    k = gram.shape[0]
+    blocks = _lower_block_count(k, lower_only)
+    if blocks == 1:
+        torch.mm(a.T, a, out=gram)
+        return
+    edges = [k * i // blocks for i in range(blocks + 1)]
+    for lo, hi in zip(edges[:-1], edges[1:]):       # block row [lo, hi): columns 0 .. hi (its lower part)
+        torch.mm(a[:, lo:hi].T, a[:, :hi], out=gram[lo:hi, :hi])
+
+
+def shard_gram(local: torch.Tensor, shard_dim: int, accumulate_dtype: torch.dtype = torch.float64,
+               lower_only: bool = False) -> torch.Tensor:
     """This rank's packed contribution ``[Gram (k·k) | split size | non-finite count]``, flat, ``accumulate_dtype``.
 
     Row split (``shard_dim=0``): ``localᵀ·local`` (``n × n``); column split: ``local·localᵀ`` (``m × m``).
     Summed over ranks it is the packed Gram of the whole matrix. Non-finite entries are zeroed in the Gram (so
     nothing overflows into neighbouring buffers) and counted. Computed on ``local``'s device.
+
+    ``lower_only``: form only the lower triangle (by column blocks, the diagonal blocks whole; the rest is exact
+    zeros): 25 % fewer GEMM FLOPs at k = 1024, 44 % at k ≥ 4096. That is all
+    :func:`spectrum_from_shard_grams` (which reads the lower triangle) and :func:`frobenius_from_shard_grams`
+    (the diagonal) need; the sum over ranks keeps the layout.
+
+    The Gram is written straight into the packed vector (no copy). Finite input — the normal case — costs no
+    pass over ``local`` besides the GEMM: a non-finite entry makes its column's diagonal entry of the Gram
+    (a sum of squares) non-finite, and only then is the slice scanned, zeroed and counted.
     """
     _check_local(local, shard_dim)
     _check_dtype(accumulate_dtype)
     x = local.detach().to(accumulate_dtype)
-    finite = torch.isfinite(x)
-    bad = (~finite).sum().to(accumulate_dtype)
-    x = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
-    gram = x.T @ x if shard_dim == 0 else x @ x.T
-    split = torch.tensor([float(local.shape[shard_dim])], dtype=accumulate_dtype, device=x.device)
-    return torch.cat([gram.reshape(-1), split, bad.reshape(1)])
+    a = x if shard_dim == 0 else x.T                     # Gram = aᵀa, a is [split, k]
+    k = a.shape[1]
+    packed = (torch.zeros if lower_only else torch.empty)(k * k + 2, dtype=accumulate_dtype, device=x.device)
+    gram = packed[: k * k].view(k, k)
+    _gram_into(a, gram, lower_only)
+    bad = 0.0
+    if not bool(torch.isfinite(gram.diagonal()).all()):
+        finite = torch.isfinite(a)
+        bad = float((~finite).sum())
+        if bad:
+            gram.zero_()
+            _gram_into(torch.where(finite, a, torch.zeros((), dtype=a.dtype, device=a.device)), gram, lower_only)
+    packed[k * k] = float(local.shape[shard_dim])
+    packed[k * k + 1] = bad
+    return packed
 
 
 def spectrum_from_shard_grams(packed: torch.Tensor, k: int, eig_dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -225,7 +264,7 @@ def sharded_matrix_spectra(locals_: Sequence[torch.Tensor], shard_dim: Union[int
         raise ValueError(f"shard_dim has {len(dims)} entries for {len(locals_)} matrices")
     for i, (t, d) in enumerate(zip(locals_, dims)):
         _check_local(t, d, name=f"locals[{i}]")
-    packed = [shard_gram(t, d, accumulate_dtype) for t, d in zip(locals_, dims)]
+    packed = [shard_gram(t, d, accumulate_dtype, lower_only=True) for t, d in zip(locals_, dims)]
     summed = all_reduce_packed(packed, group=group, bucket_elements=bucket_elements)
     return [spectrum_from_shard_grams(p, gram_size(t.shape, d)) for p, t, d in zip(summed, locals_, dims)]
 

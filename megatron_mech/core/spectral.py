@@ -13,12 +13,16 @@ Dtype policy
 * ``matrix_spectrum`` computes in ``float64`` for float64 input, otherwise in ``float32`` (bf16/fp16 upcast).
 * ``qk_increment_spectra`` (method ``"gram"``, the default) forms ΔW first, in the input precision, then its
   d_model-long block Grams in float32 for float32/bf16/fp16 weights (float64 for float64 weights or
-  ``gram_dtype=torch.float64``); only the small r×r cores (r ≤ 2·d_head: balancing, Cholesky, eigenvalues) run
-  in float64. Why float32 is enough there: the increments are 1e-3..1e-6 of the weights, but ΔW is formed
+  ``gram_dtype=torch.float64``), and the small r×r cores (r ≤ 2·d_head: Cholesky, eigenvalues) in the same
+  precision as the Grams (``core_dtype`` overrides; the balancing ratios and the final scaling are float64).
+  Why float32 is enough there: the increments are 1e-3..1e-6 of the weights, but ΔW is formed
   before any product (never as a difference of Grams) and the blocks are balanced to equal norms, so the
   Gram error is ~eps32·σ_max² of the increment's own spectrum: singular values near zero are resolved to
   ~3e-4·σ_max and the entropies (p ∝ σ²) to ~1e-6, far below what separates a collapsed update from a
   healthy one (entropy drops of 1e-2 and more). float64 Grams halve the GEMM speed for digits nobody reads.
+  A float32 core adds an error of the same order (eps32 on eigenvalues of a unit-scaled core); measured at
+  d_model 4096, d_head 128: entropy error 1e-9 on a full-rank step and 2e-6 on a rank-2 one (float64 core:
+  7e-10 and 9e-7), against a float64 dense reference.
   Method ``"qr"`` works in the input precision (at least float32) and is backward stable there.
 * Entropies are computed in ``float64``.
 
@@ -39,18 +43,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import torch
 
 __all__ = [
+    "QKCores",
     "QKIncrementSpectra",
     "effective_rank",
     "matrix_spectrum",
+    "qk_increment_cores",
     "qk_increment_spectra",
     "qk_increment_spectra_dense",
     "qk_increment_spectra_gram",
     "qk_increment_spectra_qr",
+    "spectra_from_qk_cores",
     "spectral_entropy",
     "spectrum_from_gram",
     "stable_rank",
@@ -90,11 +97,15 @@ def guarded_linalg(fn, x: torch.Tensor, outputs: int = 1):
     fails gives NaN. Returns what ``fn`` returns.
     """
     finite = torch.isfinite(x).flatten(-2).all(dim=-1)
-    clean = torch.where(finite[..., None, None], x, torch.zeros((), dtype=x.dtype, device=x.device))
+    all_finite = bool(finite.all())    # the normal case: no zeroing copy of the batch
+    clean = x if all_finite else torch.where(finite[..., None, None], x, torch.zeros((), dtype=x.dtype,
+                                                                                     device=x.device))
     try:
         result = fn(clean)
     except RuntimeError:  # torch.linalg.LinAlgError is a RuntimeError
         result = _guarded_elementwise(fn, clean, outputs)
+    if all_finite:
+        return result
     if outputs == 1:
         return result.masked_fill(~finite[..., None], math.nan)
     return tuple(r.masked_fill(~finite.reshape(finite.shape + (1,) * (r.dim() - finite.dim())), math.nan)
@@ -198,6 +209,8 @@ def spectrum_from_gram(gram: torch.Tensor, eig_dtype: torch.dtype = torch.float6
     This is the route for a matrix split across ranks: each rank forms the Gram of its slice, the Grams are
     summed with one all-reduce, and the spectrum follows without ever gathering M.
     Shapes: ``[..., k, k]`` → ``[..., k]``, float64 (the Gram should be accumulated in float64).
+    Only the lower triangle of the Gram is read (the strict upper one may hold anything finite, e.g. the zeros
+    of a lower-only :func:`~megatron_mech.core.sharded.shard_gram`).
     Tiny negative eigenvalues from roundoff are clamped to 0. Non-finite Gram → NaNs.
     ``eig_dtype`` (float64 or float32) is the precision of the eigenproblem: float32 halves its time and is
     enough for a Gram that was itself formed in float32 (its own error is already ~eps32·σ_max²); the result
@@ -209,8 +222,10 @@ def spectrum_from_gram(gram: torch.Tensor, eig_dtype: torch.dtype = torch.float6
         raise ValueError("gram must be real, got a complex tensor")
     if eig_dtype not in (torch.float32, torch.float64):
         raise ValueError(f"eig_dtype must be torch.float32 or torch.float64, got {eig_dtype!r}")
+    # Only the lower triangle is read (LAPACK's UPLO='L'): a Gram formed lower-only needs no other half, and a
+    # full one is symmetric to rounding anyway (no symmetrising pass over k² values).
     g = gram.detach().to(eig_dtype)
-    eig = guarded_linalg(torch.linalg.eigvalsh, 0.5 * (g + g.transpose(-1, -2))).to(torch.float64)
+    eig = guarded_linalg(torch.linalg.eigvalsh, g).to(torch.float64)
     return eig.clamp_min(0).sqrt().flip(-1)
 
 
@@ -299,22 +314,34 @@ _TERM_BLOCKS = {
 
 
 def _core_spectrum_from_grams(gram_a: torch.Tensor, gram_b: torch.Tensor) -> torch.Tensor:
-    """Singular values of ``A Bᵀ`` from ``AᵀA`` and ``BᵀB`` ([N, r, r] float64) → [N, r], descending.
+    """Singular values of ``A Bᵀ`` from ``AᵀA`` and ``BᵀB`` ([N, r, r]) → [N, r] float64, descending.
 
     σ(ABᵀ)² are the eigenvalues of (AᵀA)(BᵀB) = F Fᵀ BᵀB for any factor F Fᵀ = AᵀA, which equal the
     eigenvalues of the symmetric PSD core Fᵀ (BᵀB) F. F is the Cholesky factor where it exists (fast and
     backward stable: L Lᵀ = AᵀA + E with ‖E‖ ~ eps‖AᵀA‖, the same error level as an eigendecomposition);
     where Cholesky fails — a rank-deficient factor, e.g. a collapsed or zero increment — F = V·diag(√λ) from
     the eigendecomposition AᵀA = V diag(λ) Vᵀ, which is exact for singular Grams (λ = 0).
+
+    Works in the Grams' dtype. Each Gram is first divided by its largest diagonal entry (σ(ABᵀ) scales with
+    the square root of the product of the two divisors, applied afterwards in float64): the core's
+    eigenvalues are of order σ⁴ of the factors, which would leave float32's range (σ ~ 1e-10 → 1e-40)
+    although the spectrum itself is well representable.
     """
+    def unit_scale(g):
+        top = g.diagonal(dim1=1, dim2=2).amax(-1)
+        return torch.where((top > 0) & torch.isfinite(top), top, torch.ones((), dtype=g.dtype, device=g.device))
+    scale_a, scale_b = unit_scale(gram_a), unit_scale(gram_b)
+    gram_a = gram_a / scale_a[:, None, None]
+    gram_b = gram_b / scale_b[:, None, None]
     factor, info = torch.linalg.cholesky_ex(gram_a)
     singular = info != 0
     if bool(singular.any()):
         lam, vecs = guarded_linalg(torch.linalg.eigh, gram_a[singular], outputs=2)
         factor[singular] = vecs * lam.clamp_min(0).sqrt()[:, None, :]
     core = factor.transpose(1, 2) @ gram_b @ factor
-    eig = guarded_linalg(torch.linalg.eigvalsh, 0.5 * (core + core.transpose(1, 2)))
-    return eig.clamp_min(0).sqrt().flip(-1)
+    eig = guarded_linalg(torch.linalg.eigvalsh, core)                 # the lower triangle is read
+    unit = (scale_a.to(torch.float64) * scale_b.to(torch.float64)).sqrt()
+    return eig.to(torch.float64).clamp_min(0).sqrt().flip(-1) * unit[:, None]
 
 
 def _core_spectrum_qr(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -344,21 +371,45 @@ def _gram_dtype(t: torch.Tensor, gram_dtype: Optional[torch.dtype]) -> torch.dty
     return gram_dtype
 
 
+def _core_dtype(gram_dtype: torch.dtype, core_dtype: Optional[torch.dtype]) -> torch.dtype:
+    if core_dtype is None:
+        return gram_dtype
+    if core_dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"core_dtype must be None, torch.float32 or torch.float64, got {core_dtype!r}")
+    return core_dtype
+
+
 def _rows(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[N, d_model, d_head] (paper orientation) → [N, d_head, d_model] in ``dtype``: the row layout Megatron
     stores (a view when the input is a transposed view of it), so X·Xᵀ below is a plain NT GEMM."""
     return t.detach().transpose(1, 2).to(dtype)
 
 
-def _block_grams(delta: torch.Tensor, base: torch.Tensor) -> dict:
+def _block_grams(delta: torch.Tensor, base: torch.Tensor, core_dtype: torch.dtype) -> dict:
     """The three distinct d_head × d_head blocks of the Gram of [Δ, W] (row layout [N, d_head, d_model]):
-    ``ΔΔᵀ``, ``ΔWᵀ``, ``WWᵀ``, each one batched GEMM in the input dtype, returned in float64. The fourth block
-    is the transpose of the second, and every other block pair a term needs (e.g. W' = W + Δ) follows from
-    these three exactly in float64, so no d_model-long product is formed twice."""
-    f64 = torch.float64
-    return {("d", "d"): (delta @ delta.transpose(1, 2)).to(f64),
-            ("d", "w"): (delta @ base.transpose(1, 2)).to(f64),
-            ("w", "w"): (base @ base.transpose(1, 2)).to(f64)}
+    ``ΔΔᵀ``, ``ΔWᵀ``, ``WWᵀ``, each one batched GEMM in the input dtype, returned in ``core_dtype``. The fourth
+    block is the transpose of the second, and every other block pair a term needs (e.g. W' = W + Δ) follows
+    from these three in ``core_dtype``, so no d_model-long product is formed twice. (Three d_head-wide GEMMs do
+    3/4 of the FLOPs of the one 2·d_head-wide Gram of the stacked [Δ; W]; the two symmetric ones are formed
+    by their lower block rows, which brings it to 5/8.)"""
+    return {("d", "d"): _symmetric_gram(delta).to(core_dtype),
+            ("d", "w"): (delta @ base.transpose(1, 2)).to(core_dtype),
+            ("w", "w"): _symmetric_gram(base).to(core_dtype)}
+
+
+def _symmetric_gram(x: torch.Tensor) -> torch.Tensor:
+    """``x xᵀ`` for ``x`` [N, n, d_model] with 3/4 of the GEMM FLOPs: the two lower block rows of a 2 × 2
+    split (``x₁x₁ᵀ`` and ``x₂xᵀ``), the upper-right block mirrored from the lower-left one (an n²/4 copy).
+    Rows narrower than 32 per half go through one GEMM (too small to gain)."""
+    n = x.shape[1]
+    half = n // 2
+    if half < 32:
+        return x @ x.transpose(1, 2)
+    out = torch.empty(x.shape[0], n, n, dtype=x.dtype, device=x.device)
+    torch.matmul(x[:, :half], x[:, :half].transpose(1, 2), out=out[:, :half, :half])
+    torch.matmul(x[:, half:], x.transpose(1, 2), out=out[:, half:, :])
+    out[:, :half, half:] = out[:, half:, :half].transpose(1, 2)
+    return out
 
 
 def _gram_block(blocks: dict, left: str, right: str) -> torch.Tensor:
@@ -381,9 +432,68 @@ def _assembled_gram(blocks: dict, names: list, scales: list) -> torch.Tensor:
     rows = []
     for name_i, s_i in zip(names, scales):
         row = [_gram_block(blocks, _BLOCK_LETTER[name_i], _BLOCK_LETTER[name_j])
-               * (s_i * s_j)[:, None, None] for name_j, s_j in zip(names, scales)]
+               * (s_i * s_j).to(blocks[("d", "d")].dtype)[:, None, None] for name_j, s_j in zip(names, scales)]
         rows.append(torch.cat(row, dim=2))
     return torch.cat(rows, dim=1)
+
+
+@dataclass(frozen=True)
+class QKCores:
+    """The balanced factor Grams of the Gram route, before their eigenproblems (one layer's heads).
+
+    ``grams_a``/``grams_b``: ``[T·H, 2·d_head, 2·d_head]`` (term-major: rows ``t·H .. (t+1)·H`` are term
+    ``terms[t]``; Δ3's d_head-sized Grams zero-padded), in the core dtype. ``finite``: ``[H]`` bool, False for
+    a head with a non-finite input. :func:`spectra_from_qk_cores` turns a list of these into spectra, stacking
+    the cores of many layers into one batched eigenproblem.
+    """
+
+    grams_a: torch.Tensor
+    grams_b: torch.Tensor
+    finite: torch.Tensor
+    terms: tuple
+    num_heads: int
+    d_head: int
+
+
+QK_BATCHES = ("all", "item", "head")
+
+
+def spectra_from_qk_cores(cores: Sequence[QKCores], batch: str = "all") -> list[QKIncrementSpectra]:
+    """Spectra of each :class:`QKCores` (in order). ``batch`` says how the r × r eigenproblems are grouped:
+
+    * ``"all"``: one batched Cholesky + one batched ``eigvalsh`` for every core of every item that shares a
+      size, dtype and device (e.g. all layers of an evaluation) — the fewest, largest LAPACK / kernel calls;
+    * ``"item"``: one batched call per item (per layer: all its heads and terms);
+    * ``"head"``: one call per head and term (no batching; the reference the other two must equal).
+
+    The values agree across modes to rounding (LAPACK's batched and single calls run the same algorithm on the
+    same matrices; only the blocking of the work differs), which the tests check.
+    """
+    if batch not in QK_BATCHES:
+        raise ValueError(f"batch must be one of {QK_BATCHES}, got {batch!r}")
+    cores = list(cores)
+    values: list[Optional[torch.Tensor]] = [None] * len(cores)
+    if batch == "all":
+        groups: dict = {}
+        for i, c in enumerate(cores):
+            groups.setdefault((c.grams_a.shape[-1], c.grams_a.dtype, c.grams_a.device), []).append(i)
+        for members in groups.values():
+            sv = _core_spectrum_from_grams(torch.cat([cores[i].grams_a for i in members]),
+                                           torch.cat([cores[i].grams_b for i in members]))
+            for i, part in zip(members, sv.split([cores[i].grams_a.shape[0] for i in members])):
+                values[i] = part
+    elif batch == "item":
+        values = [_core_spectrum_from_grams(c.grams_a, c.grams_b) for c in cores]
+    else:
+        values = [torch.cat([_core_spectrum_from_grams(c.grams_a[j:j + 1], c.grams_b[j:j + 1])
+                             for j in range(c.grams_a.shape[0])]) for c in cores]
+    out = []
+    for c, sv in zip(cores, values):
+        per_term = sv.split(c.num_heads)
+        out.append(QKIncrementSpectra(**{
+            term: part[:, : len(_TERM_BLOCKS[term]) * c.d_head].masked_fill(~c.finite[:, None], math.nan)
+            for term, part in zip(c.terms, per_term)}))
+    return out
 
 
 def qk_increment_spectra_gram(
@@ -393,13 +503,30 @@ def qk_increment_spectra_gram(
     wk: torch.Tensor,
     terms: Iterable[str] = QK_TERMS,
     gram_dtype: Optional[torch.dtype] = None,
+    core_dtype: Optional[torch.dtype] = None,
 ) -> QKIncrementSpectra:
-    """The Gram route of :func:`qk_increment_spectra` (same arguments and result).
+    """The Gram route of :func:`qk_increment_spectra` (same arguments and result): :func:`qk_increment_cores`,
+    then one batched eigenproblem for all heads and terms (:func:`spectra_from_qk_cores`)."""
+    return spectra_from_qk_cores([qk_increment_cores(wq_prev, wk_prev, wq, wk, terms, gram_dtype, core_dtype)])[0]
+
+
+def qk_increment_cores(
+    wq_prev: torch.Tensor,
+    wk_prev: torch.Tensor,
+    wq: torch.Tensor,
+    wk: torch.Tensor,
+    terms: Iterable[str] = QK_TERMS,
+    gram_dtype: Optional[torch.dtype] = None,
+    core_dtype: Optional[torch.dtype] = None,
+) -> QKCores:
+    """The d_model-long part of the Gram route of :func:`qk_increment_spectra` (same arguments): the balanced
+    factor Grams of every head and term, as :class:`QKCores`.
 
     Cost: per query head and per K group three ``d_head × d_head`` block Grams over d_model (``ΔΔᵀ``,
     ``ΔWᵀ``, ``WWᵀ``: ``6·d_head²·d_model`` FLOPs each side), in ``gram_dtype``; everything after that is
-    r × r (r ≤ 2·d_head) work in float64: balancing, assembling each term's Grams (W' = W + Δ from the
-    blocks), a Cholesky factor and one batched symmetric eigenproblem for all heads and terms.
+    r × r (r ≤ 2·d_head) work in ``core_dtype`` (default: ``gram_dtype``): balancing (ratios in float64),
+    assembling each term's Grams (W' = W + Δ from the blocks), a Cholesky factor and one batched symmetric
+    eigenproblem for all heads and terms.
 
     Precision (``gram_dtype`` float32, the default for non-float64 weights): ΔW is formed first, in the input
     precision (a difference of two float32 weights is rounded once, a relative 6e-8 per entry of ΔW — the
@@ -408,17 +535,20 @@ def qk_increment_spectra_gram(
     afterwards, exactly equivalent to balancing the factors) turns into ~eps32·σ_max² on the core's
     eigenvalues: singular values near zero are resolved to ~sqrt(eps32)·σ_max ≈ 3e-4·σ_max, entropies
     (p ∝ σ²) to ~1e-6. float64 Grams (the default for float64 input, or ``gram_dtype=torch.float64``) give
-    ~sqrt(eps64)·σ_max and ~1e-12, at twice the GEMM time.
+    ~sqrt(eps64)·σ_max and ~1e-12, at twice the GEMM time. A float32 core (the default with float32 Grams)
+    adds an error of the same order as the Grams' own; ``core_dtype=torch.float64`` keeps the r × r work in
+    float64 at about 1.6× its cost.
     """
     num_heads, num_groups, d_model, d_head, terms, group_of_head = _prepare_qk(wq_prev, wk_prev, wq, wk, terms)
     dtype = _gram_dtype(wq, gram_dtype)
+    core_dtype = _core_dtype(dtype, core_dtype)
     q_prev, k_prev = _rows(wq_prev, dtype), _rows(wk_prev, dtype)
     dq, dk = _rows(wq, dtype) - q_prev, _rows(wk, dtype) - k_prev
-    q_blocks = _block_grams(dq, q_prev)                                                  # [H, dh, dh] each
-    k_blocks = {key: g[group_of_head] for key, g in _block_grams(dk, k_prev).items()}    # [H, dh, dh] each
+    q_blocks = _block_grams(dq, q_prev, core_dtype)                                              # [H, dh, dh]
+    k_blocks = {key: g[group_of_head] for key, g in _block_grams(dk, k_prev, core_dtype).items()}
 
-    def trace(g):
-        return g.diagonal(dim1=1, dim2=2).sum(-1)
+    def trace(g):  # squared norms in float64 (the balancing ratios stay in range for any block dtype)
+        return g.diagonal(dim1=1, dim2=2).sum(-1, dtype=torch.float64)
 
     # A non-finite input entry makes its Gram's diagonal (Σx²) non-finite: no separate pass over the weights.
     q_sq = {"dq": trace(q_blocks[("d", "d")]), "q": trace(q_blocks[("w", "w")])}                       # [H]
@@ -426,7 +556,7 @@ def qk_increment_spectra_gram(
             "k_new": trace(_gram_block(k_blocks, "n", "n"))}
     finite = torch.stack([torch.isfinite(v) for v in (*q_sq.values(), k_sq["dk"], k_sq["k"])]).all(0)
     if not bool(finite.all()):
-        zero = torch.zeros((), dtype=torch.float64, device=finite.device)
+        zero = torch.zeros((), dtype=core_dtype, device=finite.device)
         for blocks in (q_blocks, k_blocks):
             for key in blocks:
                 blocks[key] = torch.where(finite[:, None, None], blocks[key], zero)
@@ -444,11 +574,8 @@ def qk_increment_spectra_gram(
         pad = width - gram_a.shape[-1]  # Δ3's r = d_head: zero-pad so every term is one batch
         grams_a.append(torch.nn.functional.pad(gram_a, (0, pad, 0, pad)))
         grams_b.append(torch.nn.functional.pad(gram_b, (0, pad, 0, pad)))
-    # One batched eigenproblem pair for all terms ([terms·H, 2dh, 2dh]): fewer, larger LAPACK calls.
-    sv = _core_spectrum_from_grams(torch.cat(grams_a), torch.cat(grams_b)).split(num_heads)
-    result = {term: values[:, : len(_TERM_BLOCKS[term]) * d_head].masked_fill(~finite[:, None], math.nan)
-              for term, values in zip(terms, sv)}
-    return QKIncrementSpectra(**result)
+    # All terms in one batch ([terms·H, 2dh, 2dh]): fewer, larger LAPACK calls.
+    return QKCores(torch.cat(grams_a), torch.cat(grams_b), finite, tuple(terms), num_heads, d_head)
 
 
 def qk_increment_spectra_qr(
@@ -515,7 +642,8 @@ def qk_increment_spectra(
     B = [W_k', ΔW_k]; Δ3: A = ΔW_q, B = ΔW_k), whose non-zero singular values are those of a small core:
 
     * ``method="gram"`` (default, fastest): :func:`qk_increment_spectra_gram` — block Grams in
-      ``gram_dtype`` (float32 for float32/bf16/fp16 weights, float64 for float64), the r×r core in float64.
+      ``gram_dtype`` (float32 for float32/bf16/fp16 weights, float64 for float64), the r×r core in the same
+      precision.
     * ``method="qr"``: :func:`qk_increment_spectra_qr` — thin QR in the input precision (≥ float32), then
       the SVD of R_a R_bᵀ (the paper's route). ``gram_dtype`` must be None.
 

@@ -85,9 +85,13 @@ Only the Q and K row blocks (not V) of each layer, and the extra linears, are sn
 ``snapshot_device`` (host memory by default), as float32 — float64 for float64 weights. Upcasting bf16/fp16 is
 exact, so the snapshot is the live weight bit for bit and ΔW is not quantized a second time; float32 (rather
 than the weight's own 16-bit dtype) keeps the monitor correct if an adapter points it at fp32 main params.
-Host memory: ``4·(H + G)·d_head·d_model`` bytes per layer and rank. ΔW, the Grams and the QK spectra are
-computed in float64 on the weight's device. Non-finite weights give NaN metrics (flagged by the detectors),
-never an exception.
+Host memory: ``4·(H + G)·d_head·d_model`` bytes per layer and rank (a 70B-shaped layout at TP 8, PP 8, DP 16
+with the data-parallel split: one layer per rank, 36 MiB). The snapshot cannot be replaced by a reference to
+the optimizer's previous buffer (where the main params are copied into the model params): that buffer holds
+W_{t−1}, while ΔW spans δ steps, so W_{t−δ} has to be kept somewhere. ΔW, the Grams and the QK spectra are
+computed on the weight's device (``eval_device="device"``) or on the host (``"host"``), in float32 for
+float32/bf16/fp16 weights (``gram_dtype``) and reduced in a float64 buffer. Non-finite weights give NaN
+metrics (flagged by the detectors), never an exception.
 
 State
 -----
@@ -120,16 +124,20 @@ from megatron_mech.core.sharded import (
     spectrum_from_shard_grams,
 )
 from megatron_mech.core.slq import krylov_spectral_summaries_many
-from megatron_mech.core.spectral import QK_METHODS, QK_TERMS, effective_rank, qk_increment_spectra, spectral_entropy, \
-    stable_rank
+from megatron_mech.core.spectral import QK_BATCHES, QK_METHODS, QK_TERMS, effective_rank, qk_increment_cores, \
+    qk_increment_spectra, spectra_from_qk_cores, spectral_entropy, stable_rank
 
 __all__ = ["DW_SCOPES", "AttentionLayer", "AttentionMonitorConfig", "AttentionMonitor"]
 
 DW_SCOPES = ("global", "slice")
 GRAM_DTYPES = ("auto", "float32", "float64")
 DW_ROUTES = ("auto", "gram", "krylov")
+EVAL_DEVICES = ("device", "host")
 _STATE_VERSION = 1
 _F64 = torch.float64
+# Pending QK cores (2·T·H·(2·d_head)² values per layer: 50 MiB in float32 for 32 heads and 3 terms) are solved
+# as soon as they exceed this, so batching across layers never holds more than ~this much extra memory.
+_QK_BATCH_BYTES = 256 * 2 ** 20
 
 
 def _is_int(x: Any) -> bool:
@@ -218,6 +226,20 @@ class AttentionMonitorConfig:
             of the layers and extra linears; one SUM all-reduce of the per-unit results over ``dp_group``
             gives every replica all metrics, equal to the unsplit evaluation (each value is computed by one
             replica; the others add exact zeros). False: every replica evaluates everything.
+        eval_device: where an evaluation computes (ΔW, Grams, eigenproblems): ``"device"`` (default: where the
+            live weights are; the snapshots are copied there) or ``"host"`` (CPU, where the snapshots live by
+            default; the live fused QKV weight is copied to host memory, and the accelerator does no monitor
+            arithmetic). The reduce buffers travel on the collective's device either way. On a GPU whose
+            float32 matmuls are allowed TF32 (10-bit mantissa) by the training script, the float32 Grams on the
+            device would be rounded to ~1e-3: use ``"host"`` or ``gram_dtype="float64"`` there (the monitor
+            does not touch the process-wide matmul precision flags).
+        qk_batch: how the per-head r × r eigenproblems of the Gram route are grouped (``qk_method="gram"``):
+            ``"all"`` (default): one batched Cholesky + ``eigvalsh`` for all heads, terms and layers of an
+            evaluation bucket that share a core size (in batches of at most 256 MiB of cores); ``"item"``: one
+            per layer; ``"head"``: one per head and
+            term. Same values to rounding; ``"all"`` makes the fewest calls (the kernel-launch count on an
+            accelerator, the per-call overhead on a CPU); see ``benchmarks/peer_side_by_side.py`` for the
+            measured gain.
     """
 
     interval: int = 10
@@ -234,6 +256,8 @@ class AttentionMonitorConfig:
     gram_max_dim: int = 4096
     krylov_steps: int = 30
     krylov_block: int = 8
+    eval_device: str = "device"
+    qk_batch: str = "all"
 
     def __post_init__(self) -> None:
         if not _is_int(self.interval) or self.interval < 1:
@@ -265,6 +289,10 @@ class AttentionMonitorConfig:
             raise ValueError(f"gram_dtype must be one of {GRAM_DTYPES}, got {self.gram_dtype!r}")
         if not isinstance(self.dp_split, bool):
             raise ValueError(f"dp_split must be a bool, got {self.dp_split!r}")
+        if self.eval_device not in EVAL_DEVICES:
+            raise ValueError(f"eval_device must be one of {EVAL_DEVICES}, got {self.eval_device!r}")
+        if self.qk_batch not in QK_BATCHES:
+            raise ValueError(f"qk_batch must be one of {QK_BATCHES}, got {self.qk_batch!r}")
         if self.dw_route not in DW_ROUTES:
             raise ValueError(f"dw_route must be one of {DW_ROUTES}, got {self.dw_route!r}")
         for name in ("gram_max_dim", "krylov_steps", "krylov_block"):
@@ -352,6 +380,7 @@ class AttentionMonitor:
         self._snap_step: Optional[int] = None
         self._snapshots: Optional[dict] = None     # {"layers": [(q_rows, k_rows)], "extras": [weight]}
         self._krylov_jobs: dict = {}               # Krylov-route ΔW of the bucket being evaluated
+        self._qk_jobs: list = []                   # Gram-route QK cores of the bucket, solved together
         self._krylov_results: dict = {}
 
     # ------------------------------------------------------------------ construction helpers
@@ -475,7 +504,8 @@ class AttentionMonitor:
         config (the split plan is computed locally from them), and a failure anywhere fails everywhere."""
         c = self.config
         desc = [str(c.interval), str(c.qk_terms), c.dw_scope, str(c.bucket_elements), str(c.save_snapshots),
-                c.gram_dtype, c.qk_method, c.dw_route, str(c.gram_max_dim), str(c.krylov_steps), str(c.krylov_block)]
+                c.gram_dtype, c.qk_method, c.dw_route, str(c.gram_max_dim), str(c.krylov_steps), str(c.krylov_block),
+                c.eval_device, c.qk_batch]
         for lay in self.layers:
             desc.append(f"{lay.layer},{lay.d_model},{lay.num_heads},{lay.num_query_groups},{lay.head_dim},"
                         f"{lay.head_offset}")
@@ -605,7 +635,7 @@ class AttentionMonitor:
         out[-1] = prev.detach().to(_F64).square().sum()
         out = out[:-1]
         if self.config.route(k) == "gram":
-            out.copy_(shard_gram(delta, shard_dim, accumulate_dtype=delta.dtype))
+            out.copy_(shard_gram(delta, shard_dim, accumulate_dtype=delta.dtype, lower_only=True))
             return
         x = delta.detach().to(_F64)
         finite = torch.isfinite(x)
@@ -647,10 +677,15 @@ class AttentionMonitor:
         self._krylov_results = dict(zip(keys, results))
         self._krylov_jobs = {}
 
+    def _eval_device(self, weight: torch.Tensor) -> torch.device:
+        """Where an evaluation computes: the live weight's device, or the host (``eval_device``)."""
+        return weight.device if self.config.eval_device == "device" else torch.device("cpu")
+
     def _fill_layer(self, i: int, out: torch.Tensor) -> None:
         lay = self.layers[i]
         (sq, kq), (sk, kk), heads = self._layer_geometry(i)
         w = lay.qkv_weight.detach()
+        w = w.to(self._eval_device(w))
         q_prev, k_prev = (t.to(w.device) for t in self._snapshots["layers"][i])
         q_cur, k_cur, _ = qkv_row_blocks(w, lay.num_heads, lay.num_query_groups, lay.head_dim)
         n_q, n_k = self._dw_slot(kq), self._dw_slot(kk)
@@ -664,16 +699,35 @@ class AttentionMonitor:
         wq, wk, _ = split_fused_qkv(w, lay.num_heads, lay.num_query_groups, dh)
         wq_prev = q_prev.view(lay.num_heads, dh, d_model).transpose(1, 2)
         wk_prev = k_prev.view(lay.num_query_groups, dh, d_model).transpose(1, 2)
-        spectra = qk_increment_spectra(wq_prev, wk_prev, wq, wk, terms=terms, method=self.config.qk_method,
-                                       gram_dtype=dt if self.config.qk_method == "gram" else None)
-        ent = torch.stack([spectral_entropy(getattr(spectra, t), power=self.config.power) for t in terms])
         block = out[n_q + n_k:].view(len(terms), heads)
         start = lay.head_offset if self._collective else 0
-        block[:, start:start + lay.num_heads].copy_(ent)      # zero padding elsewhere: the SUM gathers heads
+        target = block[:, start:start + lay.num_heads]         # zero padding elsewhere: the SUM gathers heads
+        if self.config.qk_method == "gram":   # the cores wait for the rest of the bucket: one eigenproblem batch
+            self._qk_jobs.append((qk_increment_cores(wq_prev, wk_prev, wq, wk, terms=terms, gram_dtype=dt), target))
+            held = sum(c.grams_a.numel() * c.grams_a.element_size() * 2 for c, _ in self._qk_jobs)
+            if held > _QK_BATCH_BYTES:
+                self._run_qk_jobs()
+            return
+        spectra = qk_increment_spectra(wq_prev, wk_prev, wq, wk, terms=terms, method=self.config.qk_method)
+        self._write_qk_entropies(spectra, target)
+
+    def _write_qk_entropies(self, spectra, target: torch.Tensor) -> None:
+        ent = torch.stack([spectral_entropy(getattr(spectra, t), power=self.config.power)
+                           for t in self.config.qk_terms])
+        target.copy_(ent)
+
+    def _run_qk_jobs(self) -> None:
+        """The per-head spectra of every layer of the bucket, grouped as ``qk_batch`` says, into the buffer."""
+        if not self._qk_jobs:
+            return
+        jobs, self._qk_jobs = self._qk_jobs, []
+        for (_, target), spectra in zip(jobs, spectra_from_qk_cores([c for c, _ in jobs], batch=self.config.qk_batch)):
+            self._write_qk_entropies(spectra, target)
 
     def _fill_extra(self, j: int, out: torch.Tensor) -> None:
         _, w, sd = self.extras[j]
         w = w.detach()
+        w = w.to(self._eval_device(w))
         prev = self._snapshots["extras"][j].to(w.device)
         dt = self._gram_dtype(w)
         shard_dim = self._shard_dim(w.shape, sd)
@@ -826,7 +880,7 @@ class AttentionMonitor:
             units.append(("check", 0))
             device = collective_device(self.tp_group, fallback=self._device())
         else:
-            device = self._device()
+            device = self._device() if self.config.eval_device == "device" else torch.device("cpu")
         sizes = [self._unit_size(kind, i) for kind, i in units]
         metrics: dict[str, float] = {}
         details: dict[str, dict] = {}
@@ -836,6 +890,7 @@ class AttentionMonitor:
                 offsets.append(total)
                 total += sizes[u]
             buf = torch.zeros(total, dtype=_F64, device=device)
+            self._qk_jobs = []                             # only this bucket's cores (never a failed one's)
             for u, off in zip(bucket, offsets):
                 kind, i = units[u]
                 piece = buf[off:off + sizes[u]]
@@ -845,6 +900,7 @@ class AttentionMonitor:
                     self._fill_extra(i, piece)
                 else:
                     piece.fill_(float(step))
+            self._run_qk_jobs()
             if self._collective:
                 all_reduce_flat(buf, self.tp_group)        # the one collective of this bucket
             reduced = {}
