@@ -104,6 +104,8 @@ def main(argv=None):
     p.add_argument("--reuse", action="store_true",
                    help="with --runs-dir: load runs that already finished there instead of training them again "
                         "(re-scores them with the current detector-free bookkeeping: divergence, tables, plots)")
+    p.add_argument("--results-name", default="lead_time",
+                   help="folder under benchmarks/results/ for the report and plots (e.g. lead_time_slow)")
     p.add_argument("--no-write", action="store_true")
     args = parse_study_args(p, argv)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
@@ -127,12 +129,12 @@ def main(argv=None):
                     runs_by_fault.setdefault(name, (clean, run, start, row["divergence"], row["first"]))
                 print(f"seed {seed} {name}: divergence {row['divergence']}, first alerts {row['first']} "
                       f"({time.perf_counter()-t0:.0f}s)", flush=True)
-        out_dir = REPO / "benchmarks" / "results" / "lead_time"
+        out_dir = REPO / "benchmarks" / "results" / args.results_name
         if not args.no_write:
             out_dir.mkdir(parents=True, exist_ok=True)
             for name, (clean, run, start, div, firsts) in runs_by_fault.items():
                 plot_fault(out_dir / f"{name}.png", name, clean, run, start, div, firsts)
-    write_report(args, rows, None if args.no_write else REPO / "benchmarks" / "results" / "lead_time")
+    write_report(args, rows, None if args.no_write else REPO / "benchmarks" / "results" / args.results_name)
 
 
 def _fmt(x):
@@ -156,16 +158,20 @@ def write_report(args, rows, out_dir):
              f"(its step s against the clean run's step s/4, its average over 80 steps).", "",
              "Lead = divergence − first alert. 'Monitors ahead of symptom' = first symptom-level (loss/grad-norm) "
              "alert − first monitor alert, in steps. 'Δ2 at' = where the first Δ2 alert falls on the way to divergence, "
-             "counted from step 0 and from the fault's onset.", "",
+             "counted from step 0 and from the fault's onset. 'Lead / (divergence − onset)' = the attention lead as a "
+             "fraction of the onset → divergence interval (for a slowly growing fault: how much of the run's way down "
+             "is left when the monitors fire).", "",
              "| seed | fault | divergence | loss gap at end | first Δ2 | first ΔW | first router | first symptom | lead (attention) | "
              "lead (router) | lead (symptom) | monitors ahead of symptom | Δ2 at (from 0 / onset) | "
-             "pre-onset / clean alerts |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "lead / (divergence − onset) | pre-onset / clean alerts |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lead = {f: (r["divergence"] - r["first"][f]) if r["divergence"] and r["first"][f] else None
                 for f in ("attention", "router", "symptom")}
         d2, div, start = r["kinds"]["Δ2 (per head)"], r["divergence"], r.get("start", 0)
         at = f"{d2 / div:.0%} / {(d2 - start) / (div - start):.0%}" if d2 and div and div > start else "–"
+        frac = (f"{lead['attention'] / (div - start):.0%}" if lead["attention"] is not None and div and div > start
+                else "–")
         monitor = min((x for x in (r["first"]["attention"], r["first"]["router"]) if x), default=None)
         ahead = "–" if monitor is None else ("no symptom alert" if r["first"]["symptom"] is None
                                              else str(r["first"]["symptom"] - monitor))
@@ -174,7 +180,7 @@ def write_report(args, rows, out_dir):
                      f"{_fmt(r['kinds']['Δ2 (per head)'])} |"
                      f" {_fmt(r['kinds']['ΔW (per layer)'])} | {_fmt(r['kinds']['router'])} | "
                      f"{_fmt(r['first']['symptom'])} | {_fmt(lead['attention'])} | {_fmt(lead['router'])} | "
-                     f"{_fmt(lead['symptom'])} | {ahead} | {at} | {r['false_alarms']} |")
+                     f"{_fmt(lead['symptom'])} | {ahead} | {at} | {frac} | {r['false_alarms']} |")
     lines += ["", "## Orthogonality: does each family alert on each fault before the loss diverges? "
               "(seeds alerting / peak score; and which family alerted first — what attribution names)", "",
               "| fault | attention | router | first family to alert |", "|---|---|---|---|"]
