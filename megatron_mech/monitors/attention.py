@@ -237,9 +237,10 @@ class AttentionMonitorConfig:
             ``"all"`` (default): one batched Cholesky + ``eigvalsh`` for all heads, terms and layers of an
             evaluation bucket that share a core size (in batches of at most 256 MiB of cores); ``"item"``: one
             per layer; ``"head"``: one per head and
-            term. Same values to rounding; ``"all"`` makes the fewest calls (the kernel-launch count on an
-            accelerator, the per-call overhead on a CPU); see ``benchmarks/peer_side_by_side.py`` for the
-            measured gain.
+            term. Same values to rounding; ``"all"`` makes the fewest calls, which is what counts on an accelerator
+            (kernel launches). On a CPU it is not faster at d_head 128 (``benchmarks/peer_side_by_side.py``
+            measured one call per head 12 % faster for 8 layers × 8 heads, r = 256; batching helped at r = 64),
+            so ``"head"`` is the choice for CPU-only evaluation (``eval_device="host"``) of large heads.
     """
 
     interval: int = 10
