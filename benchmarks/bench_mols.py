@@ -339,7 +339,9 @@ def main(argv=None):
                     t0 = time.perf_counter()
                     flags = [*model_flags(a), *lr_flags(a, scale, a.steps), "--eval-interval", str(a.eval_interval),
                              *extra]
-                    s = run(Path(work) / f"{len(results)}_{seed}", seed, a.steps, flags, env)
+                    # one folder per (arm, lr scale, seed): arm names like fixed:qk=2,head=0.5 made path-safe
+                    safe_arm = "".join(c if c.isalnum() or c in "-." else "_" for c in arm)
+                    s = run(Path(work) / f"{safe_arm}_lr{scale:g}_s{seed}", seed, a.steps, flags, env)
                     s["seed"] = seed
                     results.setdefault((arm, scale), []).append(s)
                     logger.info(f"lr×{scale:g} seed {seed} {arm}: valid loss {s['final_valid_loss']:.4f}, MoLS "
