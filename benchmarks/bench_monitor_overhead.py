@@ -195,8 +195,9 @@ def main(argv=None):
               f"{160 * 8192**2 * 8 / 2**30:.0f} GiB of all-reduce traffic; SLQ ≈ {slq_8192:.1f} s per matrix "
               f"({160 * slq_8192 / 60:.1f} min for all 160) with 40 × 8 all-reduces of 8192 floats "
               f"(2.5 MiB) per matrix. On GPUs both shrink by the device/CPU speed ratio; the Gram route's "
-              f"n² traffic is what stops it scaling, so at frontier shapes we would switch the global ΔW "
-              f"monitor to SLQ (or evaluate layers round-robin, a few per evaluation)."]
+              f"n² traffic is what stops it scaling, which is why the monitor's default ΔW route leaves the "
+              f"exact Gram above a Gram size of 4096 for the matrix-free block Krylov route (core.slq), and "
+              f"the data-parallel split shares the layers out across replicas."]
     print("\n".join(lines))
     if not args.no_write:
         print(f"wrote {write_results('bench_monitor_overhead', chr(10).join(lines), {'overhead': overhead, 'summary': summary, 'load': load, 'comm': {str(k): v for k, v in comm.items()}, 'frontier': {str(k): v for k, v in frontier.items()}})}")
