@@ -107,3 +107,10 @@ def run_worker_jobs(worker: str | os.PathLike, jobs: list[dict], timeout: float)
     assert not missing and not unexpected and proc.returncode == 0, \
         f"{Path(worker).name} rc={proc.returncode}, missing {missing}, unexpected {unexpected}\n{out[-6000:]}"
     return found
+
+
+def job_ranks(results: dict[str, dict], job_id: str) -> list:
+    """The per-rank results of one job of :func:`run_worker_jobs`; fails with the job's report unless it succeeded."""
+    job = results[job_id]
+    assert job["ok"], json.dumps(job, indent=1)[-6000:]
+    return job["ranks"]

@@ -32,7 +32,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from dist_utils import REPO_ROOT, run_worker_jobs  # noqa: E402
+from dist_utils import REPO_ROOT, job_ranks, run_worker_jobs  # noqa: E402
 
 WORKER = REPO_ROOT / "tests" / "workers" / "mols_worker.py"
 RUNNER_TIMEOUT = 420
@@ -83,12 +83,6 @@ def results():
     return run_worker_jobs(WORKER, JOBS, RUNNER_TIMEOUT)
 
 
-def _ranks(results, job_id):
-    job = results[job_id]
-    assert job["ok"], json.dumps(job, indent=1)[-6000:]
-    return job["ranks"]
-
-
 def _expected_mult(final, cls, t):
     target = final["targets"].get(cls, 1.0)
     e, r = final["window_end"], final["ramp_end"]
@@ -126,13 +120,13 @@ def _check_lrs(rank, scale_wd=True, wd=0.1):
 def test_lrs_follow_base_times_multiplier_plain_and_distributed(results):
     for job, scale_wd in (("lr_dense_plain", True), ("lr_dense_dp2_distopt_wdcomp", False),
                           ("lr_dense_samples", True)):
-        ranks = _ranks(results, job)
+        ranks = job_ranks(results, job)
         for rank in ranks:
             _check_lrs(rank, scale_wd=scale_wd)
         assert ranks[0]["final"]["targets"] == ranks[-1]["final"]["targets"]  # identical on every rank
-    plain = _ranks(results, "lr_dense_plain")[0]
+    plain = job_ranks(results, "lr_dense_plain")[0]
     assert plain["leaf_optimizers"] == ["FP32Optimizer"] and plain["final"]["route"] == "microbatch"
-    dist = _ranks(results, "lr_dense_dp2_distopt_wdcomp")[0]
+    dist = job_ranks(results, "lr_dense_dp2_distopt_wdcomp")[0]
     assert dist["leaf_optimizers"] == ["DistributedOptimizer"] and dist["final"]["route"] == "dp"
     # fused QKV: the qk group ramps to the row-weighted geometric mean of α_qk and α_vo (H=4, G=2)
     f = plain["final"]
@@ -146,7 +140,7 @@ def test_lrs_moe_chained_dense_and_expert_groups(results):
     # EP = 2: experts are expert-parallel (megatron sets allreduce=False only when EP > 1), so the optimizer is a
     # ChainedOptimizer of a dense and an expert optimizer
     for job in ("lr_moe_ep2_plain_short_ramp", "lr_moe_ep2_distopt"):
-        ranks = _ranks(results, job)
+        ranks = job_ranks(results, job)
         for rank in ranks:
             final = _check_lrs(rank)
             assert rank["leaf_optimizers"] in (["FP32Optimizer", "FP32Optimizer"],
@@ -155,14 +149,14 @@ def test_lrs_moe_chained_dense_and_expert_groups(results):
             assert ("experts", True) in tags and ("router", False) in tags
             assert all(cls == "experts" for cls, expert in tags if expert)
             assert final["expert_keys"] == ["experts"]
-    short = _ranks(results, "lr_moe_ep2_plain_short_ramp")[0]["final"]
+    short = job_ranks(results, "lr_moe_ep2_plain_short_ramp")[0]["final"]
     assert short["ramp_end"] == short["window_end"] + 4  # warm-up (2) already over at the window end (3)
-    assert _ranks(results, "lr_moe_ep2_distopt")[0]["final"]["route"] == "microbatch"  # expert-DP = 1
+    assert job_ranks(results, "lr_moe_ep2_distopt")[0]["final"]["route"] == "microbatch"  # expert-DP = 1
 
 
 @pytest.mark.timeout(RUNNER_TIMEOUT + 60)
 def test_param_groups_keep_standard_weight_decay_rules(results):
-    rank = _ranks(results, "lr_dense_plain")[0]
+    rank = job_ranks(results, "lr_dense_plain")[0]
     seen = set()
     for cls, wd_mult, params in rank["group_params"]:
         assert cls is not None
@@ -186,23 +180,23 @@ def _max_rel(a_obs, b_obs):
 
 @pytest.mark.timeout(RUNNER_TIMEOUT + 60)
 def test_tp2_per_class_norms_equal_tp1(results):
-    tp1 = _ranks(results, "norms_dense_tp1")[0]
+    tp1 = job_ranks(results, "norms_dense_tp1")[0]
     for job in ("norms_dense_tp2", "norms_dense_tp2_sp"):
-        tp2 = _ranks(results, job)
+        tp2 = job_ranks(results, job)
         assert tp2[0]["losses"] == pytest.approx(tp1["losses"], abs=1e-5)
         assert _max_rel(tp1["obs"], tp2[0]["obs"]) < 1e-5  # measured ~3e-7
         assert _max_rel(tp2[0]["obs"], tp2[1]["obs"]) == 0.0  # all-reduced: identical on both ranks
-    moe1 = _ranks(results, "norms_moe_tp1")[0]
-    moe2 = _ranks(results, "norms_moe_tp2_sp")[0]
+    moe1 = job_ranks(results, "norms_moe_tp1")[0]
+    moe2 = job_ranks(results, "norms_moe_tp2_sp")[0]
     assert _max_rel(moe1["obs"], moe2["obs"]) < 1e-5
     assert "router" in moe1["obs"][0]["small"] and "experts" in moe1["obs"][0]["small"]
 
 
 @pytest.mark.timeout(RUNNER_TIMEOUT + 60)
 def test_overlap_grad_reduce_uses_the_micro_batch_route(results):
-    dp1 = _ranks(results, "norms_dense_tp1")[0]  # same model, data and window, DP = 1
+    dp1 = job_ranks(results, "norms_dense_tp1")[0]  # same model, data and window, DP = 1
     for job in ("overlap_dp2", "overlap_dp2_distopt"):
-        ranks = _ranks(results, job)
+        ranks = job_ranks(results, job)
         assert ranks[0]["final"]["route"] == "microbatch" and ranks[0]["final"]["done"]
         assert ranks[0]["losses"] == pytest.approx(dp1["losses"], abs=1e-5)
         assert len(ranks[0]["obs"]) == len(dp1["obs"]) == 4
@@ -216,7 +210,7 @@ def test_overlap_grad_reduce_uses_the_micro_batch_route(results):
 @pytest.mark.timeout(RUNNER_TIMEOUT + 60)
 def test_resume_mid_window_and_mid_ramp_follows_uninterrupted_lrs(results):
     for job in ("resume_dense_plain", "resume_dense_dp2_distopt", "resume_moe_ep2_distopt"):
-        for rank in _ranks(results, job):
+        for rank in job_ranks(results, job):
             full = rank["full"]
             for s, resumed in rank["resumed"].items():
                 assert resumed["lrs"] == full["lrs"], (job, s)  # exactly, every group, every iteration
@@ -230,18 +224,18 @@ def test_resume_mid_window_and_mid_ramp_follows_uninterrupted_lrs(results):
 
 @pytest.mark.timeout(RUNNER_TIMEOUT + 60)
 def test_checkpoint_identity_of_per_class_groups(results):
-    plain = _ranks(results, "identity_dense_plain")[0]
+    plain = job_ranks(results, "identity_dense_plain")[0]
     # megatron-core 0.16.1 matches groups by (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr) only
     assert not plain["unprotected"]["loaded"] and "doesn't match the size" in plain["unprotected"]["error"]
     assert plain["protected"]["loaded"] and plain["protected"]["match"]
-    for rank in _ranks(results, "identity_moe_ep2_distopt"):
+    for rank in job_ranks(results, "identity_moe_ep2_distopt"):
         assert rank["unprotected"]["loaded"] and not rank["unprotected"]["match"]  # silently mislabelled
         assert rank["protected"]["loaded"] and rank["protected"]["match"]
 
 
 @pytest.mark.timeout(RUNNER_TIMEOUT + 60)
 def test_bad_configuration_errors(results):
-    e = _ranks(results, "errors")[0]
+    e = job_ranks(results, "errors")[0]
     assert "base module class 'router' has no parameters" in e["base_router_on_dense"]
     assert "no parameters in this model: ['experts']" in e["classes_experts_on_dense"]
     assert "MoLSConfig.base: unknown module class 'attention'" in e["unknown_base"]
@@ -266,7 +260,7 @@ def _agreement(results, route):
     for k in KEYS:
         d, tr = [], []
         for s in SEEDS:
-            r = _ranks(results, f"agree_{route}_s{s}")[0]
+            r = job_ranks(results, f"agree_{route}_s{s}")[0]
             a, b = r["final"]["snr"][k], r["ref_final"]["snr"][k]
             tr.append(a["trace_cov"] / b["trace_cov"])
             if a["snr"] > 0 and b["snr"] > 0 and math.isfinite(a["snr"]) and math.isfinite(b["snr"]):
@@ -292,24 +286,24 @@ def test_two_batch_agrees_with_extra_sample_reference(results):
     print("\nMoLS two-batch vs extra-sample reference (log S difference, 4 seeds):",
           json.dumps(report, indent=1))
     # the route each job used
-    assert _ranks(results, "agree_dp1_s0")[0]["final"]["route"] == "microbatch"
-    assert _ranks(results, "agree_dp2_s0")[0]["final"]["route"] == "dp"
+    assert job_ranks(results, "agree_dp1_s0")[0]["final"]["route"] == "microbatch"
+    assert job_ranks(results, "agree_dp2_s0")[0]["final"]["route"] == "dp"
 
 
 @pytest.mark.timeout(RUNNER_TIMEOUT + 60)
 def test_dp2_same_alpha_as_dp1_on_the_same_global_batch(results):
     report = {}
     for s in SEEDS:
-        dp1 = _ranks(results, f"agree_dp1_s{s}")[0]
-        dp2 = _ranks(results, f"agree_dp2_s{s}")
+        dp1 = job_ranks(results, f"agree_dp1_s{s}")[0]
+        dp2 = job_ranks(results, f"agree_dp2_s{s}")
         # identical trajectory through the window: the reduced (big-batch) norms are the same numbers
         for a, b in zip(dp1["obs"], dp2[0]["obs"]):
             for k in a["big"]:
                 assert b["big"][k] == pytest.approx(a["big"][k], rel=1e-5)
         assert dp2[0]["final"]["targets"] == dp2[1]["final"]["targets"]
     for cls in ("embedding", "qk", "mlp", "head", "norm"):
-        d = [math.log(_ranks(results, f"agree_dp2_s{s}")[0]["final"]["raw_alphas"][cls]
-                      / _ranks(results, f"agree_dp1_s{s}")[0]["final"]["raw_alphas"][cls]) for s in SEEDS]
+        d = [math.log(job_ranks(results, f"agree_dp2_s{s}")[0]["final"]["raw_alphas"][cls]
+                      / job_ranks(results, f"agree_dp1_s{s}")[0]["final"]["raw_alphas"][cls]) for s in SEEDS]
         se = statistics.stdev(d) / math.sqrt(len(d))
         report[cls] = (round(statistics.mean(d), 3), round(se, 3))
         assert abs(statistics.mean(d)) <= 3 * se + 0.1, (cls, d)

@@ -6,14 +6,13 @@ Same fork runner as tests/test_megatron_mols.py (tests/workers/mols_worker.py), 
 """
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 
 pytest.importorskip("megatron.core")
 
-from dist_utils import REPO_ROOT, run_worker_jobs  # noqa: E402
+from dist_utils import REPO_ROOT, job_ranks, run_worker_jobs  # noqa: E402
 
 from megatron_mech.core.taxonomy import fused_qkv_multiplier  # noqa: E402
 
@@ -32,15 +31,9 @@ def results():
     return run_worker_jobs(WORKER, JOBS, RUNNER_TIMEOUT)
 
 
-def _ranks(results, job_id):
-    job = results[job_id]
-    assert job["ok"], json.dumps(job, indent=1)[-6000:]
-    return job["ranks"]
-
-
 @pytest.mark.timeout(RUNNER_TIMEOUT + 60)
 def test_diagnostic_measures_after_the_window_and_changes_no_lr(results):
-    plain, diag = _ranks(results, "plain"), _ranks(results, "diagnostic")
+    plain, diag = job_ranks(results, "plain"), job_ranks(results, "diagnostic")
     for p, d in zip(plain, diag):
         assert d["lrs"] == p["lrs"]  # same trajectory, same groups, same lrs at every iteration
         assert d["losses"] == p["losses"]
@@ -58,7 +51,7 @@ def test_diagnostic_measures_after_the_window_and_changes_no_lr(results):
 
 @pytest.mark.timeout(RUNNER_TIMEOUT + 60)
 def test_fixed_multipliers_reach_the_param_groups_on_the_mols_schedule(results):
-    for rank, plain in zip(_ranks(results, "fixed"), _ranks(results, "plain")):
+    for rank, plain in zip(job_ranks(results, "fixed"), job_ranks(results, "plain")):
         final = rank["final"]
         h, g = final["fused_qkv"]
         expected = {"embedding": 2.0, "head": 2.0, "qk": fused_qkv_multiplier(0.5, 1.0, h, g, "rows")}
