@@ -43,6 +43,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks._results import write_results  # noqa: E402
 from megatron_mech.cli import torchrun_prefix  # noqa: E402
 from megatron_mech.core.mols import default_window, parse_fixed_multipliers  # noqa: E402
+from megatron_mech.studies.leadtime import check_reporting_seeds  # noqa: E402
 from megatron_mech.studies.paired import paired_ci  # noqa: E402
 
 logger = logging.getLogger("bench_mols")
@@ -319,10 +320,11 @@ def main(argv=None):
     p.add_argument("--no-write", action="store_true")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    tuned = sorted(set(a.seeds) & set(TUNING_SEEDS))
-    if tuned and not a.tuning_run:
-        p.error(f"--seeds {tuned}: tuning seeds (hand-set settings and defaults are chosen on {list(TUNING_SEEDS)}) "
-                f"cannot be reported; use reporting seeds {list(REPORTING_SEEDS)}, or --tuning-run")
+    try:
+        check_reporting_seeds(a.seeds, a.tuning_run, TUNING_SEEDS, REPORTING_SEEDS,
+                              chosen="hand-set settings and defaults are chosen")
+    except ValueError as e:
+        p.error(str(e))
     a.arms = list(dict.fromkeys([*a.arms, *(f"mols-{r}" for r in a.fused_rules)]))
     a.eval_interval = a.eval_interval or max(1, a.steps // 10)
     a.diagnostic_interval = a.diagnostic_interval if a.diagnostic_interval is not None else max(1, a.steps // 6)

@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks._results import write_results  # noqa: E402
 from benchmarks.bench_mols import REPORTING_SEEDS, TUNING_SEEDS, steps_to_reach  # noqa: E402
+from megatron_mech.studies.leadtime import check_reporting_seeds  # noqa: E402
 from megatron_mech.core.mols import MoLSConfig, default_window  # noqa: E402
 from megatron_mech.deepspeed.batches import global_batch  # noqa: E402
 from megatron_mech.deepspeed.models import dense_llama  # noqa: E402
@@ -153,9 +154,11 @@ def main(argv=None):
     p.add_argument("--no-write", action="store_true")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    tuned = sorted(set(a.seeds) & set(TUNING_SEEDS))
-    if tuned and not a.tuning_run:
-        p.error(f"--seeds {tuned}: tuning seeds cannot be reported; use {list(REPORTING_SEEDS)} or --tuning-run")
+    try:
+        check_reporting_seeds(a.seeds, a.tuning_run, TUNING_SEEDS, REPORTING_SEEDS,
+                              chosen="hand-set settings and defaults are chosen")
+    except ValueError as e:
+        p.error(str(e))
     if a.batch % a.micro_batches or a.micro_batches < 2:
         p.error("--batch must be a multiple of --micro-batches >= 2")
     torch.set_num_threads(a.threads)

@@ -42,12 +42,16 @@ TUNING_SEEDS = (11, 1234)
 REPORTING_SEEDS = (21, 22, 23, 24, 25)
 
 
-def check_reporting_seeds(seeds, allow_tuning: bool = False) -> None:
-    """ValueError if ``seeds`` contains a tuning seed (unless ``allow_tuning``): results must be held out."""
-    tuned = sorted(set(seeds) & set(TUNING_SEEDS))
+def check_reporting_seeds(seeds, allow_tuning: bool = False, tuning=TUNING_SEEDS, reporting=REPORTING_SEEDS,
+                          chosen: str = "the detector was set") -> None:
+    """ValueError if ``seeds`` contains a tuning seed (unless ``allow_tuning``): results must be held out.
+
+    ``tuning`` / ``reporting``: the study's seed sets (default: the detector studies'); ``chosen``: what was
+    chosen on the tuning seeds, for the message."""
+    tuned = sorted(set(seeds) & set(tuning))
     if tuned and not allow_tuning:
-        raise ValueError(f"--seeds {tuned}: tuning seeds (the detector was set on {list(TUNING_SEEDS)}) cannot be "
-                         f"reported; use reporting seeds such as {list(REPORTING_SEEDS)}, or --tuning-run to "
+        raise ValueError(f"--seeds {tuned}: tuning seeds ({chosen} on {list(tuning)}) cannot be "
+                         f"reported; use reporting seeds such as {list(reporting)}, or --tuning-run to "
                          f"look at tuning seeds (the output is then marked as a tuning run)")
 
 
