@@ -12,7 +12,9 @@ and per-seed tables.
 Arms (``--arms``): ``adamw``; ``mols`` (default MoLS); ``mols-qk`` / ``mols-vo`` (other fused-QKV rules);
 ``grid`` (the hand-set grid: embedding/head × qk multipliers from ``--grid-values``, each pair a fixed-multiplier
 arm, the all-ones pair being AdamW itself); ``fixed:embedding=2,head=2,qk=0.5`` (one hand-set setting, e.g. the
-grid's best on the tuning seeds). ``--lr-scales 0.5 1 2`` repeats every arm at those multiples of ``--lr``.
+grid's best on the tuning seeds); ``mols:window=20,window-start=41`` (MoLS with other ``--mech-mols-*``
+settings, e.g. the estimation window placed after the warm-up). ``--lr-scales 0.5 1 2`` repeats every arm at
+those multiples of ``--lr``.
 
 Seeds: the tuning seeds (:data:`TUNING_SEEDS`) are the ones hand-set settings and default changes are chosen on;
 results are reported on the reporting seeds (:data:`REPORTING_SEEDS`). A tuning seed is refused without
@@ -25,6 +27,7 @@ results are reported on the reporting seeds (:data:`REPORTING_SEEDS`). A tuning 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -95,16 +98,37 @@ def expand_arms(a) -> dict:
                         continue  # all multipliers 1: that is the adamw arm
                     arms[f"fixed:embedding={eh:g},head={eh:g},qk={qk:g}"] = [
                         *mols, "--mech-mols-fixed", f"embedding={eh:g}", f"head={eh:g}", f"qk={qk:g}"]
+        elif arm.startswith("mols:"):
+            arms[arm] = [*mols, *mols_variant_flags(arm)]
         elif arm.startswith("fixed:"):
             items = [x for x in arm[len("fixed:"):].split(",") if x]
             parse_fixed_multipliers(items, flag=f"--arms {arm}")  # a clear error before any run starts
             arms[arm] = [*mols, "--mech-mols-fixed", *items]
         else:
             raise SystemExit(f"--arms: unknown arm {arm!r} (adamw, mols, mols-qk, mols-vo, grid, "
-                             f"fixed:CLASS=MULT,...)")
+                             f"fixed:CLASS=MULT,..., mols:OPTION=VALUE,...)")
     if "adamw" not in arms:
         raise SystemExit("--arms must include adamw (every difference is paired against it)")
     return arms
+
+
+def mols_variant_flags(arm: str) -> list:
+    """``mols:window=20,window-start=41`` → ``--mech-mols-window 20 --mech-mols-window-start 41`` (a MoLS arm
+    with other settings, e.g. the estimation window's placement; later flags override the common ones).
+    ``ValueError`` names an item that is not ``OPTION=VALUE`` or an option MoLS does not have."""
+    from megatron_mech.config import MoLSOptions
+    from megatron_mech.options import field_flag
+
+    known = {field_flag(MoLSOptions, f.name) for f in dataclasses.fields(MoLSOptions)} - {None}
+    flags = []
+    for item in [x for x in arm[len("mols:"):].split(",") if x]:
+        key, sep, value = item.partition("=")
+        flag = f"--mech-mols-{key}"
+        if not sep or not value or flag not in known:
+            raise ValueError(f"--arms {arm}: {item!r} is not OPTION=VALUE with OPTION one of "
+                             f"{sorted(k[len('--mech-mols-'):] for k in known if k.startswith('--mech-mols-'))}")
+        flags += [flag, value]
+    return flags
 
 
 def run(run_dir: Path, seed: int, steps: int, flags: list, env) -> dict:
@@ -301,7 +325,8 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: min(40, steps/4))")
     p.add_argument("--lr-scales", type=float, nargs="+", default=[1.0], help="repeat every arm at these lr multiples")
     p.add_argument("--arms", nargs="+", default=["adamw", "mols"],
-                   help="adamw, mols, mols-qk, mols-vo, grid, fixed:CLASS=MULT,... (see the module docstring)")
+                   help="adamw, mols, mols-qk, mols-vo, grid, fixed:CLASS=MULT,..., mols:OPTION=VALUE,... "
+                        "(see the module docstring)")
     p.add_argument("--fused-rules", nargs="*", default=[], choices=["qk", "vo"],
                    help="shorthand for the arms mols-qk / mols-vo")
     p.add_argument("--grid-values", type=float, nargs="+", default=[0.5, 1.0, 2.0],

@@ -57,3 +57,21 @@ def test_report_paired_interval_steps_to_reach_and_clamp_counts():
     assert got["steps_to_adamw_final"] == [150, None, 300]  # seed 22 never reaches 5.12
     assert "| qk | 1.5 | 1.83 | 2.5 | 0 / 1 |" in text  # one seed's raw α above the clamp
     assert "| diagnostic 1 | 71–90 |" in text
+
+
+def test_mols_variant_arm_passes_its_settings_to_the_mols_flags_and_refuses_unknown_options():
+    import argparse
+
+    from megatron_mech.config import MoLSOptions
+    from megatron_mech.options import add_section_flags, section_from_flags
+
+    arms = bm.expand_arms(_args(arms=["adamw", "mols:window=20,window-start=41"], window=5))
+    flags = arms["mols:window=20,window-start=41"]
+    parser = argparse.ArgumentParser()
+    add_section_flags(parser, MoLSOptions)
+    opts = section_from_flags(MoLSOptions, parser.parse_args(flags))
+    assert opts.enabled and opts.window == 20 and opts.window_start == 41  # the arm's value beats --window 5
+    with pytest.raises(ValueError, match="'windw=20' is not OPTION=VALUE"):
+        bm.expand_arms(_args(arms=["adamw", "mols:windw=20"]))
+    with pytest.raises(ValueError, match="'window' is not OPTION=VALUE"):
+        bm.expand_arms(_args(arms=["adamw", "mols:window"]))
