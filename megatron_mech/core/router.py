@@ -132,7 +132,9 @@ def routing_entropy(logits: torch.Tensor) -> torch.Tensor:
     experts = z.shape[-1]
     # y = z - max <= 0. A NaN or +inf logit, or an all -inf row, makes the row's y NaN and hence H NaN.
     # -inf entries (masked experts) are clamped to the most negative finite value: p = 0 there, and 0 * y = 0.
-    y = (z - z.amax(dim=-1, keepdim=True)).clamp_min(-torch.finfo(z.dtype).max)
+    # In place on our own temporary: one pass and no extra [tokens, experts] allocation (CPU-bound here).
+    y = z - z.amax(dim=-1, keepdim=True)
+    y.clamp_min_(-torch.finfo(z.dtype).max)
     probs = torch.softmax(y, dim=-1)
     # sum_e p_e y_e. On CPU as a batched [1, E] x [E, 1] product: one kernel (mul + sum is two passes, slower
     # there); elsewhere mul + sum, which is fast on an accelerator and never goes through a TF32 matmul.
@@ -141,7 +143,7 @@ def routing_entropy(logits: torch.Tensor) -> torch.Tensor:
     else:
         p_dot_y = (probs * y).sum(dim=-1)
     entropy = -torch.log(probs.amax(dim=-1)) - p_dot_y     # log S - sum p y, with log S = -log p_max
-    return entropy.clamp_min(0.0)
+    return entropy.clamp_min_(0.0)
 
 
 # --------------------------------------------------------------------------------------------------------
