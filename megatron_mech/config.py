@@ -63,8 +63,9 @@ class MonitorConfig:
     eval_device: str = option("device", "where an evaluation computes: device (where the weights are; snapshots "
                               "copied there) or host (CPU, where the snapshots live; no accelerator arithmetic)",
                               flag="--mech-eval-device", choices=EVAL_DEVICES)
-    qk_batch: str = option("all", "grouping of the per-head eigenproblems: all (one batched call for every layer "
-                           "and head of an evaluation), item (one per layer), head (one per head)",
+    qk_batch: str = option("auto", "grouping of the per-head eigenproblems: auto (item on a CPU, all elsewhere), "
+                           "all (one batched call for every layer and head of an evaluation), item (one per "
+                           "layer), head (one per head)",
                            flag="--mech-qk-batch", choices=QK_BATCHES)
     all_linears: bool = option(False, "also ΔW spectra of every dense linear (attention output, MLP fc1/fc2), "
                                "exact across TP", flag="--mech-all-linears")

@@ -57,7 +57,10 @@ def test_batched_equals_per_layer_and_per_head_and_dense():
     weights = [layer_weights(**spec) for spec in LAYERS]
     weights[2][2][1, 3, 5] = math.nan                                        # one non-finite head
     cores = [qk_increment_cores(*w, terms=QK_TERMS) for w in weights]
-    results = {mode: spectra_from_qk_cores(cores, batch=mode) for mode in ("all", "item", "head")}
+    results = {mode: spectra_from_qk_cores(cores, batch=mode) for mode in ("all", "item", "head", "auto")}
+    for auto, item in zip(results["auto"], results["item"]):   # CPU cores: "auto" is one call per layer
+        for term in QK_TERMS:
+            assert torch.allclose(getattr(auto, term), getattr(item, term), rtol=0, atol=0, equal_nan=True)
     for i, (spec, w) in enumerate(zip(LAYERS, weights)):
         dense = qk_increment_spectra_dense(*w)
         f32 = spec.get("dtype", torch.float32) == torch.float32
@@ -113,7 +116,7 @@ def test_monitor_batch_modes_and_eval_device_agree(eval_device, monkeypatch):
     live = [fused_qkv(w[0], w[1], torch.randn(2, 256, 64, generator=gen)) for w in weights]
     nxt = [fused_qkv(w[2], w[3], torch.randn(2, 256, 64, generator=gen)) for w in weights]
     metrics = {}
-    for mode in ("all", "item", "head", "all, flushed per layer"):
+    for mode in ("auto", "all", "item", "head", "all, flushed per layer"):
         if mode.startswith("all,"):        # the memory cap on pending cores reached after every layer
             monkeypatch.setattr(attention_module, "_QK_BATCH_BYTES", 1)
         params = [p.clone() for p in live]

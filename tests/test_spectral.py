@@ -331,3 +331,24 @@ def test_qk_terms_as_one_string_and_complex_weights():
     assert torch.equal(one.delta2, S.qk_increment_spectra(*w, terms=("delta2",)).delta2)
     with pytest.raises(ValueError, match="wq must be real"):
         S.qk_increment_spectra(w[0], w[1], w[2].to(torch.complex128), w[3])
+
+
+def test_singular_psd_factor_reproduces_rank_deficient_grams_in_every_branch():
+    """F Fᵀ = G for the Grams Cholesky rejects: increment block first ([Δ, W] with a rank-2 Δ), increment block
+    second ([W, Δ]), an all-zero padded half (Δ3), and both halves rank-deficient (the whole-Gram fallback)."""
+    from megatron_mech.core.spectral import _singular_psd_factor
+
+    g = torch.Generator().manual_seed(3)
+    d_model, half = 64, 8
+    w = torch.randn(d_model, half, generator=g, dtype=torch.float64)
+    delta = 1e-3 * torch.randn(d_model, 2, generator=g, dtype=torch.float64) @ \
+        torch.randn(2, half, generator=g, dtype=torch.float64)
+    low = torch.randn(d_model, 3, generator=g, dtype=torch.float64) @ torch.randn(3, half, generator=g,
+                                                                                   dtype=torch.float64)
+    factors = [torch.cat([delta, w], 1), torch.cat([w, delta], 1), torch.cat([w, torch.zeros_like(w)], 1),
+               torch.cat([low, low @ torch.randn(half, half, generator=g, dtype=torch.float64)], 1)]
+    grams = torch.stack([x.T @ x for x in factors])
+    assert (torch.linalg.cholesky_ex(grams).info != 0).all()
+    f = _singular_psd_factor(grams)
+    scale = grams.diagonal(dim1=1, dim2=2).amax(-1)[:, None, None]
+    assert ((f @ f.transpose(1, 2) - grams).abs() / scale).max() < 1e-12

@@ -319,8 +319,8 @@ def _core_spectrum_from_grams(gram_a: torch.Tensor, gram_b: torch.Tensor) -> tor
     σ(ABᵀ)² are the eigenvalues of (AᵀA)(BᵀB) = F Fᵀ BᵀB for any factor F Fᵀ = AᵀA, which equal the
     eigenvalues of the symmetric PSD core Fᵀ (BᵀB) F. F is the Cholesky factor where it exists (fast and
     backward stable: L Lᵀ = AᵀA + E with ‖E‖ ~ eps‖AᵀA‖, the same error level as an eigendecomposition);
-    where Cholesky fails — a rank-deficient factor, e.g. a collapsed or zero increment — F = V·diag(√λ) from
-    the eigendecomposition AᵀA = V diag(λ) Vᵀ, which is exact for singular Grams (λ = 0).
+    where Cholesky fails — a rank-deficient factor, e.g. a collapsed or zero increment, or Δ3's zero padding —
+    F comes from :func:`_singular_psd_factor` (exact for singular Grams).
 
     Works in the Grams' dtype. Each Gram is first divided by its largest diagonal entry (σ(ABᵀ) scales with
     the square root of the product of the two divisors, applied afterwards in float64): the core's
@@ -336,12 +336,57 @@ def _core_spectrum_from_grams(gram_a: torch.Tensor, gram_b: torch.Tensor) -> tor
     factor, info = torch.linalg.cholesky_ex(gram_a)
     singular = info != 0
     if bool(singular.any()):
-        lam, vecs = guarded_linalg(torch.linalg.eigh, gram_a[singular], outputs=2)
-        factor[singular] = vecs * lam.clamp_min(0).sqrt()[:, None, :]
+        factor[singular] = _singular_psd_factor(gram_a[singular])
     core = factor.transpose(1, 2) @ gram_b @ factor
     eig = guarded_linalg(torch.linalg.eigvalsh, core)                 # the lower triangle is read
     unit = (scale_a.to(torch.float64) * scale_b.to(torch.float64)).sqrt()
     return eig.to(torch.float64).clamp_min(0).sqrt().flip(-1) * unit[:, None]
+
+
+def _singular_psd_factor(gram: torch.Tensor) -> torch.Tensor:
+    """A factor F with F Fᵀ = ``gram`` for PSD Grams [M, r, r] on which Cholesky failed (rank-deficient).
+
+    The Grams of the Gram route are 2 × 2 block Grams of [X₁, X₂] where one factor is a weight (full rank) and
+    the other an increment, which is what goes rank-deficient (a collapsed update, Δ3's zero padding). So split
+    at r/2 and factor the full-rank diagonal block by Cholesky, the rest through its Schur complement:
+    with G₂₂ = L Lᵀ and Xᵀ = L⁻¹G₂₁, S = G₁₁ − X Xᵀ (PSD, the increment's part outside the weight's span)
+    = V diag(λ) Vᵀ, F = [[V·diag(√λ), X], [0, L]] (and the mirror image when G₁₁ is the full-rank block).
+    This is exact like a whole-Gram eigendecomposition (λ clamped at 0 where rounding makes it negative), at
+    about an eighth of its cost: one r/2 × r/2 eigendecomposition. Grams with neither block positive definite
+    (both factors rank-deficient, e.g. zero weights) fall back to F = V·diag(√λ) of the whole Gram.
+    """
+    r = gram.shape[-1]
+    half = r // 2
+    factor = torch.zeros_like(gram)
+    todo = torch.ones(gram.shape[0], dtype=torch.bool, device=gram.device)
+
+    def schur_factor(rows, pd, other):
+        """Heads ``rows``: block ``pd`` (slice) by Cholesky, block ``other`` through its Schur complement."""
+        g = gram[rows]
+        chol, info = torch.linalg.cholesky_ex(g[:, pd, pd])
+        ok = info == 0
+        if not bool(ok.any()):
+            return
+        g, chol = g[ok], chol[ok]
+        coupling = torch.linalg.solve_triangular(chol, g[:, pd, other], upper=False).transpose(1, 2)
+        schur = g[:, other, other] - coupling @ coupling.transpose(1, 2)
+        lam, vecs = guarded_linalg(torch.linalg.eigh, schur, outputs=2)
+        f = torch.zeros_like(g)
+        f[:, pd, pd] = chol
+        f[:, other, pd] = coupling
+        f[:, other, other] = vecs * lam.clamp_min(0).sqrt()[:, None, :]
+        index = rows.nonzero().squeeze(1)[ok]
+        factor[index] = f
+        todo[index] = False
+
+    if half >= 1:
+        schur_factor(todo.clone(), slice(half, r), slice(0, half))   # increment first (Δ2's A = [ΔW_q, W_q])
+        if bool(todo.any()):
+            schur_factor(todo.clone(), slice(0, half), slice(half, r))
+    if bool(todo.any()):
+        lam, vecs = guarded_linalg(torch.linalg.eigh, gram[todo], outputs=2)
+        factor[todo] = vecs * lam.clamp_min(0).sqrt()[:, None, :]
+    return factor
 
 
 def _core_spectrum_qr(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -427,14 +472,16 @@ def _gram_block(blocks: dict, left: str, right: str) -> torch.Tensor:
 _BLOCK_LETTER = {"dq": "d", "q": "w", "dk": "d", "k": "w", "k_new": "n"}
 
 
-def _assembled_gram(blocks: dict, names: list, scales: list) -> torch.Tensor:
-    """Gram of the scaled factor [s_1 X_1, s_2 X_2, ...] ([N, r, r], float64) from the block Grams."""
-    rows = []
-    for name_i, s_i in zip(names, scales):
-        row = [_gram_block(blocks, _BLOCK_LETTER[name_i], _BLOCK_LETTER[name_j])
-               * (s_i * s_j).to(blocks[("d", "d")].dtype)[:, None, None] for name_j, s_j in zip(names, scales)]
-        rows.append(torch.cat(row, dim=2))
-    return torch.cat(rows, dim=1)
+def _assemble_gram(out: torch.Tensor, blocks: dict, names: list, scales: list) -> None:
+    """Write the Gram of the scaled factor [s_1 X_1, s_2 X_2, ...] into ``out`` ([N, ≥ k·d_head, ≥ k·d_head],
+    its top-left corner) from the block Grams: block by block, no concatenation (the rest of ``out`` keeps its
+    zeros: Δ3's padding)."""
+    dh = blocks[("d", "d")].shape[-1]
+    dtype = out.dtype
+    for i, (name_i, s_i) in enumerate(zip(names, scales)):
+        for j, (name_j, s_j) in enumerate(zip(names, scales)):
+            block = _gram_block(blocks, _BLOCK_LETTER[name_i], _BLOCK_LETTER[name_j])
+            torch.mul(block, (s_i * s_j).to(dtype)[:, None, None], out=out[:, i * dh:(i + 1) * dh, j * dh:(j + 1) * dh])
 
 
 @dataclass(frozen=True)
@@ -455,12 +502,16 @@ class QKCores:
     d_head: int
 
 
-QK_BATCHES = ("all", "item", "head")
+QK_BATCHES = ("auto", "all", "item", "head")
 
 
-def spectra_from_qk_cores(cores: Sequence[QKCores], batch: str = "all") -> list[QKIncrementSpectra]:
+def spectra_from_qk_cores(cores: Sequence[QKCores], batch: str = "auto") -> list[QKIncrementSpectra]:
     """Spectra of each :class:`QKCores` (in order). ``batch`` says how the r × r eigenproblems are grouped:
 
+    * ``"auto"`` (default): ``"item"`` for cores on the CPU, ``"all"`` elsewhere. On an accelerator the
+      number of calls is what counts (kernel launches); on a CPU LAPACK runs the same per-matrix routine
+      either way and one large batch only adds copies and cache misses (``benchmarks/peer_side_by_side.py``:
+      8 layers × 8 heads, r = 256, per layer faster than all layers at once);
     * ``"all"``: one batched Cholesky + one batched ``eigvalsh`` for every core of every item that shares a
       size, dtype and device (e.g. all layers of an evaluation) — the fewest, largest LAPACK / kernel calls;
     * ``"item"``: one batched call per item (per layer: all its heads and terms);
@@ -472,6 +523,8 @@ def spectra_from_qk_cores(cores: Sequence[QKCores], batch: str = "all") -> list[
     if batch not in QK_BATCHES:
         raise ValueError(f"batch must be one of {QK_BATCHES}, got {batch!r}")
     cores = list(cores)
+    if batch == "auto":
+        batch = "item" if all(c.grams_a.device.type == "cpu" for c in cores) else "all"
     values: list[Optional[torch.Tensor]] = [None] * len(cores)
     if batch == "all":
         groups: dict = {}
@@ -564,18 +617,17 @@ def qk_increment_cores(
         k_sq = {n: torch.where(finite, v, zero) for n, v in k_sq.items()}
         k_sq["k_new"] = trace(_gram_block(k_blocks, "n", "n"))
 
+    # All terms in one batch ([terms·H, 2dh, 2dh], Δ3's r = d_head zero-padded): fewer, larger LAPACK calls.
     width = 2 * d_head
-    grams_a, grams_b = [], []
-    for term in terms:
+    grams_a = torch.zeros(len(terms) * num_heads, width, width, dtype=core_dtype, device=q_prev.device)
+    grams_b = torch.zeros_like(grams_a)
+    for t, term in enumerate(terms):
         pairs = _TERM_BLOCKS[term]
         scales = [_balance_scales(q_sq[a], k_sq[b]) for a, b in pairs]
-        gram_a = _assembled_gram(q_blocks, [a for a, _ in pairs], [s[0] for s in scales])
-        gram_b = _assembled_gram(k_blocks, [b for _, b in pairs], [s[1] for s in scales])
-        pad = width - gram_a.shape[-1]  # Δ3's r = d_head: zero-pad so every term is one batch
-        grams_a.append(torch.nn.functional.pad(gram_a, (0, pad, 0, pad)))
-        grams_b.append(torch.nn.functional.pad(gram_b, (0, pad, 0, pad)))
-    # All terms in one batch ([terms·H, 2dh, 2dh]): fewer, larger LAPACK calls.
-    return QKCores(torch.cat(grams_a), torch.cat(grams_b), finite, tuple(terms), num_heads, d_head)
+        rows = slice(t * num_heads, (t + 1) * num_heads)
+        _assemble_gram(grams_a[rows], q_blocks, [a for a, _ in pairs], [s[0] for s in scales])
+        _assemble_gram(grams_b[rows], k_blocks, [b for _, b in pairs], [s[1] for s in scales])
+    return QKCores(grams_a, grams_b, finite, tuple(terms), num_heads, d_head)
 
 
 def qk_increment_spectra_qr(

@@ -234,13 +234,13 @@ class AttentionMonitorConfig:
             device would be rounded to ~1e-3: use ``"host"`` or ``gram_dtype="float64"`` there (the monitor
             does not touch the process-wide matmul precision flags).
         qk_batch: how the per-head r × r eigenproblems of the Gram route are grouped (``qk_method="gram"``):
-            ``"all"`` (default): one batched Cholesky + ``eigvalsh`` for all heads, terms and layers of an
-            evaluation bucket that share a core size (in batches of at most 256 MiB of cores); ``"item"``: one
-            per layer; ``"head"``: one per head and
-            term. Same values to rounding; ``"all"`` makes the fewest calls, which is what counts on an accelerator
-            (kernel launches). On a CPU it is not faster at d_head 128 (``benchmarks/peer_side_by_side.py``
-            measured one call per head 12 % faster for 8 layers × 8 heads, r = 256; batching helped at r = 64),
-            so ``"head"`` is the choice for CPU-only evaluation (``eval_device="host"``) of large heads.
+            ``"auto"`` (default): ``"item"`` where the cores are on the CPU, ``"all"`` elsewhere; ``"all"``: one
+            batched Cholesky + ``eigvalsh`` for all heads, terms and layers of an evaluation bucket that share a
+            core size (in batches of at most 256 MiB of cores); ``"item"``: one per layer; ``"head"``: one per
+            head and term. Same values to rounding; ``"all"`` makes the fewest calls, which is what counts on an
+            accelerator (kernel launches). On a CPU it is not faster at d_head 128
+            (``benchmarks/peer_side_by_side.py`` measured per layer faster than all layers at once for 8 layers
+            × 8 heads, r = 256), hence ``"item"`` there.
     """
 
     interval: int = 10
@@ -258,7 +258,7 @@ class AttentionMonitorConfig:
     krylov_steps: int = 30
     krylov_block: int = 8
     eval_device: str = "device"
-    qk_batch: str = "all"
+    qk_batch: str = "auto"
 
     def __post_init__(self) -> None:
         if not _is_int(self.interval) or self.interval < 1:
