@@ -404,3 +404,13 @@ def test_stats_all_reduce_under_torchrun_gloo():
     worker = Path(__file__).parent / "workers" / "router_allreduce_worker.py"
     result = run_torchrun(worker, nproc=2, timeout=120)
     assert "ROUTER_ALLREDUCE PASS" in result.stdout, result.stdout[-4000:]
+
+
+@pytest.mark.parametrize("spread", [50.0, 500.0])
+def test_entropy_of_peaked_routing_with_the_denormal_floor(spread):
+    """Peaked logits push most probabilities below float32's normal range; the floor on the shifted logits
+    (which keeps them normal, for speed) must not move H beyond float32 rounding of the float64 reference."""
+    logits = spread * torch.randn(4096, 64, generator=torch.Generator().manual_seed(7))
+    np.testing.assert_allclose(routing_entropy(logits).double().numpy(), reference_entropy(logits), atol=2e-6)
+    z = logits.double()
+    np.testing.assert_allclose(routing_entropy(z).numpy(), reference_entropy(z), atol=1e-12)
