@@ -185,7 +185,7 @@ def main(argv=None):
                             reuse=args.reuse)
             scores = replay(run["records"])
             runs.append({"name": name, "model": model, "width": width, "seed": seed, "steps": steps,
-                         "scores": scores, "command": run["command"], "alerts_fired": len(run["alerts"])})
+                         "scores": scores, "command": run["command"], "alerts_fired": len(run["alerts_fired"])})
             logger.info(f"{name}: {sum(s.alarms for s in scores.values())} alarms over "
                         f"{sum(s.evaluations for s in scores.values())} series-evaluations "
                         f"({time.perf_counter() - t0:.0f}s)")

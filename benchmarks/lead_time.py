@@ -42,6 +42,7 @@ from megatron_mech.studies.demo import step_losses  # noqa: E402
 from megatron_mech.studies.leadtime import (DIVERGENCE_HOLD, FAULT_FLAGS, LEAD_MODEL,  # noqa: E402
                                     REPORTING_SEEDS, TUNING_SEEDS, parse_study_args, divergence_step, first_alert, loss_gap, peak_score, plot_fault)
 from megatron_mech.records.sinks import read_alerts, read_jsonl  # noqa: E402
+from megatron_mech.studies.clean_scores import replay_alerts  # noqa: E402
 
 MODEL = LEAD_MODEL
 FAULTS = FAULT_FLAGS
@@ -56,8 +57,11 @@ def launch(run_dir: Path, seed: int, steps: int, fault: list, start: int, env, r
     if not (reuse and (run_dir / "summary.json").exists()):
         cmd = [*torchrun_prefix(2), str(REPO / "launch_scripts" / "pretrain_gpt_mech.py"), *args]
         subprocess.run(cmd, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    return {"losses": step_losses(run_dir), "alerts": read_alerts(run_dir / "mech.jsonl"),
-            "records": read_jsonl(run_dir / "mech.jsonl"),
+    records = read_jsonl(run_dir / "mech.jsonl")
+    # Alerts as the current default rules fire them on the recorded series (a re-scored --reuse run follows a
+    # rule change); what the run fired live is kept beside them.
+    return {"losses": step_losses(run_dir), "alerts": replay_alerts(records), "records": records,
+            "alerts_fired": read_alerts(run_dir / "mech.jsonl"),
             "seed": seed, "command": " ".join(["torchrun --nproc_per_node=2 launch_scripts/pretrain_gpt_mech.py",
                                                 *args])}
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from megatron_mech.core.detect import SeriesRule
-from megatron_mech.studies.clean_scores import binomial_upper_bound, expected_alarms, kind_of, replay
+from megatron_mech.studies.clean_scores import binomial_upper_bound, expected_alarms, kind_of, replay, replay_alerts
 from megatron_mech.studies.natural import loss_spike_step, max_logit_signal_step, self_divergence_step
 
 
@@ -59,6 +59,10 @@ def test_replay_counts_evaluations_alarms_and_peaks():
     assert kind_of("attn/layer1/head0/delta2_entropy") == "Δ2 (per head)"
     assert kind_of("attn/layer1/dwq_entropy") == "ΔW (per layer)"
     assert kind_of("router/layer0/entropy_p05") == "router/entropy_p05"
+    # the same replay as alerts: the collapse alone, at the step its scores say
+    alerts = replay_alerts(records, rules)
+    assert [(a.metric, a.step, a.family) for a in alerts] == [("attn/layer1/head0/delta2_entropy", 5 * 32,
+                                                                "attention")]
 
 
 def test_self_divergence():

@@ -12,7 +12,7 @@ from typing import Iterable, Mapping, Optional, Sequence
 
 from megatron_mech.core.detect import DetectorRegistry, SeriesRule, default_rules
 
-__all__ = ["SeriesScore", "binomial_upper_bound", "kind_of", "replay", "expected_alarms"]
+__all__ = ["SeriesScore", "binomial_upper_bound", "kind_of", "replay", "replay_alerts", "expected_alarms"]
 
 
 @dataclass
@@ -84,6 +84,19 @@ def replay(records: Iterable[Mapping], rules: Optional[Sequence[SeriesRule]] = N
                 if worse:
                     s.extreme_value = value
     return scores
+
+
+def replay_alerts(records: Iterable[Mapping], rules: Optional[Sequence[SeriesRule]] = None) -> list:
+    """The alerts ``rules`` (default: the current default rules) fire on one run's recorded series, in step
+    order: what the run would have alerted with today's detector, so finished runs can be re-scored after a
+    rule change. Only evaluation records are replayed (the hook's immediate non-finite loss alerts between
+    evaluations are not in them; the studies read divergence from the losses)."""
+    registry = DetectorRegistry(rules if rules is not None else default_rules())
+    for record in records:
+        metrics = {k: v for k, v in (record.get("metrics") or {}).items() if isinstance(v, (int, float))}
+        if metrics:
+            registry.update(int(record["step"]), metrics)
+    return list(registry.alerts)
 
 
 def binomial_upper_bound(k: int, n: int, confidence: float = 0.95) -> float:
