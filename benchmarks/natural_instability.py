@@ -3,7 +3,8 @@ before the run diverges, and before the signals users have today?
 
 High learning rates make small models show the instabilities of large ones: attention-logit growth (prevented
 by qk-layernorm) and output-logit divergence. For every LR × {plain, ``--qk-layernorm``} × seed, one run of the
-small GPT (MoE with EP=2, or dense with ``--model dense``), constant LR after a short warm-up. Per run:
+small GPT (MoE with EP=2, or dense with ``--model dense``), constant LR after a linear warm-up (``--warmup``,
+default a twentieth of the run; a long warm-up to a high LR lets the failure develop as the LR climbs). Per run:
 
 * **divergence** (:func:`megatron_mech.studies.natural.self_divergence_step`): first non-finite loss, or the
   20-step moving-average loss > ``--margin`` nats above its own best until the end (≥ 50 steps);
@@ -44,10 +45,15 @@ logger = logging.getLogger("benchmarks.natural_instability")
 DEFAULT_LRS = [2e-3, 1e-2, 3e-2, 1e-1, 3e-1]  # the preset trains at 2e-3; logit growth is visible from 3e-2 on
 
 
+def warmup_steps(args) -> int:
+    """Linear warm-up length: ``--warmup``, or a twentieth of the run."""
+    return args.warmup if args.warmup is not None else max(1, args.steps // 20)
+
+
 def run_flags(args, lr: float, qk_layernorm: bool, seed: int) -> list:
     flags = [*model_flags(args.width, args.model == "moe"), "--seed", str(seed), "--lr", f"{lr:g}",
              "--min-lr", f"{lr:g}", "--lr-decay-style", "constant",
-             "--lr-warmup-iters", str(max(1, args.steps // 20))]
+             "--lr-warmup-iters", str(warmup_steps(args))]
     return flags + (["--qk-layernorm"] if qk_layernorm else [])
 
 
@@ -79,7 +85,7 @@ def report(args, rows: list) -> str:
     names = list(rows[0]["score"]["signals"]) if rows else []
     lines = [("**TUNING RUN — not a result.** " if args.tuning_run else "")
              + f"LR sweep of the small GPT ({args.model}, hidden {args.width}, 4 layers, 4 heads; 2 CPU processes), "
-             f"{args.steps} steps, constant LR after a {max(1, args.steps // 20)}-step warm-up, no injected fault, "
+             f"{args.steps} steps, constant LR after a {warmup_steps(args)}-step linear warm-up, no injected fault, "
              f"with and without --qk-layernorm. Seeds {args.seeds} (reporting seeds; tuning seeds "
              f"{list(TUNING_SEEDS)} never reported). Divergence: non-finite loss, or the 20-step moving-average "
              f"loss > {args.margin} nats above its own best until the end (≥ 50 steps). Lead = divergence − first "
@@ -119,10 +125,15 @@ def main(argv=None):
     p.add_argument("--model", choices=("moe", "dense"), default="moe")
     p.add_argument("--width", type=int, default=64, help="hidden size")
     p.add_argument("--qk-layernorm", choices=("both", "off", "on"), default="both")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="lr warm-up steps (default: steps/20). A long warm-up to a high lr lets an instability "
+                        "develop while the lr climbs, instead of within the first steps")
     p.add_argument("--margin", type=float, default=1.0, help="divergence margin above the run's best (nats)")
     p.add_argument("--runs-dir", default=None, help="keep the runs here (default: a temporary folder)")
     p.add_argument("--reuse", action="store_true", help="with --runs-dir: reuse finished runs, resume unfinished ones")
     p.add_argument("--tuning-run", action="store_true", help="allow tuning seeds (the report says so)")
+    p.add_argument("--results-name", default="natural_instability",
+                   help="results file name under benchmarks/results/ (e.g. natural_instability_warmup)")
     p.add_argument("--no-write", action="store_true")
     args = parse_study_args(p, argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -133,7 +144,8 @@ def main(argv=None):
         for lr in args.lrs:
             for qk_ln in qk:
                 for seed in args.seeds:
-                    name = f"{args.model}_h{args.width}_lr{lr:g}_{'qkln' if qk_ln else 'plain'}_s{seed}"
+                    name = (f"{args.model}_h{args.width}_lr{lr:g}_{'qkln' if qk_ln else 'plain'}_s{seed}"
+                            + (f"_w{args.warmup}" if args.warmup is not None else ""))
                     t0 = time.perf_counter()
                     run = train_run(work / name, run_flags(args, lr, qk_ln, seed), args.steps, reuse=args.reuse)
                     row = {"name": name, "lr": lr, "qk_layernorm": qk_ln, "seed": seed, "command": run["command"],
@@ -145,7 +157,7 @@ def main(argv=None):
     text = report(args, rows)
     print(text)
     if not args.no_write:
-        write_results("natural_instability", text, {"tuning_run": args.tuning_run, "args": vars(args), "rows": rows})
+        write_results(args.results_name, text, {"tuning_run": args.tuning_run, "args": vars(args), "rows": rows})
 
 
 if __name__ == "__main__":
