@@ -172,6 +172,10 @@ def main(argv=None):
         share = statistics.mean(r["monitor_share"] for r in runs)
         summary[name] = {"mean_step_s": mean_step, "end_to_end_overhead": ratio, "accounted_share": share}
         lines.append(f"| {name} | {mean_step*1e3:.1f} | {100*ratio:+.2f}% | {100*share:.2f}% |")
+    lines += ["", "\"off\" is `--mech-monitors none`: no attention, router or expert monitor, but the hook still "
+              "evaluates its symptom series every 10 steps (the default δ): the loss and grad-norm detectors, the "
+              "JSONL record and the maximum attention logit (one extra QKᵀ per layer and micro-batch on those "
+              "steps, and one all-reduce). Its accounted share is that cost; the other rows include it too."]
     lines += derived_overhead(overhead)
     lines += ["", "Monitor communication per evaluation (all collectives inside `MechHook.after_optimizer_step`):", "",
               "| TP | collectives | MiB |", "|---|---|---|"]
