@@ -68,7 +68,8 @@ def overhead_runs(steps, rounds, env, workdir):
                                   "monitor_seconds": summary["monitor_seconds"],
                                   "median_step_s": statistics.median(step_s),
                                   "monitor_share": summary["monitor_seconds"] / sum(summary["step_seconds"]),
-                                  "params_per_rank": summary["params_per_rank"]})
+                                  "params_per_rank": summary["params_per_rank"],
+                                  "breakdown_s": summary.get("monitor_breakdown", {})})
             print(f"round {r} {name:6s}: mean step {results[name][-1]['mean_step_s']*1e3:7.1f} ms, "
                   f"monitor share {100*results[name][-1]['monitor_share']:.2f}% "
                   f"({time.perf_counter()-started:.0f}s)", flush=True)
@@ -176,6 +177,13 @@ def main(argv=None):
               "evaluates its symptom series every 10 steps (the default δ): the loss and grad-norm detectors, the "
               "JSONL record and the maximum attention logit (one extra QKᵀ per layer and micro-batch on those "
               "steps, and one all-reduce). Its accounted share is that cost; the other rows include it too."]
+    off_parts: dict = {}
+    for r in overhead["off"]:
+        for part, seconds in r.get("breakdown_s", {}).items():
+            off_parts[part] = off_parts.get(part, 0.0) + seconds / len(overhead["off"])
+    if off_parts:
+        lines += ["Accounted seconds of the \"off\" runs by part (mean per run): " + ", ".join(
+            f"{part} {sec:.2f}" for part, sec in sorted(off_parts.items(), key=lambda kv: -kv[1]) if sec > 0) + "."]
     lines += derived_overhead(overhead)
     lines += ["", "Monitor communication per evaluation (all collectives inside `MechHook.after_optimizer_step`):", "",
               "| TP | collectives | MiB |", "|---|---|---|"]

@@ -455,7 +455,8 @@ def finish(args, t: Training, runtime: Runtime, run: dict, output_dir: str) -> N
                    "mols_diagnostics": hook.mols_diagnostics(),
                    "mols_diagnostic_seconds": hook.mols_diagnostic_seconds,
                    "valid_history": run["valid_history"] + [[final_step, val]],
-                   "monitor_breakdown": {**hook.seconds, "router_capture": hook.router_capture_seconds},
+                   "monitor_breakdown": {**hook.seconds, "router_capture": hook.router_capture_seconds,
+                                         "max_logit_capture": hook.max_logit.seconds if hook.max_logit else 0.0},
                    "alerts": [a.to_dict() for a in alerts]}
         write_summary(Path(output_dir) / "summary.json", summary)
         logger.info(f"[train] done: {final_step} steps in {elapsed:.0f}s, monitors {hook.evaluation_seconds:.1f}s "
