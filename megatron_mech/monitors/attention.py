@@ -638,11 +638,15 @@ class AttentionMonitor:
         if self.config.route(k) == "gram":
             out.copy_(shard_gram(delta, shard_dim, accumulate_dtype=delta.dtype, lower_only=True))
             return
-        x = delta.detach().to(_F64)
+        # ΔW stays in the Gram precision (float32 for float32/bf16 weights): the products are memory-bound
+        # skinny GEMMs over the whole shard, so float64 would double both their time and the shard's copy, for
+        # nothing the estimate can resolve (the Lanczos basis and Rayleigh–Ritz stay float64).
+        x = delta.detach()
         finite = torch.isfinite(x)
-        x = torch.where(finite, x, torch.zeros((), dtype=_F64, device=x.device))
-        out.copy_(torch.stack([x.square().sum(), torch.tensor(float(delta.shape[shard_dim]), dtype=_F64,
-                                                                  device=x.device),
+        if not bool(finite.all()):
+            x = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
+        out.copy_(torch.stack([torch.linalg.vector_norm(x, dtype=_F64).square(),
+                               torch.tensor(float(delta.shape[shard_dim]), dtype=_F64, device=x.device),
                                (~finite).sum().to(_F64)]))
         self._krylov_jobs[key] = (x, shard_dim, k)
 
@@ -657,8 +661,8 @@ class AttentionMonitor:
             x, shard_dim, k = self._krylov_jobs[key]
             packed = reduced[key]
             z = float(packed[0]) if float(packed[2]) == 0 else math.nan
-            matvecs.append((lambda v, x=x: x.T @ (x @ v.to(x.device))) if shard_dim == 0
-                           else (lambda v, x=x: x @ (x.T @ v.to(x.device))))
+            matvecs.append((lambda v, x=x: (x.T @ (x @ v.to(x.device, x.dtype))).to(v.dtype)) if shard_dim == 0
+                           else (lambda v, x=x: (x @ (x.T @ v.to(x.device, x.dtype))).to(v.dtype)))
             ns.append(k)
             zs.append(z)
             bounds.append(max(1, min(int(round(float(packed[1]))), k)))
