@@ -461,16 +461,21 @@ def default_rules() -> list[SeriesRule]:
       Norms (‖W_Q‖₂, Frobenius) are deliberately *not* monitored: they grow naturally and false-alarmed on clean
       runs.
     * Router (names as in ``RoutingStats.summary()`` under ``router/layer{L}/``): ``entropy_mean``,
-      ``entropy_norm_mean``, ``entropy_p05``, ``entropy_p50`` and ``load_entropy`` ``down`` (routing diversity
-      collapses), same settings as the attention entropies. ``mean_cosine`` ``up`` (expert rows become alike)
-      and ``low_entropy_frac`` ``up``: their healthy median is near 0, so a relative floor is useless and
-      ``abs_floor=0.02`` sets the scale (band +0.12). Not monitored: ``entropy_min`` (one extreme token),
-      ``entropy_std`` and the margins (no known bad direction on their own). Router baselines *track*
-      (``track=ROUTER_TRACK`` = 20 evaluations): routing entropy falls for the whole run as experts specialize,
-      and a frozen baseline false-alarmed on a clean 800-step tuning run (seed 1234, layer-2 ``entropy_p05``
-      1.16 → 0.78 by step 550); a router collapse from an LR fault develops within tens of evaluations and is
-      still caught. Attention baselines stay frozen — a slowly developing precision fault must not be absorbed
-      by a baseline that follows it — and clean downward drift is made harmless by the level criterion.
+      ``entropy_norm_mean``, ``entropy_p50`` and ``load_entropy`` ``down`` (routing diversity collapses), same
+      settings as the attention entropies, and ``mean_cosine`` ``up`` (expert rows become alike; its healthy
+      median is near 0, so a relative floor is useless and ``abs_floor=0.02`` sets the scale, band +0.12).
+      Router baselines *track* (``track=ROUTER_TRACK`` = 20 evaluations): routing entropy falls for the whole
+      run as experts specialize, and a frozen baseline false-alarmed on a clean 800-step tuning run (seed 1234,
+      layer-2 ``entropy_p05`` 1.16 → 0.78 by step 550).
+      **Logged, not alerted on**: the per-token sharpness tail, ``entropy_p05`` and ``low_entropy_frac``. On
+      the clean 2000-step tuning run (seed 11) they fired 4 times between steps 420 and 540 (peak scores 16.5
+      and 24.4) as routers specialised, while on the LR ×4 fault run of the same seed they peaked *lower*
+      (11.5 and 13.3): no threshold separates a healthy router sharpening from an LR-driven one, so they
+      cannot alert at scale. The mean, median, load and cosine series stayed below score 5 on both runs. Not
+      monitored: ``entropy_min`` (one extreme token), ``entropy_std`` and the margins (no known bad direction
+      on their own). Attention baselines stay frozen — a slowly developing precision fault must not be
+      absorbed by a baseline that follows it — and clean downward drift is made harmless by the level
+      criterion.
     * Symptoms: ``symptom/loss`` and ``symptom/grad_norm`` ``up``. The loss falls during training, away from
       the bad direction, so a frozen baseline is conservative; grad-norm spikes are heavy-tailed, hence
       ``persistence=5`` and ``rel_floor=0.25``.
@@ -492,7 +497,7 @@ def default_rules() -> list[SeriesRule]:
     delta2_attn = dict(ent_attn, level=ATTENTION_LEVELS["delta2_entropy"])
     dw_attn = dict(ent_attn, level=ATTENTION_LEVELS["dw_entropy"])
     near_zero_up_router = dict(near_zero_up, track=ROUTER_TRACK)
-    router_ent = ("entropy_mean", "entropy_norm_mean", "entropy_p05", "entropy_p50", "load_entropy")
+    router_ent = ("entropy_mean", "entropy_norm_mean", "entropy_p50", "load_entropy")
     return [
         # First-order Δ2 per head and ΔW per layer only: Δ1 (≈ Δ2 + a second-order term) adds nothing, and Δ3
         # (second order) is noisy — both false-alarmed on clean tuning runs (benchmarks/lead_time.py); they
@@ -501,7 +506,6 @@ def default_rules() -> list[SeriesRule]:
         SeriesRule("attn/*/dw?_entropy", "attention", **dw_attn, threshold=7.0),
         *(SeriesRule(f"router/*/{name}", "router", **ent_router) for name in router_ent),
         SeriesRule("router/*/mean_cosine", "router", **near_zero_up_router),
-        SeriesRule("router/*/low_entropy_frac", "router", **near_zero_up_router),
         SeriesRule("symptom/loss", "symptom", direction="up", warmup=30, baseline=20, rel_floor=0.02),
         SeriesRule("symptom/grad_norm", "symptom", direction="up", warmup=30, baseline=20, rel_floor=0.25,
                    persistence=5),
