@@ -186,6 +186,13 @@ def measure_scale(a, env) -> None:
         logger.info(f"wrote {write_results('bench_mols_scale', text, {'measured': data, 'projected_hours': hours, 'protocol': fp})}")
 
 
+def train_seconds(run: dict) -> float:
+    """Seconds of the training steps (a results JSON keeps their sum; older ones only the run's wall time)."""
+    if "step_seconds" in run:
+        return sum(run["step_seconds"])
+    return run.get("train_seconds") or run["seconds"]
+
+
 def report(a, arms: dict, results: dict, scales: list) -> tuple:
     """Markdown and the JSON summary from ``results[(arm, scale)] = [summary per seed]``."""
     gbs_tokens = a.global_batch * a.seq
@@ -217,10 +224,10 @@ def report(a, arms: dict, results: dict, scales: list) -> tuple:
             reach = [steps_to_reach(s["valid_history"], base[s["seed"]]["final_valid_loss"]) for s in runs]
             got = [r for r in reach if r is not None]
             entry = {"valid_loss_mean": mean, "valid_loss_sd": sd, "steps_to_adamw_final": reach,
-                     "overhead": statistics.fmean(s["mols_seconds"] / max(sum(s["step_seconds"]), 1e-9)
+                     "overhead": statistics.fmean(s["mols_seconds"] / max(train_seconds(s), 1e-9)
                                                   for s in runs),
                      "diagnostic_overhead": statistics.fmean(s.get("mols_diagnostic_seconds", 0.0)
-                                                             / max(sum(s["step_seconds"]), 1e-9) for s in runs)}
+                                                             / max(train_seconds(s), 1e-9) for s in runs)}
             ci_text = "–"
             if arm != "adamw":
                 ci = paired_ci([s["final_valid_loss"] - base[s["seed"]]["final_valid_loss"] for s in runs])
@@ -253,15 +260,27 @@ def report(a, arms: dict, results: dict, scales: list) -> tuple:
         lines += ["", f"Best AdamW lr scale among {scales}: {best:g} (mean validation loss "
                       f"{statistics.fmean(s['final_valid_loss'] for s in results[('adamw', best)]):.4f})."]
     ref_scale = 1.0 if 1.0 in scales else scales[0]
-    mols_runs = results.get(("mols", ref_scale)) or next((results[(arm, ref_scale)] for arm in arms
-                                                          if arm != "adamw"), None)
-    if mols_runs:
-        lines += snr_tables(mols_runs, a)
+    # The S/α tables of the arm whose window sets the multipliers: default MoLS, else a MoLS variant, else the
+    # first hand-set arm (its window is measured and reported, not used).
+    order = sorted((arm for arm in arms if arm != "adamw" and (arm, ref_scale) in results),
+                   key=lambda arm: (arm != "mols", not arm.startswith("mols")))
+    if order:
+        lines += snr_tables(results[(order[0], ref_scale)], a, order[0], arms[order[0]])
     return "\n".join(lines), summary
 
 
-def snr_tables(runs, a) -> list:
-    """Per-class S and α of the window and of every diagnostic block (mean over seeds), and the clamp."""
+def arm_window(a, flags: list) -> tuple:
+    """The estimation window (first step, length) an arm's MoLS flags give (the last flag wins, as in argparse)."""
+    def last(flag, default):
+        values = [flags[i + 1] for i, f in enumerate(flags[:-1]) if f == flag]
+        return int(values[-1]) if values else default
+
+    length = last("--mech-mols-window", a.window if a.window is not None else default_window(a.steps))
+    return max(1, last("--mech-mols-window-start", 0)), length
+
+
+def snr_tables(runs, a, arm: str, flags: list) -> list:
+    """Per-class S and α of ``arm``'s window and of every diagnostic block (mean over seeds), and the clamp."""
     first = runs[0]["final_mols"]
     keys = [k.split("/")[-1] for k in first if k.startswith("mols/snr/")]
     lo, hi = 0.5, 2.0
@@ -274,17 +293,18 @@ def snr_tables(runs, a) -> list:
         vals = [v for v in values if v is not None and math.isfinite(v)]
         return statistics.fmean(vals) if vals else float("nan")
 
-    window = a.window if a.window is not None else default_window(a.steps)
-    blocks = [("window", f"1–{window}", [{"snr": {k: s["final_mols"].get(f"mols/snr/{k}") for k in keys},
+    start, length = arm_window(a, flags)
+    window_steps = f"{start}–{start + length - 1}"
+    blocks = [("window", window_steps, [{"snr": {k: s["final_mols"].get(f"mols/snr/{k}") for k in keys},
                                           "alpha": {k: s["final_mols"].get(f"mols/alpha_raw/{k}") for k in keys}}
                                          for s in runs])]
     for b in range(max(len(s.get("mols_diagnostics", [])) for s in runs)):
         per_seed = [s["mols_diagnostics"][b] for s in runs if len(s.get("mols_diagnostics", [])) > b]
         d0 = per_seed[0]
         blocks.append((f"diagnostic {b + 1}", f"{d0['start'] + 1}–{d0['end'] + 1}", per_seed))
-    out = ["", f"Per-class gradient SNR S and unclamped α = sqrt(S_vo / S) over the whole run (mean over "
-           f"{len(runs)} MoLS seeds; the window sets the multipliers, the diagnostic blocks are measured after it "
-           f"and change nothing):", "",
+    out = ["", f"Per-class gradient SNR S and unclamped α = sqrt(S_vo / S) over the whole run, arm `{arm}` (mean "
+           f"over its {len(runs)} seeds; the window sets the multipliers, the diagnostic blocks are measured after "
+           f"it and change nothing):", "",
            "| block | steps | " + " | ".join(f"S {k}" for k in keys) + " | " + " | ".join(f"α {k}" for k in keys)
            + " |", "|---|---|" + "---|" * (2 * len(keys))]
     for name, steps, per_seed in blocks:
@@ -342,8 +362,13 @@ def main(argv=None):
                    help="only time the 20-30M model (and this one) and project the full protocol's hours")
     p.add_argument("--measure-warmup", type=int, default=2)
     p.add_argument("--measure-steps", type=int, default=8)
+    p.add_argument("--report-from", default=None, metavar="JSON",
+                   help="rewrite the report of a results JSON written by this script (its runs, its command's "
+                        "settings) without training")
     p.add_argument("--no-write", action="store_true")
     a = p.parse_args(argv)
+    if a.report_from:
+        return report_from(Path(a.report_from), p, a.no_write)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         check_reporting_seeds(a.seeds, a.tuning_run, TUNING_SEEDS, REPORTING_SEEDS,
@@ -380,8 +405,30 @@ def main(argv=None):
         keep = ("final_valid_loss", "valid_history", "final_mols", "mols_diagnostics", "mols_seconds",
                 "mols_diagnostic_seconds", "seed",
                 "params_per_rank", "seconds")
-        runs = {f"{arm}@{sc:g}": [{k: s.get(k) for k in keep} for s in r] for (arm, sc), r in results.items()}
+        runs = {f"{arm}@{sc:g}": [{**{k: s.get(k) for k in keep}, "train_seconds": train_seconds(s)} for s in r]
+                for (arm, sc), r in results.items()}
         logger.info(f"wrote {write_results(a.results_name, text, {'summary': summary, 'runs': runs})}")
+
+
+def report_from(path: Path, parser, no_write: bool) -> None:
+    """Re-render a results JSON's report with the current report code (the runs are kept in the JSON)."""
+    data = json.loads(path.read_text())
+    a = parser.parse_args(shlex.split(data["command"])[2:])
+    a.arms = list(dict.fromkeys([*a.arms, *(f"mols-{r}" for r in a.fused_rules)]))
+    a.eval_interval = a.eval_interval or max(1, a.steps // 10)
+    a.diagnostic_interval = a.diagnostic_interval if a.diagnostic_interval is not None else max(1, a.steps // 6)
+    results = {}
+    for key, runs in data["runs"].items():
+        arm, _, scale = key.rpartition("@")
+        results[(arm, float(scale))] = runs
+    text, summary = report(a, expand_arms(a), results, list(dict.fromkeys(a.lr_scales)))
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logger.info(text)
+    if not no_write:
+        text = (f"Runs of {data['date']}; report re-rendered from their results JSON by `python "
+                f"benchmarks/bench_mols.py --report-from {path.name}`.\n\n" + text)
+        path = write_results(a.results_name, text, {"summary": summary, "runs": data["runs"]}, command=data["command"])
+        logger.info(f"wrote {path}")
 
 
 if __name__ == "__main__":

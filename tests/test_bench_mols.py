@@ -75,3 +75,10 @@ def test_mols_variant_arm_passes_its_settings_to_the_mols_flags_and_refuses_unkn
         bm.expand_arms(_args(arms=["adamw", "mols:windw=20"]))
     with pytest.raises(ValueError, match="'window' is not OPTION=VALUE"):
         bm.expand_arms(_args(arms=["adamw", "mols:window"]))
+
+
+def test_arm_window_reads_the_arms_own_window_flags():
+    a = _args(arms=["adamw", "mols", "mols:window=20,window-start=101"], window=None, steps=300)
+    arms = bm.expand_arms(a)
+    assert bm.arm_window(a, arms["mols"]) == (1, 5)                    # default: max(5, 1% of 300) from step 1
+    assert bm.arm_window(a, arms["mols:window=20,window-start=101"]) == (101, 20)
