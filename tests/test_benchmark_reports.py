@@ -63,8 +63,12 @@ def test_natural_instability_score_and_report():
     assert s["lead"]["monitors"] == 51 and s["lead_fraction"] == pytest.approx(51 / 301)
     assert s["signals"]["max attention logit"] == 5 * (52 + 5) and s["lead"]["max attention logit"] == 301 - 285
     assert s["signals"]["loss spike (10× early max)"] == 301
-    args = argparse.Namespace(tuning_run=False, model="dense", width=64, steps=310, seeds=[21], margin=1.0)
+    args = argparse.Namespace(tuning_run=False, model="dense", width=64, steps=310, seeds=[21], margin=1.0,
+                              warmup=None)
     text = natural_instability.report(args, [{"lr": 0.03, "qk_layernorm": False, "seed": 21, "score": s,
                                               "command": "cmd"}])
     assert "runs that diverged: 1 of 1; monitors alerted before divergence in 1" in text
+    assert "after a 15-step linear warm-up" in text          # default: a twentieth of the run
+    args.warmup = 1000
+    assert "after a 1000-step linear warm-up" in natural_instability.report(args, [])
     assert "monitors ahead of **max attention logit**" in text
