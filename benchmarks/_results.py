@@ -35,7 +35,8 @@ def write_results(name: str, markdown_body: str, data: dict, command: str | None
     """Write ``results/<name>.md`` (human) and ``results/<name>.json`` (machine) with command and machine
     (``command``: the command that produced the data, when it is not this process's own)."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    command = command or "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + sys.argv[1:])
+    if command is None:
+        command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + sys.argv[1:])
     header = {"command": command, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": machine()}
     md = [f"# {name}", "", f"Command: `{command}`  ", f"Date: {header['date']}  ",

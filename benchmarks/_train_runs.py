@@ -23,7 +23,7 @@ if str(REPO) not in sys.path:
 from megatron_mech.cli import torchrun_prefix  # noqa: E402
 from megatron_mech.megatron.checkpoint import TRACKER  # noqa: E402
 from megatron_mech.megatron.presets import small_moe  # noqa: E402
-from megatron_mech.records.sinks import read_alerts, read_jsonl  # noqa: E402
+from megatron_mech.records.sinks import read_jsonl, record_alerts  # noqa: E402
 from megatron_mech.studies.clean_scores import replay_alerts  # noqa: E402
 
 __all__ = ["model_flags", "train_run"]
@@ -77,5 +77,5 @@ def train_run(run_dir: Path, flags: Sequence[str], steps: int, *, reuse: bool, n
     summary = json.loads((run_dir / "summary.json").read_text())
     records = read_jsonl(run_dir / "mech.jsonl")
     return {"dir": str(run_dir), "losses": [float(v) for v in summary.get("losses", [])],
-            "records": records, "alerts": replay_alerts(records), "alerts_fired": read_alerts(run_dir / "mech.jsonl"),
-            "command": command}
+            "records": records, "alerts": replay_alerts(records),
+            "alerts_fired": [a for record in records for a in record_alerts(record)], "command": command}

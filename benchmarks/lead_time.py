@@ -41,7 +41,7 @@ from megatron_mech.cli import torchrun_prefix  # noqa: E402
 from megatron_mech.studies.demo import step_losses  # noqa: E402
 from megatron_mech.studies.leadtime import (DIVERGENCE_HOLD, FAULT_FLAGS, LEAD_MODEL,  # noqa: E402
                                     REPORTING_SEEDS, TUNING_SEEDS, parse_study_args, divergence_step, first_alert, loss_gap, peak_score, plot_fault)
-from megatron_mech.records.sinks import read_alerts, read_jsonl  # noqa: E402
+from megatron_mech.records.sinks import read_jsonl  # noqa: E402
 from megatron_mech.studies.clean_scores import replay_alerts  # noqa: E402
 
 MODEL = LEAD_MODEL
@@ -58,10 +58,9 @@ def launch(run_dir: Path, seed: int, steps: int, fault: list, start: int, env, r
         cmd = [*torchrun_prefix(2), str(REPO / "launch_scripts" / "pretrain_gpt_mech.py"), *args]
         subprocess.run(cmd, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     records = read_jsonl(run_dir / "mech.jsonl")
-    # Alerts as the current default rules fire them on the recorded series (a re-scored --reuse run follows a
-    # rule change); what the run fired live is kept beside them.
+    # Alerts as the current default rules fire them on the recorded series: a re-scored --reuse run follows a
+    # rule change.
     return {"losses": step_losses(run_dir), "alerts": replay_alerts(records), "records": records,
-            "alerts_fired": read_alerts(run_dir / "mech.jsonl"),
             "seed": seed, "command": " ".join(["torchrun --nproc_per_node=2 launch_scripts/pretrain_gpt_mech.py",
                                                 *args])}
 

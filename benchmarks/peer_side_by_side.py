@@ -13,10 +13,11 @@ Ours: :func:`megatron_mech.core.sharded.shard_gram` (lower triangle only) + ``sp
 monitor's ΔW route, through its float64 reduce buffer: float32 Gram and eigenproblem for float32 weights),
 :func:`megatron_mech.core.spectral.qk_increment_spectra` (Δ2 only: three float32 d_head-wide block Grams —
 the symmetric two by their lower block rows — balanced, unit-scaled float32 r×r cores) and
-:func:`megatron_mech.core.router.routing_entropy` (one softmax pass on floored shifted logits). Batched rows: the per-head r×r
-eigenproblems of several layers through :func:`megatron_mech.core.spectral.spectra_from_qk_cores` — one call
-per head, one per layer, one for all — and a multi-layer Δ2 evaluation, the peer head by head against ours
-grouped as the monitor's default groups it (per layer on a CPU).
+:func:`megatron_mech.core.router.routing_entropy` (one softmax pass on floored shifted logits). Batched rows:
+the per-head r×r eigenproblems of several layers through
+:func:`megatron_mech.core.spectral.spectra_from_qk_cores` — one call per head, one per layer, one for all — and a
+multi-layer Δ2 evaluation, the peer head by head against ours grouped as the monitor's default groups it (per
+layer on a CPU).
 
 Accuracy is measured against float64 dense references (SVD of ΔW, of the d×d Δ2 product; the float64
 entropy formula). Timings are best of ``--repeats``, the two implementations interleaved. The Δ2 Gram route

@@ -136,8 +136,8 @@ def routing_entropy(logits: torch.Tensor) -> torch.Tensor:
     z = logits.to(_compute_dtype(logits))
     experts = z.shape[-1]
     # y = z - max <= 0. A NaN or +inf logit, or an all -inf row, makes the row's y NaN and hence H NaN.
-    # -inf entries (masked experts) are clamped to the most negative finite value: p = 0 there, and 0 * y = 0.
-    # The floor keeps every p a normal float (see the module docstring); in place on our own temporary.
+    # The floor keeps every p a normal float and lifts -inf entries (masked experts) off -inf, so 0 * (-inf) is
+    # never formed (see the module docstring); in place on our own temporary.
     y = z - z.amax(dim=-1, keepdim=True)
     y_floor = math.log(torch.finfo(z.dtype).tiny) + math.log(experts) + 1.0
     y.clamp_min_(y_floor)

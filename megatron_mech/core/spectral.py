@@ -481,7 +481,8 @@ def _assemble_gram(out: torch.Tensor, blocks: dict, names: list, scales: list) -
     for i, (name_i, s_i) in enumerate(zip(names, scales)):
         for j, (name_j, s_j) in enumerate(zip(names, scales)):
             block = _gram_block(blocks, _BLOCK_LETTER[name_i], _BLOCK_LETTER[name_j])
-            torch.mul(block, (s_i * s_j).to(dtype)[:, None, None], out=out[:, i * dh:(i + 1) * dh, j * dh:(j + 1) * dh])
+            target = out[:, i * dh:(i + 1) * dh, j * dh:(j + 1) * dh]
+            torch.mul(block, (s_i * s_j).to(dtype)[:, None, None], out=target)
 
 
 @dataclass(frozen=True)

@@ -50,14 +50,19 @@ def kind_of(metric: str) -> str:
     return metric
 
 
+def _replayed(records: Iterable[Mapping], registry: DetectorRegistry):
+    """Feed each record's numeric metrics to ``registry`` in order; yield ``(record, metrics, fired alerts)``."""
+    for record in records:
+        metrics = {k: v for k, v in (record.get("metrics") or {}).items() if isinstance(v, (int, float))}
+        yield record, metrics, registry.update(int(record["step"]), metrics)
+
+
 def replay(records: Iterable[Mapping], rules: Optional[Sequence[SeriesRule]] = None) -> dict:
     """``{metric: SeriesScore}`` for every monitored series of one run's records (``{"step", "metrics"}`` dicts,
     as in ``mech.jsonl``), replayed in order through a fresh :class:`DetectorRegistry` of ``rules``."""
     registry = DetectorRegistry(rules if rules is not None else default_rules())
     scores: dict = {}
-    for record in records:
-        metrics = {k: v for k, v in (record.get("metrics") or {}).items() if isinstance(v, (int, float))}
-        fired = registry.update(int(record["step"]), metrics)
+    for record, metrics, fired in _replayed(records, registry):
         fired_names = {a.metric for a in fired}
         for name in metrics:
             det = registry.detectors.get(name)
@@ -92,10 +97,8 @@ def replay_alerts(records: Iterable[Mapping], rules: Optional[Sequence[SeriesRul
     rule change. Only evaluation records are replayed (the hook's immediate non-finite loss alerts between
     evaluations are not in them; the studies read divergence from the losses)."""
     registry = DetectorRegistry(rules if rules is not None else default_rules())
-    for record in records:
-        metrics = {k: v for k, v in (record.get("metrics") or {}).items() if isinstance(v, (int, float))}
-        if metrics:
-            registry.update(int(record["step"]), metrics)
+    for _ in _replayed(records, registry):
+        pass
     return list(registry.alerts)
 
 
