@@ -375,9 +375,7 @@ def main(argv=None):
                               chosen="hand-set settings and defaults are chosen")
     except ValueError as e:
         p.error(str(e))
-    a.arms = list(dict.fromkeys([*a.arms, *(f"mols-{r}" for r in a.fused_rules)]))
-    a.eval_interval = a.eval_interval or max(1, a.steps // 10)
-    a.diagnostic_interval = a.diagnostic_interval if a.diagnostic_interval is not None else max(1, a.steps // 6)
+    complete_args(a)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     if a.measure_scale:
         return measure_scale(a, env)
@@ -410,13 +408,18 @@ def main(argv=None):
         logger.info(f"wrote {write_results(a.results_name, text, {'summary': summary, 'runs': runs})}")
 
 
+def complete_args(a) -> None:
+    """Fill the settings that default from others (the --fused-rules arms, validation and diagnostic intervals)."""
+    a.arms = list(dict.fromkeys([*a.arms, *(f"mols-{r}" for r in a.fused_rules)]))
+    a.eval_interval = a.eval_interval or max(1, a.steps // 10)
+    a.diagnostic_interval = a.diagnostic_interval if a.diagnostic_interval is not None else max(1, a.steps // 6)
+
+
 def report_from(path: Path, parser, no_write: bool) -> None:
     """Re-render a results JSON's report with the current report code (the runs are kept in the JSON)."""
     data = json.loads(path.read_text())
     a = parser.parse_args(shlex.split(data["command"])[2:])
-    a.arms = list(dict.fromkeys([*a.arms, *(f"mols-{r}" for r in a.fused_rules)]))
-    a.eval_interval = a.eval_interval or max(1, a.steps // 10)
-    a.diagnostic_interval = a.diagnostic_interval if a.diagnostic_interval is not None else max(1, a.steps // 6)
+    complete_args(a)
     results = {}
     for key, runs in data["runs"].items():
         arm, _, scale = key.rpartition("@")
@@ -425,9 +428,11 @@ def report_from(path: Path, parser, no_write: bool) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logger.info(text)
     if not no_write:
-        text = (f"Runs of {data['date']}; report re-rendered from their results JSON by `python "
+        runs_date = data.get("runs_date", data["date"])   # a re-rendered JSON's own date is the rendering's
+        text = (f"Runs of {runs_date}; report re-rendered from their results JSON by `python "
                 f"benchmarks/bench_mols.py --report-from {path.name}`.\n\n" + text)
-        path = write_results(a.results_name, text, {"summary": summary, "runs": data["runs"]}, command=data["command"])
+        path = write_results(a.results_name, text, {"summary": summary, "runs": data["runs"], "runs_date": runs_date},
+                             command=data["command"])
         logger.info(f"wrote {path}")
 
 

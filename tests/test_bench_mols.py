@@ -1,5 +1,6 @@
 """bench_mols' arms, seed rules and report arithmetic (no training: run summaries are built here)."""
 import argparse
+import json
 import math
 
 import pytest
@@ -82,3 +83,28 @@ def test_arm_window_reads_the_arms_own_window_flags():
     arms = bm.expand_arms(a)
     assert bm.arm_window(a, arms["mols"]) == (1, 5)                    # default: max(5, 1% of 300) from step 1
     assert bm.arm_window(a, arms["mols:window=20,window-start=101"]) == (101, 20)
+
+
+def test_report_from_rerenders_a_results_json_and_keeps_the_runs_date(tmp_path, monkeypatch):
+    """--report-from rebuilds the report of a results JSON from its own command and runs, and a JSON that is
+    itself a re-rendering still names the date of the runs, not of the last rendering."""
+    def write_results(name, text, data, command=None):   # the real layout, dated "RENDERED", under tmp_path
+        (tmp_path / f"{name}.json").write_text(json.dumps({"command": command, "date": "RENDERED", **data}))
+        (tmp_path / f"{name}.md").write_text(text)
+        return tmp_path / f"{name}.md"
+
+    monkeypatch.setattr(bm, "write_results", write_results)
+    adamw = [_summary(s, f, [[150, f + 0.2], [300, f]]) for s, f in ((21, 5.10), (22, 5.12), (23, 5.08))]
+    mols = [_summary(s, f, [[150, f + 0.1], [300, f]]) for s, f in ((21, 5.05), (22, 5.13), (23, 5.07))]
+    command = "python benchmarks/bench_mols.py --seeds 21 22 23 --results-name rerender"
+    source = tmp_path / "source.json"
+    source.write_text(json.dumps({"command": command, "date": "RUNS", "runs": {"adamw@1": adamw, "mols@1": mols}}))
+    expected, _ = bm.report(_args(), {"adamw": [], "mols": []}, {("adamw", 1.0): adamw, ("mols", 1.0): mols},
+                            [1.0])
+    bm.main(["--report-from", str(source)])
+    first = (tmp_path / "rerender.md").read_text()
+    assert first.startswith("Runs of RUNS;") and first.endswith(expected)
+    bm.main(["--report-from", str(tmp_path / "rerender.json")])
+    second = (tmp_path / "rerender.md").read_text()
+    assert second.startswith("Runs of RUNS;") and "--report-from rerender.json" in second
+    assert second.endswith(expected)
