@@ -352,8 +352,14 @@ def _singular_psd_factor(gram: torch.Tensor) -> torch.Tensor:
     with G₂₂ = L Lᵀ and Xᵀ = L⁻¹G₂₁, S = G₁₁ − X Xᵀ (PSD, the increment's part outside the weight's span)
     = V diag(λ) Vᵀ, F = [[V·diag(√λ), X], [0, L]] (and the mirror image when G₁₁ is the full-rank block).
     This is exact like a whole-Gram eigendecomposition (λ clamped at 0 where rounding makes it negative), at
-    about an eighth of its cost: one r/2 × r/2 eigendecomposition. Grams with neither block positive definite
-    (both factors rank-deficient, e.g. zero weights) fall back to F = V·diag(√λ) of the whole Gram.
+    about an eighth of its cost: one r/2 × r/2 eigendecomposition. It is not backward stable when the
+    Cholesky block is ill-conditioned: the Gram's own rounding (it is PSD only to ~eps·‖G‖) is amplified by
+    that block's condition number into a clearly negative S, and clamping it makes F Fᵀ miss G by as much
+    (a 4 × 4 W_q of condition 3.6e3 in float32 left F Fᵀ 1.7 % off G and its top singular values 1 % off).
+    As F Fᵀ = G holds to rounding in every block but the clamped one, the clamp is the factor's error: a head
+    whose S has an eigenvalue below −r·eps·max diag(G) (the rank tolerance of the Gram itself) takes the
+    whole-Gram eigendecomposition F = V·diag(√λ) instead (backward stable), as do Grams with neither block
+    positive definite (both factors rank-deficient, e.g. zero weights).
     """
     r = gram.shape[-1]
     half = r // 2
@@ -371,11 +377,16 @@ def _singular_psd_factor(gram: torch.Tensor) -> torch.Tensor:
         coupling = torch.linalg.solve_triangular(chol, g[:, pd, other], upper=False).transpose(1, 2)
         schur = g[:, other, other] - coupling @ coupling.transpose(1, 2)
         lam, vecs = guarded_linalg(torch.linalg.eigh, schur, outputs=2)
+        tolerance = r * torch.finfo(g.dtype).eps * g.diagonal(dim1=1, dim2=2).amax(-1)
+        stable = lam[:, 0] >= -tolerance                    # eigenvalues ascend: lam[:, 0] is the lowest
+        if not bool(stable.any()):
+            return
+        index = rows.nonzero().squeeze(1)[ok][stable]
+        g, chol, coupling, lam, vecs = (t[stable] for t in (g, chol, coupling, lam, vecs))
         f = torch.zeros_like(g)
         f[:, pd, pd] = chol
         f[:, other, pd] = coupling
         f[:, other, other] = vecs * lam.clamp_min(0).sqrt()[:, None, :]
-        index = rows.nonzero().squeeze(1)[ok]
         factor[index] = f
         todo[index] = False
 
