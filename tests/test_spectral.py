@@ -124,27 +124,57 @@ def make_weights(num_heads, num_groups, d_model, d_head, scale, rel_step, dtype,
     return [t.to(dtype) for t in (wq, wk, wq2, wk2)]
 
 
-def assert_spectra_close(got, want, dtype):
-    """Singular values within `rel` of the head's top value, entropies within `ent_tol`, NaN where want is."""
-    # float64: the Gram route resolves a singular value near zero only to ~sqrt(eps)·σ_max ≈ 1.5e-8·σ_max
-    # (eigenvalues carry an absolute error of eps·σ_max²), hence 1e-6 rather than ~1e-14.
-    # float32 weights: the Gram route forms its Grams in float32 (the documented dtype policy), so a singular
-    # value near zero is resolved to ~sqrt(c·eps32)·σ_max ≈ 3e-4·σ_max; entropies (p ∝ σ²) stay within 1e-4.
-    # That σ_max is the factors' scale ‖A‖·‖B‖ (balanced), which exceeds the product's top singular value when
-    # the product cancels: Δ3 = ΔW_q ΔW_kᵀ of rank-1 increments with d_model < 2·d_head (H=6, G=3, d_model 4,
-    # d_head 8, full-size steps) measured 1.9e-3 of the product's top value with float64 cores and 2.6e-3
-    # with the float32 cores of float32 Grams (entropy error 3e-5), hence 5e-3 for float32.
+# Block pairs (A_j, B_j) of each term, M = Σ_j A_j B_jᵀ: the query side from (ΔW_q, W_q), the key side from
+# (W_k, ΔW_k, W_k'), as in the definitions of Δ1, Δ2, Δ3.
+TERM_FACTORS = {"delta1": [("dq", "k_new"), ("q", "dk")], "delta2": [("dq", "k"), ("q", "dk")],
+                "delta3": [("dq", "dk")]}
+
+
+def factor_scales(wq_prev, wk_prev, wq, wk):
+    """Per term, per head [H]: s = Σ_j ‖A_j‖_F·‖B_j‖_F, the scale ‖A‖_F·‖B‖_F of the balanced factors."""
+    h, g = wq.shape[0], wk.shape[0]
+    group = torch.arange(h) // (h // g)
+    q_prev, q_new, k_prev, k_new = (t.double() for t in (wq_prev, wq, wk_prev, wk))
+    query = {"dq": q_new - q_prev, "q": q_prev}
+    key = {"k": k_prev[group], "dk": (k_new - k_prev)[group], "k_new": k_new[group]}
+    norm = lambda t: t.flatten(1).norm(dim=1)  # noqa: E731
+    return {term: sum(norm(query[a]) * norm(key[b]) for a, b in pairs) for term, pairs in TERM_FACTORS.items()}
+
+
+def assert_spectra_close(got, want, dtype, weights=None, method="gram"):
+    """Singular values and entropies close to the dense reference, NaN where it is.
+
+    Two error sources, each with its bound; a value passes within the larger one:
+    * relative to the head's top singular value: ``rel`` (float64 1e-6: the Gram route resolves a value near
+      zero only to ~sqrt(eps)·σ_max; float32 5e-3), entropies ``ent_tol`` (1e-5 / 1e-4);
+    * relative to the factors' scale s = ‖A‖_F·‖B‖_F (``weights`` given): the Gram route's eigenvalues σ² carry
+      an absolute error ~eps·s² (the Grams' rounding, balanced), so σ is resolved to ~sqrt(eps)·s whatever σ_top
+      is — when the product cancels (s ≫ σ_top, e.g. Δ3 of two rank-1 increments whose d_head-sides are nearly
+      orthogonal) that is far above rel·σ_top. The QR route's error is ~eps·s. p = σ²/Σσ² then moves by up
+      to η = eps·s²/‖M‖_F², and −p·log p is continuous with modulus η(1 + |log η|), per value. Measured over
+      3000 random cases of the strategy below: at most 0.77·sqrt(eps)·s (Gram), 3.8·eps·s (QR, float32) and
+      0.44 of the entropy bound; the factor 4 is the margin.
+    """
     rel, ent_tol = (5e-3, 1e-4) if dtype == torch.float32 else (1e-6, 1e-5)
+    eps = torch.finfo(dtype).eps
+    scales = factor_scales(*weights) if weights is not None else None
     for name, ref in want.items():
         x = getattr(got, name)
         assert x.shape == ref.shape and x.dtype == torch.float64
         nan_rows = torch.isnan(spectral_entropy(ref))
         assert torch.equal(torch.isnan(spectral_entropy(x)), nan_rows), name
-        top = ref[:, :1].clamp_min(1e-300)
-        err = ((x - ref).abs() / top)[~nan_rows]
-        assert err.numel() == 0 or err.max() <= rel, (name, err.max().item())
-        ent_err = (spectral_entropy(x) - spectral_entropy(ref)).abs()[~nan_rows]
-        assert ent_err.numel() == 0 or ent_err.max() <= ent_tol, (name, ent_err.max().item())
+        bound = rel * ref[:, 0]
+        ent_bound = torch.full_like(bound, ent_tol)
+        if scales is not None:
+            s = scales[name]
+            bound = torch.maximum(bound, 4 * (math.sqrt(eps) if method == "gram" else eps) * s)
+            eta = (eps * s.square() / ref.square().sum(1).clamp_min(1e-300)).clamp(1e-300, math.exp(-1))
+            n = ref.shape[1]
+            ent_bound = torch.maximum(ent_bound, 4 * n * eta * (1 + eta.log().abs()) / math.log(n))
+        err = ((x - ref).abs().amax(1) / bound.clamp_min(1e-300))[~nan_rows]
+        assert err.numel() == 0 or err.max() <= 1, (name, err.max().item())
+        ent_err = ((spectral_entropy(x) - spectral_entropy(ref)).abs() / ent_bound)[~nan_rows]
+        assert ent_err.numel() == 0 or ent_err.max() <= 1, (name, ent_err.max().item())
 
 
 qk_shapes = st.tuples(
@@ -160,6 +190,9 @@ qk_shapes = st.tuples(
          seed=4)
 @example(shape=((6, 3), 4, 4), log_scale=0.0, log_step=0.0, dtype=torch.float32, method="gram", rank=None,
          seed=4)
+# Δ3 of rank-1 increments whose d_head-sides nearly cancel: σ_top is 1/170 of the factors' scale.
+@example(shape=((4, 2), 5, 4), log_scale=0.0, log_step=0.0, dtype=torch.float32, method="gram", rank=1,
+         seed=1374)
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(shape=qk_shapes, log_scale=st.floats(-6, 4), log_step=st.floats(-6, 0),
        dtype=st.sampled_from([torch.float32, torch.float64]), method=st.sampled_from(["gram", "qr"]),
@@ -169,7 +202,7 @@ def test_compressed_matches_dense(shape, log_scale, log_step, dtype, method, ran
     w = make_weights(h, g, d_model, d_head, 10.0 ** log_scale, 10.0 ** log_step, dtype, seed, rank)
     got = qk_increment_spectra(*w, method=method)
     want = qk_increment_spectra_dense(*w)
-    assert_spectra_close(got, dict(want.items()), dtype)
+    assert_spectra_close(got, dict(want.items()), dtype, weights=w, method=method)
 
 
 @pytest.mark.parametrize("method", ["gram", "qr"])

@@ -19,7 +19,8 @@ Dtype policy
   before any product (never as a difference of Grams) and the blocks are balanced to equal norms, so the
   Gram error is ~eps32·σ_max² of the increment's own spectrum: singular values near zero are resolved to
   ~3e-4·σ_max and the entropies (p ∝ σ²) to ~1e-6, far below what separates a collapsed update from a
-  healthy one (entropy drops of 1e-2 and more). float64 Grams halve the GEMM speed for digits nobody reads.
+  healthy one (entropy drops of 1e-2 and more). (Strictly the scale is that of the balanced factors, which
+  exceeds σ_max when the product cancels; see ``qk_increment_cores``.) float64 Grams halve the GEMM speed for digits nobody reads.
   A float32 core adds an error of the same order (eps32 on eigenvalues of a unit-scaled core); measured at
   d_model 4096, d_head 128: entropy error 1e-9 on a full-rank step and 2e-6 on a rank-2 one (float64 core:
   7e-10 and 9e-7), against a float64 dense reference.
@@ -597,10 +598,12 @@ def qk_increment_cores(
     precision (a difference of two float32 weights is rounded once, a relative 6e-8 per entry of ΔW — the
     increment is never obtained by subtracting two Grams), so the Grams of Δ carry errors relative to ‖Δ‖,
     not to ‖W‖. Each block's GEMM error is ~eps32·‖X_i‖·‖X_j‖, which balancing (applied to the blocks
-    afterwards, exactly equivalent to balancing the factors) turns into ~eps32·σ_max² on the core's
-    eigenvalues: singular values near zero are resolved to ~sqrt(eps32)·σ_max ≈ 3e-4·σ_max, entropies
-    (p ∝ σ²) to ~1e-6. float64 Grams (the default for float64 input, or ``gram_dtype=torch.float64``) give
-    ~sqrt(eps64)·σ_max and ~1e-12, at twice the GEMM time. A float32 core (the default with float32 Grams)
+    afterwards, exactly equivalent to balancing the factors) turns into ~eps32·s² on the core's eigenvalues,
+    with s = ‖A‖_F·‖B‖_F the balanced factors' scale: singular values are resolved to ~sqrt(eps32)·s ≈ 3e-4·s
+    absolute, entropies (p ∝ σ²) to ~1e-6. s is of the order of σ_max unless the product cancels (e.g. Δ3 of
+    two rank-1 increments whose d_head sides are nearly orthogonal, s ≫ σ_max), where the relative accuracy
+    drops with it; the QR route keeps ~eps·s there. float64 Grams (the default for float64 input, or
+    ``gram_dtype=torch.float64``) give ~sqrt(eps64)·s and ~1e-12, at twice the GEMM time. A float32 core (the default with float32 Grams)
     adds an error of the same order as the Grams' own; ``core_dtype=torch.float64`` keeps the r × r work in
     float64 at about 1.6× its cost.
     """
