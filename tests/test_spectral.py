@@ -190,7 +190,7 @@ qk_shapes = st.tuples(
          seed=4)
 @example(shape=((6, 3), 4, 4), log_scale=0.0, log_step=0.0, dtype=torch.float32, method="gram", rank=None,
          seed=4)
-# Δ3 of rank-1 increments whose d_head-sides nearly cancel: σ_top is 1/170 of the factors' scale.
+# Δ3 of rank-1 increments whose d_head-sides nearly cancel: σ_top is 1/1600 of the factors' scale.
 @example(shape=((4, 2), 5, 4), log_scale=0.0, log_step=0.0, dtype=torch.float32, method="gram", rank=1,
          seed=1374)
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
