@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from megatron_mech.core.spectral import (
+    _TERM_BLOCKS,
     effective_rank,
     matrix_spectrum,
     qk_increment_spectra,
@@ -124,21 +125,17 @@ def make_weights(num_heads, num_groups, d_model, d_head, scale, rel_step, dtype,
     return [t.to(dtype) for t in (wq, wk, wq2, wk2)]
 
 
-# Block pairs (A_j, B_j) of each term, M = Σ_j A_j B_jᵀ: the query side from (ΔW_q, W_q), the key side from
-# (W_k, ΔW_k, W_k'), as in the definitions of Δ1, Δ2, Δ3.
-TERM_FACTORS = {"delta1": [("dq", "k_new"), ("q", "dk")], "delta2": [("dq", "k"), ("q", "dk")],
-                "delta3": [("dq", "dk")]}
-
-
 def factor_scales(wq_prev, wk_prev, wq, wk):
-    """Per term, per head [H]: s = Σ_j ‖A_j‖_F·‖B_j‖_F, the scale ‖A‖_F·‖B‖_F of the balanced factors."""
+    """Per term, per head [H]: s = Σ_j ‖A_j‖_F·‖B_j‖_F, the scale ‖A‖_F·‖B‖_F of the balanced factors, over the
+    block pairs (A_j, B_j) of the module's own term table (it only sets a tolerance: a wrong pair there is
+    caught by the dense reference the spectra are compared with)."""
     h, g = wq.shape[0], wk.shape[0]
     group = torch.arange(h) // (h // g)
     q_prev, q_new, k_prev, k_new = (t.double() for t in (wq_prev, wq, wk_prev, wk))
     query = {"dq": q_new - q_prev, "q": q_prev}
     key = {"k": k_prev[group], "dk": (k_new - k_prev)[group], "k_new": k_new[group]}
     norm = lambda t: t.flatten(1).norm(dim=1)  # noqa: E731
-    return {term: sum(norm(query[a]) * norm(key[b]) for a, b in pairs) for term, pairs in TERM_FACTORS.items()}
+    return {term: sum(norm(query[a]) * norm(key[b]) for a, b in pairs) for term, pairs in _TERM_BLOCKS.items()}
 
 
 def assert_spectra_close(got, want, dtype, weights=None, method="gram"):

@@ -20,7 +20,8 @@ Dtype policy
   Gram error is ~eps32·σ_max² of the increment's own spectrum: singular values near zero are resolved to
   ~3e-4·σ_max and the entropies (p ∝ σ²) to ~1e-6, far below what separates a collapsed update from a
   healthy one (entropy drops of 1e-2 and more). (Strictly the scale is that of the balanced factors, which
-  exceeds σ_max when the product cancels; see ``qk_increment_cores``.) float64 Grams halve the GEMM speed for digits nobody reads.
+  exceeds σ_max when the product cancels; see ``qk_increment_cores``.) float64 Grams halve the GEMM speed for
+  digits nobody reads.
   A float32 core adds an error of the same order (eps32 on eigenvalues of a unit-scaled core); measured at
   d_model 4096, d_head 128: entropy error 1e-9 on a full-rank step and 2e-6 on a rank-2 one (float64 core:
   7e-10 and 9e-7), against a float64 dense reference.
@@ -603,8 +604,8 @@ def qk_increment_cores(
     absolute, entropies (p ∝ σ²) to ~1e-6. s is of the order of σ_max unless the product cancels (e.g. Δ3 of
     two rank-1 increments whose d_head sides are nearly orthogonal, s ≫ σ_max), where the relative accuracy
     drops with it; the QR route keeps ~eps·s there. float64 Grams (the default for float64 input, or
-    ``gram_dtype=torch.float64``) give ~sqrt(eps64)·s and ~1e-12, at twice the GEMM time. A float32 core (the default with float32 Grams)
-    adds an error of the same order as the Grams' own; ``core_dtype=torch.float64`` keeps the r × r work in
+    ``gram_dtype=torch.float64``) give ~sqrt(eps64)·s and ~1e-12, at twice the GEMM time. A float32 core
+    (the default with float32 Grams) adds an error of the same order as the Grams' own; ``core_dtype=torch.float64`` keeps the r × r work in
     float64 at about 1.6× its cost.
     """
     num_heads, num_groups, d_model, d_head, terms, group_of_head = _prepare_qk(wq_prev, wk_prev, wq, wk, terms)
