@@ -247,10 +247,10 @@ class DeepSpeedMech:
     def state_dict(self) -> dict:
         return self.hook.state_dict()
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, source: Optional[str] = None) -> None:
         if self._is_setup:
             raise RuntimeError("load the checkpoint before the first before_step(): the monitors resume from it")
-        self.hook.load_state_dict(state)
+        self.hook.load_state_dict(state, source=source)
 
     def close(self) -> None:
         for g in self.gates:
@@ -304,5 +304,5 @@ def load_checkpoint(engine, mech: DeepSpeedMech, load_dir, tag=None, **kwargs):
     state_file = _rank_state_file(Path(path).parent, rank)
     if not state_file.is_file():
         raise ValueError(f"checkpoint {path}: missing megatron-mech state file {state_file}")
-    mech.load_state_dict(torch.load(state_file, map_location="cpu", weights_only=True))
+    mech.load_state_dict(torch.load(state_file, map_location="cpu", weights_only=True), source=f"checkpoint {path}")
     return path, client_state
