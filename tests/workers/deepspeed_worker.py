@@ -601,8 +601,8 @@ def scenario_fault(args, stage, rank, world, errors):
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--scenario", required=True, choices=("attention", "router", "mols", "mols_stats", "resume", "fault",
-                                                                   "safe_load"))
+    parser.add_argument("--scenario", required=True,
+                        choices=("attention", "router", "mols", "mols_stats", "resume", "fault", "safe_load"))
     parser.add_argument("--stages", default="1", help="comma-separated ZeRO stages, run one after the other")
     parser.add_argument("--tmp", default=None)
     parser.add_argument("--steps", type=int, default=30)
