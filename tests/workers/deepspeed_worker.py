@@ -508,10 +508,10 @@ def scenario_safe_load(args, stage, rank, world, errors):
     ckpt = os.path.join(root, "ckpt")
     sched = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3, "warmup_num_steps": 2}}
 
-    def fresh():
+    def fresh(**extra):
         model = dense_llama(vocab_size=VOCAB, hidden=16, layers=1, heads=2, kv_heads=1, ffn=32, seq_len=SEQ, seed=0)
         engine = build_engine(model, ds_config(stage, {"monitors": {"interval": 1}, "output": {"dir": root}},
-                                               scheduler=sched))
+                                               scheduler=sched, **extra))
         return engine, DeepSpeedMech.from_engine(engine, train_steps=4)
 
     engine, mech = fresh()
@@ -552,6 +552,15 @@ def scenario_safe_load(args, stage, rank, world, errors):
                 pass
             if not os.path.exists(marker):
                 errors.append(f"ZeRO {stage}: trust_checkpoint=True did not use DeepSpeed's own loader")
+        mech.close()
+    if stage == 0:  # DeepSpeed reads universal checkpoints with its unrestricted torch.load: refused up front
+        engine, mech = fresh(checkpoint={"load_universal": True})
+        try:
+            load_checkpoint(engine, mech, ckpt, tag="good")
+            errors.append("a universal-checkpoint load was not refused")
+        except ValueError as exc:
+            if "universal checkpoint" not in str(exc) or "trust_checkpoint=True" not in str(exc):
+                errors.append(f"the universal-checkpoint refusal does not say why and how to opt in: {exc}")
         mech.close()
     return {"refused": len(kinds)}
 
