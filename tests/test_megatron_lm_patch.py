@@ -164,3 +164,70 @@ def test_partial_series_is_completed_by_apply(trees):
     assert report.state == "partial" and [p.state for p in report.patches] == ["applied", "clean", "clean"]
     assert patcher.apply(root).state == "applied"
     check_call_sites(root)
+
+
+def test_apply_is_all_or_nothing_when_a_later_patch_fails_to_write(trees, monkeypatch):
+    """The last patch's target turns into a directory while git writes it (a write failure after every check
+    passed): the patches applied before it are rolled back, and the error names that patch, file and git's cause."""
+    root = unpack(TAGS[0], trees / "write-failure")
+    series = sorted(patcher.select_series(root)[1].glob("*.patch"))
+    last, target = series[-1], root / "megatron/training/checkpointing.py"
+    assert "megatron/training/checkpointing.py" in last.read_text(encoding="utf-8")
+    before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    real_git_apply, failures = patcher._git_apply, []
+
+    def git_apply_with_unwritable_target(tree, patch, *flags):
+        if Path(patch).name != last.name or flags:
+            return real_git_apply(tree, patch, *flags)
+        saved = target.read_bytes()
+        target.unlink()
+        target.mkdir()  # git cannot write a file here
+        try:
+            result = real_git_apply(tree, patch, *flags)
+        finally:
+            target.rmdir()
+            target.write_bytes(saved)
+        failures.append(result.stderr.strip())
+        return result
+
+    monkeypatch.setattr(patcher, "_git_apply", git_apply_with_unwritable_target)
+    with pytest.raises(patcher.PatchError) as error:
+        patcher.apply(root)
+    assert failures and failures[0]  # git really failed, and said why
+    message = str(error.value)
+    assert last.name in message and "megatron/training/checkpointing.py" in message and failures[0] in message
+    assert "patches before it" not in message  # the earlier patches are not to blame
+    after = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    assert after == before  # byte-identical: the two patches applied before the failure are rolled back
+    assert patcher.check(root).state == "clean"
+
+
+def _conflicting_tree(root: Path, edit) -> Path:
+    """``root`` with the after-step hunk's context in training.py changed by ``edit`` (bytes → bytes)."""
+    training = root / "megatron/training/training.py"
+    training.write_bytes(edit(training.read_bytes()))
+    return training
+
+
+def test_conflict_in_a_non_utf8_file_is_reported(trees):
+    root = unpack(TAGS[0], trees / "latin1")
+    anchor = b"    # Update learning rate.\n"
+    _conflicting_tree(root, lambda b: b.replace(anchor, b"    # Update learning rate (caf\xe9).\n"))
+    report = patcher.check(root)
+    assert report.state == "conflict"
+    [bad] = [p for p in report.patches if p.state == "conflict"]
+    [problem] = bad.problems
+    assert problem.file == "megatron/training/training.py" and "train_step" in problem.function
+    assert "context not found" in problem.describe()
+
+
+def test_crlf_tree_conflict_names_the_line_endings(trees):
+    root = unpack(TAGS[0], trees / "crlf")
+    _conflicting_tree(root, lambda b: b.replace(b"\n", b"\r\n"))
+    report = patcher.check(root)
+    assert report.state == "conflict"
+    [bad] = [p for p in report.patches if p.state == "conflict"]
+    assert bad.problems and all(p.file == "megatron/training/training.py" for p in bad.problems)
+    assert all("CRLF" in p.describe() for p in bad.problems), [p.describe() for p in bad.problems]
+    with pytest.raises(patcher.PatchError, match="CRLF"):
+        patcher.apply(root)
