@@ -1,9 +1,10 @@
 """Check, apply and revert the Megatron-LM patch series (``megatron-mech patch check|apply|revert DIR``).
 
-A series is a directory of ``git format-patch`` files, ``patches/megatron-lm/core_v<X.Y.Z>/NNNN-*.patch``,
-applied in name order. The tree's version is read from ``megatron/core/package_info.py`` (``MAJOR``,
-``MINOR``, ``PATCH``); the series of the same release is used, else the newest series of the same minor
-release (with a note), else the command fails naming the supported tags (``--series`` overrides).
+A series is a directory of ``git format-patch`` files, ``core_v<X.Y.Z>/NNNN-*.patch``, applied in name
+order; the series ship inside this package (``megatron_mech/megatron_lm/patches/``, see its ``README.md``).
+The tree's version is read from ``megatron/core/package_info.py`` (``MAJOR``, ``MINOR``, ``PATCH``); the
+series of the same release is used, else the newest series of the same minor release (with a note), else the
+command fails naming the supported tags (``--series`` overrides).
 
 Each patch is in one of three states, decided with ``git apply --check`` (exact context, no fuzz):
 
@@ -27,11 +28,12 @@ import os
 import re
 import shutil
 import subprocess
+from importlib import resources
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["PatchState", "HunkProblem", "SeriesReport", "PatchError", "default_patches_dir", "detect_version",
-           "available_series", "select_series", "check", "apply", "revert"]
+__all__ = ["PatchState", "HunkProblem", "SeriesReport", "PatchError", "default_patches_dir", "porting_guide",
+           "detect_version", "available_series", "select_series", "check", "apply", "revert"]
 
 APPLIED, CLEAN, CONFLICT = "applied", "clean", "conflict"
 
@@ -98,7 +100,7 @@ class SeriesReport:
 
     def lines(self) -> List[str]:
         out = [f"tree {self.tree}: megatron-core {self.version}; series {self.series.name}"
-               + (f" ({self.note})" if self.note else "")]
+               + (f" ({self.note})" if self.note else ""), f"patches in {self.series}"]
         for p in self.patches:
             out.append(f"  {p.state:8s} {p.patch.name}")
             out.extend(f"           {problem.describe()}" for problem in p.problems)
@@ -107,9 +109,21 @@ class SeriesReport:
 
 
 def default_patches_dir() -> Path:
-    """``patches/megatron-lm`` of this checkout (the package sits next to it), or ``$MEGATRON_MECH_PATCHES``."""
+    """``$MEGATRON_MECH_PATCHES``, else the series shipped inside this package (``megatron_lm/patches``, package
+    data: in a checkout, an editable install and an installed wheel alike)."""
     env = os.environ.get("MEGATRON_MECH_PATCHES")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "patches" / "megatron-lm"
+    if env:
+        return Path(env)
+    shipped = resources.files(__package__) / "patches"
+    if not isinstance(shipped, Path):  # e.g. imported from a zip archive: git needs files on disk
+        raise PatchError(f"the patch series inside the package ({shipped}) are not files on disk; "
+                         "pass --patches-dir or set $MEGATRON_MECH_PATCHES")
+    return shipped
+
+
+def porting_guide() -> str:
+    """Where the guide to conflicts (``README.md`` next to the shipped series) is, for messages."""
+    return str(resources.files(__package__) / "patches" / "README.md")
 
 
 def detect_version(tree: os.PathLike) -> Tuple[int, int, int]:
@@ -166,7 +180,7 @@ def select_series(tree: os.PathLike, patches_dir: Optional[os.PathLike] = None,
         return text, found[v], (f"no series for {text}; using the {'.'.join(map(str, v))} series of the same "
                                 "minor release")
     raise PatchError(f"megatron-core {text} in {tree}: no patch series for this release; supported: {tags} "
-                     "(try --series with the nearest one, and see patches/README.md on conflicts)")
+                     f"(try --series with the nearest one, and see {porting_guide()} on conflicts)")
 
 
 # ------------------------------------------------------------------------------------------------ git apply
@@ -337,7 +351,7 @@ def apply(tree: os.PathLike, patches_dir: Optional[os.PathLike] = None, series: 
     patch conflicts."""
     report = check(tree, patches_dir, series)
     if report.state == CONFLICT:
-        raise PatchError("\n".join(["conflicts; nothing applied (see patches/README.md):"] + report.lines()))
+        raise PatchError("\n".join([f"conflicts; nothing applied (see {porting_guide()}):"] + report.lines()))
     _run_series(report, [p for p in report.patches if p.state == CLEAN], "apply")
     return check(tree, patches_dir, series)
 
