@@ -19,15 +19,19 @@ import tarfile
 import tomllib
 from importlib import metadata
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Set
 
 from packaging.requirements import Requirement
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# What a build needs from the checkout; caches, environments and run outputs stay behind.
-# (benchmarks/ is not part of the distribution.)
-IGNORED = shutil.ignore_patterns(".git", ".venv", "runs", "build", "dist", "*.egg-info", "__pycache__",
-                                 ".pytest_cache", ".hypothesis", "benchmarks")
+# What a build needs from the checkout; caches, run outputs and benchmarks/ (not part of the distribution) stay
+# behind, and so does every virtual environment (.venv and any other folder holding a pyvenv.cfg).
+_LEFT_BEHIND = shutil.ignore_patterns(".git", "runs", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
+                                      ".hypothesis", "benchmarks")
+
+
+def _ignored(directory: str, names: List[str]) -> Set[str]:
+    return set(_LEFT_BEHIND(directory, names)) | {n for n in names if (Path(directory, n) / "pyvenv.cfg").is_file()}
 
 
 @dataclasses.dataclass
@@ -78,7 +82,7 @@ def _hook(source: Path, name: str, out: Path) -> Path:
 
 def build_and_install(workdir: Path) -> Installed:
     source = workdir / "checkout"
-    shutil.copytree(REPO_ROOT, source, ignore=IGNORED)
+    shutil.copytree(REPO_ROOT, source, ignore=_ignored)
     dist = workdir / "dist"
     dist.mkdir()
     sdist = _hook(source, "build_sdist", dist)

@@ -101,7 +101,9 @@ def test_installed_wheel_patches_a_megatron_lm_tree_without_a_checkout(installed
     from megatron_lm_trees import TAGS, unpack
 
     tag = TAGS[0]
-    tree, pristine = unpack(tag, tmp_path / "tree"), unpack(tag, tmp_path / "pristine")
+    tree = unpack(tag, tmp_path / "tree")
+    files = lambda root: {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    pristine = files(tree)
     env, venv = installed_package.env(), installed_package.venv
 
     def run(*args):
@@ -118,8 +120,7 @@ def test_installed_wheel_patches_a_megatron_lm_tree_without_a_checkout(installed
     assert "state: applied" in run(installed_package.command, "patch", "check", tree).stdout
     out = run(installed_package.command, "patch", "revert", tree)
     assert out.returncode == 0 and "state: clean" in out.stdout, out.stdout + out.stderr
-    files = lambda root: {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()}
-    assert files(tree) == files(pristine)
+    assert files(tree) == pristine
 
     # The launcher that torchrun_multinode.sh starts, from the installed package (its flags, no training).
     launcher = run(installed_package.python, "-c",
