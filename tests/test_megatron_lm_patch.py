@@ -166,24 +166,31 @@ def test_partial_series_is_completed_by_apply(trees):
     check_call_sites(root)
 
 
-def test_apply_is_all_or_nothing_when_a_later_patch_fails_to_write(trees, monkeypatch):
-    """The last patch's target turns into a directory while git writes it (a write failure after every check
-    passed): the patches applied before it are rolled back, and the error names that patch, file and git's cause."""
-    root = unpack(TAGS[0], trees / "write-failure")
+@pytest.mark.parametrize("action", ["apply", "revert"])
+def test_apply_and_revert_are_all_or_nothing_when_a_later_patch_fails_to_write(trees, monkeypatch, action):
+    """The last patch of the run (0003 for apply, 0001 for revert, which goes last first) finds its target turned
+    into a directory while git writes it — a write failure after every check passed: the patches done before it
+    are rolled back byte for byte, and the error names that patch, its file and git's own reason."""
+    root = unpack(TAGS[0], trees / f"write-failure-{action}")
     series = sorted(patcher.select_series(root)[1].glob("*.patch"))
-    last, target = series[-1], root / "megatron/training/checkpointing.py"
-    assert "megatron/training/checkpointing.py" in last.read_text(encoding="utf-8")
+    if action == "revert":
+        assert patcher.apply(root).state == "applied"
+    failing, flags, name = ((series[-1], (), "megatron/training/checkpointing.py") if action == "apply"
+                            else (series[0], ("--reverse",), "pretrain_gpt.py"))
+    target = root / name
+    assert f"+++ b/{name}" in failing.read_text(encoding="utf-8")
     before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    state_before = patcher.check(root).state
     real_git_apply, failures = patcher._git_apply, []
 
-    def git_apply_with_unwritable_target(tree, patch, *flags):
-        if Path(patch).name != last.name or flags:
-            return real_git_apply(tree, patch, *flags)
+    def git_apply_with_unwritable_target(tree, patch, *given):
+        if Path(patch).name != failing.name or given != flags:
+            return real_git_apply(tree, patch, *given)
         saved = target.read_bytes()
         target.unlink()
         target.mkdir()  # git cannot write a file here
         try:
-            result = real_git_apply(tree, patch, *flags)
+            result = real_git_apply(tree, patch, *given)
         finally:
             target.rmdir()
             target.write_bytes(saved)
@@ -192,14 +199,14 @@ def test_apply_is_all_or_nothing_when_a_later_patch_fails_to_write(trees, monkey
 
     monkeypatch.setattr(patcher, "_git_apply", git_apply_with_unwritable_target)
     with pytest.raises(patcher.PatchError) as error:
-        patcher.apply(root)
+        getattr(patcher, action)(root)
     assert failures and failures[0]  # git really failed, and said why
     message = str(error.value)
-    assert last.name in message and "megatron/training/checkpointing.py" in message and failures[0] in message
-    assert "patches before it" not in message  # the earlier patches are not to blame
+    assert failing.name in message and name in message and failures[0] in message
+    assert "patches before it" not in message  # the patches done before it are not to blame
     after = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
-    assert after == before  # byte-identical: the two patches applied before the failure are rolled back
-    assert patcher.check(root).state == "clean"
+    assert after == before  # byte-identical: the two patches done before the failure are rolled back
+    assert patcher.check(root).state == state_before
 
 
 def _conflicting_tree(root: Path, edit) -> Path:
