@@ -24,7 +24,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+CHECKOUT = Path(__file__).resolve().parents[1]
+if (CHECKOUT / "megatron_mech" / "__init__.py").is_file():  # runnable from a checkout without installing
+    sys.path.insert(0, str(CHECKOUT))  # (installed, this file sits inside megatron_mech/: nothing to add)
 
 logger = logging.getLogger("deepspeed_train")
 LATEST = "latest"  # DeepSpeed's tracker file: the tag of the newest checkpoint in a save directory

@@ -9,7 +9,9 @@ See ``python launch_scripts/pretrain_gpt_mech.py --help`` for every flag; the co
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout without installing
+CHECKOUT = Path(__file__).resolve().parents[1]
+if (CHECKOUT / "megatron_mech" / "__init__.py").is_file():  # runnable from a checkout without installing
+    sys.path.insert(0, str(CHECKOUT))  # (installed, this file sits inside megatron_mech/: nothing to add)
 
 from megatron_mech.megatron.pretrain_gpt import main  # noqa: E402
 

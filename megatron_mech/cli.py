@@ -162,8 +162,8 @@ def _add_patch(p: argparse.ArgumentParser) -> None:
     p.add_argument("--series", default=None,
                    help="series to use, e.g. core_v0.17.1 (default: from megatron/core/package_info.py)")
     p.add_argument("--patches-dir", default=None,
-                   help="where the core_v* series live (default: patches/megatron-lm of this checkout, "
-                        "or $MEGATRON_MECH_PATCHES)")
+                   help="where the core_v* series live (default: $MEGATRON_MECH_PATCHES, else the series "
+                        "shipped inside the package, megatron_mech/megatron_lm/patches)")
 
 
 def _run_patch(args: argparse.Namespace) -> int:

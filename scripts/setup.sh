@@ -2,7 +2,7 @@
 # One-step dev/CI set-up on a fresh machine: .venv with the pinned CPU torch *first*, then the package and
 # its extras. Idempotent: re-running only checks what is installed.
 #
-# torch is pinned here (dev/CI path) and not in setup.py: users bring the torch build matching their CUDA.
+# torch is pinned here (dev/CI path) and not in pyproject.toml: users bring the torch build matching their CUDA.
 # An unpinned torch would pull a multi-GB CUDA build on these CPU machines.
 set -euo pipefail
 cd "$(dirname "$0")/.."

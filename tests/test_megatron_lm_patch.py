@@ -164,3 +164,77 @@ def test_partial_series_is_completed_by_apply(trees):
     assert report.state == "partial" and [p.state for p in report.patches] == ["applied", "clean", "clean"]
     assert patcher.apply(root).state == "applied"
     check_call_sites(root)
+
+
+@pytest.mark.parametrize("action", ["apply", "revert"])
+def test_apply_and_revert_are_all_or_nothing_when_a_later_patch_fails_to_write(trees, monkeypatch, action):
+    """The last patch of the run (0003 for apply, 0001 for revert, which goes last first) finds its target turned
+    into a directory while git writes it — a write failure after every check passed: the patches done before it
+    are rolled back byte for byte, and the error names that patch, its file and git's own reason."""
+    root = unpack(TAGS[0], trees / f"write-failure-{action}")
+    series = sorted(patcher.select_series(root)[1].glob("*.patch"))
+    if action == "revert":
+        assert patcher.apply(root).state == "applied"
+    failing, flags, name = ((series[-1], (), "megatron/training/checkpointing.py") if action == "apply"
+                            else (series[0], ("--reverse",), "pretrain_gpt.py"))
+    target = root / name
+    assert f"+++ b/{name}" in failing.read_text(encoding="utf-8")
+    before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    state_before = patcher.check(root).state
+    real_git_apply, failures = patcher._git_apply, []
+
+    def git_apply_with_unwritable_target(tree, patch, *given):
+        if Path(patch).name != failing.name or given != flags:
+            return real_git_apply(tree, patch, *given)
+        saved = target.read_bytes()
+        target.unlink()
+        target.mkdir()  # git cannot write a file here
+        try:
+            result = real_git_apply(tree, patch, *given)
+        finally:
+            target.rmdir()
+            target.write_bytes(saved)
+        failures.append(result.stderr.strip())
+        return result
+
+    monkeypatch.setattr(patcher, "_git_apply", git_apply_with_unwritable_target)
+    with pytest.raises(patcher.PatchError) as error:
+        getattr(patcher, action)(root)
+    assert failures and failures[0]  # git really failed, and said why
+    message = str(error.value)
+    assert failing.name in message and name in message and failures[0] in message
+    assert "patches before it" not in message  # the patches done before it are not to blame
+    after = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    assert after == before  # byte-identical: the two patches done before the failure are rolled back
+    assert patcher.check(root).state == state_before
+
+
+def _conflicting_tree(root: Path, edit) -> Path:
+    """``root`` with the after-step hunk's context in training.py changed by ``edit`` (bytes → bytes)."""
+    training = root / "megatron/training/training.py"
+    training.write_bytes(edit(training.read_bytes()))
+    return training
+
+
+def test_conflict_in_a_non_utf8_file_is_reported(trees):
+    root = unpack(TAGS[0], trees / "latin1")
+    anchor = b"    # Update learning rate.\n"
+    _conflicting_tree(root, lambda b: b.replace(anchor, b"    # Update learning rate (caf\xe9).\n"))
+    report = patcher.check(root)
+    assert report.state == "conflict"
+    [bad] = [p for p in report.patches if p.state == "conflict"]
+    [problem] = bad.problems
+    assert problem.file == "megatron/training/training.py" and "train_step" in problem.function
+    assert "context not found" in problem.describe()
+
+
+def test_crlf_tree_conflict_names_the_line_endings(trees):
+    root = unpack(TAGS[0], trees / "crlf")
+    _conflicting_tree(root, lambda b: b.replace(b"\n", b"\r\n"))
+    report = patcher.check(root)
+    assert report.state == "conflict"
+    [bad] = [p for p in report.patches if p.state == "conflict"]
+    assert bad.problems and all(p.file == "megatron/training/training.py" for p in bad.problems)
+    assert all("CRLF" in p.describe() for p in bad.problems), [p.describe() for p in bad.problems]
+    with pytest.raises(patcher.PatchError, match="CRLF"):
+        patcher.apply(root)

@@ -411,3 +411,39 @@ def test_run_report_into_out_dir_for_a_read_only_run(tmp_path, capsys):
             assert "--out-dir" in capsys.readouterr().err
         finally:
             (tmp_path / "run").chmod(stat.S_IRWXU)
+
+
+def test_out_of_range_numbers_and_deep_nesting_are_skipped_and_the_report_is_drawn(tmp_path, capsys):
+    """An alert step of "inf" or 1e999, numbers beyond the largest double (1.8e308) as a float literal or as an
+    integer, and JSON nested deeper than the parser's recursion limit: each line is skipped with a warning naming
+    it, the good records survive, and ``megatron-mech report`` draws the run instead of stopping on a traceback."""
+    from megatron_mech.records.report import run_report
+
+    run = tmp_path / "run"
+    synthetic_run(run, n=30)
+    path = run / JSONL_NAME
+    good = path.read_bytes().splitlines()
+    row = alert(step=0).to_dict()
+    huge_int = "1" + "0" * 400  # an integer no double can hold
+    bad = [
+        json.dumps({"step": 301, "metrics": {}, "alerts": [dict(row, step="inf")]}),
+        json.dumps({"step": 302, "metrics": {}, "alerts": [dict(row, step=0)]}).replace('"step": 0', '"step": 1e999'),
+        json.dumps({"step": 303, "metrics": {"attn/layer0/dwq_entropy": 0.5}, "loss": 0}).replace(
+            '"loss": 0', '"loss": 2e308'),
+        '{"step": 304, "metrics": {"attn/layer0/dwq_entropy": %s}}' % huge_int,
+        '{"step": %s, "metrics": {}}' % huge_int,
+        json.dumps({"step": 305, "metrics": {}, "alerts": [dict(row, step=0)]}).replace('"step": 0',
+                                                                                  f'"step": {huge_int}'),
+        '{"step": 306, "metrics": {}, "extra": ' + "[" * 100_000 + "]" * 100_000 + "}",
+        '{"step": 307, "metrics": {"x": ' + '{"a": ' * 100_000 + "1" + "}" * 100_000 + "}}",
+    ]
+    path.write_bytes(b"\n".join(good[:10] + [b.encode() for b in bad] + good[10:]) + b"\n")
+    with pytest.warns(RuntimeWarning) as caught:
+        records = read_jsonl(path)
+    assert [json.loads(g)["step"] for g in good] == [r["step"] for r in records]
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == len(bad) and all("skipping corrupt line" in m for m in messages), messages
+    assert [m.split(": skipping")[0] for m in messages] == [f"{path}:{11 + i}" for i in range(len(bad))]
+    with pytest.warns(RuntimeWarning):
+        assert run_report(argparse.Namespace(run_dir=str(run), out=None, metrics=None)) == 0
+    assert (run / "report.png").stat().st_size > 10_000

@@ -1,6 +1,6 @@
 """The functions a patched Megatron-LM fork calls: every line the patch set adds is a call into this module.
 
-All logic stays in the package; the patches (``patches/megatron-lm/<tag>/``) only add these calls, at:
+All logic stays in the package; the patches (``megatron_lm/patches/<tag>/``) only add these calls, at:
 
 ====================================  =====================================================================
 call                                  place in the fork (core_v0.16.1 names)

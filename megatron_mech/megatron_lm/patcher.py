@@ -1,20 +1,24 @@
 """Check, apply and revert the Megatron-LM patch series (``megatron-mech patch check|apply|revert DIR``).
 
-A series is a directory of ``git format-patch`` files, ``patches/megatron-lm/core_v<X.Y.Z>/NNNN-*.patch``,
-applied in name order. The tree's version is read from ``megatron/core/package_info.py`` (``MAJOR``,
-``MINOR``, ``PATCH``); the series of the same release is used, else the newest series of the same minor
-release (with a note), else the command fails naming the supported tags (``--series`` overrides).
+A series is a directory of ``git format-patch`` files, ``core_v<X.Y.Z>/NNNN-*.patch``, applied in name
+order; the series ship inside this package (``megatron_mech/megatron_lm/patches/``, see its ``README.md``).
+The tree's version is read from ``megatron/core/package_info.py`` (``MAJOR``, ``MINOR``, ``PATCH``); the
+series of the same release is used, else the newest series of the same minor release (with a note), else the
+command fails naming the supported tags (``--series`` overrides).
 
 Each patch is in one of three states, decided with ``git apply --check`` (exact context, no fuzz):
 
 * ``applied``  — it reverses cleanly (``git apply --reverse --check``);
 * ``clean``    — it applies cleanly;
 * ``conflict`` — neither. Every hunk is then located in the tree by its exact pre-image (context and removed
-  lines): the report names the file and each hunk that is not found, with the function the hunk header names.
+  lines, compared as bytes: a tree need not be UTF-8): the report names the file and each hunk that is not found,
+  with the function the hunk header names, and says when only the tree's CRLF line endings stand in the way.
 
 ``apply`` applies the ``clean`` patches and skips ``applied`` ones, so it is idempotent and completes a
 partially applied series; with any ``conflict`` it changes nothing. ``revert`` reverses ``applied`` patches
-in reverse order, likewise all-or-nothing. ``git`` must be on PATH; the tree need not be a git checkout
+in reverse order, likewise all-or-nothing. Both are transactions: should ``git apply`` fail on a later patch
+(a file that cannot be written), every file the run touched is restored byte for byte and the error names
+that patch, its files and git's reason. ``git`` must be on PATH; the tree need not be a git checkout
 (paths are relative to ``DIR`` either way).
 """
 from __future__ import annotations
@@ -24,11 +28,12 @@ import os
 import re
 import shutil
 import subprocess
+from importlib import resources
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["PatchState", "HunkProblem", "SeriesReport", "PatchError", "default_patches_dir", "detect_version",
-           "available_series", "select_series", "check", "apply", "revert"]
+__all__ = ["PatchState", "HunkProblem", "SeriesReport", "PatchError", "default_patches_dir", "porting_guide",
+           "detect_version", "available_series", "select_series", "check", "apply", "revert"]
 
 APPLIED, CLEAN, CONFLICT = "applied", "clean", "conflict"
 
@@ -46,11 +51,18 @@ class HunkProblem:
     line: int
     function: str  # the function name git wrote in the hunk header ("" if none)
     missing_file: bool = False
+    crlf: bool = False  # the pre-image is there once the tree's CRLF line endings are read as LF
+    reason: str = ""  # why git refused the patch when every pre-image is in place (then hunk and line are 0)
 
     def describe(self) -> str:
         if self.missing_file:
             return f"{self.file}: file not found"
+        if self.reason:
+            return f"{self.file}: {self.reason}"
         where = f" [{self.function}]" if self.function else ""
+        if self.crlf:
+            return (f"{self.file}: hunk #{self.hunk} at line {self.line}{where}: the file has CRLF line endings, "
+                    "the patch LF (convert the file to LF line endings, e.g. with dos2unix)")
         return f"{self.file}: hunk #{self.hunk} at line {self.line}{where}: context not found"
 
 
@@ -88,7 +100,7 @@ class SeriesReport:
 
     def lines(self) -> List[str]:
         out = [f"tree {self.tree}: megatron-core {self.version}; series {self.series.name}"
-               + (f" ({self.note})" if self.note else "")]
+               + (f" ({self.note})" if self.note else ""), f"patches in {self.series}"]
         for p in self.patches:
             out.append(f"  {p.state:8s} {p.patch.name}")
             out.extend(f"           {problem.describe()}" for problem in p.problems)
@@ -97,9 +109,21 @@ class SeriesReport:
 
 
 def default_patches_dir() -> Path:
-    """``patches/megatron-lm`` of this checkout (the package sits next to it), or ``$MEGATRON_MECH_PATCHES``."""
+    """``$MEGATRON_MECH_PATCHES``, else the series shipped inside this package (``megatron_lm/patches``, package
+    data: in a checkout, an editable install and an installed wheel alike)."""
     env = os.environ.get("MEGATRON_MECH_PATCHES")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "patches" / "megatron-lm"
+    if env:
+        return Path(env)
+    shipped = resources.files(__package__) / "patches"
+    if not isinstance(shipped, Path):  # e.g. imported from a zip archive: git needs files on disk
+        raise PatchError(f"the patch series inside the package ({shipped}) are not files on disk; "
+                         "pass --patches-dir or set $MEGATRON_MECH_PATCHES")
+    return shipped
+
+
+def porting_guide() -> str:
+    """Where the guide to conflicts (``README.md`` next to the shipped series) is, for messages."""
+    return str(resources.files(__package__) / "patches" / "README.md")
 
 
 def detect_version(tree: os.PathLike) -> Tuple[int, int, int]:
@@ -153,9 +177,10 @@ def select_series(tree: os.PathLike, patches_dir: Optional[os.PathLike] = None,
     same_minor = [v for v in found if v[:2] == version[:2]]
     if same_minor:
         v = same_minor[-1]
-        return text, found[v], f"no series for {text}; using the {'.'.join(map(str, v))} series of the same minor release"
+        return text, found[v], (f"no series for {text}; using the {'.'.join(map(str, v))} series of the same "
+                                "minor release")
     raise PatchError(f"megatron-core {text} in {tree}: no patch series for this release; supported: {tags} "
-                     "(try --series with the nearest one, and see patches/README.md on conflicts)")
+                     f"(try --series with the nearest one, and see {porting_guide()} on conflicts)")
 
 
 # ------------------------------------------------------------------------------------------------ git apply
@@ -174,52 +199,60 @@ def _git_apply(tree: Path, patch: Path, *flags: str) -> subprocess.CompletedProc
                           capture_output=True)
 
 
-_HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+\d+(?:,\d+)? @@ ?(.*)$")
+_HUNK = re.compile(rb"^@@ -(\d+)(?:,(\d+))? \+\d+(?:,\d+)? @@ ?(.*)$")
 
 
-def _hunks(patch: Path) -> List[Tuple[str, int, int, str, List[str]]]:
-    """``(file, hunk index in file, old start line, function, pre-image lines)`` for each hunk."""
+def _hunks(patch: Path) -> List[Tuple[str, int, int, str, List[bytes]]]:
+    """``(file, hunk index in file, old start line, function, pre-image lines)`` for each hunk.
+
+    Bytes throughout: a tree (or patch) need not be UTF-8, and the comparison must be exact."""
     out = []
-    current, index, header, pre = None, 0, None, None
-    for line in patch.read_text(encoding="utf-8").splitlines():
-        if line.startswith("diff --git "):
+    current, index, header, pre, old_count = None, 0, None, None, 0
+    for line in patch.read_bytes().split(b"\n"):
+        if line.startswith(b"diff --git "):
             if header is not None:
                 out.append((current, index, header[0], header[1], pre))
             current, index, header, pre = None, 0, None, None
-        elif line.startswith("--- "):
+        elif line.startswith(b"--- "):
             continue
-        elif line.startswith("+++ "):
-            current = line[6:] if line.startswith("+++ b/") else line[4:]
-        elif line.startswith("@@"):
+        elif line.startswith(b"+++ "):
+            current = os.fsdecode(line[6:] if line.startswith(b"+++ b/") else line[4:])
+        elif line.startswith(b"@@"):
             if header is not None:
                 out.append((current, index, header[0], header[1], pre))
             m = _HUNK.match(line)
             index += 1
-            header, pre = (int(m.group(1)), m.group(3).strip()), []
-        elif header is not None and line[:1] in (" ", "-"):
+            header, pre = (int(m.group(1)), m.group(3).strip().decode("utf-8", "replace")), []
+            old_count = int(m.group(2)) if m.group(2) is not None else 1
+        elif header is not None and len(pre) < old_count and line[:1] in (b" ", b"-"):
             pre.append(line[1:])
-        elif header is not None and line == "":
-            pre.append("")
+        elif header is not None and len(pre) < old_count and line == b"":  # a context line stripped of its space
+            pre.append(b"")
     if header is not None:
         out.append((current, index, header[0], header[1], pre))
     return out
 
 
+def _contains(lines: List[bytes], block: List[bytes]) -> bool:
+    n = len(block)
+    return any(lines[i:i + n] == block for i in range(len(lines) - n + 1))
+
+
 def _diagnose(tree: Path, patch: Path) -> List[HunkProblem]:
     problems = []
-    texts: Dict[str, Optional[List[str]]] = {}
+    texts: Dict[str, Optional[List[bytes]]] = {}
     for file, index, line, function, pre in _hunks(patch):
         if file not in texts:
             path = tree / file
-            texts[file] = path.read_text(encoding="utf-8").splitlines() if path.is_file() else None
+            texts[file] = path.read_bytes().split(b"\n") if path.is_file() else None
         lines = texts[file]
         if lines is None:
             if not any(p.file == file and p.missing_file for p in problems):
                 problems.append(HunkProblem(file, index, line, function, missing_file=True))
             continue
-        n = len(pre)
-        if not any(lines[i:i + n] == pre for i in range(len(lines) - n + 1)):
-            problems.append(HunkProblem(file, index, line, function))
+        if not _contains(lines, pre):
+            crlf = _contains([ln[:-1] if ln.endswith(b"\r") else ln for ln in lines], pre)
+            problems.append(HunkProblem(file, index, line, function, crlf=crlf))
     return problems
 
 
@@ -230,9 +263,76 @@ def _state(tree: Path, patch: Path) -> PatchState:
         return PatchState(patch, CLEAN)
     problems = _diagnose(tree, patch)
     if not problems:  # every pre-image exists but git still refuses (e.g. ambiguous or overlapping hunks)
-        message = _git_apply(tree, patch, "--check").stderr.strip().splitlines()
-        problems = [HunkProblem(message[-1] if message else "?", 0, 0, "git apply --check failed")]
+        message = " ".join(_git_apply(tree, patch, "--check").stderr.split()) or "no reason given"
+        problems = [HunkProblem(", ".join(_touched_files(patch)), 0, 0, "", reason=f"git apply --check: {message}")]
     return PatchState(patch, CONFLICT, problems)
+
+
+# ------------------------------------------------------------------------------------------------ all or nothing
+def _touched_files(patch: Path) -> List[str]:
+    """Every tree path a patch reads or writes (old and new names), in patch order."""
+    files: List[str] = []
+    for line in patch.read_bytes().split(b"\n"):
+        for prefix in (b"--- a/", b"+++ b/"):
+            if line.startswith(prefix):
+                name = os.fsdecode(line[len(prefix):].rstrip(b"\r"))
+                if name not in files:
+                    files.append(name)
+    return files
+
+
+class _Snapshot:
+    """The bytes and mode of files before a change (None: absent), to put the tree back on any failure."""
+
+    def __init__(self, tree: Path, files: Sequence[str]):
+        self.tree = tree
+        self.saved: Dict[str, Optional[Tuple[bytes, int]]] = {}
+        for name in files:
+            path = tree / name
+            self.saved[name] = (path.read_bytes(), path.stat().st_mode) if path.is_file() else None
+
+    def restore(self) -> List[str]:
+        """Put every file back; the ones that could not be restored, with why (normally none)."""
+        failed = []
+        for name, saved in self.saved.items():
+            path = self.tree / name
+            try:
+                if saved is None:
+                    if path.is_file() or path.is_symlink():
+                        path.unlink()
+                elif not path.is_file() or path.read_bytes() != saved[0]:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    if path.is_symlink():
+                        path.unlink()
+                    path.write_bytes(saved[0])
+                    os.chmod(path, saved[1] & 0o7777)
+            except OSError as e:
+                failed.append(f"{name} ({e})")
+        return failed
+
+
+def _run_series(report: "SeriesReport", patches: Sequence[PatchState], verb: str, *flags: str) -> None:
+    """``git apply [flags]`` each patch in order, all or nothing: on any failure every file the patches touch is
+    restored byte for byte and :class:`PatchError` names the patch, its files and git's own reason."""
+    snapshot = _Snapshot(report.tree, [f for p in patches for f in _touched_files(p.patch)])
+    failure = None
+    try:
+        for p in patches:
+            result = _git_apply(report.tree, p.patch, *flags)
+            if result.returncode != 0:
+                reason = result.stderr.strip() or f"git apply exited with code {result.returncode}"
+                failure = (f"{p.patch.name} did not {verb} (files: {', '.join(_touched_files(p.patch))}):\n"
+                           f"{reason}")
+                break
+    except BaseException:  # interrupted or git not startable: leave the tree as it was, then re-raise
+        snapshot.restore()
+        raise
+    if failure is not None:
+        unrestored = snapshot.restore()
+        if unrestored:
+            raise PatchError(f"{failure}\nand these files could not be restored: {'; '.join(unrestored)}")
+        done = {"apply": "applied", "revert": "reverted"}[verb]
+        raise PatchError(f"{failure}\nevery file is restored: nothing was {done}")
 
 
 # ------------------------------------------------------------------------------------------------ commands
@@ -251,12 +351,8 @@ def apply(tree: os.PathLike, patches_dir: Optional[os.PathLike] = None, series: 
     patch conflicts."""
     report = check(tree, patches_dir, series)
     if report.state == CONFLICT:
-        raise PatchError("\n".join(["conflicts; nothing applied (see patches/README.md):"] + report.lines()))
-    for p in report.patches:
-        if p.state == CLEAN:
-            result = _git_apply(report.tree, p.patch)
-            if result.returncode != 0:  # a previous patch of the series changed the context: stop there
-                raise PatchError(f"{p.patch.name} did not apply after the patches before it:\n{result.stderr}")
+        raise PatchError("\n".join([f"conflicts; nothing applied (see {porting_guide()}):"] + report.lines()))
+    _run_series(report, [p for p in report.patches if p.state == CLEAN], "apply")
     return check(tree, patches_dir, series)
 
 
@@ -266,9 +362,5 @@ def revert(tree: os.PathLike, patches_dir: Optional[os.PathLike] = None, series:
     report = check(tree, patches_dir, series)
     if report.state == CONFLICT:
         raise PatchError("\n".join(["conflicts; nothing reverted:"] + report.lines()))
-    for p in reversed(report.patches):
-        if p.state == APPLIED:
-            result = _git_apply(report.tree, p.patch, "--reverse")
-            if result.returncode != 0:
-                raise PatchError(f"{p.patch.name} did not reverse:\n{result.stderr}")
+    _run_series(report, [p for p in reversed(report.patches) if p.state == APPLIED], "revert", "--reverse")
     return check(tree, patches_dir, series)

@@ -216,17 +216,39 @@ def _record_problem(obj: Mapping[str, Any]) -> str | None:
         for alert in alerts:
             try:
                 Alert.from_dict(alert)
-            except (KeyError, TypeError, ValueError) as e:
+            except (KeyError, TypeError, ValueError, OverflowError) as e:  # OverflowError: a step of inf
                 return f"unreadable alert {alert!r} ({type(e).__name__}: {e})"
     return None
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):  # a finite literal beyond the largest double (e.g. 1e999), not a written "inf"
+        raise ValueError(f"number out of range: {text[:40]}")
+    return value
+
+
+def _double_sized_int(text: str) -> int:
+    value = int(text)
+    try:
+        float(value)
+    except OverflowError:
+        raise ValueError(f"integer out of range: {text[:40]}...") from None
+    return value
+
+
+def _parse_line(raw: bytes) -> Any:
+    """One JSON line; a number no double holds is an error (ValueError), as in the file's writer."""
+    return json.loads(raw.decode("utf-8"), parse_float=_finite_float, parse_int=_double_sized_int)
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     """All records of a JSONL log, decoded (non-finite strings back to floats).
 
     A line that cannot be used — truncated (normally the last one, left by a crash mid-write), not UTF-8, not
-    JSON, or not a record (``step`` not an int, ``metrics`` not an object, an alert without its fields) — is
-    skipped with a :class:`RuntimeWarning` naming the file and line; blank lines are ignored.
+    JSON, nested too deep to parse, holding a number beyond the largest double, or not a record (``step`` not an
+    int, ``metrics`` not an object, an alert without its fields or with a step that is not a finite integer) —
+    is skipped with a :class:`RuntimeWarning` naming the file and line; blank lines are ignored.
     """
     path = Path(path)
     lines = path.read_bytes().split(b"\n")
@@ -236,10 +258,13 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
         if not raw.strip():
             continue
         try:
-            obj = json.loads(raw.decode("utf-8"))
-            if not isinstance(obj, dict):
-                raise ValueError(f"not a JSON object: {type(obj).__name__}")
-            obj = decode_record(obj)
+            try:
+                obj = _parse_line(raw)
+                if not isinstance(obj, dict):
+                    raise ValueError(f"not a JSON object: {type(obj).__name__}")
+                obj = decode_record(obj)
+            except RecursionError:
+                raise ValueError("nested too deeply") from None
             problem = _record_problem(obj)
             if problem:
                 raise ValueError(problem)
