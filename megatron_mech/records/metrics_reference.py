@@ -126,7 +126,7 @@ def _attention_dw(matrix_name: str, prefix: str, subject: str, flags: tuple = ()
     producer = "attention monitor, every evaluation"
     return [
         MetricEntry(f"{prefix}_entropy", f"Normalised spectral entropy of ΔW of {subject} (p_i ∝ σ_i², divided by "
-                    f"log of the number of singular values): 1 = a flat update spectrum, 0 = a single mode. Null "
+                    f"log min(rows, cols)): 1 = a flat update spectrum, 0 = a single mode. Null "
                     f"(not measured) while `{matrix_name}_frozen` is 1.", "dimensionless, [0, 1]", producer, flags),
         MetricEntry(f"{prefix}_effective_rank", "Effective rank exp(H) of that ΔW (H: the unnormalised entropy, "
                     "nats). Null while frozen.", "count, [1, min(rows, cols)]", producer, flags),
@@ -151,7 +151,6 @@ _QK_PRODUCER = "attention monitor, every evaluation, for each term of `--mech-qk
 _ROUTER = "router monitor (MoE models), every evaluation"
 _EXPERT = "expert monitor (megatron-core MoE layers), every evaluation"
 _MOLS = "MoLS, every record"
-_TOKENS = "over all tokens of the evaluation step (every rank of the token group)"
 
 METRICS: tuple = (
     # ------------------------------------------------------------------ attention: ΔW of the Q and K rows
@@ -170,12 +169,13 @@ METRICS: tuple = (
                    "the dense linear {module} of layer L",
                    flags=("--mech-all-linears",)),
     # ------------------------------------------------------------------ router
-    MetricEntry("router/layer{L}/tokens", f"Tokens whose router logits were recorded, {_TOKENS}; non-finite "
-                "tokens excluded.", "count, ≥ 0", _ROUTER),
+    MetricEntry("router/layer{L}/tokens", "Tokens in this evaluation's routing statistics: every token of the "
+                "evaluation step over all ranks, counted once; non-finite ones excluded (see `nonfinite_tokens`).",
+                "count, ≥ 0", _ROUTER),
     MetricEntry("router/layer{L}/nonfinite_tokens", "Tokens skipped because a router logit was NaN or +inf (or "
                 "every logit −inf).", "count, ≥ 0", _ROUTER),
     MetricEntry("router/layer{L}/entropy_mean", f"Mean per-token routing entropy H = −Σ_e p_e log p_e of "
-                f"p = softmax(router logits) over all E experts, {_TOKENS}.", "nats, [0, log E]", _ROUTER),
+                f"p = softmax(router logits) over all E experts, over the step's tokens.", "nats, [0, log E]", _ROUTER),
     MetricEntry("router/layer{L}/entropy_norm_mean", "`entropy_mean` / log E.", "dimensionless, [0, 1]", _ROUTER),
     MetricEntry("router/layer{L}/entropy_std", "Population standard deviation of the per-token routing entropy.",
                 "nats, ≥ 0", _ROUTER),
