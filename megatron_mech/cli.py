@@ -181,6 +181,30 @@ def _run_patch(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------------
+# metrics: the metrics reference (docs/metrics.md)
+# ---------------------------------------------------------------------------------------------------
+def _add_metrics(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--output", default=None, metavar="PATH",
+                   help="write the reference (Markdown) to PATH instead of stdout, e.g. docs/metrics.md")
+
+
+def _run_metrics(args: argparse.Namespace) -> int:
+    from megatron_mech.records.metrics_reference import render_markdown
+
+    text = render_markdown()
+    if args.output is None:
+        sys.stdout.write(text)
+        return 0
+    try:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as e:
+        print(f"megatron-mech metrics: error: --output {args.output}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 SUBCOMMANDS: Dict[str, Subcommand] = {
     "prepare-data": Subcommand("build (or find) the embedded Shakespeare + KJV corpus as Megatron .bin/.idx",
                                _add_prepare_data, _run_prepare_data),
@@ -192,6 +216,8 @@ SUBCOMMANDS: Dict[str, Subcommand] = {
                         _add_train, _run_train),
     "report": Subcommand("plot a run's mech.jsonl (monitor series vs loss, alerts) and summarize it",
                          add_report_arguments, run_report),
+    "metrics": Subcommand("print (or --output) the reference of every recorded metric: meaning, unit, producer, "
+                          "alert rule", _add_metrics, _run_metrics),
 }
 
 

@@ -1,0 +1,418 @@
+"""The metrics reference: every series name a run records, what it means, its unit, what produces it, and the
+detector rule that alerts on it — one table, rendered as ``docs/metrics.md``.
+
+The names, meanings, units and producers are written here (:data:`METRICS`, :data:`RECORD_FIELDS`); the alert
+columns are never written by hand: :func:`alert_rule` finds, like :class:`~megatron_mech.core.detect.DetectorRegistry`
+does, the first of :func:`~megatron_mech.core.detect.default_rules` whose ``fnmatch`` pattern matches the name, so
+the page follows the rules. ``tests/test_metrics_reference.py`` checks the table against the names a real run
+records and the committed page against :func:`render_markdown`.
+
+Name syntax: ``{X}`` is a placeholder (:data:`PLACEHOLDERS`: its values and examples), ``[...]`` a part present
+only under a flag (the TP qualifier ``/tp{r}`` of ``--mech-dw-scope slice``).
+
+Regenerate the page: ``megatron-mech metrics --output docs/metrics.md`` (or ``python -m
+megatron_mech.records.metrics_reference > docs/metrics.md``).
+"""
+from __future__ import annotations
+
+import itertools
+import re
+import sys
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from megatron_mech.core.detect import DetectorConfig, SeriesRule, default_rules
+from megatron_mech.core.mols import MEASURED_KEYS
+from megatron_mech.core.taxonomy import MODULE_CLASSES
+
+__all__ = ["METRICS", "PLACEHOLDERS", "RECORD_FIELDS", "SLICE_SCOPE_FLAG", "MetricEntry", "RecordField", "alert_rule",
+           "entry_for", "render_markdown"]
+
+SLICE_SCOPE_FLAG = "--mech-dw-scope slice"
+
+
+@dataclass(frozen=True)
+class Placeholder:
+    """A ``{X}`` in a name: the regular expression of its values and a few examples (to find the alert rule)."""
+
+    regex: str
+    examples: tuple
+    meaning: str
+
+
+PLACEHOLDERS = {
+    "L": Placeholder(r"[0-9]+", ("0", "1", "13"), "global layer index, from 0 (over all pipeline stages)"),
+    "H": Placeholder(r"[0-9]+", ("0", "3", "31"), "global query-head index, from 0 (over all TP ranks)"),
+    "E": Placeholder(r"[0-9]+", ("0", "5"), "global expert index, from 0 (over all expert-parallel ranks)"),
+    "r": Placeholder(r"[0-9]+", ("0", "1"), "tensor-parallel rank (only with `--mech-dw-scope slice`)"),
+    "m": Placeholder(r"[qk]", ("q", "k"), "`q` or `k`: the Q or the K rows of the fused `linear_qkv` weight"),
+    "term": Placeholder(r"delta[123]", ("delta1", "delta2", "delta3"), "a QK-increment term of `--mech-qk-terms`"),
+    "module": Placeholder(r"[^/]+", ("linear_proj", "linear_fc1", "linear_fc2"),
+                          "a dense linear of the layer: `linear_proj` (attention output), `linear_fc1`, `linear_fc2` "
+                          "(MLP; dense layers only)"),
+    "key": Placeholder("(?:" + "|".join(MEASURED_KEYS) + ")", MEASURED_KEYS,
+                       "a measured MoLS key: a module class or a fused-QKV row block (`qkv_q`, `qkv_k`, `qkv_v`)"),
+    "class": Placeholder("(?:" + "|".join(MODULE_CLASSES) + ")", MODULE_CLASSES,
+                         "a module class: " + ", ".join(f"`{c}`" for c in MODULE_CLASSES)),
+}
+_TOKEN = re.compile(r"\{(\w+)\}|\[|\]|[^{\[\]]+")
+
+
+@dataclass(frozen=True)
+class MetricEntry:
+    """One documented series-name pattern.
+
+    Attributes:
+        name: the name in the ``{X}`` / ``[...]`` syntax of the module docstring.
+        meaning: what the value is.
+        unit: unit and range.
+        producer: what writes it (monitor, hook part) and when.
+        flags: flags (beyond the defaults) without which the name is never recorded; a ``[...]`` part of the
+            name adds :data:`SLICE_SCOPE_FLAG` for that variant only.
+        section: where a ``mech.jsonl`` record holds it: ``"metrics"`` (the detectors' input) or ``"mols"``.
+    """
+
+    name: str
+    meaning: str
+    unit: str
+    producer: str
+    flags: tuple = ()
+    section: str = "metrics"
+
+    def regex(self, optional: Optional[bool] = None) -> re.Pattern:
+        """The names this entry covers; ``optional`` True/False: only the variant with/without the ``[...]`` part."""
+        name = self.name
+        if optional is False:
+            name = re.sub(r"\[[^\]]*\]", "", name)
+        elif optional:
+            name = name.replace("[", "").replace("]", "")
+        out = []
+        for token in _TOKEN.finditer(name):
+            text, placeholder = token.group(0), token.group(1)
+            if placeholder is not None:
+                out.append(f"(?:{PLACEHOLDERS[placeholder].regex})")
+            elif text in "[]":
+                out.append("(?:" if text == "[" else ")?")
+            else:
+                out.append(re.escape(text))
+        return re.compile("".join(out))
+
+    @property
+    def has_optional_part(self) -> bool:
+        return "[" in self.name
+
+    def variants(self) -> list[tuple[Optional[bool], tuple]]:
+        """``(optional, flags)`` per variant: without and (if any) with the ``[...]`` part, and their flags."""
+        if not self.has_optional_part:
+            return [(None, self.flags)]
+        return [(False, self.flags), (True, (*self.flags, SLICE_SCOPE_FLAG))]
+
+    def examples(self) -> list[str]:
+        """Concrete names of every variant, with every combination of the placeholders' examples."""
+        names = [re.sub(r"\[[^\]]*\]", "", self.name), self.name.replace("[", "").replace("]", "")]
+        out = []
+        for name in dict.fromkeys(names):
+            keys = re.findall(r"\{(\w+)\}", name)
+            for values in itertools.product(*(PLACEHOLDERS[k].examples for k in keys)):
+                concrete = name
+                for k, v in zip(keys, values):
+                    concrete = concrete.replace("{" + k + "}", v, 1)
+                out.append(concrete)
+        return out
+
+
+def _attention_dw(matrix_name: str, prefix: str, subject: str, flags: tuple = ()) -> list[MetricEntry]:
+    """The six ΔW series of one matrix kind (attention Q/K rows, or a dense linear)."""
+    producer = "attention monitor, every evaluation"
+    return [
+        MetricEntry(f"{prefix}_entropy", f"Normalised spectral entropy of ΔW of {subject} (p_i ∝ σ_i², divided by "
+                    f"log min(rows, cols)): 1 = a flat update spectrum, 0 = a single mode. Null "
+                    f"(not measured) while `{matrix_name}_frozen` is 1.", "dimensionless, [0, 1]", producer, flags),
+        MetricEntry(f"{prefix}_effective_rank", "Effective rank exp(H) of that ΔW (H: the unnormalised entropy, "
+                    "nats). Null while frozen.", "count, [1, min(rows, cols)]", producer, flags),
+        MetricEntry(f"{prefix}_stable_rank", "Stable rank ‖ΔW‖_F² / ‖ΔW‖₂² of that ΔW. Null while frozen.",
+                    "count, [1, rank ΔW]", producer, flags),
+        MetricEntry(f"{prefix}_fro", "Frobenius norm ‖ΔW‖_F of that ΔW.", "weight units, ≥ 0", producer, flags),
+        MetricEntry(f"{prefix}_update_ratio", "‖ΔW‖_F / ‖W_(t−δ)‖_F: the update relative to the weights (NaN when "
+                    "W_(t−δ) = 0).", "dimensionless, ≥ 0", producer, flags),
+        MetricEntry(f"{prefix}_frozen", "1 when that ΔW is exactly zero (a frozen matrix, or lr 0): its entropy and "
+                    "ranks are then null instead of NaN, so it never looks like a fault; else 0.", "flag, 0 or 1",
+                    producer, flags),
+    ]
+
+
+_QKV = "the {m} rows of layer L's fused `linear_qkv`"
+_TERM = {"delta1": "Δ1 = W_q′W_k′ᵀ − W_qW_kᵀ (the full increment; spectrum length 2·d_head)",
+         "delta2": "Δ2 = ΔW_q W_kᵀ + W_q ΔW_kᵀ (first order, the early-warning term; spectrum length 2·d_head)",
+         "delta3": "Δ3 = ΔW_q ΔW_kᵀ (second order; spectrum length d_head)"}
+_HEAD = ("Normalised spectral entropy of head H's QK-product increment {what} over the last δ steps (p_i ∝ σ_i², "
+         "divided by log of the spectrum length). Null when the increment vanishes with a frozen ΔW_q/ΔW_k.")
+_QK_PRODUCER = "attention monitor, every evaluation, for each term of `--mech-qk-terms` (default: all three)"
+_ROUTER = "router monitor (MoE models), every evaluation"
+_EXPERT = "expert monitor (megatron-core MoE layers), every evaluation"
+_MOLS = "MoLS, every record"
+
+METRICS: tuple = (
+    # ------------------------------------------------------------------ attention: ΔW of the Q and K rows
+    *_attention_dw("dw{m}", "attn/layer{L}[/tp{r}]/dw{m}", _QKV),
+    # ------------------------------------------------------------------ attention: per-head QK increments
+    *(MetricEntry(f"attn/layer{{L}}/head{{H}}/{term}_entropy", _HEAD.format(what=what), "dimensionless, [0, 1]",
+                  _QK_PRODUCER) for term, what in _TERM.items()),
+    MetricEntry("attn/layer{L}[/tp{r}]/{term}_entropy_mean", "Mean over layer L's heads of "
+                "`attn/layer{L}/head{H}/{term}_entropy` (NaN if any head is NaN: a NaN is a fault flag).",
+                "dimensionless, [0, 1]", _QK_PRODUCER),
+    MetricEntry("attn/layer{L}[/tp{r}]/{term}_entropy_min", "Minimum over layer L's heads of "
+                "`attn/layer{L}/head{H}/{term}_entropy` (NaN if any head is NaN).", "dimensionless, [0, 1]",
+                _QK_PRODUCER),
+    # ------------------------------------------------------------------ dense linears
+    *_attention_dw("dw", "linear/layer{L}/{module}[/tp{r}]/dw",
+                   "the dense linear {module} of layer L",
+                   flags=("--mech-all-linears",)),
+    # ------------------------------------------------------------------ router
+    MetricEntry("router/layer{L}/tokens", "Tokens in this evaluation's routing statistics: every token of the "
+                "evaluation step over all ranks, counted once; non-finite ones excluded (see `nonfinite_tokens`).",
+                "count, ≥ 0", _ROUTER),
+    MetricEntry("router/layer{L}/nonfinite_tokens", "Tokens skipped because a router logit was NaN or +inf (or "
+                "every logit −inf).", "count, ≥ 0", _ROUTER),
+    MetricEntry("router/layer{L}/entropy_mean", f"Mean per-token routing entropy H = −Σ_e p_e log p_e of "
+                f"p = softmax(router logits) over all E experts, over the step's tokens.", "nats, [0, log E]", _ROUTER),
+    MetricEntry("router/layer{L}/entropy_norm_mean", "`entropy_mean` / log E.", "dimensionless, [0, 1]", _ROUTER),
+    MetricEntry("router/layer{L}/entropy_std", "Population standard deviation of the per-token routing entropy.",
+                "nats, ≥ 0", _ROUTER),
+    MetricEntry("router/layer{L}/entropy_min", "Smallest per-token routing entropy (one extreme token).",
+                "nats, [0, log E]", _ROUTER),
+    MetricEntry("router/layer{L}/entropy_p05", "5th percentile of the per-token routing entropy, from a 20-bin "
+                "histogram of H / log E (error about one bin, log E / 20).", "nats, [0, log E]", _ROUTER),
+    MetricEntry("router/layer{L}/entropy_p50", "Median per-token routing entropy (same histogram).",
+                "nats, [0, log E]", _ROUTER),
+    MetricEntry("router/layer{L}/low_entropy_frac", "Fraction of tokens whose normalised routing entropy H / log E "
+                "is below 0.5 (sharply routed tokens).", "fraction, [0, 1]", _ROUTER),
+    MetricEntry("router/layer{L}/margin_mean", "Mean top-1 minus top-2 router logit per token.",
+                "logit units, ≥ 0", _ROUTER),
+    MetricEntry("router/layer{L}/margin_std", "Population standard deviation of that margin.", "logit units, ≥ 0",
+                _ROUTER),
+    MetricEntry("router/layer{L}/load_entropy", "Entropy of the experts' shares of all top-k assignments, / log E: "
+                "1 = perfectly balanced, 0 = one expert takes everything.", "dimensionless, [0, 1]", _ROUTER),
+    MetricEntry("router/layer{L}/effective_experts", "exp(entropy of the load shares): the number of equally "
+                "loaded experts with the same entropy.", "count, [1, E]", _ROUTER),
+    MetricEntry("router/layer{L}/load_cv", "Coefficient of variation (std / mean) of the per-expert top-k counts.",
+                "dimensionless, [0, √(E − 1)]", _ROUTER),
+    MetricEntry("router/layer{L}/mean_cosine", "Mean cosine similarity over pairs of distinct expert rows of the "
+                "router weight [E, d] (rows becoming alike: a router that cannot discriminate).",
+                "dimensionless, [−1/(E − 1), 1]", _ROUTER),
+    MetricEntry("router/layer{L}/conditioning", "max_i ‖w_i − w̄‖ / ‖w̄‖ over the router weight's expert rows w_i "
+                "(w̄: the mean row); small = rows nearly identical. inf when ‖w̄‖ = 0.", "dimensionless, ≥ 0",
+                _ROUTER),
+    MetricEntry("router/layer{L}/mean_deviation", "mean_i ‖w_i − w̄‖ / ‖w̄‖ (as `conditioning`, the mean instead of "
+                "the max).", "dimensionless, ≥ 0", _ROUTER),
+    # ------------------------------------------------------------------ experts
+    MetricEntry("expert/layer{L}/e{E}/update_ratio", "‖ΔW‖_F / ‖W_(t−δ)‖_F of expert E over all its matrices "
+                "(fc1 and fc2), ΔW over the last δ steps.", "dimensionless, ≥ 0", _EXPERT, ("--mech-experts",)),
+    MetricEntry("expert/layer{L}/e{E}/stable_rank", "Stable rank ‖ΔW‖_F² / ‖ΔW‖₂² of expert E's fc1 update "
+                "(‖ΔW‖₂ from 8 power iterations: an upper bound, tight for a dominant direction; NaN when ΔW = 0).",
+                "count, [1, rank ΔW]", _EXPERT, ("--mech-experts",)),
+    MetricEntry("expert/layer{L}/update_ratio_mean", "Mean of `e{E}/update_ratio` over the layer's experts.",
+                "dimensionless, ≥ 0", _EXPERT, ("--mech-experts",)),
+    MetricEntry("expert/layer{L}/update_ratio_spread", "Standard deviation / mean of `e{E}/update_ratio` across "
+                "the layer's experts.", "dimensionless, ≥ 0", _EXPERT, ("--mech-experts",)),
+    MetricEntry("expert/layer{L}/update_ratio_zmax", "Largest |z-score| of `e{E}/update_ratio` across the layer's "
+                "experts (its expert is in the alert details).", "dimensionless, [0, √(E − 1)]", _EXPERT,
+                ("--mech-experts",)),
+    MetricEntry("expert/layer{L}/stable_rank_min", "Smallest `e{E}/stable_rank` of the layer.",
+                "count, ≥ 1", _EXPERT, ("--mech-experts",)),
+    MetricEntry("expert/layer{L}/stable_rank_mean", "Mean `e{E}/stable_rank` of the layer.", "count, ≥ 1",
+                _EXPERT, ("--mech-experts",)),
+    # ------------------------------------------------------------------ symptoms
+    MetricEntry("symptom/loss", "The training loss the trainer reports for the step (LM cross-entropy averaged over "
+                "micro-batches and data-parallel ranks). Also judged at once on any step where it is non-finite.",
+                "nats per token", "hook, every evaluation"),
+    MetricEntry("symptom/grad_norm", "The optimizer's global gradient L2 norm for the step, as the trainer reports "
+                "it. Also judged at once on any step where it is non-finite.", "gradient units, ≥ 0",
+                "hook, every evaluation where the trainer reports a grad norm"),
+    MetricEntry("symptom/max_attn_logit", "Largest pre-softmax attention logit scale·q·k over every layer, head, "
+                "unmasked query/key pair, micro-batch and rank of the evaluation step.", "logit units",
+                "hook (max-logit recorder), every evaluation, where the adapter captures attention inputs "
+                "(megatron-core entry point, Megatron-LM forks; not DeepSpeed)"),
+    # ------------------------------------------------------------------ MoLS (the record's "mols" section)
+    MetricEntry("mols/snr/{key}", "Gradient SNR S = ‖G‖² / tr(Σ) of the key's parameters: the running window "
+                "estimate during the window, the final one after (0 when ‖G‖² < 0, inf when tr(Σ) ≤ 0).",
+                "dimensionless, ≥ 0", _MOLS, ("--mech-mols",), "mols"),
+    MetricEntry("mols/grad_sq/{key}", "Unbiased estimate of the squared norm ‖G‖² of the mean gradient (may be "
+                "slightly negative from noise).", "gradient units²", _MOLS, ("--mech-mols",), "mols"),
+    MetricEntry("mols/trace_cov/{key}", "Unbiased estimate of the per-example gradient noise tr(Σ) (may be ≤ 0 "
+                "from noise).", "gradient units²", _MOLS, ("--mech-mols",), "mols"),
+    MetricEntry("mols/alpha/{class}", "Multiplier α = √(S_base / S_class) clamped to `--mech-mols-clamp` (1 for a "
+                "degenerate SNR; the hand-set value with `--mech-mols-fixed`); after the window.",
+                "multiplier, within the clamp", _MOLS, ("--mech-mols",), "mols"),
+    MetricEntry("mols/alpha_raw/{key}", "α before the clamp (absent for a degenerate SNR); after the window.",
+                "multiplier, > 0", _MOLS, ("--mech-mols",), "mols"),
+    MetricEntry("mols/alpha_measured/{class}", "The clamped α measured from the SNRs, reported beside the "
+                "hand-set multipliers.", "multiplier", _MOLS,
+                ("--mech-mols", "--mech-mols-fixed"), "mols"),
+    MetricEntry("mols/target/{class}", "The param-group multiplier the ramp goes to (α, or for the fused-QKV `qk` "
+                "group the `--mech-mols-fused-qkv-rule` mix of α_qk and α_vo; 1 for unscaled classes).",
+                "multiplier", _MOLS, ("--mech-mols",), "mols"),
+    MetricEntry("mols/mult/{class}", "The lr multiplier in force at this step (1 before the window end, ramped "
+                "to the target).", "multiplier", _MOLS, ("--mech-mols",), "mols"),
+    MetricEntry("mols/diag_snr/{key}", "SNR of the latest post-window diagnostic block (report only; the "
+                "multipliers do not change).", "dimensionless, ≥ 0", _MOLS,
+                ("--mech-mols", "--mech-mols-diagnostic-interval"), "mols"),
+    MetricEntry("mols/diag_alpha/{key}", "Unclamped α that block's SNRs would give (NaN when degenerate).",
+                "multiplier", _MOLS,
+                ("--mech-mols", "--mech-mols-diagnostic-interval"), "mols"),
+    MetricEntry("mols/diag_end", "Iteration (0-based) at which the latest diagnostic block ended.", "iteration", _MOLS,
+                ("--mech-mols", "--mech-mols-diagnostic-interval"),
+                "mols"),
+    MetricEntry("mols/window_observed", "Iterations the estimation window has observed so far.", "count, ≥ 0",
+                _MOLS, ("--mech-mols",), "mols"),
+    MetricEntry("mols/done", "1 once the window has closed and α is known, else 0.", "flag, 0 or 1", _MOLS,
+                ("--mech-mols",), "mols"),
+)
+
+
+@dataclass(frozen=True)
+class RecordField:
+    """A top-level key of a ``mech.jsonl`` record."""
+
+    key: str
+    meaning: str
+    producer: str
+    tensorboard: str
+
+
+RECORD_FIELDS: tuple = (
+    RecordField("step", "the optimizer step the record describes, from 1", "every record", "(the x axis)"),
+    RecordField("loss", "the step's training loss (as `symptom/loss`)", "every record",
+                "`mech/symptom/loss` (unless the metrics hold it)"),
+    RecordField("lr", "the base learning rate of the step", "every record", "`mech/train/lr`"),
+    RecordField("grad_norm", "the global gradient norm (null when the trainer reports none)", "every record",
+                "`mech/symptom/grad_norm` (unless the metrics hold it)"),
+    RecordField("metrics", "the monitor series of the tables above; null = not measured this step", "every record",
+                "`mech/<name>`"),
+    RecordField("alerts", "the alerts fired at this step (metric, family, step, value, baseline, score, detail)",
+                "every record", "text `mech/alerts`"),
+    RecordField("mols", "the `mols/...` series above", "`--mech-mols`", "`mech/mols/<name>` (e.g. "
+                "`mech/mols/mols/snr/qk`)"),
+    RecordField("tokens", "training tokens consumed up to this step", "megatron-core entry point",
+                "`mech/train/tokens`"),
+    RecordField("update_successful", "false when the optimizer skipped the step (loss-scale overflow)",
+                "Megatron-LM forks", "—"),
+    RecordField("mols_group_lr", "the distinct lrs of each MoLS param group this step", "Megatron-LM forks with "
+                "`--mech-mols`", "`mech/mols_group_lr/<class>/<i>`"),
+)
+
+
+def entry_for(name: str, entries: Sequence[MetricEntry] = METRICS) -> list[MetricEntry]:
+    """The entries whose pattern covers ``name`` (exactly one for every name a run records)."""
+    return [e for e in entries if e.regex().fullmatch(name)]
+
+
+def alert_rule(entry: MetricEntry, rules: Optional[Sequence[SeriesRule]] = None) -> Optional[SeriesRule]:
+    """The detector rule that judges ``entry``'s series: the first rule (``fnmatch``, as the registry matches) for
+    every example name of the entry, ``None`` when none matches or the entry is not a detector input (the ``mols``
+    section). Raises ``ValueError`` when the examples of one entry reach different rules: the entry would have to
+    be split to be documented."""
+    if entry.section != "metrics":
+        return None
+    rules = list(default_rules() if rules is None else rules)
+    found = {}
+    for name in entry.examples():
+        found[name] = next((i for i, r in enumerate(rules) if r.matches(name)), None)
+    if len(set(found.values())) != 1:
+        raise ValueError(f"metrics reference: {entry.name!r} spans several detector rules "
+                         f"({ {n: rules[i].pattern if i is not None else None for n, i in found.items()} }); "
+                         f"split the entry")
+    index = next(iter(found.values()))
+    return None if index is None else rules[index]
+
+
+def _number(v) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def _rule_cells(entry: MetricEntry) -> list[str]:
+    rule = alert_rule(entry)
+    if rule is None:
+        return ["logged only", "", "", "", "", ""]
+    c: DetectorConfig = rule.config(DetectorConfig())
+    level = "—" if c.level is None else ("≤ " if c.direction == "down" else "≥ ") + _number(c.level)
+    baseline = (f"{c.warmup} + {c.baseline}, "
+                + ("frozen" if not c.track else f"tracking (lag {c.track})"))
+    return [f"`{rule.pattern}` ({rule.family})", c.direction, _number(c.threshold), level, str(c.persistence),
+            baseline]
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _flags(entry: MetricEntry) -> str:
+    parts = [f"`{f}`" for f in entry.flags]
+    if entry.has_optional_part:
+        parts.append(f"`[...]`: `{SLICE_SCOPE_FLAG}`")
+    return ", ".join(parts) or "default"
+
+
+_GROUPS = (("Attention (ΔW of the Q/K rows and per-head QK increments)", "attn/"),
+           ("Dense linears", "linear/"), ("Router", "router/"), ("Experts", "expert/"), ("Symptoms", "symptom/"),
+           ("MoLS (the record's `mols` section)", "mols/"))
+
+
+def render_markdown() -> str:
+    """The page ``docs/metrics.md`` (generated; do not edit the page by hand)."""
+    head = ["name", "meaning", "unit / range", "producer", "needs", "alert rule (family)", "direction",
+            "threshold", "level", "persistence", "warm-up + baseline (evaluations)"]
+    lines = [
+        "# Metrics reference",
+        "",
+        "<!-- generated by megatron_mech/records/metrics_reference.py: `megatron-mech metrics --output "
+        "docs/metrics.md`; do not edit by hand -->",
+        "",
+        "Every series megatron-mech records, by name as it appears in a run's `mech.jsonl` (each record's `metrics` "
+        "object, and its `mols` object for MoLS). TensorBoard, W&B and DeepSpeed's monitor get the same values as "
+        "`mech/<name>`; the record fields table below gives the other tags.",
+        "",
+        "**Alert columns** come from the detector's default rules (`megatron_mech.core.detect.default_rules`), the "
+        "first rule whose pattern matches the name (`fnmatch`, `*` also matches `/`) — \"logged only\" where none "
+        "does. Series in the `mols` section never reach the detectors. A score is the distance from the series' "
+        "own baseline median in robust units, positive in the bad direction; an evaluation is out of band when "
+        "the score reaches the threshold *and* the value is beyond the level (when there is one); `persistence` "
+        "out-of-band evaluations in a row fire one alert. The baseline is the median/MAD of `baseline` evaluations "
+        "after `warm-up` ignored ones, frozen or tracking (following slow drift with the given lag). "
+        "`--mech-detector-warmup`, `-baseline`, `-threshold` and `-persistence` override these for every rule. A "
+        "non-finite value alerts at once, in every phase.",
+        "",
+        "**Name syntax**: `{X}` is a placeholder, `[...]` a part present only under `" + SLICE_SCOPE_FLAG + "` "
+        "(per-shard ΔW spectra: the names gain the TP rank; per-head names never change). An evaluation happens "
+        "every δ = `--mech-interval` steps; ΔW = W_t − W_(t−δ) always spans δ optimizer steps and is the whole "
+        "matrix across tensor-parallel ranks (one shard with `[/tp{r}]`). Null in a record means not measured.",
+        "",
+        "| placeholder | values |",
+        "|---|---|",
+        *(f"| `{{{k}}}` | {_cell(p.meaning)} |" for k, p in PLACEHOLDERS.items()),
+        "",
+    ]
+    for title, prefix in _GROUPS:
+        entries = [e for e in METRICS if e.name.startswith(prefix)]
+        lines += [f"## {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for e in entries:
+            cells = [f"`{e.name}`", e.meaning, e.unit, e.producer, _flags(e), *_rule_cells(e)]
+            lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+        lines.append("")
+    lines += ["## Record fields", "",
+              "The top-level keys of a `mech.jsonl` record (one record per evaluation step, plus any step with a "
+              "non-finite loss or grad norm).", "",
+              "| key | meaning | present | TensorBoard / W&B tag |", "|---|---|---|---|"]
+    lines += [f"| `{f.key}` | {_cell(f.meaning)} | {_cell(f.producer)} | {_cell(f.tensorboard)} |"
+              for f in RECORD_FIELDS]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    """Write the page to stdout (``python -m megatron_mech.records.metrics_reference > docs/metrics.md``)."""
+    sys.stdout.write(render_markdown())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
