@@ -1,0 +1,56 @@
+"""MoLS under DeepSpeed with HF models: fused-QKV attention (Phi-3, GPT-2), HF MoE experts (Qwen2-MoE), DeepSpeed-MoE
+experts, the record's step convention and a window without signal. Real DeepSpeed engines (ZeRO 0) on one gloo
+rank under torchrun, one launch for all scenarios; each test reads its scenario's errors (the checks and their
+references are in tests/workers/deepspeed_mols_worker.py)."""
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+
+from dist_utils import REPO_ROOT, run_torchrun
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("transformers")
+
+WORKER = REPO_ROOT / "tests" / "workers" / "deepspeed_mols_worker.py"
+
+
+@functools.lru_cache(maxsize=None)
+def _results(tmp: str) -> dict:
+    out = run_torchrun(WORKER, "--tmp", tmp, nproc=1, timeout=900).stdout
+    assert "DEEPSPEED_MOLS_WORKER PASS" in out, out[-4000:]
+    line = next(x for x in out.splitlines() if x.startswith("@@RESULT "))
+    return json.loads(line[len("@@RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    return _results(str(tmp_path_factory.mktemp("deepspeed_mols")))
+
+
+@pytest.mark.timeout(1000)
+@pytest.mark.parametrize("scenario", ["fused_phi3", "fused_gpt2"])
+def test_fused_qkv_is_measured_by_rows_and_scaled_by_the_rule(results, scenario):
+    """Phi-3 qkv_proj (rule rows) and GPT-2 c_attn (rule qk): the measured Q/K and V parts equal the autograd
+    reference sliced as the HF forward slices the projection; the fused group's lr after the ramp is base × the
+    rule's multiplier, with α_qk ≠ 1."""
+    assert results[scenario]["errors"] == []
+
+
+@pytest.mark.timeout(1000)
+def test_hf_experts_get_their_multiplier_and_records_use_the_update_step(results):
+    """Qwen2-MoE: the experts group's lr after the ramp = base · alpha/experts (≠ 1); at every step each group
+    ran at the record's lr × its recorded multiplier (present for every group, window steps included)."""
+    assert results["hf_experts"]["errors"] == []
+
+
+@pytest.mark.timeout(1000)
+def test_deepspeed_moe_experts_stay_at_the_base_lr(results):
+    assert results["ds_moe"]["errors"] == []
+
+
+@pytest.mark.timeout(1000)
+def test_window_without_signal_is_reported_not_estimated_and_logged(results):
+    assert results["no_signal"]["errors"] == []
