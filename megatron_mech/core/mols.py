@@ -581,8 +581,9 @@ class MoLSController:
         base = cfg.base
         if e is None:
             return f"the base class {base!r} was not observed in the estimation window"
-        if e.grad_sq < 0 and e.trace_cov > 0:
-            what = (f"its window estimate of |G|^2 is negative ({e.grad_sq:.3g}, tr(Sigma) {e.trace_cov:.3g}): "
+        if e.grad_sq <= 0 < e.trace_cov:
+            what = (f"its window estimate of |G|^2 is {'negative' if e.grad_sq < 0 else 'zero'} ({e.grad_sq:.3g}, "
+                    f"tr(Sigma) {e.trace_cov:.3g}): "
                     f"the gradient noise swamps the signal over {e.steps} step(s)")
         elif e.trace_cov <= 0 < e.grad_sq:
             what = (f"its window estimate of tr(Sigma) is not positive ({e.trace_cov:.3g}, |G|^2 {e.grad_sq:.3g}) "
@@ -727,8 +728,8 @@ class MoLSController:
     def metrics(self, step: Optional[int] = None) -> Dict[str, Union[float, str]]:
         """Flat scalars for JSONL / TensorBoard: ``mols/snr/{key}`` (running estimate during the window, final
         after), ``mols/grad_sq/{key}``, ``mols/trace_cov/{key}``, ``mols/alpha/{class}`` (clamped α, after the
-        window), ``mols/alpha_raw/{key}`` (before the clamp), ``mols/target/{class}`` (the group multiplier after the ramp) and ``mols/mult/{class}`` (the
-        live multiplier at ``step``), plus ``mols/window_observed``, ``mols/done`` and the strings ``mols/status``
+        window), ``mols/alpha_raw/{key}`` (before the clamp), ``mols/target/{class}`` (the group multiplier after
+        the ramp) and ``mols/mult/{class}`` (the live multiplier at ``step``), plus ``mols/window_observed``, ``mols/done`` and the strings ``mols/status``
         (:attr:`status`) and, when no α could be formed, ``mols/status_reason``."""
         out: Dict[str, Union[float, str]] = {}
         for k, e in self.estimates().items():

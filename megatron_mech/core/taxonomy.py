@@ -26,8 +26,8 @@ Rules chosen
   ``c_attn`` (``[Q | K | V]``; GPT-2's ``Conv1D`` stores it ``[in, out]``) are each *one* parameter holding Q, K
   and V. :func:`classify` returns ``"qk"`` for them; :func:`is_fused_qkv` marks them, and
   :func:`fused_qkv_blocks` splits them (through :mod:`megatron_mech.core.layouts`, the one home of the layouts)
-  into Q, K and V row blocks so MoLS measures S per block: q and k blocks count towards ``qk``, the v block towards ``vo``
-  (:data:`FUSED_QKV_BLOCK_CLASS`). The parameter still gets a single lr multiplier, computed by
+  into Q, K and V row blocks so MoLS measures S per block: q and k blocks count towards ``qk``, the v block
+  towards ``vo`` (:data:`FUSED_QKV_BLOCK_CLASS`). The parameter still gets a single lr multiplier, computed by
   :func:`fused_qkv_multiplier`; its default rule is the **row-weighted geometric mean**
   ``α = α_qk^((H+G)/(H+2G)) · α_vo^(G/(H+2G))`` (H query heads, G query groups: the fused weight has H·d_head
   Q rows and G·d_head rows each of K and V). It is the least-squares compromise in log-lr space over the
