@@ -54,3 +54,18 @@ def test_deepspeed_moe_experts_stay_at_the_base_lr(results):
 @pytest.mark.timeout(1000)
 def test_window_without_signal_is_reported_not_estimated_and_logged(results):
     assert results["no_signal"]["errors"] == []
+
+
+def test_torch_mols_refuses_a_trainable_fused_qkv_by_name():
+    """The plain-torch MoLS measures whole parameters, so a trainable fused QKV (GPT-2 c_attn) is refused by name
+    rather than having its V rows measured as Q/K."""
+    import transformers
+
+    from megatron_mech.core.mols import MoLSConfig
+    from megatron_mech.studies.torch_mols import TorchMoLS
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4,
+                                                                 n_positions=16, bos_token_id=1, eos_token_id=1))
+    with pytest.raises(ValueError, match=r"transformer\.h\.0\.attn\.c_attn\.weight is a fused Q/K/V"):
+        TorchMoLS(model, MoLSConfig(window_steps=2), lr=1e-3)
+    TorchMoLS(model, MoLSConfig(window_steps=2), lr=1e-3, enabled=False)  # the plain-AdamW arm needs no split

@@ -243,10 +243,11 @@ class MoLSLRScheduler:
 
     def _apply(self) -> None:
         groups = self.optimizer.param_groups
-        for g, mult, base, wd in zip(groups, self.group_multipliers(self.iteration), self.base_lrs, self.base_wds):
+        for g, cls, pinned, mult, base, wd in zip(groups, self.classes, self.pinned,
+                                                  self.group_multipliers(self.iteration), self.base_lrs, self.base_wds):
             g["lr"] = base * mult
             if "weight_decay" in g:
-                g["weight_decay"] = wd * (1.0 if self.controller.config.scale_weight_decay else 1.0 / mult)
+                g["weight_decay"] = wd * (1.0 if pinned else self.controller.wd_multiplier(self.iteration, cls))
 
     def step(self, *args, **kwargs) -> None:
         for g, base in zip(self.optimizer.param_groups, self.base_lrs):
