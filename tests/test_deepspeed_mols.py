@@ -1,7 +1,7 @@
-"""MoLS under DeepSpeed with HF models: fused-QKV attention (Phi-3, GPT-2), HF MoE experts (Qwen2-MoE), DeepSpeed-MoE
-experts, the record's step convention and a window without signal. Real DeepSpeed engines (ZeRO 0) on one gloo
-rank under torchrun, one launch for all scenarios; each test reads its scenario's errors (the checks and their
-references are in tests/workers/deepspeed_mols_worker.py)."""
+"""MoLS under DeepSpeed with HF models: fused-QKV attention (Phi-3, GPT-2), HF MoE experts (Qwen2-MoE),
+DeepSpeed-MoE experts, the record's step convention and a window without signal. Real DeepSpeed engines (ZeRO 0,
+and 3 for Phi-3) on one gloo rank under torchrun, one launch for all scenarios; each test reads its scenario's
+errors (the checks and their references are in tests/workers/deepspeed_mols_worker.py)."""
 from __future__ import annotations
 
 import functools
@@ -31,11 +31,11 @@ def results(tmp_path_factory) -> dict:
 
 
 @pytest.mark.timeout(1000)
-@pytest.mark.parametrize("scenario", ["fused_phi3", "fused_gpt2"])
+@pytest.mark.parametrize("scenario", ["fused_phi3", "fused_gpt2", "fused_phi3_zero3"])
 def test_fused_qkv_is_measured_by_rows_and_scaled_by_the_rule(results, scenario):
-    """Phi-3 qkv_proj (rule rows) and GPT-2 c_attn (rule qk): the measured Q/K and V parts equal the autograd
-    reference sliced as the HF forward slices the projection; the fused group's lr after the ramp is base × the
-    rule's multiplier, with α_qk ≠ 1."""
+    """Phi-3 qkv_proj (rule rows, ZeRO 0 and 3) and GPT-2 c_attn (rule qk): the measured Q/K and V parts equal
+    the autograd reference sliced as the HF forward slices the projection; the fused group's lr after the ramp is
+    base × the rule's multiplier, with α_qk ≠ 1."""
     assert results[scenario]["errors"] == []
 
 

@@ -3,7 +3,8 @@
 One rank with gradient accumulation 2: the small batch is a micro-batch, the big batch the step's two. Every
 model is a tiny HF model built from its config (no download). Scenarios (each reports its own errors):
 
-* ``fused_phi3`` / ``fused_gpt2``: Phi-3 ``qkv_proj`` (GQA) and GPT-2 ``c_attn`` (``Conv1D``, ``[in, out]``).
+* ``fused_phi3`` / ``fused_gpt2`` / ``fused_phi3_zero3``: Phi-3 ``qkv_proj`` (GQA; rule ``rows``, at ZeRO 0 and 3)
+  and GPT-2 ``c_attn`` (``Conv1D``, ``[in, out]``; rule ``qk``).
   The per-class squared gradient norms MoLS measures at the first window step equal plain-autograd references
   on an untouched copy of the model, with the fused gradient's Q/K and V parts sliced as the HF forward slices
   the fused projection (independent of the taxonomy's splitter); after the ramp the fused parameter's group lr is
@@ -140,13 +141,13 @@ def reference_rows(kind: str, name: str, grad: torch.Tensor, h: int, g: int, dh:
     return dict(zip("qkv", parts))
 
 
-def scenario_fused(kind: str, rule: str, errors: list) -> dict:
+def scenario_fused(kind: str, rule: str, errors: list, stage: int = 0) -> dict:
     from megatron_mech.core.taxonomy import classify_parameters
 
     tokens = corpus_tokens()
     model = tiny(kind)
     reference = copy.deepcopy(model)
-    engine, mech = build(model, {"fused_qkv_rule": rule})
+    engine, mech = build(model, {"fused_qkv_rule": rule}, stage=stage)
     ctl = mech.mols.controller
     observed = []
     real_observe = ctl.observe
@@ -321,7 +322,7 @@ def scenario_no_signal(out: str, errors: list) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--scenarios", default="fused_phi3,fused_gpt2,hf_experts,ds_moe,no_signal")
+    parser.add_argument("--scenarios", default="fused_phi3,fused_gpt2,fused_phi3_zero3,hf_experts,ds_moe,no_signal")
     parser.add_argument("--tmp", required=True)
     args = parser.parse_args()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
@@ -338,6 +339,8 @@ def main() -> int:
             values = scenario_fused("phi3", "rows", errors)
         elif name == "fused_gpt2":
             values = scenario_fused("gpt2", "qk", errors)
+        elif name == "fused_phi3_zero3":  # partitioned parameters: the hooks and safe_get_full_grad see full grads
+            values = scenario_fused("phi3", "rows", errors, stage=3)
         else:
             values = globals()[f"scenario_{name}"](out, errors)
         result[name] = {"errors": errors, "values": values}
