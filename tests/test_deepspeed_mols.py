@@ -69,3 +69,20 @@ def test_torch_mols_refuses_a_trainable_fused_qkv_by_name():
     with pytest.raises(ValueError, match=r"transformer\.h\.0\.attn\.c_attn\.weight is a fused Q/K/V"):
         TorchMoLS(model, MoLSConfig(window_steps=2), lr=1e-3)
     TorchMoLS(model, MoLSConfig(window_steps=2), lr=1e-3, enabled=False)  # the plain-AdamW arm needs no split
+
+
+def test_fused_qkv_beside_separate_q_k_projections_is_refused_by_name():
+    """One qk group multiplier cannot be both the fused rule's and α_qk: a model holding both kinds is refused,
+    naming one parameter of each (checked before any engine exists)."""
+    import torch
+    import transformers
+
+    from megatron_mech.deepspeed.mols import MeasuredParameters
+
+    model = transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16, pad_token_id=0, bos_token_id=1, eos_token_id=1))
+    assert MeasuredParameters(model).heads == (4, 2, 8)
+    model.model.layers[1].self_attn.q_proj = torch.nn.Linear(32, 32)
+    with pytest.raises(ValueError, match=r"qkv_proj\.weight.*layers\.1\.self_attn\.q_proj\.weight.*mech\.mols"):
+        MeasuredParameters(model)

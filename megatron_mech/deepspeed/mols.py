@@ -110,8 +110,8 @@ class MeasuredParameters:
             separate = [n for n, c, _ in self.params if c == "qk" and not is_fused_qkv(n)]
             if separate:
                 raise ValueError(f"MoLS: the qk class mixes fused QKV parameters ({self.fused[0]}, ...) with "
-                                 f"separate ones ({separate[0]}, ...); its one group multiplier cannot serve both "
-                                 f"(map them with a module-taxonomy extra rule, or disable mech.mols)")
+                                 f"separate ones ({separate[0]}, ...); its one group multiplier cannot serve both: "
+                                 f"disable mech.mols for this model")
             g = attention_geometry(module)
             self.heads = (g.num_heads, g.num_kv_heads, g.head_dim)
             for name, _, p in self.params:
