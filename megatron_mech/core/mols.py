@@ -47,7 +47,9 @@ Rules chosen
   detectable signal), ``nan`` (undetermined) or that was never observed gets ``α = 1`` (it keeps the base lr)
   — one :class:`MoLSWarning` names all of them. If the *base* class is degenerate, every α is 1 (no ratio can
   be formed), with a warning. A window that observed nothing at all also ends with every α = 1 and a warning
-  (training continues unchanged rather than crashing thousands of steps into a run).
+  (training continues unchanged rather than crashing thousands of steps into a run). In both cases
+  :attr:`MoLSController.status` is ``"not_estimated"`` and ``not_estimated_reason`` names the cause and what to
+  do; the records carry both (``mols/status``, ``mols/status_reason``) and the hook logs it once.
 * **Fused QKV.** Megatron's ``linear_qkv`` holds Q, K and V in one parameter (the ``qk`` param group). Its
   Q/K rows are measured under ``qk`` and its V rows under ``vo`` (plus per-block keys ``qkv_q``, ``qkv_k``,
   ``qkv_v``, reported only); the ``qk`` *group* multiplier is
@@ -729,8 +731,9 @@ class MoLSController:
         """Flat scalars for JSONL / TensorBoard: ``mols/snr/{key}`` (running estimate during the window, final
         after), ``mols/grad_sq/{key}``, ``mols/trace_cov/{key}``, ``mols/alpha/{class}`` (clamped α, after the
         window), ``mols/alpha_raw/{key}`` (before the clamp), ``mols/target/{class}`` (the group multiplier after
-        the ramp) and ``mols/mult/{class}`` (the live multiplier at ``step``), plus ``mols/window_observed``, ``mols/done`` and the strings ``mols/status``
-        (:attr:`status`) and, when no α could be formed, ``mols/status_reason``."""
+        the ramp) and ``mols/mult/{class}`` (the live multiplier at ``step``), plus ``mols/window_observed``,
+        ``mols/done`` and the strings ``mols/status`` (:attr:`status`) and, when no α could be formed,
+        ``mols/status_reason``."""
         out: Dict[str, Union[float, str]] = {}
         for k, e in self.estimates().items():
             out[f"mols/snr/{k}"] = e.snr
