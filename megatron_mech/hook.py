@@ -135,6 +135,7 @@ class MechHook:
         self._pending_state: Optional[dict] = None
         self._is_setup = False
         self._stage_exchange = None   # MetricExchange over the pipeline stages, built at the first evaluation
+        self._mols_failure_logged = False
 
     # ------------------------------------------------------------------------------------------------ MoLS
     def optimizer_overrides(self, view: ModelView) -> Any:
@@ -257,7 +258,8 @@ class MechHook:
         ``scheduler.step()``): MoLS multipliers of the next step, monitors, detectors, records, alert policy.
 
         ``loss``: the step's loss, identical on every rank (already averaged over data parallelism);
-        ``grad_norm``: the optimizer's global gradient norm (``None`` when not computed); ``lr``: the base lr;
+        ``grad_norm``: the optimizer's global gradient norm (``None`` when not computed); ``lr``: the base lr this
+        step's update ran at (the record's ``mols/mult/*`` are this step's multipliers too);
         ``extra``: more plain values for this step's record. Returns the :class:`Action` for the trainer.
         """
         mols_metrics = self._mols_step(step)
@@ -466,7 +468,14 @@ class MechHook:
         self.mols.before_scheduler_step(step - 1)  # multipliers of the next step
         if self._scheduler is not None:
             self._scheduler.step(increment=0)  # same step count: the lrs again, with the new multipliers
-        return self.mols.metrics(step - 1)
+        # the record's convention: the multipliers applied at this step's update (iteration step - 1), like its lr
+        metrics = self.mols.metrics(step - 1)
+        if metrics.get("mols/status") == "not_estimated" and not self._mols_failure_logged:
+            self._mols_failure_logged = True  # once per run: MoLS is off for the rest of it
+            if self._view is not None and self._view.logging_rank:
+                logger.warning(f"[mech] MoLS is doing nothing in this run: every lr multiplier stays 1.0 because "
+                               f"{metrics.get('mols/status_reason')}")
+        return metrics
 
     def _alert_action(self, step: int, alerts, collective: bool = True) -> Action:
         """Acts on the run's *first* alert only; whether anything fired is agreed with one tiny all-reduce on

@@ -186,6 +186,12 @@ def test_resume_with_distributed_optimizer_and_mols_is_exact(tmp_path):
         assert a["metrics"] == b["metrics"] and a["mols"] == b["mols"], a["step"]
     # MoLS really acted: some module's multiplier left 1 during the ramp
     assert any(abs(v - 1) > 1e-3 for k, v in full["records"][-1]["mols"].items() if k.startswith("mols/mult/"))
+    # A record's lr is the one its step's update ran at (the step's own, like its mols/mult/*): megatron-core's
+    # schedule (warm-up from 0 over 14 steps, cosine to 2e-4 at step 20) at the 1-based step's count s - 1.
+    for r in full["records"]:
+        done = r["step"] - 1
+        want = 2e-3 * done / 14 if done <= 14 else 2e-4 + 0.5 * (math.cos(math.pi * (done - 14) / 6) + 1) * 1.8e-3
+        assert r["lr"] == pytest.approx(want, rel=1e-9), r["step"]
 
 
 @pytest.mark.parametrize("extra,message", [

@@ -150,6 +150,64 @@ def test_degenerate_base_or_empty_window_keeps_every_multiplier_at_one():
     assert empty.done and set(empty.multipliers(50).values()) == {1.0}
 
 
+def test_negative_base_estimate_is_reported_not_estimated_with_the_reason():
+    """A base class whose window estimate of ‖G‖² is negative (the small batches' norms exceed what the big
+    batch's norm allows: noise) gives mols/status = not_estimated and a reason naming the class and the window
+    option; a usable window says estimated, an open one window; the reason survives a state round trip and is
+    re-derived from a state saved before it was kept."""
+    c = MoLSController(MoLSConfig(window_steps=2), classes_present=PRESENT)
+    small, big = _two_batch_norms({"embedding": 0.01, "vo": 0.02})
+    small["vo"] = 5.0 * big["vo"]  # (16·big − 4·small) / 12 < 0
+    assert c.metrics(0)["mols/status"] == "window"
+    with pytest.warns(MoLSWarning, match="base module 'vo' has S = 0"):
+        for s in range(2):
+            c.observe(s, small, big, 4, 16)
+    m = c.metrics(50)
+    assert m["mols/status"] == "not_estimated" and set(c.multipliers(50).values()) == {1.0}
+    reason = m["mols/status_reason"]
+    assert "'vo'" in reason and "negative" in reason and "--mech-mols-window" in reason and "now 2 steps" in reason
+    restored = MoLSController(MoLSConfig(window_steps=2), classes_present=PRESENT)
+    restored.load_state_dict(copy.deepcopy(c.state_dict()))
+    assert restored.metrics(50)["mols/status_reason"] == reason
+    old = copy.deepcopy(c.state_dict())
+    del old["not_estimated_reason"]
+    restored.load_state_dict(old)
+    assert restored.status == "not_estimated" and restored.not_estimated_reason == reason
+    good, _ = _ctl({"embedding": 0.01, "vo": 0.02})
+    assert good.metrics(50)["mols/status"] == "estimated" and "mols/status_reason" not in good.metrics(50)
+
+
+def test_two_batch_variance_formula_of_the_readme():
+    """The per-step variance of the two-batch ‖G‖² estimate that the README's window rule comes from,
+    Var = 2·tr(Σ²)/(k(k−1)·b²) + 4·GᵀΣG/B (k small batches of b examples partition the big batch B = k·b),
+    against a simulation with Gaussian per-example gradients."""
+    import torch
+
+    from megatron_mech.core.snr import TwoBatchSNR
+
+    gen = torch.Generator().manual_seed(0)
+    d, b, k, trials = 40, 4, 3, 20000
+    scales = torch.linspace(0.2, 2.0, d, dtype=torch.float64)  # Σ = diag(scales²): anisotropic noise
+    mean = torch.randn(d, generator=gen, dtype=torch.float64) * 0.15
+    examples = mean + torch.randn(trials, k, b, d, generator=gen, dtype=torch.float64) * scales
+    small_means = examples.mean(dim=2)                     # [trials, k, d]
+    big_mean = small_means.mean(dim=1)                     # [trials, d]
+    estimates = []
+    for t in range(trials):
+        est = TwoBatchSNR()
+        est.update({"m": float(small_means[t].pow(2).sum(-1).mean())}, {"m": float(big_mean[t].pow(2).sum())},
+                   b, k * b)
+        estimates.append(est.estimates()["m"].grad_sq)
+    estimates = torch.tensor(estimates, dtype=torch.float64)
+    var_sigma = scales.pow(2)
+    want = 2 * var_sigma.pow(2).sum() / (k * (k - 1) * b ** 2) + 4 * (mean.pow(2) * var_sigma).sum() / (k * b)
+    # unbiased: the mean is ‖G‖² within 4 standard errors of the simulation
+    assert abs(float(estimates.mean()) - float(mean.pow(2).sum())) < 4 * math.sqrt(float(want) / trials)
+    # the sample variance of 20000 draws is within ~3 % of the truth (its relative standard error is
+    # sqrt((κ − 1)/n) ≈ 1.5 % for these near-Gaussian estimates): 8 % leaves margin
+    assert float(estimates.var()) == pytest.approx(float(want), rel=0.08)
+
+
 def test_fused_qkv_group_target():
     snr = {"embedding": 0.02, "qk": 0.01, "vo": 0.04, "mlp": 0.04, "head": 0.04, "norm": 0.04}
     for rule, heads, groups in (("rows", 8, 2), ("rows", 4, 4), ("qk", 8, 2), ("vo", 8, 2)):

@@ -402,3 +402,64 @@ def test_duplicate_name_rejected():
     p = torch.zeros(1)
     with pytest.raises(ValueError, match="appears twice"):
         classify_parameters([("model.norm.weight", p), ("model.norm.weight", torch.zeros(1))])
+
+
+# ------------------------------------------------------------------------------------------------ HF fused QKV
+def _tiny_hf_models() -> dict:
+    """Tiny GPT-2 (Conv1D c_attn, [in, out]), Phi-3 (qkv_proj, GQA) and MPT (Wqkv) built from configs (no
+    download): H = 4 query heads, G = 2 KV heads for Phi-3 (GPT-2 / MPT are MHA), d_head = 8."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    return {
+        "gpt2": transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4,
+                                                                     n_positions=16, bos_token_id=1,
+                                                                     eos_token_id=1)),
+        "phi3": transformers.Phi3ForCausalLM(transformers.Phi3Config(
+            vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=16, pad_token_id=0, bos_token_id=1, eos_token_id=1)),
+        "mpt": transformers.MptForCausalLM(transformers.MptConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4,
+                                                                  max_seq_len=16)),
+    }
+
+
+def test_hf_fused_qkv_models_are_classified_as_the_attention_discovery_finds_them():
+    """GPT-2 c_attn, Phi-3 qkv_proj and MPT Wqkv are fused QKV (class qk) for MoLS, exactly the layers the
+    attention monitors' discovery reads; GPT-2's attn.c_proj / MPT's attn.out_proj are V/O and GPT-2's mlp.c_fc /
+    mlp.c_proj dense MLP: no parameter of these models is left 'other'."""
+    from megatron_mech.deepspeed.attention import find_hf_attention
+
+    for kind, model in _tiny_hf_models().items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UnknownParameterWarning)
+            tax = classify_parameters(model)
+        assert not tax.unknown, kind
+        discovered = {a.name for a in find_hf_attention(model)}
+        fused_modules = {n.rsplit(".", 1)[0] for n in tax.fused_qkv}
+        assert fused_modules == discovered and len(discovered) == 2, (kind, fused_modules, discovered)
+        assert all(tax[n] == "qk" for n in tax.fused_qkv), kind
+        assert not [n for n, c in tax.items() if c == "qk" and n not in tax.fused_qkv], kind
+    assert classify("transformer.h.0.attn.c_proj.weight") == "vo"
+    assert classify("transformer.blocks.0.attn.out_proj.weight") == "vo"
+    assert classify("transformer.h.0.mlp.c_fc.bias") == classify("transformer.h.0.mlp.c_proj.weight") == "mlp"
+
+
+def test_hf_fused_qkv_blocks_are_the_projections_the_forward_uses():
+    """fused_qkv_blocks of the real GPT-2 / Phi-3 / MPT fused weights give the Q, K and V rows the models' own
+    forward slices out of the fused projection (reference: the module's output split as HF does it)."""
+    models = _tiny_hf_models()
+    x = torch.randn(5, 32, dtype=torch.float64)
+    cases = {"gpt2": ("transformer.h.1.attn.c_attn", 4, 4), "phi3": ("model.layers.1.self_attn.qkv_proj", 4, 2),
+             "mpt": ("transformer.blocks.1.attn.Wqkv", 4, 4)}
+    for kind, (module_name, h, g) in cases.items():
+        module = models[kind].get_submodule(module_name).double()
+        out = module(x).detach()
+        # GPT-2: query, key, value = c_attn(x).split(embed_dim, dim=2); Phi-3 / MPT: [Q | K | V] by head counts
+        q_ref, k_ref, v_ref = out.split([h * 8, g * 8, g * 8], dim=-1)
+        blocks = fused_qkv_blocks(f"{module_name}.weight", module.weight.detach(), h, g, 8)
+        bias = getattr(module, "bias", None)
+        bias_blocks = fused_qkv_blocks(f"{module_name}.bias", bias.detach(), h, g, 8) if bias is not None else None
+        for key, ref in zip("qkv", (q_ref, k_ref, v_ref)):
+            got = x @ blocks[key].t() + (bias_blocks[key] if bias_blocks is not None else 0.0)
+            assert torch.allclose(got, ref, rtol=0, atol=1e-12), (kind, key)  # float64 matmuls of 32 terms
+    with pytest.raises(ValueError, match="c_attn.*stored \\[in, out\\]"):
+        fused_qkv_blocks("transformer.h.0.attn.c_attn.weight", torch.zeros(96, 32), 4, 4, 8)

@@ -47,7 +47,9 @@ Rules chosen
   detectable signal), ``nan`` (undetermined) or that was never observed gets ``α = 1`` (it keeps the base lr)
   — one :class:`MoLSWarning` names all of them. If the *base* class is degenerate, every α is 1 (no ratio can
   be formed), with a warning. A window that observed nothing at all also ends with every α = 1 and a warning
-  (training continues unchanged rather than crashing thousands of steps into a run).
+  (training continues unchanged rather than crashing thousands of steps into a run). In both cases
+  :attr:`MoLSController.status` is ``"not_estimated"`` and ``not_estimated_reason`` names the cause and what to
+  do; the records carry both (``mols/status``, ``mols/status_reason``) and the hook logs it once.
 * **Fused QKV.** Megatron's ``linear_qkv`` holds Q, K and V in one parameter (the ``qk`` param group). Its
   Q/K rows are measured under ``qk`` and its V rows under ``vo`` (plus per-block keys ``qkv_q``, ``qkv_k``,
   ``qkv_v``, reported only); the ``qk`` *group* multiplier is
@@ -409,6 +411,7 @@ class MoLSController:
         self.clamped: Dict[str, float] = {}             # class -> raw α that was clamped
         self.degenerate: Dict[str, str] = {}            # key -> reason α = 1
         self.measured_alphas: Dict[str, float] = {}     # class -> clamped α from the SNRs (also with fixed)
+        self.not_estimated_reason: Optional[str] = None  # why no α could be formed (every multiplier stays 1)
         self._diag = TwoBatchSNR()                      # the diagnostic block in progress
         self._diag_block: Optional[int] = None          # its first iteration
         self.diagnostics: list = []                     # finished blocks: {"start", "end", "snr", "alpha"}
@@ -574,6 +577,37 @@ class MoLSController:
             c for c in MODULE_CLASSES if c in set(measured))
         return tuple(c for c in DEFAULT_SCALED_CLASSES if c in pool)
 
+    def _base_failure(self, e: Optional[SNREstimate]) -> str:
+        """Why the base class's window estimate gives no SNR, and what to do (the record's and log's text)."""
+        cfg = self.config
+        base = cfg.base
+        if e is None:
+            return f"the base class {base!r} was not observed in the estimation window"
+        if e.grad_sq <= 0 < e.trace_cov:
+            what = (f"its window estimate of |G|^2 is {'negative' if e.grad_sq < 0 else 'zero'} ({e.grad_sq:.3g}, "
+                    f"tr(Sigma) {e.trace_cov:.3g}): "
+                    f"the gradient noise swamps the signal over {e.steps} step(s)")
+        elif e.trace_cov <= 0 < e.grad_sq:
+            what = (f"its window estimate of tr(Sigma) is not positive ({e.trace_cov:.3g}, |G|^2 {e.grad_sq:.3g}) "
+                    f"over {e.steps} step(s)")
+        else:
+            what = (f"its window estimates are undetermined (|G|^2 {e.grad_sq:.3g}, tr(Sigma) {e.trace_cov:.3g}, "
+                    f"{e.steps} step(s); does it receive gradient?)")
+        return (f"the base class {base!r} has no usable SNR: {what}; lengthen the estimation window "
+                f"(--mech-mols-window / mech.mols.window, now {cfg.window_steps} steps; its noise falls as "
+                f"1/sqrt(steps), so 4x the steps halves it) or choose another base (--mech-mols-base)")
+
+    @property
+    def status(self) -> str:
+        """``"window"`` (estimate open), ``"estimated"`` (α from the SNRs), ``"not_estimated"`` (no α could be
+        formed, every multiplier stays 1: :attr:`not_estimated_reason` says why) or ``"fixed"`` (hand-set
+        multipliers, the estimate only reported)."""
+        if self.phase != "done":
+            return "window"
+        if self.config.fixed_multipliers is not None:
+            return "fixed"
+        return "not_estimated" if self.not_estimated_reason is not None else "estimated"
+
     def finalize(self) -> None:
         """Compute α from the window estimates (idempotent once done). Issues at most one warning for
         degenerate SNRs and one naming the clamped modules."""
@@ -594,16 +628,20 @@ class MoLSController:
         def usable(s: Optional[float]) -> bool:
             return s is not None and math.isfinite(s) and s > 0
 
+        self.not_estimated_reason = None
         if not est:
             warnings.warn(f"MoLS: the estimation window (iterations {cfg.window_start}..{self.window_end - 1}) "
                           f"observed nothing; every multiplier stays 1.0", MoLSWarning, stacklevel=2)
             base_s = None
+            self.not_estimated_reason = (f"the estimation window (iterations {cfg.window_start}.."
+                                         f"{self.window_end - 1}) observed nothing")
         else:
             base_s = est[cfg.base].snr if cfg.base in est else None
             if not usable(base_s):
                 why = "was not observed" if base_s is None else f"has S = {base_s}"
                 warnings.warn(f"MoLS: the base module {cfg.base!r} {why}; no SNR ratio can be formed, every "
                               f"multiplier stays 1.0", MoLSWarning, stacklevel=2)
+                self.not_estimated_reason = self._base_failure(est.get(cfg.base))
         for k in measured:
             s = est[k].snr
             if usable(base_s) and usable(s):
@@ -689,12 +727,14 @@ class MoLSController:
         return 1.0 / self.multiplier(step, cls)
 
     # ------------------------------------------------------------------ reporting
-    def metrics(self, step: Optional[int] = None) -> Dict[str, float]:
+    def metrics(self, step: Optional[int] = None) -> Dict[str, Union[float, str]]:
         """Flat scalars for JSONL / TensorBoard: ``mols/snr/{key}`` (running estimate during the window, final
         after), ``mols/grad_sq/{key}``, ``mols/trace_cov/{key}``, ``mols/alpha/{class}`` (clamped α, after the
-        window), ``mols/alpha_raw/{key}`` (before the clamp), ``mols/target/{class}`` (the group multiplier after the ramp) and ``mols/mult/{class}`` (the
-        live multiplier at ``step``), plus ``mols/window_observed`` and ``mols/done``."""
-        out: Dict[str, float] = {}
+        window), ``mols/alpha_raw/{key}`` (before the clamp), ``mols/target/{class}`` (the group multiplier after
+        the ramp) and ``mols/mult/{class}`` (the live multiplier at ``step``), plus ``mols/window_observed``,
+        ``mols/done`` and the strings ``mols/status`` (:attr:`status`) and, when no α could be formed,
+        ``mols/status_reason``."""
+        out: Dict[str, Union[float, str]] = {}
         for k, e in self.estimates().items():
             out[f"mols/snr/{k}"] = e.snr
             out[f"mols/grad_sq/{k}"] = e.grad_sq
@@ -720,6 +760,9 @@ class MoLSController:
             out["mols/diag_end"] = float(last["end"])
         out["mols/window_observed"] = float(self.observed_steps)
         out["mols/done"] = 1.0 if self.done else 0.0
+        out["mols/status"] = self.status
+        if self.not_estimated_reason is not None:
+            out["mols/status_reason"] = self.not_estimated_reason
         return out
 
     def table(self, step: Optional[int] = None) -> str:
@@ -768,6 +811,7 @@ class MoLSController:
             "clamped": dict(self.clamped),
             "degenerate": dict(self.degenerate),
             "measured_alphas": dict(self.measured_alphas),
+            "not_estimated_reason": self.not_estimated_reason,
             "diagnostics": [{"start": d["start"], "end": d["end"], "snr": dict(d["snr"]), "alpha": dict(d["alpha"])}
                             for d in self.diagnostics],
             "diagnostic_block": self._diag_block,
@@ -806,6 +850,16 @@ class MoLSController:
         self.degenerate = {str(k): str(v) for k, v in state["degenerate"].items()}
         # keys added later: states saved before them have no diagnostic and no fixed multipliers
         self.measured_alphas = {str(k): float(v) for k, v in state.get("measured_alphas", state["alphas"]).items()}
+        if "not_estimated_reason" in state:
+            reason = state["not_estimated_reason"]
+            self.not_estimated_reason = None if reason is None else str(reason)
+        else:  # a state saved before the key existed: judge the saved base estimate again
+            self.not_estimated_reason = None
+            base = self.snr.get(self.config.base)
+            usable = base is not None and math.isfinite(base["snr"]) and base["snr"] > 0
+            if phase == "done" and not usable:
+                self.not_estimated_reason = self._base_failure(None if base is None else SNREstimate(
+                    grad_sq=base["grad_sq"], trace_cov=base["trace_cov"], snr=base["snr"], steps=int(base["steps"])))
         self.diagnostics = [{"start": int(d["start"]), "end": int(d["end"]),
                              "snr": {str(k): float(v) for k, v in d["snr"].items()},
                              "alpha": {str(k): float(v) for k, v in d["alpha"].items()}}

@@ -3,9 +3,9 @@
 Classes (:data:`MODULE_CLASSES`)::
 
     embedding  token / position embeddings          (word_embeddings, position_embeddings, embed_tokens, wte, wpe)
-    qk         attention query/key projections      (q_proj, k_proj, Megatron's fused linear_qkv — see below)
-    vo         attention value/output projections   (v_proj, o_proj, Megatron's linear_proj)
-    mlp        dense feed-forward, incl. MoE shared experts
+    qk         attention query/key projections      (q_proj, k_proj, fused QKV: linear_qkv, qkv_proj, c_attn, ...)
+    vo         attention value/output projections   (v_proj, o_proj, Megatron's linear_proj, GPT-2 attn.c_proj)
+    mlp        dense feed-forward, incl. MoE shared experts (GPT-2 mlp.c_fc / mlp.c_proj)
     head       output projection                     (output_layer, lm_head)
     router     MoE gate                              (mlp.router, block_sparse_moe.gate, deepspeed_moe.gate.wg)
     experts    routed MoE experts                    (mlp.experts.*, experts.N.w1, deepspeed_experts.*)
@@ -20,12 +20,14 @@ tried before all of them, for custom forks.
 
 Rules chosen
 ------------
-* **Fused QKV.** Megatron's ``self_attention.linear_qkv`` (and legacy Megatron-LM / Megatron-DeepSpeed
-  ``self_attention.query_key_value``, same per-query-group layout) is *one* parameter holding Q, K and V.
-  :func:`classify` returns ``"qk"`` for it; :func:`is_fused_qkv` marks it, and :func:`fused_qkv_blocks` splits
-  it (through :func:`megatron_mech.core.layouts.qkv_row_blocks`, the one home of that layout) into Q, K and V row
-  blocks so MoLS measures S per block: q and k blocks count towards ``qk``, the v block towards ``vo``
-  (:data:`FUSED_QKV_BLOCK_CLASS`). The parameter still gets a single lr multiplier, computed by
+* **Fused QKV** (:data:`FUSED_QKV_MODULES`, the one list that MoLS and the attention monitors' discovery both
+  read). Megatron's ``self_attention.linear_qkv`` (and legacy Megatron-LM / Megatron-DeepSpeed and GPT-NeoX /
+  Falcon ``query_key_value``, same per-query-group layout), Phi-3 ``qkv_proj``, MPT ``Wqkv`` and GPT-2
+  ``c_attn`` (``[Q | K | V]``; GPT-2's ``Conv1D`` stores it ``[in, out]``) are each *one* parameter holding Q, K
+  and V. :func:`classify` returns ``"qk"`` for them; :func:`is_fused_qkv` marks them, and
+  :func:`fused_qkv_blocks` splits them (through :mod:`megatron_mech.core.layouts`, the one home of the layouts)
+  into Q, K and V row blocks so MoLS measures S per block: q and k blocks count towards ``qk``, the v block
+  towards ``vo`` (:data:`FUSED_QKV_BLOCK_CLASS`). The parameter still gets a single lr multiplier, computed by
   :func:`fused_qkv_multiplier`; its default rule is the **row-weighted geometric mean**
   ``α = α_qk^((H+G)/(H+2G)) · α_vo^(G/(H+2G))`` (H query heads, G query groups: the fused weight has H·d_head
   Q rows and G·d_head rows each of K and V). It is the least-squares compromise in log-lr space over the
@@ -74,10 +76,11 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from megatron_mech.core.layouts import qkv_row_blocks
+from megatron_mech.core.layouts import concatenated_qkv_blocks, qkv_row_blocks
 
 __all__ = [
     "FUSED_QKV_BLOCK_CLASS",
+    "FUSED_QKV_MODULES",
     "MODULE_CLASSES",
     "RULES",
     "ModuleTaxonomy",
@@ -85,6 +88,7 @@ __all__ = [
     "classify",
     "classify_parameters",
     "fused_qkv_blocks",
+    "fused_qkv_layout",
     "fused_qkv_multiplier",
     "is_fused_qkv",
 ]
@@ -109,8 +113,18 @@ def _seq(*names: str) -> str:
     return r"(?:^|\.)" + r"\.".join(names) + r"(?:\.|$)"
 
 
-# Fused QKV modules in Megatron's per-query-group row layout (layouts.py).
-_FUSED_QKV = _seg("linear_qkv", "query_key_value")
+# Fused Q/K/V modules: module name -> (row layout, stored transposed). "grouped": Megatron's per-query-group rows
+# (layouts.qkv_row_blocks); "concatenated": [Q | K | V] rows (layouts.concatenated_qkv_blocks); transposed: the
+# weight is [in, out] (GPT-2 Conv1D), its columns follow the layout. The attention monitors' HF discovery reads
+# this table too, so MoLS and the monitors always agree on what is a fused QKV.
+FUSED_QKV_MODULES: dict[str, tuple[str, bool]] = {
+    "linear_qkv": ("grouped", False),        # megatron-core
+    "query_key_value": ("grouped", False),   # legacy Megatron-LM / Megatron-DeepSpeed, GPT-NeoX, Falcon
+    "qkv_proj": ("concatenated", False),     # Phi-3
+    "Wqkv": ("concatenated", False),         # MPT
+    "c_attn": ("concatenated", True),        # GPT-2 (Conv1D)
+}
+_FUSED_QKV = _seg(*FUSED_QKV_MODULES)
 _FUSED_QKV_RE = re.compile(_FUSED_QKV)
 
 # (regex, class), first match wins. Order matters: norms (also fused into linears) before everything; router
@@ -136,12 +150,15 @@ RULES: tuple[tuple[re.Pattern, str], ...] = tuple((re.compile(p), c) for p, c in
     (_FUSED_QKV, "qk"),
     (_seg("q_proj", "k_proj", "linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
           "linear_kv_up_proj"), "qk"),
-    # --- attention V/O (Megatron linear_proj; legacy Megatron-LM self_attention.dense)
+    # --- attention V/O (Megatron linear_proj; legacy Megatron-LM self_attention.dense; GPT-2 attn.c_proj, MPT
+    #     attn.out_proj: names that are only attention outputs under an attention module)
     (_seg("v_proj", "o_proj", "linear_proj"), "vo"),
     (_seq("(?:self_attention|attention)", "dense"), "vo"),
+    (_seq("(?:attn|self_attn|attention|self_attention)", "(?:c_proj|out_proj)"), "vo"),
     # --- dense MLP (Megatron linear_fc1/2, LLaMA gate/up/down_proj, legacy dense_h_to_4h/4h_to_h)
     (_seg("linear_fc1", "linear_fc2", "gate_proj", "up_proj", "down_proj", "gate_up_proj", "dense_h_to_4h",
           "dense_4h_to_h"), "mlp"),
+    (_seq("mlp", "(?:c_fc|c_proj)"), "mlp"),   # GPT-2
 ))
 
 _ExtraRules = Iterable[tuple["str | re.Pattern", str]]
@@ -186,7 +203,8 @@ def _classify(name: str, extra: Sequence[tuple[re.Pattern, str]]) -> str:
 
 
 def is_fused_qkv(name: str) -> bool:
-    """True for a parameter of a fused Q/K/V module (Megatron ``linear_qkv``, legacy ``query_key_value``).
+    """True for a parameter of a fused Q/K/V module (:data:`FUSED_QKV_MODULES`: Megatron ``linear_qkv``,
+    ``query_key_value``, Phi-3 ``qkv_proj``, MPT ``Wqkv``, GPT-2 ``c_attn``).
 
     Covers the weight, its bias and adapters on it (they serve Q, K and V alike), not a layer norm fused into
     it (``linear_qkv.layer_norm_weight`` is a norm).
@@ -194,26 +212,43 @@ def is_fused_qkv(name: str) -> bool:
     return _FUSED_QKV_RE.search(name) is not None and _classify(name, ()) == "qk"
 
 
+def fused_qkv_layout(name: str) -> tuple[str, str, bool]:
+    """``(module name, row layout, transposed)`` of fused QKV parameter ``name`` from :data:`FUSED_QKV_MODULES`
+    (the last fused module segment in the name); ``ValueError`` when ``name`` is not :func:`is_fused_qkv`."""
+    if not is_fused_qkv(name):
+        raise ValueError(f"{name!r} is not a fused QKV parameter (expected a parameter of a "
+                         f"{' / '.join(FUSED_QKV_MODULES)} module)")
+    module = [seg for seg in name.split(".") if seg in FUSED_QKV_MODULES][-1]
+    layout, transposed = FUSED_QKV_MODULES[module]
+    return module, layout, transposed
+
+
 def fused_qkv_blocks(name: str, tensor: torch.Tensor, num_heads: int, num_query_groups: int,
                      head_dim: int) -> dict[str, torch.Tensor]:
     """Split a fused QKV tensor (weight ``[(H+2G)·d_head, d_model]``, or bias ``[(H+2G)·d_head]``, or its
-    gradient) into ``{"q": rows, "k": rows, "v": rows}`` with :func:`megatron_mech.core.layouts.qkv_row_blocks`.
+    gradient) into ``{"q": rows, "k": rows, "v": rows}``, in the row layout :func:`fused_qkv_layout` gives for
+    ``name`` (:func:`megatron_mech.core.layouts.qkv_row_blocks` or
+    :func:`~megatron_mech.core.layouts.concatenated_qkv_blocks`). A transposed weight (GPT-2 ``c_attn``,
+    ``[d_model, (H+2G)·d_head]``) is split by columns and its blocks come back as ``[out, in]`` rows.
 
     ``num_heads`` / ``num_query_groups`` are the counts held by this tensor (per-partition counts for a TP
-    shard). Blocks are copies (a bias gives 1-D blocks). MoLS measures q and k under ``"qk"`` and v under
-    ``"vo"`` (:data:`FUSED_QKV_BLOCK_CLASS`). Raises ``ValueError`` when ``name`` is not a fused QKV parameter
-    or the tensor's rows do not follow the layout.
+    shard). Blocks may be views of ``tensor`` (a bias gives 1-D blocks): copy them before keeping them. MoLS
+    measures q and k under ``"qk"`` and v under ``"vo"`` (:data:`FUSED_QKV_BLOCK_CLASS`). Raises ``ValueError``
+    when ``name`` is not a fused QKV parameter or the tensor's rows do not follow the layout.
     """
-    if not is_fused_qkv(name):
-        raise ValueError(f"{name!r} is not a fused QKV parameter (expected a linear_qkv / query_key_value "
-                         "weight or bias)")
+    _, layout, transposed = fused_qkv_layout(name)
     if not isinstance(tensor, torch.Tensor) or tensor.dim() not in (1, 2):
         raise ValueError(f"fused QKV tensor {name!r} must be 1-D (bias) or 2-D (weight), got "
                          f"{getattr(tensor, 'shape', type(tensor))}")
+    rows = tensor.unsqueeze(-1) if tensor.dim() == 1 else (tensor.t() if transposed else tensor)
+    split = qkv_row_blocks if layout == "grouped" else concatenated_qkv_blocks
+    try:
+        q, k, v = split(rows, num_heads, num_query_groups, head_dim)
+    except ValueError as e:
+        raise ValueError(f"fused QKV tensor {name!r} ({layout} layout{', stored [in, out]' if transposed else ''}, "
+                         f"shape {tuple(tensor.shape)}): {e}") from None
     if tensor.dim() == 1:
-        q, k, v = qkv_row_blocks(tensor.unsqueeze(-1), num_heads, num_query_groups, head_dim)
         return {"q": q.squeeze(-1), "k": k.squeeze(-1), "v": v.squeeze(-1)}
-    q, k, v = qkv_row_blocks(tensor, num_heads, num_query_groups, head_dim)
     return {"q": q, "k": k, "v": v}
 
 

@@ -5,9 +5,10 @@ Discovery
 * **Separate projections** (Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, …): a module with ``q_proj`` and
   ``k_proj`` linears. Weights ``[out, in]``: ``q_proj.weight`` ``[H·d_head, d_model]``, ``k_proj.weight``
   ``[G·d_head, d_model]``, rows ordered by head.
-* **Fused QKV**: ``query_key_value`` (GPT-NeoX, Falcon: rows grouped per KV group, the Megatron layout),
-  ``qkv_proj`` / ``Wqkv`` (Phi-3, MPT: ``[Q | K | V]``), ``c_attn`` (GPT-2 ``Conv1D``, ``[in, out]``,
-  ``[Q | K | V]`` columns).
+* **Fused QKV**: the modules of :data:`megatron_mech.core.taxonomy.FUSED_QKV_MODULES` — the same table MoLS
+  classifies parameters with, so the monitors and MoLS agree: ``query_key_value`` (GPT-NeoX, Falcon: rows
+  grouped per KV group, the Megatron layout), ``qkv_proj`` / ``Wqkv`` (Phi-3, MPT: ``[Q | K | V]``), ``c_attn``
+  (GPT-2 ``Conv1D``, ``[in, out]``, ``[Q | K | V]`` columns).
 * Heads ``H`` = ``config.num_attention_heads``, KV heads ``G`` = ``config.num_key_value_heads`` (default ``H``),
   ``d_head`` = ``config.head_dim`` or ``hidden_size / H``; the weight shapes are checked against them.
   The layer index is the module's ``layer_idx`` (HF attention modules carry it), else the position in
@@ -44,15 +45,15 @@ from typing import Optional
 import torch
 
 from megatron_mech.core.layouts import concatenated_qkv_blocks, grouped_qkv_from_blocks, qkv_partition_sizes
+from megatron_mech.core.taxonomy import FUSED_QKV_MODULES
 from megatron_mech.monitors.attention import AttentionLayer
 
 __all__ = ["HFAttention", "AttentionGeometry", "attention_geometry", "find_hf_attention", "is_zero3_param"]
 
 logger = logging.getLogger(__name__)
 
-# Fused-QKV attribute name -> its default row layout.
-_FUSED_NAMES = {"query_key_value": "grouped", "qkv_proj": "concatenated", "Wqkv": "concatenated",
-                "c_attn": "concatenated"}
+# Fused-QKV attribute name -> (its default row layout, stored [in, out]): the taxonomy's table.
+_FUSED_NAMES = FUSED_QKV_MODULES
 
 
 @dataclass(frozen=True)
@@ -192,10 +193,9 @@ def find_hf_attention(model: torch.nn.Module, layout: str = "auto", geometry: Op
             continue
         if layout == "separate":
             continue
-        for attr, default_layout in _FUSED_NAMES.items():
+        for attr, (default_layout, transposed) in _FUSED_NAMES.items():
             sub = getattr(module, attr, None)
             if isinstance(sub, torch.nn.Module) and isinstance(getattr(sub, "weight", None), torch.Tensor):
-                transposed = type(sub).__name__ == "Conv1D"  # GPT-2 stores [in, out]
                 found.append(HFAttention(_layer_index(module, name, len(found)), f"{name}.{attr}",
                                          default_layout if layout == "auto" else layout, geometry,
                                          fused=sub.weight, transposed=transposed))

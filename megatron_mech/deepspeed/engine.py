@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from pathlib import Path
 from typing import Any, Optional
 
@@ -147,6 +148,7 @@ class DeepSpeedMech:
             self.mols = self.hook.mols
         self.hook.attach_optimizer(engine.optimizer)  # MoLS: installs the scheduler wrapper
         self._is_setup = False
+        self._step_base_lr = math.nan
         self.last_action = Action.CONTINUE
 
     @classmethod
@@ -199,6 +201,10 @@ class DeepSpeedMech:
         """Before the first forward of optimizer step ``self.step + 1``."""
         if not self._is_setup:
             self._setup()
+        # the record's lr: the base lr this step's update runs at (the scheduler already set it), as MoLS's
+        # multipliers in the record are this step's; read before an LR fault scales the groups
+        self._step_base_lr = (self.mols.scheduler.base_lrs[0] if self.mols is not None
+                              else float(self.engine.get_lr()[0]))
         self.hook.before_step(self.step + 1)
         if self.mols is not None:
             self.mols.arm()
@@ -221,9 +227,9 @@ class DeepSpeedMech:
             loss_value = float(t) / dist.get_world_size(self.token_group)
         grad_norm = self.engine.get_global_grad_norm()
         grad_norm = float(grad_norm) if grad_norm is not None else None
-        base_lr = self.mols.scheduler.base_lrs[0] if self.mols is not None else float(self.engine.get_lr()[0])
         self._refresh(step)
-        self.last_action = self.hook.after_optimizer_step(step, loss=loss_value, grad_norm=grad_norm, lr=base_lr,
+        self.last_action = self.hook.after_optimizer_step(step, loss=loss_value, grad_norm=grad_norm,
+                                                          lr=self._step_base_lr,
                                                           extra=extra)
         return self.last_action
 

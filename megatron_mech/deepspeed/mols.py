@@ -15,7 +15,16 @@ Gradient statistics (the two-batch SNR estimator of :mod:`megatron_mech.core.mol
 * Batch sizes: ``train_micro_batch_size_per_gpu`` and ``train_batch_size`` (sequences; every sequence has
   the same length here, so the token ratio is the same).
 * DeepSpeed MoE expert parameters (``allreduce=False``) are reduced over the expert-data-parallel group only
-  and see routed tokens, so they are left out of the estimate and keep multiplier 1 (class ``experts``).
+  and see routed tokens, so they are left out of the estimate and keep multiplier 1 (class ``experts``; their
+  optimizer groups are the ones DeepSpeed marks ``"moe"``). HF MoE experts (Qwen2-MoE, Mixtral
+  ``experts.N``) are ordinary data-parallel parameters: measured and scaled like every other class.
+* **Fused QKV** (Phi-3 ``qkv_proj``, MPT ``Wqkv``, GPT-2 ``c_attn``, GPT-NeoX / Falcon ``query_key_value``; the
+  taxonomy's :data:`~megatron_mech.core.taxonomy.FUSED_QKV_MODULES`): each gradient is split into its Q, K and
+  V row blocks (:func:`~megatron_mech.core.taxonomy.fused_qkv_blocks`, head counts from the model config) —
+  Q and K count towards ``qk``, V towards ``vo`` (also reported as ``qkv_q`` / ``qkv_k`` / ``qkv_v``), as on
+  the Megatron path. The fused parameter then has one lr, its ``qk`` group's:
+  :func:`~megatron_mech.core.taxonomy.fused_qkv_multiplier` of α_qk and α_vo under ``fused_qkv_rule``
+  (``rows``: row-weighted geometric mean; ``qk`` / ``vo``: the whole matrix at that class's α).
 
 Per-group multipliers
 ---------------------
@@ -39,8 +48,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_mech.core.mols import MoLSConfig, MoLSController
-from megatron_mech.core.taxonomy import classify_parameters, is_fused_qkv
+from megatron_mech.core.mols import QKV_BLOCK_KEYS, MoLSConfig, MoLSController
+from megatron_mech.core.taxonomy import FUSED_QKV_BLOCK_CLASS, classify_parameters, fused_qkv_blocks, is_fused_qkv
 
 __all__ = ["GROUP_KEY", "DeepSpeedMoLS", "GradientStatistics", "MoLSLRScheduler", "param_groups"]
 
@@ -80,38 +89,77 @@ def param_groups(model: torch.nn.Module, weight_decay: float = 0.0, no_decay_cla
     return list(groups.values())
 
 
-class GradientStatistics:
-    """Per-class ``‖g_micro‖²`` (hooks) and ``‖g_reduced‖²`` (``safe_get_full_grad``) for the two-batch SNR."""
+class MeasuredParameters:
+    """The parameters MoLS measures on a DeepSpeed engine's module: every trainable one but DeepSpeed-MoE experts,
+    with its class, and for fused QKV parameters the head counts that split their rows."""
 
-    def __init__(self, engine, controller: MoLSController, group=None):
-        from deepspeed.utils import safe_get_full_grad
-
-        self._full_grad = safe_get_full_grad
-        self.engine, self.controller, self.group = engine, controller, group
-        taxonomy = classify_parameters(engine.module)
-        named = dict(engine.module.named_parameters())
-        fused = [n for n in taxonomy if is_fused_qkv(n)]
-        if fused:
-            raise ValueError(f"MoLS under DeepSpeed measures separate q_proj/k_proj/v_proj; fused QKV parameters "
-                             f"({fused[:2]}...) need per-row-block statistics the DeepSpeed adapter does not take "
-                             f"yet: disable mech.mols for this model")
+    def __init__(self, module: torch.nn.Module):
+        taxonomy = classify_parameters(module)
+        named = dict(module.named_parameters())
         self.params: list[tuple[str, str, torch.nn.Parameter]] = []
         for name, cls in taxonomy.items():
             p = named.get(name)
             if p is None or not p.requires_grad or _is_expert(p):
                 continue
             self.params.append((name, cls, p))
-        self.classes = tuple(sorted({cls for _, cls, _ in self.params}))
+        self.fused = tuple(n for n, _, _ in self.params if is_fused_qkv(n))
+        self.heads: Optional[tuple[int, int, int]] = None  # (H, G, d_head) when there are fused QKV parameters
+        if self.fused:
+            from megatron_mech.deepspeed.attention import attention_geometry
+
+            separate = [n for n, c, _ in self.params if c == "qk" and not is_fused_qkv(n)]
+            if separate:
+                raise ValueError(f"MoLS: the qk class mixes fused QKV parameters ({self.fused[0]}, ...) with "
+                                 f"separate ones ({separate[0]}, ...); its one group multiplier cannot serve both: "
+                                 f"disable mech.mols for this model")
+            g = attention_geometry(module)
+            self.heads = (g.num_heads, g.num_kv_heads, g.head_dim)
+            for name, _, p in self.params:
+                if name in self.fused:  # the layout must fit now, not at the first window step
+                    fused_qkv_blocks(name, torch.empty(_full_shape(p), device="meta"), *self.heads)
+        self.classes = tuple(sorted({c for _, c, _ in self.params} | ({"vo"} if self.fused else set())))
+        self.keys = self.classes + (QKV_BLOCK_KEYS if self.fused else ())
+
+    def square_norms(self, name: str, cls: str, grad: torch.Tensor) -> list[tuple[str, float]]:
+        """``[(key, ‖grad‖²)]``: the class's, or for a fused QKV gradient its row blocks' (q, k → qk, v → vo,
+        and each block under its report-only key)."""
+        if name not in self.fused:
+            return [(cls, float(grad.detach().double().pow(2).sum()))]
+        out = []
+        for block, rows in fused_qkv_blocks(name, grad.detach(), *self.heads).items():
+            sq = float(rows.double().pow(2).sum())
+            out += [(FUSED_QKV_BLOCK_CLASS[block], sq), (f"qkv_{block}", sq)]
+        return out
+
+
+def _full_shape(p: torch.Tensor) -> tuple:
+    return tuple(getattr(p, "ds_shape", p.shape))  # ZeRO-3 keeps the full shape here
+
+
+class GradientStatistics:
+    """Per-class ``‖g_micro‖²`` (hooks) and ``‖g_reduced‖²`` (``safe_get_full_grad``) for the two-batch SNR."""
+
+    def __init__(self, engine, controller: MoLSController, group=None,
+                 measured: Optional[MeasuredParameters] = None):
+        from deepspeed.utils import safe_get_full_grad
+
+        self._full_grad = safe_get_full_grad
+        self.engine, self.controller, self.group = engine, controller, group
+        self.measured = measured or MeasuredParameters(engine.module)
+        self.params = self.measured.params
+        self.classes = self.measured.keys
         self._index = {c: i for i, c in enumerate(self.classes)}
         self.armed = False
-        self._local = torch.zeros(len(self.classes) + 1, dtype=torch.float64)  # per class, then micro-batches
-        self._handles = [p.register_hook(self._hook(self._index[cls])) for _, cls, p in self.params]
+        self._local = torch.zeros(len(self.classes) + 1, dtype=torch.float64)  # per key, then micro-batches
+        self._handles = [p.register_hook(self._hook(name, cls)) for name, cls, p in self.params]
         self._micro_seen: set = set()
 
-    def _hook(self, index: int):
+    def _hook(self, name: str, cls: str):
         def hook(grad: torch.Tensor):
             if self.armed:
-                self._local[index] += float(grad.detach().double().pow(2).sum()) / self._scale() ** 2
+                scale_sq = self._scale() ** 2
+                for key, sq in self.measured.square_norms(name, cls, grad):
+                    self._local[self._index[key]] += sq / scale_sq
             return None
         return hook
 
@@ -140,10 +188,11 @@ class GradientStatistics:
             return False
         self.armed = False
         big = torch.zeros(len(self.classes), dtype=torch.float64)
-        for _, cls, p in self.params:           # collectives under ZeRO: same order on every rank
+        for name, cls, p in self.params:        # collectives under ZeRO: same order on every rank
             g = self._full_grad(p)
             if g is not None:
-                big[self._index[cls]] += float(g.detach().double().pow(2).sum())
+                for key, sq in self.measured.square_norms(name, cls, g):
+                    big[self._index[key]] += sq
         if self.engine.fp16_enabled():
             big /= float(self.engine.optimizer.loss_scale) ** 2
         local = self._local.clone()
@@ -180,16 +229,25 @@ class MoLSLRScheduler:
             raise ValueError(f"MoLS: optimizer param groups {missing} have no {GROUP_KEY!r} key; build "
                              f"deepspeed.initialize(model_parameters=megatron_mech.deepspeed.mols.param_groups(model))")
         self.classes = [g[GROUP_KEY] for g in optimizer.param_groups]
+        # DeepSpeed-MoE expert groups (marked "moe" by DeepSpeed's group split) are not measured: kept at 1
+        self.pinned = [bool(g.get("moe", False)) for g in optimizer.param_groups]
         self.base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
         self.base_wds = [float(g.get("weight_decay", 0.0)) for g in optimizer.param_groups]
         self.iteration = 0
         self._apply()
 
+    def group_multipliers(self, iteration: int) -> list[float]:
+        """The lr multiplier of every optimizer group at ``iteration`` (1.0 for DeepSpeed-MoE expert groups)."""
+        return [1.0 if pinned else self.controller.multiplier(iteration, cls)
+                for cls, pinned in zip(self.classes, self.pinned)]
+
     def _apply(self) -> None:
-        for g, cls, base, wd in zip(self.optimizer.param_groups, self.classes, self.base_lrs, self.base_wds):
-            g["lr"] = base * self.controller.multiplier(self.iteration, cls)
+        groups = self.optimizer.param_groups
+        for g, cls, pinned, mult, base, wd in zip(groups, self.classes, self.pinned,
+                                                  self.group_multipliers(self.iteration), self.base_lrs, self.base_wds):
+            g["lr"] = base * mult
             if "weight_decay" in g:
-                g["weight_decay"] = wd * self.controller.wd_multiplier(self.iteration, cls)
+                g["weight_decay"] = wd * (1.0 if pinned else self.controller.wd_multiplier(self.iteration, cls))
 
     def step(self, *args, **kwargs) -> None:
         for g, base in zip(self.optimizer.param_groups, self.base_lrs):
@@ -247,9 +305,11 @@ class DeepSpeedMoLS:
         self.seconds = 0.0
 
     def attach(self, optimizer) -> "DeepSpeedMoLS":
-        present = set(classify_parameters(self.engine.module).values()) - {"experts"}
-        self.controller = MoLSController(self.config, classes_present=tuple(present))
-        self.stats = GradientStatistics(self.engine, self.controller, group=self.token_group)
+        # present = what is measured: DeepSpeed-MoE experts are not (they stay at 1), HF experts are
+        measured = MeasuredParameters(self.engine.module)
+        fused = measured.heads[:2] if measured.heads is not None else None
+        self.controller = MoLSController(self.config, classes_present=measured.classes, fused_qkv=fused)
+        self.stats = GradientStatistics(self.engine, self.controller, group=self.token_group, measured=measured)
         self.scheduler = MoLSLRScheduler(self.engine.lr_scheduler, optimizer, self.controller)
         self.engine.lr_scheduler = self.scheduler  # DeepSpeed steps it exactly where it stepped the original
         return self
@@ -284,7 +344,13 @@ class DeepSpeedMoLS:
             self.scheduler._apply()
 
     def metrics(self, iteration: Optional[int] = None) -> dict:
-        return self.controller.metrics(self.iteration if iteration is None else iteration)
+        """The controller's metrics at ``iteration`` plus ``mols/mult/{class}`` of every optimizer group (1.0
+        while the window is open, and for DeepSpeed-MoE expert groups)."""
+        it = self.iteration if iteration is None else int(iteration)
+        out = self.controller.metrics(it)
+        for cls, mult in zip(self.scheduler.classes, self.scheduler.group_multipliers(it)):
+            out[f"mols/mult/{cls}"] = mult
+        return out
 
     def table(self, iteration: Optional[int] = None) -> str:
         return self.controller.table(self.iteration if iteration is None else iteration)

@@ -386,9 +386,9 @@ def train(args, t: Training, runtime: Runtime, stop_signal: StopOnSignal) -> dic
                                  num_microbatches=len(micro), seq_length=args.seq_length,
                                  micro_batch_size=args.micro_batch_size, forward_only=False)
         _, grad_norm, _ = t.optimizer.step()
+        lr = base_lr(t.optimizer)  # the record's lr: what this step's update ran at (before the scheduler moves it)
         t.scheduler.step(increment=1)
         loss = average_over([float(r["lm loss"]) for r in out], t.dp_group, t.pp_group)
-        lr = base_lr(t.optimizer)
         action = t.hook.after_optimizer_step(step, loss=loss, lr=lr,
                                              grad_norm=float(grad_norm) if grad_norm is not None else None,
                                              extra={"tokens": step * tokens_per_step})

@@ -23,6 +23,7 @@ from typing import Callable, Dict, Optional, Sequence
 import torch
 
 from megatron_mech.core.mols import MoLSConfig, MoLSController
+from megatron_mech.core.taxonomy import is_fused_qkv
 from megatron_mech.deepspeed.mols import GROUP_KEY, MoLSLRScheduler, param_groups
 
 __all__ = ["TorchMoLS"]
@@ -44,6 +45,11 @@ class TorchMoLS:
         self.groups = param_groups(model, weight_decay=weight_decay, lr=lr)
         if not self.groups:
             raise ValueError("TorchMoLS: the model has no trainable parameters")
+        fused = [n for n, p in model.named_parameters() if p.requires_grad and is_fused_qkv(n)]
+        if fused and enabled:  # its whole-parameter norms would file the V rows under qk
+            raise ValueError(f"TorchMoLS measures whole parameters, but {fused[0]} is a fused Q/K/V parameter whose "
+                             f"Q/K and V rows need separate statistics (the DeepSpeed adapter splits them); train "
+                             f"separate q/k/v projections, or freeze it")
         self.params = [p for g in self.groups for p in g["params"]]
         self.param_class = [g[GROUP_KEY] for g in self.groups for _ in g["params"]]
         self.classes = tuple(dict.fromkeys(self.param_class))
