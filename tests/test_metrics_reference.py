@@ -87,8 +87,10 @@ def test_every_documented_pattern_is_recorded_or_needs_a_flag_not_run(recorded):
             pattern = entry.regex(optional)
             if not any(pattern.fullmatch(n) for n in sections[entry.section]):
                 unrecorded.append((entry.name, optional, flags))
-    # every documented name is recorded here; one that is not must name a flag these runs did not set
-    assert all(set(flags) - EXERCISED_FLAGS for _, _, flags in unrecorded), unrecorded
+    # every documented name is recorded here; one that is not must name a flag these runs did not set, or be
+    # one that only a failed estimate writes (test_mols.py's negative-base test records it)
+    only_on_failure = {"mols/status_reason"}
+    assert all(set(flags) - EXERCISED_FLAGS or name in only_on_failure for name, _, flags in unrecorded), unrecorded
 
 
 def test_alert_columns_are_what_the_registry_does_with_each_name(recorded):

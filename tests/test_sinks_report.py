@@ -163,11 +163,11 @@ def test_callback_gets_a_copy():
 def test_record_scalars_tags_and_adapter_sinks():
     rec = make_record(3, {"loss": 2.0, "lr": 0.1, "grad_norm": 1.5, "tokens_per_s": 9.0},
                       {"attn/layer0/dwq_entropy": 0.5, "symptom/grad_norm": 1.4}, [alert(step=3)],
-                      extra={"mols": {"qk": 1.0, "note": "text ignored"}})
+                      extra={"mols": {"qk": 1.0, "mols/snr/vo": 2.0, "note": "text ignored"}})
     tags = record_scalars(rec)
     assert tags == {"mech/attn/layer0/dwq_entropy": 0.5, "mech/symptom/grad_norm": 1.4,
                     "mech/symptom/loss": 2.0, "mech/train/lr": 0.1, "mech/train/tokens_per_s": 9.0,
-                    "mech/mols/qk": 1.0}
+                    "mech/mols/qk": 1.0, "mech/mols/snr/vo": 2.0}  # a section-prefixed name is not prefixed twice
 
     class Monitor:
         events = []

@@ -267,6 +267,13 @@ METRICS: tuple = (
                 _MOLS, ("--mech-mols",), "mols"),
     MetricEntry("mols/done", "1 once the window has closed and α is known, else 0.", "flag, 0 or 1", _MOLS,
                 ("--mech-mols",), "mols"),
+    MetricEntry("mols/status", "Where the estimate stands: `window` (open), `estimated` (α from the SNRs), "
+                "`not_estimated` (no α could be formed, every multiplier stays 1; the hook also logs a warning) or "
+                "`fixed` (hand-set multipliers).", "string (not a series: no scalar tag)", _MOLS, ("--mech-mols",),
+                "mols"),
+    MetricEntry("mols/status_reason", "Why no α could be formed (the base class, its estimate and what to change: "
+                "a longer `--mech-mols-window`, or another base); only with `not_estimated`.",
+                "string (not a series: no scalar tag)", _MOLS, ("--mech-mols",), "mols"),
 )
 
 
@@ -291,8 +298,8 @@ RECORD_FIELDS: tuple = (
                 "`mech/<name>`"),
     RecordField("alerts", "the alerts fired at this step (metric, family, step, value, baseline, score, detail)",
                 "every record", "text `mech/alerts`"),
-    RecordField("mols", "the `mols/...` series above", "`--mech-mols`", "`mech/mols/<name>` (e.g. "
-                "`mech/mols/mols/snr/qk`)"),
+    RecordField("mols", "the `mols/...` series above", "`--mech-mols`", "`mech/<name>` (e.g. "
+                "`mech/mols/snr/qk`)"),
     RecordField("tokens", "training tokens consumed up to this step", "megatron-core entry point",
                 "`mech/train/tokens`"),
     RecordField("update_successful", "false when the optimizer skipped the step (loss-scale overflow)",

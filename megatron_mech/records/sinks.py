@@ -190,7 +190,10 @@ def record_scalars(record: Mapping[str, Any], prefix: str = "mech") -> dict[str,
             if f"symptom/{key}" not in metrics and not isinstance(v, bool):
                 out[f"{prefix}/symptom/{key}"] = float(v)
         elif isinstance(v, Mapping):
-            _flatten_numbers(f"{prefix}/{key}", v, out)
+            for sub, x in v.items():
+                # The mols section's names already carry the section ("mols/snr/qk"): no second "mols/" level.
+                sub = str(sub)
+                _flatten_numbers(f"{prefix}/{sub}" if sub.startswith(f"{key}/") else f"{prefix}/{key}/{sub}", x, out)
         elif isinstance(v, (int, float)) and not isinstance(v, bool):
             out[f"{prefix}/train/{key}"] = float(v)
     return out
