@@ -74,19 +74,20 @@ def communicate_all(procs: list, timeout: float, what: str = "launch") -> list[s
     return outputs
 
 
-def run_worker_jobs(worker: str | os.PathLike, jobs: list[dict], timeout: float) -> dict[str, dict]:
+def run_worker_jobs(worker: str | os.PathLike, jobs: list[dict], timeout: float,
+                    python: str | os.PathLike | None = None) -> dict[str, dict]:
     """Run ``python worker --jobs FILE`` on ``jobs`` (job dicts, each with a unique "id") and return the worker's
     ``@@JOB {json}`` results by id.
 
     The worker (e.g. a fork runner, tests/workers/fork_runner.py) runs in its own session with one CPU thread
     and no GPU; on timeout the whole session is killed and the test fails. Fails unless the worker exits 0 with
-    exactly one result per job.
+    exactly one result per job. ``python``: another environment's interpreter (default: this one's).
     """
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(jobs, f)
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    proc = subprocess.Popen([sys.executable, str(worker), "--jobs", f.name], env=env, cwd=REPO_ROOT,
+    proc = subprocess.Popen([str(python or sys.executable), str(worker), "--jobs", f.name], env=env, cwd=REPO_ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)

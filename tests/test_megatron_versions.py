@@ -4,8 +4,8 @@
 venv layered on ``.venv`` that differs from it in megatron-core alone. Each test trains the same tiny MoE
 (2 gloo ranks, expert parallel 2, alltoall dispatcher, clipping, attention and router monitors, a 3-step MoLS
 window) in that venv and compares it with the same run in this interpreter's environment (megatron-core 0.16.1,
-which the rest of the suite tests). A release whose venv could not be built is skipped with the error the
-set-up recorded.
+which the rest of the suite tests). A CPU shim that only a later release needs is shown needed there. A release
+whose venv could not be built is skipped with the error the set-up recorded.
 """
 import importlib.metadata
 import json
@@ -18,10 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from dist_utils import REPO_ROOT, run_torchrun
+from dist_utils import REPO_ROOT, job_ranks, run_torchrun, run_worker_jobs
+from megatron_mech.megatron import cpu_shims as mcpu
 
 LAUNCHER = REPO_ROOT / "launch_scripts" / "pretrain_gpt_mech.py"
 SETUP_SCRIPT = REPO_ROOT / "scripts" / "setup_versions.sh"
+CPU_WORKER = REPO_ROOT / "tests" / "workers" / "megatron_cpu_worker.py"
 RELEASES = ("0.17.1", "0.18.2", "0.19.2")  # scripts/setup_versions.sh's MCORE_VERSIONS
 LAYERS, HEADS, EXPERTS, STEPS, INTERVAL, GLOBAL_BATCH, SEQ = 2, 4, 4, 10, 5, 8, 64
 RUN = ["--num-layers", str(LAYERS), "--hidden-size", "64", "--num-attention-heads", str(HEADS),
@@ -101,6 +103,37 @@ def test_release_trains_exactly_as_the_reference(release, reference, tmp_path):
         [(r["loss"], r["grad_norm"]) for r in reference["records"]], release
     assert run["summary"]["final_mols"] == reference["summary"]["final_mols"], release
     assert run["summary"]["final_valid_loss"] == reference["summary"]["final_valid_loss"], release
+
+
+# shim -> (release that needs it, message fragment, traceback fragment naming the failing call); the shims that
+# megatron-core 0.16.1 needs are shown needed in tests/test_megatron_cpu.py
+NEEDED_BY_LATER_RELEASES = {
+    "current_stream": ("0.19.2", "Torch not compiled with CUDA enabled",
+                       "current_stream = torch.cuda.current_stream()"),
+}
+
+
+def test_every_later_shim_has_a_case():
+    later = {name for name, shim in mcpu.SHIMS.items() if shim.needed_from != "0.16"}
+    assert later == set(NEEDED_BY_LATER_RELEASES)
+    for name, (release, _, _) in NEEDED_BY_LATER_RELEASES.items():
+        assert release in RELEASES and release.startswith(mcpu.SHIMS[name].needed_from + "."), name
+
+
+@pytest.mark.parametrize("name", list(NEEDED_BY_LATER_RELEASES))
+def test_later_shim_is_needed(name):
+    # megatron-core's own training step (tests/workers/megatron_cpu_worker.py: GPTModel, DDP, optimizer, the
+    # schedule) in the release's venv, with every shim and without this one
+    release, message, where = NEEDED_BY_LATER_RELEASES[name]
+    python = venv_python(release)
+    jobs = [dict(id="all", scenario="dense", steps=2), dict(id="without", scenario="dense", steps=2, exclude=[name])]
+    results = run_worker_jobs(CPU_WORKER, jobs, timeout=300, python=python)
+    ranks = job_ranks(results, "all")
+    assert name in ranks[0]["applied"] and all(math.isfinite(x) for x in ranks[0]["losses"])
+    without = results["without"]
+    assert not without["ok"] and not without["timed_out"], json.dumps(without)[-3000:]
+    failed = [r for r in without["ranks"] if not r.get("ok") and "traceback" in r]
+    assert any(message in r["error"] and where in r["traceback"] for r in failed), json.dumps(without)[-6000:]
 
 
 def test_setup_records_an_install_error_and_does_not_fail(tmp_path):

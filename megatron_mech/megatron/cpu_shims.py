@@ -29,7 +29,8 @@ Public API
 ``applied_cpu_shims()``
     Names applied so far in this process.
 ``SHIMS``
-    ``name -> Shim(name, apply, doc)`` registry, in application order; ``Shim.doc`` is a one-line summary.
+    ``name -> Shim(name, apply, doc, needed_from)`` registry, in application order; ``Shim.doc`` is a one-line
+    summary, ``Shim.needed_from`` the first megatron-core minor release that needs the shim.
 ``model_parallel_seed(seed, **kwargs)``
     ``torch.manual_seed(seed)`` then megatron's ``model_parallel_cuda_manual_seed(seed, **kwargs)``. On
     CPU (with the ``rng_tracker`` shim) the tracker states are CPU-generator states with megatron's seed
@@ -115,6 +116,10 @@ class Shim:
     name: str
     apply: Callable[[], None]
     doc: str
+    # The first megatron-core minor release whose CPU training fails without it. Every shim is applied on every
+    # release: each replaces a call that can only fail without CUDA, so an older release that never makes the
+    # call runs exactly as before.
+    needed_from: str = "0.16"
 
 
 SHIMS: Dict[str, Shim] = {}
@@ -122,10 +127,10 @@ _APPLIED: List[str] = []
 _MODE: Optional["_CudaToCpuMode"] = None
 
 
-def _shim(name: str):
+def _shim(name: str, needed_from: str = "0.16"):
     def register(fn):
         doc = (fn.__doc__ or "").strip().splitlines()[0]
-        SHIMS[name] = Shim(name, fn, doc)
+        SHIMS[name] = Shim(name, fn, doc, needed_from)
         return fn
 
     return register
@@ -455,15 +460,14 @@ def _cpu_current_stream(device=None) -> _NoStream:
     return _CPU_STREAM
 
 
-@_shim("current_stream")
+@_shim("current_stream", needed_from="0.19")
 def _apply_current_stream():
     """torch.cuda.current_stream() returns a placeholder stream (param_and_grad_buffer.py start_grad_sync, 0.19)."""
     # megatron-core 0.19 distributed/param_and_grad_buffer.py _ParamAndGradBucketGroup.start_grad_sync calls
     # `torch.cuda.current_stream()` on every grad sync, to wait on CUDA-graph replay events
     # ("Torch not compiled with CUDA enabled" in finalize_model_grads); earlier releases reach it only with
     # overlapped or multi-instance reduction. There are no CUDA graphs or streams on the CPU: the placeholder's
-    # waits are no-ops, which is exact for synchronous CPU work. Replacing a torch function that can only raise
-    # without CUDA is safe on every megatron-core release.
+    # waits are no-ops, which is exact for synchronous CPU work.
     torch.cuda.current_stream = _cpu_current_stream
 
 
