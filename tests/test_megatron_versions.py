@@ -6,6 +6,10 @@ venv layered on ``.venv`` that differs from it in megatron-core alone. Each test
 window) in that venv and compares it with the same run in this interpreter's environment (megatron-core 0.16.1,
 which the rest of the suite tests). A CPU shim that only a later release needs is shown needed there. A release
 whose venv could not be built is skipped with the error the set-up recorded.
+
+The Megatron-LM forks core_v0.17.1, core_v0.18.2 and core_v0.19.0, patched with the patch set, train a few steps
+of the same kind of MoE through their own ``pretrain_gpt.py`` (skipped when a tree is absent, see
+``megatron_lm_trees``).
 """
 import importlib.metadata
 import json
@@ -19,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from dist_utils import REPO_ROOT, job_ranks, run_torchrun, run_worker_jobs
+from megatron_lm_trees import CPU_TRAINING_FLAGS, SMALL_MOE_FLAGS, unpack
 from megatron_mech.megatron import cpu_shims as mcpu
 
 LAUNCHER = REPO_ROOT / "launch_scripts" / "pretrain_gpt_mech.py"
@@ -103,6 +108,55 @@ def test_release_trains_exactly_as_the_reference(release, reference, tmp_path):
         [(r["loss"], r["grad_norm"]) for r in reference["records"]], release
     assert run["summary"]["final_mols"] == reference["summary"]["final_mols"], release
     assert run["summary"]["final_valid_loss"] == reference["summary"]["final_valid_loss"], release
+
+
+# Megatron-LM forks: each tree ships its own megatron-core, so this environment runs them; core_v0.16.1 is trained
+# at length by tests/test_megatron_lm_e2e.py. From core_v0.18 the fork needs Python 3.12 for one name, backported
+# by the launcher below.
+FORK_RELEASES = ("core_v0.17.1", "core_v0.18.2", "core_v0.19.0")
+FORK_LAUNCHER = REPO_ROOT / "tests" / "workers" / "fork_on_py311.py"
+FORK_STEPS = 6
+FORK_MOLS = ("--mech-mols", "--mech-mols-window", "4", "--mech-mols-min-ramp", "2")
+
+
+@pytest.fixture(scope="module")
+def fork_data(tmp_path_factory):
+    """The corpus in Megatron's format, built on first use (after a missing tree has skipped the test)."""
+    from megatron_mech.megatron.data import prepare_data
+
+    built = {}
+
+    def get():
+        if not built:
+            built["data"] = prepare_data(tmp_path_factory.mktemp("data") / "corpus", vocab_size=1024,
+                                         max_docs_per_source=40)
+        return built["data"]
+    return get
+
+
+@pytest.mark.parametrize("tag", FORK_RELEASES)
+def test_patched_fork_trains_with_monitors_and_mols(tag, fork_data, tmp_path):
+    from megatron_mech.megatron_lm import patcher
+    from megatron_mech.records.sinks import read_jsonl
+    from test_megatron_lm_e2e import assert_mols_lrs  # the scheduler's lr × class multiplier, every group
+
+    root = unpack(tag, tmp_path)
+    assert patcher.apply(root).state == "applied"
+    data, out = fork_data(), tmp_path / "out"
+    run_torchrun(FORK_LAUNCHER, root / "pretrain_gpt.py", *CPU_TRAINING_FLAGS, *SMALL_MOE_FLAGS,
+                 "--tokenizer-type", "NullTokenizer", "--vocab-size", str(data.vocab_size),
+                 "--data-path", data.train_prefix, "--split", "98,2,0", "--data-cache-path", str(out / "cache"),
+                 "--mech-output-dir", str(out / "mech"), "--train-iters", str(FORK_STEPS), "--mech-interval", "1",
+                 *FORK_MOLS, nproc=2, timeout=420)
+    records = {r["step"]: r for r in read_jsonl(out / "mech" / "mech.jsonl")}
+    assert sorted(records) == list(range(1, FORK_STEPS + 1))
+    assert all(math.isfinite(r["loss"]) for r in records.values())
+    for step in range(2, FORK_STEPS + 1):  # a ΔW needs the previous step's weights
+        for layer in range(LAYERS):
+            assert 0.0 < records[step]["metrics"][f"attn/layer{layer}/delta2_entropy_mean"] <= 1.0, (step, layer)
+            assert 0.0 < records[step]["metrics"][f"router/layer{layer}/entropy_mean"] <= math.log(EXPERTS) + 1e-9
+    assert records[FORK_STEPS]["mols"]["mols/done"] == 1.0
+    assert_mols_lrs(records, FORK_STEPS)
 
 
 # shim -> (release that needs it, message fragment, traceback fragment naming the failing call); the shims that
