@@ -40,8 +40,8 @@ RUN = ["--num-layers", str(LAYERS), "--hidden-size", "64", "--num-attention-head
 
 
 def train(python: str, run_dir: Path) -> dict:
-    run_torchrun(LAUNCHER, *RUN, "--save", str(run_dir), nproc=2, timeout=420, python=python)
-    return {"summary": json.loads((run_dir / "summary.json").read_text()),
+    out = run_torchrun(LAUNCHER, *RUN, "--save", str(run_dir), nproc=2, timeout=420, python=python)
+    return {"stdout": out.stdout, "summary": json.loads((run_dir / "summary.json").read_text()),
             "records": [json.loads(line) for line in (run_dir / "mech.jsonl").read_text().splitlines()]}
 
 
@@ -97,6 +97,7 @@ def test_release_trains_exactly_as_the_reference(release, reference, tmp_path):
     run, reference = train(python, tmp_path / "run"), reference()
     assert_trained_and_monitored(run)
     assert_trained_and_monitored(reference)
+    assert "megatron_cpu shims were" not in run["stdout"]  # a tested release: no untested-version warning
     # Exact equality, no tolerance: both runs use the same torch, the same single-threaded CPU kernels, the same
     # layout and data, and megatron-core issues the same torch operations for this model in every release
     # tested (measured: losses, every monitor value and every MoLS value bit-identical). A release that changes
