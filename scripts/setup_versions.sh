@@ -23,13 +23,14 @@ if [ ! -x "$BASE_PYTHON" ]; then
 fi
 BASE_SITE=$("$BASE_PYTHON" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 
-check_installed() {  # venv python, version: the venv's own megatron-core is installed at that version
+check_installed() {  # venv python, version: the venv's own megatron-core at that version, .venv's torch beside it
     "$1" -c "
 import importlib.util, sys
 from importlib.metadata import version
 found, where = version('megatron-core'), importlib.util.find_spec('megatron.core').origin
 assert found == '$2' and where.startswith(sys.prefix), \\
     f'expected megatron-core $2 in {sys.prefix}, found {found} at {where}'
+assert importlib.util.find_spec('torch') is not None, 'torch not found: is .venv still where the venv was built?'
 " 2>&1
 }
 
