@@ -5,7 +5,7 @@
 # Each is a venv layered on .venv: a .pth file puts .venv's site-packages *after* its own, so it shares .venv's
 # torch, numpy, triton, tokenizers, ... and differs from it in megatron-core alone (installed into its own
 # site-packages, which Python searches first). That keeps the comparison to one variable and the set-up to a
-# few seconds per version (one ~5 MB wheel, nothing compiled).
+# few seconds per version (one ~2 MB wheel, nothing compiled).
 #
 # megatron-core >= 0.17 declares Requires-Python >= 3.12 but PyPI serves cp311 wheels whose code runs on 3.11:
 # hence --ignore-requires-python (with --no-deps: its dependencies are .venv's, checked by the import below).
