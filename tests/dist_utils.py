@@ -26,11 +26,13 @@ def free_port() -> int:
 
 
 def run_torchrun(script: str | os.PathLike, *args: str, nproc: int = 2, timeout: float = 300,
-                 nnodes: int = 1, extra_env: dict | None = None) -> subprocess.CompletedProcess:
+                 nnodes: int = 1, extra_env: dict | None = None,
+                 python: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
     """Run ``torchrun --nproc_per_node=nproc script args`` on loopback and return the finished process.
 
     With ``nnodes=2`` two launchers are started (node ranks 0 and 1) against one rendezvous on 127.0.0.1,
-    which exercises the multi-node code path on one machine. Raises ``AssertionError`` with both logs if any
+    which exercises the multi-node code path on one machine. ``python`` runs it in another environment's
+    interpreter (default: this one's). Raises ``AssertionError`` with both logs if any
     launcher exits non-zero or the timeout expires.
     """
     port = free_port()
@@ -40,7 +42,7 @@ def run_torchrun(script: str | os.PathLike, *args: str, nproc: int = 2, timeout:
     env.update(extra_env or {})
     procs = []
     for node_rank in range(nnodes):
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+        cmd = [str(python or sys.executable), "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                f"--nnodes={nnodes}", f"--node_rank={node_rank}", "--master_addr=127.0.0.1",
                f"--master_port={port}", str(script), *args]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -72,19 +74,20 @@ def communicate_all(procs: list, timeout: float, what: str = "launch") -> list[s
     return outputs
 
 
-def run_worker_jobs(worker: str | os.PathLike, jobs: list[dict], timeout: float) -> dict[str, dict]:
+def run_worker_jobs(worker: str | os.PathLike, jobs: list[dict], timeout: float,
+                    python: str | os.PathLike | None = None) -> dict[str, dict]:
     """Run ``python worker --jobs FILE`` on ``jobs`` (job dicts, each with a unique "id") and return the worker's
     ``@@JOB {json}`` results by id.
 
     The worker (e.g. a fork runner, tests/workers/fork_runner.py) runs in its own session with one CPU thread
     and no GPU; on timeout the whole session is killed and the test fails. Fails unless the worker exits 0 with
-    exactly one result per job.
+    exactly one result per job. ``python``: another environment's interpreter (default: this one's).
     """
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(jobs, f)
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    proc = subprocess.Popen([sys.executable, str(worker), "--jobs", f.name], env=env, cwd=REPO_ROOT,
+    proc = subprocess.Popen([str(python or sys.executable), str(worker), "--jobs", f.name], env=env, cwd=REPO_ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)

@@ -18,7 +18,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TAGS = ("core_v0.16.1", "core_v0.17.1", "core_v0.18.2", "core_v0.19.0")
-RUNNABLE_TAG = "core_v0.16.1"  # the newest release whose training layer runs on Python 3.11 here
+RUNNABLE_TAG = "core_v0.16.1"  # trained at length by test_megatron_lm_e2e.py (the others: test_megatron_versions.py)
 ENV = "MEGATRON_MECH_LM_FIXTURES"
 
 # Megatron-LM flags of a CPU run (the fork's own flags; see megatron_mech.megatron_lm.cpu).

@@ -1,4 +1,4 @@
-"""Run real megatron-core 0.16.1 training on CPU over gloo (no GPU, no Transformer Engine, no apex).
+"""Run real megatron-core (0.16.1–0.19.2) training on CPU over gloo (no GPU, no Transformer Engine, no apex).
 
 megatron-core assumes CUDA in a few dozen places (``torch.cuda.current_device()``, ``device="cuda"``,
 ``.cuda()``, CUDA streams, the CUDA RNG tracker, CUDA type-name asserts) and has a couple of code paths
@@ -29,7 +29,8 @@ Public API
 ``applied_cpu_shims()``
     Names applied so far in this process.
 ``SHIMS``
-    ``name -> Shim(name, apply, doc)`` registry, in application order; ``Shim.doc`` is a one-line summary.
+    ``name -> Shim(name, apply, doc, needed_from)`` registry, in application order; ``Shim.doc`` is a one-line
+    summary, ``Shim.needed_from`` the first megatron-core minor release that needs the shim.
 ``model_parallel_seed(seed, **kwargs)``
     ``torch.manual_seed(seed)`` then megatron's ``model_parallel_cuda_manual_seed(seed, **kwargs)``. On
     CPU (with the ``rng_tracker`` shim) the tracker states are CPU-generator states with megatron's seed
@@ -65,6 +66,7 @@ Shims (see ``SHIMS``; each comment in the code names the failing call and file)
 ``causal_mask``        CPU causal masks for ``fusions/fused_softmax.py`` (forward runs without the mode).
 ``te_general_gemm``    ``moe_utils.te_general_gemm = None`` (NameError without TE, a 0.16.1 bug).
 ``alltoall_stream``    placeholder DtoH stream + CPU split-size conversion in the alltoall dispatcher.
+``current_stream``     ``torch.cuda.current_stream()`` -> placeholder stream (0.19's grad sync waits on it).
 ``torch_norm_sp``      torch LayerNorm/RMSNorm under sequence parallelism (``transformer/torch_norm.py``).
 ``uneven_gather``      gloo all_gather/reduce_scatter with uneven splits (``tensor_parallel/mappings.py``).
 ``clip_grads``         ``clip_grad_by_total_norm_fp32`` without the CUDA type assert, ``_foreach_mul_``; without
@@ -114,6 +116,10 @@ class Shim:
     name: str
     apply: Callable[[], None]
     doc: str
+    # The first megatron-core minor release whose CPU training fails without it. Every shim is applied on every
+    # release: each replaces a call that can only fail without CUDA, so an older release that never makes the
+    # call runs exactly as before.
+    needed_from: str = "0.16"
 
 
 SHIMS: Dict[str, Shim] = {}
@@ -121,10 +127,10 @@ _APPLIED: List[str] = []
 _MODE: Optional["_CudaToCpuMode"] = None
 
 
-def _shim(name: str):
+def _shim(name: str, needed_from: str = "0.16"):
     def register(fn):
         doc = (fn.__doc__ or "").strip().splitlines()[0]
-        SHIMS[name] = Shim(name, fn, doc)
+        SHIMS[name] = Shim(name, fn, doc, needed_from)
         return fn
 
     return register
@@ -409,6 +415,9 @@ class _NoStream:
     def wait_stream(self, stream):
         return None
 
+    def wait_event(self, event):
+        return None
+
     def record_event(self, event=None):
         return self
 
@@ -442,6 +451,24 @@ def _apply_alltoall_stream():
     if MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:
         MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NoStream()
     MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _cpu_maybe_dtoh_and_synchronize
+
+
+_CPU_STREAM = _NoStream()
+
+
+def _cpu_current_stream(device=None) -> _NoStream:
+    return _CPU_STREAM
+
+
+@_shim("current_stream", needed_from="0.19")
+def _apply_current_stream():
+    """torch.cuda.current_stream() returns a placeholder stream (param_and_grad_buffer.py start_grad_sync, 0.19)."""
+    # megatron-core 0.19 distributed/param_and_grad_buffer.py _ParamAndGradBucketGroup.start_grad_sync calls
+    # `torch.cuda.current_stream()` on every grad sync, to wait on CUDA-graph replay events
+    # ("Torch not compiled with CUDA enabled" in finalize_model_grads); earlier releases reach it only with
+    # overlapped or multi-instance reduction. There are no CUDA graphs or streams on the CPU: the placeholder's
+    # waits are no-ops, which is exact for synchronous CPU work.
+    torch.cuda.current_stream = _cpu_current_stream
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -574,7 +601,13 @@ def _apply_clip_grads():
 
 
 # --------------------------------------------------------------------------------------------------------
-TESTED_MEGATRON_CORE = "0.16"
+# The releases the shims are tested on (tests/test_megatron_cpu.py and the rest of the suite on the first,
+# tests/test_megatron_versions.py trains on the others); other patch releases of these minors are expected to work.
+TESTED_MEGATRON_CORE = ("0.16.1", "0.17.1", "0.18.2", "0.19.2")
+
+
+def _minor(version: str) -> str:
+    return ".".join(version.split(".")[:2])
 
 
 def _check_megatron_version() -> None:
@@ -586,11 +619,11 @@ def _check_megatron_version() -> None:
         found = version("megatron-core")
     except Exception:  # source checkout without metadata
         found = getattr(getattr(megatron.core, "package_info", None), "__version__", "unknown")
-    if not found.startswith(TESTED_MEGATRON_CORE + "."):
+    if _minor(found) not in {_minor(v) for v in TESTED_MEGATRON_CORE}:
         import warnings
 
-        warnings.warn(f"megatron_cpu shims were written and tested for megatron-core {TESTED_MEGATRON_CORE}.x "
-                      f"(0.16.1); found {found}: some patched names may differ", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"megatron_cpu shims were tested on megatron-core {', '.join(TESTED_MEGATRON_CORE)}; "
+                      f"found {found}: some patched names may differ", RuntimeWarning, stacklevel=3)
 
 
 def apply_cpu_shims(only: Optional[Iterable[str]] = None, exclude: Iterable[str] = ()) -> List[str]:

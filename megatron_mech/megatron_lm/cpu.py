@@ -159,7 +159,7 @@ def _apply_jit_warmup():
     # fusions on device="cuda" tensors through torch.compile; those fusions are off on CPU.
     from megatron.training import initialize, training
 
-    def set_jit_fusion_options():
+    def set_jit_fusion_options(tp_size=None):  # 0.19 training.py passes tp_size=; earlier releases nothing
         logger.info("CPU run: JIT fusion warm-up skipped (fusions are off)")
 
     initialize.set_jit_fusion_options = set_jit_fusion_options
