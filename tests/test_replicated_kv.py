@@ -158,3 +158,18 @@ def test_training_tp2_one_query_group_matches_tp1(tmp_path):
     for pattern in ("dwq_entropy", "dwk_entropy", "delta2_entropy"):
         # TRAINING_TOL: float32 reordering in the TP reductions, measured and justified in test_megatron_training
         assert_same_series(tp1, tp2, pattern, TRAINING_TOL)
+
+
+def test_mols_per_class_norms_tp2_one_query_group_equal_tp1():
+    """MoLS splits the fused linear_qkv gradient into its Q, K and V rows; with one query group at TP=2 a rank's
+    rows are a plain range of the whole weight, and the per-class norms must still equal TP=1's."""
+    from dist_utils import REPO_ROOT, job_ranks, run_worker_jobs
+    from test_megatron_mols import _max_rel
+
+    norms = dict(kind="train", groups=1, steps=4, window_steps=4, warmup=8)
+    results = run_worker_jobs(REPO_ROOT / "tests" / "workers" / "mols_worker.py",
+                              [dict(norms, id="tp1"), dict(norms, id="tp2", tp=2, nproc=2)], 300)
+    tp1, tp2 = job_ranks(results, "tp1")[0], job_ranks(results, "tp2")
+    assert {"qkv_q", "qkv_k", "qkv_v"} <= set(tp1["obs"][0]["small"])
+    assert _max_rel(tp1["obs"], tp2[0]["obs"]) < 1e-5  # float32 reordering over TP, as for the TP=2 GQA job
+    assert _max_rel(tp2[0]["obs"], tp2[1]["obs"]) == 0.0  # all-reduced: identical on both ranks
