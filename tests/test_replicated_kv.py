@@ -141,6 +141,20 @@ def test_bad_replicated_layouts_raise_clear_errors(H, G, TP, d, message):
         ReplicatedKVShard(H, G, d, TP, 0)
 
 
+def test_replicated_layer_and_monitor_refuse_inconsistent_input_by_name():
+    from megatron_mech.monitors import AttentionLayer, AttentionMonitor
+
+    kv = ReplicatedKVShard(4, 1, 3, 2, 1)
+    shard = torch.zeros(kv.rows_per_rank, 6)
+    with pytest.raises(ValueError, match=r"head_offset=0 \(expected 2\)"):
+        AttentionLayer(0, shard, 2, 1, 3, head_offset=0, replicated_kv=kv)
+    with pytest.raises(ValueError, match=r"expected \[\(H \+ 2G\)·d_head / TP = 9, d_model\]"):
+        AttentionLayer(0, torch.zeros(12, 6), 2, 1, 3, head_offset=2, replicated_kv=kv)
+    layer = AttentionLayer(0, shard, 2, 1, 3, head_offset=2, replicated_kv=kv)
+    with pytest.raises(ValueError, match="rank 1 of 2, but this is rank 0 of a tensor-parallel group of 1"):
+        AttentionMonitor([layer])
+
+
 def test_monitor_under_torchrun_tp2_one_query_group_equals_tp1():
     result = run_torchrun(WORKER, nproc=2, timeout=240)
     assert "REPLICATED_KV PASS" in result.stdout, result.stdout[-4000:]

@@ -6,8 +6,8 @@ Megatron-core's ``self_attention.linear_qkv.weight`` is a ColumnParallel weight 
     group 0: [ q head 0 | … | q head H/G−1 | k | v ]   each block d_head rows
     group 1: [ … ]
 
-With tensor parallelism each rank holds whole query groups, so a TP shard has exactly the same layout with the
-per-partition counts ``H/TP`` and ``G/TP`` (see :func:`qkv_partition_sizes`).
+When TP divides the number of query groups, each rank holds whole groups, so a TP shard has exactly the same
+layout with the per-partition counts ``H/TP`` and ``G/TP`` (see :func:`qkv_partition_sizes`).
 
 Fewer query groups than TP ranks (``TP % G == 0``, e.g. one group at TP=2): megatron-core still splits the whole
 weight into TP equal row ranges, so each query group's block ``[q … | k | v]`` spans ``TP/G`` ranks and a rank

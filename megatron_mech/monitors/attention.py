@@ -655,7 +655,7 @@ class AttentionMonitor:
                 continue
             q, k = lay.qk_rows(lay.qkv_weight.detach())
             dtype = _snapshot_dtype(lay.qkv_weight)
-            # copy=True: qkv_row_blocks may return views of the live parameter.
+            # copy=True: qk_rows may return views of the live parameter.
             layers.append((q.to(device=device, dtype=dtype, copy=True), k.to(device=device, dtype=dtype, copy=True)))
         extras = [w.detach().to(device=device, dtype=_snapshot_dtype(w), copy=True)
                   if ("extra", j) in self._mine else None for j, (_, w, _) in enumerate(self.extras)]
