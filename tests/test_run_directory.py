@@ -83,7 +83,8 @@ def test_unwritable_file_in_place_of_a_directory_is_found_at_start(tmp_path):
     (["--mech-interval", "0"], "--mech-interval: interval must be an int >= 1, got 0"),
     (["--num-attention-heads", "3", "--tensor-model-parallel-size", "2"],
      "--num-attention-heads 3 is not divisible by --tensor-model-parallel-size 2"),  # not about query groups
-    (["--num-query-groups", "1", "--tensor-model-parallel-size", "2"], "--num-query-groups 1 is not divisible by TP"),
+    (["--num-attention-heads", "6", "--num-query-groups", "3", "--tensor-model-parallel-size", "2"],
+     "--num-query-groups 3 must be a multiple or a divisor of --tensor-model-parallel-size 2"),
     (["--valid-data-path", "x"], "--valid-data-path needs --data-path"),
     (["--data-path", "x"], "--data-path needs --tokenizer-json"),
 ])
@@ -93,10 +94,12 @@ def test_bad_flags_are_named(flags, message):
     assert message in str(info.value)
 
 
-def test_replicated_kv_is_refused_only_with_the_attention_monitor():
-    """megatron-core replicates K/V heads when there are fewer query groups than TP ranks; only our attention
-    monitor cannot handle that layout."""
+def test_replicated_kv_is_accepted_with_every_monitor():
+    """megatron-core replicates K/V heads when there are fewer query groups than TP ranks; the attention monitor
+    handles that layout too."""
     check_args(parse("--num-query-groups", "1", "--tensor-model-parallel-size", "2", "--mech-monitors", "none"), 2)
+    check_args(parse("--num-query-groups", "1", "--tensor-model-parallel-size", "2", "--mech-monitors",
+                     "attention"), 2)
     check_args(parse("--num-query-groups", "1", "--tensor-model-parallel-size", "2", "--mech-monitors", "router",
                      "--num-experts", "4"), 2)
 

@@ -6,8 +6,15 @@ Megatron-core's ``self_attention.linear_qkv.weight`` is a ColumnParallel weight 
     group 0: [ q head 0 | … | q head H/G−1 | k | v ]   each block d_head rows
     group 1: [ … ]
 
-With tensor parallelism each rank holds whole query groups, so a TP shard has exactly the same layout with the
-per-partition counts ``H/TP`` and ``G/TP`` (see :func:`qkv_partition_sizes`).
+When TP divides the number of query groups, each rank holds whole groups, so a TP shard has exactly the same
+layout with the per-partition counts ``H/TP`` and ``G/TP`` (see :func:`qkv_partition_sizes`).
+
+Fewer query groups than TP ranks (``TP % G == 0``, e.g. one group at TP=2): megatron-core still splits the whole
+weight into TP equal row ranges, so each query group's block ``[q … | k | v]`` spans ``TP/G`` ranks and a rank
+may hold part of a head. No weight row is stored twice: each K row lives on exactly one rank. The forward
+all-gathers the QKV activations and rank r attends with query heads ``[r·H/TP, (r+1)·H/TP)`` against the K of
+group ``r // (TP/G)`` — the K/V heads are replicated in the activations only. :class:`ReplicatedKVShard` maps
+those rows.
 
 The monitors use the paper's orientation per head, ``[d_model, d_head]`` (score = X W_q W_kᵀ Xᵀ).
 ``split_fused_qkv`` returns views in that orientation where the layout allows (K and V always; Q when there
@@ -19,12 +26,13 @@ Other frameworks' layouts map onto this one: separate HF ``q_proj``/``k_proj``/`
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-__all__ = ["concatenated_qkv_blocks", "fuse_qkv", "grouped_qkv_from_blocks", "qkv_partition_sizes", "qkv_row_blocks",
-           "split_fused_qkv"]
+__all__ = ["ReplicatedKVShard", "concatenated_qkv_blocks", "fuse_qkv", "grouped_qkv_from_blocks", "qkv_partition_sizes",
+           "qkv_row_blocks", "split_fused_qkv"]
 
 
 def qkv_partition_sizes(num_heads: int, num_query_groups: int, tp_size: int = 1) -> tuple[int, int]:
@@ -36,7 +44,8 @@ def qkv_partition_sizes(num_heads: int, num_query_groups: int, tp_size: int = 1)
         raise ValueError(f"num_heads={num_heads} is not divisible by num_query_groups={num_query_groups}")
     if num_query_groups % tp_size:
         raise ValueError(f"num_query_groups={num_query_groups} is not divisible by the tensor-parallel size "
-                         f"{tp_size}: Megatron shards linear_qkv by whole query groups")
+                         f"{tp_size}: Megatron shards linear_qkv by whole query groups only then (fewer groups "
+                         f"than TP ranks: see ReplicatedKVShard)")
     return num_heads // tp_size, num_query_groups // tp_size
 
 
@@ -144,3 +153,116 @@ def concatenated_qkv_blocks(weight: torch.Tensor, num_heads: int, num_query_grou
     q_end = num_heads * head_dim
     k_end = q_end + num_query_groups * head_dim
     return weight[:q_end], weight[q_end:k_end], weight[k_end:]
+
+
+@dataclass(frozen=True)
+class ReplicatedKVShard:
+    """Rank ``tp_rank``'s rows of megatron-core's ``linear_qkv`` weight when ``num_query_groups < tp_size``.
+
+    Counts are the whole model's: ``num_heads`` H, ``num_query_groups`` G, and the TP size, with megatron-core's
+    rules (``TP % G == 0``, ``H % TP == 0``, ``(H + 2G)·head_dim % TP == 0``). Rank r holds the fused rows
+    ``[r·R, (r+1)·R)``, ``R = (H + 2G)·head_dim / TP``: a contiguous part of group ``r // (TP/G)``'s block.
+
+    Row indices below are "global Q rows" (``head·head_dim + i``, the rows of the whole ``[H·d_head, d_model]``
+    Q matrix) and "global K rows" (``group·head_dim + i``). Spans are half-open ``(start, stop)``.
+    """
+
+    num_heads: int
+    num_query_groups: int
+    head_dim: int
+    tp_size: int
+    tp_rank: int
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "num_query_groups", "head_dim", "tp_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ReplicatedKVShard.{name} must be an int >= 1, got {value!r}")
+        H, G, TP = self.num_heads, self.num_query_groups, self.tp_size
+        if isinstance(self.tp_rank, bool) or not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < TP:
+            raise ValueError(f"ReplicatedKVShard.tp_rank must be an int in [0, {TP}), got {self.tp_rank!r}")
+        if G >= TP or TP % G:
+            raise ValueError(f"ReplicatedKVShard needs num_query_groups < TP with TP divisible by it (megatron-core "
+                             f"replicates K/V heads only then), got num_query_groups={G}, TP={TP}")
+        if H % TP:
+            raise ValueError(f"num_heads={H} is not divisible by the tensor-parallel size {TP}")
+        if (H + 2 * G) * self.head_dim % TP:
+            raise ValueError(f"linear_qkv has (H + 2G)·d_head = {(H + 2 * G) * self.head_dim} rows, not divisible by "
+                             f"the tensor-parallel size {TP}")
+
+    @property
+    def heads_per_rank(self) -> int:
+        """Query heads each rank attends with (``H/TP``)."""
+        return self.num_heads // self.tp_size
+
+    @property
+    def rows_per_rank(self) -> int:
+        """Rows of every rank's shard, ``(H + 2G)·d_head / TP``."""
+        return (self.num_heads + 2 * self.num_query_groups) * self.head_dim // self.tp_size
+
+    def group_of(self, rank: int) -> int:
+        """The query group (K/V head) rank ``rank`` attends with."""
+        return rank // (self.tp_size // self.num_query_groups)
+
+    def _block_span(self, rank: int) -> tuple[int, int]:
+        """Rank ``rank``'s rows inside its group's block ``[q … | k | v]``."""
+        j = rank % (self.tp_size // self.num_query_groups)
+        return j * self.rows_per_rank, (j + 1) * self.rows_per_rank
+
+    def q_rows_held(self, rank: int) -> tuple[int, int]:
+        """Global Q rows stored in rank ``rank``'s shard; they are its local rows ``[0, stop − start)`` — the Q
+        part of a shard comes first, since a group's block starts with its Q rows."""
+        lo, hi = self._block_span(rank)
+        q_len = self.num_heads // self.num_query_groups * self.head_dim
+        base = self.group_of(rank) * q_len
+        start, stop = min(lo, q_len), min(hi, q_len)
+        return base + start, base + stop
+
+    def k_rows_held(self, rank: int) -> tuple[int, int]:
+        """Global K rows stored in rank ``rank``'s shard (right after its Q rows)."""
+        lo, hi = self._block_span(rank)
+        q_len = self.num_heads // self.num_query_groups * self.head_dim
+        start, stop = min(max(lo, q_len), q_len + self.head_dim), min(max(hi, q_len), q_len + self.head_dim)
+        base = self.group_of(rank) * self.head_dim
+        return base + start - q_len, base + stop - q_len
+
+    def q_rows_used(self, rank: int) -> tuple[int, int]:
+        """Global Q rows of the query heads rank ``rank`` attends with: heads ``[r·H/TP, (r+1)·H/TP)``."""
+        size = self.heads_per_rank * self.head_dim
+        return rank * size, (rank + 1) * size
+
+    def k_rows_used(self, rank: int) -> tuple[int, int]:
+        """Global K rows of the K head rank ``rank`` attends with."""
+        g = self.group_of(rank)
+        return g * self.head_dim, (g + 1) * self.head_dim
+
+    def local_qk_rows(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q_rows, k_rows)`` of this rank's shard ``[R, d_model]``: views of ``weight`` (possibly 0 rows), in
+        global row order; never write through them."""
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] != self.rows_per_rank:
+            raise ValueError(f"linear_qkv shard must be [(H + 2G)·d_head / TP = {self.rows_per_rank}, d_model], got "
+                             f"{getattr(weight, 'shape', type(weight))}")
+        q_lo, q_hi = self.q_rows_held(self.tp_rank)
+        k_lo, k_hi = self.k_rows_held(self.tp_rank)
+        n_q = q_hi - q_lo
+        return weight[:n_q], weight[n_q:n_q + k_hi - k_lo]
+
+    def sends(self, dest: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """What this rank sends ``dest`` so that it can pair its query heads with their K head: local index
+        spans ``(into q_rows, into k_rows)`` of :meth:`local_qk_rows` (either may be empty)."""
+        return (self._overlap(self.q_rows_held(self.tp_rank), self.q_rows_used(dest), self.q_rows_held(self.tp_rank)),
+                self._overlap(self.k_rows_held(self.tp_rank), self.k_rows_used(dest), self.k_rows_held(self.tp_rank)))
+
+    def receives(self, source: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """Where the rows from ``source`` go: index spans into this rank's used Q rows ``[H/TP·d_head]`` and used
+        K rows ``[d_head]`` (the matching :meth:`sends` of ``source``, in the same order)."""
+        me = self.tp_rank
+        return (self._overlap(self.q_rows_held(source), self.q_rows_used(me), self.q_rows_used(me)),
+                self._overlap(self.k_rows_held(source), self.k_rows_used(me), self.k_rows_used(me)))
+
+    @staticmethod
+    def _overlap(a: tuple[int, int], b: tuple[int, int], origin: tuple[int, int]) -> tuple[int, int]:
+        lo, hi = max(a[0], b[0]), min(a[1], b[1])
+        if hi <= lo:
+            return 0, 0
+        return lo - origin[0], hi - origin[0]

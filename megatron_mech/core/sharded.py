@@ -61,6 +61,7 @@ from megatron_mech.core.spectral import spectrum_from_gram
 __all__ = [
     "all_reduce_flat",
     "all_reduce_packed",
+    "all_to_all_rows",
     "bucket_plan",
     "collective_device",
     "distributed_active",
@@ -247,6 +248,29 @@ def all_reduce_packed(tensors: Sequence[torch.Tensor], group=None,
         for i, piece in zip(bucket, flat.split([tensors[i].numel() for i in bucket])):
             out[i] = piece.view(tensors[i].shape)
     return out  # type: ignore[return-value]
+
+
+def all_to_all_rows(sends: Sequence[torch.Tensor], recv_rows: Sequence[int], group=None) -> list[torch.Tensor]:
+    """Send ``sends[t]`` (``[n_t, c]``, the same ``c`` and dtype for every t) to rank t of ``group`` and receive
+    ``recv_rows[s]`` rows from every rank s: ONE ``dist.all_to_all_single``. Returns the received blocks, one per
+    source rank, on the device of ``sends[0]``. Without a collective to issue (no torch.distributed, a one-rank
+    group) returns ``sends`` itself (this rank is the only source)."""
+    sends = list(sends)
+    if not sends or any(t.dim() != 2 or t.shape[1] != sends[0].shape[1] or t.dtype != sends[0].dtype for t in sends):
+        raise ValueError(f"sends must be 2-D blocks sharing their column count and dtype, got "
+                         f"{[(tuple(t.shape), t.dtype) for t in sends]}")
+    if not distributed_active(group):
+        return sends
+    size = dist.get_world_size(group)
+    if len(sends) != size or len(recv_rows) != size:
+        raise ValueError(f"one send block and one receive count per rank of the group ({size}), got {len(sends)} "
+                         f"and {len(recv_rows)}")
+    cols, home = sends[0].shape[1], sends[0].device
+    device = collective_device(group, fallback=home)
+    flat = torch.cat([t.reshape(-1) for t in sends]).to(device)
+    out = torch.empty(sum(recv_rows) * cols, dtype=sends[0].dtype, device=device)
+    dist.all_to_all_single(out, flat, [n * cols for n in recv_rows], [t.shape[0] * cols for t in sends], group=group)
+    return [piece.view(-1, cols).to(home) for piece in out.split([n * cols for n in recv_rows])]
 
 
 def sharded_matrix_spectra(locals_: Sequence[torch.Tensor], shard_dim: Union[int, Sequence[int]], group=None,

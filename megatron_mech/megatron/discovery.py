@@ -9,6 +9,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from megatron_mech.core.layouts import ReplicatedKVShard
 from megatron_mech.model_view import ModelView, RouterView
 from megatron_mech.monitors.attention import AttentionLayer
 
@@ -32,18 +33,21 @@ def find_attention_layers(model_chunks: Sequence[torch.nn.Module]) -> list[Atten
         for module in unwrap_model(chunk).modules():
             if isinstance(module, SelfAttention):
                 tp_size = torch.distributed.get_world_size(module.tp_group) if module.tp_group is not None else 1
-                if module.config.num_query_groups < tp_size:
-                    raise ValueError(
-                        f"num_query_groups={module.config.num_query_groups} < TP={tp_size}: megatron replicates "
-                        f"K/V heads across TP ranks in this layout, which the attention monitor does not support")
                 tp_rank = torch.distributed.get_rank(module.tp_group) if module.tp_group is not None else 0
+                head_dim = module.hidden_size_per_attention_head
+                if module.config.num_query_groups < tp_size:
+                    # megatron-core splits the whole weight into TP row ranges and replicates K/V heads in the
+                    # activations; its per-partition counts then describe the all-gathered group, not the shard
+                    replicated = ReplicatedKVShard(module.config.num_attention_heads, module.config.num_query_groups,
+                                                   head_dim, tp_size, tp_rank)
+                    heads, groups = replicated.heads_per_rank, 1
+                else:
+                    replicated = None
+                    heads, groups = module.num_attention_heads_per_partition, module.num_query_groups_per_partition
                 found.append(AttentionLayer(
                     layer=module.layer_number - 1,  # megatron counts from 1, over all pipeline stages
-                    qkv_weight=module.linear_qkv.weight,
-                    num_heads=module.num_attention_heads_per_partition,
-                    num_query_groups=module.num_query_groups_per_partition,
-                    head_dim=module.hidden_size_per_attention_head,
-                    head_offset=tp_rank * module.num_attention_heads_per_partition))
+                    qkv_weight=module.linear_qkv.weight, num_heads=heads, num_query_groups=groups,
+                    head_dim=head_dim, head_offset=tp_rank * heads, replicated_kv=replicated))
     return sorted(found, key=lambda spec: spec.layer)
 
 

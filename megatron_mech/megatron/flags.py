@@ -147,9 +147,7 @@ def check_args(args, world_size: int) -> None:
     if args.num_attention_heads % groups:
         raise ValueError(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
                          f"--num-query-groups {groups}")
-    if any(m in ("attention", "auto") for m in (args.mech_monitors or ())):
-        # megatron-core replicates K/V heads when TP does not divide the groups; only our monitor cannot
-        validate_parallel_sizes(world_size, tp, ep, pp=pp, num_experts=args.num_experts, num_query_groups=groups)
+    validate_parallel_sizes(world_size, tp, ep, pp=pp, num_experts=args.num_experts, num_query_groups=groups)
     dp = world_size // (tp * pp)
     if args.global_batch_size % (args.micro_batch_size * dp):
         raise ValueError(f"--global-batch-size {args.global_batch_size} is not divisible by "
@@ -191,6 +189,7 @@ def validate_parallel_sizes(world_size: int, tp: int, ep: int = 1, pp: int = 1, 
         if world_size % (ep * tp * pp):
             raise ValueError(f"world size {world_size} is not divisible by EP×TP×PP = {ep}×{tp}×{pp} "
                              f"(experts are split over EP and, by default, TP)")
-    if num_query_groups is not None and num_query_groups % tp:
-        raise ValueError(f"--num-query-groups {num_query_groups} is not divisible by TP {tp}: the monitors need "
-                         f"whole query groups per tensor-parallel rank")
+    if num_query_groups is not None and num_query_groups % tp and tp % num_query_groups:
+        # fewer groups than TP ranks is fine (megatron-core replicates the K/V heads), anything else it refuses
+        raise ValueError(f"--num-query-groups {num_query_groups} must be a multiple or a divisor of "
+                         f"--tensor-model-parallel-size {tp}")

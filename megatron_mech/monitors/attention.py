@@ -54,7 +54,8 @@ Collectives (``dw_scope="global"`` with a ``tp_group`` of more than one rank; no
 --------------------------------------------------------------------------------------------
 * Construction: two — an all-reduce (MAX of ±values) of a fixed-length header (layer and extra counts, terms,
   interval, buckets, a local-validation flag) and, if every rank agrees, an all-gather of the per-layer
-  layout (layer index, d_model, heads, groups, head_dim, head_offset; per extra: shard_dim and size). Every
+  layout (layer index, d_model, heads, groups, head_dim, head_offset, the whole model's heads and groups of
+  a replicated-K/V layer; per extra: shard_dim and size). Every
   rank validates the same gathered data, so disagreements raise the same ``ValueError`` on every rank instead
   of hanging in a later collective.
 * Evaluation: ONE ``all_reduce`` (SUM, float64) of a flat buffer holding, per layer, the packed Grams of ΔW_q
@@ -73,7 +74,13 @@ Collectives (``dw_scope="global"`` with a ``tp_group`` of more than one rank; no
   all-reduce over ``dp_group`` (replicas must agree on layout and config).
 * ``load_state_dict``: one tiny all-reduce (per group: TP, then DP) so that all ranks agree on the snapshot step.
 The number and order of collectives depends only on the config and on counts validated equal across ranks.
-QK spectra need no communication: each TP rank holds whole query groups (heads with their K).
+QK spectra need no communication when each TP rank holds whole query groups (heads with their K). With
+replicated K/V heads (fewer query groups than TP ranks, :class:`~megatron_mech.core.layouts.ReplicatedKVShard`)
+a rank's query heads and their K head are stored on other ranks: each evaluated layer adds ONE ``all_to_all``
+over ``tp_group`` (before its bucket's all-reduce) that hands each rank the current and snapshot rows of the
+heads it attends with and of their K head, ``(H/TP + 1)·d_head·2·d_model`` values received per rank. The ΔW_q /
+ΔW_k Grams need nothing extra: every Q and K row is stored on exactly one rank, so the summed Gram counts it
+once. These layers need ``dw_scope="global"``.
 
 Cost, measured on one H200 (bf16 weights, d_head 128, TP=1, per layer and evaluation): d_model 4096 / 32
 heads / 8 groups: 0.16 s for the ΔW_q and ΔW_k spectra, 0.49 s with the three QK terms, snapshot 0.03 s;
@@ -112,9 +119,10 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_mech.core.layouts import qkv_partition_sizes, qkv_row_blocks, split_fused_qkv
+from megatron_mech.core.layouts import ReplicatedKVShard, qkv_partition_sizes, qkv_row_blocks, split_fused_qkv
 from megatron_mech.core.sharded import (
     all_reduce_flat,
+    all_to_all_rows,
     bucket_plan,
     collective_device,
     distributed_active,
@@ -160,6 +168,10 @@ class AttentionLayer:
         num_query_groups: per-partition query groups g on this rank.
         head_dim: d_head.
         head_offset: global index of this rank's first head (``tp_rank·h`` in Megatron).
+        replicated_kv: set when the model has fewer query groups than TP ranks (megatron-core then replicates
+            the K/V heads across ranks, see :class:`~megatron_mech.core.layouts.ReplicatedKVShard`):
+            ``qkv_weight`` is then the rank's ``[(H + 2G)·d_head / TP, d_model]`` row range, ``num_heads`` the
+            ``H/TP`` heads the rank attends with, ``num_query_groups`` 1 and ``head_offset`` ``tp_rank·H/TP``.
     """
 
     layer: int
@@ -168,6 +180,7 @@ class AttentionLayer:
     num_query_groups: int
     head_dim: int
     head_offset: int = 0
+    replicated_kv: Optional[ReplicatedKVShard] = None
 
     def __post_init__(self) -> None:
         for name, low in (("layer", 0), ("num_heads", 1), ("num_query_groups", 1), ("head_dim", 1),
@@ -180,6 +193,20 @@ class AttentionLayer:
         if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point():
             raise ValueError(f"AttentionLayer.qkv_weight (layer {self.layer}) must be a 2-D floating tensor "
                              f"[(h + 2g)·d_head, d_model], got {getattr(w, 'shape', type(w))}")
+        kv = self.replicated_kv
+        if kv is not None:
+            if not isinstance(kv, ReplicatedKVShard):
+                raise ValueError(f"AttentionLayer.replicated_kv (layer {self.layer}) must be a ReplicatedKVShard "
+                                 f"or None, got {type(kv).__name__}")
+            expected = {"num_heads": kv.heads_per_rank, "num_query_groups": 1, "head_dim": kv.head_dim,
+                        "head_offset": kv.tp_rank * kv.heads_per_rank}
+            wrong = [f"{k}={getattr(self, k)} (expected {v})" for k, v in expected.items() if getattr(self, k) != v]
+            if wrong:
+                raise ValueError(f"AttentionLayer (layer {self.layer}) with replicated K/V heads: " + ", ".join(wrong))
+            if w.shape[0] != kv.rows_per_rank or w.shape[1] < 1:
+                raise ValueError(f"AttentionLayer.qkv_weight (layer {self.layer}) has shape {tuple(w.shape)}; "
+                                 f"expected [(H + 2G)·d_head / TP = {kv.rows_per_rank}, d_model]")
+            return
         rows = (self.num_heads + 2 * self.num_query_groups) * self.head_dim
         if w.shape[0] != rows or w.shape[1] < 1:
             raise ValueError(f"AttentionLayer.qkv_weight (layer {self.layer}) has shape {tuple(w.shape)}; expected "
@@ -189,6 +216,23 @@ class AttentionLayer:
     @property
     def d_model(self) -> int:
         return int(self.qkv_weight.shape[1])
+
+    def qk_rows(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q_rows, k_rows)`` ``[out, in]`` that this rank stores of ``weight`` (the live weight or a copy of
+        it): the shard's whole Q and K blocks, or with replicated K/V heads the Q and K rows its row range holds."""
+        if self.replicated_kv is not None:
+            return self.replicated_kv.local_qk_rows(weight)
+        q, k, _ = qkv_row_blocks(weight, self.num_heads, self.num_query_groups, self.head_dim)
+        return q, k
+
+    @property
+    def qk_row_counts(self) -> tuple[int, int]:
+        """Row counts of :meth:`qk_rows`."""
+        kv = self.replicated_kv
+        if kv is not None:
+            (q_lo, q_hi), (k_lo, k_hi) = kv.q_rows_held(kv.tp_rank), kv.k_rows_held(kv.tp_rank)
+            return q_hi - q_lo, k_hi - k_lo
+        return self.num_heads * self.head_dim, self.num_query_groups * self.head_dim
 
 
 @dataclass
@@ -357,6 +401,7 @@ class AttentionMonitor:
         local_error: Optional[ValueError] = None
         try:
             self.layers = self._check_layers(layers)
+            self._check_replicated_kv(self.layers)
             self.extras = self._check_extras(extra_linears)
         except ValueError as exc:
             if not (self._collective or self._dp):
@@ -397,6 +442,21 @@ class AttentionMonitor:
         if len(set(indices)) != len(indices):
             raise ValueError(f"layers have duplicate layer indices: {indices}")
         return layers
+
+    def _check_replicated_kv(self, layers: list[AttentionLayer]) -> None:
+        """Layers with replicated K/V heads need the global scope over their own TP group: a rank's query heads
+        and their K head are stored on different ranks."""
+        for lay in layers:
+            kv = lay.replicated_kv
+            if kv is None:
+                continue
+            if self.config.dw_scope != "global":
+                raise ValueError(f"layer {lay.layer} has replicated K/V heads (num_query_groups "
+                                 f"{kv.num_query_groups} < TP {kv.tp_size}): dw_scope must be 'global', got "
+                                 f"{self.config.dw_scope!r}")
+            if (kv.tp_size, kv.tp_rank) != (self.tp_size, self.tp_rank):
+                raise ValueError(f"layer {lay.layer}: replicated_kv describes TP rank {kv.tp_rank} of {kv.tp_size}, "
+                                 f"but this is rank {self.tp_rank} of a tensor-parallel group of {self.tp_size}")
 
     @staticmethod
     def _check_extras(extra_linears) -> list[tuple[str, torch.Tensor, int]]:
@@ -459,7 +519,9 @@ class AttentionMonitor:
 
         desc = []
         for lay in self.layers:
-            desc += [lay.layer, lay.d_model, lay.num_heads, lay.num_query_groups, lay.head_dim, lay.head_offset]
+            kv = lay.replicated_kv
+            desc += [lay.layer, lay.d_model, lay.num_heads, lay.num_query_groups, lay.head_dim, lay.head_offset,
+                     0 if kv is None else kv.num_heads, 0 if kv is None else kv.num_query_groups]
         for _, w, sd in self.extras:
             desc += [sd, gram_size(w.shape, sd)]
         if not desc:
@@ -470,14 +532,16 @@ class AttentionMonitor:
         table = torch.stack(gathered).cpu().tolist()            # [tp_size][len(desc)], same on every rank
 
         errors = []
+        width = 8
         for i in range(len(self.layers)):
-            rows = [r[6 * i: 6 * i + 6] for r in table]
+            rows = [r[width * i: width * i + width] for r in table]
             layer_ids = {r[0] for r in rows}
             if len(layer_ids) != 1:
                 errors.append(f"layers[{i}] has different layer indices across ranks: {sorted(layer_ids)}")
                 continue
             name = f"layer {rows[0][0]}"
-            for col, what in ((1, "d_model"), (4, "head_dim")):
+            for col, what in ((1, "d_model"), (4, "head_dim"), (6, "replicated K/V heads' num_heads"),
+                              (7, "replicated K/V heads' num_query_groups")):
                 vals = {r[col] for r in rows}
                 if len(vals) != 1:
                     errors.append(f"{name}: {what} differs across ranks: {sorted(vals)}")
@@ -490,7 +554,7 @@ class AttentionMonitor:
                     break
                 expected = stop
             self._total_heads[i] = expected
-        base = 6 * len(self.layers)
+        base = width * len(self.layers)
         for j, (name, _, _) in enumerate(self.extras):
             rows = [r[base + 2 * j: base + 2 * j + 2] for r in table]
             if len({tuple(r) for r in rows}) != 1:
@@ -509,7 +573,7 @@ class AttentionMonitor:
                 c.eval_device, c.qk_batch]
         for lay in self.layers:
             desc.append(f"{lay.layer},{lay.d_model},{lay.num_heads},{lay.num_query_groups},{lay.head_dim},"
-                        f"{lay.head_offset}")
+                        f"{lay.head_offset},{lay.replicated_kv}")
         desc += [f"{name},{tuple(w.shape)},{sd}" for name, w, sd in self.extras]
         fields = [int(error is not None), len(self.layers), len(self.extras), _crc(desc)]
         device = collective_device(self.dp_group, fallback=self._device())
@@ -589,9 +653,9 @@ class AttentionMonitor:
             if ("layer", i) not in self._mine:   # evaluated by another replica: no snapshot here
                 layers.append(None)
                 continue
-            q, k, _ = qkv_row_blocks(lay.qkv_weight.detach(), lay.num_heads, lay.num_query_groups, lay.head_dim)
+            q, k = lay.qk_rows(lay.qkv_weight.detach())
             dtype = _snapshot_dtype(lay.qkv_weight)
-            # copy=True: qkv_row_blocks may return views of the live parameter.
+            # copy=True: qk_rows may return views of the live parameter.
             layers.append((q.to(device=device, dtype=dtype, copy=True), k.to(device=device, dtype=dtype, copy=True)))
         extras = [w.detach().to(device=device, dtype=_snapshot_dtype(w), copy=True)
                   if ("extra", j) in self._mine else None for j, (_, w, _) in enumerate(self.extras)]
@@ -607,8 +671,8 @@ class AttentionMonitor:
 
     def _layer_geometry(self, i: int):
         lay = self.layers[i]
-        q_shape = (lay.num_heads * lay.head_dim, lay.d_model)
-        k_shape = (lay.num_query_groups * lay.head_dim, lay.d_model)
+        n_q, n_k = lay.qk_row_counts
+        q_shape, k_shape = (n_q, lay.d_model), (n_k, lay.d_model)
         sq, sk = self._shard_dim(q_shape, 0), self._shard_dim(k_shape, 0)
         kq, kk = gram_size(q_shape, sq), gram_size(k_shape, sk)
         heads = self._total_heads[i] if self._collective else lay.num_heads
@@ -692,7 +756,7 @@ class AttentionMonitor:
         w = lay.qkv_weight.detach()
         w = w.to(self._eval_device(w))
         q_prev, k_prev = (t.to(w.device) for t in self._snapshots["layers"][i])
-        q_cur, k_cur, _ = qkv_row_blocks(w, lay.num_heads, lay.num_query_groups, lay.head_dim)
+        q_cur, k_cur = lay.qk_rows(w)
         n_q, n_k = self._dw_slot(kq), self._dw_slot(kk)
         dt = self._gram_dtype(w)
         self._fill_dw(out[:n_q], q_cur.to(dt) - q_prev.to(dt), sq, kq, ("layer", i, "q"), q_prev)
@@ -701,7 +765,11 @@ class AttentionMonitor:
         if not terms:
             return
         d_model, dh = lay.d_model, lay.head_dim
-        wq, wk, _ = split_fused_qkv(w, lay.num_heads, lay.num_query_groups, dh)
+        if lay.replicated_kv is not None:
+            q_cur, k_cur, q_prev, k_prev = self._rows_attended_with(lay, q_cur, k_cur, q_prev, k_prev)
+            wq, wk = q_cur.view(lay.num_heads, dh, d_model).transpose(1, 2), k_cur.view(1, dh, d_model).transpose(1, 2)
+        else:
+            wq, wk, _ = split_fused_qkv(w, lay.num_heads, lay.num_query_groups, dh)
         wq_prev = q_prev.view(lay.num_heads, dh, d_model).transpose(1, 2)
         wk_prev = k_prev.view(lay.num_query_groups, dh, d_model).transpose(1, 2)
         block = out[n_q + n_k:].view(len(terms), heads)
@@ -715,6 +783,30 @@ class AttentionMonitor:
             return
         spectra = qk_increment_spectra(wq_prev, wk_prev, wq, wk, terms=terms, method=self.config.qk_method)
         self._write_qk_entropies(spectra, target)
+
+    def _rows_attended_with(self, lay: AttentionLayer, q_cur, k_cur, q_prev, k_prev):
+        """Replicated K/V heads: the current and snapshot Q rows of the heads this rank attends with and the rows
+        of their K head, gathered from the ranks that store them — ONE all-to-all over ``tp_group``, each row
+        sent once to each rank that attends with it (``(H/TP + 1)·d_head`` rows of ``2·d_model`` values)."""
+        kv = lay.replicated_kv
+        dt = self._gram_dtype(lay.qkv_weight)
+        q_both = torch.cat([q_cur.to(dt), q_prev.to(dt)], dim=1)
+        k_both = torch.cat([k_cur.to(dt), k_prev.to(dt)], dim=1)
+        sends, recv_rows = [], []
+        for rank in range(self.tp_size):
+            (q_lo, q_hi), (k_lo, k_hi) = kv.sends(rank)
+            sends.append(torch.cat([q_both[q_lo:q_hi], k_both[k_lo:k_hi]]))
+            (q_lo, q_hi), (k_lo, k_hi) = kv.receives(rank)
+            recv_rows.append(q_hi - q_lo + k_hi - k_lo)
+        q_used = torch.empty(kv.heads_per_rank * kv.head_dim, q_both.shape[1], dtype=q_both.dtype,
+                             device=q_both.device)
+        k_used = torch.empty(kv.head_dim, k_both.shape[1], dtype=k_both.dtype, device=k_both.device)
+        for rank, block in enumerate(all_to_all_rows(sends, recv_rows, self.tp_group)):
+            (q_lo, q_hi), (k_lo, k_hi) = kv.receives(rank)
+            q_used[q_lo:q_hi] = block[:q_hi - q_lo]
+            k_used[k_lo:k_hi] = block[q_hi - q_lo:]
+        d_model = lay.d_model
+        return q_used[:, :d_model], k_used[:, :d_model], q_used[:, d_model:], k_used[:, d_model:]
 
     def _write_qk_entropies(self, spectra, target: torch.Tensor) -> None:
         ent = torch.stack([spectral_entropy(getattr(spectra, t), power=self.config.power)
@@ -976,8 +1068,7 @@ class AttentionMonitor:
                     pairs = None
                     break
                 dtype = _snapshot_dtype(lay.qkv_weight)
-                shapes = ((lay.num_heads * lay.head_dim, lay.d_model),
-                          (lay.num_query_groups * lay.head_dim, lay.d_model))
+                shapes = tuple((n, lay.d_model) for n in lay.qk_row_counts)
                 for key, shape in zip(("q", "k"), shapes):
                     if tuple(snap[key].shape) != shape:
                         raise ValueError(f"layer {lay.layer}: snapshot {key} has shape {tuple(snap[key].shape)}, "

@@ -43,6 +43,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from megatron_mech.core.layouts import ReplicatedKVShard
 from megatron_mech.core.mols import MEASURED_KEYS
 from megatron_mech.core.taxonomy import ModuleTaxonomy, fused_qkv_blocks, is_fused_qkv
 from megatron_mech.megatron.mols.param_groups import class_by_id
@@ -99,6 +100,8 @@ class GradNormReader:
         heads, groups = cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads
         head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
         h_local, g_local = heads // self.tp_size, max(1, groups // self.tp_size)
+        kv_layout = (ReplicatedKVShard(heads, groups, head_dim, self.tp_size, tp_rank) if groups < self.tp_size
+                     else None)
         self.entries: List[_Entry] = []
         self.device = None
         self.dist_opt = bool(getattr(model_chunks[0].ddp_config, "use_distributed_optimizer", False))
@@ -141,7 +144,15 @@ class GradNormReader:
                     e.rows = param.shape[0]
                     e.cols = int(param.numel() // max(1, param.shape[0])) if param.dim() else 1
                     e.labels = None
-                    if e.fused:
+                    if e.fused and groups < self.tp_size:
+                        # a plain row range of the whole weight (megatron-core replicates K/V heads): Q rows,
+                        # then K rows, then V rows, as ReplicatedKVShard says
+                        n_q, n_k = (hi - lo for lo, hi in (kv_layout.q_rows_held(tp_rank),
+                                                           kv_layout.k_rows_held(tp_rank)))
+                        labels = torch.full((e.rows,), 2, dtype=torch.long)
+                        labels[:n_q], labels[n_q:n_q + n_k] = 0, 1
+                        e.labels = labels.to(buf.grad_data.device)
+                    elif e.fused:
                         # the row layout of weight and bias alike: split the row indices as a 1-D "bias"
                         blocks = fused_qkv_blocks(tax_name, torch.arange(e.rows, dtype=torch.float64), h_local,
                                                   g_local, head_dim)
