@@ -33,6 +33,7 @@ JSONL would interleave records.
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import logging
 import math
@@ -46,7 +47,8 @@ from megatron_mech.core.detect import Alert
 
 __all__ = ["JSONL_NAME", "RESERVED_KEYS", "make_record", "encode_record", "decode_record", "record_alerts",
            "record_scalars", "read_alerts", "read_jsonl", "truncate_jsonl", "Sink", "JsonlSink", "TensorBoardSink", "WandbSink",
-           "DeepSpeedMonitorSink", "CallbackSink", "MultiSink", "default_sinks"]
+           "DeepSpeedMonitorSink", "CallbackSink", "MultiSink", "default_sinks",
+           "missing_sink_package"]
 
 logger = logging.getLogger(__name__)
 
@@ -578,6 +580,24 @@ class MultiSink(_SinkBase):
 
     def close(self) -> None:
         self._each("close")
+
+
+# the module each optional sink imports when it starts, and how to install it
+_SINK_PACKAGES = {"tensorboard": ("torch.utils.tensorboard", "pip install tensorboard, or megatron-mech[viz]"),
+                  "wandb": ("wandb", "pip install wandb")}
+
+
+def missing_sink_package(kind: str) -> str | None:
+    """Why the optional sink ``kind`` (``"tensorboard"`` or ``"wandb"``) cannot start — its package is not
+    installed — or None when it can. Imports the package the sink imports, so an entry point can check its
+    flags on every rank before any process group or model exists (the sinks themselves start on one rank,
+    after the model is built)."""
+    module, install = _SINK_PACKAGES[kind]
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        return f"the '{kind}' package is not installed ({install}): {exc}"
+    return None
 
 
 def default_sinks(run_dir: str | os.PathLike, *, tensorboard: bool | str | os.PathLike = False,
