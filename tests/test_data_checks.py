@@ -88,6 +88,10 @@ def test_token_ids_past_the_vocabulary_are_named(corpus, tmp_path):
         check_args(data_flags(tmp_path / "big", corpus.tokenizer_path), world_size=1)
     message = str(info.value)
     assert f"{tmp_path / 'big'}.bin holds token id {vocab + 700}" in message and f"{vocab} tokens" in message
+    # past the start-up scan's budget a file is left to the per-batch check (next test)
+    from megatron_mech.megatron.data_checks import check_indexed_dataset
+
+    assert check_indexed_dataset(str(tmp_path / "big"), vocab, scan_budget=5) == 0
     valid = build_parser().parse_args(["--data-path", str(corpus.train_prefix), "--valid-data-path",
                                        str(tmp_path / "big"), "--tokenizer-json", str(corpus.tokenizer_path)])
     with pytest.raises(ValueError, match="--valid-data-path: .*big.bin holds token id"):
@@ -133,3 +137,17 @@ def test_entry_point_refuses_foreign_token_ids_before_building_the_model(corpus,
     assert text.count("big.bin holds token id 5000") >= 2 and "[train] world=" not in text
     assert "pretrain_gpt: error: --data-path:" in text and "in check_args" not in text  # one line, no traceback
     assert "Connection closed" not in text
+
+
+def test_entry_point_refuses_a_missing_wandb_on_every_rank(tmp_path):
+    """Two real ranks, ``wandb`` blocked (tests/workers/blocked_import_worker.py): the refusal names the flag on
+    every rank before any process group exists, instead of one rank's ImportError after the model is built and
+    the other's "Connection closed by peer"."""
+    worker = REPO_ROOT / "tests" / "workers" / "blocked_import_worker.py"
+    with pytest.raises(AssertionError) as failure:
+        run_torchrun(worker, "wandb", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
+                     "--seq-length", "32", "--train-iters", "2", "--lr-warmup-iters", "1", "--mech-wandb-project",
+                     "p", "--save", str(tmp_path / "run"), nproc=2, timeout=120)
+    text = str(failure.value)
+    assert text.count("pretrain_gpt: error: --mech-wandb-project p: the 'wandb' package is not installed") == 2
+    assert "[train] world=" not in text and "Connection closed" not in text

@@ -20,8 +20,8 @@ _INDEX_HEADER = b"MMIDIDX\x00\x00"
 _HEADER_BYTES = 34  # magic 9 + version 8 + dtype code 1 + sequence count 8 + document count 8
 _DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
            8: np.uint16}
-# Token ids of a .bin up to this many tokens are all checked at start (a few seconds at most); the batches of a
-# larger corpus are checked as they are drawn (check_token_ids).
+# Token ids of the data files are checked at start up to this many tokens in all (a few seconds at most); the
+# batches of files past it are checked as they are drawn (check_token_ids).
 SCAN_LIMIT_TOKENS = 1 << 28
 _SCAN_CHUNK = 1 << 24
 
@@ -38,9 +38,10 @@ def check_tokenizer_json(path: str, flag: str = "--tokenizer-json") -> int:
 
 
 def check_indexed_dataset(prefix: str, vocab_size: Optional[int], flag: str = "--data-path",
-                          tokenizer_flag: str = "--tokenizer-json") -> None:
+                          tokenizer_flag: str = "--tokenizer-json", scan_budget: int = SCAN_LIMIT_TOKENS) -> int:
     """Refuse a ``.idx``/``.bin`` pair that megatron-core could not read (bad header, truncated index or data)
-    or whose token ids do not fit the tokenizer's ``vocab_size`` (ids ``0..vocab_size-1``)."""
+    or whose token ids do not fit the tokenizer's ``vocab_size`` (ids ``0..vocab_size-1``). The ids are read
+    only when the file holds at most ``scan_budget`` tokens; returns how many were read."""
     idx, bin_path = f"{prefix}.idx", f"{prefix}.bin"
     idx_size = os.path.getsize(idx)
     with open(idx, "rb") as stream:
@@ -61,15 +62,15 @@ def check_indexed_dataset(prefix: str, vocab_size: Optional[int], flag: str = "-
     dtype = np.dtype(_DTYPES[code])
     bin_size = os.path.getsize(bin_path)
     if sequences == 0:
-        return
+        return 0
     lengths = np.memmap(idx, dtype=np.int32, mode="r", offset=_HEADER_BYTES, shape=(sequences,))
     pointers = np.memmap(idx, dtype=np.int64, mode="r", offset=_HEADER_BYTES + 4 * sequences, shape=(sequences,))
     needed = int(pointers[-1]) + int(lengths[-1]) * dtype.itemsize
     if bin_size < needed:
         raise ValueError(f"{flag}: {bin_path} is truncated: {bin_size} bytes, but its index {idx} needs {needed}")
     count = needed // dtype.itemsize
-    if vocab_size is None or dtype.kind not in "iu" or count == 0 or count > SCAN_LIMIT_TOKENS:
-        return
+    if vocab_size is None or dtype.kind not in "iu" or count == 0 or count > scan_budget:
+        return 0
     tokens = np.memmap(bin_path, dtype=dtype, mode="r", shape=(count,))
     low = min(int(tokens[i:i + _SCAN_CHUNK].min()) for i in range(0, count, _SCAN_CHUNK))
     high = max(int(tokens[i:i + _SCAN_CHUNK].max()) for i in range(0, count, _SCAN_CHUNK))
@@ -77,6 +78,7 @@ def check_indexed_dataset(prefix: str, vocab_size: Optional[int], flag: str = "-
         raise ValueError(f"{flag}: {bin_path} holds token id {high if high >= vocab_size else low}, outside the "
                          f"tokenizer's vocabulary ({tokenizer_flag}: {vocab_size} tokens, ids 0..{vocab_size - 1}); "
                          f"the data was made with another tokenizer")
+    return count
 
 
 def check_token_ids(tokens, vocab_size: int, where: str) -> None:
