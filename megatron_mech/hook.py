@@ -62,7 +62,7 @@ from megatron_mech.core.detect import Alert, DetectorRegistry, default_rules
 from megatron_mech.core.mols import default_window
 from megatron_mech.model_view import ModelView
 
-__all__ = ["Action", "MechHook", "STATE_VERSION", "any_rank"]
+__all__ = ["Action", "MechHook", "STATE_VERSION", "any_rank", "naming_damaged_state"]
 
 logger = logging.getLogger("megatron_mech")
 
@@ -87,6 +87,20 @@ def any_rank(flag: bool, group=None) -> bool:
     t = torch.tensor([1.0 if flag else 0.0], device=collective_device(group))
     torch.distributed.all_reduce(t, group=group)
     return bool(t.item() > 0)
+
+
+@contextlib.contextmanager
+def naming_damaged_state(source: str):
+    """Turn a damaged saved state's raw error (a missing entry, a value of the wrong type) into one that names
+    ``source`` and what is wrong."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        what = f"missing entry {exc.args[0]!r}" if isinstance(exc, KeyError) and exc.args else f"{exc}"
+        if str(exc).startswith(source):
+            raise
+        raise ValueError(f"{source}: the megatron-mech state is damaged or was written by another configuration "
+                         f"({type(exc).__name__}: {what})") from exc
 
 
 class MechHook:
@@ -133,6 +147,7 @@ class MechHook:
         self._sample_passes = None
         self._saved_steps: List[int] = []
         self._pending_state: Optional[dict] = None
+        self._pending_source = ""  # what load_state_dict was given the pending state as (for errors)
         self._is_setup = False
         self._stage_exchange = None   # MetricExchange over the pipeline stages, built at the first evaluation
         self._mols_failure_logged = False
@@ -230,7 +245,8 @@ class MechHook:
         if start_step and start_step not in self._saved_steps:  # the checkpoint this run resumed from
             self._saved_steps.append(int(start_step))
         if self._pending_state is not None:
-            self._load_monitor_state(self._pending_state)
+            with naming_damaged_state(self._pending_source):
+                self._load_monitor_state(self._pending_state)
             self._pending_state = None
         # snapshot the weights the first interval starts from
         if self.attention is not None and self.attention.snapshot_step is None and self.attention.should_observe(
@@ -374,19 +390,19 @@ class MechHook:
                 "mols": self.mols.state_dict() if self.mols is not None else None,
                 "saved_steps": list(self._saved_steps)}
 
-    def load_state_dict(self, state: dict, source: Optional[str] = None) -> None:
+    def load_state_dict(self, state: dict, source: str = "the megatron-mech state") -> None:
         """Restore :meth:`state_dict`. Call after ``attach_optimizer`` (MoLS writes its restored multipliers into
         the param groups, so load it before the LR scheduler's state) and before or after ``setup`` (the
-        monitor part is applied once the monitors exist). ``source`` names where the state comes from (e.g.
-        ``"checkpoint runs/x/iter_0000100"``) in errors. A state saved by monitors at another ``--mech-interval``
-        is refused: the resumed records would mix evaluation grids and ΔW spans."""
+        monitor part is applied once the monitors exist). ``source`` (e.g. the checkpoint file) names the state
+        in errors. A state saved by monitors at another ``--mech-interval`` is refused: the resumed records would
+        mix evaluation grids and ΔW spans."""
         version = state.get("version") if isinstance(state, dict) else None
         if version not in (1, STATE_VERSION):
-            raise ValueError(f"not a megatron-mech state (version {version!r}; this release reads 1 and "
+            raise ValueError(f"{source}: not a megatron-mech state (version {version!r}; this release reads 1 and "
                              f"{STATE_VERSION})")
         saved, current = self._saved_interval(state), self._monitored_interval()
         if saved is not None and current is not None and saved != current:
-            raise ValueError(f"{source or 'the checkpoint'} was saved with --mech-interval {saved} "
+            raise ValueError(f"{source} was saved with --mech-interval {saved} "
                              f"(mech.monitors.interval), this run has --mech-interval {current}: the records would "
                              f"mix evaluation intervals. Resume with --mech-interval {saved}")
         if self.mols is not None and state.get("mols"):
@@ -394,9 +410,10 @@ class MechHook:
         self._saved_steps = sorted(set(self._saved_steps) | {int(s) for s in state.get("saved_steps") or ()})
         self.losses = [float(v) for v in state.get("losses") or []]
         if self._is_setup:
-            self._load_monitor_state(state)
+            with naming_damaged_state(source):
+                self._load_monitor_state(state)
         else:
-            self._pending_state = state
+            self._pending_state, self._pending_source = state, source
 
     def _monitored_interval(self) -> Optional[int]:
         """The evaluation interval, or ``None`` when no monitor runs (``--mech-monitors none``)."""

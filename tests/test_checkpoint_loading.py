@@ -61,3 +61,84 @@ def test_mols_on_off_mismatch_is_refused_by_name(tmp_path):
         with pytest.raises(ValueError, match="--mech-mols") as info:
             load_checkpoint(run, model=None, optimizer=None, scheduler=None, layout={}, hook=current)
         assert ("Remove" if not saved else "Add") in str(info.value)
+
+
+# ------------------------------------------------------------------------- checkpoints that do not fit the run
+def _model_and_optimizer(out_features=3):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, out_features)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    return model, optimizer, scheduler
+
+
+def _hook():
+    """A real MechHook with the attention monitor on a one-layer view (what load_checkpoint restores into)."""
+    from megatron_mech.config import MechConfig, MonitorConfig
+    from megatron_mech.hook import MechHook
+    from megatron_mech.model_view import ModelView
+    from megatron_mech.monitors.attention import AttentionLayer
+    from megatron_mech.records.sinks import CallbackSink
+
+    hook = MechHook(MechConfig(monitors=MonitorConfig(families=("attention",), interval=2, qk_terms=("delta2",))),
+                    sinks=CallbackSink(lambda record: None))
+    view = ModelView(attention_layers=[AttentionLayer(0, torch.randn(48, 16), 2, 2, 8)])
+    hook.attach_optimizer(None)
+    return hook, view
+
+
+def _checkpoint(tmp_path, mech=None, model_state=None):
+    from megatron_mech.megatron.checkpoint import _rng_state
+
+    model, optimizer, scheduler = _model_and_optimizer()
+    state = {"iteration": 5, "layout": {}, "model": model_state or model.state_dict(),
+             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state(),
+             "mech": mech, "mols_enabled": False}
+    return _write_run(tmp_path, state)
+
+
+def test_tracker_without_an_iteration_number_is_named(tmp_path):
+    run, _ = _checkpoint(tmp_path)
+    (run / TRACKER).write_text("abc\n")
+    with pytest.raises(ValueError) as info:
+        load_checkpoint(run, *_model_and_optimizer(), layout={})
+    assert str(run / TRACKER) in str(info.value) and "'abc', not an iteration number" in str(info.value)
+    (run / TRACKER).write_text("9")  # a number, but no such iteration
+    with pytest.raises(ValueError, match="names iteration 9, but .*iter_0000009 does not exist"):
+        load_checkpoint(run, *_model_and_optimizer(), layout={})
+
+
+def test_checkpoint_of_another_model_shape_is_named(tmp_path):
+    """The reference is the two models' own shapes: the file holds a 4→5 linear, the run builds 4→3."""
+    other, _, _ = _model_and_optimizer(out_features=5)
+    run, path = _checkpoint(tmp_path, model_state=other.state_dict())
+    with pytest.raises(ValueError) as info:
+        load_checkpoint(run, *_model_and_optimizer(out_features=3), layout={})
+    message = str(info.value)
+    assert str(path) in message and "weight is (5, 4) there, (3, 4) here" in message and "--hidden-size" in message
+
+
+def test_foreign_hook_state_version_is_named(tmp_path):
+    hook, _ = _hook()
+    run, path = _checkpoint(tmp_path, mech={**hook.state_dict(), "version": 99})
+    with pytest.raises(ValueError) as info:
+        load_checkpoint(run, *_model_and_optimizer(), layout={}, hook=hook)
+    assert str(path) in str(info.value) and "version 99" in str(info.value)
+
+
+def test_damaged_detector_state_is_named(tmp_path):
+    """A saved hook state whose detector registry lost an entry: the error names the file and the entry, when the
+    monitors that read it are set up (after the checkpoint's other parts are loaded)."""
+    saved, _ = _hook()
+    mech = saved.state_dict()
+    del mech["detectors"]["unmonitored"]
+    run, path = _checkpoint(tmp_path, mech=mech)
+    hook, view = _hook()
+    assert load_checkpoint(run, *_model_and_optimizer(), layout={}, hook=hook) == 5
+    with pytest.raises(ValueError) as info:
+        hook.setup(view, None, start_step=5)
+    assert str(path) in str(info.value) and "missing entry 'unmonitored'" in str(info.value)
+    intact, view = _hook()  # the same state, undamaged, loads
+    load_checkpoint(_checkpoint(tmp_path / "intact", mech=saved.state_dict())[0], *_model_and_optimizer(),
+                    layout={}, hook=intact)
+    intact.setup(view, None, start_step=5)

@@ -33,3 +33,75 @@ def test_short_train_scales_the_preset_warmup():
     assert warmup(train_command(2, 20, "out")) == 2 < 20
     assert warmup(train_command(2, 300, "out")) == 50  # the preset's, where it fits
     assert warmup(train_command(2, 20, "out", extra=["--", "--lr-warmup-iters", "5"])) == 5  # the user's wins
+
+
+def pretrain_flags(cmd):
+    """The entry point's parsed flags in a launch command (after ``-m megatron_mech.megatron.pretrain_gpt``)."""
+    from megatron_mech.megatron.flags import build_parser
+
+    return build_parser().parse_args(cmd[cmd.index("megatron_mech.megatron.pretrain_gpt") + 1:])
+
+
+def test_one_step_train_passes_the_entry_points_checks():
+    """``train --steps 1`` used to launch torchrun with --lr-warmup-iters 1 >= --train-iters 1 and fail there."""
+    from megatron_mech.megatron.flags import check_args
+
+    for steps in (1, 2, 20, 300):
+        check_args(pretrain_flags(train_command(2, steps, "out")), 2)  # the entry point's own start-up check
+
+
+def test_short_demo_runs_pass_the_entry_points_checks(tmp_path):
+    """``demo --steps 40 --fault-start 20``: the preset's warm-up (50) used to reach the clean run unchanged."""
+    import argparse
+
+    from megatron_mech.megatron.flags import check_args
+    from megatron_mech.studies.demo import demo_commands
+
+    args = argparse.Namespace(out=str(tmp_path), steps=40, fault_start=20, seed=21, faults=["attention", "lr"],
+                              quick=False)
+    commands = demo_commands(args)
+    assert list(commands) == ["clean", "attention", "lr"]
+    for cmd in commands.values():
+        flags = pretrain_flags(cmd)
+        check_args(flags, 2)
+        assert flags.train_iters == 40 and flags.lr_warmup_iters == 4
+
+
+def test_bad_training_flags_are_refused_before_launching():
+    """The entry point's flag checks run in the ``train`` command itself: nothing is launched (no '+ torchrun'
+    line), and the reason is the one line the entry point would give."""
+    out = cli("train", "--steps", "3", "--", "--hidden-size", "30")
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "megatron-mech train: error: --hidden-size 30 is not divisible by --num-attention-heads 4" in out.stderr
+    assert "torch.distributed.run" not in out.stdout
+
+
+def test_failed_worker_reason_is_shown_after_a_long_tail(capsys):
+    """The worker's one-line reason comes first, then far more than 40 lines (torchrun's summary, other ranks'
+    consequences); the demo echoes only progress lines and used to show just the last 40 lines."""
+    import os
+
+    from megatron_mech.cli import run_training
+
+    script = ("import sys\n"
+              "print('[train] world=2')\n"
+              "print('pretrain_gpt: error: --data-path: /d/x.idx is truncated', file=sys.stderr)\n"
+              "print('RuntimeError: Connection closed by peer')\n"
+              "for i in range(80): print(f'noise {i}')\n"
+              "sys.exit(1)\n")
+    code, reason = run_training([sys.executable, "-c", script], dict(os.environ),
+                                show=lambda line: line.startswith("[train]"), prefix="[clean] ")
+    captured = capsys.readouterr()
+    assert code == 1 and reason == "pretrain_gpt: error: --data-path: /d/x.idx is truncated"
+    assert captured.err.rstrip().splitlines()[-1].endswith(reason)  # the last line the user sees
+    assert "[clean] [train] world=2" in captured.out
+
+
+def test_worker_reason_from_a_traceback():
+    from megatron_mech.cli import worker_reason
+
+    lines = ["[rank1]: Traceback (most recent call last):", '[rank1]:   File "x.py", line 3, in <module>',
+             "[rank1]: ValueError: checkpoint tracker /r/latest_checkpointed_iteration.txt holds 'abc'",
+             "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: "]
+    assert worker_reason(lines) == "ValueError: checkpoint tracker /r/latest_checkpointed_iteration.txt holds 'abc'"
+    assert worker_reason(["[train] step 1", "done"]) is None

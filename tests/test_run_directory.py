@@ -11,7 +11,7 @@ import stat
 import pytest
 
 from dist_utils import REPO_ROOT, run_torchrun
-from megatron_mech.megatron.checkpoint import TRACKER
+from megatron_mech.megatron.checkpoint import RUN_ID_FILE, TRACKER
 from megatron_mech.megatron.pretrain_gpt import build_parser, check_args
 from megatron_mech.megatron.run_directory import check_run_directories, clear_previous_run
 
@@ -51,8 +51,49 @@ def test_load_without_a_checkpoint_never_truncates_records(tmp_path):
         check_run_directories(parse("--save", str(tmp_path / "new"), "--load", str(tmp_path / "new"),
                                     "--exit-on-missing-checkpoint"))
     # a real checkpoint: resume, the records after it are the sink's to truncate
+    (tmp_path / "run" / "iter_0000010").mkdir()
     (tmp_path / "run" / TRACKER).write_text("10")
     assert check_run_directories(parse("--save", str(tmp_path / "run"), "--load", str(tmp_path / "run"))).resume
+
+
+def checkpoint(directory, step, run_id=None):
+    """What a save leaves for the start-up checks: the iteration directory (with the run's id) and the tracker."""
+    (directory / f"iter_{step:07d}").mkdir(parents=True)
+    if run_id is not None:
+        (directory / f"iter_{step:07d}" / RUN_ID_FILE).write_text(run_id)
+    (directory / TRACKER).write_text(str(step))
+
+
+def test_resume_into_another_runs_output_directory_is_refused(tmp_path):
+    checkpoint(tmp_path / "a", 10, run_id="run-a")
+    (tmp_path / "a" / RUN_ID_FILE).write_text("run-a")
+    previous_run(tmp_path / "b")
+    (tmp_path / "b" / RUN_ID_FILE).write_text("run-b")
+    resume_into = lambda out: parse("--load", str(tmp_path / "a"), "--save", str(tmp_path / "a"),  # noqa: E731
+                                    "--mech-output-dir", str(out))
+    with pytest.raises(ValueError) as info:
+        check_run_directories(resume_into(tmp_path / "b"))
+    assert "--mech-output-dir" in str(info.value) and "run-b" in str(info.value) and "run-a" in str(info.value)
+    (tmp_path / "b" / RUN_ID_FILE).unlink()  # records of a run from before run ids: not this checkpoint's either
+    with pytest.raises(ValueError, match="holds records of another run"):
+        check_run_directories(resume_into(tmp_path / "b"))
+    assert len((tmp_path / "b" / "mech.jsonl").read_text().splitlines()) == 15
+    # its own output directory, or a new one: the run continues under its id
+    assert check_run_directories(resume_into(tmp_path / "a")).run_id == "run-a"
+    assert check_run_directories(resume_into(tmp_path / "new")).run_id == "run-a"
+    # a checkpoint from before run ids, resumed into its own records: the run gets a new id at start (None here)
+    checkpoint(tmp_path / "legacy", 10)
+    previous_run(tmp_path / "legacy")
+    assert check_run_directories(parse("--load", str(tmp_path / "legacy"), "--save", str(tmp_path / "legacy"))
+                                 ).run_id is None
+
+
+def test_damaged_tracker_is_refused_at_start(tmp_path):
+    checkpoint(tmp_path / "run", 10)
+    (tmp_path / "run" / TRACKER).write_text("abc")
+    with pytest.raises(ValueError) as info:
+        check_run_directories(parse("--load", str(tmp_path / "run"), "--save", str(tmp_path / "run")))
+    assert str(tmp_path / "run" / TRACKER) in str(info.value) and "'abc'" in str(info.value)
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root can write into read-only directories")
@@ -87,6 +128,10 @@ def test_unwritable_file_in_place_of_a_directory_is_found_at_start(tmp_path):
      "--num-query-groups 3 must be a multiple or a divisor of --tensor-model-parallel-size 2"),
     (["--valid-data-path", "x"], "--valid-data-path needs --data-path"),
     (["--data-path", "x"], "--data-path needs --tokenizer-json"),
+    (["--hidden-size", "2", "--num-attention-heads", "4"],
+     "--hidden-size 2 is not divisible by --num-attention-heads 4"),
+    (["--hidden-size", "30", "--num-attention-heads", "4"],
+     "--hidden-size 30 is not divisible by --num-attention-heads 4"),
 ])
 def test_bad_flags_are_named(flags, message):
     with pytest.raises(ValueError) as info:

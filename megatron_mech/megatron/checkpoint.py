@@ -15,15 +15,48 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Optional
 
 import torch
 
+from megatron_mech.hook import naming_damaged_state
 from megatron_mech.optim import inner_optimizer, leaf_optimizers
 
-__all__ = ["check_mols_match", "load_checkpoint", "load_distributed_optimizer_state", "read_checkpoint_file",
-           "save_checkpoint"]
+__all__ = ["RUN_ID_FILE", "check_model_shapes", "check_mols_match", "load_checkpoint",
+           "load_distributed_optimizer_state", "read_checkpoint_file", "read_run_id", "read_tracker", "save_checkpoint"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
+RUN_ID_FILE = "run_id.txt"  # in each iteration directory and in the run's output directory: which run wrote it
+
+
+def read_tracker(load_dir) -> Optional[int]:
+    """The iteration ``<load_dir>/latest_checkpointed_iteration.txt`` names (None when there is no tracker).
+    A tracker that does not hold an iteration number, or names an iteration directory that does not exist, is
+    refused naming the file."""
+    tracker = Path(load_dir) / TRACKER
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text().strip()
+    try:
+        step = int(text)
+    except ValueError:
+        raise ValueError(f"checkpoint tracker {tracker} holds {text[:40]!r}, not an iteration number (--save "
+                         f"writes it; restore it or point --load at another checkpoint)") from None
+    if step < 0:
+        raise ValueError(f"checkpoint tracker {tracker} holds iteration {step}; iterations are >= 0")
+    directory = Path(load_dir) / f"iter_{step:07d}"
+    if not directory.is_dir():
+        raise ValueError(f"checkpoint tracker {tracker} names iteration {step}, but {directory} does not exist")
+    return step
+
+
+def read_run_id(directory) -> Optional[str]:
+    """The run id recorded in ``directory`` (a checkpoint's iteration directory or an output directory), or
+    None when none is recorded (a directory written before run ids existed, or a new one)."""
+    path = Path(directory) / RUN_ID_FILE
+    if not path.is_file():
+        return None
+    return path.read_text().strip() or None
 
 
 def _rng_state() -> dict:
@@ -106,8 +139,32 @@ def check_mols_match(state: dict, hook, directory) -> None:
                          f"{'Add' if saved else 'Remove'} --mech-mols to resume it")
 
 
-def save_checkpoint(save_dir, step: int, model, optimizer, scheduler, layout: dict, hook=None) -> Path:
-    """Every rank writes its file; the tracker moves after a barrier. Returns the iteration directory."""
+def check_model_shapes(saved, current: dict, path) -> None:
+    """Refuse a checkpoint of another model before torch's ``load_state_dict`` does, naming the file, the first
+    parameters that differ and their shapes there and here (``saved``: the file's model state; ``current``: the
+    run's)."""
+    if not isinstance(saved, dict):
+        raise ValueError(f"checkpoint file {path} holds no model state (its 'model' entry is "
+                         f"{type(saved).__name__})")
+    differences = [f"{key} is {tuple(value.shape)} there, {tuple(current[key].shape)} here"
+                   for key, value in saved.items()
+                   if key in current and torch.is_tensor(value) and torch.is_tensor(current[key])
+                   and value.shape != current[key].shape]
+    missing = [key for key in current if key not in saved and not key.endswith("_extra_state")]
+    unexpected = [key for key in saved if key not in current and not key.endswith("_extra_state")]
+    differences += [f"{key} is missing there" for key in missing[:3]]
+    differences += [f"{key} is not in this model" for key in unexpected[:3]]
+    if differences:
+        raise ValueError(f"checkpoint file {path} holds another model than this run builds: "
+                         f"{'; '.join(differences[:3])}{' ...' if len(differences) > 3 else ''}. Resume with the "
+                         f"model flags it was saved with (--num-layers, --hidden-size, --num-attention-heads, "
+                         f"--ffn-hidden-size, --num-experts, ...)")
+
+
+def save_checkpoint(save_dir, step: int, model, optimizer, scheduler, layout: dict, hook=None,
+                    run_id: Optional[str] = None) -> Path:
+    """Every rank writes its file (rank 0 also the ``run_id``, when given); the tracker moves after a barrier.
+    Returns the iteration directory."""
     rank = torch.distributed.get_rank()
     directory = Path(save_dir) / f"iter_{step:07d}"
     directory.mkdir(parents=True, exist_ok=True)
@@ -115,10 +172,13 @@ def save_checkpoint(save_dir, step: int, model, optimizer, scheduler, layout: di
         optimizer.save_parameter_state(str(directory / f"distopt_rank{rank:04d}.pt"))
     state = {"iteration": step, "layout": layout, "model": model.state_dict(),
              "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state(),
-             "mech": hook.state_dict() if hook is not None else None, "mols_enabled": _mols_enabled(hook)}
+             "mech": hook.state_dict() if hook is not None else None, "mols_enabled": _mols_enabled(hook),
+             "run_id": run_id}
     tmp = directory / f".rank{rank:04d}.pt.tmp"
     torch.save(state, tmp)
     os.replace(tmp, directory / f"rank{rank:04d}.pt")  # atomic: a file that exists is complete
+    if run_id is not None and rank == 0:
+        (directory / RUN_ID_FILE).write_text(run_id)
     torch.distributed.barrier()
     if rank == 0:
         (Path(save_dir) / TRACKER).write_text(str(step))
@@ -129,19 +189,20 @@ def save_checkpoint(save_dir, step: int, model, optimizer, scheduler, layout: di
 def load_checkpoint(load_dir, model, optimizer, scheduler, layout: dict, hook=None,
                     exit_on_missing: bool = False) -> int:
     """Restore this rank's state (the hook's too); returns the checkpoint's step, or 0 if nothing is saved."""
-    tracker = Path(load_dir) / TRACKER
-    if not tracker.exists():
+    step = read_tracker(load_dir)
+    if step is None:
         if exit_on_missing:
             raise FileNotFoundError(f"--load {load_dir}: no {TRACKER}")
         return 0
-    step = int(tracker.read_text().strip())
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     directory = Path(load_dir) / f"iter_{step:07d}"
-    state = read_checkpoint_file(directory / f"rank{rank:04d}.pt")
+    path = directory / f"rank{rank:04d}.pt"
+    state = read_checkpoint_file(path)
     if state.get("layout") != layout:
         raise ValueError(f"checkpoint {directory} was written with parallel layout {state.get('layout')}, this run "
                          f"is {layout}; per-rank checkpoints need the same layout")
     check_mols_match(state, hook, directory)
+    check_model_shapes(state.get("model"), model.state_dict(), path)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     if _uses_distributed_optimizer(optimizer):
@@ -151,7 +212,8 @@ def load_checkpoint(load_dir, model, optimizer, scheduler, layout: dict, hook=No
         mech = {**mech, "mols": state["mols"]}
     if hook is not None and mech is not None:
         # before the scheduler: MoLS rewrites the groups it recomputes lrs from
-        hook.load_state_dict(mech, source=f"checkpoint {directory}")
+        with naming_damaged_state(f"checkpoint file {path}"):
+            hook.load_state_dict(mech, source=f"checkpoint file {path}")
     scheduler.load_state_dict(state["scheduler"])
     _set_rng_state(state["rng"])
     return step

@@ -124,6 +124,7 @@ def check_args(args, world_size: int) -> None:
     identical on every rank. Errors name the flag."""
     import os
 
+    from megatron_mech.megatron.data_checks import SCAN_LIMIT_TOKENS, check_indexed_dataset, check_tokenizer_json
     from megatron_mech.megatron.data_path import parse_data_path
 
     for name in _POSITIVE_FLAGS:
@@ -147,6 +148,9 @@ def check_args(args, world_size: int) -> None:
     if args.num_attention_heads % groups:
         raise ValueError(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
                          f"--num-query-groups {groups}")
+    if args.hidden_size % args.num_attention_heads:
+        raise ValueError(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+                         f"{args.num_attention_heads}: each head gets hidden-size / heads channels")
     validate_parallel_sizes(world_size, tp, ep, pp=pp, num_experts=args.num_experts, num_query_groups=groups)
     dp = world_size // (tp * pp)
     if args.global_batch_size % (args.micro_batch_size * dp):
@@ -159,9 +163,10 @@ def check_args(args, world_size: int) -> None:
             raise ValueError("--data-path needs --tokenizer-json (the tokenizer the .bin/.idx was made with)")
         if not os.path.isfile(args.tokenizer_json):
             raise ValueError(f"--tokenizer-json {args.tokenizer_json} does not exist")
-        parse_data_path(args.data_path, "--data-path")
-        if args.valid_data_path:
-            parse_data_path(args.valid_data_path, "--valid-data-path")
+        vocab_size, budget = check_tokenizer_json(args.tokenizer_json), SCAN_LIMIT_TOKENS
+        for flag, values in (("--data-path", args.data_path), ("--valid-data-path", args.valid_data_path)):
+            for prefix in parse_data_path(values, flag).prefixes if values else ():
+                budget -= check_indexed_dataset(prefix, vocab_size, flag, scan_budget=budget)
     if args.num_experts is not None and args.tensor_model_parallel_size > 1:
         args.sequence_parallel = True  # megatron-core's MoE layer requires SP when TP > 1
     if args.lr_warmup_iters >= args.train_iters:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -40,9 +40,10 @@ from megatron_mech.core.sharded import collective_device
 from megatron_mech.hook import Action, MechHook
 from megatron_mech.logs import configure_logging
 from megatron_mech.megatron.checkpoint import load_checkpoint, save_checkpoint
+from megatron_mech.megatron.data_checks import check_token_ids
 from megatron_mech.megatron.data_path import parse_data_path
 from megatron_mech.megatron.flags import build_parser, check_args, lr_warmup_steps, train_steps
-from megatron_mech.megatron.run_directory import check_run_directories, clear_previous_run
+from megatron_mech.megatron.run_directory import check_run_directories, clear_previous_run, record_run_id
 from megatron_mech.megatron.stop_signals import StopOnSignal
 from megatron_mech.optim import base_lr
 
@@ -177,18 +178,24 @@ class GlobalBatchSampler:
     [s·GBS, (s+1)·GBS); DP rank r takes its contiguous share, split into micro-batches. So TP=1 and TP=2, or
     DP=1 and DP=2, see the same global batches."""
 
-    def __init__(self, dataset, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int):
+    def __init__(self, dataset, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int,
+                 vocab_size: Optional[int] = None, source: str = "the data"):
         self.dataset, self.gbs, self.mbs = dataset, global_batch, micro_batch
         self.per_rank = global_batch // dp_size
         self.offset = dp_rank * self.per_rank
+        self.vocab_size, self.source = vocab_size, source  # token ids are checked against the vocabulary
 
     def micro_batches(self, step: int):
         start = step * self.gbs + self.offset
         for m in range(self.per_rank // self.mbs):
             # modulo: the extra-sample MoLS reference draws micro-batches past the training range
             items = [self.dataset[(start + m * self.mbs + j) % len(self.dataset)] for j in range(self.mbs)]
-            yield {key: torch.stack([torch.as_tensor(item[key]) for item in items])
-                   for key in ("tokens", "labels", "loss_mask", "position_ids")}
+            batch = {key: torch.stack([torch.as_tensor(item[key]) for item in items])
+                     for key in ("tokens", "labels", "loss_mask", "position_ids")}
+            if self.vocab_size is not None:
+                check_token_ids(torch.cat([batch["tokens"], batch["labels"]]), self.vocab_size,
+                                f"{self.source} (step {step + 1})")
+            yield batch
 
 
 # -------------------------------------------------------------------------------------------------- training
@@ -271,6 +278,7 @@ class Training:
     pp_group: Any
     n_params: int
     vocab_size: int
+    run_id: Optional[str] = None  # recorded with every checkpoint (see run_directory)
 
 
 def init_runtime() -> Runtime:
@@ -292,7 +300,7 @@ def init_runtime() -> Runtime:
     return Runtime(torch.distributed.get_rank(), torch.distributed.get_world_size(), cuda, fast_forward)
 
 
-def build_training(args, runtime: Runtime, config: MechConfig) -> Training:
+def build_training(args, runtime: Runtime, config: MechConfig, run_id: Optional[str] = None) -> Training:
     """Model, optimizer, scheduler, data and the hook, with any checkpoint loaded (collective, every rank)."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -353,8 +361,12 @@ def build_training(args, runtime: Runtime, config: MechConfig) -> Training:
                                   exit_on_missing=args.exit_on_missing_checkpoint) if args.load else 0)
 
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    train_sampler = GlobalBatchSampler(train_ds, args.global_batch_size, args.micro_batch_size, dp_rank, dp_size)
-    valid_sampler = GlobalBatchSampler(valid_ds, args.global_batch_size, args.micro_batch_size, dp_rank, dp_size)
+    checked = dict(vocab_size=tokenizer.vocab_size) if args.data_path else {}  # the embedded corpus is ours
+    train_sampler = GlobalBatchSampler(train_ds, args.global_batch_size, args.micro_batch_size, dp_rank, dp_size,
+                                       source=f"--data-path {' '.join(args.data_path or ())}", **checked)
+    valid_paths = " ".join(args.valid_data_path or args.data_path or ())
+    valid_sampler = GlobalBatchSampler(valid_ds, args.global_batch_size, args.micro_batch_size, dp_rank, dp_size,
+                                       source=f"--valid-data-path {valid_paths}", **checked)
     forward_backward = get_forward_backward_func()
     forward_step = hook.wrap_forward_step(make_forward_step(runtime.fast_forward))
 
@@ -367,7 +379,7 @@ def build_training(args, runtime: Runtime, config: MechConfig) -> Training:
     return Training(model, optimizer, scheduler, hook, layout, start_step, train_sampler, valid_sampler,
                     forward_backward, forward_step, ps.get_data_parallel_group(),
                     ps.get_pipeline_model_parallel_group() if pp > 1 else None,
-                    sum(p.numel() for p in model.parameters()), tokenizer.vocab_size)
+                    sum(p.numel() for p in model.parameters()), tokenizer.vocab_size, run_id)
 
 
 def train(args, t: Training, runtime: Runtime, stop_signal: StopOnSignal) -> dict:
@@ -394,7 +406,7 @@ def train(args, t: Training, runtime: Runtime, stop_signal: StopOnSignal) -> dic
                                              extra={"tokens": step * tokens_per_step})
         if action is not Action.CONTINUE and args.save:  # identical on every rank: saving is collective
             t.hook.checkpoint_saved(step, save_checkpoint(args.save, step, t.model, t.optimizer, t.scheduler,
-                                                          t.layout, hook=t.hook))
+                                                          t.layout, hook=t.hook, run_id=t.run_id))
         step_seconds.append(time.perf_counter() - step_started)
         window_steps += 1
         if step % args.log_interval == 0 or step == args.train_iters:
@@ -411,7 +423,7 @@ def train(args, t: Training, runtime: Runtime, stop_signal: StopOnSignal) -> dic
             valid_history.append([step, val])
         if args.save and args.save_interval and step % args.save_interval == 0:
             t.hook.checkpoint_saved(step, save_checkpoint(args.save, step, t.model, t.optimizer, t.scheduler,
-                                                          t.layout, hook=t.hook))
+                                                          t.layout, hook=t.hook, run_id=t.run_id))
         if args.exit_interval and step % args.exit_interval == 0 and step < args.train_iters:
             logger.info(f"[train] exit interval reached at step {step}")
             break
@@ -438,7 +450,7 @@ def finish(args, t: Training, runtime: Runtime, run: dict, output_dir: str) -> N
     already_saved = (args.save_interval and final_step % args.save_interval == 0) or run["stopped_on_alert"]
     if args.save and not already_saved:
         t.hook.checkpoint_saved(final_step, save_checkpoint(args.save, final_step, t.model, t.optimizer,
-                                                            t.scheduler, t.layout, hook=t.hook))
+                                                            t.scheduler, t.layout, hook=t.hook, run_id=t.run_id))
     hook = t.hook
     hook.close()
     if runtime.logging_rank:
@@ -487,6 +499,7 @@ def preflight(args, world: int, rank: int):
         config = MechConfig.from_flags(args, tensorboard_dir=args.tensorboard_dir)
         config.output.dir = args.mech_output_dir or args.save or "runs/mech"
         config.fault.validate_for_model(args.num_layers, args.num_attention_heads)
+        check_sink_packages(args, config)
         plan = check_run_directories(args, rank)
     except ValueError as exc:
         print(f"pretrain_gpt: error: {exc}", file=sys.stderr, flush=True)
@@ -494,27 +507,55 @@ def preflight(args, world: int, rank: int):
     return config, plan
 
 
+def check_sink_packages(args, config: MechConfig) -> None:
+    """The optional record sinks the flags ask for must be able to start; they start on one rank after the model
+    is built, where a missing package would end that rank alone (the others then fail on a closed connection)."""
+    from megatron_mech.records.sinks import missing_sink_package
+
+    for flag, value, kind in (("--tensorboard-dir", config.output.tensorboard_dir, "tensorboard"),
+                              ("--mech-wandb-project", config.output.wandb_project, "wandb")):
+        reason = missing_sink_package(kind) if value else None
+        if reason:
+            raise ValueError(f"{flag} {value}: {reason}")
+
+
+def agree_run_id(proposed: Optional[str], rank: int) -> str:
+    """The run's id on every rank: the resumed run's, else a new one drawn on rank 0 (collective)."""
+    import uuid
+
+    chosen = [(proposed or uuid.uuid4().hex) if rank == 0 else None]
+    torch.distributed.broadcast_object_list(chosen, src=0)
+    return chosen[0]
+
+
 def main(argv=None):
     args = build_parser(__doc__).parse_args(argv)
-    config, plan = preflight(args, int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0")))
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    config, plan = preflight(args, world, rank)
     output_dir = config.output.dir
+    if plan.resume and plan.checkpoint_step >= args.train_iters:  # e.g. a scheduler requeued a finished job
+        configure_logging(rank == world - 1)
+        logger.info(f"[train] --load {args.load} holds iteration {plan.checkpoint_step} and --train-iters is "
+                    f"{args.train_iters}: the run is already complete; nothing to do ({output_dir} left as it is)")
+        return
     stop_signal = StopOnSignal().install()  # SIGTERM/SIGINT: finish the step, save, write output, exit
     runtime = init_runtime()
     configure_logging(runtime.logging_rank)
     if runtime.rank == 0:
         clear_previous_run(plan, args.save)  # --overwrite-run on a fresh start
+    run_id = agree_run_id(plan.run_id, runtime.rank)
+    if runtime.rank == 0:
+        record_run_id(output_dir, run_id)
     torch.distributed.barrier()
     if plan.warning:
         logger.warning(f"[train] {plan.warning}")
-    t = build_training(args, runtime, config)
+    t = build_training(args, runtime, config, run_id)
     logger.info(f"[train] world={runtime.world} TP={args.tensor_model_parallel_size} "
                 f"EP={args.expert_model_parallel_size} PP={args.pipeline_model_parallel_size} "
                 f"DP={torch.distributed.get_world_size(t.dp_group)} "
                 f"params/rank={t.n_params/1e6:.2f}M vocab={t.vocab_size} steps {t.start_step}->{args.train_iters} "
                 f"monitors={','.join(t.hook.families) or 'none'} every {args.mech_interval}")
-    run = train(args, t, runtime, stop_signal) if args.train_iters > t.start_step else {
-        "final_step": t.start_step, "step_seconds": [], "seconds": 0.0, "stopped_on_alert": False,
-        "stopped_by_signal": None}
+    run = train(args, t, runtime, stop_signal)  # a checkpoint at or past --train-iters ended main() above
     finish(args, t, runtime, run, output_dir)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

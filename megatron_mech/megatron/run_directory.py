@@ -12,6 +12,10 @@ Rules (checked on every rank before any data, model or process group is built; e
 * ``--load`` pointing at a directory without a checkpoint (a typo, or a crash before the first save) when
   there is nothing to lose starts at step 0 with a loud warning (Megatron-LM's behaviour), unless
   ``--exit-on-missing-checkpoint``.
+* Every run has an id (``run_id.txt``), written into its output directory at start and into each checkpoint
+  iteration directory. A resume whose output directory holds another run — another id, or records without any
+  id while the checkpoint has one — is refused: it would append to that run's ``mech.jsonl`` and replace its
+  ``summary.json``. A run without an id yet (written before ids existed) gets one.
 """
 from __future__ import annotations
 
@@ -19,11 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from megatron_mech.megatron.checkpoint import TRACKER
+from megatron_mech.megatron.checkpoint import RUN_ID_FILE, TRACKER, read_run_id, read_tracker
 from megatron_mech.records.run_directory import FIRST_ALERT, previous_run, probe_writable, refuse_mixing_runs
 from megatron_mech.records.run_directory import clear_previous_run as clear_run_files
 
-__all__ = ["RunDirectoryPlan", "check_run_directories", "clear_previous_run"]
+__all__ = ["RunDirectoryPlan", "check_run_directories", "clear_previous_run", "record_run_id"]
 
 
 @dataclass(frozen=True)
@@ -35,12 +39,16 @@ class RunDirectoryPlan:
         resume: True when ``--load`` holds a checkpoint (the run continues it).
         overwrite: True when a previous run in the output directory is to be replaced (``--overwrite-run``).
         warning: a message to print loudly at start (e.g. ``--load`` without a checkpoint), or None.
+        checkpoint_step: the iteration ``--load`` resumes from (None on a fresh start).
+        run_id: the resumed run's id (from its checkpoint or output directory); None when the run needs a new one.
     """
 
     output_dir: str
     resume: bool
     overwrite: bool
     warning: Optional[str] = None
+    checkpoint_step: Optional[int] = None
+    run_id: Optional[str] = None
 
 
 def check_run_directories(args, rank: int = 0) -> RunDirectoryPlan:
@@ -53,7 +61,8 @@ def check_run_directories(args, rank: int = 0) -> RunDirectoryPlan:
         if directory:
             probe_writable(directory, flag, rank)
     overwrite = bool(getattr(args, "overwrite_run", False))
-    resume = bool(args.load) and (Path(args.load) / TRACKER).is_file()
+    checkpoint_step = read_tracker(args.load) if args.load else None
+    resume = checkpoint_step is not None
     warning = None
     if args.load and not resume:
         if args.exit_on_missing_checkpoint:
@@ -64,8 +73,34 @@ def check_run_directories(args, rank: int = 0) -> RunDirectoryPlan:
     if not resume and not overwrite:
         refuse_mixing_runs(output_dir, previous_run(output_dir, [Path(args.save) / TRACKER] if args.save else []),
                            load=args.load, other_dir_flags="--save/--mech-output-dir")
+    run_id = _resumed_run_id(args.load, checkpoint_step, output_dir, output_flag) if resume else None
     return RunDirectoryPlan(output_dir=output_dir, resume=resume, overwrite=overwrite and not resume,
-                            warning=warning)
+                            warning=warning, checkpoint_step=checkpoint_step, run_id=run_id)
+
+
+def _resumed_run_id(load_dir: str, step: int, output_dir: str, output_flag: str) -> Optional[str]:
+    """The id of the run ``--load`` continues; refuses an output directory that belongs to another run."""
+    checkpoint = Path(load_dir) / f"iter_{step:07d}"
+    saved, recorded = read_run_id(checkpoint), read_run_id(output_dir)
+    if saved is not None and recorded is not None and saved != recorded:
+        raise ValueError(f"{output_flag} {output_dir} belongs to run {recorded} ({Path(output_dir) / RUN_ID_FILE}), "
+                         f"but the checkpoint --load {load_dir} resumes ({checkpoint}) is of run {saved}: resuming "
+                         f"would append to that run's records and replace its summary. Point {output_flag} at the "
+                         f"checkpoint's own output directory or at a new one")
+    if saved is not None and recorded is None:
+        records = previous_run(output_dir)
+        if records:
+            raise ValueError(f"{output_flag} {output_dir} holds records of another run ({', '.join(records)}; no "
+                             f"{RUN_ID_FILE}), but the checkpoint --load {load_dir} resumes ({checkpoint}) is of run "
+                             f"{saved}: resuming would mix them. Point {output_flag} at the checkpoint's own output "
+                             f"directory or at a new one")
+    return saved or recorded
+
+
+def record_run_id(output_dir: str, run_id: str) -> None:
+    """Write the run's id into its output directory (one rank)."""
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    (Path(output_dir) / RUN_ID_FILE).write_text(run_id)
 
 
 def clear_previous_run(plan: RunDirectoryPlan, save_dir: Optional[str]) -> None:
@@ -74,4 +109,5 @@ def clear_previous_run(plan: RunDirectoryPlan, save_dir: Optional[str]) -> None:
     Call on one rank only."""
     if not plan.overwrite:
         return
-    clear_run_files(plan.output_dir, [Path(save_dir) / TRACKER, Path(save_dir) / FIRST_ALERT] if save_dir else [])
+    clear_run_files(plan.output_dir, [Path(plan.output_dir) / RUN_ID_FILE,
+                                      *([Path(save_dir) / TRACKER, Path(save_dir) / FIRST_ALERT] if save_dir else [])])

@@ -33,10 +33,12 @@ JSONL would interleave records.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import logging
 import math
 import os
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -46,7 +48,8 @@ from megatron_mech.core.detect import Alert
 
 __all__ = ["JSONL_NAME", "RESERVED_KEYS", "make_record", "encode_record", "decode_record", "record_alerts",
            "record_scalars", "read_alerts", "read_jsonl", "truncate_jsonl", "Sink", "JsonlSink", "TensorBoardSink", "WandbSink",
-           "DeepSpeedMonitorSink", "CallbackSink", "MultiSink", "default_sinks"]
+           "DeepSpeedMonitorSink", "CallbackSink", "MultiSink", "default_sinks",
+           "missing_sink_package"]
 
 logger = logging.getLogger(__name__)
 
@@ -606,6 +609,24 @@ class MultiSink(_SinkBase):
 
     def close(self) -> None:
         self._each("close")
+
+
+# the package each optional sink needs when it starts, and how to install it
+_SINK_PACKAGES = {"tensorboard": ("tensorboard", "pip install tensorboard, or megatron-mech[viz]"),
+                  "wandb": ("wandb", "pip install wandb")}
+
+
+def missing_sink_package(kind: str) -> str | None:
+    """Why the optional sink ``kind`` (``"tensorboard"`` or ``"wandb"``) cannot start — its package is not
+    installed — or None when it can. Finds the package without importing it, so an entry point can check its
+    flags cheaply on every rank before any process group or model exists (the sinks themselves start on one
+    rank, after the model is built)."""
+    package, install = _SINK_PACKAGES[kind]
+    if package in sys.modules:  # imported already, or blocked (None: `import` raises ImportError)
+        found = sys.modules[package] is not None
+    else:
+        found = importlib.util.find_spec(package) is not None
+    return None if found else f"the '{kind}' package is not installed ({install})"
 
 
 def default_sinks(run_dir: str | os.PathLike, *, tensorboard: bool | str | os.PathLike = False,

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-__all__ = ["DEMO_FAULTS", "run_demo", "step_losses"]
+__all__ = ["DEMO_FAULTS", "demo_commands", "run_demo", "step_losses"]
 
 
 def step_losses(run_dir) -> list:
@@ -22,20 +22,29 @@ def step_losses(run_dir) -> list:
     return summary["losses"]
 
 
-def _stream(cmd, env, prefix: str) -> int:
-    """Run a training command, echoing its progress/alert lines (prefixed) as they come."""
-    import subprocess
+def _progress_line(line: str) -> bool:
+    return line.startswith(("[train]", "[mech]", "[fault]", "[eval]"))
 
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    tail = []
-    for line in proc.stdout:
-        tail = (tail + [line])[-40:]
-        if line.startswith(("[train]", "[mech]", "[fault]", "[eval]")):
-            print(f"{prefix} {line.rstrip()}", flush=True)
-    code = proc.wait()
-    if code:
-        print("".join(tail), file=sys.stderr)
-    return code
+
+def demo_commands(args: argparse.Namespace) -> dict:
+    """The torchrun command of each demo run (``clean`` first, then the faults), by run name. The preset's LR
+    warm-up is shortened to fit a short demo (:func:`megatron_mech.megatron.presets.fit_lr_warmup`)."""
+    from megatron_mech.cli import torchrun_prefix
+    from megatron_mech.megatron.presets import fit_lr_warmup
+    from megatron_mech.studies.leadtime import FAULT_FLAGS, LEAD_MODEL
+
+    steps, start = (120, 60) if args.quick else (args.steps, args.fault_start)
+    faults = ["attention"] if args.quick else list(dict.fromkeys(args.faults))
+    detector = (["--mech-detector-warmup", "4", "--mech-detector-baseline", "6"] if args.quick else [])
+    commands = {}
+    for name in ["clean", *faults]:
+        fault = [*FAULT_FLAGS[name], "--mech-fault-start", str(start)] if name != "clean" else []
+        run_dir = Path(args.out) / name
+        commands[name] = [*torchrun_prefix(2), "-m", "megatron_mech.megatron.pretrain_gpt",
+                          *fit_lr_warmup(LEAD_MODEL, steps), "--seed", str(args.seed), "--train-iters", str(steps),
+                          "--save", str(run_dir), "--tensorboard-dir", str(run_dir / "tb"),
+                          "--mech-on-alert", "checkpoint", "--overwrite-run", *detector, *fault]  # it owns its folders
+    return commands
 
 
 DEMO_FAULTS = {
@@ -49,28 +58,30 @@ def run_demo(args: argparse.Namespace) -> int:
     """``megatron-mech demo``: see the module docstring."""
     import os
 
-    from megatron_mech.cli import torchrun_prefix
+    from megatron_mech.cli import check_training_flags, run_training
     from megatron_mech.core.attribution import alert_lines
     from megatron_mech.records.report import run_report
     from megatron_mech.records.sinks import read_alerts, read_jsonl
-    from megatron_mech.studies.leadtime import FAULT_FLAGS, LEAD_MODEL, divergence_step, first_alert, plot_fault
+    from megatron_mech.studies.leadtime import divergence_step, first_alert, plot_fault
 
     steps, start = (120, 60) if args.quick else (args.steps, args.fault_start)
-    faults = ["attention"] if args.quick else list(dict.fromkeys(args.faults))
-    detector = (["--mech-detector-warmup", "4", "--mech-detector-baseline", "6"] if args.quick else [])
+    commands = demo_commands(args)
+    faults = [name for name in commands if name != "clean"]
+    for name, cmd in commands.items():  # every run's flags, before the first one starts
+        error = check_training_flags(cmd, 2)
+        if error:
+            print(f"megatron-mech demo: error: the {name} run's flags: {error}", file=sys.stderr)
+            return 2
     out = Path(args.out)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     runs = {}
-    for name in ["clean", *faults]:
-        fault = [*FAULT_FLAGS[name], "--mech-fault-start", str(start)] if name != "clean" else []
+    for name, cmd in commands.items():
         run_dir = out / name
-        cmd = [*torchrun_prefix(2), "-m", "megatron_mech.megatron.pretrain_gpt", *LEAD_MODEL, "--seed", str(args.seed),
-               "--train-iters", str(steps), "--save", str(run_dir), "--tensorboard-dir", str(run_dir / "tb"),
-               "--mech-on-alert", "checkpoint", "--overwrite-run", *detector, *fault]  # the demo owns its folders
-        what = f", {DEMO_FAULTS[name][0]} from step {start}" if fault else ""
+        what = f", {DEMO_FAULTS[name][0]} from step {start}" if name != "clean" else ""
         print(f"== {name} run ({steps} steps{what}) ==", flush=True)
-        if _stream(cmd, env, f"[{name}]"):
+        code, _ = run_training(cmd, env, show=_progress_line, prefix=f"[{name}] ")
+        if code:
             print(f"error: the {name} run failed", file=sys.stderr)
             return 1
         runs[name] = {"losses": step_losses(run_dir), "alerts": read_alerts(run_dir / "mech.jsonl"),
