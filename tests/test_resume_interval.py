@@ -87,5 +87,5 @@ def test_megatron_core_checkpoint_at_another_interval_is_refused_naming_its_dire
                 "mech": mech, "mols_enabled": False}, directory / "rank0000.pt")
     (tmp_path / TRACKER).write_text("10")
     hook, _ = _hook(5, weight.clone(), [])
-    with pytest.raises(ValueError, match=f"checkpoint {directory} was saved with --mech-interval 10 "):
+    with pytest.raises(ValueError, match=f"checkpoint file {directory / 'rank0000.pt'} was saved with --mech-interval 10 "):
         load_checkpoint(tmp_path, model, optimizer, scheduler=None, layout={}, hook=hook)

@@ -124,7 +124,8 @@ def test_unwritable_file_in_place_of_a_directory_is_found_at_start(tmp_path):
     (["--mech-interval", "0"], "--mech-interval: interval must be an int >= 1, got 0"),
     (["--num-attention-heads", "3", "--tensor-model-parallel-size", "2"],
      "--num-attention-heads 3 is not divisible by --tensor-model-parallel-size 2"),  # not about query groups
-    (["--num-attention-heads", "6", "--num-query-groups", "3", "--tensor-model-parallel-size", "2"],
+    (["--num-attention-heads", "6", "--hidden-size", "96", "--num-query-groups", "3",
+      "--tensor-model-parallel-size", "2"],
      "--num-query-groups 3 must be a multiple or a divisor of --tensor-model-parallel-size 2"),
     (["--valid-data-path", "x"], "--valid-data-path needs --data-path"),
     (["--data-path", "x"], "--data-path needs --tokenizer-json"),
