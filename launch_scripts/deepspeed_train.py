@@ -8,13 +8,16 @@ flags, or read from ``--deepspeed-config`` (its ``"mech"`` section configures th
     deepspeed --num_accelerators 2 launch_scripts/deepspeed_train.py --model ds-moe --ep-size 2 --zero-stage 1
 
 On CPU machines set ``OMP_NUM_THREADS=1`` under the ``deepspeed`` launcher. Writes ``<output-dir>/mech.jsonl``
-(one record per evaluation) and ``<output-dir>/summary.json`` (step time and monitor cost), from rank 0.
+(one record per evaluation) and ``<output-dir>/summary.json`` (step time and monitor cost), from rank 0. A fresh
+run into an ``--output-dir`` (or ``--save``) that already holds a run is refused before anything is built:
+resume it with ``--load``, or pass ``--overwrite-run`` to start over.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -26,6 +29,7 @@ if (CHECKOUT / "megatron_mech" / "__init__.py").is_file():  # runnable from a ch
     sys.path.insert(0, str(CHECKOUT))  # (installed, this file sits inside megatron_mech/: nothing to add)
 
 logger = logging.getLogger("deepspeed_train")
+LATEST = "latest"  # DeepSpeed's tracker file: the tag of the newest checkpoint in a save directory
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,7 +55,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "from this step")
     p.add_argument("--output-dir", default="runs/deepspeed")
     p.add_argument("--save", default=None, help="checkpoint directory (saved at the end)")
-    p.add_argument("--load", default=None, help="resume from this checkpoint directory")
+    p.add_argument("--load", default=None, help="resume from this checkpoint directory (read weights-only)")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="load --load with DeepSpeed's own unrestricted unpickler (only for checkpoints you trust)")
+    p.add_argument("--overwrite-run", action="store_true",
+                   help="start over in an --output-dir / --save that already holds a run (its records go)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # the deepspeed launcher's
     return p.parse_args(argv)
@@ -84,6 +92,47 @@ def build_config(args) -> dict:
     return config
 
 
+def mech_output_dir(config: dict) -> str:
+    """Where the hook writes ``mech.jsonl``: the config's ``mech.output.dir`` (validates the section)."""
+    from megatron_mech.deepspeed.config import parse_section
+
+    return parse_section(config.get("mech"))[0].output.dir or "runs/mech"
+
+
+def check_run_directories(args, config: dict, rank: int) -> bool:
+    """Before anything is built, on every rank: the directories are writable, ``--load`` holds a checkpoint, and a
+    fresh run does not go into a directory holding another run (unless ``--overwrite-run``). Returns whether
+    the previous run there is to be cleared. Raises ``ValueError`` naming the flag or directory."""
+    from megatron_mech.records.run_directory import previous_run, probe_writable, refuse_mixing_runs
+
+    directories = dict.fromkeys([args.output_dir, mech_output_dir(config)])  # summary.json, mech.jsonl
+    for directory in directories:
+        probe_writable(directory, "--output-dir" if directory == args.output_dir else "mech.output.dir", rank)
+    if args.save:
+        probe_writable(args.save, "--save", rank)
+    if args.load:
+        if not (Path(args.load) / LATEST).is_file():
+            raise ValueError(f"--load {args.load} holds no DeepSpeed checkpoint (no {LATEST} file there)")
+        return False  # resuming: the records after the checkpoint's step are cut back when the hook starts
+    if args.overwrite_run:
+        return True
+    markers = [Path(args.save) / LATEST] if args.save else []
+    previous = [found for directory in directories for found in previous_run(directory, markers)]
+    refuse_mixing_runs(" and ".join(directories), sorted(set(previous)), load=None,
+                       other_dir_flags="--output-dir/--save")
+    return False
+
+
+def clear_previous_run(args, config: dict) -> None:
+    """``--overwrite-run``: remove the previous run's records, summary and alert marker, and make its checkpoints
+    no longer "latest" (their directories stay until overwritten)."""
+    from megatron_mech.records.run_directory import FIRST_ALERT, clear_previous_run as clear_run_files
+
+    save_markers = [Path(args.save) / LATEST, Path(args.save) / FIRST_ALERT] if args.save else []
+    for directory in dict.fromkeys([args.output_dir, mech_output_dir(config)]):
+        clear_run_files(directory, save_markers)
+
+
 def build_model(args):
     from megatron_mech.deepspeed import models
 
@@ -99,6 +148,12 @@ def build_model(args):
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    config = build_config(args)
+    try:
+        overwrite = check_run_directories(args, config, int(os.environ.get("RANK", "0")))
+    except ValueError as exc:
+        sys.stderr.write(f"deepspeed_train: error: {exc}\n")
+        return 2
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     import deepspeed
     import torch.distributed as dist
@@ -116,7 +171,9 @@ def main(argv=None) -> int:
         skip_shm_comm_build()
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    config = build_config(args)
+    if overwrite and rank == 0:
+        clear_previous_run(args, config)
+    dist.barrier()
     model = build_model(args)
     groups = param_groups(model, weight_decay=0.01)
     if args.model == "ds-moe":
@@ -128,7 +185,11 @@ def main(argv=None) -> int:
     # validates the "mech" section before any training step
     mech = DeepSpeedMech.from_engine(engine, train_steps=args.steps, lr_warmup_steps=args.warmup or None)
     if args.load:
-        load_checkpoint(engine, mech, args.load)
+        try:
+            load_checkpoint(engine, mech, args.load, trust_checkpoint=args.trust_checkpoint)
+        except ValueError as exc:  # a refused or mismatched checkpoint: one line, not a traceback
+            sys.stderr.write(f"deepspeed_train: error: {exc}\n")
+            return 2
     tokens = corpus_tokens()
     device = engine.device
     step_seconds = []

@@ -6,7 +6,7 @@ Every field is declared with :func:`megatron_mech.options.option` (its doc and i
   ``extra_args_provider``);
 * :meth:`MechConfig.from_flags` builds the config from parsed flags;
 * :meth:`MechConfig.from_dict` builds it from a plain dict (the ``"mech"`` section of a DeepSpeed JSON config),
-  rejecting unknown keys by name; :meth:`MechConfig.to_dict` writes one.
+  rejecting unknown keys and values of the wrong type by their key path; :meth:`MechConfig.to_dict` writes one.
 
 Each section validates itself once, in ``__post_init__``, and raises ``ValueError`` naming the setting.
 
@@ -191,6 +191,8 @@ class MoLSOptions:
         if self.classes is not None and not isinstance(self.classes, str):
             self.classes = tuple(self.classes) or None
         self.clamp = tuple(self.clamp)
+        if isinstance(self.fixed, Mapping):  # {class: multiplier} from Python: the flag's CLASS=MULT items
+            self.fixed = tuple(f"{k}={v}" for k, v in self.fixed.items())
         if not is_int(self.window_start) or self.window_start < 0:
             raise ValueError(f"--mech-mols-window-start must be an integer >= 0, got {self.window_start!r}")
         self.core_config(window=self.window if self.window is not None else 1)  # validates every field once
@@ -216,8 +218,6 @@ class MoLSOptions:
             return None
         from megatron_mech.core.mols import parse_fixed_multipliers
 
-        if isinstance(self.fixed, Mapping):
-            return parse_fixed_multipliers([f"{k}={v}" for k, v in self.fixed.items()])
         return parse_fixed_multipliers([self.fixed] if isinstance(self.fixed, str) else self.fixed)
 
 
@@ -284,8 +284,9 @@ class MechConfig:
     # ---------------------------------------------------------------------------------------- dicts
     @classmethod
     def from_dict(cls, data: Optional[Mapping[str, Any]], where: str = "mech") -> "MechConfig":
-        """From a plain dict (e.g. the ``"mech"`` section of a DeepSpeed config); unknown keys raise
-        ``ValueError`` naming them (``mech.monitors.intervall``)."""
+        """From a plain dict (e.g. the ``"mech"`` section of a DeepSpeed config); unknown keys and values of the
+        wrong type raise ``ValueError`` naming their path (``mech.monitors.intervall``, ``mech.mols.enabled:
+        expected a boolean, got the string 'false'``)."""
         return section_from_dict(cls, data, where)
 
     def to_dict(self) -> dict:

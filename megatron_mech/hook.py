@@ -365,20 +365,28 @@ class MechHook:
     def state_dict(self) -> dict:
         """One versioned entry per rank: monitors, detectors, MoLS and the first-alert step."""
         return {"version": STATE_VERSION, "first_alert_step": self.first_alert_step, "losses": list(self.losses),
+                "interval": self._monitored_interval(),
                 "attention": self.attention.state_dict() if self.attention is not None else None,
                 "router": self.router.state_dict() if self.router is not None else None,
                 "detectors": self.registry.state_dict(),
                 "mols": self.mols.state_dict() if self.mols is not None else None,
                 "saved_steps": list(self._saved_steps)}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, source: Optional[str] = None) -> None:
         """Restore :meth:`state_dict`. Call after ``attach_optimizer`` (MoLS writes its restored multipliers into
         the param groups, so load it before the LR scheduler's state) and before or after ``setup`` (the
-        monitor part is applied once the monitors exist)."""
+        monitor part is applied once the monitors exist). ``source`` names where the state comes from (e.g.
+        ``"checkpoint runs/x/iter_0000100"``) in errors. A state saved by monitors at another ``--mech-interval``
+        is refused: the resumed records would mix evaluation grids and ΔW spans."""
         version = state.get("version") if isinstance(state, dict) else None
         if version not in (1, STATE_VERSION):
             raise ValueError(f"not a megatron-mech state (version {version!r}; this release reads 1 and "
                              f"{STATE_VERSION})")
+        saved, current = self._saved_interval(state), self._monitored_interval()
+        if saved is not None and current is not None and saved != current:
+            raise ValueError(f"{source or 'the checkpoint'} was saved with --mech-interval {saved} "
+                             f"(mech.monitors.interval), this run has --mech-interval {current}: the records would "
+                             f"mix evaluation intervals. Resume with --mech-interval {saved}")
         if self.mols is not None and state.get("mols"):
             self.mols.load_state_dict(state["mols"])
         self._saved_steps = sorted(set(self._saved_steps) | {int(s) for s in state.get("saved_steps") or ()})
@@ -387,6 +395,19 @@ class MechHook:
             self._load_monitor_state(state)
         else:
             self._pending_state = state
+
+    def _monitored_interval(self) -> Optional[int]:
+        """The evaluation interval, or ``None`` when no monitor runs (``--mech-monitors none``)."""
+        return self.config.monitors.interval if self.config.monitors.families else None
+
+    @staticmethod
+    def _saved_interval(state: dict) -> Optional[int]:
+        """The interval ``state`` was saved with (``None`` without monitors); entries written before the hook kept
+        it carry it in the attention monitor's config."""
+        if "interval" in state:
+            return state["interval"]
+        attention = state.get("attention")
+        return (attention.get("config") or {}).get("interval") if isinstance(attention, dict) else None
 
     def _load_monitor_state(self, state: dict) -> None:
         if self.attention is not None and state.get("attention") is not None:

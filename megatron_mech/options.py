@@ -4,21 +4,23 @@ A config section is a plain dataclass whose fields are made with :func:`option`.
 
 * :func:`add_section_flags` adds the argparse flags (name, type, choices, nargs, default, help = the doc);
 * :func:`section_from_flags` reads them back from a parsed ``argparse.Namespace``;
-* :func:`section_from_dict` builds the section from a plain dict (a JSON config section) and rejects unknown
-  keys by name;
+* :func:`section_from_dict` builds the section from a plain dict (a JSON config section): every value checked
+  against its declared type, ``choices`` and ``nargs`` (as argparse checks the flags), unknown keys rejected, each
+  error naming the key's dotted path;
 * :func:`section_to_dict` writes plain types (tuples become lists).
 
-Validation is not done here: each section validates itself once, in ``__post_init__``, whichever way it was
-built. This module only translates.
+Value rules beyond types and choices (ranges, combinations) are not checked here: each section validates itself
+once, in ``__post_init__``, whichever way it was built.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import typing
 from typing import Any, Mapping, Optional, Sequence
 
-__all__ = ["option", "add_section_flags", "section_from_flags", "section_from_dict", "section_to_dict",
-           "field_doc", "field_flag"]
+__all__ = ["option", "add_section_flags", "check_mapping", "section_from_flags", "section_from_dict",
+           "section_to_dict", "field_doc", "field_flag"]
 
 _MISSING = dataclasses.MISSING
 
@@ -109,28 +111,125 @@ def section_from_flags(section: type, args: argparse.Namespace, **unflagged) -> 
 
 
 def section_from_dict(section: type, data: Optional[Mapping], where: str) -> Any:
-    """Build ``section`` from a plain dict; a key that is not a field raises ``ValueError`` naming it and
-    ``where`` (the dotted path of the section, e.g. ``"mech.monitors"``). Nested sections are built from the
-    field's default type when the value is a dict."""
+    """Build ``section`` from a plain dict (``None``: every default).
+
+    Every value is checked against its field's declaration before the section is built: the annotation
+    (``bool``, ``int``, ``float`` — an int is accepted and made a float —, ``str``, ``Optional[...]`` allows
+    ``None``, a nested section wants a mapping), the flag's ``type`` and ``choices``, and ``nargs`` (a list whose
+    items have the flag's ``type``, default ``str``: exactly N items for ``nargs=N``, at least one for ``"+"``).
+    ``bool`` is an ``int`` in Python: a boolean never passes as a number, nor a number as a boolean. A bad value
+    or a key that is not a field raises ``ValueError`` naming its dotted path under ``where`` (the section's own
+    path, e.g. ``"mech.monitors"``): ``mech.mols.enabled: expected a boolean, got the string 'false'``."""
     if data is None:
         data = {}
-    if not isinstance(data, Mapping):
-        raise ValueError(f"{where} must be a mapping, got {type(data).__name__}")
-    data = dict(data)
+    check_mapping(data, where)
     fields = {f.name: f for f in dataclasses.fields(section)}
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {', '.join(repr(k) for k in unknown)}; "
                          f"known keys: {', '.join(fields)}")
+    hints = typing.get_type_hints(section)
     values = {}
     for name, value in data.items():
-        default = _default_of(fields[name])
-        if dataclasses.is_dataclass(default) and not dataclasses.is_dataclass(value):
-            value = section_from_dict(type(default), value, f"{where}.{name}")
-        elif isinstance(value, list):
-            value = tuple(value)
-        values[name] = value
+        values[name] = _checked(fields[name], hints[name], value, f"{where}.{name}")
     return section(**values)
+
+
+def check_mapping(data: Any, where: str) -> None:
+    """``ValueError`` naming ``where`` unless ``data`` is a mapping (a JSON object)."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where}: expected a mapping, got {_described(data)}")
+
+
+def _checked(f: dataclasses.Field, hint: Any, value: Any, path: str) -> Any:
+    """``value`` of the field ``f`` (annotation ``hint``) from a dict, checked: lists made tuples, ints made
+    floats where a float is declared, nested sections built."""
+    optional = typing.get_origin(hint) is typing.Union and type(None) in typing.get_args(hint)
+    if optional:
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    meta = f.metadata
+    nargs = meta.get("nargs")
+    item_type = meta.get("type") or (str if nargs is not None else hint)
+    if dataclasses.is_dataclass(hint):
+        expected = f"a mapping of {hint.__name__} settings"
+    elif nargs is None:
+        expected = _item_expectation(item_type, meta.get("choices"))
+    else:
+        count = {"+": "one or more ", "*": ""}.get(nargs, f"{nargs} " if isinstance(nargs, int) else "")
+        expected = f"a list of {count}{_PLURALS.get(item_type, repr(item_type))}{_one_of(meta.get('choices'))}"
+    if optional:
+        expected += " or None"
+
+    def bad():
+        return ValueError(f"{path}: expected {expected}, got {_described(value)}")
+
+    if value is None:
+        if optional:
+            return None
+        raise bad()
+    if dataclasses.is_dataclass(hint):
+        if isinstance(value, hint):
+            return value
+        if not isinstance(value, Mapping):
+            raise bad()
+        return section_from_dict(hint, value, path)
+    if nargs is None:
+        return _item(item_type, meta.get("choices"), value, path, expected)
+    if not isinstance(value, (list, tuple)):
+        raise bad()
+    if (isinstance(nargs, int) and len(value) != nargs) or (nargs == "+" and not value):
+        raise bad()
+    return tuple(_item(item_type, meta.get("choices"), item, f"{path}[{i}]",
+                       _item_expectation(item_type, meta.get("choices")))
+                 for i, item in enumerate(value))
+
+
+_KINDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+_PLURALS = {bool: "booleans", int: "integers", float: "numbers", str: "strings"}
+
+
+def _item_expectation(kind: Any, choices: Optional[Sequence]) -> str:
+    if choices is not None:
+        return f"one of {', '.join(repr(c) for c in choices)}"
+    return _KINDS.get(kind, repr(kind))
+
+
+def _one_of(choices: Optional[Sequence]) -> str:
+    return f" (each one of {', '.join(repr(c) for c in choices)})" if choices is not None else ""
+
+
+def _item(kind: Any, choices: Optional[Sequence], value: Any, path: str, expected: str) -> Any:
+    """One scalar (a field's value or a list's item) of type ``kind``, checked; an int is made a float where a
+    float is declared."""
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif kind is str:
+        ok = isinstance(value, str)
+    else:
+        raise TypeError(f"{path}: declared type {kind!r} has no dict check (declare bool, int, float, str, a config "
+                        f"section, or a flag type among those)")
+    if not ok or (choices is not None and value not in choices):
+        raise ValueError(f"{path}: expected {expected}, got {_described(value)}")
+    return value
+
+
+def _described(value: Any) -> str:
+    """A value as a message names it: ``the string 'false'``, ``the integer 0``, ``the list [1]``, ``None``."""
+    if value is None:
+        return "None"
+    for kind, name in ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string")):
+        if isinstance(value, kind):
+            return f"the {name} {value!r}"
+    if isinstance(value, (list, tuple)):
+        return f"the list {list(value)!r}"
+    if isinstance(value, Mapping):
+        return f"the mapping {dict(value)!r}"
+    return f"a {type(value).__name__} {value!r}"
 
 
 def section_to_dict(obj: Any) -> dict:

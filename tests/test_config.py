@@ -53,16 +53,107 @@ def test_dict_round_trip_and_unknown_keys_are_named():
         MechConfig.from_dict({"monitors": {"intervall": 3}})
     with pytest.raises(ValueError, match=r"mech: unknown key\(s\) 'monitor'"):
         MechConfig.from_dict({"monitor": {}})
-    with pytest.raises(ValueError, match="must be a mapping"):
+    with pytest.raises(ValueError, match="mech.mols: expected a mapping"):
         MechConfig.from_dict({"mols": 3})
+
+
+def test_dict_round_trip_of_a_config_with_every_kind_of_field_set():
+    """bool, int, float (given as an int), str, Optional, nargs lists of str/int/float, nested sections."""
+    c = MechConfig(monitors=MonitorConfig(families=(), interval=3, dw_scope="slice", qk_terms=("delta1", "delta3"),
+                                          all_linears=True, checkpoint_snapshots=False, experts=True),
+                   detector=DetectorOverrides(warmup=2, baseline=4, threshold=3.5, persistence=2),
+                   mols=MoLSOptions(enabled=True, window=7, window_start=3, base="qk", clamp=(0.25, 4.0),
+                                    classes=("qk", "vo"), fixed=("qk=0.5",), diagnostic_steps=2),
+                   output=OutputConfig(dir="runs/x", wandb_project="p", tensorboard_dir="tb"), on_alert="stop",
+                   fault=FaultConfig(kind="small_batch", start=5, strength=2, layers=(3, 0), heads=(1,)))
+    assert MechConfig.from_dict(c.to_dict()) == c
+    assert MechConfig.from_dict(MechConfig().to_dict()) == MechConfig()
+    as_mapping = MechConfig(mols=MoLSOptions(enabled=True, fixed={"qk": 0.5}))  # Python's {class: mult} form
+    assert as_mapping.mols.fixed == ("qk=0.5",) and MechConfig.from_dict(as_mapping.to_dict()) == as_mapping
+    from_ints = MechConfig.from_dict({"mols": {"clamp": [1, 3]}, "detector": {"threshold": 2}})
+    assert from_ints.mols.clamp == (1.0, 3.0) and isinstance(from_ints.mols.clamp[0], float)  # as the flags give
+    assert isinstance(from_ints.detector.threshold, float)
+
+
+_QK_TERMS = "'delta1', 'delta2', 'delta3'"
+
+
+_BAD_VALUES = [
+    ([], "mech: expected a mapping, got the list []"),
+    ("mech", "mech: expected a mapping, got the string 'mech'"),
+    ({"mols": {"enabled": "false"}}, "mech.mols.enabled: expected a boolean, got the string 'false'"),
+    ({"mols": {"enabled": 1}}, "mech.mols.enabled: expected a boolean, got the integer 1"),
+    ({"monitors": {"experts": "no"}}, "mech.monitors.experts: expected a boolean, got the string 'no'"),
+    ({"monitors": {"checkpoint_snapshots": None}}, "mech.monitors.checkpoint_snapshots: expected a boolean, got None"),
+    ({"monitors": {"interval": True}}, "mech.monitors.interval: expected an integer, got the boolean True"),
+    ({"monitors": {"interval": 2.0}}, "mech.monitors.interval: expected an integer, got the number 2.0"),
+    ({"monitors": {"interval": "5"}}, "mech.monitors.interval: expected an integer, got the string '5'"),
+    ({"mols": {"window": "5"}}, "mech.mols.window: expected an integer or None, got the string '5'"),
+    ({"detector": {"threshold": "1"}}, "mech.detector.threshold: expected a number or None, got the string '1'"),
+    ({"detector": {"threshold": False}}, "mech.detector.threshold: expected a number or None, got the boolean False"),
+    ({"output": {"dir": 5}}, "mech.output.dir: expected a string or None, got the integer 5"),
+    ({"output": {"tensorboard_dir": ["tb"]}}, "mech.output.tensorboard_dir: expected a string or None, got the list "
+                                              "['tb']"),
+    ({"monitors": {"dw_scope": "all"}}, "mech.monitors.dw_scope: expected one of 'global', 'slice', got the string "
+                                        "'all'"),
+    ({"on_alert": "panic"}, "mech.on_alert: expected one of 'log', 'checkpoint', 'stop', got the string 'panic'"),
+    ({"on_alert": None}, "mech.on_alert: expected one of 'log', 'checkpoint', 'stop', got None"),
+    ({"mols": {"clamp": [1]}}, "mech.mols.clamp: expected a list of 2 numbers, got the list [1]"),
+    ({"mols": {"clamp": [1, 2, 3]}}, "mech.mols.clamp: expected a list of 2 numbers, got the list [1, 2, 3]"),
+    ({"mols": {"clamp": 2.0}}, "mech.mols.clamp: expected a list of 2 numbers, got the number 2.0"),
+    ({"mols": {"clamp": [1, "2"]}}, "mech.mols.clamp[1]: expected a number, got the string '2'"),
+    ({"monitors": {"qk_terms": []}}, f"mech.monitors.qk_terms: expected a list of one or more strings (each one of "
+                                     f"{_QK_TERMS}), got the list []"),
+    ({"monitors": {"qk_terms": "delta2"}}, f"mech.monitors.qk_terms: expected a list of one or more strings (each "
+                                           f"one of {_QK_TERMS}), got the string 'delta2'"),
+    ({"monitors": {"qk_terms": ["delta2", "delta4"]}}, f"mech.monitors.qk_terms[1]: expected one of {_QK_TERMS}, got "
+                                                       f"the string 'delta4'"),
+    ({"monitors": {"families": {"attention": True}}}, "mech.monitors.families: expected a list of strings (each one "
+                                                      "of 'attention', 'router', 'auto', 'none'), got the mapping "
+                                                      "{'attention': True}"),
+    ({"mols": {"fixed": ["qk=0.5", 2]}}, "mech.mols.fixed[1]: expected a string, got the integer 2"),
+    ({"fault": {"layers": [1, True]}}, "mech.fault.layers[1]: expected an integer, got the boolean True"),
+    ({"fault": {"heads": 0}}, "mech.fault.heads: expected a list of one or more integers or None, got the integer 0"),
+    ({"fault": {"kind": "lr", "strength": "4"}}, "mech.fault.strength: expected a number or None, got the string '4'"),
+    ({"fault": {"kind": "bits"}}, "mech.fault.kind: expected one of 'none', 'attention', 'lr', 'small_batch', "
+                                  "'combined', got the string 'bits'"),
+    ({"mols": []}, "mech.mols: expected a mapping of MoLSOptions settings, got the list []"),
+    ({"monitors": 0}, "mech.monitors: expected a mapping of MonitorConfig settings, got the integer 0"),
+    ({"detector": "none"}, "mech.detector: expected a mapping of DetectorOverrides settings, got the string 'none'"),
+    ({"fault": None}, "mech.fault: expected a mapping of FaultConfig settings, got None"),
+]
+
+
+@pytest.mark.parametrize("data, message", _BAD_VALUES, ids=[m.split(":")[0] for _, m in _BAD_VALUES])
+def test_dict_values_of_the_wrong_type_are_named_by_key_path(data, message):
+    with pytest.raises(ValueError) as info:
+        MechConfig.from_dict(data)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize("section, message", [
+    ([], "mech: expected a mapping, got the list []"),
+    ({"deepspeed": []}, "mech.deepspeed: expected a mapping, got the list []"),
+    ({"deepspeed": 0}, "mech.deepspeed: expected a mapping, got the integer 0"),
+    ({"deepspeed": None}, "mech.deepspeed: expected a mapping, got None"),
+    ({"deepspeed": {"engine_monitor": 1}}, "mech.deepspeed.engine_monitor: expected a boolean, got the integer 1"),
+    ({"deepspeed": {"attention_layout": "fused"}}, "mech.deepspeed.attention_layout: expected one of 'auto', "
+                                                   "'separate', 'grouped', 'concatenated', got the string 'fused'"),
+    ({"mols": {"enabled": "false"}}, "mech.mols.enabled: expected a boolean, got the string 'false'"),
+])
+def test_deepspeed_section_is_checked_by_the_same_declarations(section, message):
+    from megatron_mech.deepspeed.config import DeepSpeedOptions, parse_section
+
+    with pytest.raises(ValueError) as info:
+        parse_section(section)
+    assert str(info.value) == message
+    assert parse_section({"deepspeed": {}})[1] == DeepSpeedOptions()
 
 
 @pytest.mark.parametrize("data, flag", [
     ({"monitors": {"interval": 0}}, "--mech-interval"),
-    ({"monitors": {"dw_scope": "all"}}, "--mech-dw-scope"),
     ({"monitors": {"families": ["attention", "none"]}}, "--mech-monitors"),
     ({"detector": {"baseline": 2}}, "--mech-detector-baseline"),
-    ({"on_alert": "panic"}, "--mech-on-alert"),
     ({"mols": {"clamp": [2, 4]}}, "clamp"),
     ({"fault": {"kind": "lr", "strength": -1}}, "strength"),
 ])

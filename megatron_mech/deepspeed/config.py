@@ -21,10 +21,11 @@ Example::
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from megatron_mech.config import MechConfig
+from megatron_mech.options import check_mapping, option, section_from_dict
 
 __all__ = ["ATTENTION_LAYOUTS", "SECTION", "DeepSpeedOptions", "parse_section", "read_section"]
 
@@ -34,18 +35,14 @@ ATTENTION_LAYOUTS = ("auto", "separate", "grouped", "concatenated")
 
 @dataclass(frozen=True)
 class DeepSpeedOptions:
-    """Settings only the DeepSpeed adapter has (``mech.deepspeed``).
+    """Settings only the DeepSpeed adapter has (``mech.deepspeed``); no flags (they live in the JSON config)."""
 
-    Attributes:
-        engine_monitor: also write every record through ``engine.monitor`` (the TensorBoard / W&B / CSV / Comet
-            backends of the DeepSpeed config; DeepSpeed writes them from rank 0).
-        attention_layout: how attention weights are stored: ``auto`` (separate ``q_proj``/``k_proj`` if present,
-            else a known fused name with its usual layout), ``separate``, ``grouped`` (fused, rows grouped per
-            KV group: Megatron, GPT-NeoX, Falcon) or ``concatenated`` (fused ``[Q | K | V]``: Phi-3, MPT, GPT-2).
-    """
-
-    engine_monitor: bool = True
-    attention_layout: str = "auto"
+    engine_monitor: bool = option(True, "also write every record through engine.monitor (the TensorBoard / W&B / "
+                                  "CSV / Comet backends of the DeepSpeed config; DeepSpeed writes them from rank 0)")
+    attention_layout: str = option("auto", "how attention weights are stored: auto (separate q_proj/k_proj if "
+                                   "present, else a known fused name with its usual layout), separate, grouped "
+                                   "(fused, rows grouped per KV group: Megatron, GPT-NeoX, Falcon) or concatenated "
+                                   "(fused [Q | K | V]: Phi-3, MPT, GPT-2)", choices=ATTENTION_LAYOUTS)
 
     def __post_init__(self):
         if not isinstance(self.engine_monitor, bool):
@@ -55,24 +52,22 @@ class DeepSpeedOptions:
                              f"{self.attention_layout!r}")
 
 
+_ABSENT = object()
+
+
 def parse_section(section: Optional[Mapping[str, Any]]) -> tuple[MechConfig, DeepSpeedOptions]:
     """The ``"mech"`` section → ``(MechConfig, DeepSpeedOptions)``. None/absent: every default. Raises
-    ``ValueError`` naming ``mech.<key>`` for unknown keys and bad values."""
+    ``ValueError`` naming ``mech.<key>`` for unknown keys and bad values (types checked against the settings'
+    declarations, :func:`megatron_mech.options.section_from_dict`)."""
     if section is None:
         return MechConfig(), DeepSpeedOptions()
-    if not isinstance(section, Mapping):
-        raise ValueError(f"the DeepSpeed config's {SECTION!r} section must be a JSON object, got "
-                         f"{type(section).__name__}")
+    check_mapping(section, SECTION)
     section = dict(section)
-    ds = section.pop("deepspeed", None) or {}
-    if not isinstance(ds, Mapping):
-        raise ValueError(f"mech.deepspeed must be a JSON object, got {type(ds).__name__}")
-    allowed = {f.name for f in fields(DeepSpeedOptions)}
-    unknown = sorted(set(ds) - allowed)
-    if unknown:
-        raise ValueError(f"unknown key(s) in the DeepSpeed config: {', '.join('mech.deepspeed.' + k for k in unknown)}"
-                         f"; mech.deepspeed accepts {', '.join(sorted(allowed))}")
-    options = DeepSpeedOptions(**ds)
+    ds = section.pop("deepspeed", _ABSENT)
+    options = DeepSpeedOptions()
+    if ds is not _ABSENT:
+        check_mapping(ds, f"{SECTION}.deepspeed")  # null too: like every nested section, an object when present
+        options = section_from_dict(DeepSpeedOptions, ds, f"{SECTION}.deepspeed")
     config = MechConfig.from_dict(section, SECTION)
     if config.monitors.all_linears:
         raise ValueError("mech.monitors.all_linears is not available in the DeepSpeed adapter (attention Q/K and "

@@ -9,7 +9,7 @@ rank, and a rank with nothing to add (no routed tokens) still joins. Global rank
 
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=cfg)
     mech = DeepSpeedMech.from_engine(engine, train_steps=T)   # reads and validates cfg["mech"]
-    load_checkpoint(engine, mech, ckpt_dir)                    # optional resume
+    load_checkpoint(engine, mech, ckpt_dir)                    # optional resume (weights-only, see there)
     for batch in data:
         mech.before_step()
         for micro in split(batch):                             # gradient accumulation: engine.step per micro-batch
@@ -31,6 +31,7 @@ wrapper's state is in DeepSpeed's own ``lr_scheduler`` entry.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Any, Optional
@@ -43,6 +44,7 @@ from megatron_mech.deepspeed.attention import find_hf_attention
 from megatron_mech.deepspeed.config import DeepSpeedOptions, parse_section, read_section
 from megatron_mech.deepspeed.mols import DeepSpeedMoLS
 from megatron_mech.deepspeed.router import find_gates, gate_capture, token_group_of
+from megatron_mech.deepspeed.safe_load import weights_only_loads
 from megatron_mech.hook import Action, MechHook
 from megatron_mech.model_view import ModelView, RouterView
 
@@ -247,10 +249,10 @@ class DeepSpeedMech:
     def state_dict(self) -> dict:
         return self.hook.state_dict()
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, source: Optional[str] = None) -> None:
         if self._is_setup:
             raise RuntimeError("load the checkpoint before the first before_step(): the monitors resume from it")
-        self.hook.load_state_dict(state)
+        self.hook.load_state_dict(state, source=source)
 
     def close(self) -> None:
         for g in self.gates:
@@ -285,11 +287,18 @@ def save_checkpoint(engine, mech: DeepSpeedMech, save_dir, tag=None, client_stat
     return result
 
 
-def load_checkpoint(engine, mech: DeepSpeedMech, load_dir, tag=None, **kwargs):
+def load_checkpoint(engine, mech: DeepSpeedMech, load_dir, tag=None, *, trust_checkpoint: bool = False, **kwargs):
     """``engine.load_checkpoint`` and restore the hook from this rank's state file (before the first step); returns
     DeepSpeed's ``(load_path, client_state)`` without our entry. Raises ``ValueError`` when nothing is found, or
-    when the checkpoint was written by a different number of ranks."""
-    path, client_state = engine.load_checkpoint(load_dir, tag=tag, **kwargs)
+    when the checkpoint was written by a different number of ranks.
+
+    DeepSpeed's files are read weights-only, admitting only the types DeepSpeed's own checkpoints hold
+    (:mod:`megatron_mech.deepspeed.safe_load`); a file needing anything else raises ``UnsafeCheckpointError``
+    (a ``ValueError``) naming the file and the type, and nothing of it runs. ``trust_checkpoint=True`` hands
+    the files to DeepSpeed's own loader, which unpickles anything: only for checkpoints you trust."""
+    loads = contextlib.nullcontext() if trust_checkpoint else weights_only_loads(engine)
+    with loads:
+        path, client_state = engine.load_checkpoint(load_dir, tag=tag, **kwargs)
     if path is None:
         raise ValueError(f"no DeepSpeed checkpoint found in {load_dir} (tag {tag})")
     client_state = dict(client_state or {})
@@ -304,5 +313,5 @@ def load_checkpoint(engine, mech: DeepSpeedMech, load_dir, tag=None, **kwargs):
     state_file = _rank_state_file(Path(path).parent, rank)
     if not state_file.is_file():
         raise ValueError(f"checkpoint {path}: missing megatron-mech state file {state_file}")
-    mech.load_state_dict(torch.load(state_file, map_location="cpu", weights_only=True))
+    mech.load_state_dict(torch.load(state_file, map_location="cpu", weights_only=True), source=f"checkpoint {path}")
     return path, client_state

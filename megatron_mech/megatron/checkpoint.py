@@ -150,7 +150,8 @@ def load_checkpoint(load_dir, model, optimizer, scheduler, layout: dict, hook=No
     if mech is not None and state.get("mols"):  # checkpoints of earlier releases kept MoLS in its own entry
         mech = {**mech, "mols": state["mols"]}
     if hook is not None and mech is not None:
-        hook.load_state_dict(mech)  # before the scheduler: MoLS rewrites the groups it recomputes lrs from
+        # before the scheduler: MoLS rewrites the groups it recomputes lrs from
+        hook.load_state_dict(mech, source=f"checkpoint {directory}")
     scheduler.load_state_dict(state["scheduler"])
     _set_rng_state(state["rng"])
     return step

@@ -15,18 +15,15 @@ Rules (checked on every rank before any data, model or process group is built; e
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from megatron_mech.megatron.checkpoint import TRACKER
+from megatron_mech.records.run_directory import FIRST_ALERT, previous_run, probe_writable, refuse_mixing_runs
+from megatron_mech.records.run_directory import clear_previous_run as clear_run_files
 
 __all__ = ["RunDirectoryPlan", "check_run_directories", "clear_previous_run"]
-
-JSONL = "mech.jsonl"
-SUMMARY = "summary.json"
-FIRST_ALERT = "first_alert.json"
 
 
 @dataclass(frozen=True)
@@ -46,30 +43,6 @@ class RunDirectoryPlan:
     warning: Optional[str] = None
 
 
-def _probe_writable(directory: str, flag: str, rank: int) -> None:
-    probe = Path(directory) / f".mech_write_probe.rank{rank}"
-    try:
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as exc:
-        raise ValueError(f"{flag} {directory} is not writable ({exc.strerror or exc}); training would only find "
-                         f"out at its first save") from exc
-
-
-def _previous_run(output_dir: str, save_dir: Optional[str]) -> list:
-    """What in these directories belongs to an earlier run (empty list: nothing)."""
-    found = []
-    jsonl = Path(output_dir) / JSONL
-    if jsonl.is_file() and jsonl.stat().st_size > 0:
-        found.append(str(jsonl))
-    if (Path(output_dir) / SUMMARY).is_file():
-        found.append(str(Path(output_dir) / SUMMARY))
-    if save_dir and (Path(save_dir) / TRACKER).is_file():
-        found.append(str(Path(save_dir) / TRACKER))
-    return found
-
-
 def check_run_directories(args, rank: int = 0) -> RunDirectoryPlan:
     """Apply the module's rules to parsed entry-point flags; raise ``ValueError`` naming the flag."""
     output_dir = args.mech_output_dir or args.save or "runs/mech"
@@ -78,7 +51,7 @@ def check_run_directories(args, rank: int = 0) -> RunDirectoryPlan:
     for flag, directory in (("--save", args.save), (output_flag, output_dir),
                             ("--tensorboard-dir", args.tensorboard_dir)):
         if directory:
-            _probe_writable(directory, flag, rank)
+            probe_writable(directory, flag, rank)
     overwrite = bool(getattr(args, "overwrite_run", False))
     resume = bool(args.load) and (Path(args.load) / TRACKER).is_file()
     warning = None
@@ -88,14 +61,9 @@ def check_run_directories(args, rank: int = 0) -> RunDirectoryPlan:
                              f"--exit-on-missing-checkpoint is set")
         warning = (f"WARNING: --load {args.load} holds no checkpoint (no {TRACKER}): starting from step 0. "
                    f"Check the path if you meant to resume.")
-    if not resume:
-        previous = _previous_run(output_dir, args.save)
-        if previous and not overwrite:
-            why = (f"--load {args.load} holds no checkpoint, so this run would start at step 0"
-                   if args.load else "this is a fresh run (no --load)")
-            raise ValueError(f"{output_dir} already holds a run ({', '.join(previous)}) and {why}: its records "
-                             f"would be mixed with or replaced by this one. Use another --save/--mech-output-dir, "
-                             f"resume with --load pointing at its checkpoint, or pass --overwrite-run to start over")
+    if not resume and not overwrite:
+        refuse_mixing_runs(output_dir, previous_run(output_dir, [Path(args.save) / TRACKER] if args.save else []),
+                           load=args.load, other_dir_flags="--save/--mech-output-dir")
     return RunDirectoryPlan(output_dir=output_dir, resume=resume, overwrite=overwrite and not resume,
                             warning=warning)
 
@@ -106,10 +74,4 @@ def clear_previous_run(plan: RunDirectoryPlan, save_dir: Optional[str]) -> None:
     Call on one rank only."""
     if not plan.overwrite:
         return
-    for path in (Path(plan.output_dir) / JSONL, Path(plan.output_dir) / SUMMARY,
-                 Path(plan.output_dir) / FIRST_ALERT,
-                 *([Path(save_dir) / TRACKER, Path(save_dir) / FIRST_ALERT] if save_dir else [])):
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
+    clear_run_files(plan.output_dir, [Path(save_dir) / TRACKER, Path(save_dir) / FIRST_ALERT] if save_dir else [])

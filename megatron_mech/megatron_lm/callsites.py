@@ -211,7 +211,7 @@ def on_setup(model, optimizer, opt_param_scheduler) -> None:
             wandb_kwargs={"project": output.wandb_project} if output.wandb_project else None,
             extra=[CallbackSink(RUN.pending.append)], truncate_after_step=start_step or None)
     if RUN.restored is not None:
-        hook.load_state_dict(RUN.restored)  # MoLS now, the monitors at setup
+        hook.load_state_dict(RUN.restored, source=f"checkpoint {args.load}")  # MoLS now, the monitors at setup
         RUN.restored = None
         if hook.mols is not None and opt_param_scheduler is not None:
             opt_param_scheduler.step(increment=0)  # the scheduler set lrs from max_lr before MoLS restored them

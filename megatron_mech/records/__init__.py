@@ -1,1 +1,2 @@
-"""Records: output sinks (JSONL, TensorBoard, W&B, DeepSpeed monitor) and the run report."""
+"""Records: output sinks (JSONL, TensorBoard, W&B, DeepSpeed monitor), the run report, and the one-run-per-directory
+rule the entry points apply before training."""

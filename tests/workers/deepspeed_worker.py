@@ -18,6 +18,8 @@ Scenarios (``--scenario``):
 * ``resume`` (``--stages 2,3``): train 6 steps saving at step 3; a fresh engine loaded from that checkpoint
   continues with identical losses, lrs and monitor records. The first run also writes through
   ``engine.monitor`` (DeepSpeed's CSV backend): its series equal ``mech.jsonl``.
+* ``safe_load`` (``--stages 0,1,2,3``, one rank is enough): a real checkpoint loads through the weights-only
+  allow-list and resumes exactly; a planted pickle in the model or optimizer file is refused and never runs.
 * ``fault``: an attention fault (the studies' emulated FlashAttention-2 backward error in layer 1, from
   ``mech.fault``) in the HF model raises a layer-1 attention alert within six evaluations of its start; the
   clean twin (γ = 0, same data and seed) has not alerted on that layer by then.
@@ -480,6 +482,89 @@ def scenario_resume(args, stage, rank, world, errors):
     return {"steps": 3}
 
 
+class _PlantedPickle:
+    """What an attacker would put in a checkpoint file: unpickling it calls ``open(marker, "w")``."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def scenario_safe_load(args, stage, rank, world, errors):
+    """A real checkpoint of this ZeRO stage loads weights-only (the next step equals the uninterrupted engine's);
+    a planted pickle in the model or optimizer file is refused, naming the file and the global, and does not run;
+    ``trust_checkpoint=True`` is DeepSpeed's own unrestricted loader (the planted pickle runs)."""
+    import glob
+    import shutil
+
+    from megatron_mech.deepspeed.engine import DeepSpeedMech, load_checkpoint, save_checkpoint
+    from megatron_mech.deepspeed.models import dense_llama
+    from megatron_mech.deepspeed.safe_load import UnsafeCheckpointError
+
+    tokens = corpus_tokens()
+    root = os.path.join(args.tmp, f"zero{stage}")
+    ckpt = os.path.join(root, "ckpt")
+    sched = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3, "warmup_num_steps": 2}}
+
+    def fresh(**extra):
+        model = dense_llama(vocab_size=VOCAB, hidden=16, layers=1, heads=2, kv_heads=1, ffn=32, seq_len=SEQ, seed=0)
+        engine = build_engine(model, ds_config(stage, {"monitors": {"interval": 1}, "output": {"dir": root}},
+                                               scheduler=sched, **extra))
+        return engine, DeepSpeedMech.from_engine(engine, train_steps=4)
+
+    engine, mech = fresh()
+    for step in range(2):
+        train_step(engine, mech, tokens, step, rank, world)
+    save_checkpoint(engine, mech, ckpt, tag="good")
+    uninterrupted = train_step(engine, mech, tokens, 2, rank, world)
+    mech.close()
+    engine, mech = fresh()
+    load_checkpoint(engine, mech, ckpt, tag="good")
+    resumed = train_step(engine, mech, tokens, 2, rank, world)
+    mech.close()
+    if (engine.global_steps, resumed) != (3, uninterrupted):
+        errors.append(f"ZeRO {stage}: weights-only resume gave step {engine.global_steps} loss {resumed}, the "
+                      f"uninterrupted engine step 3 loss {uninterrupted}")
+    kinds = ("model_states", "optim_states") if stage > 0 else ("model_states",)  # ZeRO 0: one file
+    for kind in kinds:
+        tag = f"planted_{kind}"
+        shutil.copytree(os.path.join(ckpt, "good"), os.path.join(ckpt, tag))
+        target = sorted(glob.glob(os.path.join(ckpt, tag, f"*{kind}.pt")))[0]
+        marker = os.path.join(root, f"PWNED_{kind}")
+        torch.save(_PlantedPickle(marker), target)
+        engine, mech = fresh()
+        try:
+            load_checkpoint(engine, mech, ckpt, tag=tag)
+            errors.append(f"ZeRO {stage}: the planted {kind} file was loaded")
+        except UnsafeCheckpointError as exc:
+            if target not in str(exc) or "open" not in str(exc) or "trust_checkpoint=True" not in str(exc):
+                errors.append(f"ZeRO {stage}: the refusal does not name the file, the global and the opt-in: {exc}")
+        except Exception as exc:  # noqa: BLE001 - DeepSpeed failing on the unpickled object: it was not refused
+            errors.append(f"ZeRO {stage}: the planted {kind} file was not refused: {type(exc).__name__}: {exc}")
+        if os.path.exists(marker):
+            errors.append(f"ZeRO {stage}: the planted {kind} pickle ran ({marker} exists)")
+        if kind == "model_states":  # the opt-in is DeepSpeed's own loader: the same file runs its pickle
+            try:
+                load_checkpoint(engine, mech, ckpt, tag=tag, trust_checkpoint=True)
+            except Exception:  # noqa: BLE001 - DeepSpeed then fails on the non-dict; only the side effect matters
+                pass
+            if not os.path.exists(marker):
+                errors.append(f"ZeRO {stage}: trust_checkpoint=True did not use DeepSpeed's own loader")
+        mech.close()
+    if stage == 0:  # DeepSpeed reads universal checkpoints with its unrestricted torch.load: refused up front
+        engine, mech = fresh(checkpoint={"load_universal": True})
+        try:
+            load_checkpoint(engine, mech, ckpt, tag="good")
+            errors.append("a universal-checkpoint load was not refused")
+        except ValueError as exc:
+            if "universal checkpoint" not in str(exc) or "trust_checkpoint=True" not in str(exc):
+                errors.append(f"the universal-checkpoint refusal does not say why and how to opt in: {exc}")
+        mech.close()
+    return {"refused": len(kinds)}
+
+
 # ------------------------------------------------------------------------------------------------ fault
 def scenario_fault(args, stage, rank, world, errors):
     from megatron_mech.deepspeed.engine import DeepSpeedMech
@@ -525,7 +610,8 @@ def scenario_fault(args, stage, rank, world, errors):
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--scenario", required=True, choices=("attention", "router", "mols", "mols_stats", "resume", "fault"))
+    parser.add_argument("--scenario", required=True,
+                        choices=("attention", "router", "mols", "mols_stats", "resume", "fault", "safe_load"))
     parser.add_argument("--stages", default="1", help="comma-separated ZeRO stages, run one after the other")
     parser.add_argument("--tmp", default=None)
     parser.add_argument("--steps", type=int, default=30)

@@ -1,0 +1,91 @@
+"""Resuming at another ``--mech-interval`` is refused by name: the hook's saved state carries the interval its
+monitors evaluated at, and a run configured with another one would write records on a different grid, with ΔW
+over a different number of steps, after those of the checkpoint. The states are the real hook's (a real attention
+monitor on a weight updated like an optimizer would); the reference is the interval each run was configured with.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_mech.config import MechConfig, MonitorConfig
+from megatron_mech.hook import MechHook
+from megatron_mech.megatron.checkpoint import TRACKER, load_checkpoint
+from megatron_mech.model_view import ModelView
+from megatron_mech.monitors.attention import AttentionLayer
+from megatron_mech.records.sinks import CallbackSink
+
+HEADS, GROUPS, HEAD_DIM, D_MODEL = 2, 2, 8, 16
+
+
+def _hook(interval, weight, records, families=("attention",)):
+    hook = MechHook(MechConfig(monitors=MonitorConfig(families=families, interval=interval, qk_terms=("delta2",))),
+                    sinks=CallbackSink(records.append))
+    hook.optimizer_overrides(ModelView())
+    hook.attach_optimizer(None)
+    return hook, ModelView(attention_layers=[AttentionLayer(0, weight, HEADS, GROUPS, HEAD_DIM)])
+
+
+def _steps(hook, weight, first, last):
+    for step in range(first, last + 1):
+        hook.before_step(step)
+        with torch.no_grad():
+            weight.add_(1e-2 * torch.randn(weight.shape, generator=torch.Generator().manual_seed(step)))
+        hook.after_optimizer_step(step, loss=1.0, grad_norm=1.0, lr=1e-3)
+
+
+def _saved_run(interval=10, steps=10):
+    """A run at ``interval`` for ``steps`` steps: its weight and its hook's state."""
+    weight = torch.randn((HEADS + 2 * GROUPS) * HEAD_DIM, D_MODEL, generator=torch.Generator().manual_seed(0))
+    hook, view = _hook(interval, weight, [])
+    hook.setup(view, None, start_step=0)
+    _steps(hook, weight, 1, steps)
+    return weight, hook.state_dict()
+
+
+def test_a_state_saved_at_another_interval_is_refused_naming_the_flag_both_values_and_the_checkpoint():
+    weight, state = _saved_run(interval=10)
+    assert state["interval"] == 10
+    hook, _ = _hook(5, weight.clone(), [])
+    with pytest.raises(ValueError) as info:
+        hook.load_state_dict(state, source="checkpoint runs/a/iter_0000010")
+    assert str(info.value).startswith("checkpoint runs/a/iter_0000010 was saved with --mech-interval 10 "
+                                      "(mech.monitors.interval), this run has --mech-interval 5")
+    # an entry written before the hook kept its interval: the attention monitor's config still tells it
+    older = {k: v for k, v in state.items() if k != "interval"}
+    with pytest.raises(ValueError, match="saved with --mech-interval 10 .* this run has --mech-interval 5"):
+        _hook(5, weight.clone(), [])[0].load_state_dict(older)
+
+
+def test_a_state_saved_at_the_same_interval_resumes_and_evaluates_from_the_saved_snapshot():
+    weight, state = _saved_run(interval=10)
+    records = []
+    hook, view = _hook(10, weight, records)
+    hook.load_state_dict(state, source="checkpoint runs/a/iter_0000010")
+    hook.setup(view, None, start_step=10)
+    _steps(hook, weight, 11, 20)
+    assert [r["step"] for r in records] == [20]  # the snapshot of step 10 came from the state: no skipped interval
+
+
+def test_monitors_off_on_either_side_has_no_interval_to_mix():
+    weight, state = _saved_run(interval=10)
+    _hook(5, weight.clone(), [], families=())[0].load_state_dict(state)  # nothing monitored: nothing to mix
+    hook, view = _hook(10, weight.clone(), [], families=())
+    hook.setup(view, None, start_step=0)
+    unmonitored = hook.state_dict()
+    assert unmonitored["interval"] is None
+    _hook(5, weight.clone(), [])[0].load_state_dict(unmonitored)
+
+
+def test_megatron_core_checkpoint_at_another_interval_is_refused_naming_its_directory(tmp_path):
+    weight, mech = _saved_run(interval=10)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    directory = tmp_path / "iter_0000010"
+    directory.mkdir()
+    torch.save({"iteration": 10, "layout": {}, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "mech": mech, "mols_enabled": False}, directory / "rank0000.pt")
+    (tmp_path / TRACKER).write_text("10")
+    hook, _ = _hook(5, weight.clone(), [])
+    with pytest.raises(ValueError, match=f"checkpoint {directory} was saved with --mech-interval 10 "):
+        load_checkpoint(tmp_path, model, optimizer, scheduler=None, layout={}, hook=hook)
