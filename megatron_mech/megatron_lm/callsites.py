@@ -29,9 +29,9 @@ global ``RUN``) holds the hook and what passes between call sites. Every rank ma
 order: the monitors and MoLS issue their collectives there.
 
 ``--mech-on-alert checkpoint|stop`` goes through Megatron-LM's own end-of-iteration path, so the checkpoint holds
-the finished iteration (scheduler stepped, iteration counted). :func:`on_start` wraps two functions of the fork's
-``megatron.training.training`` (the ``train`` loop looks them up there at each call): ``checkpoint_and_decide_exit``
-— after Megatron's own decision for the alert step it saves with ``save_checkpoint_and_time`` (with ``--save``;
+the finished iteration (scheduler stepped, iteration counted). :func:`on_start` (or, with that flag, the first
+:func:`get_hook`) wraps two functions of the fork's ``megatron.training.training`` (the ``train`` loop looks them
+up there at each call): ``checkpoint_and_decide_exit`` — after Megatron's own decision for the alert step it saves with ``save_checkpoint_and_time`` (with ``--save``;
 unless Megatron just saved that iteration) and, for ``stop``, returns True, so ``train`` leaves its loop and exits
 as on ``--exit-interval``; and ``save_checkpoint_and_time``, which tells the hook of every persistent save
 (``first_alert.json`` next to the alert's checkpoint names the last one before it).
@@ -102,7 +102,7 @@ def get_hook():
 
         args = _args()
         on_alert = getattr(args, "mech_on_alert", "log")
-        if on_alert != "log" and not _ALERT_ACTIONS_INSTALLED:
+        if on_alert != "log" and not _install_alert_actions():
             raise ValueError(f"--mech-on-alert {on_alert}: this fork's megatron.training.training has no "
                              "checkpoint_and_decide_exit / save_checkpoint_and_time to save or stop through; use "
                              "--mech-on-alert log (alert callbacks: megatron_mech.megatron_lm.callsites.RUN.hook)")
@@ -118,9 +118,10 @@ def get_hook():
 _ALERT_ACTIONS_INSTALLED = False
 
 
-def _install_alert_actions() -> None:
-    """Wrap the fork's ``checkpoint_and_decide_exit`` and ``save_checkpoint_and_time`` (see the module docstring).
-    Idempotent; a fork without them keeps ``--mech-on-alert log`` only (:func:`get_hook` says so)."""
+def _install_alert_actions() -> bool:
+    """Wrap the fork's ``checkpoint_and_decide_exit`` and ``save_checkpoint_and_time`` (see the module docstring);
+    whether they are wrapped. Idempotent; a fork without them keeps ``--mech-on-alert log`` only (:func:`get_hook`
+    says so)."""
     global _ALERT_ACTIONS_INSTALLED
     import functools
     import inspect
@@ -130,11 +131,11 @@ def _install_alert_actions() -> None:
     from megatron_mech.hook import Action
 
     if _ALERT_ACTIONS_INSTALLED:
-        return
+        return True
     decide = getattr(training, "checkpoint_and_decide_exit", None)
     save = getattr(training, "save_checkpoint_and_time", None)
     if decide is None or save is None:
-        return
+        return False
     decide_signature, save_signature = inspect.signature(decide), inspect.signature(save)
 
     @functools.wraps(save)
@@ -169,6 +170,7 @@ def _install_alert_actions() -> None:
     training.save_checkpoint_and_time = save_checkpoint_and_time
     training.checkpoint_and_decide_exit = checkpoint_and_decide_exit
     _ALERT_ACTIONS_INSTALLED = True
+    return True
 
 
 def _note_saved(iteration: int) -> None:
