@@ -10,6 +10,10 @@ the CPU shims), training a small MoE GPT with EP=2 on the embedded corpus (``--d
 * ``torch_dist`` checkpoints: the same exact continuation after a resume (per-rank ``ShardedObject`` state).
 * ``--use-distributed-optimizer --overlap-param-gather --overlap-grad-reduce``: the monitors read the updated
   weights (they agree with a plain-optimizer run of the same seed) and the MoLS lrs hold there too.
+* A small dense GQA GPT at ``--tensor-model-parallel-size 2``: it trains, and its losses and every monitor value
+  agree with the TP=1 run of the same seed (Megatron-LM builds the same full weights before splitting them).
+* ``--mech-on-alert stop`` / ``checkpoint`` with the attention fault: Megatron-LM saves the alert step's checkpoint
+  through its own save path; ``stop`` ends the run there, ``checkpoint`` trains on.
 
 Skipped, with the reason, when the core_v0.16.1 tree is absent (see ``megatron_lm_trees``).
 """
@@ -46,8 +50,25 @@ def data(tmp_path_factory):
     return prepare_data(tmp_path_factory.mktemp("data") / "corpus", vocab_size=1024, max_docs_per_source=40)
 
 
-def train(fork, data, out, *extra):
-    args = [*CPU_TRAINING_FLAGS, *SMALL_MOE_FLAGS, "--tokenizer-type", "NullTokenizer",
+# A small dense GPT with grouped-query attention (4 query heads in 2 groups): 2 layers, hidden 64, 2 micro-batches per
+# data-parallel rank and step at TP=1 (DP=2), 4 at TP=2 (DP=1) — the same global batch of 8.
+DENSE_GQA_FLAGS = (
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
+    "--num-query-groups", "2", "--ffn-hidden-size", "128", "--seq-length", "64", "--max-position-embeddings", "64",
+    "--micro-batch-size", "2", "--global-batch-size", "8", "--attention-dropout", "0", "--hidden-dropout", "0",
+    "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--seed", "1234",
+    "--log-interval", "1", "--eval-interval", "100000", "--eval-iters", "0",
+)
+
+
+def dense_gqa(tp: int) -> tuple:
+    """DENSE_GQA_FLAGS at ``--tensor-model-parallel-size tp``. Megatron-LM pads the vocabulary to a multiple of
+    ``make-vocab-size-divisible-by × TP``: 256 in all here, so every TP size builds the same embedding shape."""
+    return (*DENSE_GQA_FLAGS, "--tensor-model-parallel-size", str(tp), "--make-vocab-size-divisible-by", str(256 // tp))
+
+
+def train(fork, data, out, *extra, model=SMALL_MOE_FLAGS):
+    args = [*CPU_TRAINING_FLAGS, *model, "--tokenizer-type", "NullTokenizer",
             "--vocab-size", str(data.vocab_size), "--data-path", data.train_prefix, "--split", "98,2,0",
             "--data-cache-path", str(out / "index_cache"), "--tensorboard-dir", str(out / "tb"),
             "--mech-output-dir", str(out / "mech"), *extra]
@@ -181,3 +202,78 @@ def test_overlap_param_gather_monitors_read_updated_weights(fork, data, tmp_path
                 compared += 1
     assert compared > 50
     assert_mols_lrs(overlap, steps)
+
+
+def test_tensor_parallel_2_matches_tp1(fork, data, tmp_path):
+    steps = 4
+    common = ("--train-iters", str(steps), "--mech-interval", "1")
+    train(fork, data, tmp_path / "tp2", *common, model=dense_gqa(2))
+    train(fork, data, tmp_path / "tp1", *common, model=dense_gqa(1))
+    tp2, tp1 = records(tmp_path / "tp2"), records(tmp_path / "tp1")
+    assert sorted(tp2) == sorted(tp1) == list(range(1, steps + 1))
+    compared = 0
+    for step in range(1, steps + 1):
+        # The same fp32 weights (--use-cpu-initialization draws each full matrix, then splits it) and the same
+        # global batch: TP changes only the order of the sums (split matmuls, all-reduced partial results), a
+        # relative error of a few float32 eps per operation; 1e-4 leaves room for its growth over the steps
+        # and through the monitors' spectra (measured: 5e-7 at most).
+        assert tp2[step]["loss"] == pytest.approx(tp1[step]["loss"], rel=1e-5), step
+        assert set(tp2[step]["metrics"]) == set(tp1[step]["metrics"]), step
+        for name, value in tp1[step]["metrics"].items():
+            if value is not None:
+                assert tp2[step]["metrics"][name] == pytest.approx(value, rel=1e-4, abs=1e-6), (step, name)
+                compared += 1
+    for layer in (0, 1):
+        for head in range(4):  # per query head, across both TP shards
+            assert f"attn/layer{layer}/head{head}/delta2_entropy" in tp2[steps]["metrics"]
+    assert compared > 150
+
+
+ALERT_FAULT = ("--spec", "megatron_mech.megatron_lm.fault_spec", "layer_spec", "--mech-fault", "attention",
+               "--mech-fault-strength", "0.1", "--mech-fault-layers", "1", "--mech-fault-start", "12")
+ALERT_DETECT = ("--mech-interval", "1", "--mech-detector-warmup", "2", "--mech-detector-baseline", "6")
+
+
+def first_alert_step(recs: dict) -> int:
+    alerted = sorted(s for s, r in recs.items() if r["alerts"])
+    assert alerted and alerted[0] >= 12, alerted  # not before the fault starts
+    assert {al["family"] for al in recs[alerted[0]]["alerts"]} == {"attention"}
+    return alerted[0]
+
+
+def assert_megatron_checkpoint(ckpt, step: int) -> None:
+    """``ckpt/iter_<step>`` is Megatron-LM's own legacy checkpoint of the finished iteration ``step``: its
+    iteration counter and its scheduler (stepped after the update, GLOBAL_BATCH samples a step) say so."""
+    import torch
+
+    saved = torch.load(ckpt / f"iter_{step:07d}" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    assert saved["iteration"] == step
+    assert saved["opt_param_scheduler"]["num_steps"] == step * GLOBAL_BATCH
+    assert "megatron_mech" in saved
+
+
+@pytest.mark.parametrize("on_alert", ["stop", "checkpoint"])
+def test_on_alert_saves_through_megatron(fork, data, tmp_path, on_alert):
+    steps, save_interval = 40, 8
+    out = tmp_path / on_alert
+    ckpt = out / "ckpt"
+    stdout = train(fork, data, out, "--train-iters", str(steps), *ALERT_DETECT, *ALERT_FAULT,
+                   "--mech-on-alert", on_alert, "--save", str(ckpt), "--save-interval", str(save_interval),
+                   "--ckpt-format", "torch", model=dense_gqa(1))
+    recs = records(out)
+    alert = first_alert_step(recs)
+    # the alert's checkpoint is not a regular one, and a stop leaves steps untrained (22 with this seed)
+    assert alert % save_interval != 0 and alert < steps, alert
+    assert_megatron_checkpoint(ckpt, alert)
+    before = max(s for s in range(save_interval, alert, save_interval))
+    assert json.loads((ckpt / "first_alert.json").read_text()) == {
+        "step": alert, "checkpoint": str(ckpt / f"iter_{alert:07d}"), "last_checkpoint_before_alert": before}
+    saved = sorted(int(p.name[len("iter_"):]) for p in ckpt.glob("iter_*"))
+    if on_alert == "stop":
+        assert sorted(recs) == list(range(1, alert + 1))  # no step after the alert's
+        assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(alert)
+        assert saved == [*range(save_interval, alert, save_interval), alert]
+        assert f"stopping at iteration {alert} on the first alert" in stdout
+    else:
+        assert sorted(recs) == list(range(1, steps + 1))  # trained on to the end
+        assert saved == sorted({*range(save_interval, steps + 1, save_interval), alert, steps})

@@ -26,8 +26,15 @@ call                                  place in the fork (core_v0.16.1 names)
 Every call is a translation onto :class:`megatron_mech.hook.MechHook`'s lifecycle (one hook per process, made
 from Megatron's parsed arguments on first use, :func:`get_hook`); one :class:`MechRun` per process (module
 global ``RUN``) holds the hook and what passes between call sites. Every rank makes every call in the same
-order: the monitors and MoLS issue their collectives there. ``--mech-on-alert`` must stay ``log`` (alerts are
-logged and recorded; saving or stopping from inside ``train_step`` would need more patch lines).
+order: the monitors and MoLS issue their collectives there.
+
+``--mech-on-alert checkpoint|stop`` goes through Megatron-LM's own end-of-iteration path, so the checkpoint holds
+the finished iteration (scheduler stepped, iteration counted). :func:`on_start` (or, with that flag, the first
+:func:`get_hook`) wraps two functions of the fork's ``megatron.training.training`` (the ``train`` loop looks them
+up there at each call): ``checkpoint_and_decide_exit`` — after Megatron's own decision for the alert step it saves with ``save_checkpoint_and_time`` (with ``--save``;
+unless Megatron just saved that iteration) and, for ``stop``, returns True, so ``train`` leaves its loop and exits
+as on ``--exit-interval``; and ``save_checkpoint_and_time``, which tells the hook of every persistent save
+(``first_alert.json`` next to the alert's checkpoint names the last one before it).
 
 Ranks and writers. The monitors reduce their statistics over the model-parallel groups, so every rank holds
 the same metrics; rank ``world_size - 1`` — where Megatron creates its TensorBoard and W&B writers — writes
@@ -72,6 +79,8 @@ class MechRun:
     restored: Optional[dict] = None  # this rank's hook state read by load_checkpoint, applied in on_setup
     checkpoint_has_state: bool = False  # load side: the checkpoint being loaded carries our state
     started: bool = False
+    alert_action: Any = None  # the first alert's (step, Action) when it asks to save or stop; acted on at its end
+    saved_iteration: Optional[int] = None  # the iteration of Megatron's latest persistent save
 
 
 RUN = MechRun()
@@ -93,8 +102,9 @@ def get_hook():
 
         args = _args()
         on_alert = getattr(args, "mech_on_alert", "log")
-        if on_alert != "log":
-            raise ValueError(f"--mech-on-alert {on_alert}: the Megatron-LM patch set logs alerts only; use "
+        if on_alert != "log" and not _install_alert_actions():
+            raise ValueError(f"--mech-on-alert {on_alert}: this fork's megatron.training.training has no "
+                             "checkpoint_and_decide_exit / save_checkpoint_and_time to save or stop through; use "
                              "--mech-on-alert log (alert callbacks: megatron_mech.megatron_lm.callsites.RUN.hook)")
         if getattr(args, "mech_mols", False) and getattr(args, "mech_mols_estimator", "two_batch") != "two_batch":
             raise ValueError("--mech-mols-estimator samples is not wired into the Megatron-LM patch set; use "
@@ -102,6 +112,75 @@ def get_hook():
         RUN.hook = MechHook(MechConfig.from_flags(args), train_steps=train_steps(args),
                             lr_warmup_steps=lr_warmup_steps(args))
     return RUN.hook
+
+
+# --------------------------------------------------------------------------------------------- alert actions
+_ALERT_ACTIONS_INSTALLED = False
+
+
+def _install_alert_actions() -> bool:
+    """Wrap the fork's ``checkpoint_and_decide_exit`` and ``save_checkpoint_and_time`` (see the module docstring);
+    whether they are wrapped. Idempotent; a fork without them keeps ``--mech-on-alert log`` only (:func:`get_hook`
+    says so)."""
+    global _ALERT_ACTIONS_INSTALLED
+    import functools
+    import inspect
+
+    from megatron.training import training
+
+    from megatron_mech.hook import Action
+
+    if _ALERT_ACTIONS_INSTALLED:
+        return True
+    decide = getattr(training, "checkpoint_and_decide_exit", None)
+    save = getattr(training, "save_checkpoint_and_time", None)
+    if decide is None or save is None:
+        return False
+    decide_signature, save_signature = inspect.signature(decide), inspect.signature(save)
+
+    @functools.wraps(save)
+    def save_checkpoint_and_time(*args, **kwargs):
+        result = save(*args, **kwargs)
+        bound = save_signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        if not bound.arguments["non_persistent_ckpt"]:
+            _note_saved(int(bound.arguments["iteration"]))
+        return result
+
+    @functools.wraps(decide)
+    def checkpoint_and_decide_exit(*args, **kwargs):
+        should_exit = decide(*args, **kwargs)
+        if RUN.alert_action is None:
+            return should_exit
+        (step, action), RUN.alert_action = RUN.alert_action, None
+        bound = decide_signature.bind(*args, **kwargs).arguments
+        iteration = int(bound["iteration"])
+        if iteration != step:
+            raise RuntimeError(f"megatron-mech: the alert of step {step} reached the end of iteration {iteration}")
+        if _args().save and RUN.saved_iteration != iteration:  # same on every rank: the save is collective
+            training.save_checkpoint_and_time(
+                iteration, bound["model"], bound["optimizer"], bound["opt_param_scheduler"],
+                bound["num_floating_point_operations_so_far"], bound["checkpointing_context"],
+                train_data_iterator=bound["train_data_iterator"])
+        if action is Action.STOP:
+            logger.info("megatron-mech: stopping at iteration %d on the first alert (--mech-on-alert stop)", iteration)
+            return True
+        return should_exit
+
+    training.save_checkpoint_and_time = save_checkpoint_and_time
+    training.checkpoint_and_decide_exit = checkpoint_and_decide_exit
+    _ALERT_ACTIONS_INSTALLED = True
+    return True
+
+
+def _note_saved(iteration: int) -> None:
+    """Megatron saved a persistent checkpoint of ``iteration`` under ``--save``: the hook keeps the step (and on the
+    first alert's step writes ``first_alert.json`` next to it)."""
+    RUN.saved_iteration = iteration
+    if RUN.hook is not None:
+        from megatron.training.checkpointing import get_checkpoint_name
+
+        RUN.hook.checkpoint_saved(iteration, get_checkpoint_name(_args().save, iteration, return_base_dir=True))
 
 
 # --------------------------------------------------------------------------------------------- start, flags
@@ -113,6 +192,7 @@ def on_start() -> List[str]:
     from megatron_mech.megatron_lm.cpu import apply_training_cpu_shims
 
     applied = apply_training_cpu_shims() + apply_megatron_fixes()
+    _install_alert_actions()
     RUN.started = True
     if applied:
         logger.info("megatron-mech: applied %s", ", ".join(applied))
@@ -280,8 +360,9 @@ def _group_lrs(optimizer) -> Dict[str, List[float]]:
 def after_optimizer_step(model, optimizer, iteration: int, losses_reduced, update_successful, grad_norm):
     """``train_step``, after ``optimizer.step()`` and before ``opt_param_scheduler.step``: MoLS writes the
     multipliers of the next step (the scheduler step right after applies them), the monitors evaluate step
-    ``iteration + 1``. Returns the hook's :class:`~megatron_mech.hook.Action` (always CONTINUE: alerts are
-    logged)."""
+    ``iteration + 1``. Returns the hook's :class:`~megatron_mech.hook.Action` (the same on every rank); a
+    CHECKPOINT or STOP is carried out at the end of this iteration by ``checkpoint_and_decide_exit``."""
+    from megatron_mech.hook import Action
     from megatron_mech.optim import base_lr
 
     hook = get_hook()
@@ -292,9 +373,12 @@ def after_optimizer_step(model, optimizer, iteration: int, losses_reduced, updat
     extra: Dict[str, Any] = {"update_successful": bool(update_successful)}
     if hook.mols is not None:
         extra["mols_group_lr"] = _group_lrs(optimizer)
-    return hook.after_optimizer_step(step, loss=_mean_loss(losses_reduced),
-                                     grad_norm=None if grad_norm is None else float(grad_norm),
-                                     lr=float(base_lr(optimizer)), extra=extra)
+    action = hook.after_optimizer_step(step, loss=_mean_loss(losses_reduced),
+                                       grad_norm=None if grad_norm is None else float(grad_norm),
+                                       lr=float(base_lr(optimizer)), extra=extra)
+    if action is not Action.CONTINUE:
+        RUN.alert_action = (step, action)
+    return action
 
 
 # --------------------------------------------------------------------------------------------- logging

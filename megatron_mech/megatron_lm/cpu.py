@@ -19,7 +19,8 @@ What a fork's own ``pretrain_gpt.py`` (core_v0.16.1) needed to train on CPU over
   ``allow_no_cuda`` (the CUDA assert), ``model_parallel_init`` (model-parallel set-up and RNG seeding gated on a
   CUDA device count), ``compile_dependencies`` (helpers built with this interpreter; no fused-kernel build),
   ``jit_warmup`` (a CUDA-only torch.compile warm-up), ``streams`` (``torch.cuda.Stream`` around the DDP wrap),
-  ``cuda_rng_state`` (the rerun state machine and checkpoints save the CUDA generator state);
+  ``cuda_rng_state`` (the rerun state machine and checkpoints save the CUDA generator state), ``device_arch``
+  (argument validation asks the GPU's architecture when TP or CP > 1);
 * a tokenizer that works offline: ``--tokenizer-type NullTokenizer --vocab-size N`` over pre-tokenized
   ``.bin/.idx`` data (``megatron-mech prepare-data``).
 
@@ -164,6 +165,26 @@ def _apply_jit_warmup():
 
     initialize.set_jit_fusion_options = set_jit_fusion_options
     training.set_jit_fusion_options = set_jit_fusion_options
+
+
+# What `get_device_arch_version` reads on CPU: the first architecture (Blackwell, 10) without a limit on CUDA
+# hardware work queues, because a CPU has no such queues either.
+_CPU_DEVICE_ARCH = 10
+
+
+@_shim("device_arch")
+def _apply_device_arch():
+    # arguments.py:928 validate_args: with TP or CP > 1 it calls `get_device_arch_version()`
+    # (`torch.cuda.get_device_properties("cuda:0").major`) to decide whether CUDA_DEVICE_MAX_CONNECTIONS=1 is
+    # required, a rule about ordering kernels on CUDA streams. On CPU there is no device to ask and no stream to
+    # order: the version of an architecture without that rule. validate_args runs inside pretrain, after this.
+    from megatron.training import arguments, utils
+
+    def get_device_arch_version():
+        return _CPU_DEVICE_ARCH
+
+    arguments.get_device_arch_version = get_device_arch_version
+    utils.get_device_arch_version = get_device_arch_version
 
 
 class _NoStream:
