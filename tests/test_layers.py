@@ -139,3 +139,15 @@ def private_hook_accesses(root: Path):
 
 def test_adapters_use_only_the_hooks_public_surface():
     assert not private_hook_accesses(PACKAGE)
+
+
+def test_the_patch_set_calls_only_the_call_sites_public_functions():
+    """Every ``mech_callsites.<name>`` a Megatron-LM patch adds is a public, exported call site."""
+    from megatron_mech.megatron_lm import callsites
+
+    patches = PACKAGE / "megatron_lm" / "patches"
+    called = {name for path in patches.rglob("*.patch")
+              for name in re.findall(r"mech_callsites\.(\w+)", path.read_text())}
+    assert len(called) >= 10  # the scan found the call sites (13 in every series today)
+    assert called <= set(callsites.__all__), sorted(called - set(callsites.__all__))
+    assert all(callable(getattr(callsites, name)) for name in called)

@@ -20,6 +20,7 @@ call                                  place in the fork (core_v0.16.1 names)
 :func:`after_optimizer_step`          ``train_step``, between ``optimizer.step()`` and the scheduler step
 :func:`log_to_writers`                ``training_log``, with Megatron's TensorBoard / W&B writers
 :func:`add_checkpoint_state`          ``generate_state_dict`` (save side and load template)
+:func:`note_checkpoint_contents`      ``load_checkpoint`` (``torch_dist``), once the common state is read
 :func:`restore_checkpoint_state`      ``load_checkpoint``, after the optimizer and scheduler are loaded
 ====================================  =====================================================================
 
