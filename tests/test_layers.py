@@ -3,6 +3,9 @@ the layers above it (earlier rows), never from a layer below.
 
 Every module's imports are read from its source with ``ast`` (module-level and function-level ``import`` and
 ``from ... import``, relative ones resolved), so a deferred import inside a function counts like any other.
+The seams between the layers are checked the same way: the framework adapters use only the hook's public
+surface, the Megatron-LM patch set calls only exported call sites, and the rules an adapter needs (default
+output directory, the run's sinks, the evaluation steps, the integer check) each have one home.
 """
 import ast
 import re
@@ -151,3 +154,32 @@ def test_the_patch_set_calls_only_the_call_sites_public_functions():
     assert len(called) >= 10  # the scan found the call sites (13 in every series today)
     assert called <= set(callsites.__all__), sorted(called - set(callsites.__all__))
     assert all(callable(getattr(callsites, name)) for name in called)
+
+
+def calls_and_strings(root: Path):
+    """``(file, kind, value)`` for every function called by name and every string constant under ``root``."""
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Call):
+                name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+                yield path.relative_to(root.parent).as_posix(), "call", name
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                yield path.relative_to(root.parent).as_posix(), "string", node.value
+
+
+def test_the_output_evaluation_and_int_rules_have_one_home():
+    """The default output directory is one constant (``config.DEFAULT_OUTPUT_DIR``); the run's sinks are built
+    in one place (``MechHook.open_sinks``), the evaluation steps decided in one (``MechHook.is_evaluation_step``)
+    and "an int, not a bool" checked by one function (``core.checks.is_int``)."""
+    found = [*calls_and_strings(PACKAGE), *calls_and_strings(REPO_ROOT / "launch_scripts")]
+    assert {f for f, kind, value in found if kind == "string" and "runs/mech" in value} == {"megatron_mech/config.py"}
+    assert {f for f, kind, value in found if kind == "call" and value == "default_sinks"} == {"megatron_mech/hook.py"}
+    evaluation_rule = {path.relative_to(REPO_ROOT).as_posix() for path in PACKAGE.rglob("*.py")
+                       for node in ast.walk(ast.parse(path.read_text()))
+                       if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod)
+                       and ast.unparse(node.right).endswith("monitors.interval")}
+    assert evaluation_rule == {"megatron_mech/hook.py"}
+    int_checks = {path.relative_to(REPO_ROOT).as_posix() for path in PACKAGE.rglob("*.py")
+                  for node in ast.walk(ast.parse(path.read_text()))
+                  if isinstance(node, ast.FunctionDef) and node.name.lstrip("_") == "is_int"}
+    assert int_checks == {"megatron_mech/core/checks.py"}  # the one "int, not bool" check
