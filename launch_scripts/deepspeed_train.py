@@ -94,9 +94,10 @@ def build_config(args) -> dict:
 
 def mech_output_dir(config: dict) -> str:
     """Where the hook writes ``mech.jsonl``: the config's ``mech.output.dir`` (validates the section)."""
+    from megatron_mech.config import DEFAULT_OUTPUT_DIR
     from megatron_mech.deepspeed.config import parse_section
 
-    return parse_section(config.get("mech"))[0].output.dir or "runs/mech"
+    return parse_section(config.get("mech"))[0].output.dir or DEFAULT_OUTPUT_DIR
 
 
 def check_run_directories(args, config: dict, rank: int) -> bool:

@@ -35,8 +35,8 @@ from megatron_mech.options import (add_section_flags, option, section_from_dict,
                                    section_to_dict)
 from megatron_mech.studies.fault_config import FaultConfig
 
-__all__ = ["MONITOR_FAMILIES", "ON_ALERT", "DetectorOverrides", "MechConfig", "MoLSOptions", "MonitorConfig",
-           "OutputConfig"]
+__all__ = ["DEFAULT_OUTPUT_DIR", "MONITOR_FAMILIES", "ON_ALERT", "DetectorOverrides", "MechConfig", "MoLSOptions",
+           "MonitorConfig", "OutputConfig"]
 
 MONITOR_FAMILIES = ("attention", "router")
 ON_ALERT = ("log", "checkpoint", "stop")
@@ -221,12 +221,17 @@ class MoLSOptions:
         return parse_fixed_multipliers([self.fixed] if isinstance(self.fixed, str) else self.fixed)
 
 
+DEFAULT_OUTPUT_DIR = "runs/mech"
+"""Where ``mech.jsonl`` goes when neither ``--mech-output-dir`` (``mech.output.dir``) nor the framework's checkpoint
+directory names a place; relative to the working directory."""
+
+
 @dataclass
 class OutputConfig:
     """Where the records go. ``mech.jsonl`` in :attr:`dir` is the run's one record of truth (every evaluation's
     metrics and every alert); TensorBoard and W&B are copies."""
 
-    dir: Optional[str] = option(None, "where mech.jsonl goes (default: --save, else ./runs/mech)",
+    dir: Optional[str] = option(None, f"where mech.jsonl goes (default: --save, else ./{DEFAULT_OUTPUT_DIR})",
                                 flag="--mech-output-dir")
     wandb_project: Optional[str] = option(None, "also log to this W&B project", flag="--mech-wandb-project")
     tensorboard_dir: Optional[str] = option(None, "also write TensorBoard events here (the framework's own "

@@ -52,11 +52,11 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Iterable, List, Optional
 
 import torch
 
-from megatron_mech.config import MechConfig
+from megatron_mech.config import DEFAULT_OUTPUT_DIR, MONITOR_FAMILIES, MechConfig
 from megatron_mech.core.attribution import alert_lines
 from megatron_mech.core.detect import Alert, DetectorRegistry, default_rules
 from megatron_mech.core.mols import default_window
@@ -110,8 +110,13 @@ class MechHook:
         config: the run's :class:`~megatron_mech.config.MechConfig` (same on every rank).
         train_steps: the run's number of optimizer steps (sizes MoLS's default window; checks it fits).
         lr_warmup_steps: the lr warm-up length in steps (MoLS ramps its multipliers in until then).
-        sinks: the logging rank's output (default: ``mech.jsonl`` in ``config.output.dir`` plus TensorBoard /
-            W&B when configured, :func:`megatron_mech.records.sinks.default_sinks`).
+        sinks: the logging rank's output, when the adapter builds it itself (default: :meth:`open_sinks`, called
+            by :meth:`setup` on the logging rank unless the adapter opened the sinks before).
+
+    What an adapter may use besides the lifecycle: :meth:`open_sinks` (the run's output, with the framework's
+    own sinks added), :meth:`is_evaluation_step` (the steps the monitors evaluate on), :meth:`timed` (wall time of
+    the adapter's own work for a part, in :attr:`seconds`), :attr:`requested_families` (the monitor families
+    that may run, known before ``setup``) and :attr:`families` (those that run, from ``setup`` on).
     """
 
     def __init__(self, config: MechConfig, *, train_steps: Optional[int] = None,
@@ -235,12 +240,7 @@ class MechHook:
             for capture in view.attention_logit_capture:
                 capture(self.max_logit.record)
         if self._sinks is None and view.logging_rank:
-            from megatron_mech.records.sinks import default_sinks
-
-            output = self.config.output
-            self._sinks = default_sinks(output.dir or "runs/mech", tensorboard=output.tensorboard_dir or False,
-                                        wandb_kwargs={"project": output.wandb_project} if output.wandb_project
-                                        else None, truncate_after_step=start_step if start_step else None)
+            self.open_sinks(start_step)
         self._is_setup = True
         if start_step and start_step not in self._saved_steps:  # the checkpoint this run resumed from
             self._saved_steps.append(int(start_step))
@@ -255,13 +255,29 @@ class MechHook:
         if self.experts is not None:
             self.experts.observe(start_step)  # a snapshot on an aligned step (experts are not checkpointed)
 
+    def open_sinks(self, start_step: int = 0, *, fallback_dir=None, extra: Iterable = ()) -> None:
+        """Open the run's output; on the logging rank only, once, before :meth:`setup` (which opens it with the
+        defaults otherwise): ``mech.jsonl`` in ``config.output.dir`` (else ``fallback_dir``, e.g. the framework's
+        checkpoint directory, else :data:`~megatron_mech.config.DEFAULT_OUTPUT_DIR`), TensorBoard and W&B when
+        configured, then the adapter's ``extra`` sinks. A resumed run (``start_step`` > 0) cuts ``mech.jsonl``
+        back to ``start_step`` (records a crashed run wrote after its checkpoint are dropped)."""
+        from megatron_mech.records.sinks import default_sinks
+
+        if self._sinks is not None:
+            raise RuntimeError("MechHook.open_sinks: the sinks are already open")
+        output = self.config.output
+        self._sinks = default_sinks(output.dir or fallback_dir or DEFAULT_OUTPUT_DIR,
+                                    tensorboard=output.tensorboard_dir or False,
+                                    wandb_kwargs={"project": output.wandb_project} if output.wandb_project else None,
+                                    extra=extra, truncate_after_step=start_step if start_step else None)
+
     def before_step(self, step: int) -> None:
         """Before the forward/backward of optimizer step ``step``: arm router capture on evaluation steps, run the
         MoLS extra samples (``samples`` estimator), tell the fault injector the step, apply an LR fault."""
         if self.router is not None:
-            self.router.capturing = self._is_evaluation_step(step)
+            self.router.capturing = self.is_evaluation_step(step)
         if self.max_logit is not None:
-            self.max_logit.capturing = self._is_evaluation_step(step)
+            self.max_logit.capturing = self.is_evaluation_step(step)
         if self.mols is not None and self._sample_passes is not None:
             self._sample_passes(self.mols, step - 1)
         self.faults.before_step(step)
@@ -282,45 +298,45 @@ class MechHook:
         self.losses.append(float(loss))
         metrics: dict = {}
         details: dict = {}
-        with self._timed("attention"):
+        with self.timed("attention"):
             observed = self.attention.observe(step) if self.attention is not None else None
         if observed is not None:
             metrics.update(observed[0])
             details.update(observed[1])
         if self.experts is not None:
-            with self._timed("experts"):
+            with self.timed("experts"):
                 observed = self.experts.observe(step)
             if observed is not None:
                 metrics.update(observed[0])
                 details.update(observed[1])
-        if not self._is_evaluation_step(step):
+        if not self.is_evaluation_step(step):
             return self._nonfinite_symptoms(step, loss, grad_norm, lr, extra)
         if self.router is not None:
-            with self._timed("router"):
+            with self.timed("router"):
                 observed = self.router.observe(step)
                 self.router.capturing = False
             metrics.update(observed[0])
             details.update(observed[1])
         if self._view is not None and self._view.pp_group is not None:  # each stage holds its own layers: merge
-            with self._timed("pipeline_gather"):
+            with self.timed("pipeline_gather"):
                 if self._stage_exchange is None:
                     from megatron_mech.core.metric_exchange import MetricExchange
 
                     self._stage_exchange = MetricExchange(self._view.pp_group)
                 metrics, details = self._stage_exchange.combine(metrics, details)
         if self.max_logit is not None:  # every rank, every evaluation step (one all-reduce)
-            with self._timed("max_logit"):
+            with self.timed("max_logit"):
                 metrics.update(self.max_logit.observe())
                 self.max_logit.capturing = False
         metrics["symptom/loss"] = float(loss)
         if grad_norm is not None:
             metrics["symptom/grad_norm"] = float(grad_norm)
         # Every rank runs the detectors on identical metrics, so every rank knows the alerts without a broadcast.
-        with self._timed("detectors"):
+        with self.timed("detectors"):
             alerts = self.registry.update(step, metrics, details)
         self.last_alerts = alerts
         if self._sinks is not None:
-            with self._timed("output"):
+            with self.timed("output"):
                 for line in alert_lines(alerts):  # one line per (family, layer), not per series
                     logger.info(f"[mech] ALERT step {step}: {line}")
                 from megatron_mech.records.sinks import make_record
@@ -346,11 +362,11 @@ class MechHook:
             symptoms["symptom/grad_norm"] = float(grad_norm)
         if all(math.isfinite(v) for v in symptoms.values()):
             return Action.CONTINUE
-        with self._timed("detectors"):
+        with self.timed("detectors"):
             alerts = self.registry.update(step, symptoms)
         self.last_alerts = alerts
         if self._sinks is not None and alerts:
-            with self._timed("output"):
+            with self.timed("output"):
                 for line in alert_lines(alerts):
                     logger.info(f"[mech] ALERT step {step}: {line}")
                 from megatron_mech.records.sinks import make_record
@@ -475,9 +491,30 @@ class MechHook:
         """MoLS's SNR / α / multiplier values in force after ``step`` (empty without MoLS)."""
         return self.mols.metrics(step - 1) if self.mols is not None and step else {}
 
-    # ------------------------------------------------------------------------------------------------ internals
-    def _is_evaluation_step(self, step: int) -> bool:
+    @property
+    def requested_families(self) -> tuple:
+        """The monitor families this run may run, known before :meth:`setup` (what an adapter looks for in the
+        model): the configured ones, 'auto' counting as every family. :attr:`families`, set by ``setup``, is
+        what runs."""
+        families = self.config.monitors.families
+        return MONITOR_FAMILIES if "auto" in families else tuple(families)
+
+    def is_evaluation_step(self, step: int) -> bool:
+        """Whether the monitors evaluate after optimizer step ``step`` (the one rule: multiples of the interval);
+        router logits are captured in its forward passes."""
         return step % self.config.monitors.interval == 0
+
+    @contextlib.contextmanager
+    def timed(self, part: str):
+        """Add the wall time of the ``with`` body to :attr:`seconds` under ``part`` (for an adapter's own work of
+        a part, e.g. refreshing the weights the attention monitor reads)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[part] = self.seconds.get(part, 0.0) + time.perf_counter() - started
+
+    # ------------------------------------------------------------------------------------------------ internals
 
     def _mols_step(self, step: int) -> dict:
         if self.mols is None:
@@ -506,14 +543,6 @@ class MechHook:
             return Action.CONTINUE
         self.first_alert_step = step
         return {"log": Action.CONTINUE, "checkpoint": Action.CHECKPOINT, "stop": Action.STOP}[self.config.on_alert]
-
-    @contextlib.contextmanager
-    def _timed(self, part: str):
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[part] = self.seconds.get(part, 0.0) + time.perf_counter() - started
 
 
 class _LayerRecorder:

@@ -446,8 +446,8 @@ def default_rules() -> list[SeriesRule]:
       ``.../head{H}/delta2_entropy``; Δ1/Δ3 and the head aggregates are logged, not alerted on): family
       ``attention``, ``down`` — the fault is a collapse onto a few modes; threshold 7. Warm-up 30
       evaluations skips the early transient (which lasted until ~step 300 in the experiments), baseline 20.
-      ``rel_cap=0.1`` so that, even with a noisy baseline, a collapse to zero scores ≥ 10 > threshold 6 (the
-      band's lower edge is then at least 40% of the baseline median); ``rel_floor=0.05``; ``recede=0.05``:
+      ``rel_cap=0.1`` so that, even with a noisy baseline, a collapse to zero scores ≥ 10 > threshold 7 (the
+      band's lower edge is then at least 30% of the baseline median); ``rel_floor=0.05``; ``recede=0.05``:
       a run of out-of-band evaluations that is already turning back fires only if it deepens again.
       **Level criterion**: an attention evaluation is out of band only if the entropy is also at or below
       ``ATTENTION_LEVELS`` (0.01 for per-head Δ2, 0.02 for per-layer ΔW). The relative score alone

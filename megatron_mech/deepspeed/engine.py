@@ -72,34 +72,6 @@ def _solo_group():
     return _SOLO["group"]
 
 
-class _DeferredSinks:
-    """The logging rank's sinks, opened when the hook is set up: after a checkpoint load, so ``mech.jsonl`` can be
-    cut back to the loaded step (records a crashed run wrote after it are dropped)."""
-
-    def __init__(self, config: MechConfig, engine_monitor):
-        self.config, self.engine_monitor, self.inner = config, engine_monitor, None
-
-    def open(self, start_step: int) -> None:
-        from megatron_mech.records.sinks import DeepSpeedMonitorSink, default_sinks
-
-        output = self.config.output
-        extra = [DeepSpeedMonitorSink(self.engine_monitor)] if self.engine_monitor is not None else []
-        self.inner = default_sinks(output.dir or "runs/mech", tensorboard=output.tensorboard_dir or False,
-                                   wandb_kwargs={"project": output.wandb_project} if output.wandb_project else None,
-                                   extra=extra, truncate_after_step=start_step if start_step else None)
-
-    def write(self, record) -> None:
-        self.inner.write(record)
-
-    def flush(self) -> None:
-        if self.inner is not None:
-            self.inner.flush()
-
-    def close(self) -> None:
-        if self.inner is not None:
-            self.inner.close()
-
-
 class DeepSpeedMech:
     """The hook plus what DeepSpeed needs around it. Build with :meth:`from_engine`."""
 
@@ -109,23 +81,17 @@ class DeepSpeedMech:
         self.logging_rank = (dist.get_rank() if _distributed() else 0) == 0
         self.token_group = token_group_of(engine) if _distributed() else None
         model = engine.module
-        families = config.monitors.families
-
-        def wants(family: str) -> bool:
-            return family in families or "auto" in families
-
         if config.fault.lr_multiplier != 1.0 and engine.lr_scheduler is None and not config.mols.enabled:
             # The LR fault scales the lr a scheduler set for the step; without one it would compound every step.
             raise ValueError(f"mech.fault kind {config.fault.kind!r} needs an lr scheduler in the DeepSpeed config "
                              f"(the fault multiplies each step's scheduled lr)")
-        self.attention_sources = find_hf_attention(model, options.attention_layout) if wants("attention") else []
-        self.gates = find_gates(model) if wants("router") else []
-        self._sinks = None
-        if self.logging_rank:
-            monitor = getattr(engine, "monitor", None)
-            use_monitor = options.engine_monitor and monitor is not None and getattr(monitor, "enabled", False)
-            self._sinks = _DeferredSinks(config, monitor if use_monitor else None)
-        self.hook = MechHook(config, train_steps=train_steps, lr_warmup_steps=lr_warmup_steps, sinks=self._sinks)
+        self.hook = MechHook(config, train_steps=train_steps, lr_warmup_steps=lr_warmup_steps)
+        requested = self.hook.requested_families
+        self.attention_sources = find_hf_attention(model, options.attention_layout) if "attention" in requested else []
+        self.gates = find_gates(model) if "router" in requested else []
+        monitor = getattr(engine, "monitor", None)
+        use_monitor = options.engine_monitor and monitor is not None and getattr(monitor, "enabled", False)
+        self._engine_monitor = monitor if use_monitor else None  # also gets the records (logging rank)
         if config.fault.attention_enabled:  # studies: the emulated FA2 attention, told the step by the hook
             from megatron_mech.deepspeed.faults import install_attention_fault
 
@@ -170,23 +136,27 @@ class DeepSpeedMech:
         return int(self.engine.global_steps)
 
     def is_evaluation_step(self, step: int) -> bool:
-        return step % self.config.monitors.interval == 0
+        """:meth:`MechHook.is_evaluation_step <megatron_mech.hook.MechHook.is_evaluation_step>`."""
+        return self.hook.is_evaluation_step(step)
 
     def _refresh(self, step: int) -> None:
         """Copy the live weights into what the monitors read (ZeRO-3: gathers, same order on every rank)."""
         if self.hook.attention is not None and self.hook.attention.should_observe(step):
-            with self.hook._timed("attention"):
+            with self.hook.timed("attention"):
                 for source in self.attention_sources:
                     source.refresh()
         if self.hook.router is not None and self.is_evaluation_step(step):
-            with self.hook._timed("router"):
+            with self.hook.timed("router"):
                 for gate in self.gates:
                     gate.refresh()
 
     def _setup(self) -> None:
         start = self.step
-        if self._sinks is not None:
-            self._sinks.open(start)
+        if self.logging_rank:  # opened now, after a checkpoint load: mech.jsonl is cut back to the loaded step
+            from megatron_mech.records.sinks import DeepSpeedMonitorSink
+
+            extra = [DeepSpeedMonitorSink(self._engine_monitor)] if self._engine_monitor is not None else []
+            self.hook.open_sinks(start, extra=extra)
         self._refresh_all()
         self.hook.setup(self.view, self.engine.optimizer, start_step=start)
         self._is_setup = True

@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megatron_mech.config import MechConfig
+from megatron_mech.config import DEFAULT_OUTPUT_DIR, MechConfig
 from megatron_mech.core.sharded import collective_device
 from megatron_mech.hook import Action, MechHook
 from megatron_mech.logs import configure_logging
@@ -497,7 +497,7 @@ def preflight(args, world: int, rank: int):
     try:
         check_args(args, world)
         config = MechConfig.from_flags(args, tensorboard_dir=args.tensorboard_dir)
-        config.output.dir = args.mech_output_dir or args.save or "runs/mech"
+        config.output.dir = args.mech_output_dir or args.save or DEFAULT_OUTPUT_DIR
         config.fault.validate_for_model(args.num_layers, args.num_attention_heads)
         check_sink_packages(args, config)
         plan = check_run_directories(args, rank)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from megatron_mech.config import DEFAULT_OUTPUT_DIR
 from megatron_mech.megatron.checkpoint import RUN_ID_FILE, TRACKER, read_run_id, read_tracker
 from megatron_mech.records.run_directory import FIRST_ALERT, previous_run, probe_writable, refuse_mixing_runs
 from megatron_mech.records.run_directory import clear_previous_run as clear_run_files
@@ -53,9 +54,9 @@ class RunDirectoryPlan:
 
 def check_run_directories(args, rank: int = 0) -> RunDirectoryPlan:
     """Apply the module's rules to parsed entry-point flags; raise ``ValueError`` naming the flag."""
-    output_dir = args.mech_output_dir or args.save or "runs/mech"
-    output_flag = "--mech-output-dir" if args.mech_output_dir else ("--save" if args.save else
-                                                                     "--mech-output-dir (default runs/mech)")
+    output_dir = args.mech_output_dir or args.save or DEFAULT_OUTPUT_DIR
+    output_flag = ("--mech-output-dir" if args.mech_output_dir else "--save" if args.save
+                   else f"--mech-output-dir (default {DEFAULT_OUTPUT_DIR})")
     for flag, directory in (("--save", args.save), (output_flag, output_dir),
                             ("--tensorboard-dir", args.tensorboard_dir)):
         if directory:

@@ -20,6 +20,7 @@ call                                  place in the fork (core_v0.16.1 names)
 :func:`after_optimizer_step`          ``train_step``, between ``optimizer.step()`` and the scheduler step
 :func:`log_to_writers`                ``training_log``, with Megatron's TensorBoard / W&B writers
 :func:`add_checkpoint_state`          ``generate_state_dict`` (save side and load template)
+:func:`note_checkpoint_contents`      ``load_checkpoint`` (``torch_dist``), once the common state is read
 :func:`restore_checkpoint_state`      ``load_checkpoint``, after the optimizer and scheduler are loaded
 ====================================  =====================================================================
 
@@ -59,7 +60,7 @@ import torch
 
 __all__ = ["RUN", "MechRun", "STATE_KEY", "get_hook", "on_start", "extra_args_provider", "wrap_forward_step", "optimizer_config_overrides",
            "on_optimizer_built", "on_setup", "on_train_start", "before_step", "after_optimizer_step",
-           "log_to_writers", "add_checkpoint_state", "restore_checkpoint_state"]
+           "log_to_writers", "add_checkpoint_state", "note_checkpoint_contents", "restore_checkpoint_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -271,7 +272,7 @@ def on_optimizer_built(model, optimizer) -> None:
 def on_setup(model, optimizer, opt_param_scheduler) -> None:
     """End of ``setup_model_and_optimizer``: restore the state ``load_checkpoint`` read and set the hook up
     (monitors built, first snapshot; every rank, collective)."""
-    from megatron_mech.records.sinks import CallbackSink, default_sinks
+    from megatron_mech.records.sinks import CallbackSink
 
     if optimizer is None:  # --skip-train: no training steps to monitor
         return
@@ -284,12 +285,8 @@ def on_setup(model, optimizer, opt_param_scheduler) -> None:
         RUN.view = megatron_model_view(model, sequence_parallel=bool(getattr(args, "sequence_parallel", False)))
     if RUN.view.logging_rank:
         # mech.jsonl (the record of truth) here; Megatron's TensorBoard/W&B writers get the records in
-        # training_log (log_to_writers). The hook takes the sinks it is given.
-        output = hook.config.output
-        hook._sinks = default_sinks(
-            output.dir or args.save or "runs/mech",
-            wandb_kwargs={"project": output.wandb_project} if output.wandb_project else None,
-            extra=[CallbackSink(RUN.pending.append)], truncate_after_step=start_step or None)
+        # training_log (log_to_writers).
+        hook.open_sinks(start_step, fallback_dir=args.save, extra=[CallbackSink(RUN.pending.append)])
     if RUN.restored is not None:
         hook.load_state_dict(RUN.restored, source=f"checkpoint {args.load}")  # MoLS now, the monitors at setup
         RUN.restored = None
@@ -301,14 +298,9 @@ def on_setup(model, optimizer, opt_param_scheduler) -> None:
 def on_train_start(model, optimizer, config, iteration: int) -> None:
     """``train``, after ``config.finalize_model_grads_func = finalize_model_grads`` (which replaced whatever was
     there): MoLS measures around that function, so it wraps the new one."""
-    hook = get_hook()
-    mols = hook.mols
-    if mols is not None and getattr(mols.config, "estimator", "two_batch") == "two_batch":
-        current = config.finalize_model_grads_func
-        if not getattr(current, "_mols_real", None):
-            mols._finalize_wrapper = mols._make_finalize(current)
-            config.finalize_model_grads_func = mols._finalize_wrapper
-        mols.model_config = config
+    mols = get_hook().mols
+    if mols is not None:
+        mols.wrap_finalize_model_grads(config)
 
 
 # --------------------------------------------------------------------------------------------- per step
@@ -368,7 +360,7 @@ def after_optimizer_step(model, optimizer, iteration: int, losses_reduced, updat
     hook = get_hook()
     step = int(iteration) + 1
     attention = hook.attention
-    if step % hook.config.monitors.interval == 0 or (attention is not None and attention.should_observe(step)):
+    if hook.is_evaluation_step(step) or (attention is not None and attention.should_observe(step)):
         _sync_params_if_gather_overlaps(model)
     extra: Dict[str, Any] = {"update_successful": bool(update_successful)}
     if hook.mols is not None:

@@ -119,6 +119,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_mech.core.checks import is_int
 from megatron_mech.core.layouts import ReplicatedKVShard, qkv_partition_sizes, qkv_row_blocks, split_fused_qkv
 from megatron_mech.core.sharded import (
     all_reduce_flat,
@@ -146,10 +147,6 @@ _F64 = torch.float64
 # Pending QK cores (2·T·H·(2·d_head)² values per layer: 50 MiB in float32 for 32 heads and 3 terms) are solved
 # as soon as they exceed this, so batching across layers never holds more than ~this much extra memory.
 _QK_BATCH_BYTES = 256 * 2 ** 20
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _snapshot_dtype(t: torch.Tensor) -> torch.dtype:
@@ -186,7 +183,7 @@ class AttentionLayer:
         for name, low in (("layer", 0), ("num_heads", 1), ("num_query_groups", 1), ("head_dim", 1),
                           ("head_offset", 0)):
             v = getattr(self, name)
-            if not _is_int(v) or v < low:
+            if not is_int(v) or v < low:
                 raise ValueError(f"AttentionLayer.{name} must be an int >= {low}, got {v!r}")
         qkv_partition_sizes(self.num_heads, self.num_query_groups)
         w = self.qkv_weight
@@ -305,7 +302,7 @@ class AttentionMonitorConfig:
     qk_batch: str = "auto"
 
     def __post_init__(self) -> None:
-        if not _is_int(self.interval) or self.interval < 1:
+        if not is_int(self.interval) or self.interval < 1:
             raise ValueError(f"interval must be an int >= 1, got {self.interval!r}")
         if self.dw_scope not in DW_SCOPES:
             raise ValueError(f"dw_scope must be one of {DW_SCOPES}, got {self.dw_scope!r}")
@@ -341,7 +338,7 @@ class AttentionMonitorConfig:
         if self.dw_route not in DW_ROUTES:
             raise ValueError(f"dw_route must be one of {DW_ROUTES}, got {self.dw_route!r}")
         for name in ("gram_max_dim", "krylov_steps", "krylov_block"):
-            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
         if self.dw_route != "gram" and self.power != 2.0:
             if self.dw_route == "krylov":
@@ -637,7 +634,7 @@ class AttentionMonitor:
         """Call after ``optimizer.step()`` with the number of steps done. On an evaluation step returns
         ``(metrics, details)`` (identical on every TP rank in global scope), else None. Snapshots on every
         multiple of ``interval``. Every rank of the TP group must call it at the same steps."""
-        if not _is_int(step) or step < 0:
+        if not is_int(step) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         if step % self.config.interval:
             return None

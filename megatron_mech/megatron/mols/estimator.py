@@ -275,6 +275,18 @@ class MegatronMoLS:
         self.apply(self._iteration)
         return self
 
+    def wrap_finalize_model_grads(self, model_config) -> None:
+        """Measure around ``model_config.finalize_model_grads_func`` again after the trainer replaced it
+        (Megatron-LM's ``train`` sets it after the optimizer is built); two_batch only, and a function MoLS
+        already wraps is left as it is."""
+        if self.config.estimator != "two_batch":
+            return
+        current = model_config.finalize_model_grads_func
+        if not getattr(current, "_mols_real", None):
+            self._finalize_wrapper = self._make_finalize(current)
+            model_config.finalize_model_grads_func = self._finalize_wrapper
+        self.model_config = model_config
+
     def apply(self, iteration: int) -> None:
         """Write the multipliers of ``iteration`` into the param groups (effective at the scheduler's next step)."""
         if self.optimizer is None:
