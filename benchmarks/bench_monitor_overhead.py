@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_mech.cli import torchrun_prefix
+from megatron_mech.megatron.launch import torchrun_prefix
 
 try:
     from _results import check_idle, write_results

@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from dist_utils import REPO_ROOT
-from megatron_mech.cli import train_command
+from megatron_mech.megatron.launch import train_command
 
 
 def cli(*args):
@@ -81,7 +81,7 @@ def test_failed_worker_reason_is_shown_after_a_long_tail(capsys):
     consequences); the demo echoes only progress lines and used to show just the last 40 lines."""
     import os
 
-    from megatron_mech.cli import run_training
+    from megatron_mech.megatron.launch import run_training
 
     script = ("import sys\n"
               "print('[train] world=2')\n"
@@ -98,7 +98,7 @@ def test_failed_worker_reason_is_shown_after_a_long_tail(capsys):
 
 
 def test_worker_reason_from_a_traceback():
-    from megatron_mech.cli import worker_reason
+    from megatron_mech.megatron.launch import worker_reason
 
     lines = ["[rank1]: Traceback (most recent call last):", '[rank1]:   File "x.py", line 3, in <module>',
              "[rank1]: ValueError: checkpoint tracker /r/latest_checkpointed_iteration.txt holds 'abc'",

@@ -40,9 +40,6 @@ KNOWN_VIOLATIONS = {
     # ``DeepSpeedMech`` when the config has an attention fault); it belongs with the studies once the hook has
     # an extension seam to install it through.
     ("megatron_mech.deepspeed.faults", "megatron_mech.studies.faults"),
-    # The demo builds its torchrun command line with the CLI's helper; the helper belongs in a layer the
-    # studies may import.
-    ("megatron_mech.studies.demo", "megatron_mech.cli"),
 }
 
 

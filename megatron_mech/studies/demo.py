@@ -29,7 +29,7 @@ def _progress_line(line: str) -> bool:
 def demo_commands(args: argparse.Namespace) -> dict:
     """The torchrun command of each demo run (``clean`` first, then the faults), by run name. The preset's LR
     warm-up is shortened to fit a short demo (:func:`megatron_mech.megatron.presets.fit_lr_warmup`)."""
-    from megatron_mech.cli import torchrun_prefix
+    from megatron_mech.megatron.launch import torchrun_prefix
     from megatron_mech.megatron.presets import fit_lr_warmup
     from megatron_mech.studies.leadtime import FAULT_FLAGS, LEAD_MODEL
 
@@ -58,7 +58,7 @@ def run_demo(args: argparse.Namespace) -> int:
     """``megatron-mech demo``: see the module docstring."""
     import os
 
-    from megatron_mech.cli import check_training_flags, run_training
+    from megatron_mech.megatron.launch import check_training_flags, run_training
     from megatron_mech.core.attribution import alert_lines
     from megatron_mech.records.report import run_report
     from megatron_mech.records.sinks import read_alerts, read_jsonl
