@@ -36,9 +36,10 @@ under ``qk``, its V rows under ``vo``), per window iteration:
   embedding and the last stage's output layer (``shared_embedding``): before finalize each holds its stage's
   part of the local gradient, so the two copies are summed over the embedding group first (like the TP
   partials); after finalize both hold the whole gradient and only the first stage's counts. All squared norms
-  are accumulated in float64. Dense keys are then divided by DP and expert keys by expert-DP (mean over replicas / replicated
-  reduced gradient). An expert rank's local gradient sums the mean-loss gradients of the EP/DP ranks whose tokens
-  it received, so its small-batch value is rescaled by ``(expert_DP/DP)²`` and ``B_small = B/expert_DP``.
+  are accumulated in float64. Dense keys are then divided by DP and expert keys by expert-DP (mean over
+  replicas / replicated reduced gradient). An expert rank's local gradient sums the mean-loss gradients of the
+  EP/DP ranks whose tokens it received, so its small-batch value is rescaled by ``(expert_DP/DP)²`` and
+  ``B_small = B/expert_DP``.
   The loss scale (fp16) is divided out. Context parallelism and per-token loss normalisation
   (``calculate_per_token_loss``) are rejected with a clear error.
 """
@@ -63,6 +64,16 @@ _BLOCK_KEYS = {0: ("qk", "qkv_q"), 1: ("qk", "qkv_k"), 2: ("vo", "qkv_v")}
 class _Entry:
     __slots__ = ("param", "name", "key", "fused", "labels", "expert", "counted", "tp_reduce", "stage_reduce", "owned",
                  "rows", "cols")
+
+
+def _squared_norms(views: List[torch.Tensor]) -> torch.Tensor:
+    """Squared L2 norms accumulated in float64: a float32 norm of an embedding-sized gradient on CPU is ~3e-4 off
+    (measured, 8192×64). torch versions whose ``_foreach_norm`` takes no ``dtype`` take one norm per tensor."""
+    try:
+        norms = torch._foreach_norm(views, 2, dtype=torch.float64)
+    except TypeError:
+        norms = [torch.linalg.vector_norm(v, dtype=torch.float64) for v in views]
+    return torch.stack(norms) ** 2
 
 
 def _row_sq(grad2d: torch.Tensor) -> torch.Tensor:
@@ -243,8 +254,7 @@ class GradNormReader:
             rows.append(int(e.expert))
             keys.append(e.key)
         if views:
-            # accumulated in float64: a float32 norm of an embedding-sized gradient is off by ~3e-4 on CPU
-            norms = torch.stack(torch._foreach_norm(views, 2, dtype=torch.float64)) ** 2
+            norms = _squared_norms(views)
             idx = torch.tensor(rows, device=self.device) * NUM_KEYS + torch.tensor(keys, device=self.device)
             out.view(-1).index_add_(0, idx, norms)
         if mode != "pre":
