@@ -147,6 +147,10 @@ class MegatronMoLS:
         self.route = None
         if config.estimator == "two_batch":
             self.route = self._choose_route(route)
+        # the micro-batch route's snapshot: when this forward starts, exactly micro-batch 1's backward has run
+        # on this stage (1F1B: the stage's warm-up forwards, then forward, backward alternate; 2 without PP)
+        stage = ps.get_pipeline_model_parallel_rank() if self.pp > 1 else 0
+        self._snapshot_forward = min(self.pp - stage - 1, self.num_microbatches) + 2
         self._log = log if log is not None else logger.info
         self._iteration = 0  # the iteration in progress / next to run; install(iteration=...), load_state_dict
         self._fwd_count = 0
@@ -193,22 +197,22 @@ class MegatronMoLS:
         if self.cp > 1:
             raise ValueError("MoLS two_batch estimator: context parallelism splits sequences, not examples, across "
                              "the data-parallel group" + hint)
-        if self.pp > 1 and any(getattr(p, "shared_embedding", False) for c in self.model_chunks
-                               for p in c.parameters()):
-            raise ValueError("MoLS two_batch estimator: tied embeddings under pipeline parallelism are reduced "
-                             "across stages only in finalize; not supported" + hint)
         overlap = bool(getattr(self.model_chunks[0].ddp_config, "overlap_grad_reduce", False))
         need_dp = [self.dp] + ([self.edp] if self.expert_keys else [])
         can_dp = min(need_dp) > 1 and not overlap
-        can_micro = self.num_microbatches >= 2 and self.pp == 1
+        # 1F1B runs (PP - stage - 1) warm-up forwards before the first backward: the snapshot needs one more
+        # forward after it on every stage, so PP + 1 micro-batches (2 without PP); no interleaved schedule
+        can_micro = self.num_microbatches >= self.pp + 1 and (self.pp == 1 or len(self.model_chunks) == 1)
         if route == "auto":
             route = "dp" if can_dp else "microbatch" if can_micro else None
         if route == "dp" and not can_dp:
             raise ValueError(f"MoLS route 'dp' needs DP > 1 (and expert-DP > 1 with MoE experts) and "
                              f"overlap_grad_reduce=False; here DP={self.dp}, expert-DP={self.edp}, overlap={overlap}")
         if route == "microbatch" and not can_micro:
-            raise ValueError(f"MoLS route 'microbatch' needs >= 2 micro-batches per step and no pipeline "
-                             f"parallelism; here {self.num_microbatches} micro-batch(es), PP={self.pp}")
+            raise ValueError(f"MoLS route 'microbatch' needs >= PP + 1 micro-batches per step (>= 2 without "
+                             f"pipeline parallelism) and no interleaved pipeline schedule; here "
+                             f"{self.num_microbatches} micro-batch(es), PP={self.pp}, "
+                             f"{len(self.model_chunks)} model chunk(s)")
         if route is None:
             why = (f"overlap_grad_reduce=True hides the local gradient at finalize, and with "
                    f"{self.num_microbatches} micro-batch(es) per step there is no micro-batch snapshot" if overlap
@@ -216,7 +220,7 @@ class MegatronMoLS:
                         f"batch pair and {self.num_microbatches} micro-batch(es) per step (PP={self.pp}) give none "
                         f"either")
             raise ValueError("MoLS two_batch estimator needs a small and a big batch: " + why
-                             + "; use DP > 1 or gradient accumulation (>= 2 micro-batches)" + hint)
+                             + "; use DP > 1 or gradient accumulation (>= PP + 1 micro-batches)" + hint)
         return route
 
     @property
@@ -300,7 +304,8 @@ class MegatronMoLS:
     # -- statistics
     def wrap_forward_step(self, forward_step_func: Callable) -> Callable:
         """Count forward calls per step and, on the micro-batch route during the window, snapshot the local
-        per-key squared norms when the 2nd forward of a step starts. Evaluation forwards (under ``no_grad`` or
+        per-key squared norms when the forward after micro-batch 1's backward starts (the 2nd forward of a step;
+        under 1F1B pipelining the stage's warm-up forwards come first). Evaluation forwards (under ``no_grad`` or
         with the model in eval mode) are ignored. Returns the function unchanged when no snapshot is needed."""
         if self.config.estimator != "two_batch" or self.route != "microbatch":
             return forward_step_func
@@ -311,7 +316,7 @@ class MegatronMoLS:
             if self._suspended or not torch.is_grad_enabled() or not getattr(model, "training", True):
                 return forward_step_func(*args, **kwargs)
             self._fwd_count += 1
-            if self._fwd_count == 2 and self._measuring(self._iteration):
+            if self._fwd_count == self._snapshot_forward and self._measuring(self._iteration):
                 started = time.perf_counter()
                 self._snap = self._reader.local("pre")
                 self._account(self._iteration, time.perf_counter() - started)
@@ -357,17 +362,11 @@ class MegatronMoLS:
             small, ok, num_micro = self._snap, 1.0, self._fwd_count
             if small is None:  # no snapshot on this rank: join the collectives with zeros, skip the step below
                 ok = 0.0
-                small = (torch.zeros(2, NUM_KEYS, dtype=torch.float64, device=r.device),
-                         torch.zeros(sum(e.param.numel() for e in r.sp_entries), dtype=torch.float64,
-                                     device=r.device) if r.sp_entries else None)
+                small = (torch.zeros(2, NUM_KEYS, dtype=torch.float64, device=r.device), r.zero_partials())
         else:
             small, ok, num_micro = pre, 1.0, self.num_microbatches
         post, _ = r.local("post")
-        small_c, small_sp = small
-        if small_sp is not None:  # SP-partial gradients: sum the copies over TP (same count on every TP rank)
-            small_sp = small_sp.clone()
-            torch.distributed.all_reduce(small_sp, group=r.tp_group)
-            small_c = small_c + r.sp_contrib(small_sp)
+        small_c = r.add_partials(*small)
         vec = torch.cat([small_c.reshape(-1), post.reshape(-1), torch.tensor([ok, float(max(num_micro, 0))],
                                                                               dtype=torch.float64,
                                                                               device=r.device)])

@@ -15,10 +15,12 @@ under ``qk``, its V rows under ``vo``), per window iteration:
     replicas are averaged (the mean of n small-batch norms is still unbiased, and less noisy than any one of
     them). With gradient
     accumulation and DP > 1 this route is used and the micro-batch snapshot is not taken.
-  - ``"microbatch"`` (DP = 1, or ``overlap_grad_reduce=True``; needs ≥ 2 micro-batches and no pipeline
-    parallelism): ``wrap_forward_step`` snapshots the grad buffer when the 2nd forward of a step starts — it
-    then holds exactly micro-batch 1's gradient (÷ num_microbatches, undone here) — ``B_small`` = micro-batch
-    size; also averaged over DP replicas when DP > 1.
+  - ``"microbatch"`` (DP = 1, or ``overlap_grad_reduce=True``; needs ≥ 2 micro-batches, ≥ PP + 1 under
+    pipeline parallelism, no interleaved schedule): ``wrap_forward_step`` snapshots the grad buffer when the
+    forward that follows micro-batch 1's backward starts — the 2nd forward of a step; under 1F1B the stage's
+    (PP − stage − 1) warm-up forwards come first, so the forward after them plus one — it then holds exactly
+    micro-batch 1's gradient (÷ num_microbatches, undone here) — ``B_small`` = micro-batch size; also averaged
+    over DP replicas when DP > 1.
   With ``overlap_grad_reduce=True`` the DP reduction runs during the last backward, so the local gradient is not
   observable at finalize: the micro-batch route is used; without gradient accumulation that is impossible and
   ``MegatronMoLS`` raises, suggesting ``--mech-mols-estimator samples``.
@@ -29,13 +31,17 @@ under ``qk``, its V rows under ``vo``), per window iteration:
   *partial* sum over TP before finalize (sequence-parallel norms/router/biases, qk-layernorm; megatron-core's own
   ``_allreduce_non_tensor_model_parallel_grads`` rule) have their few gradient values all-reduced over TP first
   (a copy of those small tensors, pre-finalize only); expert parameters are summed over EP ranks (disjoint
-  experts). Dense keys are then divided by DP and expert keys by expert-DP (mean over replicas / replicated
-  reduced gradient). An expert rank's local gradient sums the mean-loss gradients of the EP/DP ranks whose tokens
-  it received, so its small-batch value is rescaled by ``(expert_DP/DP)²`` and ``B_small = B/expert_DP``.
-  The loss scale (fp16) is divided out. Context parallelism, per-token loss normalisation
-  (``calculate_per_token_loss``) and tied embeddings under pipeline parallelism are rejected with a clear error;
-  pipeline parallelism otherwise follows the same sums but is untested (megatron-core's PP does not run on
-  these CPU machines).
+  experts); pipeline stages hold disjoint layers and join the same world all-reduce (a stage without some
+  class adds zeros). A tied embedding under pipeline parallelism has two copies, the first stage's input
+  embedding and the last stage's output layer (``shared_embedding``): before finalize each holds its stage's
+  part of the local gradient, so the two copies are summed over the embedding group first (like the TP
+  partials); after finalize both hold the whole gradient and only the first stage's counts. All squared norms
+  are accumulated in float64. Dense keys are then divided by DP and expert keys by expert-DP (mean over
+  replicas / replicated reduced gradient). An expert rank's local gradient sums the mean-loss gradients of the
+  EP/DP ranks whose tokens it received, so its small-batch value is rescaled by ``(expert_DP/DP)²`` and
+  ``B_small = B/expert_DP``.
+  The loss scale (fp16) is divided out. Context parallelism and per-token loss normalisation
+  (``calculate_per_token_loss``) are rejected with a clear error.
 """
 from __future__ import annotations
 
@@ -57,8 +63,18 @@ _BLOCK_KEYS = {0: ("qk", "qkv_q"), 1: ("qk", "qkv_k"), 2: ("vo", "qkv_v")}
 
 
 class _Entry:
-    __slots__ = ("param", "name", "key", "fused", "labels", "expert", "counted", "tp_reduce", "owned", "rows",
-                 "cols")
+    __slots__ = ("param", "name", "key", "fused", "labels", "expert", "counted", "tp_reduce", "stage_reduce", "owned",
+                 "rows", "cols")
+
+
+def _squared_norms(views: List[torch.Tensor]) -> torch.Tensor:
+    """Squared L2 norms accumulated in float64: a float32 norm of an embedding-sized gradient on CPU is ~3e-4 off
+    (measured, 8192×64). torch versions whose ``_foreach_norm`` takes no ``dtype`` take one norm per tensor."""
+    try:
+        norms = torch._foreach_norm(views, 2, dtype=torch.float64)
+    except TypeError:
+        norms = [torch.linalg.vector_norm(v, dtype=torch.float64) for v in views]
+    return torch.stack(norms) ** 2
 
 
 def _row_sq(grad2d: torch.Tensor) -> torch.Tensor:
@@ -95,6 +111,8 @@ class GradNormReader:
         self.tp_size = ps.get_tensor_model_parallel_world_size()
         tp_rank = ps.get_tensor_model_parallel_rank()
         self.tp_group = ps.get_tensor_model_parallel_group() if self.tp_size > 1 else None
+        pipelined = ps.get_pipeline_model_parallel_world_size() > 1
+        first_stage = ps.is_pipeline_first_stage()
         by_id = class_by_id(taxonomy)
         cfg = model_config
         heads, groups = cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads
@@ -130,6 +148,12 @@ class GradNormReader:
                     else:
                         e.counted = (not replicated) or tp_rank == 0
                     e.tp_reduce = None
+                    # a tied embedding under PP: the first stage's input embedding and the last stage's output
+                    # layer are two copies of one parameter; before finalize each holds its stage's part of the
+                    # gradient (summed over the embedding group here), after finalize both hold the whole sum
+                    e.stage_reduce = pipelined and bool(getattr(param, "shared_embedding", False))
+                    if e.stage_reduce:
+                        e.counted = e.counted and first_stage
                     if self.tp_size > 1 and not e.expert:
                         if getattr(param, "average_gradients_across_tp_domain", False):
                             e.tp_reduce = "avg"
@@ -139,6 +163,9 @@ class GradNormReader:
                             e.tp_reduce = "sum"
                         if e.tp_reduce is not None:
                             e.counted = tp_rank == 0
+                    if e.stage_reduce and e.tp_reduce is not None:
+                        raise ValueError(f"parameter {tax_name!r} is both a tied pipeline embedding and a "
+                                         "tensor-parallel partial sum: MoLS cannot count it")
                     e.fused = cls == "qk" and is_fused_qkv(tax_name)
                     e.key = KEY_INDEX[cls]
                     e.rows = param.shape[0]
@@ -174,6 +201,8 @@ class GradNormReader:
             raise ValueError("no DDP grad buffers found: wrap the model chunks in megatron-core's "
                              "DistributedDataParallel before building MegatronMoLS")
         self.sp_entries = [e for e in self.entries if e.tp_reduce is not None]
+        self.stage_entries = [e for e in self.entries if e.stage_reduce]
+        self.embedding_group = ps.get_embedding_group() if self.stage_entries else None
 
     # -- presence: param counts per class and per key, dense/expert (local; summed over the world by the caller)
     def presence(self) -> torch.Tensor:
@@ -210,14 +239,15 @@ class GradNormReader:
             for k in _BLOCK_KEYS[lab]:
                 out[row, KEY_INDEX[k]] += blocks[lab]
 
-    def local(self, mode: str) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """``mode="pre"``: the full local gradient (before the DP reduction; SP-partial entries are returned as
-        one flat copy for the TP all-reduce instead of being counted); ``mode="post"``: the reduced gradient
-        (the owned shard with the distributed optimizer). Returns ([2, NK] float64 contributions, flat SP copy)."""
+    def local(self, mode: str) -> Tuple[torch.Tensor, Optional[Tuple[Optional[torch.Tensor], ...]]]:
+        """``mode="pre"``: the full local gradient (before the DP reduction); entries whose local gradient is a
+        partial sum — SP-partial over TP, a tied embedding over the pipeline stages — are not counted but copied
+        (``partial``, for :meth:`add_partials`); ``mode="post"``: the reduced gradient (the owned shard with the
+        distributed optimizer; ``partial`` is ``None``). Returns ([2, NK] float64 contributions, partial)."""
         out = torch.zeros(2, NUM_KEYS, dtype=torch.float64, device=self.device)
         views, rows, keys = [], [], []
         for e in self.entries:
-            if mode == "pre" and e.tp_reduce is not None:
+            if mode == "pre" and (e.tp_reduce is not None or e.stage_reduce):
                 continue
             if not e.counted:
                 continue
@@ -235,27 +265,41 @@ class GradNormReader:
             rows.append(int(e.expert))
             keys.append(e.key)
         if views:
-            norms = torch.stack(torch._foreach_norm(views)).double() ** 2
+            norms = _squared_norms(views)
             idx = torch.tensor(rows, device=self.device) * NUM_KEYS + torch.tensor(keys, device=self.device)
             out.view(-1).index_add_(0, idx, norms)
-        sp = None
-        if mode == "pre" and self.sp_entries:
-            sp = torch.cat([self._grad(e).detach().reshape(-1).double() for e in self.sp_entries])
-        return out, sp
+        if mode != "pre":
+            return out, None
+        return out, tuple(torch.cat([self._grad(e).detach().reshape(-1).double() for e in entries])
+                          if entries else None for entries in (self.sp_entries, self.stage_entries))
 
-    def sp_contrib(self, summed: torch.Tensor) -> torch.Tensor:
-        """Contributions of the TP-summed SP-partial entries (counted on TP rank 0)."""
-        out = torch.zeros(2, NUM_KEYS, dtype=torch.float64, device=self.device)
-        off = 0
-        for e in self.sp_entries:
-            n = e.param.numel()
-            seg = summed[off:off + n]
-            off += n
-            if not e.counted:
+    def zero_partials(self) -> Tuple[Optional[torch.Tensor], ...]:
+        """Zero copies shaped like ``local("pre")``'s partials (a rank that joins the collectives without data)."""
+        return tuple(torch.zeros(sum(e.param.numel() for e in entries), dtype=torch.float64, device=self.device)
+                     if entries else None for entries in (self.sp_entries, self.stage_entries))
+
+    def add_partials(self, out: torch.Tensor, partials: Tuple[Optional[torch.Tensor], ...]) -> torch.Tensor:
+        """``out`` plus the contributions of the partial-sum copies, each summed over its group first (TP for
+        SP-partial entries, then the embedding group for tied pipeline embeddings; the same calls on every rank
+        of a group, which holds the same entries)."""
+        sp, stage = partials
+        out = out.clone()
+        for entries, copy, group in ((self.sp_entries, sp, self.tp_group),
+                                     (self.stage_entries, stage, self.embedding_group)):
+            if copy is None:
                 continue
-            if e.tp_reduce == "avg":
-                seg = seg / self.tp_size
-            out[int(e.expert), e.key] += seg.pow(2).sum()
+            summed = copy.clone()
+            torch.distributed.all_reduce(summed, group=group)
+            off = 0
+            for e in entries:
+                n = e.param.numel()
+                seg = summed[off:off + n]
+                off += n
+                if not e.counted:
+                    continue
+                if e.tp_reduce == "avg":
+                    seg = seg / self.tp_size
+                out[int(e.expert), e.key] += seg.pow(2).sum()
         return out
 
     def vectors(self) -> Dict[str, torch.Tensor]:
