@@ -103,8 +103,8 @@ def qkv_row_blocks(weight: torch.Tensor, num_heads: int, num_query_groups: int, 
 
     Returns ``(q_rows [H·d_head, d_model], k_rows [G·d_head, d_model], v_rows [G·d_head, d_model])``, rows
     ordered by head. They are views of ``weight`` where the layout allows (e.g. K when G = 1) and copies
-    otherwise: copy before keeping them across an optimizer step, never write through them. These are the matrices whose ΔW spectra the layer-level monitors take, and whose
-    gradient norms MoLS measures separately.
+    otherwise: copy before keeping them across an optimizer step, never write through them. These are the
+    matrices whose ΔW spectra the layer-level monitors take, and whose gradient norms MoLS measures separately.
     """
     wq, wk, wv = split_fused_qkv(weight, num_heads, num_query_groups, head_dim)
     return tuple(w.transpose(1, 2).reshape(-1, w.shape[1]) for w in (wq, wk, wv))
