@@ -2,7 +2,8 @@
 
 Models: ``llama`` (dense, grouped-query attention), ``mixtral`` (HF MoE blocks) or ``ds-moe`` (Llama with
 ``deepspeed.moe`` feed-forward layers, expert parallel with ``--ep-size``). The DeepSpeed config is built from the
-flags, or read from ``--deepspeed-config`` (its ``"mech"`` section configures the monitors either way).
+flags, or read from ``--deepspeed-config`` (its ``"mech"`` section configures the monitors either way; a study's
+``"fault"`` key there is split off and injected by :mod:`megatron_mech.studies.deepspeed_faults`).
 
     torchrun --nproc_per_node=2 launch_scripts/deepspeed_train.py --zero-stage 2 --steps 40 --output-dir runs/ds
     deepspeed --num_accelerators 2 launch_scripts/deepspeed_train.py --model ds-moe --ep-size 2 --zero-stage 1
@@ -93,11 +94,14 @@ def build_config(args) -> dict:
 
 
 def mech_output_dir(config: dict) -> str:
-    """Where the hook writes ``mech.jsonl``: the config's ``mech.output.dir`` (validates the section)."""
+    """Where the hook writes ``mech.jsonl``: the config's ``mech.output.dir`` (validates the section, the studies'
+    ``mech.fault`` included)."""
     from megatron_mech.config import DEFAULT_OUTPUT_DIR
     from megatron_mech.deepspeed.config import parse_section
+    from megatron_mech.studies.fault_config import split_fault_section
 
-    return parse_section(config.get("mech"))[0].output.dir or DEFAULT_OUTPUT_DIR
+    section, _ = split_fault_section(config.get("mech"))
+    return parse_section(section)[0].output.dir or DEFAULT_OUTPUT_DIR
 
 
 def check_run_directories(args, config: dict, rank: int) -> bool:
@@ -160,10 +164,11 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from megatron_mech.deepspeed.batches import rank_batch
-    from megatron_mech.deepspeed.engine import DeepSpeedMech, load_checkpoint, save_checkpoint
+    from megatron_mech.deepspeed.engine import load_checkpoint, save_checkpoint
     from megatron_mech.deepspeed.models import moe_aux_loss
     from megatron_mech.deepspeed.mols import param_groups
     from megatron_mech.hook import Action
+    from megatron_mech.studies.deepspeed_faults import mech_with_fault  # the "fault" key of a study's config
 
     if not torch.cuda.is_available():
         from megatron_mech.deepspeed.cpu import single_process_env, skip_shm_comm_build
@@ -184,7 +189,7 @@ def main(argv=None) -> int:
     optimizer = torch.optim.AdamW(groups, lr=args.lr)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     # validates the "mech" section before any training step
-    mech = DeepSpeedMech.from_engine(engine, train_steps=args.steps, lr_warmup_steps=args.warmup or None)
+    mech = mech_with_fault(engine, train_steps=args.steps, lr_warmup_steps=args.warmup or None)
     if args.load:
         try:
             load_checkpoint(engine, mech, args.load, trust_checkpoint=args.trust_checkpoint)

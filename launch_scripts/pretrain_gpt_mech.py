@@ -4,7 +4,8 @@
         --expert-model-parallel-size 2 --train-iters 300 --save runs/demo
 
 See ``python launch_scripts/pretrain_gpt_mech.py --help`` for every flag; the code is
-``megatron_mech/megatron/pretrain_gpt.py`` (installed with the package, so this file is only a launcher).
+``megatron_mech/megatron/pretrain_gpt.py`` (installed with the package, so this file is only a launcher). This
+launcher also offers the studies' ``--mech-fault*`` flags (``megatron_mech/studies/pretrain_gpt_fault.py``).
 """
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ CHECKOUT = Path(__file__).resolve().parents[1]
 if (CHECKOUT / "megatron_mech" / "__init__.py").is_file():  # runnable from a checkout without installing
     sys.path.insert(0, str(CHECKOUT))  # (installed, this file sits inside megatron_mech/: nothing to add)
 
-from megatron_mech.megatron.pretrain_gpt import main  # noqa: E402
+from megatron_mech.studies.pretrain_gpt_fault import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

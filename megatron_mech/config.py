@@ -16,8 +16,10 @@ JSON / dict shape (every key optional)::
      "detector": {"warmup": null, "baseline": null, "threshold": null, "persistence": null},
      "mols": {"enabled": false, "window": null, "base": "vo", "clamp": [0.5, 2.0], ...},
      "output": {"dir": null, "wandb_project": null, "tensorboard_dir": null},
-     "on_alert": "log",
-     "fault": {"kind": "none", ...}}                      # studies only
+     "on_alert": "log"}
+
+The studies bring their own settings (the fault: ``--mech-fault*``, a ``"fault"`` key in a DeepSpeed ``"mech"``
+section), added and split off by the entry points that offer them (:mod:`megatron_mech.studies.fault_config`).
 """
 from __future__ import annotations
 
@@ -33,7 +35,6 @@ from megatron_mech.core.taxonomy import FUSED_QKV_RULES, MODULE_CLASSES
 from megatron_mech.monitors.attention import DW_SCOPES, EVAL_DEVICES
 from megatron_mech.options import (add_section_flags, option, section_from_dict, section_from_flags,
                                    section_to_dict)
-from megatron_mech.studies.fault_config import FaultConfig
 
 __all__ = ["DEFAULT_OUTPUT_DIR", "MONITOR_FAMILIES", "ON_ALERT", "DetectorOverrides", "MechConfig", "MoLSOptions",
            "MonitorConfig", "OutputConfig"]
@@ -250,11 +251,10 @@ class MechConfig:
     on_alert: str = option("log", "on the first alert of a run: log only; save a checkpoint (when the trainer "
                            "saves) and go on; or save and stop cleanly on every rank", flag="--mech-on-alert",
                            choices=ON_ALERT)
-    fault: FaultConfig = option(doc="studies only: the fault to inject", default_factory=FaultConfig)
 
     def __post_init__(self):
         for name, kind in (("monitors", MonitorConfig), ("detector", DetectorOverrides), ("mols", MoLSOptions),
-                           ("output", OutputConfig), ("fault", FaultConfig)):
+                           ("output", OutputConfig)):
             if not isinstance(getattr(self, name), kind):
                 raise ValueError(f"MechConfig.{name} must be a {kind.__name__}, got {type(getattr(self, name))}")
         if self.on_alert not in ON_ALERT:
@@ -262,8 +262,8 @@ class MechConfig:
 
     # ---------------------------------------------------------------------------------------- flags
     @staticmethod
-    def add_flags(parser: argparse.ArgumentParser, *, studies: bool = True) -> argparse.ArgumentParser:
-        """Add every ``--mech-*`` flag (``studies=False``: without the ``--mech-fault*`` study flags)."""
+    def add_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Add every ``--mech-*`` flag."""
         group = parser.add_argument_group("megatron-mech monitors")
         add_section_flags(group, MonitorConfig)
         add_section_flags(group, OutputConfig)
@@ -271,9 +271,6 @@ class MechConfig:
         add_section_flags(group, DetectorOverrides)
         add_section_flags(parser.add_argument_group("megatron-mech MoLS (module-wise lr scaling from gradient SNR)"),
                           MoLSOptions)
-        if studies:
-            add_section_flags(parser.add_argument_group("megatron-mech fault injection (studies and demos)"),
-                              FaultConfig)
         return parser
 
     @classmethod
@@ -283,8 +280,7 @@ class MechConfig:
                    detector=section_from_flags(DetectorOverrides, args),
                    mols=section_from_flags(MoLSOptions, args),
                    output=section_from_flags(OutputConfig, args, tensorboard_dir=tensorboard_dir),
-                   on_alert=getattr(args, "mech_on_alert", "log"),
-                   fault=section_from_flags(FaultConfig, args))
+                   on_alert=getattr(args, "mech_on_alert", "log"))
 
     # ---------------------------------------------------------------------------------------- dicts
     @classmethod

@@ -1,8 +1,9 @@
 """One object per rank that a trainer calls: :class:`MechHook`.
 
 The hook owns everything megatron-mech does in a run: the attention and router monitors, MoLS, the detector
-registry, the output sinks, the alert policy (``log | checkpoint | stop``) and, for studies, fault injection.
-A framework adapter is a translation onto its lifecycle::
+registry, the output sinks and the alert policy (``log | checkpoint | stop``). Anything else that must follow the
+run's lifecycle (e.g. the studies' fault injection) is an :class:`Extension`, registered from outside. A framework
+adapter is a translation onto its lifecycle::
 
     hook = MechHook(config, train_steps=T, lr_warmup_steps=W)      # every rank; config: MechConfig
     overrides = hook.optimizer_overrides(view)                     # (MoLS) before the optimizer exists
@@ -24,8 +25,8 @@ A framework adapter is a translation onto its lifecycle::
 **One step convention.** ``step`` is the number of the optimizer step being taken, counted from 1: ``before_step
 (step)`` comes before its forward/backward, ``after_optimizer_step(step)`` after ``optimizer.step()``, so the
 weights are then ``W_step``; ``start_step`` is the number of optimizer steps already done (0 for a fresh run, the
-checkpoint's step on resume). Monitors evaluate on multiples of the interval, the fault is on from its ``start``
-step, and MoLS's estimation window is placed on the same steps (``--mech-mols-window-start`` is a step; MoLS's
+checkpoint's step on resume). Monitors evaluate on multiples of the interval, extensions see the same step numbers,
+and MoLS's estimation window is placed on the same steps (``--mech-mols-window-start`` is a step; MoLS's
 core counts ``iteration = step − 1``, Megatron-LM's ``iteration`` before the step, and the hook translates).
 
 **MoLS touch points.** MoLS changes the optimizer, so it needs three calls before the training loop:
@@ -37,6 +38,21 @@ and ``wrap_forward_step`` (a micro-batch snapshot on one estimator route; the id
 ``scheduler`` is given to ``setup`` the hook then re-derives the lrs with ``scheduler.step(0)`` (megatron-core's
 ``OptimizerParamScheduler``: same step count, same lrs, now with the new multipliers), so the trainer may call
 ``after_optimizer_step`` after ``scheduler.step()``, as Megatron-LM's callbacks do.
+
+**Extensions.** The one public seam for code that is not the product (the studies' fault injector is one): an
+:class:`Extension` subclass, given to the constructor (``MechHook(config, extensions=[ext])``) or registered with
+:meth:`MechHook.add_extension` before ``setup``. The hook calls, in registration order: ``setup(hook, view,
+optimizer)`` at the end of :meth:`MechHook.setup`; ``before_step(step)`` at the end of :meth:`MechHook.before_step`,
+then ``before_optimizer_step(optimizer, step)`` there when the hook knows the optimizer (the lr is untouched by the
+forward/backward, so this is the place to change this step's lr); ``after_optimizer_step(step, loss=, grad_norm=,
+lr=)`` at the start of :meth:`MechHook.after_optimizer_step`; ``state_dict()`` / ``load_state_dict(state)`` inside
+the hook's state (under ``"extensions"``, keyed by :attr:`Extension.name`, only when non-empty); ``close()`` from
+:meth:`MechHook.close`. The model-building points are the adapters' to call, through :attr:`MechHook.extensions`:
+``global_batch`` (once, before the data), ``check_model`` (the model's size, before anything is built),
+``layer_spec`` (megatron-core: a transformer layer spec replacing the local one) and ``prepare_model`` (a model the
+adapter did not build, e.g. an HF model under DeepSpeed). An entry point that offers an extension on its command
+line passes its class: :meth:`Extension.add_arguments` adds its flags, :meth:`Extension.from_args` builds it
+(``None``: not asked for). Every method of the base class does nothing.
 
 **Collectives.** Every rank must call every lifecycle method at every step: the monitors reduce on evaluation
 steps, and the alert decision is one tiny all-reduce there, so the returned :class:`Action` is identical on every
@@ -62,7 +78,7 @@ from megatron_mech.core.detect import Alert, DetectorRegistry, default_rules
 from megatron_mech.core.mols import default_window
 from megatron_mech.model_view import ModelView
 
-__all__ = ["Action", "MechHook", "STATE_VERSION", "any_rank", "naming_damaged_state"]
+__all__ = ["Action", "Extension", "MechHook", "STATE_VERSION", "any_rank", "naming_damaged_state"]
 
 logger = logging.getLogger("megatron_mech")
 
@@ -103,6 +119,75 @@ def naming_damaged_state(source: str):
                          f"({type(exc).__name__}: {what})") from exc
 
 
+class Extension:
+    """Code outside the product that follows the hook's lifecycle (see the module docstring, "Extensions").
+
+    Subclass it and override what you need; every method here does nothing. The hook calls the lifecycle
+    methods on every rank at the same points, so an extension may issue collectives there as long as it issues
+    the same ones on every rank.
+    """
+
+    name: str = "extension"
+    """The key of this extension's state in :meth:`MechHook.state_dict` and of its entry in a run's summary."""
+
+    # -------------------------------------------------------------------------------- entry points
+    @classmethod
+    def add_arguments(cls, parser) -> None:
+        """Add this extension's flags to an entry point's ``argparse`` parser."""
+
+    @classmethod
+    def from_args(cls, args) -> Optional["Extension"]:
+        """The extension the parsed flags ask for, or ``None`` when they ask for none."""
+        return None
+
+    # -------------------------------------------------------------------------------- model building
+    def global_batch(self, global_batch: int, micro_batch_size: Optional[int] = None,
+                     data_parallel_size: int = 1) -> int:
+        """The run's global batch (called once by an adapter that sizes the data itself)."""
+        return global_batch
+
+    def check_model(self, num_layers: int, num_attention_heads: int) -> None:
+        """``ValueError`` naming the setting if the extension does not fit a model of this size."""
+
+    def layer_spec(self, num_experts=None, normalization=None, **kwargs):
+        """megatron-core: the transformer layer spec to build the model with, or ``None`` for the adapter's own."""
+        return None
+
+    def prepare_model(self, model) -> None:
+        """A model the adapter did not build (an HF model under DeepSpeed), before the monitors look at it."""
+
+    def describe(self) -> Optional[str]:
+        """One line for the run's log (``None``: nothing to say)."""
+        return None
+
+    def summary(self) -> Optional[dict]:
+        """Plain values for the run's summary under :attr:`name` (``None``: no entry)."""
+        return None
+
+    # -------------------------------------------------------------------------------- lifecycle
+    def setup(self, hook: "MechHook", view: ModelView, optimizer=None) -> None:
+        """At the end of :meth:`MechHook.setup`."""
+
+    def before_step(self, step: int) -> None:
+        """Before the forward/backward of optimizer step ``step``."""
+
+    def before_optimizer_step(self, optimizer, step: int) -> None:
+        """In :meth:`MechHook.before_step`, when the hook knows the optimizer: this step's lr may be changed here."""
+
+    def after_optimizer_step(self, step: int, *, loss: float, grad_norm: Optional[float], lr: float) -> None:
+        """At the start of :meth:`MechHook.after_optimizer_step`."""
+
+    def state_dict(self) -> dict:
+        """This extension's part of the hook's state (empty: nothing saved)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`."""
+
+    def close(self) -> None:
+        """From :meth:`MechHook.close`."""
+
+
 class MechHook:
     """megatron-mech for one training run, one instance per rank (see the module docstring for the lifecycle).
 
@@ -112,6 +197,7 @@ class MechHook:
         lr_warmup_steps: the lr warm-up length in steps (MoLS ramps its multipliers in until then).
         sinks: the logging rank's output, when the adapter builds it itself (default: :meth:`open_sinks`, called
             by :meth:`setup` on the logging rank unless the adapter opened the sinks before).
+        extensions: :class:`Extension` objects to register (more with :meth:`add_extension`).
 
     What an adapter may use besides the lifecycle: :meth:`open_sinks` (the run's output, with the framework's
     own sinks added), :meth:`is_evaluation_step` (the steps the monitors evaluate on), :meth:`timed` (wall time of
@@ -120,16 +206,14 @@ class MechHook:
     """
 
     def __init__(self, config: MechConfig, *, train_steps: Optional[int] = None,
-                 lr_warmup_steps: Optional[int] = None, sinks=None):
-        from megatron_mech.studies.injectors import FaultInjector
-
+                 lr_warmup_steps: Optional[int] = None, sinks=None, extensions: Iterable[Extension] = ()):
         self.config = config
         self.train_steps = train_steps
         self.lr_warmup_steps = lr_warmup_steps
         self.registry = DetectorRegistry(rules=[dataclasses.replace(rule, **config.detector.as_rule_fields())
                                                 for rule in default_rules()])
-        self.faults = FaultInjector(config.fault)
-        """Study-only fault injection: ``hook.faults.layer_spec(...)`` builds the attention fault into the model."""
+        self.extensions: List[Extension] = []
+        """The registered :class:`Extension` objects, in registration order."""
         self.attention = None
         self.router = None
         self.experts = None
@@ -156,6 +240,21 @@ class MechHook:
         self._is_setup = False
         self._stage_exchange = None   # MetricExchange over the pipeline stages, built at the first evaluation
         self._mols_failure_logged = False
+        self._pending_extension_state: dict = {}
+        for extension in extensions:
+            self.add_extension(extension)
+
+    def add_extension(self, extension: Extension) -> None:
+        """Register ``extension`` (before :meth:`setup`; every rank registers the same ones in the same order)."""
+        if not isinstance(extension, Extension):
+            raise TypeError(f"MechHook.add_extension: expected an Extension, got {type(extension).__name__}")
+        if self._is_setup:
+            raise RuntimeError("MechHook.add_extension: register extensions before MechHook.setup")
+        if any(e.name == extension.name for e in self.extensions):
+            raise ValueError(f"MechHook.add_extension: an extension named {extension.name!r} is already registered")
+        self.extensions.append(extension)
+        if extension.name in self._pending_extension_state:
+            extension.load_state_dict(self._pending_extension_state.pop(extension.name))
 
     # ------------------------------------------------------------------------------------------------ MoLS
     def optimizer_overrides(self, view: ModelView) -> Any:
@@ -196,7 +295,7 @@ class MechHook:
 
         Args:
             view: this rank's :class:`~megatron_mech.model_view.ModelView`.
-            optimizer: the optimizer (the LR fault scales its param groups' lr).
+            optimizer: the optimizer (given to the extensions' ``setup`` and ``before_optimizer_step``).
             start_step: optimizer steps already done (0, or the resumed checkpoint's step).
             scheduler: the LR scheduler, if the trainer calls ``after_optimizer_step`` after ``scheduler.step()``
                 (the hook re-derives the lrs after writing MoLS multipliers).
@@ -254,6 +353,8 @@ class MechHook:
             self.attention.observe(start_step)
         if self.experts is not None:
             self.experts.observe(start_step)  # a snapshot on an aligned step (experts are not checkpointed)
+        for extension in self.extensions:
+            extension.setup(self, view, self._optimizer)
 
     def open_sinks(self, start_step: int = 0, *, fallback_dir=None, extra: Iterable = ()) -> None:
         """Open the run's output; on the logging rank only, once, before :meth:`setup` (which opens it with the
@@ -273,16 +374,18 @@ class MechHook:
 
     def before_step(self, step: int) -> None:
         """Before the forward/backward of optimizer step ``step``: arm router capture on evaluation steps, run the
-        MoLS extra samples (``samples`` estimator), tell the fault injector the step, apply an LR fault."""
+        MoLS extra samples (``samples`` estimator), then the extensions' ``before_step`` and, when the optimizer is
+        known, their ``before_optimizer_step``."""
         if self.router is not None:
             self.router.capturing = self.is_evaluation_step(step)
         if self.max_logit is not None:
             self.max_logit.capturing = self.is_evaluation_step(step)
         if self.mols is not None and self._sample_passes is not None:
             self._sample_passes(self.mols, step - 1)
-        self.faults.before_step(step)
-        if self._optimizer is not None:
-            self.faults.before_optimizer_step(self._optimizer, step)  # the lr is untouched by forward/backward
+        for extension in self.extensions:
+            extension.before_step(step)
+            if self._optimizer is not None:
+                extension.before_optimizer_step(self._optimizer, step)  # the lr is untouched by forward/backward
 
     def after_optimizer_step(self, step: int, *, loss: float, grad_norm: Optional[float], lr: float,
                              extra: Optional[dict] = None) -> Action:
@@ -294,6 +397,8 @@ class MechHook:
         step's update ran at (the record's ``mols/mult/*`` are this step's multipliers too);
         ``extra``: more plain values for this step's record. Returns the :class:`Action` for the trainer.
         """
+        for extension in self.extensions:
+            extension.after_optimizer_step(step, loss=loss, grad_norm=grad_norm, lr=lr)
         mols_metrics = self._mols_step(step)
         self.losses.append(float(loss))
         metrics: dict = {}
@@ -391,14 +496,20 @@ class MechHook:
                     + (f"; roll back to iter_{max(earlier):07d} (before the alert)" if earlier else ""))
 
     def close(self) -> None:
-        """Flush and close the output (logging rank)."""
+        """Flush and close the output (logging rank), then close the extensions."""
         if self._sinks is not None:
             self._sinks.close()
+        for extension in self.extensions:
+            extension.close()
 
     # ------------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        """One versioned entry per rank: monitors, detectors, MoLS and the first-alert step."""
-        return {"version": STATE_VERSION, "first_alert_step": self.first_alert_step, "losses": list(self.losses),
+        """One versioned entry per rank: monitors, detectors, MoLS, the first-alert step and the extensions' states
+        (``"extensions"``, only when one has a state)."""
+        extensions = {e.name: e.state_dict() for e in self.extensions}
+        extensions = {name: state for name, state in extensions.items() if state}
+        return {"version": STATE_VERSION, **({"extensions": extensions} if extensions else {}),
+                "first_alert_step": self.first_alert_step, "losses": list(self.losses),
                 "interval": self._monitored_interval(),
                 "attention": self.attention.state_dict() if self.attention is not None else None,
                 "router": self.router.state_dict() if self.router is not None else None,
@@ -425,6 +536,11 @@ class MechHook:
             self.mols.load_state_dict(state["mols"])
         self._saved_steps = sorted(set(self._saved_steps) | {int(s) for s in state.get("saved_steps") or ()})
         self.losses = [float(v) for v in state.get("losses") or []]
+        saved_extensions = dict(state.get("extensions") or {})
+        for extension in self.extensions:
+            if extension.name in saved_extensions:
+                extension.load_state_dict(saved_extensions.pop(extension.name))
+        self._pending_extension_state = saved_extensions  # for extensions registered later
         if self._is_setup:
             with naming_damaged_state(source):
                 self._load_monitor_state(state)

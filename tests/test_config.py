@@ -1,4 +1,6 @@
-"""MechConfig: each setting declared once, with its doc and flag; flags, dicts and validation agree."""
+"""MechConfig: each setting declared once, with its doc and flag; flags, dicts and validation agree. The studies'
+fault settings (FaultConfig) are declared with the same machinery but are not the product's: MechConfig knows
+nothing of them, and the studies add their flags and split their ``"fault"`` key off a ``"mech"`` section."""
 from __future__ import annotations
 
 import argparse
@@ -7,24 +9,31 @@ import dataclasses
 import pytest
 
 from megatron_mech.config import DetectorOverrides, MechConfig, MoLSOptions, MonitorConfig, OutputConfig
-from megatron_mech.studies.fault_config import FaultConfig
+from megatron_mech.studies.fault_config import FaultConfig, add_fault_arguments, split_fault_section
 
-SECTIONS = (MonitorConfig, DetectorOverrides, MoLSOptions, OutputConfig, FaultConfig, MechConfig)
+SECTIONS = (MonitorConfig, DetectorOverrides, MoLSOptions, OutputConfig, MechConfig)
 
 
 def _parser():
     return MechConfig.add_flags(argparse.ArgumentParser())
 
 
+def _generated(parser):
+    return sorted(o for a in parser._actions for o in a.option_strings if o.startswith("--mech"))
+
+
 def test_every_field_is_documented_and_every_flag_is_generated_once():
     flags = [f.metadata.get("flag") for s in SECTIONS for f in dataclasses.fields(s)]
-    for section in SECTIONS:
+    for section in (*SECTIONS, FaultConfig):
         for f in dataclasses.fields(section):
             assert f.metadata.get("doc"), f"{section.__name__}.{f.name} has no doc"
     declared = sorted(f for f in flags if f)
     assert len(declared) == len(set(declared))
-    generated = sorted(o for a in _parser()._actions for o in a.option_strings if o.startswith("--mech"))
-    assert generated == declared
+    assert _generated(_parser()) == declared
+    fault_flags = sorted(f.metadata["flag"] for f in dataclasses.fields(FaultConfig))
+    assert _generated(add_fault_arguments(argparse.ArgumentParser())) == fault_flags
+    assert not set(fault_flags) & set(declared)  # the product declares none of the studies' flags
+    assert _generated(add_fault_arguments(_parser())) == sorted(declared + fault_flags)  # both in one parser
 
 
 def test_defaults_and_flags_match_the_dataclass_defaults():
@@ -32,13 +41,12 @@ def test_defaults_and_flags_match_the_dataclass_defaults():
     args = _parser().parse_args(["--mech-interval", "5", "--mech-monitors", "attention", "--mech-qk-terms", "delta2",
                                  "--mech-no-checkpoint-snapshots", "--mech-mols", "--mech-mols-clamp", "0.25", "4",
                                  "--mech-mols-no-scale-weight-decay", "--mech-detector-baseline", "3",
-                                 "--mech-on-alert", "stop", "--mech-fault", "attention", "--mech-fault-layers", "2", "0"])
+                                 "--mech-on-alert", "stop"])
     c = MechConfig.from_flags(args, tensorboard_dir="tb")
     assert (c.monitors.interval, c.monitors.families, c.monitors.qk_terms, c.monitors.checkpoint_snapshots) == \
         (5, ("attention",), ("delta2",), False)
     assert (c.mols.enabled, c.mols.clamp, c.mols.scale_weight_decay) == (True, (0.25, 4.0), False)
     assert (c.detector.as_rule_fields(), c.on_alert, c.output.tensorboard_dir) == ({"baseline": 3}, "stop", "tb")
-    assert (c.fault.kind, c.fault.layers) == ("attention", (0, 2))
     assert MechConfig.from_flags(_parser().parse_args(["--mech-monitors"])).monitors.families == ()  # = none
 
 
@@ -64,8 +72,7 @@ def test_dict_round_trip_of_a_config_with_every_kind_of_field_set():
                    detector=DetectorOverrides(warmup=2, baseline=4, threshold=3.5, persistence=2),
                    mols=MoLSOptions(enabled=True, window=7, window_start=3, base="qk", clamp=(0.25, 4.0),
                                     classes=("qk", "vo"), fixed=("qk=0.5",), diagnostic_steps=2),
-                   output=OutputConfig(dir="runs/x", wandb_project="p", tensorboard_dir="tb"), on_alert="stop",
-                   fault=FaultConfig(kind="small_batch", start=5, strength=2, layers=(3, 0), heads=(1,)))
+                   output=OutputConfig(dir="runs/x", wandb_project="p", tensorboard_dir="tb"), on_alert="stop")
     assert MechConfig.from_dict(c.to_dict()) == c
     assert MechConfig.from_dict(MechConfig().to_dict()) == MechConfig()
     as_mapping = MechConfig(mols=MoLSOptions(enabled=True, fixed={"qk": 0.5}))  # Python's {class: mult} form
@@ -112,15 +119,9 @@ _BAD_VALUES = [
                                                       "of 'attention', 'router', 'auto', 'none'), got the mapping "
                                                       "{'attention': True}"),
     ({"mols": {"fixed": ["qk=0.5", 2]}}, "mech.mols.fixed[1]: expected a string, got the integer 2"),
-    ({"fault": {"layers": [1, True]}}, "mech.fault.layers[1]: expected an integer, got the boolean True"),
-    ({"fault": {"heads": 0}}, "mech.fault.heads: expected a list of one or more integers or None, got the integer 0"),
-    ({"fault": {"kind": "lr", "strength": "4"}}, "mech.fault.strength: expected a number or None, got the string '4'"),
-    ({"fault": {"kind": "bits"}}, "mech.fault.kind: expected one of 'none', 'attention', 'lr', 'small_batch', "
-                                  "'combined', got the string 'bits'"),
     ({"mols": []}, "mech.mols: expected a mapping of MoLSOptions settings, got the list []"),
     ({"monitors": 0}, "mech.monitors: expected a mapping of MonitorConfig settings, got the integer 0"),
     ({"detector": "none"}, "mech.detector: expected a mapping of DetectorOverrides settings, got the string 'none'"),
-    ({"fault": None}, "mech.fault: expected a mapping of FaultConfig settings, got None"),
 ]
 
 
@@ -128,6 +129,45 @@ _BAD_VALUES = [
 def test_dict_values_of_the_wrong_type_are_named_by_key_path(data, message):
     with pytest.raises(ValueError) as info:
         MechConfig.from_dict(data)
+    assert str(info.value) == message
+
+
+def test_the_product_knows_no_fault_flag_nor_fault_key():
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--mech-fault", "attention"])
+    with pytest.raises(ValueError, match=r"mech: unknown key\(s\) 'fault'"):
+        MechConfig.from_dict({"fault": {"kind": "attention"}})
+    assert "fault" not in MechConfig().to_dict()
+
+
+def test_the_studies_split_their_fault_key_off_a_mech_section():
+    section = {"monitors": {"interval": 5}, "fault": {"kind": "small_batch", "start": 5, "strength": 2,
+                                                      "layers": [3, 0], "heads": [1]}}
+    rest, fault = split_fault_section(section)
+    assert rest == {"monitors": {"interval": 5}} and "fault" in section  # the caller's dict is left as it was
+    assert fault == FaultConfig(kind="small_batch", start=5, strength=2, layers=(3, 0), heads=(1,))
+    assert MechConfig.from_dict(rest) == MechConfig(monitors=MonitorConfig(interval=5))
+    assert split_fault_section({"monitors": {}}) == ({"monitors": {}}, None)
+    assert split_fault_section(None) == (None, None)
+    # the same JSON shape round-trips through the fault's own dict
+    assert split_fault_section({"fault": fault.to_dict()})[1] == fault
+
+
+_BAD_FAULTS = [
+    ({"fault": {"layers": [1, True]}}, "mech.fault.layers[1]: expected an integer, got the boolean True"),
+    ({"fault": {"heads": 0}}, "mech.fault.heads: expected a list of one or more integers or None, got the integer 0"),
+    ({"fault": {"kind": "lr", "strength": "4"}}, "mech.fault.strength: expected a number or None, got the string '4'"),
+    ({"fault": {"kind": "bits"}}, "mech.fault.kind: expected one of 'none', 'attention', 'lr', 'small_batch', "
+                                  "'combined', got the string 'bits'"),
+    ({"fault": None}, "mech.fault: expected a mapping of FaultConfig settings, got None"),
+    ({"fault": {"kind": "lr", "strength": -1}}, "FaultConfig.strength (LR multiplier k) must be > 0, got -1.0"),
+]
+
+
+@pytest.mark.parametrize("data, message", _BAD_FAULTS, ids=[m.split(":")[0] for _, m in _BAD_FAULTS])
+def test_fault_values_of_the_wrong_type_are_named_by_key_path(data, message):
+    with pytest.raises(ValueError) as info:
+        split_fault_section(data)
     assert str(info.value) == message
 
 
@@ -155,7 +195,6 @@ def test_deepspeed_section_is_checked_by_the_same_declarations(section, message)
     ({"monitors": {"families": ["attention", "none"]}}, "--mech-monitors"),
     ({"detector": {"baseline": 2}}, "--mech-detector-baseline"),
     ({"mols": {"clamp": [2, 4]}}, "clamp"),
-    ({"fault": {"kind": "lr", "strength": -1}}, "strength"),
 ])
 def test_bad_values_raise_once_naming_the_setting(data, flag):
     with pytest.raises(ValueError, match=flag):

@@ -1,6 +1,7 @@
 """MechHook's lifecycle in one process, framework-free: a real AttentionMonitor on a real weight that the test
-updates like an optimizer would, the real detectors and sinks, the alert policy, one-entry resume and the LR
-fault. (The megatron-core path, with real collectives, is covered by the torchrun training tests.)"""
+updates like an optimizer would, the real detectors and sinks, the alert policy, one-entry resume, the extension
+seam and the LR fault registered through it. (The megatron-core path, with real collectives, is covered by the
+torchrun training tests.)"""
 from __future__ import annotations
 
 import math
@@ -9,20 +10,20 @@ import pytest
 import torch
 
 from megatron_mech.config import DetectorOverrides, MechConfig, MonitorConfig
-from megatron_mech.hook import Action, MechHook
+from megatron_mech.hook import Action, Extension, MechHook
 from megatron_mech.model_view import ModelView
 from megatron_mech.monitors.attention import AttentionLayer
 from megatron_mech.records.sinks import CallbackSink
 from megatron_mech.studies.fault_config import FaultConfig
+from megatron_mech.studies.injectors import FaultInjector
 
 HEADS, GROUPS, HEAD_DIM, D_MODEL = 2, 2, 8, 16
 SPIKE = 12  # the step whose loss jumps
 
 
-def _config(on_alert="log", interval=2, fault=None):
+def _config(on_alert="log", interval=2):
     return MechConfig(monitors=MonitorConfig(families=("attention",), interval=interval, qk_terms=("delta2",)),
-                      detector=DetectorOverrides(warmup=0, baseline=3, persistence=1), on_alert=on_alert,
-                      fault=fault or FaultConfig())
+                      detector=DetectorOverrides(warmup=0, baseline=3, persistence=1), on_alert=on_alert)
 
 
 def _loss(step):
@@ -39,12 +40,12 @@ def _update(weight, step):
 class _Run:
     """A hook on a one-layer model view; ``records`` collects what the hook writes."""
 
-    def __init__(self, config, weight=None, start_step=0, state=None, optimizer=None):
+    def __init__(self, config, weight=None, start_step=0, state=None, optimizer=None, extensions=()):
         rows = (HEADS + 2 * GROUPS) * HEAD_DIM
         self.weight = weight if weight is not None else torch.randn(
             rows, D_MODEL, generator=torch.Generator().manual_seed(0), dtype=torch.float32)
         self.records = []
-        self.hook = MechHook(config, sinks=CallbackSink(self.records.append))
+        self.hook = MechHook(config, sinks=CallbackSink(self.records.append), extensions=extensions)
         view = ModelView(attention_layers=[AttentionLayer(0, self.weight, HEADS, GROUPS, HEAD_DIM)])
         assert self.hook.optimizer_overrides(view) is None  # no MoLS: nothing to change in the optimizer
         self.hook.attach_optimizer(optimizer)
@@ -95,7 +96,8 @@ def test_resume_from_one_state_entry_continues_the_series_exactly():
 def test_lr_fault_scales_the_lr_from_its_start_step():
     weight = torch.nn.Parameter(torch.zeros(3))
     optimizer = torch.optim.SGD([weight], lr=0.1)
-    run = _Run(_config(fault=FaultConfig(kind="lr", start=5, strength=4.0)), optimizer=optimizer)
+    injector = FaultInjector(FaultConfig(kind="lr", start=5, strength=4.0))
+    run = _Run(_config(), optimizer=optimizer, extensions=[injector])
     seen = {}
     for step in range(1, 8):
         optimizer.param_groups[0]["lr"] = 0.1  # what the LR scheduler sets after every step
@@ -104,7 +106,79 @@ def test_lr_fault_scales_the_lr_from_its_start_step():
         run.hook.after_optimizer_step(step, loss=1.0, grad_norm=None, lr=0.1)
     assert [seen[s] for s in range(1, 5)] == [0.1] * 4
     assert all(math.isclose(seen[s], 0.4) for s in range(5, 8))
-    assert run.hook.faults.schedule.step == 7  # the attention modules of a fault read the same step
+    assert injector.schedule.step == 7  # the attention modules of a fault read the same step
+
+
+class _Recorder(Extension):
+    """Writes down every call the hook makes, with the optimizer's lr at ``before_optimizer_step``."""
+
+    name = "recorder"
+
+    def __init__(self, calls, tag="recorder"):
+        self.calls, self.name, self.restored = calls, tag, None
+
+    def setup(self, hook, view, optimizer=None):
+        self.calls.append((self.name, "setup", hook.families, optimizer is not None))
+
+    def before_step(self, step):
+        self.calls.append((self.name, "before_step", step))
+
+    def before_optimizer_step(self, optimizer, step):
+        self.calls.append((self.name, "before_optimizer_step", step))
+
+    def after_optimizer_step(self, step, *, loss, grad_norm, lr):
+        self.calls.append((self.name, "after_optimizer_step", step, loss))
+
+    def state_dict(self):
+        return {"calls": len(self.calls)}
+
+    def load_state_dict(self, state):
+        self.restored = state
+
+    def close(self):
+        self.calls.append((self.name, "close"))
+
+
+def test_extensions_follow_the_lifecycle_in_registration_order_and_keep_their_state():
+    calls = []
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    first, second = _Recorder(calls, "first"), _Recorder(calls, "second")
+    run = _Run(_config(), optimizer=optimizer, extensions=[first])
+    assert run.hook.extensions == [first]
+    with pytest.raises(RuntimeError, match="before MechHook.setup"):
+        run.hook.add_extension(second)
+    run.steps(1, 2)
+    run.hook.close()
+    assert calls == [("first", "setup", ("attention",), True),
+                     ("first", "before_step", 1), ("first", "before_optimizer_step", 1),
+                     ("first", "after_optimizer_step", 1, _loss(1)),
+                     ("first", "before_step", 2), ("first", "before_optimizer_step", 2),
+                     ("first", "after_optimizer_step", 2, _loss(2)), ("first", "close")]
+    state = run.hook.state_dict()
+    assert state["extensions"] == {"first": {"calls": 8}}
+    # resume: the entry goes to the extension of the same name, registered before or after the state is loaded
+    hook = MechHook(_config(), extensions=[_Recorder([], "first")])
+    hook.load_state_dict(state)
+    late = _Recorder([], "second")
+    hook.add_extension(late)
+    assert hook.extensions[0].restored == {"calls": 8} and late.restored is None
+    # an extension with no state adds nothing to the hook's entry (the entry of a run without one is unchanged)
+    assert "extensions" not in _Run(_config(), extensions=[Extension()]).hook.state_dict()
+    with pytest.raises(ValueError, match="already registered"):
+        MechHook(_config(), extensions=[_Recorder([], "x"), _Recorder([], "x")])
+    with pytest.raises(TypeError, match="expected an Extension"):
+        MechHook(_config()).add_extension(object())
+
+
+def test_the_base_extension_does_nothing_and_asks_for_nothing():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    Extension.add_arguments(parser)
+    assert Extension.from_args(parser.parse_args([])) is None
+    base = Extension()
+    assert base.global_batch(32, 4, 2) == 32 and base.layer_spec(4, "LayerNorm") is None
+    assert base.describe() is None and base.summary() is None and base.state_dict() == {}
 
 
 def test_setup_twice_and_unknown_router_request_are_errors():

@@ -28,19 +28,8 @@ LAYERS = [
 ]
 LAYER_OF = {name: index for index, names in enumerate(LAYERS) for name in names}
 
-# Imports that break the order today, each named and kept on purpose until a redesign removes it. The test
-# asserts every one is still present, so removing one forces this list to shrink; any import not listed fails.
-KNOWN_VIOLATIONS = {
-    # The hook builds the study fault injector itself (``MechHook.faults``) and every adapter reaches the
-    # faults through it; removing this needs an extension seam on the hook that the studies register into.
-    ("megatron_mech.hook", "megatron_mech.studies.injectors"),
-    # ``MechConfig`` declares the study faults' ``fault`` section (``--mech-fault*``) next to the product's.
-    ("megatron_mech.config", "megatron_mech.studies.fault_config"),
-    # The DeepSpeed adapter hosts the studies' attention fault as an HF attention implementation (installed by
-    # ``DeepSpeedMech`` when the config has an attention fault); it belongs with the studies once the hook has
-    # an extension seam to install it through.
-    ("megatron_mech.deepspeed.faults", "megatron_mech.studies.faults"),
-}
+# The studies reach the product through the hook's extension seam (``megatron_mech.hook.Extension``), registered by
+# the entry points: no module imports from a layer below its own.
 
 
 def module_name(path: Path) -> str:
@@ -107,13 +96,18 @@ def test_every_module_is_in_a_layer_and_the_scan_sees_function_level_imports():
 
 
 def test_no_module_imports_from_a_layer_below_it():
-    violations = layer_violations()
-    new = sorted(violations - KNOWN_VIOLATIONS)
-    assert not new, "imports from a lower layer of the README's layout table:\n" + "\n".join(
-        f"  {module} imports {target}" for module, target in new)
-    removed = sorted(KNOWN_VIOLATIONS - violations)
-    assert not removed, "no longer present: remove from KNOWN_VIOLATIONS:\n" + "\n".join(
-        f"  {module} -> {target}" for module, target in removed)
+    violations = sorted(layer_violations())
+    assert not violations, "imports from a lower layer of the README's layout table:\n" + "\n".join(
+        f"  {module} imports {target}" for module, target in violations)
+
+
+def test_the_scan_finds_an_import_from_a_lower_layer(tmp_path):
+    # the reference: a product module that imports the studies, as the hook once did for the fault injector
+    planted = tmp_path / "hook.py"
+    planted.write_text("def build():\n    from megatron_mech.studies.injectors import FaultInjector\n")
+    targets = set(imported_modules(planted, "megatron_mech.hook"))
+    assert "megatron_mech.studies.injectors" in targets
+    assert layer("megatron_mech.studies.injectors") > layer("megatron_mech.hook")
 
 
 ADAPTERS = ("megatron", "deepspeed", "megatron_lm")

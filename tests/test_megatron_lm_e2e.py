@@ -25,11 +25,12 @@ import shutil
 
 import pytest
 
-from dist_utils import run_torchrun
+from dist_utils import REPO_ROOT, run_torchrun
 from megatron_lm_trees import CPU_TRAINING_FLAGS, RUNNABLE_TAG, SMALL_MOE_FLAGS, require, unpack
 
 pytest.importorskip("tensorboard")
 GLOBAL_BATCH, WARMUP_ITERS, LR, MIN_LR = 8, 2, 1e-3, 1e-4  # as in SMALL_MOE_FLAGS
+FAULT_LAUNCHER = REPO_ROOT / "launch_scripts" / "megatron_lm_fault.py"
 TIMEOUT = 420
 
 
@@ -72,6 +73,8 @@ def train(fork, data, out, *extra, model=SMALL_MOE_FLAGS):
             "--vocab-size", str(data.vocab_size), "--data-path", data.train_prefix, "--split", "98,2,0",
             "--data-cache-path", str(out / "index_cache"), "--tensorboard-dir", str(out / "tb"),
             "--mech-output-dir", str(out / "mech"), *extra]
+    if "--mech-fault" in extra:  # the studies' fault flags are offered by their own launcher
+        return run_torchrun(FAULT_LAUNCHER, fork / "pretrain_gpt.py", *args, nproc=2, timeout=TIMEOUT).stdout
     return run_torchrun(fork / "pretrain_gpt.py", *args, nproc=2, timeout=TIMEOUT).stdout
 
 

@@ -15,8 +15,7 @@ One call after ``deepspeed.initialize`` (every rank)::
 Modules (one concept each): :mod:`.config` (the ``"mech"`` section), :mod:`.attention` (HF attention discovery
 and ZeRO weight access), :mod:`.router` (DeepSpeed ``TopKGate`` and HF MoE router capture), :mod:`.mols`
 (gradient statistics, the lr-multiplier scheduler wrapper, the MoLS backend), :mod:`.engine` (the adapter
-object and checkpoints), :mod:`.safe_load` (weights-only loading of DeepSpeed checkpoints), :mod:`.faults` (the
-studies' attention fault in HF models), :mod:`.models` (small HF models), :mod:`.batches` (deterministic LM
-batches), :mod:`.cpu` (DeepSpeed on CPU machines over gloo).
+object and checkpoints), :mod:`.safe_load` (weights-only loading of DeepSpeed checkpoints), :mod:`.models` (small
+HF models), :mod:`.batches` (deterministic LM batches), :mod:`.cpu` (DeepSpeed on CPU machines over gloo).
 Importing this package imports neither DeepSpeed nor transformers.
 """

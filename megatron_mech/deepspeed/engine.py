@@ -35,7 +35,7 @@ import contextlib
 import logging
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -46,7 +46,7 @@ from megatron_mech.deepspeed.config import DeepSpeedOptions, parse_section, read
 from megatron_mech.deepspeed.mols import DeepSpeedMoLS
 from megatron_mech.deepspeed.router import find_gates, gate_capture, token_group_of
 from megatron_mech.deepspeed.safe_load import weights_only_loads
-from megatron_mech.hook import Action, MechHook
+from megatron_mech.hook import Action, Extension, MechHook
 from megatron_mech.model_view import ModelView, RouterView
 
 __all__ = ["CLIENT_STATE_KEY", "DeepSpeedMech", "load_checkpoint", "save_checkpoint"]
@@ -76,26 +76,21 @@ class DeepSpeedMech:
     """The hook plus what DeepSpeed needs around it. Build with :meth:`from_engine`."""
 
     def __init__(self, engine, config: MechConfig, options: DeepSpeedOptions = DeepSpeedOptions(), *,
-                 train_steps: Optional[int] = None, lr_warmup_steps: Optional[int] = None):
+                 train_steps: Optional[int] = None, lr_warmup_steps: Optional[int] = None,
+                 extensions: Iterable[Extension] = ()):
         self.engine, self.config, self.options = engine, config, options
         self.logging_rank = (dist.get_rank() if _distributed() else 0) == 0
         self.token_group = token_group_of(engine) if _distributed() else None
         model = engine.module
-        if config.fault.lr_multiplier != 1.0 and engine.lr_scheduler is None and not config.mols.enabled:
-            # The LR fault scales the lr a scheduler set for the step; without one it would compound every step.
-            raise ValueError(f"mech.fault kind {config.fault.kind!r} needs an lr scheduler in the DeepSpeed config "
-                             f"(the fault multiplies each step's scheduled lr)")
-        self.hook = MechHook(config, train_steps=train_steps, lr_warmup_steps=lr_warmup_steps)
+        self.hook = MechHook(config, train_steps=train_steps, lr_warmup_steps=lr_warmup_steps, extensions=extensions)
         requested = self.hook.requested_families
         self.attention_sources = find_hf_attention(model, options.attention_layout) if "attention" in requested else []
         self.gates = find_gates(model) if "router" in requested else []
         monitor = getattr(engine, "monitor", None)
         use_monitor = options.engine_monitor and monitor is not None and getattr(monitor, "enabled", False)
         self._engine_monitor = monitor if use_monitor else None  # also gets the records (logging rank)
-        if config.fault.attention_enabled:  # studies: the emulated FA2 attention, told the step by the hook
-            from megatron_mech.deepspeed.faults import install_attention_fault
-
-            install_attention_fault(model, config.fault, self.hook.faults.schedule)
+        for extension in self.hook.extensions:  # e.g. the studies' emulated attention, told the step by the hook
+            extension.prepare_model(model)
         self.view = ModelView(
             attention_layers=[a.spec() for a in self.attention_sources],
             routers=[RouterView(g.layer, g.weight, g.topk, gate_capture(g)) for g in self.gates],
@@ -122,7 +117,8 @@ class DeepSpeedMech:
         """Build from the engine's own config (its ``"mech"`` section) or from ``config`` (a section dict, or a
         ``(MechConfig, DeepSpeedOptions)`` pair). Raises ``ValueError`` naming any unknown or bad ``mech`` key,
         before any training step. ``kwargs``: ``train_steps`` (needed by MoLS to size its window),
-        ``lr_warmup_steps`` (MoLS ramps its multipliers in until then)."""
+        ``lr_warmup_steps`` (MoLS ramps its multipliers in until then), ``extensions`` (hook extensions; their
+        ``prepare_model`` gets the engine's module)."""
         if isinstance(config, tuple):
             mech_config, options = config
         else:

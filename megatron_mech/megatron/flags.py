@@ -11,8 +11,9 @@ __all__ = ["add_arguments", "build_parser", "check_args", "lr_warmup_steps", "tr
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add every ``--mech-*`` flag (monitors, detectors, output, MoLS, study faults), generated from
-    :class:`megatron_mech.config.MechConfig`. Usable as Megatron-LM's ``extra_args_provider``."""
+    """Add every ``--mech-*`` flag (monitors, detectors, output, MoLS), generated from
+    :class:`megatron_mech.config.MechConfig`. Usable as Megatron-LM's ``extra_args_provider``. (An entry point
+    that offers hook extensions adds their flags too: ``Extension.add_arguments``.)"""
     return MechConfig.add_flags(parser)
 
 

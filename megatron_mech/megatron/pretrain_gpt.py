@@ -31,13 +31,13 @@ from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from megatron_mech.config import DEFAULT_OUTPUT_DIR, MechConfig
 from megatron_mech.core.sharded import collective_device
-from megatron_mech.hook import Action, MechHook
+from megatron_mech.hook import Action, Extension, MechHook
 from megatron_mech.logs import configure_logging
 from megatron_mech.megatron.checkpoint import load_checkpoint, save_checkpoint
 from megatron_mech.megatron.data_checks import check_token_ids
@@ -55,16 +55,16 @@ logger = logging.getLogger("megatron_mech.train")
 
 
 # -------------------------------------------------------------------------------------------------- building
-def build_model(args, injector=None, backward_context=None, pipeline_size: int = 1):
-    """The megatron-core GPT of ``args`` for this rank's pipeline stage (local layer spec; the attention
-    fault's emulated attention when ``injector`` has one).
+def build_model(args, extensions=(), backward_context=None, pipeline_size: int = 1):
+    """The megatron-core GPT of ``args`` for this rank's pipeline stage (local layer spec, or the first layer spec
+    a hook extension gives, e.g. the studies' emulated attention with a fault).
 
     With several stages, the stage's weights are taken from a full single-stage model built first on every
     rank with the same random stream, so the initial weights are those of the one-stage run whatever the
     pipeline layout (megatron initialises only a stage's own layers, from a stream that depends on the
     layout). Building the full model is local (one-rank pipeline groups): no collective."""
     if pipeline_size == 1:
-        return _build_model(args, injector, backward_context)
+        return _build_model(args, extensions, backward_context)
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -72,8 +72,8 @@ def build_model(args, injector=None, backward_context=None, pipeline_size: int =
     alone = [torch.distributed.new_group([r]) for r in range(torch.distributed.get_world_size())]
     groups = ProcessGroupCollection.use_mpu_process_groups()
     groups.pp = groups.embd = groups.pos_embd = alone[torch.distributed.get_rank()]
-    _, full = _build_model(args, injector, backward_context, pipeline_size=1, pg_collection=groups)
-    config, stage = _build_model(args, injector, backward_context, pipeline_size=pipeline_size,
+    _, full = _build_model(args, extensions, backward_context, pipeline_size=1, pg_collection=groups)
+    config, stage = _build_model(args, extensions, backward_context, pipeline_size=pipeline_size,
                                  pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
     _copy_stage_weights(full, stage)
     del full
@@ -100,7 +100,7 @@ def _copy_stage_weights(full: torch.nn.Module, stage: torch.nn.Module) -> None:
             param.copy_(source[key])
 
 
-def _build_model(args, injector=None, backward_context=None, pipeline_size: int = 1, pre_process: bool = True,
+def _build_model(args, extensions=(), backward_context=None, pipeline_size: int = 1, pre_process: bool = True,
                  post_process: bool = True, pg_collection=None):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -134,10 +134,10 @@ def _build_model(args, injector=None, backward_context=None, pipeline_size: int 
            if args.recompute_granularity == "full" else {}),
         **(dict(recompute_modules=args.recompute_modules) if args.recompute_modules else {}),
         **cpu_kwargs, **moe)
-    if injector is not None and injector.config.attention_enabled:  # local spec with the emulated FA2 attention
-        spec = injector.layer_spec(args.num_experts, args.normalization, backward_context=backward_context,
-                                   qk_layernorm=args.qk_layernorm)
-    else:
+    specs = (e.layer_spec(args.num_experts, args.normalization, backward_context=backward_context,
+                          qk_layernorm=args.qk_layernorm) for e in extensions)
+    spec = next((s for s in specs if s is not None), None)
+    if spec is None:
         spec = get_gpt_layer_local_spec(num_experts=args.num_experts, normalization=args.normalization,
                                         qk_layernorm=args.qk_layernorm)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
@@ -300,8 +300,10 @@ def init_runtime() -> Runtime:
     return Runtime(torch.distributed.get_rank(), torch.distributed.get_world_size(), cuda, fast_forward)
 
 
-def build_training(args, runtime: Runtime, config: MechConfig, run_id: Optional[str] = None) -> Training:
-    """Model, optimizer, scheduler, data and the hook, with any checkpoint loaded (collective, every rank)."""
+def build_training(args, runtime: Runtime, config: MechConfig, run_id: Optional[str] = None,
+                   extensions: Sequence[Extension] = ()) -> Training:
+    """Model, optimizer, scheduler, data and the hook (with ``extensions`` registered), with any checkpoint loaded
+    (collective, every rank)."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -310,12 +312,14 @@ def build_training(args, runtime: Runtime, config: MechConfig, run_id: Optional[
 
     from megatron_mech.megatron.discovery import megatron_model_view
 
-    hook = MechHook(config, train_steps=train_steps(args), lr_warmup_steps=lr_warmup_steps(args))
+    hook = MechHook(config, train_steps=train_steps(args), lr_warmup_steps=lr_warmup_steps(args),
+                    extensions=extensions)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    args.global_batch_size = hook.faults.global_batch(args.global_batch_size, args.micro_batch_size,
-                                                      runtime.world // (tp * pp))
-    if config.fault.kind != "none":
-        logger.info(f"[fault] {config.fault.describe()}")
+    for extension in hook.extensions:
+        args.global_batch_size = extension.global_batch(args.global_batch_size, args.micro_batch_size,
+                                                        runtime.world // (tp * pp))
+        if extension.describe():
+            logger.info(f"[{extension.name}] {extension.describe()}")
     ps.initialize_model_parallel(tensor_model_parallel_size=tp,
                                  expert_model_parallel_size=args.expert_model_parallel_size,
                                  pipeline_model_parallel_size=pp)
@@ -334,7 +338,7 @@ def build_training(args, runtime: Runtime, config: MechConfig, run_id: Optional[
     train_ds, valid_ds, tokenizer = build_data(args, runtime.rank, f"{run_dir}/gpt_index_cache" if run_dir else None)
     args.padded_vocab_size = int(math.ceil(tokenizer.vocab_size / (128 * tp)) * 128 * tp)
 
-    model_config, model = build_model(args, hook.faults, backward_context=runtime.fast_forward, pipeline_size=pp)
+    model_config, model = build_model(args, hook.extensions, backward_context=runtime.fast_forward, pipeline_size=pp)
     if runtime.cuda:
         model.cuda(torch.cuda.current_device())
     model = DistributedDataParallel(model_config, DistributedDataParallelConfig(
@@ -459,7 +463,8 @@ def finish(args, t: Training, runtime: Runtime, run: dict, output_dir: str) -> N
         losses = hook.losses  # every step's loss since step 1, kept in the hook's state across resumes
         summary = {"final_step": final_step, "final_valid_loss": val, "first_step": final_step - len(losses) + 1,
                    "losses": losses, "seconds": elapsed, "step_seconds": run["step_seconds"],
-                   "params_per_rank": t.n_params, "fault": hook.config.fault.to_dict(),
+                   "params_per_rank": t.n_params,
+                   **{e.name: e.summary() for e in hook.extensions if e.summary() is not None},
                    "stopped_on_alert": run["stopped_on_alert"], "stopped_by_signal": run["stopped_by_signal"],
                    "attribution": alert_lines(alerts),
                    "monitor_seconds": hook.evaluation_seconds, "mols_seconds": hook.mols_seconds,
@@ -490,21 +495,23 @@ def write_summary(path: Path, summary: dict) -> bool:
         return False
 
 
-def preflight(args, world: int, rank: int):
-    """All start-up checks, before any process group, data or model: flags, the hook's configuration and the
-    run directories. A bad flag or directory ends the process with one line naming it (exit code 2) on every
-    rank. Returns ``(config, run directory plan)``."""
+def preflight(args, world: int, rank: int, extension_types: Sequence[type] = ()):
+    """All start-up checks, before any process group, data or model: flags, the hook's configuration, the
+    extensions the flags ask for and the run directories. A bad flag or directory ends the process with one line
+    naming it (exit code 2) on every rank. Returns ``(config, extensions, run directory plan)``."""
     try:
         check_args(args, world)
         config = MechConfig.from_flags(args, tensorboard_dir=args.tensorboard_dir)
         config.output.dir = args.mech_output_dir or args.save or DEFAULT_OUTPUT_DIR
-        config.fault.validate_for_model(args.num_layers, args.num_attention_heads)
+        extensions = [e for e in (kind.from_args(args) for kind in extension_types) if e is not None]
+        for extension in extensions:
+            extension.check_model(args.num_layers, args.num_attention_heads)
         check_sink_packages(args, config)
         plan = check_run_directories(args, rank)
     except ValueError as exc:
         print(f"pretrain_gpt: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
-    return config, plan
+    return config, extensions, plan
 
 
 def check_sink_packages(args, config: MechConfig) -> None:
@@ -528,10 +535,15 @@ def agree_run_id(proposed: Optional[str], rank: int) -> str:
     return chosen[0]
 
 
-def main(argv=None):
-    args = build_parser(__doc__).parse_args(argv)
+def main(argv=None, extension_types: Sequence[type] = ()):
+    """Train. ``extension_types``: :class:`~megatron_mech.hook.Extension` classes an entry point offers (their
+    flags are added to the parser; those the flags ask for are registered on the hook)."""
+    parser = build_parser(__doc__)
+    for kind in extension_types:
+        kind.add_arguments(parser)
+    args = parser.parse_args(argv)
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    config, plan = preflight(args, world, rank)
+    config, extensions, plan = preflight(args, world, rank, extension_types)
     output_dir = config.output.dir
     if plan.resume and plan.checkpoint_step >= args.train_iters:  # e.g. a scheduler requeued a finished job
         configure_logging(rank == world - 1)
@@ -549,7 +561,7 @@ def main(argv=None):
     torch.distributed.barrier()
     if plan.warning:
         logger.warning(f"[train] {plan.warning}")
-    t = build_training(args, runtime, config, run_id)
+    t = build_training(args, runtime, config, run_id, extensions)
     logger.info(f"[train] world={runtime.world} TP={args.tensor_model_parallel_size} "
                 f"EP={args.expert_model_parallel_size} PP={args.pipeline_model_parallel_size} "
                 f"DP={torch.distributed.get_world_size(t.dp_group)} "

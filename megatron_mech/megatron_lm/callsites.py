@@ -8,7 +8,7 @@ call                                  place in the fork (core_v0.16.1 names)
 :func:`on_start`                      ``pretrain_gpt.py`` ``__main__``, before ``pretrain``: CPU shims
                                       (CPU-only machines), megatron-core fixes
 :func:`extra_args_provider`           ``pretrain_gpt.py``: wraps the fork's own ``extra_args_provider``
-                                      (``--mech-*``, ``--mech-mols*``, ``--mech-fault*``)
+                                      (``--mech-*``, ``--mech-mols*``, registered extensions' flags)
 :func:`wrap_forward_step`             ``pretrain_gpt.py``: the ``forward_step`` given to ``pretrain``
 :func:`optimizer_config_overrides`    ``setup_model_and_optimizer``: between ``get_megatron_optimizer_config``
                                       and ``get_megatron_optimizer`` (MoLS per-class param groups)
@@ -28,6 +28,12 @@ Every call is a translation onto :class:`megatron_mech.hook.MechHook`'s lifecycl
 from Megatron's parsed arguments on first use, :func:`get_hook`); one :class:`MechRun` per process (module
 global ``RUN``) holds the hook and what passes between call sites. Every rank makes every call in the same
 order: the monitors and MoLS issue their collectives there.
+
+Extensions. A launcher that runs the fork's ``pretrain_gpt.py`` may offer hook extensions
+(:class:`megatron_mech.hook.Extension` classes) with :func:`register_extension` before it starts: their flags
+join the ``--mech-*`` ones and those the flags ask for are registered on the hook (the studies' fault launcher,
+``launch_scripts/megatron_lm_fault.py``, offers the ``--mech-fault*`` injector this way; the model gets its
+attention through ``--spec megatron_mech.megatron_lm.fault_spec layer_spec``).
 
 ``--mech-on-alert checkpoint|stop`` goes through Megatron-LM's own end-of-iteration path, so the checkpoint holds
 the finished iteration (scheduler stepped, iteration counted). :func:`on_start` (or, with that flag, the first
@@ -58,7 +64,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-__all__ = ["RUN", "MechRun", "STATE_KEY", "get_hook", "on_start", "extra_args_provider", "wrap_forward_step", "optimizer_config_overrides",
+__all__ = ["RUN", "MechRun", "STATE_KEY", "get_hook", "register_extension", "on_start", "extra_args_provider",
+           "wrap_forward_step", "optimizer_config_overrides",
            "on_optimizer_built", "on_setup", "on_train_start", "before_step", "after_optimizer_step",
            "log_to_writers", "add_checkpoint_state", "note_checkpoint_contents", "restore_checkpoint_state"]
 
@@ -82,6 +89,7 @@ class MechRun:
     started: bool = False
     alert_action: Any = None  # the first alert's (step, Action) when it asks to save or stop; acted on at its end
     saved_iteration: Optional[int] = None  # the iteration of Megatron's latest persistent save
+    extension_types: List[type] = field(default_factory=list)  # offered by the launcher (register_extension)
 
 
 RUN = MechRun()
@@ -93,9 +101,19 @@ def _args():
     return get_args()
 
 
+def register_extension(extension_type: type) -> None:
+    """Offer a :class:`~megatron_mech.hook.Extension` class (before the fork parses its arguments): its flags are
+    added by :func:`extra_args_provider`, and the hook registers the extension its ``from_args`` builds."""
+    if RUN.hook is not None:
+        raise RuntimeError("register_extension: the hook already exists; register extensions before the run starts")
+    if extension_type not in RUN.extension_types:
+        RUN.extension_types.append(extension_type)
+
+
 def get_hook():
     """This process's :class:`~megatron_mech.hook.MechHook`, made from Megatron's parsed arguments on first use
-    (the ``--spec`` fault module may ask for it while the model is built)."""
+    (the ``--spec`` module may ask for it while the model is built), with the registered extensions the flags
+    ask for."""
     if RUN.hook is None:
         from megatron_mech.config import MechConfig
         from megatron_mech.hook import MechHook
@@ -110,8 +128,9 @@ def get_hook():
         if getattr(args, "mech_mols", False) and getattr(args, "mech_mols_estimator", "two_batch") != "two_batch":
             raise ValueError("--mech-mols-estimator samples is not wired into the Megatron-LM patch set; use "
                              "two_batch (the default)")
+        extensions = [e for e in (kind.from_args(args) for kind in RUN.extension_types) if e is not None]
         RUN.hook = MechHook(MechConfig.from_flags(args), train_steps=train_steps(args),
-                            lr_warmup_steps=lr_warmup_steps(args))
+                            lr_warmup_steps=lr_warmup_steps(args), extensions=extensions)
     return RUN.hook
 
 
@@ -201,14 +220,17 @@ def on_start() -> List[str]:
 
 
 def extra_args_provider(other=None):
-    """An ``extra_args_provider`` adding every ``--mech-*`` flag (monitors, detectors, output, MoLS, study
-    faults) after the fork's own ``other(parser)`` (if any)."""
+    """An ``extra_args_provider`` adding every ``--mech-*`` flag (monitors, detectors, output, MoLS) and the
+    registered extensions' flags after the fork's own ``other(parser)`` (if any)."""
     from megatron_mech.megatron.flags import add_arguments
 
     def provider(parser):
         if other is not None:
             parser = other(parser)
-        return add_arguments(parser)
+        parser = add_arguments(parser)
+        for kind in RUN.extension_types:
+            kind.add_arguments(parser)
+        return parser
 
     return provider
 

@@ -32,6 +32,7 @@ def demo_commands(args: argparse.Namespace) -> dict:
     from megatron_mech.megatron.launch import torchrun_prefix
     from megatron_mech.megatron.presets import fit_lr_warmup
     from megatron_mech.studies.leadtime import FAULT_FLAGS, LEAD_MODEL
+    from megatron_mech.studies.pretrain_gpt_fault import ENTRY_MODULE
 
     steps, start = (120, 60) if args.quick else (args.steps, args.fault_start)
     faults = ["attention"] if args.quick else list(dict.fromkeys(args.faults))
@@ -40,7 +41,7 @@ def demo_commands(args: argparse.Namespace) -> dict:
     for name in ["clean", *faults]:
         fault = [*FAULT_FLAGS[name], "--mech-fault-start", str(start)] if name != "clean" else []
         run_dir = Path(args.out) / name
-        commands[name] = [*torchrun_prefix(2), "-m", "megatron_mech.megatron.pretrain_gpt",
+        commands[name] = [*torchrun_prefix(2), "-m", ENTRY_MODULE,
                           *fit_lr_warmup(LEAD_MODEL, steps), "--seed", str(args.seed), "--train-iters", str(steps),
                           "--save", str(run_dir), "--tensorboard-dir", str(run_dir / "tb"),
                           "--mech-on-alert", "checkpoint", "--overwrite-run", *detector, *fault]  # it owns its folders
@@ -58,17 +59,18 @@ def run_demo(args: argparse.Namespace) -> int:
     """``megatron-mech demo``: see the module docstring."""
     import os
 
-    from megatron_mech.megatron.launch import check_training_flags, run_training
+    from megatron_mech.megatron.launch import run_training
     from megatron_mech.core.attribution import alert_lines
     from megatron_mech.records.report import run_report
     from megatron_mech.records.sinks import read_alerts, read_jsonl
     from megatron_mech.studies.leadtime import divergence_step, first_alert, plot_fault
+    from megatron_mech.studies.pretrain_gpt_fault import check_flags
 
     steps, start = (120, 60) if args.quick else (args.steps, args.fault_start)
     commands = demo_commands(args)
     faults = [name for name in commands if name != "clean"]
     for name, cmd in commands.items():  # every run's flags, before the first one starts
-        error = check_training_flags(cmd, 2)
+        error = check_flags(cmd, 2)
         if error:
             print(f"megatron-mech demo: error: the {name} run's flags: {error}", file=sys.stderr)
             return 2

@@ -1,9 +1,10 @@
 """The fault a study injects, declared once: kind, start step, strength, where (layers/heads), numerics.
 
-Its fields generate the ``--mech-fault*`` flags (see :mod:`megatron_mech.options`); it is the ``fault`` section of
-:class:`megatron_mech.config.MechConfig`. The injectors that act on it are in :mod:`megatron_mech.studies.injectors`
-(LR, batch, the step every injected module reads) and :mod:`megatron_mech.studies.attention_fault` (the emulated
-FlashAttention-2 backward in megatron-core's attention).
+Its fields generate the ``--mech-fault*`` flags (see :mod:`megatron_mech.options`), added to a parser by the entry
+points that offer faults (:func:`add_fault_arguments`); in a DeepSpeed config it is the ``"fault"`` key of the
+``"mech"`` section, split off before the product reads the rest (:func:`split_fault_section`). The injectors that
+act on it are in :mod:`megatron_mech.studies.injectors` (LR, batch, the step every injected module reads) and
+:mod:`megatron_mech.studies.attention_fault` (the emulated FlashAttention-2 backward in megatron-core's attention).
 
 Step convention: ``start`` counts optimizer steps from 1, like the monitors (:mod:`megatron_mech.hook`): the fault
 is on in the forward/backward of optimizer step ``s`` iff ``s >= start``.
@@ -17,15 +18,16 @@ import argparse
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
 from megatron_mech.core.checks import is_int
-from megatron_mech.options import add_section_flags, option, section_from_flags
+from megatron_mech.options import add_section_flags, check_mapping, option, section_from_dict, section_from_flags
 from megatron_mech.studies.fa2_numerics import PRECISIONS
 
-__all__ = ["DEFAULT_LR_FACTOR", "FAULT_KINDS", "PRECISIONS", "FaultConfig", "add_fault_arguments", "head_gammas"]
+__all__ = ["DEFAULT_LR_FACTOR", "FAULT_KINDS", "FAULT_KEY", "PRECISIONS", "FaultConfig", "add_fault_arguments",
+           "head_gammas", "split_fault_section"]
 
 FAULT_KINDS = {
     "none": ((), None, "no fault"),
@@ -220,6 +222,30 @@ def add_fault_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     choices; :meth:`FaultConfig.from_args` checks the rest (ValueError)."""
     add_section_flags(parser.add_argument_group("megatron-mech fault injection (studies and demos)"), FaultConfig)
     return parser
+
+
+FAULT_KEY = "fault"
+"""The key of the fault in a DeepSpeed config's ``"mech"`` section."""
+
+
+@dataclass
+class _FaultSection:
+    """The one key the studies add to a ``"mech"`` section (so its values are checked like the product's)."""
+
+    fault: FaultConfig = option(doc="studies only: the fault to inject", default_factory=FaultConfig)
+
+
+def split_fault_section(section: Optional[Mapping[str, Any]], where: str = "mech"
+                        ) -> tuple[Optional[dict], Optional[FaultConfig]]:
+    """A ``"mech"`` section (``where`` names it in errors) → ``(the section without its "fault" key, the
+    FaultConfig of that key or None without one)``. The fault's values are checked like the product's settings
+    (``ValueError`` naming ``mech.fault.<key>``); the rest is left for the product's parser."""
+    if section is None or FAULT_KEY not in section:
+        return (None if section is None else dict(section)), None
+    check_mapping(section, where)
+    rest = dict(section)
+    fault = section_from_dict(_FaultSection, {FAULT_KEY: rest.pop(FAULT_KEY)}, where).fault
+    return rest, fault
 
 
 def head_gammas(config: FaultConfig, layer_index: int, num_local_heads: int, head_offset: int = 0):

@@ -1,7 +1,7 @@
 """Fault injection for studies of the monitors' lead time: the index of the pieces.
 
-Four faults, chosen with :class:`FaultConfig` (command line: :func:`add_fault_arguments`; the ``fault`` section of
-:class:`megatron_mech.config.MechConfig`):
+Four faults, chosen with :class:`FaultConfig` (command line: :func:`add_fault_arguments`; in a DeepSpeed config the
+``"fault"`` key of the ``"mech"`` section, :func:`split_fault_section`):
 
 ``attention``
     FlashAttention-2's biased low-precision rounding (Qiu & Yao, arXiv 2510.04212), injected in chosen layers
@@ -19,8 +19,9 @@ Any of the attention and LR faults can develop slowly: with ``ramp`` (``--mech-f
 grows linearly from nothing at the start step to its full value N steps later (:meth:`FaultConfig.ramp_fraction`),
 standing in for a bias that accumulates over hundreds to thousands of steps.
 
-A trainer uses one object, :class:`FaultInjector` (:mod:`megatron_mech.studies.injectors`); the hook
-(:class:`megatron_mech.hook.MechHook`) owns one and calls it. Importing this module does not import megatron-core:
+A trainer uses one object, :class:`FaultInjector` (:mod:`megatron_mech.studies.injectors`), a hook extension
+(:class:`megatron_mech.hook.Extension`) that the entry points offering the flags register on the hook, which then
+calls it. Importing this module does not import megatron-core:
 :class:`EmulatedFlashAttention` and :func:`attention_fault_spec` are loaded on first use.
 """
 from __future__ import annotations
@@ -28,13 +29,13 @@ from __future__ import annotations
 from megatron_mech.studies.fa2_numerics import (MASK_FILL, PRECISIONS, causal_mask, fa2_backward, fa2_forward,
                                                 flash_attention, predicted_grad_error)
 from megatron_mech.studies.fault_config import (DEFAULT_LR_FACTOR, FAULT_KINDS, FaultConfig, add_fault_arguments,
-                                                head_gammas)
+                                                head_gammas, split_fault_section)
 from megatron_mech.studies.injectors import FaultInjector, FaultSchedule, apply_lr_fault, effective_global_batch
 
 __all__ = ["DEFAULT_LR_FACTOR", "FAULT_KINDS", "MASK_FILL", "PRECISIONS", "EmulatedFlashAttention", "FaultConfig",
            "FaultInjector", "FaultSchedule", "add_fault_arguments", "apply_lr_fault", "attention_fault_spec",
            "causal_mask", "effective_global_batch", "fa2_backward", "fa2_forward", "flash_attention",
-           "head_gammas", "predicted_grad_error"]
+           "head_gammas", "predicted_grad_error", "split_fault_section"]
 
 _MEGATRON_NAMES = ("EmulatedFlashAttention", "attention_fault_spec")
 

@@ -10,18 +10,22 @@
         ... forward_backward(...) ...
         injector.before_optimizer_step(optimizer, step)           # before optimizer.step() (LR faults)
 
-:class:`megatron_mech.hook.MechHook` owns one injector (``hook.faults``) and makes both per-step calls in its
-``before_step``. Each injector has its own :class:`FaultSchedule` (the step the injected attention modules read
-at backward time): nothing is process-global, so two models in one process do not share a step.
+The injector is a :class:`megatron_mech.hook.Extension`: an entry point that offers the ``--mech-fault*`` flags
+registers it on the hook (``MechHook(config, extensions=[injector])``; :meth:`FaultInjector.from_args` builds it
+from the flags, ``None`` without a fault), and the hook makes both per-step calls in its ``before_step``; the
+adapters reach ``layer_spec``, ``global_batch`` and ``prepare_model`` through ``hook.extensions``. Each injector
+has its own :class:`FaultSchedule` (the step the injected attention modules read at backward time): nothing is
+process-global, so two models in one process do not share a step.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Mapping, Optional
 
+from megatron_mech.hook import Extension
 from megatron_mech.optim import param_groups
-from megatron_mech.studies.fault_config import FaultConfig
+from megatron_mech.studies.fault_config import FaultConfig, add_fault_arguments, split_fault_section
 
-__all__ = ["FaultInjector", "FaultSchedule", "apply_lr_fault", "effective_global_batch"]
+__all__ = ["FaultInjector", "FaultSchedule", "apply_lr_fault", "effective_global_batch", "injector_from_section"]
 
 
 class FaultSchedule:
@@ -102,15 +106,28 @@ def effective_global_batch(config: FaultConfig, global_batch: int, micro_batch_s
     return reduced
 
 
-class FaultInjector:
+class FaultInjector(Extension):
     """The fault of one run, for the trainer: ``global_batch`` (once), ``layer_spec`` (model building),
     ``before_step`` (each step, before the forward) and ``before_optimizer_step`` (each step, after the backward
     and before ``optimizer.step()``; the lr is untouched by forward/backward, so any point after the previous
     step's ``scheduler.step()`` is the same)."""
 
+    name = "fault"
+
     def __init__(self, config: FaultConfig, schedule: Optional[FaultSchedule] = None):
         self.config = config
         self.schedule = schedule if schedule is not None else FaultSchedule()
+
+    @classmethod
+    def add_arguments(cls, parser) -> None:
+        """The ``--mech-fault*`` flags (:func:`~megatron_mech.studies.fault_config.add_fault_arguments`)."""
+        add_fault_arguments(parser)
+
+    @classmethod
+    def from_args(cls, args) -> Optional["FaultInjector"]:
+        """The injector of the ``--mech-fault*`` flags; ``None`` for ``--mech-fault none`` (the default)."""
+        config = FaultConfig.from_args(args)
+        return cls(config) if config.kind != "none" else None
 
     def layer_spec(self, num_experts=None, normalization=None, **kwargs):
         """megatron-core's local GPT layer spec with the emulated FA2 attention bound to this injector's schedule
@@ -119,6 +136,25 @@ class FaultInjector:
         from megatron_mech.studies.attention_fault import attention_fault_spec
 
         return attention_fault_spec(num_experts, normalization, self.config, schedule=self.schedule, **kwargs)
+
+    def check_model(self, num_layers: int, num_attention_heads: int) -> None:
+        """The fault's layers and heads exist in the model (:meth:`FaultConfig.validate_for_model`)."""
+        self.config.validate_for_model(num_layers, num_attention_heads)
+
+    def prepare_model(self, model) -> None:
+        """An HF model: the emulated FA2 attention with this fault, told the step by :meth:`before_step`
+        (:func:`~megatron_mech.studies.hf_attention_fault.install_attention_fault`); nothing without an attention
+        part."""
+        if self.config.attention_enabled:
+            from megatron_mech.studies.hf_attention_fault import install_attention_fault
+
+            install_attention_fault(model, self.config, self.schedule)
+
+    def describe(self) -> str:
+        return self.config.describe()
+
+    def summary(self) -> dict:
+        return self.config.to_dict()
 
     def global_batch(self, global_batch: int, micro_batch_size=None, data_parallel_size: int = 1) -> int:
         """The run's global batch (reduced for ``small_batch``; see :func:`effective_global_batch`)."""
@@ -131,3 +167,11 @@ class FaultInjector:
     def before_optimizer_step(self, optimizer, step: int) -> float:
         """Apply an LR fault to this step's lr (see :func:`apply_lr_fault`); returns the factor applied."""
         return apply_lr_fault(optimizer, step, self.config)
+
+
+def injector_from_section(section: Optional[Mapping[str, Any]], where: str = "mech"
+                          ) -> tuple[Optional[dict], Optional[FaultInjector]]:
+    """A DeepSpeed config's ``"mech"`` section → ``(the section for the product, the FaultInjector of its
+    "fault" key or None)``; see :func:`~megatron_mech.studies.fault_config.split_fault_section`."""
+    rest, config = split_fault_section(section, where)
+    return rest, (FaultInjector(config) if config is not None and config.kind != "none" else None)

@@ -567,21 +567,21 @@ def scenario_safe_load(args, stage, rank, world, errors):
 
 # ------------------------------------------------------------------------------------------------ fault
 def scenario_fault(args, stage, rank, world, errors):
-    from megatron_mech.deepspeed.engine import DeepSpeedMech
     from megatron_mech.deepspeed.models import dense_llama
+    from megatron_mech.studies.deepspeed_faults import mech_with_fault
 
     tokens = corpus_tokens()
     results = {}
     detector = {"warmup": 2, "baseline": 4, "persistence": 2}
     for faulty in (False, True):
         model = dense_llama(vocab_size=VOCAB, seq_len=SEQ, heads=4, kv_heads=4, hidden=32)
-        # Both runs use the emulated FA2 attention (the adapter installs it from mech.fault); the clean twin has
-        # γ = 0, the emulation's exact backward.
+        # Both runs use the emulated FA2 attention (the studies' entry installs it from mech.fault); the clean twin
+        # has γ = 0, the emulation's exact backward.
         fault = {"kind": "attention", "start": args.fault_start, "strength": args.gamma if faulty else 0.0,
                  "layers": [1]}
         engine = build_engine(model, ds_config(stage, {"monitors": {"interval": 2, "families": ["attention"]},
                                                        "detector": detector, "fault": fault}), lr=3e-3)
-        mech = DeepSpeedMech.from_engine(engine)
+        mech = mech_with_fault(engine)
         first = None  # first attention alert attributed to the faulty layer (1)
         for step in range(args.steps):
             train_step(engine, mech, tokens, step, rank, world)

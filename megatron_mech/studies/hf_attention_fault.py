@@ -6,7 +6,9 @@ through ``transformers``' ``AttentionInterface``) and points the model's config 
 then runs the emulation; the layers and heads named by the :class:`~megatron_mech.studies.faults.FaultConfig`
 apply the fault in their backward from ``FaultConfig.start`` on. The trainer tells the modules the step
 through a :class:`~megatron_mech.studies.faults.FaultSchedule`: ``schedule.step = engine.global_steps + 1``
-(the 1-based number of the optimizer step about to run) before each forward.
+(the 1-based number of the optimizer step about to run) before each forward. Under DeepSpeed, the fault's
+:class:`~megatron_mech.studies.injectors.FaultInjector` installs it from ``prepare_model`` (the adapter calls it for
+every extension of the hook) and tells it the step from the hook's ``before_step``.
 
 Shapes: HF calls the implementation with ``query [b, H, s, d_head]``, ``key``/``value`` ``[b, G, s, d_head]``
 (before ``repeat_kv``; query head ``j`` uses KV head ``j // (H/G)``, as in the emulation) and expects

@@ -1,0 +1,46 @@
+"""The megatron-core entry point with the studies' ``--mech-fault*`` flags (torchrun, like the product's)::
+
+    torchrun --nproc_per_node=2 -m megatron_mech.studies.pretrain_gpt_fault --num-experts 4 \\
+        --expert-model-parallel-size 2 --train-iters 300 --mech-fault attention --mech-fault-start 100
+
+:func:`megatron_mech.megatron.pretrain_gpt.main` with the fault injector offered as a hook extension: the flags
+are added to its parser, and a ``--mech-fault`` other than ``none`` registers a
+:class:`~megatron_mech.studies.injectors.FaultInjector` on the run's hook (the model's attention, the global
+batch, the lr of each step from the start step on).
+"""
+from typing import List, Optional
+
+from megatron_mech.megatron.pretrain_gpt import main as train
+from megatron_mech.studies.injectors import FaultInjector
+
+__all__ = ["ENTRY_MODULE", "check_flags", "main"]
+
+ENTRY_MODULE = "megatron_mech.studies.pretrain_gpt_fault"
+"""What ``python -m`` runs for this entry point."""
+
+
+def check_flags(cmd: List[str], nproc: int) -> Optional[str]:
+    """This entry point's start-up flag check on the flags of a torchrun command line that runs it (after
+    :data:`ENTRY_MODULE`), before anything is launched: the error message, or ``None`` if they pass."""
+    from megatron_mech.megatron.flags import build_parser, check_args
+
+    parser = build_parser()
+    parser.prog = "pretrain_gpt"
+    FaultInjector.add_arguments(parser)
+    try:
+        args = parser.parse_args(cmd[cmd.index(ENTRY_MODULE) + 1:])
+        check_args(args, nproc)
+        injector = FaultInjector.from_args(args)
+        if injector is not None:
+            injector.check_model(args.num_layers, args.num_attention_heads)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def main(argv=None):
+    train(argv, extension_types=(FaultInjector,))
+
+
+if __name__ == "__main__":
+    main()
