@@ -206,3 +206,115 @@ def test_monitor_resolution():
     assert MonitorConfig().resolve(has_routers=False) == ("attention",)
     with pytest.raises(ValueError, match="no MoE routers"):
         MonitorConfig(families=("router",)).resolve(has_routers=False)
+
+
+# The attention monitor's tuning settings: (MonitorConfig field, its flag, a non-default value as typed on the
+# command line, that value as parsed, the AttentionMonitorConfig field it sets).
+_ATTENTION_TUNING = [
+    ("entropy_power", "--mech-entropy-power", "1.5", 1.5, "power"),
+    ("bucket_mb", "--mech-bucket-mb", "0.25", 0.25, "bucket_mb"),
+    ("gram_dtype", "--mech-gram-dtype", "float64", "float64", "gram_dtype"),
+    ("dw_route", "--mech-dw-route", "gram", "gram", "dw_route"),
+    ("gram_max_dim", "--mech-gram-max-dim", "64", 64, "gram_max_dim"),
+    ("krylov_steps", "--mech-krylov-steps", "12", 12, "krylov_steps"),
+    ("krylov_block", "--mech-krylov-block", "3", 3, "krylov_block"),
+]
+
+
+def _hook_attention_config(config):
+    """The AttentionMonitorConfig of the monitor a MechHook builds from ``config`` on a one-layer model view."""
+    import torch
+
+    from megatron_mech.hook import MechHook
+    from megatron_mech.model_view import ModelView
+    from megatron_mech.monitors.attention import AttentionLayer
+
+    heads, groups, head_dim, d_model = 2, 2, 4, 8
+    weight = torch.zeros((heads + 2 * groups) * head_dim, d_model)
+    hook = MechHook(config)
+    hook.setup(ModelView(attention_layers=[AttentionLayer(0, weight, heads, groups, head_dim)]), start_step=0)
+    return hook.attention.config
+
+
+@pytest.mark.parametrize("name, flag, typed, value, monitor_field", _ATTENTION_TUNING,
+                         ids=[t[0] for t in _ATTENTION_TUNING])
+def test_attention_tuning_settings_round_trip_and_reach_the_monitor(name, flag, typed, value, monitor_field):
+    from megatron_mech.monitors.attention import AttentionMonitorConfig
+
+    default = {f.name: f.default for f in dataclasses.fields(AttentionMonitorConfig)}[monitor_field]
+    assert getattr(MonitorConfig(), name) == default != value  # declared with the monitor's own default
+    from_flags = MechConfig.from_flags(_parser().parse_args(["--mech-monitors", "attention", flag, typed]))
+    assert getattr(from_flags.monitors, name) == value
+    from_dict = MechConfig.from_dict({"monitors": {"families": ["attention"], name: value}})
+    assert from_dict == from_flags and MechConfig.from_dict(from_flags.to_dict()) == from_flags
+    assert from_flags.to_dict()["monitors"][name] == value
+    built = _hook_attention_config(from_flags)
+    assert getattr(built, monitor_field) == value
+    # every other monitor setting is the default's: the flag sets its own field only
+    assert dataclasses.replace(built, **{monitor_field: default}) == _hook_attention_config(MechConfig())
+
+
+_BAD_FLAGS = [
+    (["--mech-entropy-power", "0"], "--mech-entropy-power: power must be a finite number > 0, got 0.0"),
+    (["--mech-dw-route", "krylov", "--mech-entropy-power", "1"],
+     "--mech-entropy-power: dw_route 'krylov' computes p ∝ σ² only; power must be 2, got 1.0"),
+    (["--mech-bucket-mb", "-1"], "--mech-bucket-mb: bucket_mb must be None or a finite number > 0, got -1.0"),
+    (["--mech-gram-max-dim", "0"], "--mech-gram-max-dim: gram_max_dim must be an int >= 1, got 0"),
+    (["--mech-krylov-steps", "0"], "--mech-krylov-steps: krylov_steps must be an int >= 1, got 0"),
+    (["--mech-krylov-block", "-2"], "--mech-krylov-block: krylov_block must be an int >= 1, got -2"),
+    (["--mech-interval", "0"], "--mech-interval: interval must be an int >= 1, got 0"),
+    (["--mech-qk-method", "qr", "--mech-qk-terms", "delta2", "delta2"],
+     "--mech-qk-terms: qk_terms must be distinct terms from ('delta1', 'delta2', 'delta3'), got ('delta2', 'delta2')"),
+]
+
+
+@pytest.mark.parametrize("argv, message", _BAD_FLAGS, ids=[" ".join(argv) for argv, _ in _BAD_FLAGS])
+def test_bad_attention_values_from_flags_name_their_flag(argv, message):
+    with pytest.raises(ValueError) as info:
+        MechConfig.from_flags(_parser().parse_args(argv))
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize("flag, typed", [("--mech-gram-dtype", "float16"), ("--mech-dw-route", "svd"),
+                                         ("--mech-krylov-steps", "1.5"), ("--mech-entropy-power", "two")])
+def test_attention_flags_of_the_wrong_type_or_choice_are_refused_by_the_parser(flag, typed, capsys):
+    with pytest.raises(SystemExit):
+        _parser().parse_args([flag, typed])
+    err = capsys.readouterr().err
+    assert f"argument {flag}: invalid" in err, err
+
+
+_BAD_ATTENTION_KEYS = [
+    ({"gram_dtype": "float16"}, "mech.monitors.gram_dtype: expected one of 'auto', 'float32', 'float64', got the "
+                                "string 'float16'"),
+    ({"dw_route": "svd"}, "mech.monitors.dw_route: expected one of 'auto', 'gram', 'krylov', got the string 'svd'"),
+    ({"entropy_power": "2"}, "mech.monitors.entropy_power: expected a number, got the string '2'"),
+    ({"bucket_mb": True}, "mech.monitors.bucket_mb: expected a number or None, got the boolean True"),
+    ({"gram_max_dim": 4096.0}, "mech.monitors.gram_max_dim: expected an integer, got the number 4096.0"),
+    ({"krylov_steps": "30"}, "mech.monitors.krylov_steps: expected an integer, got the string '30'"),
+    ({"krylov_block": None}, "mech.monitors.krylov_block: expected an integer, got None"),
+    ({"krylov_steps": 0}, "--mech-krylov-steps: krylov_steps must be an int >= 1, got 0"),  # a range: as the flag
+]
+
+
+@pytest.mark.parametrize("monitors, message", _BAD_ATTENTION_KEYS,
+                         ids=[m.split(":")[0] for _, m in _BAD_ATTENTION_KEYS])
+def test_bad_attention_values_from_a_dict_name_their_key_path(monitors, message):
+    with pytest.raises(ValueError) as info:
+        MechConfig.from_dict({"monitors": monitors})
+    assert str(info.value) == message
+
+
+def test_every_attention_monitor_field_is_set_by_one_flagged_monitor_setting():
+    """Each check of the monitor names its field, and each field is set by exactly one MonitorConfig setting with a
+    flag: a bad value always finds its flag, without reading the message."""
+    from megatron_mech.config import ATTENTION_FIELDS
+    from megatron_mech.monitors.attention import AttentionMonitorConfig, BadSetting
+
+    assert set(ATTENTION_FIELDS) == {f.name for f in dataclasses.fields(AttentionMonitorConfig)}
+    assert len(set(ATTENTION_FIELDS.values())) == len(ATTENTION_FIELDS)
+    flags = {f.name: f.metadata.get("flag") for f in dataclasses.fields(MonitorConfig)}
+    assert all(flags.get(ours) for ours in ATTENTION_FIELDS.values())
+    with pytest.raises(BadSetting) as info:
+        AttentionMonitorConfig(krylov_block=0)
+    assert info.value.field == "krylov_block" and isinstance(info.value, ValueError)

@@ -136,7 +136,8 @@ from megatron_mech.core.slq import krylov_spectral_summaries_many
 from megatron_mech.core.spectral import QK_BATCHES, QK_METHODS, QK_TERMS, effective_rank, qk_increment_cores, \
     qk_increment_spectra, spectra_from_qk_cores, spectral_entropy, stable_rank
 
-__all__ = ["DW_SCOPES", "AttentionLayer", "AttentionMonitorConfig", "AttentionMonitor"]
+__all__ = ["DW_ROUTES", "DW_SCOPES", "GRAM_DTYPES", "AttentionLayer", "AttentionMonitorConfig",
+           "AttentionMonitor", "BadSetting"]
 
 DW_SCOPES = ("global", "slice")
 GRAM_DTYPES = ("auto", "float32", "float64")
@@ -232,9 +233,20 @@ class AttentionLayer:
         return self.num_heads * self.head_dim, self.num_query_groups * self.head_dim
 
 
+class BadSetting(ValueError):
+    """A bad :class:`AttentionMonitorConfig` value; :attr:`field` names the setting (the message is the check's),
+    so a caller that declares the setting under another name (a flag, a config key) can name it without reading
+    the message."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass
 class AttentionMonitorConfig:
-    """Settings of :class:`AttentionMonitor` (validated; a bad value raises ``ValueError`` naming the field).
+    """Settings of :class:`AttentionMonitor` (validated; a bad value raises :class:`BadSetting`, a
+    ``ValueError`` naming the field).
 
     Attributes:
         interval: δ, in optimizer steps: snapshot and evaluate on multiples of δ, ΔW spans δ steps.
@@ -303,46 +315,48 @@ class AttentionMonitorConfig:
 
     def __post_init__(self) -> None:
         if not is_int(self.interval) or self.interval < 1:
-            raise ValueError(f"interval must be an int >= 1, got {self.interval!r}")
+            raise BadSetting("interval", f"interval must be an int >= 1, got {self.interval!r}")
         if self.dw_scope not in DW_SCOPES:
-            raise ValueError(f"dw_scope must be one of {DW_SCOPES}, got {self.dw_scope!r}")
+            raise BadSetting("dw_scope", f"dw_scope must be one of {DW_SCOPES}, got {self.dw_scope!r}")
         if isinstance(self.qk_terms, str) or not isinstance(self.qk_terms, (tuple, list)):
-            raise ValueError(f"qk_terms must be a tuple of terms from {QK_TERMS}, got {self.qk_terms!r}")
+            raise BadSetting("qk_terms", f"qk_terms must be a tuple of terms from {QK_TERMS}, got {self.qk_terms!r}")
         terms = tuple(self.qk_terms)
         if any(t not in QK_TERMS for t in terms) or len(set(terms)) != len(terms):
-            raise ValueError(f"qk_terms must be distinct terms from {QK_TERMS}, got {self.qk_terms!r}")
+            raise BadSetting("qk_terms", f"qk_terms must be distinct terms from {QK_TERMS}, got {self.qk_terms!r}")
         self.qk_terms = terms
         if self.qk_method not in QK_METHODS:
-            raise ValueError(f"qk_method must be one of {QK_METHODS}, got {self.qk_method!r}")
+            raise BadSetting("qk_method", f"qk_method must be one of {QK_METHODS}, got {self.qk_method!r}")
         if isinstance(self.power, bool) or not isinstance(self.power, (int, float)) or not math.isfinite(self.power) \
                 or self.power <= 0:
-            raise ValueError(f"power must be a finite number > 0, got {self.power!r}")
+            raise BadSetting("power", f"power must be a finite number > 0, got {self.power!r}")
         try:
             torch.device(self.snapshot_device)
         except (RuntimeError, TypeError) as exc:
-            raise ValueError(f"snapshot_device must name a torch device, got {self.snapshot_device!r}") from exc
+            raise BadSetting("snapshot_device",
+                             f"snapshot_device must name a torch device, got {self.snapshot_device!r}") from exc
         if not isinstance(self.save_snapshots, bool):
-            raise ValueError(f"save_snapshots must be a bool, got {self.save_snapshots!r}")
+            raise BadSetting("save_snapshots", f"save_snapshots must be a bool, got {self.save_snapshots!r}")
         if self.bucket_mb is not None and (isinstance(self.bucket_mb, bool)
                                            or not isinstance(self.bucket_mb, (int, float))
                                            or not math.isfinite(self.bucket_mb) or self.bucket_mb <= 0):
-            raise ValueError(f"bucket_mb must be None or a finite number > 0, got {self.bucket_mb!r}")
+            raise BadSetting("bucket_mb", f"bucket_mb must be None or a finite number > 0, got {self.bucket_mb!r}")
         if self.gram_dtype not in GRAM_DTYPES:
-            raise ValueError(f"gram_dtype must be one of {GRAM_DTYPES}, got {self.gram_dtype!r}")
+            raise BadSetting("gram_dtype", f"gram_dtype must be one of {GRAM_DTYPES}, got {self.gram_dtype!r}")
         if not isinstance(self.dp_split, bool):
-            raise ValueError(f"dp_split must be a bool, got {self.dp_split!r}")
+            raise BadSetting("dp_split", f"dp_split must be a bool, got {self.dp_split!r}")
         if self.eval_device not in EVAL_DEVICES:
-            raise ValueError(f"eval_device must be one of {EVAL_DEVICES}, got {self.eval_device!r}")
+            raise BadSetting("eval_device", f"eval_device must be one of {EVAL_DEVICES}, got {self.eval_device!r}")
         if self.qk_batch not in QK_BATCHES:
-            raise ValueError(f"qk_batch must be one of {QK_BATCHES}, got {self.qk_batch!r}")
+            raise BadSetting("qk_batch", f"qk_batch must be one of {QK_BATCHES}, got {self.qk_batch!r}")
         if self.dw_route not in DW_ROUTES:
-            raise ValueError(f"dw_route must be one of {DW_ROUTES}, got {self.dw_route!r}")
+            raise BadSetting("dw_route", f"dw_route must be one of {DW_ROUTES}, got {self.dw_route!r}")
         for name in ("gram_max_dim", "krylov_steps", "krylov_block"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+                raise BadSetting(name, f"{name} must be an int >= 1, got {getattr(self, name)!r}")
         if self.dw_route != "gram" and self.power != 2.0:
             if self.dw_route == "krylov":
-                raise ValueError(f"dw_route 'krylov' computes p ∝ σ² only; power must be 2, got {self.power!r}")
+                raise BadSetting("power",
+                                 f"dw_route 'krylov' computes p ∝ σ² only; power must be 2, got {self.power!r}")
 
     def route(self, k: int) -> str:
         """The ΔW route for a Gram of size k (the matrix's unsplit dimension): ``"gram"`` or ``"krylov"``."""
