@@ -8,6 +8,8 @@ the CPU shims), training a small MoE GPT with EP=2 on the embedded corpus (``--d
   fault starts; a resume from the step-18 checkpoint continues the monitor series (metrics, alerts, MoLS)
   exactly; every MoLS group's lr equals Megatron's scheduler formula × the class multiplier at every step.
 * ``torch_dist`` checkpoints: the same exact continuation after a resume (per-rank ``ShardedObject`` state).
+* ``--use-distributed-optimizer``, in both checkpoint formats: a resume continues the uninterrupted run exactly
+  (monitor records, losses, MoLS) — the optimizer's step counters and moments come back as saved.
 * ``--use-distributed-optimizer --overlap-param-gather --overlap-grad-reduce``: the monitors read the updated
   weights (they agree with a plain-optimizer run of the same seed) and the MoLS lrs hold there too.
 * A small dense GQA GPT at ``--tensor-model-parallel-size 2``: it trains, and its losses and every monitor value
@@ -181,6 +183,24 @@ def test_patched_fork_resumes_torch_dist(fork, data, tmp_path):
     train(fork, data, run_a, *common, "--save", str(run_a / "ckpt"), "--save-interval", "4")
     run_b = tmp_path / "b"
     train(fork, data, run_b, *common, "--load", str(resume_dir(run_a / "ckpt", 4, run_b / "ckpt")))
+    a, b = records(run_a), records(run_b)
+    assert sorted(b) == list(range(5, steps + 1))
+    assert_same_series(a, b, range(5, steps + 1))
+    assert_mols_lrs(b, steps)
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
+def test_distributed_optimizer_resumes_exactly(fork, data, tmp_path, ckpt_format):
+    """Save at step 4, resume to step 8: the same records as the uninterrupted run, bit for bit (the same
+    machine, seed and order of operations), with MoLS groups in the distributed optimizer."""
+    steps = 8
+    common = ("--train-iters", str(steps), "--mech-interval", "1", "--mech-mols", "--mech-mols-window", "2",
+              "--mech-mols-min-ramp", "2", "--ckpt-format", ckpt_format, "--use-distributed-optimizer")
+    run_a = tmp_path / "a"
+    train(fork, data, run_a, *common, "--save", str(run_a / "ckpt"), "--save-interval", "4", model=dense_gqa(1))
+    run_b = tmp_path / "b"
+    train(fork, data, run_b, *common, "--load", str(resume_dir(run_a / "ckpt", 4, run_b / "ckpt")),
+          model=dense_gqa(1))
     a, b = records(run_a), records(run_b)
     assert sorted(b) == list(range(5, steps + 1))
     assert_same_series(a, b, range(5, steps + 1))

@@ -20,7 +20,8 @@ What a fork's own ``pretrain_gpt.py`` (core_v0.16.1) needed to train on CPU over
   CUDA device count), ``compile_dependencies`` (helpers built with this interpreter; no fused-kernel build),
   ``jit_warmup`` (a CUDA-only torch.compile warm-up), ``streams`` (``torch.cuda.Stream`` around the DDP wrap),
   ``cuda_rng_state`` (the rerun state machine and checkpoints save the CUDA generator state), ``device_arch``
-  (argument validation asks the GPU's architecture when TP or CP > 1);
+  (argument validation asks the GPU's architecture when TP or CP > 1), ``distopt_checkpoint`` (saving and
+  loading ``--use-distributed-optimizer`` checkpoints through megatron-core's PyTorch-Adam branch);
 * a tokenizer that works offline: ``--tokenizer-type NullTokenizer --vocab-size N`` over pre-tokenized
   ``.bin/.idx`` data (``megatron-mech prepare-data``).
 
@@ -221,6 +222,121 @@ def _apply_cuda_rng_state():
     # state is saved and restored by Megatron itself (`torch_rng_state`).
     torch.cuda.get_rng_state = lambda device="cuda": _NO_CUDA_RNG_STATE.clone()
     torch.cuda.set_rng_state = lambda new_state, device="cuda": None
+
+
+@_shim("distopt_checkpoint")
+def _apply_distopt_checkpoint():
+    """``--use-distributed-optimizer`` checkpoints through megatron-core's PyTorch-Adam branch, fp32 parameters."""
+    # checkpointing.py:1653 (torch_dist: `generate_state_dict` -> `optimizer.sharded_state_dict(is_loading=True)`)
+    # and :1794/:1810 (`optimizer.load_state_dict`, legacy `optimizer.load_parameter_state`). Without apex or TE,
+    # which need CUDA, megatron-core's distributed optimizer wraps PyTorch's Adam (core
+    # optimizer/distrib_optimizer.py:21-36, HAVE_APEX_OR_TE = False), whose per-parameter state holds the step
+    # counter; that branch's checkpoint code fails or resumes with wrong state in the three methods wrapped here.
+    # (megatron_mech.megatron.checkpoint works around the last two for our own launcher, which saves in its own
+    # format.)
+    from megatron.core.optimizer import distrib_optimizer
+
+    cls = distrib_optimizer.DistributedOptimizer
+    cls.state_dict = _state_dict_before_first_step(cls.state_dict)
+    cls.load_state_dict = _own_step_counters(cls.load_state_dict)
+    cls._set_main_param_and_optimizer_states = _load_shard_keeping_step(cls._set_main_param_and_optimizer_states)
+
+
+def _state_dict_before_first_step(state_dict):
+    """``DistributedOptimizer.state_dict`` that also works before the inner optimizer's first step.
+
+    On the PyTorch-Adam branch ``state_dict`` takes the step from the per-parameter state
+    (``optimizer/distrib_optimizer.py:640-642``: ``steps = {s["step"] for s in state}; assert len(steps) == 1``).
+    PyTorch's Adam creates that state only in its first ``step()``, and a ``torch_dist`` load asks for the state
+    dict of the fresh optimizer first (``sharded_state_dict(is_loading=True)``, line 1246): no step, the assert
+    fails. The apex/TE branch (lines 654-666) reads the step from the param groups and allows none. Here the
+    fresh optimizer reports step 0, the count of updates it has made: its state gets ``step`` for the call only
+    and is left as it was.
+    """
+    @functools.wraps(state_dict)
+    def wrapped(self):
+        from megatron.core.optimizer import distrib_optimizer
+
+        inner = getattr(self, "optimizer", None)
+        if distrib_optimizer.HAVE_APEX_OR_TE or not isinstance(inner, torch.optim.Optimizer):
+            return state_dict(self)
+        state = inner.state
+        if any("step" in s for s in state.values()):
+            return state_dict(self)
+        params = [p for group in inner.param_groups for p in group["params"]]
+        targets = [p for p, s in state.items() if s] or params[:1]
+        created = [p for p in targets if p not in state]
+        for p in targets:
+            state[p]["step"] = torch.zeros((), dtype=torch.float32)
+        try:
+            return state_dict(self)
+        finally:
+            for p in targets:
+                state[p].pop("step", None)
+            for p in created:
+                state.pop(p, None)
+
+    return wrapped
+
+
+def _own_step_counters(load_state_dict):
+    """``DistributedOptimizer.load_state_dict`` after which every parameter's Adam ``step`` is its own tensor.
+
+    On the PyTorch-Adam branch megatron-core puts one tensor into every parameter's state
+    (``optimizer/distrib_optimizer.py:819-825``, ``step = torch.tensor(steps[0])``, then ``s["step"] = step`` for
+    each ``s``; PyTorch's ``Optimizer.load_state_dict`` keeps ``step`` tensors as they are). Adam increments each
+    parameter's step in place, so after a resume the shared counter advances by the number of parameters per
+    update and the bias correction differs from the uninterrupted run's. (Its ``HybridDeviceOptimizer`` branch,
+    line 836, already gives each parameter a clone.)
+    """
+    @functools.wraps(load_state_dict)
+    def wrapped(self, state_dict):
+        from megatron.core.optimizer import distrib_optimizer
+
+        result = load_state_dict(self, state_dict)
+        inner = getattr(self, "optimizer", None)
+        if not distrib_optimizer.HAVE_APEX_OR_TE and isinstance(inner, torch.optim.Optimizer):
+            for s in inner.state.values():
+                if isinstance(s.get("step"), torch.Tensor):
+                    s["step"] = s["step"].clone()
+        return result
+
+    return wrapped
+
+
+def _load_shard_keeping_step(set_states):
+    """``DistributedOptimizer._set_main_param_and_optimizer_states`` for PyTorch's Adam and fp32 parameters.
+
+    It copies every entry of the parameter's optimizer state from the loaded ``tensors``
+    (``optimizer/distrib_optimizer.py:936-940``: ``for key in {"param": main_param, **optim_state}:
+    dst_tensors[key].copy_(tensors[key])``). Two things break without apex/TE and with fp32:
+
+    * PyTorch's Adam keeps ``step`` in that state (apex/TE keep it in the param groups). A legacy checkpoint's
+      shards hold no ``step`` (``load_parameter_state_from_dp_zero``, line 2006: param, exp_avg, exp_avg_sq): a
+      ``KeyError``. A ``torch_dist`` one's ``step`` is not loaded at all (lines 1664-1667: "handled separately via
+      param_groups", a ``LocalNonpersistentObject``): the copy writes the fresh optimizer's step back over the one
+      ``load_state_dict`` has just restored from the param groups. Both: the step stays the param groups' one.
+    * For fp32 parameters (every CPU run) the main parameter is a view into the model parameter, taken without
+      ``detach`` (line 421 ``shard_model_param = model_param.view(-1)[start:end]``; the fp16/bf16 branch, line 368,
+      detaches): the in-place copy with autograd on fails ("a view of a leaf Variable that requires grad is being
+      used in an in-place operation"). Without autograd it writes the loaded values into the parameter, as the
+      optimizer's own update does.
+    """
+    @functools.wraps(set_states)
+    def wrapped(self, model_param, tensors):
+        from megatron.core.optimizer import distrib_optimizer
+
+        inner = getattr(self, "optimizer", None)
+        if not distrib_optimizer.HAVE_APEX_OR_TE and isinstance(inner, torch.optim.Optimizer):
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = inner.param_groups[group_index]["params"][group_order]
+            step = inner.state.get(main_param, {}).get("step")
+            if step is not None:
+                tensors = {**tensors, "step": step}
+        with torch.no_grad():
+            return set_states(self, model_param, tensors)
+
+    return wrapped
 
 
 def apply_training_cpu_shims() -> List[str]:
