@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from megatron_mech.core.attribution import alert_lines  # noqa: E402
-from megatron_mech.cli import torchrun_prefix  # noqa: E402
+from megatron_mech.megatron.launch import torchrun_prefix  # noqa: E402
 from megatron_mech.studies.demo import step_losses  # noqa: E402
 from megatron_mech.studies.leadtime import (DIVERGENCE_HOLD, FAULT_FLAGS, LEAD_MODEL,  # noqa: E402
                                     REPORTING_SEEDS, TUNING_SEEDS, parse_study_args, divergence_step, first_alert, loss_gap, peak_score, plot_fault)
