@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from megatron_mech.core.layouts import qkv_partition_sizes
 from megatron_mech.monitors import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
-from verdict import finish  # tests/workers/, the script's directory
+from verdict import count_collectives, finish  # tests/workers/, the script's directory
 
 D_MODEL, HEAD_DIM, FFN, TP = 16, 4, 24, 2
 
@@ -113,17 +113,7 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == TP, "this worker expects --nproc_per_node=2"
     singles = [dist.new_group([r]) for r in range(world)]      # one-rank groups: TP=1 reference, no comms
-    calls: list[str] = []
-    real = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "broadcast", "all_gather_into_tensor")}
-
-    def counting(name):
-        def wrapper(*args, **kwargs):
-            calls.append(name)
-            return real[name](*args, **kwargs)
-        return wrapper
-
-    for name in real:
-        setattr(dist, name, counting(name))
+    calls, real = count_collectives(("all_reduce", "all_gather", "broadcast", "all_gather_into_tensor"))
     errors: list[str] = []
 
     def expect(cond: bool, msg: str):

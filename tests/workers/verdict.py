@@ -1,13 +1,32 @@
-"""The common ending of the torchrun check workers (router_allreduce, sharded, attention_monitor).
+"""The common parts of the torchrun check workers (router_allreduce, sharded, attention_monitor, replicated_kv):
+counting the collectives a check issues, and the common ending.
 
 The workers run as scripts under torchrun, so ``import verdict`` finds this file in the script's own directory.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
+
+
+def count_collectives(names: Iterable[str]) -> tuple[list[str], dict[str, Callable]]:
+    """Replace each named ``torch.distributed`` function by a wrapper that appends its name to the returned list
+    before calling it; returns ``(calls, real)``, ``real`` holding the original functions (for the verdict's own
+    all-reduce, which must not be counted)."""
+    calls: list[str] = []
+    real = {name: getattr(dist, name) for name in names}
+
+    def counting(name: str) -> Callable:
+        def wrapper(*args, **kwargs):
+            calls.append(name)
+            return real[name](*args, **kwargs)
+        return wrapper
+
+    for name in real:
+        setattr(dist, name, counting(name))
+    return calls, real
 
 
 def finish(errors: list[str], name: str, detail: str, all_reduce: Callable, *, noun: str = "errors",
