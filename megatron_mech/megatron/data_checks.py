@@ -72,8 +72,10 @@ def check_indexed_dataset(prefix: str, vocab_size: Optional[int], flag: str = "-
     if vocab_size is None or dtype.kind not in "iu" or count == 0 or count > scan_budget:
         return 0
     tokens = np.memmap(bin_path, dtype=dtype, mode="r", shape=(count,))
-    low = min(int(tokens[i:i + _SCAN_CHUNK].min()) for i in range(0, count, _SCAN_CHUNK))
-    high = max(int(tokens[i:i + _SCAN_CHUNK].max()) for i in range(0, count, _SCAN_CHUNK))
+    # one pass over the file: each chunk is read once for both of its extremes
+    extremes = [(int(chunk.min()), int(chunk.max()))
+                for chunk in (tokens[i:i + _SCAN_CHUNK] for i in range(0, count, _SCAN_CHUNK))]
+    low, high = min(e[0] for e in extremes), max(e[1] for e in extremes)
     if low < 0 or high >= vocab_size:
         raise ValueError(f"{flag}: {bin_path} holds token id {high if high >= vocab_size else low}, outside the "
                          f"tokenizer's vocabulary ({tokenizer_flag}: {vocab_size} tokens, ids 0..{vocab_size - 1}); "
