@@ -72,7 +72,7 @@ from typing import Any, Callable, Iterable, List, Optional
 
 import torch
 
-from megatron_mech.config import DEFAULT_OUTPUT_DIR, MONITOR_FAMILIES, MechConfig
+from megatron_mech.config import DEFAULT_OUTPUT_DIR, MechConfig
 from megatron_mech.core.attribution import alert_lines
 from megatron_mech.core.detect import Alert, DetectorRegistry, default_rules
 from megatron_mech.core.mols import default_window
@@ -517,12 +517,13 @@ class MechHook:
                 "mols": self.mols.state_dict() if self.mols is not None else None,
                 "saved_steps": list(self._saved_steps)}
 
-    def load_state_dict(self, state: dict, source: str = "the megatron-mech state") -> None:
+    def load_state_dict(self, state: dict, source: Optional[str] = None) -> None:
         """Restore :meth:`state_dict`. Call after ``attach_optimizer`` (MoLS writes its restored multipliers into
         the param groups, so load it before the LR scheduler's state) and before or after ``setup`` (the
         monitor part is applied once the monitors exist). ``source`` (e.g. the checkpoint file) names the state
         in errors. A state saved by monitors at another ``--mech-interval`` is refused: the resumed records would
         mix evaluation grids and ΔW spans."""
+        source = source or "the megatron-mech state"  # an adapter that knows no file passes None
         version = state.get("version") if isinstance(state, dict) else None
         if version not in (1, STATE_VERSION):
             raise ValueError(f"{source}: not a megatron-mech state (version {version!r}; this release reads 1 and "
@@ -612,8 +613,7 @@ class MechHook:
         """The monitor families this run may run, known before :meth:`setup` (what an adapter looks for in the
         model): the configured ones, 'auto' counting as every family. :attr:`families`, set by ``setup``, is
         what runs."""
-        families = self.config.monitors.families
-        return MONITOR_FAMILIES if "auto" in families else tuple(families)
+        return self.config.monitors.resolve(has_routers=True)
 
     def is_evaluation_step(self, step: int) -> bool:
         """Whether the monitors evaluate after optimizer step ``step`` (the one rule: multiples of the interval);

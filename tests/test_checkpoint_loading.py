@@ -142,3 +142,18 @@ def test_damaged_detector_state_is_named(tmp_path):
     load_checkpoint(_checkpoint(tmp_path / "intact", mech=saved.state_dict())[0], *_model_and_optimizer(),
                     layout={}, hook=intact)
     intact.setup(view, None, start_step=5)
+
+
+def test_a_state_loaded_without_a_source_names_the_state_not_none():
+    """An adapter that knows no file passes ``source=None`` (the DeepSpeed wrapper's ``load_state_dict``): the
+    errors name "the megatron-mech state", and a damaged detector state still says what is missing."""
+    saved, _ = _hook()
+    hook, _ = _hook()
+    with pytest.raises(ValueError, match=r"^the megatron-mech state: not a megatron-mech state \(version 99"):
+        hook.load_state_dict({**saved.state_dict(), "version": 99}, source=None)
+    mech = saved.state_dict()
+    del mech["detectors"]["unmonitored"]
+    hook, view = _hook()
+    hook.load_state_dict(mech, source=None)
+    with pytest.raises(ValueError, match="^the megatron-mech state: .*missing entry 'unmonitored'"):
+        hook.setup(view, None, start_step=5)
