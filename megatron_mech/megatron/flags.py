@@ -3,11 +3,11 @@ flags and the checks that must fail before any collective."""
 from __future__ import annotations
 
 import argparse
-from typing import Optional
+from typing import Optional, Sequence
 
 from megatron_mech.config import MechConfig
 
-__all__ = ["add_arguments", "build_parser", "check_args", "lr_warmup_steps", "train_steps", "validate_parallel_sizes"]
+__all__ = ["add_arguments", "build_parser", "check_args", "extensions_from_args", "lr_warmup_steps", "train_steps", "validate_parallel_sizes"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -199,3 +199,12 @@ def validate_parallel_sizes(world_size: int, tp: int, ep: int = 1, pp: int = 1, 
         # fewer groups than TP ranks is fine (megatron-core replicates the K/V heads), anything else it refuses
         raise ValueError(f"--num-query-groups {num_query_groups} must be a multiple or a divisor of "
                          f"--tensor-model-parallel-size {tp}")
+
+
+def extensions_from_args(args, extension_types: Sequence[type] = ()) -> list:
+    """The hook extensions the flags ask for (``Extension.from_args`` of each offered type; ``None`` = not asked),
+    each checked against the model flags; ``ValueError`` naming the flag otherwise."""
+    extensions = [e for e in (kind.from_args(args) for kind in extension_types) if e is not None]
+    for extension in extensions:
+        extension.check_model(args.num_layers, args.num_attention_heads)
+    return extensions

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 import sys
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 __all__ = ["check_training_flags", "run_training", "torchrun_prefix", "train_command", "worker_reason"]
 
@@ -28,16 +28,21 @@ def train_command(nproc: int, steps: int, out: str, dense: bool = False, extra=(
             "--save", out, "--tensorboard-dir", f"{out}/tb", *[a for a in extra if a != "--"]]
 
 
-def check_training_flags(cmd: List[str], nproc: int) -> Optional[str]:
-    """The entry point's own start-up flag check (:func:`megatron_mech.megatron.flags.check_args`) on the flags of a
-    training command line, here, before torchrun launches anything: the error message, or None if they pass."""
-    from megatron_mech.megatron.flags import build_parser, check_args
+def check_training_flags(cmd: List[str], nproc: int, entry_module: str = "megatron_mech.megatron.pretrain_gpt",
+                         extension_types: Sequence[type] = ()) -> Optional[str]:
+    """The entry point's own start-up flag check (:func:`megatron_mech.megatron.flags.check_args`, and the hook
+    extensions the entry point offers) on the flags after ``entry_module`` in a training command line, here, before
+    torchrun launches anything: the error message, or None if they pass."""
+    from megatron_mech.megatron.flags import build_parser, check_args, extensions_from_args
 
-    flags = cmd[cmd.index("megatron_mech.megatron.pretrain_gpt") + 1:]
     parser = build_parser()
     parser.prog = "pretrain_gpt"
+    for kind in extension_types:
+        kind.add_arguments(parser)
     try:
-        check_args(parser.parse_args(flags), nproc)
+        args = parser.parse_args(cmd[cmd.index(entry_module) + 1:])
+        check_args(args, nproc)
+        extensions_from_args(args, extension_types)
     except ValueError as exc:
         return str(exc)
     return None

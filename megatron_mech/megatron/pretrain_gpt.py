@@ -42,7 +42,7 @@ from megatron_mech.logs import configure_logging
 from megatron_mech.megatron.checkpoint import load_checkpoint, save_checkpoint
 from megatron_mech.megatron.data_checks import check_token_ids
 from megatron_mech.megatron.data_path import parse_data_path
-from megatron_mech.megatron.flags import build_parser, check_args, lr_warmup_steps, train_steps
+from megatron_mech.megatron.flags import build_parser, check_args, extensions_from_args, lr_warmup_steps, train_steps
 from megatron_mech.megatron.run_directory import check_run_directories, clear_previous_run, record_run_id
 from megatron_mech.megatron.stop_signals import StopOnSignal
 from megatron_mech.optim import base_lr
@@ -503,9 +503,7 @@ def preflight(args, world: int, rank: int, extension_types: Sequence[type] = ())
         check_args(args, world)
         config = MechConfig.from_flags(args, tensorboard_dir=args.tensorboard_dir)
         config.output.dir = args.mech_output_dir or args.save or DEFAULT_OUTPUT_DIR
-        extensions = [e for e in (kind.from_args(args) for kind in extension_types) if e is not None]
-        for extension in extensions:
-            extension.check_model(args.num_layers, args.num_attention_heads)
+        extensions = extensions_from_args(args, extension_types)
         check_sink_packages(args, config)
         plan = check_run_directories(args, rank)
     except ValueError as exc:

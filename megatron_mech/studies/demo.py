@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-__all__ = ["DEMO_FAULTS", "demo_commands", "run_demo", "step_losses"]
+__all__ = ["DEMO_FAULTS", "demo_commands", "demo_length", "run_demo", "step_losses"]
 
 
 def step_losses(run_dir) -> list:
@@ -26,6 +26,11 @@ def _progress_line(line: str) -> bool:
     return line.startswith(("[train]", "[mech]", "[fault]", "[eval]"))
 
 
+def demo_length(args: argparse.Namespace) -> tuple:
+    """``(steps, fault start)`` of every demo run: 120 and 60 with ``--quick``, else the flags'."""
+    return (120, 60) if args.quick else (args.steps, args.fault_start)
+
+
 def demo_commands(args: argparse.Namespace) -> dict:
     """The torchrun command of each demo run (``clean`` first, then the faults), by run name. The preset's LR
     warm-up is shortened to fit a short demo (:func:`megatron_mech.megatron.presets.fit_lr_warmup`)."""
@@ -34,7 +39,7 @@ def demo_commands(args: argparse.Namespace) -> dict:
     from megatron_mech.studies.leadtime import FAULT_FLAGS, LEAD_MODEL
     from megatron_mech.studies.pretrain_gpt_fault import ENTRY_MODULE
 
-    steps, start = (120, 60) if args.quick else (args.steps, args.fault_start)
+    steps, start = demo_length(args)
     faults = ["attention"] if args.quick else list(dict.fromkeys(args.faults))
     detector = (["--mech-detector-warmup", "4", "--mech-detector-baseline", "6"] if args.quick else [])
     commands = {}
@@ -66,7 +71,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from megatron_mech.studies.leadtime import divergence_step, first_alert, plot_fault
     from megatron_mech.studies.pretrain_gpt_fault import check_flags
 
-    steps, start = (120, 60) if args.quick else (args.steps, args.fault_start)
+    steps, start = demo_length(args)
     commands = demo_commands(args)
     faults = [name for name in commands if name != "clean"]
     for name, cmd in commands.items():  # every run's flags, before the first one starts

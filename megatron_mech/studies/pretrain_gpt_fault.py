@@ -10,6 +10,7 @@ batch, the lr of each step from the start step on).
 """
 from typing import List, Optional
 
+from megatron_mech.megatron.launch import check_training_flags
 from megatron_mech.megatron.pretrain_gpt import main as train
 from megatron_mech.studies.injectors import FaultInjector
 
@@ -22,20 +23,7 @@ ENTRY_MODULE = "megatron_mech.studies.pretrain_gpt_fault"
 def check_flags(cmd: List[str], nproc: int) -> Optional[str]:
     """This entry point's start-up flag check on the flags of a torchrun command line that runs it (after
     :data:`ENTRY_MODULE`), before anything is launched: the error message, or ``None`` if they pass."""
-    from megatron_mech.megatron.flags import build_parser, check_args
-
-    parser = build_parser()
-    parser.prog = "pretrain_gpt"
-    FaultInjector.add_arguments(parser)
-    try:
-        args = parser.parse_args(cmd[cmd.index(ENTRY_MODULE) + 1:])
-        check_args(args, nproc)
-        injector = FaultInjector.from_args(args)
-        if injector is not None:
-            injector.check_model(args.num_layers, args.num_attention_heads)
-    except ValueError as exc:
-        return str(exc)
-    return None
+    return check_training_flags(cmd, nproc, ENTRY_MODULE, (FaultInjector,))
 
 
 def main(argv=None):
