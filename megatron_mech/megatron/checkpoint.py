@@ -172,8 +172,7 @@ def save_checkpoint(save_dir, step: int, model, optimizer, scheduler, layout: di
         optimizer.save_parameter_state(str(directory / f"distopt_rank{rank:04d}.pt"))
     state = {"iteration": step, "layout": layout, "model": model.state_dict(),
              "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state(),
-             "mech": hook.state_dict() if hook is not None else None, "mols_enabled": _mols_enabled(hook),
-             "run_id": run_id}
+             "mech": hook.state_dict() if hook is not None else None, "mols_enabled": _mols_enabled(hook)}
     tmp = directory / f".rank{rank:04d}.pt.tmp"
     torch.save(state, tmp)
     os.replace(tmp, directory / f"rank{rank:04d}.pt")  # atomic: a file that exists is complete
