@@ -31,6 +31,8 @@ from typing import Optional
 
 import torch
 
+from megatron_mech.core.checks import is_int
+
 __all__ = ["ReplicatedKVShard", "concatenated_qkv_blocks", "fuse_qkv", "grouped_qkv_from_blocks", "qkv_partition_sizes",
            "qkv_row_blocks", "split_fused_qkv"]
 
@@ -52,7 +54,7 @@ def qkv_partition_sizes(num_heads: int, num_query_groups: int, tp_size: int = 1)
 def _check_fused(weight: torch.Tensor, num_heads: int, num_query_groups: int, head_dim: int) -> int:
     qkv_partition_sizes(num_heads, num_query_groups)
     for name, value in (("num_heads", num_heads), ("num_query_groups", num_query_groups), ("head_dim", head_dim)):
-        if isinstance(value, bool) or not isinstance(value, int):  # 4.0 would reach view() as a float
+        if not is_int(value):  # 4.0 would reach view() as a float
             raise ValueError(f"{name} must be an int, got {value!r}")
     if head_dim < 1:
         raise ValueError(f"head_dim must be positive, got {head_dim}")
@@ -176,10 +178,10 @@ class ReplicatedKVShard:
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_query_groups", "head_dim", "tp_size"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"ReplicatedKVShard.{name} must be an int >= 1, got {value!r}")
         H, G, TP = self.num_heads, self.num_query_groups, self.tp_size
-        if isinstance(self.tp_rank, bool) or not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < TP:
+        if not is_int(self.tp_rank) or not 0 <= self.tp_rank < TP:
             raise ValueError(f"ReplicatedKVShard.tp_rank must be an int in [0, {TP}), got {self.tp_rank!r}")
         if G >= TP or TP % G:
             raise ValueError(f"ReplicatedKVShard needs num_query_groups < TP with TP divisible by it (megatron-core "

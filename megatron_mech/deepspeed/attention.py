@@ -52,9 +52,6 @@ __all__ = ["HFAttention", "AttentionGeometry", "attention_geometry", "find_hf_at
 
 logger = logging.getLogger(__name__)
 
-# Fused-QKV attribute name -> (its default row layout, stored [in, out]): the taxonomy's table.
-_FUSED_NAMES = FUSED_QKV_MODULES
-
 
 @dataclass(frozen=True)
 class AttentionGeometry:
@@ -193,7 +190,7 @@ def find_hf_attention(model: torch.nn.Module, layout: str = "auto", geometry: Op
             continue
         if layout == "separate":
             continue
-        for attr, (default_layout, transposed) in _FUSED_NAMES.items():
+        for attr, (default_layout, transposed) in FUSED_QKV_MODULES.items():
             sub = getattr(module, attr, None)
             if isinstance(sub, torch.nn.Module) and isinstance(getattr(sub, "weight", None), torch.Tensor):
                 found.append(HFAttention(_layer_index(module, name, len(found)), f"{name}.{attr}",
@@ -202,7 +199,7 @@ def find_hf_attention(model: torch.nn.Module, layout: str = "auto", geometry: Op
                 break
     if not found:
         raise ValueError("attention monitors: no attention layer found (looked for q_proj/k_proj and fused "
-                         f"{', '.join(_FUSED_NAMES)}); set \"mech\": {{\"monitors\": []}} or name the layout")
+                         f"{', '.join(FUSED_QKV_MODULES)}); set \"mech\": {{\"monitors\": []}} or name the layout")
     layers = [a.layer for a in found]
     if len(set(layers)) != len(layers):
         raise ValueError(f"attention monitors: duplicate layer indices {layers} among {[a.name for a in found]}")

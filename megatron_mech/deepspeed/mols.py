@@ -139,13 +139,12 @@ def _full_shape(p: torch.Tensor) -> tuple:
 class GradientStatistics:
     """Per-class ``‖g_micro‖²`` (hooks) and ``‖g_reduced‖²`` (``safe_get_full_grad``) for the two-batch SNR."""
 
-    def __init__(self, engine, controller: MoLSController, group=None,
-                 measured: Optional[MeasuredParameters] = None):
+    def __init__(self, engine, controller: MoLSController, measured: MeasuredParameters, group=None):
         from deepspeed.utils import safe_get_full_grad
 
         self._full_grad = safe_get_full_grad
         self.engine, self.controller, self.group = engine, controller, group
-        self.measured = measured or MeasuredParameters(engine.module)
+        self.measured = measured
         self.params = self.measured.params
         self.classes = self.measured.keys
         self._index = {c: i for i, c in enumerate(self.classes)}
