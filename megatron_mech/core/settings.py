@@ -1,0 +1,44 @@
+"""Declare a setting once, in the layer that owns it: a dataclass field carrying its doc and its ``--mech-*`` flag.
+
+Framework-free (only :mod:`dataclasses`): the math core and the monitors declare their own settings with
+:func:`option`, and the configuration layer (:mod:`megatron_mech.options`) turns the same declarations into argparse
+flags, JSON keys, type checks and docs.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+__all__ = ["option", "field_doc", "field_flag"]
+
+_MISSING = dataclasses.MISSING
+
+
+def option(default: Any = _MISSING, doc: str = "", *, flag: Optional[str] = None, choices: Optional[Sequence] = None,
+           nargs: Any = None, type: Any = None, metavar: Any = None, inverted: bool = False,
+           default_factory: Any = _MISSING) -> Any:
+    """A dataclass field that carries its documentation and its command-line flag.
+
+    Args:
+        default / default_factory: the field's default (as :func:`dataclasses.field`).
+        doc: one sentence saying what the setting means; the flag's help text.
+        flag: the ``--mech-*`` flag, or ``None`` for a setting the framework adapter fills in (no flag).
+        choices, nargs, type, metavar: as :meth:`argparse.ArgumentParser.add_argument`.
+        inverted: for a bool field that defaults to True: the flag is a ``store_true`` switch that sets the
+            field to False (``--mech-no-checkpoint-snapshots`` ↔ ``checkpoint_snapshots``).
+    """
+    metadata = {"doc": doc, "flag": flag, "choices": choices, "nargs": nargs, "type": type, "metavar": metavar,
+                "inverted": inverted}
+    if default_factory is not _MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def field_doc(section: type, name: str) -> str:
+    """The documentation string declared for ``section.name``."""
+    return {f.name: f.metadata.get("doc", "") for f in dataclasses.fields(section)}[name]
+
+
+def field_flag(section: type, name: str) -> Optional[str]:
+    """The command-line flag declared for ``section.name`` (``None`` when it has none)."""
+    return {f.name: f.metadata.get("flag") for f in dataclasses.fields(section)}[name]
