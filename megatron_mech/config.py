@@ -28,14 +28,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
+from megatron_mech.core import settings as core_settings
 from megatron_mech.core.checks import is_int
-from megatron_mech.core.mols import ESTIMATORS
+from megatron_mech.core.detect import DetectorConfig
+from megatron_mech.core.mols import MoLSConfig, default_window, parse_fixed_multipliers
 from megatron_mech.core.spectral import QK_BATCHES, QK_METHODS, QK_TERMS
-from megatron_mech.core.taxonomy import FUSED_QKV_RULES, MODULE_CLASSES
 from megatron_mech.monitors.attention import (DW_ROUTES, DW_SCOPES, EVAL_DEVICES, GRAM_DTYPES, AttentionMonitorConfig,
                                               BadSetting)
-from megatron_mech.options import (add_section_flags, field_flag, option, section_from_dict, section_from_flags,
-                                   section_to_dict)
+from megatron_mech.options import (add_section_flags, field_flag, option, section_from_dict,
+                                   section_from_flags, section_to_dict, settings_of, settings_values)
 
 __all__ = ["DEFAULT_OUTPUT_DIR", "MONITOR_FAMILIES", "ON_ALERT", "DetectorOverrides", "MechConfig", "MoLSOptions",
            "MonitorConfig", "OutputConfig"]
@@ -154,26 +155,17 @@ that sets it (``snapshot_device``: the hook resolves ``cpu``/``device`` to a tor
 
 
 @dataclass
+@settings_of(DetectorConfig, override="override the {} (default: per rule)")
 class DetectorOverrides:
-    """Values that replace the default detector rules' own, for every rule (``None`` = the rule's value)."""
-
-    warmup: Optional[int] = option(None, "override the evaluations ignored before the baseline (default: per "
-                                   "rule)", flag="--mech-detector-warmup", type=int)
-    baseline: Optional[int] = option(None, "override the evaluations in the baseline window (default: per rule)",
-                                     flag="--mech-detector-baseline", type=int)
-    threshold: Optional[float] = option(None, "override the alert score threshold (default: per rule)",
-                                        flag="--mech-detector-threshold", type=float)
-    persistence: Optional[int] = option(None, "override the consecutive evaluations needed for an alert "
-                                        "(default: per rule)", flag="--mech-detector-persistence", type=int)
+    """Values that replace the default detector rules' own, for every rule (``None`` = the rule's value): the
+    settings :class:`~megatron_mech.core.detect.DetectorConfig` declares (``--mech-detector-*``)."""
 
     def __post_init__(self):
-        from megatron_mech.core.detect import DetectorConfig
-
         for name, value in self.as_rule_fields().items():  # the detector's own checks, once, naming the flag
             try:
                 dataclasses.replace(DetectorConfig(), **{name: value})
             except (TypeError, ValueError) as e:
-                raise ValueError(f"--mech-detector-{name}: {e}") from None
+                raise ValueError(f"{field_flag(DetectorOverrides, name)}: {e}") from None
 
     def as_rule_fields(self) -> dict:
         """The overrides that are set, as ``dataclasses.replace`` keywords for a detector rule."""
@@ -181,40 +173,17 @@ class DetectorOverrides:
 
 
 @dataclass
+@settings_of(MoLSConfig)
 class MoLSOptions:
-    """MoLS, per-module learning-rate multipliers from gradient SNR (``--mech-mols*``).
-
-    The run-dependent parts (window default from the number of training steps, ramp end = end of the lr
-    warm-up) are filled in by :meth:`core_config`."""
+    """MoLS, per-module learning-rate multipliers from gradient SNR (``--mech-mols*``): the settings
+    :class:`~megatron_mech.core.mols.MoLSConfig` declares, named as a user writes them (``window``, ``samples``,
+    ``min_ramp``, ``fixed``), and what the core cannot know: whether MoLS runs, and the window's first step in the
+    run's step numbering (the core counts iterations). The run-dependent values (the window's default from the
+    number of training steps, the ramp end at the end of the lr warm-up) are filled in by :meth:`core_config`."""
 
     enabled: bool = option(False, "enable MoLS per-module lr multipliers", flag="--mech-mols")
-    window: Optional[int] = option(None, "estimation window in iterations (default: 1% of the training steps, at "
-                                   "least 5)", flag="--mech-mols-window", type=int)
     window_start: int = option(0, "first optimizer step of the estimation window (1-based like every step; 0 or 1: "
                                "the first step)", flag="--mech-mols-window-start", type=int)
-    base: str = option("vo", "reference module (α = 1)", flag="--mech-mols-base", choices=MODULE_CLASSES)
-    clamp: tuple = option((0.5, 2.0), "clamp range of the multipliers (default 0.5 2.0)", flag="--mech-mols-clamp",
-                          type=float, nargs=2, metavar=("MIN", "MAX"))
-    estimator: str = option("two_batch", "two_batch: free small/big-batch gradient norms; samples: K extra "
-                            "passes (reference)", flag="--mech-mols-estimator", choices=ESTIMATORS)
-    samples: int = option(4, "K for --mech-mols-estimator samples", flag="--mech-mols-samples", type=int)
-    fused_qkv_rule: str = option("rows", "multiplier of the fused linear_qkv parameter from α_qk and α_vo",
-                                 flag="--mech-mols-fused-qkv-rule", choices=FUSED_QKV_RULES)
-    classes: Optional[tuple] = option(None, "module classes to scale (default: embedding qk vo mlp head router "
-                                      "experts present)", flag="--mech-mols-classes", nargs="+",
-                                      choices=MODULE_CLASSES)
-    min_ramp: int = option(10, "ramp length when the warm-up is over at the window end", flag="--mech-mols-min-ramp",
-                           type=int)
-    scale_weight_decay: bool = option(True, "decoupled weight decay scales with the lr multiplier; the flag "
-                                      "compensates it instead (wd_mult = 1/multiplier)",
-                                      flag="--mech-mols-no-scale-weight-decay", inverted=True)
-    fixed: Optional[tuple] = option(None, "hand-set multipliers CLASS=MULT ... instead of the SNR estimate (a "
-                                    "hand-tuned reference; other classes stay at 1)", flag="--mech-mols-fixed",
-                                    nargs="+", metavar="CLASS=MULT")
-    diagnostic_interval: int = option(0, "after the window, re-measure the SNR (report only) every N iterations "
-                                      "(0 = off)", flag="--mech-mols-diagnostic-interval", type=int)
-    diagnostic_steps: Optional[int] = option(None, "iterations per diagnostic measurement (default: the window "
-                                             "length)", flag="--mech-mols-diagnostic-steps", type=int)
 
     def __post_init__(self):
         if self.classes is not None and not isinstance(self.classes, str):
@@ -224,29 +193,42 @@ class MoLSOptions:
             self.fixed = tuple(f"{k}={v}" for k, v in self.fixed.items())
         if not is_int(self.window_start) or self.window_start < 0:
             raise ValueError(f"--mech-mols-window-start must be an integer >= 0, got {self.window_start!r}")
-        self.core_config(window=self.window if self.window is not None else 1)  # validates every field once
+        self._core(window_steps=self.window if self.window is not None else 1, ramp_end=None)  # the core's checks
 
-    def core_config(self, *, window: Optional[int] = None, ramp_end: Optional[int] = None):
-        """The :class:`megatron_mech.core.mols.MoLSConfig` of these options with ``window`` (default: the
-        option's) and ``ramp_end`` (the end of the lr warm-up). The core counts ``iteration = step − 1``
-        (optimizer steps done before the step), so the window's first step ``s`` is its iteration ``s − 1``."""
-        from megatron_mech.core.mols import MoLSConfig
+    def core_config(self, *, train_steps: Optional[int], ramp_end: Optional[int]) -> MoLSConfig:
+        """The :class:`~megatron_mech.core.mols.MoLSConfig` of a run of ``train_steps`` optimizer steps whose lr
+        warm-up ends at ``ramp_end``: the window defaults to
+        :func:`~megatron_mech.core.mols.default_window` of the run and must fit in it (``ValueError`` naming
+        the flag otherwise)."""
+        if not train_steps:
+            raise ValueError("--mech-mols needs the number of training steps (--train-iters or --train-samples) "
+                             "to size the estimation window")
+        window = self.window if self.window is not None else default_window(train_steps)
+        config = self._core(window_steps=window, ramp_end=ramp_end)
+        if config.window_end > train_steps:
+            raise ValueError(f"--mech-mols-window: the estimation window (steps {config.window_start + 1}.."
+                             f"{config.window_end}) does not fit in --train-iters {train_steps}")
+        return config
 
-        return MoLSConfig(window_start=max(0, self.window_start - 1), window_steps=self.window if window is None else window,
-                          base=self.base, clamp=tuple(self.clamp), ramp_end=ramp_end, min_ramp_steps=self.min_ramp,
-                          classes=tuple(self.classes) if self.classes else None,
-                          fused_qkv_rule=self.fused_qkv_rule, estimator=self.estimator, num_samples=self.samples,
-                          scale_weight_decay=self.scale_weight_decay,
-                          fixed_multipliers=self.fixed_multipliers(),
-                          diagnostic_interval=self.diagnostic_interval, diagnostic_steps=self.diagnostic_steps)
+    def _core(self, *, window_steps: int, ramp_end: Optional[int]) -> MoLSConfig:
+        """The core's config of these settings. The core counts ``iteration = step − 1`` (optimizer steps done
+        before the step), so the window's first step ``s`` is its iteration ``s − 1``. A bad value raises
+        ``ValueError`` naming its flag."""
+        values = dict(settings_values(self, MoLSConfig), window_steps=window_steps, ramp_end=ramp_end,
+                      window_start=max(0, self.window_start - 1), fixed_multipliers=self.fixed_multipliers())
+        try:
+            return MoLSConfig(**values)
+        except core_settings.BadSetting as e:  # the core names its field; the user knows the flag
+            flag = field_flag(MoLSConfig, e.field)
+            if flag is None:  # a value the run supplies (ramp_end), not a setting
+                raise
+            raise ValueError(f"{flag}: {e}") from None
 
     def fixed_multipliers(self):
         """``--mech-mols-fixed`` as ``{class: multiplier}`` (``None`` when not given); ``ValueError`` names the
         flag and the bad item."""
         if not self.fixed:
             return None
-        from megatron_mech.core.mols import parse_fixed_multipliers
-
         return parse_fixed_multipliers([self.fixed] if isinstance(self.fixed, str) else self.fixed)
 
 

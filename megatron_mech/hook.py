@@ -75,7 +75,6 @@ import torch
 from megatron_mech.config import DEFAULT_OUTPUT_DIR, MechConfig
 from megatron_mech.core.attribution import alert_lines
 from megatron_mech.core.detect import Alert, DetectorRegistry, default_rules
-from megatron_mech.core.mols import default_window
 from megatron_mech.model_view import ModelView
 
 __all__ = ["Action", "Extension", "MechHook", "STATE_VERSION", "any_rank", "naming_damaged_state"]
@@ -265,14 +264,7 @@ class MechHook:
             return None
         if view.mols is None:
             raise ValueError("--mech-mols: this framework adapter provides no MoLS backend")
-        if not self.train_steps:
-            raise ValueError("--mech-mols needs the number of training steps (--train-iters or --train-samples) "
-                             "to size the estimation window")
-        window = options.window if options.window is not None else default_window(self.train_steps)
-        core = options.core_config(window=window, ramp_end=self.lr_warmup_steps)
-        if core.window_end > self.train_steps:
-            raise ValueError(f"--mech-mols-window: the estimation window (steps {core.window_start + 1}.."
-                             f"{core.window_end}) does not fit in --train-iters {self.train_steps}")
+        core = options.core_config(train_steps=self.train_steps, ramp_end=self.lr_warmup_steps)
         self.mols = view.mols(core, log=logger.info)
         return self.mols.config_overrides
 

@@ -7,7 +7,9 @@ A config section is a plain dataclass whose fields are made with :func:`option`.
 * :func:`section_from_dict` builds the section from a plain dict (a JSON config section): every value checked
   against its declared type, ``choices`` and ``nargs`` (as argparse checks the flags), unknown keys rejected, each
   error naming the key's dotted path;
-* :func:`section_to_dict` writes plain types (tuples become lists).
+* :func:`section_to_dict` writes plain types (tuples become lists);
+* :func:`settings_of` gives a section the settings another layer (the math core) declares for itself, and
+  :func:`settings_values` hands the section's values back to that layer's class.
 
 Value rules beyond types and choices (ranges, combinations) are not checked here: each section validates itself
 once, in ``__post_init__``, whichever way it was built.
@@ -17,12 +19,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
-from megatron_mech.core.settings import field_doc, field_flag, option  # noqa: F401  (re-exported)
+from megatron_mech.core.settings import field_doc, field_flag, field_key, option  # noqa: F401  (re-exported)
 
 __all__ = ["option", "add_section_flags", "check_mapping", "section_from_flags", "section_from_dict",
-           "section_to_dict", "field_doc", "field_flag"]
+           "section_to_dict", "settings_of", "settings_values", "field_doc", "field_flag", "field_key"]
 
 _MISSING = dataclasses.MISSING
 
@@ -217,3 +219,64 @@ def section_to_dict(obj: Any) -> dict:
             value = dict(value)
         out[f.name] = value
     return out
+
+
+def _settings(source: type, names: Optional[Sequence[str]]) -> list:
+    """The fields of ``source`` declared with :func:`option` (those named in ``names``, in ``source``'s order)."""
+    declared = [f for f in dataclasses.fields(source) if "doc" in f.metadata]
+    if names is None:
+        return declared
+    unknown = sorted(set(names) - {f.name for f in declared})
+    if unknown:
+        raise TypeError(f"{source.__name__} declares no setting {unknown}")
+    return [f for f in declared if f.name in names]
+
+
+def settings_of(source: type, *, names: Optional[Sequence[str]] = None,
+                override: Optional[str] = None) -> Callable[[type], type]:
+    """Class decorator, below ``@dataclass``: the decorated config section gets the settings that the dataclass
+    ``source`` declares with :func:`option` — the same doc, flag, type, choices, nargs and default, each named by
+    its ``key`` (default its field name), in ``source``'s order — so a setting is declared once, by its owner.
+
+    * ``names``: only these of ``source``'s settings (default: all of them).
+    * ``override``: the section holds overrides of ``source``'s values: every field is ``Optional`` with default
+      ``None`` (keep ``source``'s value) and its doc is ``override.format(doc)``.
+    * The section's own fields come first, except one named like a field of ``source`` that is not a setting
+      (``source`` counts it in other units): it takes that field's place. An own field under the name of one of
+      ``source``'s settings is a second declaration: ``TypeError``.
+    """
+
+    def decorate(section: type) -> type:
+        own = dict(section.__dict__.get("__annotations__", {}))
+        hints = typing.get_type_hints(source)
+        settings = _settings(source, names)
+        taken = {f.metadata.get("key") or f.name for f in settings}
+        twice = sorted(taken & set(own))
+        if twice:
+            raise TypeError(f"{section.__name__} declares {twice} again; {source.__name__} declares them")
+        placed = {f.name for f in dataclasses.fields(source) if f.name in own}
+        annotations = {name: hint for name, hint in own.items() if name not in placed}
+        for f in dataclasses.fields(source):
+            if f.name in placed:
+                annotations[f.name] = own[f.name]
+            elif f in settings:
+                key = f.metadata.get("key") or f.name
+                meta = dict(f.metadata)
+                if override is None:
+                    annotations[key] = hints[f.name]
+                    setattr(section, key, dataclasses.field(default=f.default, default_factory=f.default_factory,
+                                                            metadata=meta))
+                else:
+                    meta["doc"] = override.format(meta["doc"])
+                    annotations[key] = Optional[hints[f.name]]
+                    setattr(section, key, dataclasses.field(default=None, metadata=meta))
+        section.__annotations__ = annotations
+        return section
+
+    return decorate
+
+
+def settings_values(section: Any, source: type, names: Optional[Sequence[str]] = None) -> dict:
+    """The values of the settings ``section`` took from ``source`` (:func:`settings_of`), as keyword arguments of
+    ``source``: ``{field name: the section's value under the setting's key}``."""
+    return {f.name: getattr(section, f.metadata.get("key") or f.name) for f in _settings(source, names)}

@@ -66,7 +66,7 @@ def test_fixed_multipliers_are_validated_and_survive_the_state():
     assert parse_fixed_multipliers(["qk=0.5", "head=2"]) == {"qk": 0.5, "head": 2.0}
     # the flag reaches the core config; a bad item is refused at option construction
     opts = MoLSOptions(enabled=True, fixed=("embedding=2", "qk=0.5"))
-    assert opts.core_config(window=4).fixed_multipliers == {"embedding": 2.0, "qk": 0.5}
+    assert opts.core_config(train_steps=100, ramp_end=None).fixed_multipliers == {"embedding": 2.0, "qk": 0.5}
     with pytest.raises(ValueError, match="--mech-mols-fixed"):
         MoLSOptions(enabled=True, fixed=("nothing=2",))
     # a resumed run keeps the hand-set targets, and a changed setting is refused

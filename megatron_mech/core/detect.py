@@ -70,6 +70,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from megatron_mech.core.checks import is_finite_real, is_int
+from megatron_mech.core.settings import option
 
 __all__ = ["ATTENTION_LEVELS", "FAMILIES", "DIRECTIONS", "Alert", "DetectorConfig", "Detector", "SeriesRule", "DetectorRegistry",
            "default_rules"]
@@ -138,12 +139,13 @@ class Alert:
 class DetectorConfig:
     """Detector settings; counts are in evaluations (calls to ``update``), not training steps.
 
+    ``warmup`` (``≥ 0``; the early transient), ``baseline`` (``≥ 3``; only finite evaluations count),
+    ``threshold`` (``> 0``; the score an evaluation needs to be out of band) and ``persistence`` (``k ≥ 1``; also
+    the in-band evaluations that re-arm) are settings a user overrides for every rule (``--mech-detector-*``): each
+    carries its doc and flag.
+
     Attributes:
-        warmup: evaluations ignored at the start (the early transient), ``≥ 0``.
-        baseline: finite evaluations collected for the baseline after warm-up, ``≥ 3``.
         direction: ``down`` (falling is bad, e.g. entropies), ``up`` (rising is bad, e.g. loss) or ``both``.
-        threshold: score needed for an evaluation to be out of band, ``> 0``.
-        persistence: ``k``, consecutive out-of-band evaluations needed to alert (and in-band ones to re-arm).
         rel_floor: the scale is at least ``rel_floor·|median|``, ``≥ 0``.
         rel_cap: if not None, the MAD part of the scale is at most ``rel_cap·|median|`` (``≥ rel_floor``).
         abs_floor: the scale is at least this (metric units), ``> 0`` so the scale is never zero.
@@ -156,11 +158,12 @@ class DetectorConfig:
             with ``direction="both"``.
     """
 
-    warmup: int = 20
-    baseline: int = 30
+    warmup: int = option(20, "evaluations ignored before the baseline", flag="--mech-detector-warmup", type=int)
+    baseline: int = option(30, "evaluations in the baseline window", flag="--mech-detector-baseline", type=int)
     direction: str = "down"
-    threshold: float = 6.0
-    persistence: int = 3
+    threshold: float = option(6.0, "alert score threshold", flag="--mech-detector-threshold", type=float)
+    persistence: int = option(3, "consecutive evaluations needed for an alert", flag="--mech-detector-persistence",
+                              type=int)
     rel_floor: float = 0.05
     rel_cap: float | None = None
     abs_floor: float = 1e-6

@@ -80,6 +80,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Dict, Iterable, Mapping, Optional, Tuple, Union
 
 from megatron_mech.core.checks import is_whole
+from megatron_mech.core.settings import BadSetting, option
 from megatron_mech.core.snr import SNREstimate, TwoBatchSNR, snr_ratio
 from megatron_mech.core.taxonomy import FUSED_QKV_RULES, MODULE_CLASSES, fused_qkv_multiplier
 
@@ -105,23 +106,24 @@ def _int_field(name: str, value: Any, minimum: int, allow_none: bool = False) ->
     if value is None and allow_none:
         return None
     if not is_whole(value):
-        raise ValueError(f"MoLSConfig.{name} must be an integer, got {value!r}")
+        raise BadSetting(name, f"MoLSConfig.{name} must be an integer, got {value!r}")
     if int(value) < minimum:
-        raise ValueError(f"MoLSConfig.{name} must be >= {minimum}, got {value!r}"
+        raise BadSetting(name, f"MoLSConfig.{name} must be >= {minimum}, got {value!r}"
                          + (" (an empty estimation window)" if name == "window_steps" else ""))
     return int(value)
 
 
 
 def check_fixed_multipliers(fixed: Mapping[str, float]) -> Dict[str, float]:
-    """Validate ``{class: multiplier}`` (known module classes, positive finite values); a plain dict back."""
+    """Validate ``{class: multiplier}`` (known module classes, positive finite values); a plain dict back. A bad
+    value raises :class:`BadSetting` naming ``fixed_multipliers``."""
     if not isinstance(fixed, Mapping) or not fixed:
-        raise ValueError(f"MoLSConfig.fixed_multipliers must be a non-empty mapping class -> multiplier, got "
-                         f"{fixed!r}")
+        raise BadSetting("fixed_multipliers", f"MoLSConfig.fixed_multipliers must be a non-empty mapping class -> "
+                                              f"multiplier, got {fixed!r}")
     unknown = [c for c in fixed if c not in MODULE_CLASSES]
     if unknown:
-        raise ValueError(f"MoLSConfig.fixed_multipliers: unknown module class(es) {unknown}; expected some of "
-                         f"{', '.join(MODULE_CLASSES)}")
+        raise BadSetting("fixed_multipliers", f"MoLSConfig.fixed_multipliers: unknown module class(es) {unknown}; "
+                                              f"expected some of {', '.join(MODULE_CLASSES)}")
     out = {}
     for c, m in fixed.items():
         try:
@@ -129,7 +131,8 @@ def check_fixed_multipliers(fixed: Mapping[str, float]) -> Dict[str, float]:
         except (TypeError, ValueError):
             v = float("nan")
         if not (math.isfinite(v) and v > 0):
-            raise ValueError(f"MoLSConfig.fixed_multipliers[{c!r}] must be a positive finite number, got {m!r}")
+            raise BadSetting("fixed_multipliers", f"MoLSConfig.fixed_multipliers[{c!r}] must be a positive finite "
+                                                  f"number, got {m!r}")
         out[str(c)] = v
     return out
 
@@ -154,6 +157,11 @@ def parse_fixed_multipliers(items, flag: str = "--mech-mols-fixed") -> Dict[str,
         raise ValueError(f"{flag}: {e}") from None
 
 
+def _usable_snr(s: Optional[float]) -> bool:
+    """An SNR an α can be formed from: finite and positive."""
+    return s is not None and math.isfinite(s) and s > 0
+
+
 def default_window(train_steps: int) -> int:
     """The default estimation window: ``max(5, ceil(1% of the training steps))``."""
     return max(5, math.ceil(0.01 * int(train_steps)))
@@ -161,98 +169,108 @@ def default_window(train_steps: int) -> int:
 
 @dataclass(frozen=True)
 class MoLSConfig:
-    """MoLS settings (validated on construction; a ``ValueError`` names the offending field).
+    """MoLS settings, validated on construction: a bad value raises :class:`BadSetting` naming the field.
+
+    The settings a user writes carry their doc and their ``--mech-mols-*`` flag; the configuration section
+    (:class:`megatron_mech.config.MoLSOptions`) is built from these declarations. What the checks require:
+    ``window_steps ≥ 1`` (``None``: not decided yet — the configuration fills in the run's default, and
+    :class:`MoLSController` needs a number); ``0 < min ≤ 1 ≤ max < inf`` for ``clamp`` (default rationale in the
+    module docstring); ``num_samples ≥ 2``; ``min_ramp_steps ≥ 0`` (0: a step change at the window end);
+    ``fixed_multipliers`` known classes with positive finite values — the named classes ramp to them on the same
+    schedule, the window is still measured and reported; diagnostic blocks of ``diagnostic_steps`` iterations
+    (at most ``diagnostic_interval``) start every ``diagnostic_interval`` iterations after the window end and
+    only report (the multipliers do not change); they need the ``two_batch`` estimator.
+
+    Two fields are not written by a user:
 
     Attributes:
-        window_start: first iteration of the estimation window (0-based; see the module docstring).
-        window_steps: number of iterations in the window (≥ 1). ``None`` means "not decided yet": the adapter
-            fills in ``max(5, ceil(1% of train iters))``; :class:`MoLSController` needs a number.
-        base: the reference module class (α_base = 1); one of :data:`megatron_mech.core.taxonomy.MODULE_CLASSES`.
-        clamp: ``(min, max)`` range for α, ``0 < min ≤ 1 ≤ max < inf``. Default ``(0.5, 2.0)`` (module docstring).
-        ramp_end: iteration at which the multipliers reach α (the adapter: the end of the lr warm-up); ``None``
-            or ``≤`` window end: a short ramp of ``min_ramp_steps``.
-        min_ramp_steps: length of the short ramp (≥ 0; 0 = step change at the window end).
-        classes: module classes that get a multiplier; ``None`` = every present class of
-            :data:`DEFAULT_SCALED_CLASSES` (norm/other stay at 1).
-        fused_qkv_rule: ``"rows"`` | ``"qk"`` | ``"vo"`` — see :func:`megatron_mech.core.taxonomy.fused_qkv_multiplier`.
-        estimator: ``"two_batch"`` (no extra samples) | ``"samples"`` (K extra gradient samples, the reference).
-        num_samples: K, extra gradient samples per window step for ``estimator="samples"`` (≥ 2).
-        scale_weight_decay: True (default): decoupled weight decay scales with the lr multiplier (AdamW
-            semantics); False: compensate with ``wd_mult = 1/multiplier``.
-        fixed_multipliers: ``{class: multiplier}`` set by hand instead of from the SNRs (a hand-tuned reference
-            run): the named classes ramp to these values on the same schedule, every other class stays at 1;
-            the window is still measured and reported. ``None`` (default): α from the SNRs.
-        diagnostic_interval: after the window, measure the SNR again (report only, the multipliers do not
-            change) in blocks of ``diagnostic_steps`` iterations starting every ``diagnostic_interval``
-            iterations after the window end; 0 (default) = no diagnostic.
-        diagnostic_steps: length of a diagnostic block in iterations (``None``: the window length); at most
-            ``diagnostic_interval``.
+        window_start: first iteration of the estimation window (0-based, see the module docstring; the
+            configuration's ``window_start`` is a 1-based step).
+        ramp_end: iteration at which the multipliers reach α (the configuration sets the end of the lr warm-up);
+            ``None`` or ``≤`` window end: a short ramp of ``min_ramp_steps``.
     """
 
+    window_steps: Optional[int] = option(None, "estimation window in iterations (default: 1% of the training "
+                                         "steps, at least 5)", flag="--mech-mols-window", type=int, key="window")
     window_start: int = 0
-    window_steps: Optional[int] = None
-    base: str = "vo"
-    clamp: Tuple[float, float] = (0.5, 2.0)
+    base: str = option("vo", "reference module (α = 1)", flag="--mech-mols-base", choices=MODULE_CLASSES)
+    clamp: Tuple[float, float] = option((0.5, 2.0), "clamp range of the multipliers (default 0.5 2.0)",
+                                        flag="--mech-mols-clamp", type=float, nargs=2, metavar=("MIN", "MAX"))
+    estimator: str = option("two_batch", "two_batch: free small/big-batch gradient norms; samples: K extra passes "
+                            "(reference)", flag="--mech-mols-estimator", choices=ESTIMATORS)
+    num_samples: int = option(4, "K for --mech-mols-estimator samples", flag="--mech-mols-samples", type=int,
+                              key="samples")
+    fused_qkv_rule: str = option("rows", "multiplier of the fused linear_qkv parameter from α_qk and α_vo",
+                                 flag="--mech-mols-fused-qkv-rule", choices=FUSED_QKV_RULES)
+    classes: Optional[Tuple[str, ...]] = option(None, "module classes to scale (default: embedding qk vo mlp head "
+                                                "router experts present)", flag="--mech-mols-classes", nargs="+",
+                                                choices=MODULE_CLASSES)
+    min_ramp_steps: int = option(10, "ramp length when the warm-up is over at the window end",
+                                 flag="--mech-mols-min-ramp", type=int, key="min_ramp")
+    scale_weight_decay: bool = option(True, "decoupled weight decay scales with the lr multiplier; the flag "
+                                      "compensates it instead (wd_mult = 1/multiplier)",
+                                      flag="--mech-mols-no-scale-weight-decay", inverted=True)
+    fixed_multipliers: Optional[Mapping[str, float]] = option(
+        None, "hand-set multipliers CLASS=MULT ... instead of the SNR estimate (a hand-tuned reference; other "
+        "classes stay at 1)", flag="--mech-mols-fixed", nargs="+", metavar="CLASS=MULT", key="fixed")
+    diagnostic_interval: int = option(0, "after the window, re-measure the SNR (report only) every N iterations "
+                                      "(0 = off)", flag="--mech-mols-diagnostic-interval", type=int)
+    diagnostic_steps: Optional[int] = option(None, "iterations per diagnostic measurement (default: the window "
+                                             "length)", flag="--mech-mols-diagnostic-steps", type=int)
     ramp_end: Optional[int] = None
-    min_ramp_steps: int = 10
-    classes: Optional[Tuple[str, ...]] = None
-    fused_qkv_rule: str = "rows"
-    estimator: str = "two_batch"
-    num_samples: int = 4
-    scale_weight_decay: bool = True
-    fixed_multipliers: Optional[Mapping[str, float]] = None
-    diagnostic_interval: int = 0
-    diagnostic_steps: Optional[int] = None
 
     def __post_init__(self):
         set_ = object.__setattr__
         set_(self, "window_start", _int_field("window_start", self.window_start, 0))
         set_(self, "window_steps", _int_field("window_steps", self.window_steps, 1, allow_none=True))
         if self.base not in MODULE_CLASSES:
-            raise ValueError(f"MoLSConfig.base: unknown module class {self.base!r}; expected one of "
+            raise BadSetting("base", f"MoLSConfig.base: unknown module class {self.base!r}; expected one of "
                              f"{', '.join(MODULE_CLASSES)}")
         try:
             lo, hi = (float(x) for x in self.clamp)
         except (TypeError, ValueError):
-            raise ValueError(f"MoLSConfig.clamp must be a (min, max) pair of numbers, got {self.clamp!r}") from None
+            raise BadSetting("clamp", f"MoLSConfig.clamp must be a (min, max) pair of numbers, got "
+                                      f"{self.clamp!r}") from None
         if not (math.isfinite(lo) and math.isfinite(hi) and 0.0 < lo <= 1.0 <= hi):
-            raise ValueError(f"MoLSConfig.clamp must satisfy 0 < min <= 1 <= max < inf, got {self.clamp!r}")
+            raise BadSetting("clamp", f"MoLSConfig.clamp must satisfy 0 < min <= 1 <= max < inf, got "
+                                      f"{self.clamp!r}")
         set_(self, "clamp", (lo, hi))
         set_(self, "ramp_end", _int_field("ramp_end", self.ramp_end, 0, allow_none=True))
         set_(self, "min_ramp_steps", _int_field("min_ramp_steps", self.min_ramp_steps, 0))
         if self.classes is not None:
             if isinstance(self.classes, str):
-                raise ValueError(f"MoLSConfig.classes must be a sequence of class names, got the string "
-                                 f"{self.classes!r}")
+                raise BadSetting("classes", f"MoLSConfig.classes must be a sequence of class names, got the "
+                                            f"string {self.classes!r}")
             classes = tuple(self.classes)
             if not classes:
-                raise ValueError("MoLSConfig.classes must name at least one module class (or be None)")
+                raise BadSetting("classes", "MoLSConfig.classes must name at least one module class (or be None)")
             unknown = [c for c in classes if c not in MODULE_CLASSES]
             if unknown:
-                raise ValueError(f"MoLSConfig.classes: unknown module class(es) {unknown}; expected some of "
-                                 f"{', '.join(MODULE_CLASSES)}")
+                raise BadSetting("classes", f"MoLSConfig.classes: unknown module class(es) {unknown}; expected "
+                                            f"some of {', '.join(MODULE_CLASSES)}")
             if len(set(classes)) != len(classes):
-                raise ValueError(f"MoLSConfig.classes has duplicates: {classes}")
+                raise BadSetting("classes", f"MoLSConfig.classes has duplicates: {classes}")
             set_(self, "classes", classes)
         if self.fused_qkv_rule not in FUSED_QKV_RULES:
-            raise ValueError(f"MoLSConfig.fused_qkv_rule must be one of {', '.join(FUSED_QKV_RULES)}, got "
-                             f"{self.fused_qkv_rule!r}")
+            raise BadSetting("fused_qkv_rule", f"MoLSConfig.fused_qkv_rule must be one of "
+                                               f"{', '.join(FUSED_QKV_RULES)}, got {self.fused_qkv_rule!r}")
         if self.estimator not in ESTIMATORS:
-            raise ValueError(f"MoLSConfig.estimator must be one of {', '.join(ESTIMATORS)}, got "
-                             f"{self.estimator!r}")
+            raise BadSetting("estimator", f"MoLSConfig.estimator must be one of {', '.join(ESTIMATORS)}, got "
+                                          f"{self.estimator!r}")
         set_(self, "num_samples", _int_field("num_samples", self.num_samples, 2))
         if not isinstance(self.scale_weight_decay, bool):
-            raise ValueError(f"MoLSConfig.scale_weight_decay must be a bool, got {self.scale_weight_decay!r}")
+            raise BadSetting("scale_weight_decay", f"MoLSConfig.scale_weight_decay must be a bool, got "
+                                                   f"{self.scale_weight_decay!r}")
         if self.fixed_multipliers is not None:
             set_(self, "fixed_multipliers", check_fixed_multipliers(self.fixed_multipliers))
         set_(self, "diagnostic_interval", _int_field("diagnostic_interval", self.diagnostic_interval, 0))
         set_(self, "diagnostic_steps", _int_field("diagnostic_steps", self.diagnostic_steps, 1, allow_none=True))
         if self.diagnostic_interval and self.diagnostic_steps and self.diagnostic_steps > self.diagnostic_interval:
-            raise ValueError(f"MoLSConfig.diagnostic_steps ({self.diagnostic_steps}) must not exceed "
-                             f"diagnostic_interval ({self.diagnostic_interval})")
+            raise BadSetting("diagnostic_steps", f"MoLSConfig.diagnostic_steps ({self.diagnostic_steps}) must not "
+                                                 f"exceed diagnostic_interval ({self.diagnostic_interval})")
         if self.diagnostic_interval and self.estimator != "two_batch":
-            raise ValueError("MoLSConfig.diagnostic_interval needs estimator='two_batch' (the samples estimator "
-                             "would cost K extra passes per diagnostic step)")
+            raise BadSetting("diagnostic_interval", "MoLSConfig.diagnostic_interval needs estimator='two_batch' (the "
+                                                    "samples estimator would cost K extra passes per diagnostic step)")
 
     @property
     def window_end(self) -> int:
@@ -577,6 +595,15 @@ class MoLSController:
             c for c in MODULE_CLASSES if c in set(measured))
         return tuple(c for c in DEFAULT_SCALED_CLASSES if c in pool)
 
+    def _not_estimated(self, est: Mapping[str, SNREstimate]) -> Optional[str]:
+        """Why the window estimates ``est`` give no α (``None``: they do): the window observed nothing, or the base
+        class has no usable SNR."""
+        if not est:
+            return (f"the estimation window (iterations {self.config.window_start}..{self.window_end - 1}) observed "
+                    f"nothing")
+        base = est.get(self.config.base)
+        return None if base is not None and _usable_snr(base.snr) else self._base_failure(base)
+
     def _base_failure(self, e: Optional[SNREstimate]) -> str:
         """Why the base class's window estimate gives no SNR, and what to do (the record's and log's text)."""
         cfg = self.config
@@ -625,23 +652,16 @@ class MoLSController:
         lo, hi = cfg.clamp
         self.raw_alphas, self.alphas, self.clamped, self.degenerate = {}, {}, {}, {}
 
-        def usable(s: Optional[float]) -> bool:
-            return s is not None and math.isfinite(s) and s > 0
-
-        self.not_estimated_reason = None
+        usable = _usable_snr
+        base_s = est[cfg.base].snr if cfg.base in est else None
+        self.not_estimated_reason = self._not_estimated(est)
         if not est:
             warnings.warn(f"MoLS: the estimation window (iterations {cfg.window_start}..{self.window_end - 1}) "
                           f"observed nothing; every multiplier stays 1.0", MoLSWarning, stacklevel=2)
-            base_s = None
-            self.not_estimated_reason = (f"the estimation window (iterations {cfg.window_start}.."
-                                         f"{self.window_end - 1}) observed nothing")
-        else:
-            base_s = est[cfg.base].snr if cfg.base in est else None
-            if not usable(base_s):
-                why = "was not observed" if base_s is None else f"has S = {base_s}"
-                warnings.warn(f"MoLS: the base module {cfg.base!r} {why}; no SNR ratio can be formed, every "
-                              f"multiplier stays 1.0", MoLSWarning, stacklevel=2)
-                self.not_estimated_reason = self._base_failure(est.get(cfg.base))
+        elif not usable(base_s):
+            why = "was not observed" if base_s is None else f"has S = {base_s}"
+            warnings.warn(f"MoLS: the base module {cfg.base!r} {why}; no SNR ratio can be formed, every "
+                          f"multiplier stays 1.0", MoLSWarning, stacklevel=2)
         for k in measured:
             s = est[k].snr
             if usable(base_s) and usable(s):
@@ -853,13 +873,10 @@ class MoLSController:
         if "not_estimated_reason" in state:
             reason = state["not_estimated_reason"]
             self.not_estimated_reason = None if reason is None else str(reason)
-        else:  # a state saved before the key existed: judge the saved base estimate again
-            self.not_estimated_reason = None
-            base = self.snr.get(self.config.base)
-            usable = base is not None and math.isfinite(base["snr"]) and base["snr"] > 0
-            if phase == "done" and not usable:
-                self.not_estimated_reason = self._base_failure(None if base is None else SNREstimate(
-                    grad_sq=base["grad_sq"], trace_cov=base["trace_cov"], snr=base["snr"], steps=int(base["steps"])))
+        else:  # a state saved before the key existed: judge the saved estimates as finalize does
+            self.not_estimated_reason = None if phase != "done" else self._not_estimated(
+                {k: SNREstimate(grad_sq=v["grad_sq"], trace_cov=v["trace_cov"], snr=v["snr"], steps=v["steps"])
+                 for k, v in self.snr.items()})
         self.diagnostics = [{"start": int(d["start"]), "end": int(d["end"]),
                              "snr": {str(k): float(v) for k, v in d["snr"].items()},
                              "alpha": {str(k): float(v) for k, v in d["alpha"].items()}}

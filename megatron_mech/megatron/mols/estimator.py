@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
-from megatron_mech.core.mols import MoLSConfig, MoLSController, default_window
+from megatron_mech.core.mols import MoLSConfig, MoLSController
 from megatron_mech.core.snr import sample_snr
 from megatron_mech.core.taxonomy import MODULE_CLASSES, ModuleTaxonomy
 from megatron_mech.megatron.mols.grad_norms import KEY_INDEX, KEYS, NUM_KEYS, GradNormReader
@@ -176,14 +176,7 @@ class MegatronMoLS:
         options = section_from_flags(MoLSOptions, args)
         if not options.enabled:
             return _DisabledMoLS()
-        steps = train_steps(args)
-        if not steps:
-            raise ValueError("--mech-mols needs --train-iters (or --train-samples) to size the estimation window")
-        config = options.core_config(window=options.window if options.window is not None else default_window(steps),
-                                     ramp_end=lr_warmup_steps(args))
-        if config.window_end > steps:
-            raise ValueError(f"--mech-mols-window: the estimation window (steps {config.window_start + 1}.."
-                             f"{config.window_end}) does not fit in --train-iters {steps}")
+        config = options.core_config(train_steps=train_steps(args), ramp_end=lr_warmup_steps(args))
         return cls(config, model_chunks, optimizer_config, global_batch_size=int(args.global_batch_size),
                    micro_batch_size=int(args.micro_batch_size), taxonomy=taxonomy, log=log)
 
