@@ -4,11 +4,19 @@ nothing of them, and the studies add their flags and split their ``"fault"`` key
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
+import pathlib
+import re
+from typing import Optional
 
 import pytest
 
+import megatron_mech
 from megatron_mech.config import DetectorOverrides, MechConfig, MoLSOptions, MonitorConfig, OutputConfig
+from megatron_mech.core.detect import DetectorConfig
+from megatron_mech.core.mols import MoLSConfig
+from megatron_mech.options import field_key, option, settings_of
 from megatron_mech.studies.fault_config import FaultConfig, add_fault_arguments, split_fault_section
 
 SECTIONS = (MonitorConfig, DetectorOverrides, MoLSOptions, OutputConfig, MechConfig)
@@ -318,3 +326,129 @@ def test_every_attention_monitor_field_is_set_by_one_flagged_monitor_setting():
     with pytest.raises(BadSetting) as info:
         AttentionMonitorConfig(krylov_block=0)
     assert info.value.field == "krylov_block" and isinstance(info.value, ValueError)
+
+
+# ------------------------------------------------------------------------------------------------ MoLS and detector
+def _core_settings(core):
+    """The fields ``core`` declares as settings (with option()), by the key a config section gives them."""
+    return {field_key(core, f.name): f for f in dataclasses.fields(core) if "doc" in f.metadata}
+
+
+@pytest.mark.parametrize("section, core, name, own, help_of", [
+    (MoLSOptions, MoLSConfig, "mols", ("enabled", "window_start"), "{}"),
+    (DetectorOverrides, DetectorConfig, "detector", (), "override the {} (default: per rule)"),
+], ids=["mols", "detector"])
+def test_mols_and_detector_settings_are_declared_once_by_the_core(section, core, name, own, help_of):
+    """The section's settings are the core's declarations: its fields besides its own are the core's settings in
+    the core's order, its JSON keys are those and its own, and each flag's help is the core field's doc."""
+    settings = _core_settings(core)
+    assert settings, f"{core.__name__} declares no setting"
+    assert [f.name for f in dataclasses.fields(section) if f.name not in own] == list(settings)
+    assert set(MechConfig().to_dict()[name]) == set(own) | set(settings)
+    helps = {a.option_strings[0]: a.help for a in _parser()._actions if a.option_strings}
+    ours = {f.name: f for f in dataclasses.fields(section)}
+    for key, f in settings.items():
+        assert ours[key].metadata["flag"] == f.metadata["flag"]
+        assert helps[f.metadata["flag"]].replace("%%", "%") == help_of.format(f.metadata["doc"])
+        default = f.default if help_of == "{}" else None  # an override keeps the rule's value by default
+        assert getattr(section(), key) == default
+
+
+def test_every_flag_is_declared_once_in_the_package():
+    root = pathlib.Path(megatron_mech.__file__).parent
+    found = collections.Counter(flag for path in root.rglob("*.py")
+                                for flag in re.findall(r'flag="(--mech-[a-z0-9-]+)"', path.read_text()))
+    assert found["--mech-mols-window"] == 1 and found["--mech-detector-threshold"] == 1
+    assert [flag for flag, n in found.items() if n > 1] == []
+
+
+def test_a_section_cannot_declare_a_core_setting_again():
+    with pytest.raises(TypeError, match=r"declares \['window'\] again; MoLSConfig declares them"):
+        @dataclasses.dataclass
+        @settings_of(MoLSConfig)
+        class Twice:
+            window: Optional[int] = option(None, "estimation window", flag="--mech-mols-window", type=int)
+
+
+_EVERY_MOLS_SETTING = dict(enabled=True, window=4, window_start=3, base="qk", clamp=(0.25, 4.0), samples=3,
+                           fused_qkv_rule="qk", classes=("qk", "vo"), min_ramp=2, scale_weight_decay=False,
+                           fixed=("qk=0.5",), diagnostic_interval=8, diagnostic_steps=2)
+_EVERY_MOLS_FLAG = ["--mech-mols", "--mech-mols-window", "4", "--mech-mols-window-start", "3", "--mech-mols-base", "qk",
+                    "--mech-mols-clamp", "0.25", "4", "--mech-mols-samples", "3", "--mech-mols-fused-qkv-rule", "qk",
+                    "--mech-mols-classes", "qk", "vo", "--mech-mols-min-ramp", "2",
+                    "--mech-mols-no-scale-weight-decay", "--mech-mols-fixed", "qk=0.5",
+                    "--mech-mols-diagnostic-interval", "8", "--mech-mols-diagnostic-steps", "2",
+                    "--mech-detector-warmup", "2", "--mech-detector-baseline", "4", "--mech-detector-threshold", "3.5",
+                    "--mech-detector-persistence", "2"]
+
+
+def test_every_mols_and_detector_setting_round_trips_and_reaches_the_core():
+    mols = MoLSOptions(**_EVERY_MOLS_SETTING)
+    # every setting but the estimator differs from its default (the diagnostic needs the default two_batch)
+    assert [f.name for f in dataclasses.fields(MoLSOptions)
+            if getattr(mols, f.name) == getattr(MoLSOptions(), f.name)] == ["estimator"]
+    c = MechConfig(mols=mols, detector=DetectorOverrides(warmup=2, baseline=4, threshold=3.5, persistence=2))
+    assert MechConfig.from_dict(c.to_dict()) == c
+    assert MechConfig.from_flags(_parser().parse_args(_EVERY_MOLS_FLAG)) == c
+    assert MechConfig.from_dict(MechConfig.from_flags(_parser().parse_args([])).to_dict()) == MechConfig()
+    # the core gets each setting under its own name; the first step 3 is iteration 2
+    assert mols.core_config(train_steps=100, ramp_end=20) == MoLSConfig(
+        window_steps=4, window_start=2, base="qk", clamp=(0.25, 4.0), num_samples=3, fused_qkv_rule="qk",
+        classes=("qk", "vo"), min_ramp_steps=2, scale_weight_decay=False, fixed_multipliers={"qk": 0.5},
+        diagnostic_interval=8, diagnostic_steps=2, ramp_end=20)
+    rules = DetectorConfig(**c.detector.as_rule_fields())
+    assert (rules.warmup, rules.baseline, rules.threshold, rules.persistence) == (2, 4, 3.5, 2)
+
+
+def test_run_dependent_mols_values_are_filled_in_by_core_config():
+    default = MoLSOptions(enabled=True)
+    assert (default.core_config(train_steps=1000, ramp_end=50).window_steps,
+            default.core_config(train_steps=1000, ramp_end=50).ramp_end) == (10, 50)  # 1% of 1000
+    assert default.core_config(train_steps=100, ramp_end=None).window_steps == 5  # at least 5
+    assert MoLSOptions(window_start=1).core_config(train_steps=100, ramp_end=None).window_start == 0
+    with pytest.raises(ValueError, match=r"--mech-mols needs the number of training steps"):
+        default.core_config(train_steps=None, ramp_end=None)
+    with pytest.raises(ValueError) as info:
+        MoLSOptions(window=5, window_start=4).core_config(train_steps=7, ramp_end=None)
+    assert str(info.value) == "--mech-mols-window: the estimation window (steps 4..8) does not fit in --train-iters 7"
+
+
+_BAD_MOLS = [
+    (["--mech-mols-window", "0"], {"mols": {"window": 0}},
+     "--mech-mols-window: MoLSConfig.window_steps must be >= 1, got 0 (an empty estimation window)"),
+    (["--mech-mols-samples", "1"], {"mols": {"samples": 1}},
+     "--mech-mols-samples: MoLSConfig.num_samples must be >= 2, got 1"),
+    (["--mech-mols-min-ramp", "-1"], {"mols": {"min_ramp": -1}},
+     "--mech-mols-min-ramp: MoLSConfig.min_ramp_steps must be >= 0, got -1"),
+    (["--mech-mols-clamp", "3", "4"], {"mols": {"clamp": [3, 4]}},
+     "--mech-mols-clamp: MoLSConfig.clamp must satisfy 0 < min <= 1 <= max < inf, got (3.0, 4.0)"),
+    (["--mech-mols-classes", "qk", "qk"], {"mols": {"classes": ["qk", "qk"]}},
+     "--mech-mols-classes: MoLSConfig.classes has duplicates: ('qk', 'qk')"),
+    (["--mech-mols-diagnostic-interval", "4", "--mech-mols-diagnostic-steps", "5"],
+     {"mols": {"diagnostic_interval": 4, "diagnostic_steps": 5}},
+     "--mech-mols-diagnostic-steps: MoLSConfig.diagnostic_steps (5) must not exceed diagnostic_interval (4)"),
+    (["--mech-mols-diagnostic-interval", "4", "--mech-mols-estimator", "samples"],
+     {"mols": {"diagnostic_interval": 4, "estimator": "samples"}},
+     "--mech-mols-diagnostic-interval: MoLSConfig.diagnostic_interval needs estimator='two_batch' (the samples "
+     "estimator would cost K extra passes per diagnostic step)"),
+    (["--mech-mols-window-start", "-2"], {"mols": {"window_start": -2}},
+     "--mech-mols-window-start must be an integer >= 0, got -2"),
+    (["--mech-mols-fixed", "qk=0"], {"mols": {"fixed": ["qk=0"]}},
+     "--mech-mols-fixed: MoLSConfig.fixed_multipliers['qk'] must be a positive finite number, got 0.0"),
+    (["--mech-detector-threshold", "-1"], {"detector": {"threshold": -1}},
+     "--mech-detector-threshold: threshold must be a finite number > 0, got -1.0"),
+    (["--mech-detector-warmup", "-1"], {"detector": {"warmup": -1}},
+     "--mech-detector-warmup: warmup must be an int >= 0, got -1"),
+]
+
+
+@pytest.mark.parametrize("argv, data, message", _BAD_MOLS, ids=[" ".join(argv) for argv, _, _ in _BAD_MOLS])
+def test_bad_mols_and_detector_values_name_their_flag_from_flags_and_from_a_dict(argv, data, message):
+    """The core's checks name their field (BadSetting.field); the configuration names the flag, whichever way the
+    value came (a range is checked once, by the core, so a dict key's error names the flag too)."""
+    with pytest.raises(ValueError) as info:
+        MechConfig.from_flags(_parser().parse_args(argv))
+    assert str(info.value) == message
+    with pytest.raises(ValueError) as info:
+        MechConfig.from_dict(data)
+    assert str(info.value) == message

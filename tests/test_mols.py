@@ -177,6 +177,32 @@ def test_negative_base_estimate_is_reported_not_estimated_with_the_reason():
     assert good.metrics(50)["mols/status"] == "estimated" and "mols/status_reason" not in good.metrics(50)
 
 
+def test_a_state_saved_before_the_reason_was_kept_is_judged_as_finalize_judges():
+    """An empty window (nothing observed) restored from a state without ``not_estimated_reason`` gets the reason
+    finalize gave, not one about the base class alone."""
+    empty = MoLSController(MoLSConfig(window_start=3, window_steps=2), classes_present=PRESENT)
+    with pytest.warns(MoLSWarning, match="observed nothing"):
+        empty.maybe_finalize(4)
+    reason = empty.not_estimated_reason
+    assert reason == "the estimation window (iterations 3..4) observed nothing"
+    old = copy.deepcopy(empty.state_dict())
+    del old["not_estimated_reason"]
+    restored = MoLSController(MoLSConfig(window_start=3, window_steps=2), classes_present=PRESENT)
+    restored.load_state_dict(old)
+    assert restored.status == "not_estimated" and restored.not_estimated_reason == reason
+
+
+def test_state_config_keeps_the_core_field_names_and_iterations():
+    """The checkpointed config is the core's: iterations, ``window_steps``, ``num_samples``... (what a checkpoint
+    holds does not follow the names a user writes)."""
+    cfg = MoLSConfig(window_start=2, window_steps=6, ramp_end=14, fixed_multipliers={"qk": 0.5})
+    state = MoLSController(cfg, classes_present=PRESENT).state_dict()
+    assert state["config"] == {"window_start": 2, "window_steps": 6, "base": "vo", "clamp": [0.5, 2.0], "ramp_end": 14,
+                               "min_ramp_steps": 10, "classes": None, "fused_qkv_rule": "rows",
+                               "estimator": "two_batch", "num_samples": 4, "scale_weight_decay": True,
+                               "fixed_multipliers": {"qk": 0.5}, "diagnostic_interval": 0, "diagnostic_steps": None}
+
+
 def test_two_batch_variance_formula_of_the_readme():
     """The per-step variance of the two-batch ‖G‖² estimate that the README's window rule comes from,
     Var = 2·tr(Σ²)/(k(k−1)·b²) + 4·GᵀΣG/B (k small batches of b examples partition the big batch B = k·b),
