@@ -8,7 +8,9 @@ Every field is declared with :func:`megatron_mech.options.option` (its doc and i
 * :meth:`MechConfig.from_dict` builds it from a plain dict (the ``"mech"`` section of a DeepSpeed JSON config),
   rejecting unknown keys and values of the wrong type by their key path; :meth:`MechConfig.to_dict` writes one.
 
-Each section validates itself once, in ``__post_init__``, and raises ``ValueError`` naming the setting.
+Each section validates itself once, in ``__post_init__``, and raises ``ValueError`` naming the setting. The MoLS and
+detector sections take their settings from the math core's own declarations (``MoLSConfig``, ``DetectorConfig``;
+:func:`megatron_mech.options.settings_of`) and its checks.
 
 JSON / dict shape (every key optional)::
 

@@ -221,24 +221,16 @@ def section_to_dict(obj: Any) -> dict:
     return out
 
 
-def _settings(source: type, names: Optional[Sequence[str]]) -> list:
-    """The fields of ``source`` declared with :func:`option` (those named in ``names``, in ``source``'s order)."""
-    declared = [f for f in dataclasses.fields(source) if "doc" in f.metadata]
-    if names is None:
-        return declared
-    unknown = sorted(set(names) - {f.name for f in declared})
-    if unknown:
-        raise TypeError(f"{source.__name__} declares no setting {unknown}")
-    return [f for f in declared if f.name in names]
+def _settings(source: type) -> list:
+    """The fields of ``source`` declared with :func:`option`, in ``source``'s order."""
+    return [f for f in dataclasses.fields(source) if "doc" in f.metadata]
 
 
-def settings_of(source: type, *, names: Optional[Sequence[str]] = None,
-                override: Optional[str] = None) -> Callable[[type], type]:
+def settings_of(source: type, *, override: Optional[str] = None) -> Callable[[type], type]:
     """Class decorator, below ``@dataclass``: the decorated config section gets the settings that the dataclass
     ``source`` declares with :func:`option` — the same doc, flag, type, choices, nargs and default, each named by
     its ``key`` (default its field name), in ``source``'s order — so a setting is declared once, by its owner.
 
-    * ``names``: only these of ``source``'s settings (default: all of them).
     * ``override``: the section holds overrides of ``source``'s values: every field is ``Optional`` with default
       ``None`` (keep ``source``'s value) and its doc is ``override.format(doc)``.
     * The section's own fields come first, except one named like a field of ``source`` that is not a setting
@@ -249,9 +241,8 @@ def settings_of(source: type, *, names: Optional[Sequence[str]] = None,
     def decorate(section: type) -> type:
         own = dict(section.__dict__.get("__annotations__", {}))
         hints = typing.get_type_hints(source)
-        settings = _settings(source, names)
-        taken = {f.metadata.get("key") or f.name for f in settings}
-        twice = sorted(taken & set(own))
+        settings = _settings(source)
+        twice = sorted({f.metadata.get("key") or f.name for f in settings} & set(own))
         if twice:
             raise TypeError(f"{section.__name__} declares {twice} again; {source.__name__} declares them")
         placed = {f.name for f in dataclasses.fields(source) if f.name in own}
@@ -261,22 +252,22 @@ def settings_of(source: type, *, names: Optional[Sequence[str]] = None,
                 annotations[f.name] = own[f.name]
             elif f in settings:
                 key = f.metadata.get("key") or f.name
-                meta = dict(f.metadata)
                 if override is None:
                     annotations[key] = hints[f.name]
-                    setattr(section, key, dataclasses.field(default=f.default, default_factory=f.default_factory,
-                                                            metadata=meta))
+                    declared = dataclasses.field(default=f.default, default_factory=f.default_factory,
+                                                 metadata=f.metadata)
                 else:
-                    meta["doc"] = override.format(meta["doc"])
                     annotations[key] = Optional[hints[f.name]]
-                    setattr(section, key, dataclasses.field(default=None, metadata=meta))
+                    declared = dataclasses.field(default=None, metadata={**f.metadata,
+                                                                         "doc": override.format(f.metadata["doc"])})
+                setattr(section, key, declared)
         section.__annotations__ = annotations
         return section
 
     return decorate
 
 
-def settings_values(section: Any, source: type, names: Optional[Sequence[str]] = None) -> dict:
+def settings_values(section: Any, source: type) -> dict:
     """The values of the settings ``section`` took from ``source`` (:func:`settings_of`), as keyword arguments of
     ``source``: ``{field name: the section's value under the setting's key}``."""
-    return {f.name: getattr(section, f.metadata.get("key") or f.name) for f in _settings(source, names)}
+    return {f.name: getattr(section, f.metadata.get("key") or f.name) for f in _settings(source)}
