@@ -77,7 +77,7 @@ from megatron_mech.core.attribution import alert_lines
 from megatron_mech.core.detect import Alert, DetectorRegistry, default_rules
 from megatron_mech.model_view import ModelView
 
-__all__ = ["Action", "Extension", "MechHook", "STATE_VERSION", "any_rank", "naming_damaged_state"]
+__all__ = ["Action", "Extension", "MechHook", "STATE_VERSION", "StateError", "any_rank", "naming_damaged_state"]
 
 logger = logging.getLogger("megatron_mech")
 
@@ -104,18 +104,27 @@ def any_rank(flag: bool, group=None) -> bool:
     return bool(t.item() > 0)
 
 
+class StateError(ValueError):
+    """A saved state that cannot be loaded, with a message that already names where it came from (:attr:`source`:
+    a checkpoint file, a framework's checkpoint)."""
+
+    def __init__(self, source: str, message: str):
+        super().__init__(message)
+        self.source = source
+
+
 @contextlib.contextmanager
 def naming_damaged_state(source: str):
-    """Turn a damaged saved state's raw error (a missing entry, a value of the wrong type) into one that names
-    ``source`` and what is wrong."""
+    """Turn a damaged saved state's raw error (a missing entry, a value of the wrong type) into a
+    :class:`StateError` that names ``source`` and what is wrong (one that already names its source passes on)."""
     try:
         yield
+    except StateError:
+        raise
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
         what = f"missing entry {exc.args[0]!r}" if isinstance(exc, KeyError) and exc.args else f"{exc}"
-        if str(exc).startswith(source):
-            raise
-        raise ValueError(f"{source}: the megatron-mech state is damaged or was written by another configuration "
-                         f"({type(exc).__name__}: {what})") from exc
+        raise StateError(source, f"{source}: the megatron-mech state is damaged or was written by another "
+                                 f"configuration ({type(exc).__name__}: {what})") from exc
 
 
 class Extension:
@@ -518,13 +527,13 @@ class MechHook:
         source = source or "the megatron-mech state"  # an adapter that knows no file passes None
         version = state.get("version") if isinstance(state, dict) else None
         if version not in (1, STATE_VERSION):
-            raise ValueError(f"{source}: not a megatron-mech state (version {version!r}; this release reads 1 and "
-                             f"{STATE_VERSION})")
+            raise StateError(source, f"{source}: not a megatron-mech state (version {version!r}; this release reads "
+                                     f"1 and {STATE_VERSION})")
         saved, current = self._saved_interval(state), self._monitored_interval()
         if saved is not None and current is not None and saved != current:
-            raise ValueError(f"{source} was saved with --mech-interval {saved} "
-                             f"(mech.monitors.interval), this run has --mech-interval {current}: the records would "
-                             f"mix evaluation intervals. Resume with --mech-interval {saved}")
+            raise StateError(source, f"{source} was saved with --mech-interval {saved} (mech.monitors.interval), this "
+                                     f"run has --mech-interval {current}: the records would mix evaluation "
+                                     f"intervals. Resume with --mech-interval {saved}")
         if self.mols is not None and state.get("mols"):
             self.mols.load_state_dict(state["mols"])
         self._saved_steps = sorted(set(self._saved_steps) | {int(s) for s in state.get("saved_steps") or ()})

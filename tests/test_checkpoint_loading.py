@@ -157,3 +157,21 @@ def test_a_state_loaded_without_a_source_names_the_state_not_none():
     hook.load_state_dict(mech, source=None)
     with pytest.raises(ValueError, match="^the megatron-mech state: .*missing entry 'unmonitored'"):
         hook.setup(view, None, start_step=5)
+
+
+def test_naming_damaged_state_knows_an_error_that_names_its_source_by_its_type_not_its_text():
+    """A StateError (it names its source) passes on unchanged, also through an enclosing context; any other error
+    is named as damaged state, even one whose text happens to begin with the source's name."""
+    from megatron_mech.hook import StateError, naming_damaged_state
+
+    named = StateError("checkpoint file a.pt", "checkpoint file a.pt was saved with --mech-interval 10")
+    with pytest.raises(StateError) as info:
+        with naming_damaged_state("checkpoint file a.pt"):
+            with naming_damaged_state("checkpoint file a.pt"):
+                raise named
+    assert info.value is named
+    with pytest.raises(StateError) as info:
+        with naming_damaged_state("checkpoint file a.pt"):
+            raise ValueError("checkpoint file a.pt: the number 3 is not a list")  # a raw check's own text
+    assert str(info.value) == ("checkpoint file a.pt: the megatron-mech state is damaged or was written by another "
+                               "configuration (ValueError: checkpoint file a.pt: the number 3 is not a list)")
