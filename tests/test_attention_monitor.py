@@ -20,6 +20,7 @@ import torch
 from dist_utils import run_torchrun
 from megatron_mech.core.detect import DetectorRegistry
 from megatron_mech.monitors import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
+from megatron_mech.monitors.attention import BadSetting
 from megatron_mech.core.spectral import qk_increment_spectra_dense
 
 WORKER = Path(__file__).parent / "workers" / "attention_monitor_worker.py"
@@ -148,7 +149,7 @@ def test_schedule_aligned_to_interval():
 def test_power_and_terms_config():
     weight = make_weight(4, 2)
     updates = make_updates(weight.shape, 4)
-    cfg = exact_config(interval=2, qk_terms=("delta2",), power=1.0, qk_method="qr")
+    cfg = exact_config(interval=2, qk_terms=("delta2",), entropy_power=1.0, qk_method="qr")
     monitor = AttentionMonitor([AttentionLayer(0, weight, 4, 2, HEAD_DIM)], cfg)
     history = {}
     results = run_loop(monitor, weight, updates, 4, history=history)
@@ -210,7 +211,7 @@ def test_extra_linears_and_slice_scope_single_process():
 def test_state_dict_round_trip_mid_run(save):
     h, g, steps = 4, 2, 15
     updates = make_updates(make_weight(h, g).shape, steps)
-    cfg = exact_config(interval=3, save_snapshots=save)
+    cfg = exact_config(interval=3, checkpoint_snapshots=save)
 
     weight_a = make_weight(h, g)
     full = run_loop(AttentionMonitor([AttentionLayer(0, weight_a, h, g, HEAD_DIM)], cfg), weight_a, updates, steps)
@@ -325,12 +326,13 @@ def test_metric_names_match_detector_rules():
 
 @pytest.mark.parametrize("field,value", [
     ("interval", 0), ("interval", 2.5), ("dw_scope", "local"), ("qk_terms", ("delta4",)),
-    ("qk_terms", "delta2"), ("qk_terms", ("delta2", "delta2")), ("qk_method", "svd"), ("power", 0.0),
-    ("power", math.nan), ("snapshot_device", "nowhere"), ("save_snapshots", "yes"), ("bucket_mb", -1.0),
+    ("qk_terms", "delta2"), ("qk_terms", ("delta2", "delta2")), ("qk_method", "svd"), ("entropy_power", 0.0),
+    ("entropy_power", math.nan), ("snapshot_device", "nowhere"), ("checkpoint_snapshots", "yes"), ("bucket_mb", -1.0),
 ])
 def test_bad_config_raises_naming_field(field, value):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(BadSetting) as info:  # a ValueError that names the field
         AttentionMonitorConfig(**{field: value})
+    assert info.value.field == field and isinstance(info.value, ValueError)
 
 
 def test_bad_layers_and_state_raise():
@@ -423,6 +425,6 @@ def test_krylov_route_equals_gram_route_when_the_basis_spans(scope):
 def test_auto_route_picks_gram_up_to_gram_max_dim():
     cfg = AttentionMonitorConfig()
     assert [cfg.route(k) for k in (1024, 4096, 8192)] == ["gram", "gram", "krylov"]
-    assert AttentionMonitorConfig(power=1.0).route(8192) == "gram"     # Krylov computes p ∝ σ² only
+    assert AttentionMonitorConfig(entropy_power=1.0).route(8192) == "gram"     # Krylov computes p ∝ σ² only
     with pytest.raises(ValueError, match="power"):
-        AttentionMonitorConfig(dw_route="krylov", power=1.0)
+        AttentionMonitorConfig(dw_route="krylov", entropy_power=1.0)
