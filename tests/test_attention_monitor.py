@@ -358,6 +358,48 @@ def test_bad_layers_and_state_raise():
         AttentionMonitor([AttentionLayer(0, w, 4, 2, HEAD_DIM)]).load_state_dict(state)
 
 
+def _damaged(state: dict, damage: str) -> dict:
+    state = {**state, "snapshots": {"layers": [dict(s) for s in state["snapshots"]["layers"]],
+                                    "extras": dict(state["snapshots"]["extras"])}}
+    if damage == "version":
+        state["version"] = 7
+    elif damage == "layers":
+        state["layers"] = [1]
+    elif damage == "extras":
+        state["extras"] = ["other"]
+    elif damage == "tp_rank":
+        state["tp_rank"] = 1
+    elif damage == "layer snapshot":
+        state["snapshots"]["layers"][0]["k"] = torch.zeros(3, 3)
+    elif damage == "extra snapshot":
+        state["snapshots"]["extras"]["fc"] = torch.zeros(3, 3)
+    return state
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("version", "unsupported AttentionMonitor state version 7"),
+    ("layers", "state is for layers [1], this monitor has [0]"),
+    ("extras", "state is for extra linears ['other'], this monitor has ['fc']"),
+    ("tp_rank", "state was saved by tensor-parallel rank 1, this is rank 0 (snapshots are local shards)"),
+    ("layer snapshot", f"layer 0: snapshot k has shape (3, 3), expected ({2 * HEAD_DIM}, {D_MODEL})"),
+    ("extra snapshot", "extra linear 'fc': snapshot shape (3, 3) != (5, 6)"),
+])
+def test_load_state_dict_refuses_a_state_that_is_not_this_monitors(damage, message):
+    def build():
+        return AttentionMonitor([AttentionLayer(0, make_weight(4, 2), 4, 2, HEAD_DIM)],
+                                extra_linears={"fc": (torch.ones(5, 6), 0)})
+
+    saved = build()
+    saved.observe(0)
+    state = saved.state_dict()
+    fresh = build()
+    fresh.load_state_dict(state)   # the undamaged state loads
+    assert fresh.snapshot_step == 0
+    with pytest.raises(ValueError) as info:
+        build().load_state_dict(_damaged(state, damage))
+    assert str(info.value) == message
+
+
 def test_monitor_without_layers_is_harmless():
     monitor = AttentionMonitor([], AttentionMonitorConfig(interval=2))
     assert monitor.observe(0) is None
