@@ -29,9 +29,10 @@ The package, one concept a module:
 * :mod:`.dp_split` — the data-parallel work split and the one all-reduce combining the replicas' results;
 * :mod:`.snapshots` — the snapshot store, its dtype policy and its checkpoint form;
 * :mod:`.layout` — the reduce buffer's layout; :mod:`.dw_slots` — one ΔW in it, by route (Gram or Krylov);
-  :mod:`.qk_heads` — the per-head QK-increment entropies in it;
+  :mod:`.qk_heads` — the per-head QK-increment entropies in it; :mod:`.evaluation` — a replica's units evaluated
+  bucket by bucket;
 * :mod:`.names` — the metric names, one table;
-* :mod:`.monitor` — :class:`AttentionMonitor`: schedule, evaluation, checkpoint state.
+* :mod:`.monitor` — :class:`AttentionMonitor`: schedule, metrics from the table, checkpoint state.
 """
 from megatron_mech.monitors.attention.layer import AttentionLayer
 from megatron_mech.monitors.attention.monitor import AttentionMonitor
