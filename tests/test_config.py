@@ -344,8 +344,8 @@ def test_every_attention_setting_is_declared_once_by_the_monitor():
     for name, f in section_fields.items():
         flag = f.metadata.get("flag")
         assert flag and flag in declared, f"MonitorConfig.{name}: flag {flag!r} is not an option() declaration"
-        expected = "megatron_mech/monitors/attention/settings.py" if name in monitor_fields else "megatron_mech/config.py"
-        assert declared[flag][0][0] == expected, (name, declared[flag])
+        home = "monitors/attention/settings.py" if name in monitor_fields else "config.py"
+        assert declared[flag][0][0] == f"megatron_mech/{home}", (name, declared[flag])
 
     with pytest.raises(BadSetting) as info:  # each check names its field, which is the section's field
         AttentionMonitorConfig(krylov_block=0)

@@ -85,7 +85,8 @@ class SnapshotStore:
                     raise ValueError(f"layer {lay.layer}: snapshot {key} has shape {tuple(snap[key].shape)}, "
                                      f"expected {shape}")
             dtype = snapshot_dtype(lay.qkv_weight)
-            restored_layers.append(tuple(snap[key].to(device=self.device, dtype=dtype, copy=True) for key in ("q", "k")))
+            restored_layers.append(tuple(snap[key].to(device=self.device, dtype=dtype, copy=True)
+                                         for key in ("q", "k")))
         restored_extras = []
         for j, (name, w, _) in enumerate(extras):
             if ("extra", j) not in mine:
