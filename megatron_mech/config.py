@@ -30,15 +30,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from megatron_mech.core import settings as core_settings
 from megatron_mech.core.checks import is_int
 from megatron_mech.core.detect import DetectorConfig
 from megatron_mech.core.mols import MoLSConfig, default_window, parse_fixed_multipliers
-from megatron_mech.core.spectral import QK_BATCHES, QK_METHODS, QK_TERMS
-from megatron_mech.monitors.attention import (DW_ROUTES, DW_SCOPES, EVAL_DEVICES, GRAM_DTYPES, AttentionMonitorConfig,
-                                              BadSetting)
-from megatron_mech.options import (add_section_flags, field_flag, option, section_from_dict,
-                                   section_from_flags, section_to_dict, settings_of, settings_values)
+from megatron_mech.core.settings import BadSetting
+from megatron_mech.monitors.attention import AttentionMonitorConfig
+from megatron_mech.options import (add_section_flags, field_flag, option, section_from_dict, section_from_flags,
+                                   section_to_dict, settings_of, settings_values)
 
 __all__ = ["DEFAULT_OUTPUT_DIR", "MONITOR_FAMILIES", "ON_ALERT", "DetectorOverrides", "MechConfig", "MoLSOptions",
            "MonitorConfig", "OutputConfig"]
@@ -48,66 +46,20 @@ ON_ALERT = ("log", "checkpoint", "stop")
 
 
 @dataclass
-class MonitorConfig:
-    """Which monitors run and how (``--mech-monitors``, ``--mech-interval``, ...)."""
+class MonitorConfig(AttentionMonitorConfig):
+    """Which monitors run and how (``--mech-monitors``, ``--mech-interval``, ...): the attention monitor's settings,
+    declared once by :class:`~megatron_mech.monitors.attention.AttentionMonitorConfig`, plus the families and the
+    other monitors' switches."""
 
     families: tuple = option(("auto",), "monitor families to run. 'auto' (default): attention, plus router when "
                              "the model has MoE routers; 'none' disables all; naming 'router' on a dense model is "
                              "an error", flag="--mech-monitors", nargs="*",
                              choices=(*MONITOR_FAMILIES, "auto", "none"))
-    interval: int = option(10, "evaluate every δ optimizer steps; ΔW is the change over those δ steps",
-                           flag="--mech-interval", type=int)
-    dw_scope: str = option("global", "global: exact spectra of whole TP-split matrices (one Gram all-reduce); "
-                           "slice: per-shard spectra, no communication", flag="--mech-dw-scope",
-                           choices=DW_SCOPES)
-    qk_terms: tuple = option(QK_TERMS, "QK-increment terms to compute per head", flag="--mech-qk-terms",
-                             nargs="+", choices=QK_TERMS)
-    qk_method: str = option("gram", "core of the compressed QK spectra (gram: block Grams + small batched "
-                            "eigenproblems, float32 for float32/bf16 weights; qr: thin QR)",
-                            flag="--mech-qk-method", choices=QK_METHODS)
-    eval_device: str = option("device", "where an evaluation computes: device (where the weights are; snapshots "
-                              "copied there) or host (CPU, where the snapshots live; no accelerator arithmetic)",
-                              flag="--mech-eval-device", choices=EVAL_DEVICES)
-    qk_batch: str = option("auto", "grouping of the per-head eigenproblems: auto (item on a CPU, all elsewhere), "
-                           "all (one batched call for every layer and head of an evaluation), item (one per "
-                           "layer), head (one per head)",
-                           flag="--mech-qk-batch", choices=QK_BATCHES)
-    entropy_power: float = option(2.0, "exponent of the singular values in the distributions behind the spectral "
-                                  "entropies and effective ranks (p_i ∝ σ_i^power; 2: energy fractions); "
-                                  "--mech-dw-route krylov needs 2", flag="--mech-entropy-power", type=float)
-    bucket_mb: Optional[float] = option(None, "bound on the reduce buffer in MiB: whole layers / extra linears are "
-                                        "grouped into consecutive chunks of at most that size (a larger one goes "
-                                        "alone), one collective per chunk (default: one collective per evaluation)",
-                                        flag="--mech-bucket-mb", type=float)
-    gram_dtype: str = option("auto", "precision of the d_model-long Gram products and of the ΔW eigenproblems: auto "
-                             "(float32 for float32/bf16/fp16 weights, float64 for float64 weights), float32 or "
-                             "float64 (float64, or --mech-eval-device host, where float32 device matmuls may use "
-                             "TF32); the per-head cores always run in float64",
-                             flag="--mech-gram-dtype", choices=GRAM_DTYPES)
-    dw_route: str = option("auto", "how each ΔW spectrum is computed: gram (exact, from the k × k Gram over the "
-                           "unsplit dimension, summed over TP), krylov (block Krylov Rayleigh–Ritz: "
-                           "--mech-krylov-steps block products, one collective each; p ∝ σ² only) or auto (gram "
-                           "when k <= --mech-gram-max-dim or --mech-entropy-power is not 2, krylov above)",
-                           flag="--mech-dw-route", choices=DW_ROUTES)
-    gram_max_dim: int = option(4096, "largest Gram size k that --mech-dw-route auto sends through the exact gram "
-                               "route (4096: d_model 1024 and 4096 are exact; 8192 goes through Krylov)",
-                               flag="--mech-gram-max-dim", type=int)
-    krylov_steps: int = option(30, "block products of the Krylov route (one collective each)",
-                               flag="--mech-krylov-steps", type=int)
-    krylov_block: int = option(8, "block width of the Krylov route", flag="--mech-krylov-block", type=int)
     all_linears: bool = option(False, "also ΔW spectra of every dense linear (attention output, MLP fc1/fc2), "
                                "exact across TP", flag="--mech-all-linears")
-    snapshot_device: str = option("cpu", "where the W_{t-δ} snapshots live (cpu: host memory, no accelerator "
-                                  "memory)", flag="--mech-snapshot-device", choices=("cpu", "device"))
-    checkpoint_snapshots: bool = option(True, "save the snapshots with the checkpoint; the flag turns it off "
-                                        "(smaller checkpoints; after a resume the first interval re-snapshots and "
-                                        "is skipped)", flag="--mech-no-checkpoint-snapshots", inverted=True)
     experts: bool = option(False, "per-expert update monitors on MoE layers (update/param ratio, its spread and "
                            "z-score across experts, stable rank); snapshots every local expert weight in host "
                            "memory", flag="--mech-experts")
-    dp_split: bool = option(True, "share each evaluation's layers out over the data-parallel replicas (one "
-                            "fixed-size all-reduce combines the results); the flag makes every replica evaluate "
-                            "every layer", flag="--mech-no-dp-split", inverted=True)
 
     def __post_init__(self):
         if isinstance(self.families, str):
@@ -122,18 +74,10 @@ class MonitorConfig:
         self.families = () if families == ("none",) else families
         if isinstance(self.qk_terms, (list, str)):
             self.qk_terms = (self.qk_terms,) if isinstance(self.qk_terms, str) else tuple(self.qk_terms)
-        if self.snapshot_device not in ("cpu", "device"):
-            raise ValueError(f"--mech-snapshot-device must be 'cpu' or 'device', got {self.snapshot_device!r}")
-        self.attention_monitor_config()  # the monitor's own checks, once
-
-    def attention_monitor_config(self, snapshot_device: str = "cpu") -> AttentionMonitorConfig:
-        """The :class:`~megatron_mech.monitors.attention.AttentionMonitorConfig` of these settings; a bad value
-        raises ``ValueError`` naming its ``--mech-*`` flag."""
-        fields = {name: getattr(self, ours) for name, ours in ATTENTION_FIELDS.items() if ours != "snapshot_device"}
         try:
-            return AttentionMonitorConfig(snapshot_device=snapshot_device, **fields)
+            super().__post_init__()  # the monitor's own checks, once
         except BadSetting as e:  # the monitor names its field; the user knows the flag
-            raise ValueError(f"{field_flag(MonitorConfig, ATTENTION_FIELDS[e.field])}: {e}") from None
+            raise ValueError(f"{field_flag(MonitorConfig, e.field)}: {e}") from None
 
     def resolve(self, has_routers: bool) -> tuple:
         """The families that run on a model with (or without) MoE routers: 'auto' resolved; 'router' on a model
@@ -144,16 +88,6 @@ class MonitorConfig:
             raise ValueError("--mech-monitors router was requested but the model has no MoE routers "
                              "(use --num-experts, or --mech-monitors attention)")
         return tuple(self.families)
-
-
-ATTENTION_FIELDS = {"interval": "interval", "dw_scope": "dw_scope", "qk_terms": "qk_terms", "qk_method": "qk_method",
-                    "power": "entropy_power", "snapshot_device": "snapshot_device",
-                    "save_snapshots": "checkpoint_snapshots", "bucket_mb": "bucket_mb", "gram_dtype": "gram_dtype",
-                    "dp_split": "dp_split", "dw_route": "dw_route", "gram_max_dim": "gram_max_dim",
-                    "krylov_steps": "krylov_steps", "krylov_block": "krylov_block", "eval_device": "eval_device",
-                    "qk_batch": "qk_batch"}
-"""Each :class:`~megatron_mech.monitors.attention.AttentionMonitorConfig` field → the :class:`MonitorConfig` field
-that sets it (``snapshot_device``: the hook resolves ``cpu``/``device`` to a torch device)."""
 
 
 @dataclass
@@ -220,7 +154,7 @@ class MoLSOptions:
                       window_start=max(0, self.window_start - 1), fixed_multipliers=self.fixed_multipliers())
         try:
             return MoLSConfig(**values)
-        except core_settings.BadSetting as e:  # the core names its field; the user knows the flag
+        except BadSetting as e:  # the core names its field; the user knows the flag
             flag = field_flag(MoLSConfig, e.field)
             if flag is None:  # a value the run supplies (ramp_end), not a setting
                 raise

@@ -317,9 +317,7 @@ class MechHook:
         # one tiny all-reduce every rank joins, so every rank takes the same branches (and raises the same error)
         self.families = monitors.resolve(any_rank(bool(view.routers)))
         if "attention" in self.families:
-            device = ("cpu" if monitors.snapshot_device == "cpu" or not torch.cuda.is_available()
-                      else f"cuda:{torch.cuda.current_device()}")
-            self.attention = AttentionMonitor(list(view.attention_layers), monitors.attention_monitor_config(device),
+            self.attention = AttentionMonitor(list(view.attention_layers), monitors,
                                               tp_group=view.tp_group,
                                               extra_linears=dict(view.dense_linears) if monitors.all_linears else None,
                                               dp_group=view.dp_group)

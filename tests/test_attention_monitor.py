@@ -20,6 +20,7 @@ import torch
 from dist_utils import run_torchrun
 from megatron_mech.core.detect import DetectorRegistry
 from megatron_mech.monitors import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
+from megatron_mech.monitors.attention import BadSetting
 from megatron_mech.core.spectral import qk_increment_spectra_dense
 
 WORKER = Path(__file__).parent / "workers" / "attention_monitor_worker.py"
@@ -148,7 +149,7 @@ def test_schedule_aligned_to_interval():
 def test_power_and_terms_config():
     weight = make_weight(4, 2)
     updates = make_updates(weight.shape, 4)
-    cfg = exact_config(interval=2, qk_terms=("delta2",), power=1.0, qk_method="qr")
+    cfg = exact_config(interval=2, qk_terms=("delta2",), entropy_power=1.0, qk_method="qr")
     monitor = AttentionMonitor([AttentionLayer(0, weight, 4, 2, HEAD_DIM)], cfg)
     history = {}
     results = run_loop(monitor, weight, updates, 4, history=history)
@@ -210,7 +211,7 @@ def test_extra_linears_and_slice_scope_single_process():
 def test_state_dict_round_trip_mid_run(save):
     h, g, steps = 4, 2, 15
     updates = make_updates(make_weight(h, g).shape, steps)
-    cfg = exact_config(interval=3, save_snapshots=save)
+    cfg = exact_config(interval=3, checkpoint_snapshots=save)
 
     weight_a = make_weight(h, g)
     full = run_loop(AttentionMonitor([AttentionLayer(0, weight_a, h, g, HEAD_DIM)], cfg), weight_a, updates, steps)
@@ -325,12 +326,13 @@ def test_metric_names_match_detector_rules():
 
 @pytest.mark.parametrize("field,value", [
     ("interval", 0), ("interval", 2.5), ("dw_scope", "local"), ("qk_terms", ("delta4",)),
-    ("qk_terms", "delta2"), ("qk_terms", ("delta2", "delta2")), ("qk_method", "svd"), ("power", 0.0),
-    ("power", math.nan), ("snapshot_device", "nowhere"), ("save_snapshots", "yes"), ("bucket_mb", -1.0),
+    ("qk_terms", "delta2"), ("qk_terms", ("delta2", "delta2")), ("qk_method", "svd"), ("entropy_power", 0.0),
+    ("entropy_power", math.nan), ("snapshot_device", "nowhere"), ("checkpoint_snapshots", "yes"), ("bucket_mb", -1.0),
 ])
 def test_bad_config_raises_naming_field(field, value):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(BadSetting) as info:  # a ValueError that names the field
         AttentionMonitorConfig(**{field: value})
+    assert info.value.field == field and isinstance(info.value, ValueError)
 
 
 def test_bad_layers_and_state_raise():
@@ -354,6 +356,48 @@ def test_bad_layers_and_state_raise():
     state["snapshots"]["layers"][0]["q"] = torch.zeros(3, 3)
     with pytest.raises(ValueError, match="snapshot q"):
         AttentionMonitor([AttentionLayer(0, w, 4, 2, HEAD_DIM)]).load_state_dict(state)
+
+
+def _damaged(state: dict, damage: str) -> dict:
+    state = {**state, "snapshots": {"layers": [dict(s) for s in state["snapshots"]["layers"]],
+                                    "extras": dict(state["snapshots"]["extras"])}}
+    if damage == "version":
+        state["version"] = 7
+    elif damage == "layers":
+        state["layers"] = [1]
+    elif damage == "extras":
+        state["extras"] = ["other"]
+    elif damage == "tp_rank":
+        state["tp_rank"] = 1
+    elif damage == "layer snapshot":
+        state["snapshots"]["layers"][0]["k"] = torch.zeros(3, 3)
+    elif damage == "extra snapshot":
+        state["snapshots"]["extras"]["fc"] = torch.zeros(3, 3)
+    return state
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("version", "unsupported AttentionMonitor state version 7"),
+    ("layers", "state is for layers [1], this monitor has [0]"),
+    ("extras", "state is for extra linears ['other'], this monitor has ['fc']"),
+    ("tp_rank", "state was saved by tensor-parallel rank 1, this is rank 0 (snapshots are local shards)"),
+    ("layer snapshot", f"layer 0: snapshot k has shape (3, 3), expected ({2 * HEAD_DIM}, {D_MODEL})"),
+    ("extra snapshot", "extra linear 'fc': snapshot shape (3, 3) != (5, 6)"),
+])
+def test_load_state_dict_refuses_a_state_that_is_not_this_monitors(damage, message):
+    def build():
+        return AttentionMonitor([AttentionLayer(0, make_weight(4, 2), 4, 2, HEAD_DIM)],
+                                extra_linears={"fc": (torch.ones(5, 6), 0)})
+
+    saved = build()
+    saved.observe(0)
+    state = saved.state_dict()
+    fresh = build()
+    fresh.load_state_dict(state)   # the undamaged state loads
+    assert fresh.snapshot_step == 0
+    with pytest.raises(ValueError) as info:
+        build().load_state_dict(_damaged(state, damage))
+    assert str(info.value) == message
 
 
 def test_monitor_without_layers_is_harmless():
@@ -423,6 +467,6 @@ def test_krylov_route_equals_gram_route_when_the_basis_spans(scope):
 def test_auto_route_picks_gram_up_to_gram_max_dim():
     cfg = AttentionMonitorConfig()
     assert [cfg.route(k) for k in (1024, 4096, 8192)] == ["gram", "gram", "krylov"]
-    assert AttentionMonitorConfig(power=1.0).route(8192) == "gram"     # Krylov computes p ∝ σ² only
+    assert AttentionMonitorConfig(entropy_power=1.0).route(8192) == "gram"     # Krylov computes p ∝ σ² only
     with pytest.raises(ValueError, match="power"):
-        AttentionMonitorConfig(dw_route="krylov", power=1.0)
+        AttentionMonitorConfig(dw_route="krylov", entropy_power=1.0)

@@ -216,16 +216,16 @@ def test_monitor_resolution():
         MonitorConfig(families=("router",)).resolve(has_routers=False)
 
 
-# The attention monitor's tuning settings: (MonitorConfig field, its flag, a non-default value as typed on the
-# command line, that value as parsed, the AttentionMonitorConfig field it sets).
+# The attention monitor's tuning settings: (field, its flag, a non-default value as typed on the command line, that
+# value as parsed).
 _ATTENTION_TUNING = [
-    ("entropy_power", "--mech-entropy-power", "1.5", 1.5, "power"),
-    ("bucket_mb", "--mech-bucket-mb", "0.25", 0.25, "bucket_mb"),
-    ("gram_dtype", "--mech-gram-dtype", "float64", "float64", "gram_dtype"),
-    ("dw_route", "--mech-dw-route", "gram", "gram", "dw_route"),
-    ("gram_max_dim", "--mech-gram-max-dim", "64", 64, "gram_max_dim"),
-    ("krylov_steps", "--mech-krylov-steps", "12", 12, "krylov_steps"),
-    ("krylov_block", "--mech-krylov-block", "3", 3, "krylov_block"),
+    ("entropy_power", "--mech-entropy-power", "1.5", 1.5),
+    ("bucket_mb", "--mech-bucket-mb", "0.25", 0.25),
+    ("gram_dtype", "--mech-gram-dtype", "float64", "float64"),
+    ("dw_route", "--mech-dw-route", "gram", "gram"),
+    ("gram_max_dim", "--mech-gram-max-dim", "64", 64),
+    ("krylov_steps", "--mech-krylov-steps", "12", 12),
+    ("krylov_block", "--mech-krylov-block", "3", 3),
 ]
 
 
@@ -244,12 +244,11 @@ def _hook_attention_config(config):
     return hook.attention.config
 
 
-@pytest.mark.parametrize("name, flag, typed, value, monitor_field", _ATTENTION_TUNING,
-                         ids=[t[0] for t in _ATTENTION_TUNING])
-def test_attention_tuning_settings_round_trip_and_reach_the_monitor(name, flag, typed, value, monitor_field):
+@pytest.mark.parametrize("name, flag, typed, value", _ATTENTION_TUNING, ids=[t[0] for t in _ATTENTION_TUNING])
+def test_attention_tuning_settings_round_trip_and_reach_the_monitor(name, flag, typed, value):
     from megatron_mech.monitors.attention import AttentionMonitorConfig
 
-    default = {f.name: f.default for f in dataclasses.fields(AttentionMonitorConfig)}[monitor_field]
+    default = {f.name: f.default for f in dataclasses.fields(AttentionMonitorConfig)}[name]
     assert getattr(MonitorConfig(), name) == default != value  # declared with the monitor's own default
     from_flags = MechConfig.from_flags(_parser().parse_args(["--mech-monitors", "attention", flag, typed]))
     assert getattr(from_flags.monitors, name) == value
@@ -257,9 +256,9 @@ def test_attention_tuning_settings_round_trip_and_reach_the_monitor(name, flag, 
     assert from_dict == from_flags and MechConfig.from_dict(from_flags.to_dict()) == from_flags
     assert from_flags.to_dict()["monitors"][name] == value
     built = _hook_attention_config(from_flags)
-    assert getattr(built, monitor_field) == value
+    assert type(built) is AttentionMonitorConfig and getattr(built, name) == value
     # every other monitor setting is the default's: the flag sets its own field only
-    assert dataclasses.replace(built, **{monitor_field: default}) == _hook_attention_config(MechConfig())
+    assert dataclasses.replace(built, **{name: default}) == _hook_attention_config(MechConfig())
 
 
 _BAD_FLAGS = [
@@ -313,19 +312,53 @@ def test_bad_attention_values_from_a_dict_name_their_key_path(monitors, message)
     assert str(info.value) == message
 
 
-def test_every_attention_monitor_field_is_set_by_one_flagged_monitor_setting():
-    """Each check of the monitor names its field, and each field is set by exactly one MonitorConfig setting with a
-    flag: a bad value always finds its flag, without reading the message."""
-    from megatron_mech.config import ATTENTION_FIELDS
+def _declared_flags():
+    """``{flag: [(file, line), ...]}`` of every ``option(..., flag="--mech-...")`` call in the package's source."""
+    import ast
+
+    from dist_utils import REPO_ROOT
+
+    found = {}
+    for path in sorted((REPO_ROOT / "megatron_mech").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "option":
+                for kw in node.keywords:
+                    if kw.arg == "flag" and isinstance(kw.value, ast.Constant) and kw.value.value:
+                        found.setdefault(kw.value.value, []).append((path.relative_to(REPO_ROOT).as_posix(),
+                                                                     node.lineno))
+    return found
+
+
+def test_every_attention_setting_is_declared_once_by_the_monitor():
+    """The attention settings are the monitor's own declarations: MonitorConfig inherits each one (the same field
+    object, not a copy under another name) and adds only the families and the other monitors' switches; across the
+    package every --mech-* flag is declared by exactly one option(), and the monitors section's flags are those."""
+    import megatron_mech.config as config_module
     from megatron_mech.monitors.attention import AttentionMonitorConfig, BadSetting
 
-    assert set(ATTENTION_FIELDS) == {f.name for f in dataclasses.fields(AttentionMonitorConfig)}
-    assert len(set(ATTENTION_FIELDS.values())) == len(ATTENTION_FIELDS)
-    flags = {f.name: f.metadata.get("flag") for f in dataclasses.fields(MonitorConfig)}
-    assert all(flags.get(ours) for ours in ATTENTION_FIELDS.values())
-    with pytest.raises(BadSetting) as info:
+    monitor_fields = {f.name: f for f in dataclasses.fields(AttentionMonitorConfig)}
+    section_fields = {f.name: f for f in dataclasses.fields(MonitorConfig)}
+    assert all(section_fields.get(name) is f for name, f in monitor_fields.items())
+    redeclared = set(vars(MonitorConfig).get("__annotations__", {})) & set(monitor_fields)
+    assert not redeclared, f"MonitorConfig declares attention settings again: {sorted(redeclared)}"
+    assert set(section_fields) - set(monitor_fields) == {"families", "all_linears", "experts"}
+    assert not hasattr(config_module, "ATTENTION_FIELDS")
+
+    declared = _declared_flags()
+    # the scan sees what it polices: the interval's one declaration, in the monitor's settings
+    assert [path for path, _ in declared["--mech-interval"]] == ["megatron_mech/monitors/attention/settings.py"]
+    twice = {flag: places for flag, places in declared.items() if len(places) > 1}
+    assert not twice, f"flags declared more than once: {twice}"
+    for name, f in section_fields.items():
+        flag = f.metadata.get("flag")
+        assert flag and flag in declared, f"MonitorConfig.{name}: flag {flag!r} is not an option() declaration"
+        home = "monitors/attention/settings.py" if name in monitor_fields else "config.py"
+        assert declared[flag][0][0] == f"megatron_mech/{home}", (name, declared[flag])
+
+    with pytest.raises(BadSetting) as info:  # each check names its field, which is the section's field
         AttentionMonitorConfig(krylov_block=0)
     assert info.value.field == "krylov_block" and isinstance(info.value, ValueError)
+    assert section_fields[info.value.field].metadata["flag"] == "--mech-krylov-block"
 
 
 # ------------------------------------------------------------------------------------------------ MoLS and detector

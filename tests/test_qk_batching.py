@@ -22,7 +22,7 @@ from megatron_mech.core.spectral import (
     spectral_entropy,
 )
 from megatron_mech.monitors import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
-from megatron_mech.monitors import attention as attention_module
+from megatron_mech.monitors.attention import qk_heads as qk_heads_module
 
 
 def layer_weights(heads, groups, d_model, d_head, seed, dtype=torch.float32, rank=None):
@@ -118,7 +118,7 @@ def test_monitor_batch_modes_and_eval_device_agree(eval_device, monkeypatch):
     metrics = {}
     for mode in ("auto", "all", "item", "head", "all, flushed per layer"):
         if mode.startswith("all,"):        # the memory cap on pending cores reached after every layer
-            monkeypatch.setattr(attention_module, "_QK_BATCH_BYTES", 1)
+            monkeypatch.setattr(qk_heads_module, "_QK_BATCH_BYTES", 1)
         params = [p.clone() for p in live]
         layers = [AttentionLayer(layer=i, qkv_weight=p, num_heads=4, num_query_groups=2, head_dim=64)
                   for i, p in enumerate(params)]

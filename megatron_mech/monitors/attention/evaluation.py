@@ -1,0 +1,189 @@
+"""The evaluation of a replica's units, bucket by bucket: fill the reduce buffer (each ΔW slot by its route, the
+per-head entropies), reduce it over the TP group, run the Krylov products, and read every unit's values back, keyed
+as :func:`~megatron_mech.monitors.attention.names.unit_entries` says.
+
+Collectives (global scope over a TP group of more than one rank; none otherwise): ONE ``all_reduce`` (SUM, float64)
+per bucket (one bucket unless ``bucket_mb``), plus ``krylov_steps`` for a bucket with Krylov-route matrices and one
+``all_to_all`` per layer with replicated K/V heads, before the bucket's all-reduce. A step value in the last bucket
+checks that every rank evaluated the same step. ΔW, the Grams and the QK spectra are computed on the weight's device
+(``eval_device="device"``) or on the host (``"host"``).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from megatron_mech.core.sharded import all_reduce_flat, bucket_plan, collective_device
+from megatron_mech.monitors.attention.dw_slots import F64, compute_dtype, fill_slot, run_krylov, slot_values
+from megatron_mech.monitors.attention.layout import BufferLayout
+from megatron_mech.monitors.attention.names import HEAD_AGGREGATES
+from megatron_mech.monitors.attention.qk_heads import HeadEntropies
+from megatron_mech.monitors.attention.settings import AttentionMonitorConfig
+from megatron_mech.monitors.attention.snapshots import SnapshotStore
+
+__all__ = ["UnitEvaluation"]
+
+
+class UnitEvaluation:
+    """Turns the snapshots and the live weights into each unit's values.
+
+    Args:
+        layout: the monitor's :class:`~megatron_mech.monitors.attention.layout.BufferLayout` (layers, extras, scope).
+        snapshots: the monitor's snapshot store (``W_{t−δ}``).
+        collective: global scope over a TP group of more than one rank.
+        fallback_device: where the weights are (the collectives' device when the group does not name one).
+    """
+
+    def __init__(self, config: AttentionMonitorConfig, layout: BufferLayout, snapshots: SnapshotStore, tp_group,
+                 tp_size: int, collective: bool, fallback_device: Callable[[], torch.device]) -> None:
+        self.config = config
+        self.layout = layout
+        self.layers = layout.layers
+        self.extras = layout.extras
+        self.snapshots = snapshots
+        self.tp_group = tp_group
+        self.tp_size = tp_size
+        self._collective = collective
+        self._device = fallback_device
+        self._heads = HeadEntropies(config, tp_group, tp_size)
+
+    def values(self, step: int, units: list) -> dict:
+        """Evaluate ``units`` (this replica's share) bucket by bucket: Grams summed over the TP group, then the
+        values, ``{unit: {key: value}}`` keyed as the metric table says."""
+        units = list(units)
+        if self._collective:
+            units.append(("check", 0))
+            device = collective_device(self.tp_group, fallback=self._device())
+        else:
+            device = self._device() if self.config.eval_device == "device" else torch.device("cpu")
+        sizes = [self.layout.unit_size(kind, i) for kind, i in units]
+        values: dict = {}
+        for bucket in bucket_plan(sizes, self.config.bucket_elements):
+            offsets, total = [], 0
+            for u in bucket:
+                offsets.append(total)
+                total += sizes[u]
+            buf = torch.zeros(total, dtype=F64, device=device)
+            pieces = [(units[u], buf[off:off + sizes[u]]) for u, off in zip(bucket, offsets)]
+            self._heads.start_bucket()
+            krylov_jobs: dict = {}
+            for (kind, i), piece in pieces:
+                if kind == "layer":
+                    self._fill_layer(i, piece, krylov_jobs)
+                elif kind == "extra":
+                    self._fill_extra(i, piece, krylov_jobs)
+                else:
+                    piece.fill_(float(step))
+            self._heads.flush()
+            if self._collective:
+                all_reduce_flat(buf, self.tp_group)        # the one collective of this bucket
+            krylov = self._run_krylov(step, krylov_jobs, pieces)
+            for unit, piece in pieces:
+                kind, i = unit
+                if kind == "layer":
+                    values[unit] = self._layer_values(i, piece, krylov)
+                elif kind == "extra":
+                    values[unit] = self._extra_values(i, piece, krylov)
+                elif float(piece[0]) != float(step) * self.tp_size:
+                    raise RuntimeError(f"AttentionMonitor: tensor-parallel ranks evaluated different steps "
+                                       f"(this rank {step}, sum over ranks {float(piece[0])}); every rank must "
+                                       f"call observe() at the same steps with the same loaded state")
+        return values
+
+    def _dw_pieces(self, unit, piece: torch.Tensor) -> dict:
+        """The ΔW slots of a unit's piece of the buffer, by Krylov job key: ``("layer", i, "q"|"k")`` or
+        ``("extra", j)``."""
+        kind, i = unit
+        if kind == "extra":
+            return {("extra", i): piece}
+        (_, kq), (_, kk), _ = self.layout.layer_geometry(i)
+        n_q, n_k = self.layout.slot(kq), self.layout.slot(kk)
+        return {("layer", i, "q"): piece[:n_q], ("layer", i, "k"): piece[n_q:n_q + n_k]}
+
+    def _run_krylov(self, step: int, jobs: dict, pieces: list) -> dict:
+        """The bucket's Krylov-route ΔW after the reduction: ``krylov_steps`` collectives over TP in global scope."""
+        if not jobs:
+            return {}
+        reduced = {key: slot.cpu() for unit, piece in pieces if unit[0] != "check"
+                   for key, slot in self._dw_pieces(unit, piece).items() if key in jobs}
+        return run_krylov(step, jobs, reduced, self.config, self._reduce_over_tp if self._collective else None)
+
+    def _reduce_over_tp(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One SUM all-reduce over ``tp_group`` of all ``parts`` (one Krylov block product of every matrix)."""
+        device = collective_device(self.tp_group, fallback=self._device())
+        flat = torch.cat([p.reshape(-1).to(device) for p in parts])
+        all_reduce_flat(flat, self.tp_group)
+        return [piece.view(p.shape).to(p.device) for piece, p in zip(flat.split([p.numel() for p in parts]), parts)]
+
+    def _eval_device(self, weight: torch.Tensor) -> torch.device:
+        """Where an evaluation computes: the live weight's device, or the host (``eval_device``)."""
+        return weight.device if self.config.eval_device == "device" else torch.device("cpu")
+
+    def _fill_dw(self, out: torch.Tensor, current: torch.Tensor, prev: torch.Tensor, shard_dim: int, k: int,
+                 dt: torch.dtype, key, krylov_jobs: dict) -> None:
+        job = fill_slot(out, current.to(dt) - prev.to(dt), shard_dim, k, self.config.route(k), prev)
+        if job is not None:
+            krylov_jobs[key] = job
+
+    def _fill_layer(self, i: int, out: torch.Tensor, krylov_jobs: dict) -> None:
+        lay = self.layers[i]
+        (sq, kq), (sk, kk), heads = self.layout.layer_geometry(i)
+        w = lay.qkv_weight.detach()
+        w = w.to(self._eval_device(w))
+        q_prev, k_prev = (t.to(w.device) for t in self.snapshots.layers[i])
+        q_cur, k_cur = lay.qk_rows(w)
+        slots = self._dw_pieces(("layer", i), out)
+        dt = compute_dtype(self.config, w)
+        self._fill_dw(slots[("layer", i, "q")], q_cur, q_prev, sq, kq, dt, ("layer", i, "q"), krylov_jobs)
+        self._fill_dw(slots[("layer", i, "k")], k_cur, k_prev, sk, kk, dt, ("layer", i, "k"), krylov_jobs)
+        terms = self.config.qk_terms
+        if not terms:
+            return
+        n_dw = sum(s.numel() for s in slots.values())
+        start = lay.head_offset if self._collective else 0
+        block = out[n_dw:].view(len(terms), heads)
+        target = block[:, start:start + lay.num_heads]         # zero padding elsewhere: the SUM gathers heads
+        self._heads.fill(lay, w, q_cur, k_cur, q_prev, k_prev, target, dt)
+
+    def _fill_extra(self, j: int, out: torch.Tensor, krylov_jobs: dict) -> None:
+        _, w, _ = self.extras[j]
+        w = w.detach()
+        w = w.to(self._eval_device(w))
+        prev = self.snapshots.extras[j].to(w.device)
+        shard_dim, k = self.layout.extra_geometry(j)
+        self._fill_dw(out, w, prev, shard_dim, k, compute_dtype(self.config, w), ("extra", j), krylov_jobs)
+
+    def _dw_values(self, slot: torch.Tensor, k: int, weight: torch.Tensor, key, krylov: dict) -> dict:
+        return slot_values(slot, k, self.config.route(k), self.config.entropy_power, compute_dtype(self.config, weight),
+                           krylov.get(key))
+
+    def _layer_values(self, i: int, buf: torch.Tensor, krylov: dict) -> dict:
+        """Layer i's values from its reduced piece: ``(matrix, quantity)``, ``(term, aggregate)``, ``(term, head)``."""
+        lay = self.layers[i]
+        (_, kq), (_, kk), heads = self.layout.layer_geometry(i)
+        slots = self._dw_pieces(("layer", i), buf)
+        values = {}
+        for m, k in (("q", kq), ("k", kk)):
+            key = ("layer", i, m)
+            values.update({(m, what): v for what, v in
+                           self._dw_values(slots[key], k, lay.qkv_weight, key, krylov).items()})
+        terms = self.config.qk_terms
+        if not terms:
+            return values
+        n_dw = sum(s.numel() for s in slots.values())
+        block = buf[n_dw:].view(len(terms), heads).cpu()
+        q_frozen, k_frozen = values[("q", "frozen")] == 1.0, values[("k", "frozen")] == 1.0
+        reported = self.layout.reported_heads(i)
+        for t, term in enumerate(terms):
+            row = block[t]
+            vanished = (q_frozen or k_frozen) if term == "delta3" else (q_frozen and k_frozen)
+            for agg, value in zip(HEAD_AGGREGATES, (row.mean(), row.amin())):
+                values[(term, agg)] = None if vanished else float(value)
+            for h, value in zip(reported, row.tolist()):
+                values[(term, h)] = None if vanished else value
+        return values
+
+    def _extra_values(self, j: int, buf: torch.Tensor, krylov: dict) -> dict:
+        _, w, _ = self.extras[j]
+        return self._dw_values(buf, self.layout.extra_geometry(j)[1], w, ("extra", j), krylov)
