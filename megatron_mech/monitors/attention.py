@@ -89,11 +89,11 @@ d_model 8192 / 64 heads: 0.70 s and 1.34 s, snapshot 0.12 s. Results on CUDA equ
 Snapshots and dtype policy
 --------------------------
 Only the Q and K row blocks (not V) of each layer, and the extra linears, are snapshotted, on
-``snapshot_device`` (host memory by default), as float32 — float64 for float64 weights. Upcasting bf16/fp16 is
-exact, so the snapshot is the live weight bit for bit and ΔW is not quantized a second time; float32 (rather
-than the weight's own 16-bit dtype) keeps the monitor correct if an adapter points it at fp32 main params.
-Host memory: ``4·(H + G)·d_head·d_model`` bytes per layer and rank (a 70B-shaped layout at TP 8, PP 8, DP 16
-with the data-parallel split: one layer per rank, 36 MiB). The snapshot cannot be replaced by a reference to
+``snapshot_device`` (host memory by default), in the weight's own dtype: the snapshot is the live weight bit for
+bit, and ΔW is formed after both are upcast to the Gram precision, so the metrics equal those of a float32
+snapshot exactly (fp32 main params are snapshotted in float32, bf16 model weights in bf16).
+Host memory: ``(H + G)·d_head·d_model`` × the weight's element size per layer and rank (a 70B-shaped layout at
+TP 8, PP 8, DP 16 with the data-parallel split, bf16: one layer per rank, 18 MiB). The snapshot cannot be replaced by a reference to
 the optimizer's previous buffer (where the main params are copied into the model params): that buffer holds
 W_{t−1}, while ΔW spans δ steps, so W_{t−δ} has to be kept somewhere. ΔW, the Grams and the QK spectra are
 computed on the weight's device (``eval_device="device"``) or on the host (``"host"``), in float32 for
@@ -130,6 +130,7 @@ from megatron_mech.core.sharded import (
     frobenius_from_shard_grams,
     gram_size,
     shard_gram,
+    share_by_cost,
     spectrum_from_shard_grams,
 )
 from megatron_mech.core.slq import krylov_spectral_summaries_many
@@ -151,7 +152,9 @@ _QK_BATCH_BYTES = 256 * 2 ** 20
 
 
 def _snapshot_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
+    """The weight's own dtype: a copy is the live weight bit for bit (ΔW is formed after the upcast to the Gram
+    precision, the same values as from a float32 copy), at half the memory of float32 for 16-bit weights."""
+    return t.dtype
 
 
 @dataclass(frozen=True, eq=False)
@@ -615,14 +618,8 @@ class AttentionMonitor:
         sizes only (identical on every rank). Without a split, every unit."""
         if not self._dp:
             return set(self._units)
-        load = [0.0] * self.dp_size
-        mine = set()
-        for unit in sorted(self._units, key=lambda u: (-self._unit_cost(u), self._units.index(u))):
-            replica = min(range(self.dp_size), key=lambda r: (load[r], r))
-            load[replica] += self._unit_cost(unit)
-            if replica == self.dp_rank:
-                mine.add(unit)
-        return mine
+        owners = share_by_cost([self._unit_cost(u) for u in self._units], self.dp_size)
+        return {unit for unit, owner in zip(self._units, owners) if owner == self.dp_rank}
 
     @property
     def evaluated_layers(self) -> list[int]:
