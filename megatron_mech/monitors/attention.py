@@ -93,9 +93,9 @@ Only the Q and K row blocks (not V) of each layer, and the extra linears, are sn
 bit, and ΔW is formed after both are upcast to the Gram precision, so the metrics equal those of a float32
 snapshot exactly (fp32 main params are snapshotted in float32, bf16 model weights in bf16).
 Host memory: ``(H + G)·d_head·d_model`` × the weight's element size per layer and rank (a 70B-shaped layout at
-TP 8, PP 8, DP 16 with the data-parallel split, bf16: one layer per rank, 18 MiB). The snapshot cannot be replaced by a reference to
-the optimizer's previous buffer (where the main params are copied into the model params): that buffer holds
-W_{t−1}, while ΔW spans δ steps, so W_{t−δ} has to be kept somewhere. ΔW, the Grams and the QK spectra are
+TP 8, PP 8, DP 16 with the data-parallel split, bf16: one layer per rank, 18 MiB). The snapshot cannot be
+replaced by a reference to the optimizer's previous buffer (where the main params are copied into the model
+params): that buffer holds W_{t−1}, while ΔW spans δ steps, so W_{t−δ} has to be kept somewhere. ΔW, the Grams and the QK spectra are
 computed on the weight's device (``eval_device="device"``) or on the host (``"host"``), in float32 for
 float32/bf16/fp16 weights (``gram_dtype``) and reduced in a float64 buffer. Non-finite weights give NaN
 metrics (flagged by the detectors), never an exception.
