@@ -95,9 +95,9 @@ snapshot exactly (fp32 main params are snapshotted in float32, bf16 model weight
 Host memory: ``(H + G)·d_head·d_model`` × the weight's element size per layer and rank (a 70B-shaped layout at
 TP 8, PP 8, DP 16 with the data-parallel split, bf16: one layer per rank, 18 MiB). The snapshot cannot be
 replaced by a reference to the optimizer's previous buffer (where the main params are copied into the model
-params): that buffer holds W_{t−1}, while ΔW spans δ steps, so W_{t−δ} has to be kept somewhere. ΔW, the Grams and the QK spectra are
-computed on the weight's device (``eval_device="device"``) or on the host (``"host"``), in float32 for
-float32/bf16/fp16 weights (``gram_dtype``) and reduced in a float64 buffer. Non-finite weights give NaN
+params): that buffer holds W_{t−1}, while ΔW spans δ steps, so W_{t−δ} has to be kept somewhere. ΔW, the
+Grams and the QK spectra are computed on the weight's device (``eval_device="device"``) or on the host
+(``"host"``), in float32 for float32/bf16/fp16 weights (``gram_dtype``) and reduced in a float64 buffer. Non-finite weights give NaN
 metrics (flagged by the detectors), never an exception.
 
 State
