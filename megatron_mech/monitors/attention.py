@@ -97,8 +97,8 @@ TP 8, PP 8, DP 16 with the data-parallel split, bf16: one layer per rank, 18 MiB
 replaced by a reference to the optimizer's previous buffer (where the main params are copied into the model
 params): that buffer holds W_{t−1}, while ΔW spans δ steps, so W_{t−δ} has to be kept somewhere. ΔW, the
 Grams and the QK spectra are computed on the weight's device (``eval_device="device"``) or on the host
-(``"host"``), in float32 for float32/bf16/fp16 weights (``gram_dtype``) and reduced in a float64 buffer. Non-finite weights give NaN
-metrics (flagged by the detectors), never an exception.
+(``"host"``), in float32 for float32/bf16/fp16 weights (``gram_dtype``) and reduced in a float64 buffer.
+Non-finite weights give NaN metrics (flagged by the detectors), never an exception.
 
 State
 -----
