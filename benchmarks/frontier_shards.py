@@ -22,7 +22,16 @@ What is measured and what is derived (every figure in the results is labelled):
   layouts: the TP reduction (packed Grams or Krylov scalars, per-head entropies), the Krylov products (steps ×
   Σ k·block floats), the DP combine (every metric of the stage) and the pipeline exchange (every metric of the
   model).
-* **Memory (measured).** Bytes of the snapshots the rank holds (``state_dict`` tensors).
+* **Memory (measured).** Bytes of the snapshots the rank holds (``state_dict`` tensors), in the weights' own
+  dtype (bf16).
+* **Experts (``--mech-experts``, off by default; MoE only).** The rank holds ``L/PP`` MoE layers of
+  ``experts/EP`` local experts (fc1 ``[2·ffn, hidden]`` gated, fc2 ``[hidden, ffn]``, bf16), replicated over the
+  ``world/(PP·EP)`` expert-data-parallel ranks, which share the evaluation: ``ceil(L/PP · experts/EP / EDP)``
+  experts per rank. :class:`~megatron_mech.monitors.experts.ExpertMonitor` is timed on ``--expert-sample`` of
+  them and the time and snapshot bytes are scaled by the count (each expert's work is independent and the same
+  size: labelled "scaled"). Side by side, in the same run, the previous per-expert float64 loop (one expert at a
+  time, float64 increments and power iteration) on the same experts: its time, and the largest relative
+  difference of the update ratios and stable ranks (the float64 loop is the exact reference).
 * **Overhead (derived).** per-evaluation compute / (δ × step time) for δ = 10 and 100. Step time, derived from
   a published figure: Llama 2 70B took 1,720,320 A100 GPU-hours for 2.0T tokens (Touvron et al. 2023, "Llama 2",
   Table 2) = 323 tokens/s per GPU; with its 4M-token global batch on 1024 GPUs a step takes 4e6 / (323 × 1024)
@@ -32,6 +41,7 @@ What is measured and what is derived (every figure in the results is labelled):
   on the GPU the same evaluation runs faster.
 
     python benchmarks/frontier_shards.py --record             # both layouts, writes results/frontier_shards.*
+                                                              # (about 4 minutes alone on 2 cores)
     python benchmarks/frontier_shards.py --quick --force      # scaled-down shapes: a smoke check, nothing written
 
 Refuses to time on a loaded machine (``os.getloadavg``) unless ``--force``.
@@ -48,6 +58,7 @@ import torch
 
 from megatron_mech.core.router import RoutingStats
 from megatron_mech.monitors.attention import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
+from megatron_mech.monitors.experts import ExpertLayer, ExpertMonitor
 
 try:
     from _results import check_idle, write_results
@@ -78,10 +89,21 @@ class Layout:
     topk: int = 0
     ep: int = 1
     tokens_per_step: int = 0
+    expert_ffn: int = 0          # per-expert FFN width (fc1 is gated: 2·expert_ffn rows)
 
     @property
     def stage_layers(self) -> int:
         return self.layers // self.pp
+
+    @property
+    def expert_dp(self) -> int:
+        """Expert-data-parallel replicas: ranks holding the same experts (world / (PP·EP), expert-TP 1)."""
+        return self.tp * self.dp // self.ep
+
+    @property
+    def evaluated_experts(self) -> int:
+        """Experts the busiest expert-data-parallel replica evaluates (equal sizes: the ceiling)."""
+        return -(-self.stage_layers * (self.experts // self.ep) // self.expert_dp)
 
     @property
     def evaluated_layers(self) -> int:
@@ -98,7 +120,7 @@ LAYOUTS = {
                   step_seconds=3840 * 4096 / (1e12 / (180_000 * 3600) * 256),
                   step_source="DeepSeek-V3 report (2024) §1: 180K H800-hours per trillion tokens; 3840 × 4096-token "
                               "batch on 256 GPUs",
-                  experts=256, topk=8, ep=8, tokens_per_step=3840 * 4096),
+                  experts=256, topk=8, ep=8, tokens_per_step=3840 * 4096, expert_ffn=2048),
 }
 
 
@@ -133,6 +155,61 @@ def time_attention(layout: Layout, interval: int) -> dict:
     routes = sorted({monitor.config.route(layout.hidden)})
     return {"snapshot_s": snapshot_s, "evaluation_s": evaluate_s, "snapshot_bytes": snap_bytes,
             "metrics": len(out[0]), "routes": routes, "layers_evaluated": len(layers)}
+
+
+def previous_expert_scalars(before, after, power_iterations: int = 8) -> list[tuple[float, float]]:
+    """The previous per-expert loop (the exact reference): float64 increments, norms and power iteration, one
+    expert at a time. ``(update ratio, stable rank)`` per expert."""
+    out = []
+    for prev, cur in zip(before, after):
+        deltas = [c.double() - p.double() for c, p in zip(cur, prev)]
+        ratio = math.sqrt(sum(float(d.square().sum()) for d in deltas) / sum(float(p.double().square().sum())
+                                                                              for p in prev))
+        d = deltas[0]
+        v = torch.ones(d.shape[1], dtype=torch.float64) / math.sqrt(d.shape[1])
+        top = 0.0
+        for _ in range(power_iterations):
+            w = d.T @ (d @ v)
+            top = float(w.norm())
+            v = w / top
+        out.append((ratio, float(d.square().sum()) / top))
+    return out
+
+
+def time_experts(layout: Layout, interval: int, sample: int) -> dict:
+    """ExpertMonitor on ``sample`` experts of the real shapes (bf16), scaled to the rank's evaluated experts; the
+    previous float64 loop on the same experts side by side."""
+    if not layout.experts:
+        return {}
+    gen = torch.Generator().manual_seed(2)
+    sample = min(sample, layout.evaluated_experts)
+    scale = layout.hidden ** -0.5
+    experts = [[(torch.randn(2 * layout.expert_ffn, layout.hidden, generator=gen) * scale).to(torch.bfloat16),
+                (torch.randn(layout.hidden, layout.expert_ffn, generator=gen) * scale).to(torch.bfloat16)]
+               for _ in range(sample)]
+    monitor = ExpertMonitor([ExpertLayer(0, experts, 0, sample)], interval=interval)
+    monitor.observe(0)
+    before = [[m.clone() for m in mats] for mats in experts]
+    with torch.no_grad():
+        for mats in experts:
+            for w in mats:
+                w.copy_((w.float() + 1e-2 * scale * torch.randn(w.shape, generator=gen)).to(w.dtype))
+    after = [[m.clone() for m in mats] for mats in experts]
+    t0 = time.perf_counter()
+    metrics, _ = monitor.observe(interval)
+    batched_s = time.perf_counter() - t0          # evaluation + the next snapshot (written in the same pass)
+    snap_bytes = sum(t.numel() * t.element_size() for groups in monitor._snapshots for group in groups for t in group)
+    t0 = time.perf_counter()
+    reference = previous_expert_scalars(before, after)
+    previous_s = time.perf_counter() - t0   # without its re-snapshot (a float32 copy): an understatement
+    ratio_err = max(abs(metrics[f"expert/layer0/e{e}/update_ratio"] / r - 1) for e, (r, _) in enumerate(reference))
+    rank_err = max(abs(metrics[f"expert/layer0/e{e}/stable_rank"] / s - 1) for e, (_, s) in enumerate(reference))
+    factor = layout.evaluated_experts / sample
+    return {"experts_evaluated": layout.evaluated_experts, "sample": sample, "expert_s": batched_s * factor,
+            "expert_s_previous": previous_s * factor, "expert_snapshot_bytes": snap_bytes * factor,
+            "expert_snapshot_bytes_previous_float32": snap_bytes * 2 * layout.stage_layers
+            * (layout.experts // layout.ep) / sample,
+            "update_ratio_rel_err": ratio_err, "stable_rank_rel_err": rank_err}
 
 
 def time_router(layout: Layout) -> dict:
@@ -177,6 +254,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="hidden ÷ 8, heads ÷ 8: a smoke check")
     parser.add_argument("--force", action="store_true", help="time even on a loaded machine (marked loaded)")
     parser.add_argument("--record", action="store_true", help="write results/frontier_shards.{md,json}")
+    parser.add_argument("--expert-sample", type=int, default=4,
+                        help="experts timed (real shapes), scaled to the rank's evaluated experts")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     load = check_idle(force=args.force)
@@ -186,15 +265,28 @@ def main(argv=None) -> int:
         if args.quick:
             layout = dataclasses.replace(layout, hidden=layout.hidden // 8, heads=max(layout.tp, layout.heads // 8),
                                          groups=max(layout.tp, layout.groups // 8),
-                                         tokens_per_step=layout.tokens_per_step // 64)
+                                         tokens_per_step=layout.tokens_per_step // 64,
+                                         expert_ffn=layout.expert_ffn // 8)
         cfg = AttentionMonitorConfig(interval=10)
         attention = time_attention(layout, interval=10)
         router = time_router(layout)
         comm = communication(layout, cfg)
+        experts = time_experts(layout, interval=10, sample=args.expert_sample)
         per_eval = attention["evaluation_s"] + router.get("router_s", 0.0)
         overhead = {f"delta{d}": per_eval / (d * layout.step_seconds) for d in (10, 100)}
+        with_experts = per_eval + experts.get("expert_s", 0.0)
+        overhead.update({f"delta{d}_with_experts": with_experts / (d * layout.step_seconds) for d in (10, 100)})
         row = {"layout": dataclasses.asdict(layout), "attention": attention, "router": router, "comm": comm,
-               "per_evaluation_s": per_eval, "overhead": overhead}
+               "experts": experts, "per_evaluation_s": per_eval, "overhead": overhead}
+        if experts:
+            log.info(f"{layout.name}: --mech-experts: {experts['experts_evaluated']} experts evaluated on the rank "
+                     f"(timed {experts['sample']}, scaled): {experts['expert_s']:.2f} s, snapshots "
+                     f"{experts['expert_snapshot_bytes'] / 2**20:.0f} MiB (the previous float64 loop "
+                     f"{experts['expert_s_previous']:.2f} s and float32 snapshots of every local expert "
+                     f"{experts['expert_snapshot_bytes_previous_float32'] / 2**20:.0f} MiB); relative difference "
+                     f"to the float64 loop: update ratio {experts['update_ratio_rel_err']:.1e}, stable rank "
+                     f"{experts['stable_rank_rel_err']:.1e}; overhead with experts δ=10 "
+                     f"{100 * overhead['delta10_with_experts']:.3f} %")
         rows.append(row)
         log.info(f"{layout.name}: {attention['layers_evaluated']} layer(s) evaluated on the busiest rank, route "
                  f"{attention['routes']}, evaluation {attention['evaluation_s']:.2f} s (measured), snapshot "
@@ -217,6 +309,24 @@ def main(argv=None) -> int:
                          f"{c['krylov_bytes'] / 2**20:.2f} | {c['dp_combine_bytes'] / 2**10:.1f} | "
                          f"{c['pp_exchange_bytes'] / 2**10:.1f} | {lay['step_seconds']:.1f} | "
                          f"{100 * r['overhead']['delta10']:.3f} % | {100 * r['overhead']['delta100']:.4f} % |")
+        expert_rows = [r for r in rows if r["experts"]]
+        if expert_rows:
+            lines += ["", "With `--mech-experts` (off by default): the rank's share of the experts, timed on a sample "
+                      "of real-shaped bf16 experts and scaled by the count; side by side the previous float64 "
+                      "per-expert loop on the same experts (the exact reference).", "",
+                      "| layout | experts evaluated / rank (timed) | experts s (scaled) | previous loop s | "
+                      "snapshot MiB/rank | previous (float32, every local expert) MiB | update ratio rel. diff | "
+                      "stable rank rel. diff | overhead δ=10 with experts | δ=100 |",
+                      "|---|---|---|---|---|---|---|---|---|---|"]
+            for r in expert_rows:
+                e = r["experts"]
+                lines.append(f"| {r['layout']['name']} | {e['experts_evaluated']} ({e['sample']}) | "
+                             f"{e['expert_s']:.2f} | {e['expert_s_previous']:.2f} | "
+                             f"{e['expert_snapshot_bytes'] / 2**20:.0f} | "
+                             f"{e['expert_snapshot_bytes_previous_float32'] / 2**20:.0f} | "
+                             f"{e['update_ratio_rel_err']:.1e} | {e['stable_rank_rel_err']:.1e} | "
+                             f"{100 * r['overhead']['delta10_with_experts']:.3f} % | "
+                             f"{100 * r['overhead']['delta100_with_experts']:.4f} % |")
         lines += ["", "Step times: " + "; ".join(f"{r['layout']['name']}: {r['layout']['step_source']}" for r in rows)]
         path = write_results("frontier_shards", "\n".join(lines), {"rows": rows, "load": load})
         log.info(f"wrote {path}")

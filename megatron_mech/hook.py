@@ -329,7 +329,8 @@ class MechHook:
         if monitors.experts and view.experts:
             from megatron_mech.monitors.experts import ExpertMonitor
 
-            self.experts = ExpertMonitor(list(view.experts), interval=monitors.interval, group=view.expert_group)
+            self.experts = ExpertMonitor(list(view.experts), interval=monitors.interval, group=view.expert_group,
+                                         dp_group=view.expert_dp_group)
         # max-attention-logit symptom: on when any rank's framework captures attention inputs (agreed by all)
         if any_rank(bool(view.attention_logit_capture)):
             from megatron_mech.logit_symptom import MaxLogitRecorder

@@ -55,6 +55,9 @@ class ModelView:
     ``--mech-experts``."""
     expert_group: Any = None
     """The ranks that together hold a layer's experts (EP × expert-TP), over which expert scalars are summed."""
+    expert_dp_group: Any = None
+    """Expert-data-parallel replicas holding the same experts: the expert evaluation is shared out over them
+    (``None``: no split)."""
     pp_group: Any = None
     """Pipeline group when there is more than one stage (metrics are merged over it), else ``None``."""
     logging_rank: bool = True

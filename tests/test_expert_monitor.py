@@ -75,3 +75,45 @@ def test_experts_split_over_two_ranks_equal_one_process():
 
     result = run_torchrun(Path(__file__).parent / "workers" / "expert_monitor_worker.py", nproc=2, timeout=180)
     assert "EXPERT_MONITOR PASS" in result.stdout, result.stdout[-4000:]
+
+
+def test_bf16_experts_batched_in_chunks_equal_float64_references(monkeypatch):
+    """bf16 weights: snapshots stay bf16, ΔW is formed in float32 (exact for bf16 differences), and the experts
+    of a layer are evaluated together in chunks; two shape groups in one layer. Against float64 references."""
+    import megatron_mech.monitors.experts as experts_module
+
+    g = torch.Generator().manual_seed(3)
+    shapes = [(12, 8), (8, 12)]
+    experts = [[(torch.randn(*(s if e < 3 else s[::-1]), generator=g) * 0.1).to(torch.bfloat16) for s in shapes]
+               for e in range(5)]                                   # experts 3, 4: other shapes (a second group)
+    monkeypatch.setattr(experts_module, "_CHUNK_BYTES", 2 * 12 * 8 * 4)   # two experts per chunk
+    monitor = ExpertMonitor([ExpertLayer(0, experts, 0, 5)], interval=1, power_iterations=60)
+    monitor.observe(0)
+    before = [[m.clone() for m in mats] for mats in experts]
+    with torch.no_grad():
+        for e, mats in enumerate(experts):
+            for m in mats:   # a step of ~1e-2 relative: many bf16 entries move by a few units in the last place
+                m.copy_((m.float() + 1e-2 * (1 + e) * torch.randn(m.shape, generator=g)).to(torch.bfloat16))
+    metrics, _ = monitor.observe(1)
+    assert all(t.dtype == torch.bfloat16 for groups in monitor._snapshots for group in groups for t in group)
+    for e in range(5):
+        d = [(a.double() - b.double()).numpy() for a, b in zip(experts[e], before[e])]
+        w = [b.double().numpy() for b in before[e]]
+        ratio = math.sqrt(sum((x ** 2).sum() for x in d)) / math.sqrt(sum((x ** 2).sum() for x in w))
+        # exact differences, float64 sums: only the final roundings differ (a ΔW formed in bf16 is ~1e-3 off)
+        assert metrics[f"expert/layer0/e{e}/update_ratio"] == pytest.approx(ratio, rel=1e-12)
+        sv = np.linalg.svd(d[0], compute_uv=False)
+        rank = float((sv ** 2).sum() / sv[0] ** 2)
+        # float32 power iteration: σ_max² from below to ~1e-6; 60 iterations converge far below 1e-3
+        assert rank * (1 - 1e-5) <= metrics[f"expert/layer0/e{e}/stable_rank"] <= rank * (1 + 1e-3)
+    again = [[m.clone() for m in mats] for mats in experts]
+    with torch.no_grad():
+        for mats in experts:
+            for m in mats:
+                m.copy_((m.float() * 1.01).to(torch.bfloat16))
+    metrics, _ = monitor.observe(2)      # the snapshot written during the evaluation at step 1 is W_1
+    for e in range(5):
+        d = [(a.double() - b.double()).numpy() for a, b in zip(experts[e], again[e])]
+        w = [b.double().numpy() for b in again[e]]
+        ratio = math.sqrt(sum((x ** 2).sum() for x in d)) / math.sqrt(sum((x ** 2).sum() for x in w))
+        assert metrics[f"expert/layer0/e{e}/update_ratio"] == pytest.approx(ratio, rel=1e-12)

@@ -78,12 +78,15 @@ def test_router_counts_each_token_once_under_activation_recompute(tmp_path, moe_
 
 @pytest.mark.timeout(600)
 def test_expert_monitor_in_training_ep2(tmp_path, moe_plain):
-    """--mech-experts in real training, EP=1 and EP=2 (each rank holds 2 of the 4 experts): every expert of
-    every MoE layer is reported once, with a finite update ratio in (0, 1) and a stable rank ≥ 1. (EP=2
-    initialises its experts from another random stream, so its values are not compared with EP=1's; the
-    cross-rank combine is checked exactly in tests/test_expert_monitor.py.)"""
+    """--mech-experts in real training, EP=1, EP=2 (each rank holds 2 of the 4 experts) and EP=1 on two
+    ranks (the replicas share the experts' evaluation): every expert of every MoE layer is reported once,
+    with a finite update ratio in (0, 1) and a stable rank ≥ 1. (EP=2 initialises its experts from another
+    random stream, so its values are not compared with EP=1's; the cross-rank combines are checked exactly in
+    tests/test_expert_monitor.py.)"""
     run = train(tmp_path, "ep2", 2, *MOE, "--mech-experts", "--expert-model-parallel-size", "2", steps=10)
-    for r in (moe_plain, run):
+    # EP=1 on 2 ranks: two expert-data-parallel replicas, each evaluating half of the experts
+    replicas = train(tmp_path, "edp2", 2, *MOE, "--mech-experts", steps=10)
+    for r in (moe_plain, run, replicas):
         ratios = {k: v for (_, k), v in series(r, "/update_ratio").items() if k.endswith("/update_ratio")}
         assert set(ratios) == {f"expert/layer{L}/e{e}/update_ratio" for L in range(2) for e in range(4)}
         assert all(0 < v < 1 for v in ratios.values())

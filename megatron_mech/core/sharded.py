@@ -68,6 +68,7 @@ __all__ = [
     "frobenius_from_shard_grams",
     "gram_size",
     "shard_gram",
+    "share_by_cost",
     "sharded_matrix_spectra",
     "sharded_matrix_spectrum",
     "spectrum_from_shard_grams",
@@ -211,6 +212,22 @@ def bucket_plan(sizes: Sequence[int], bucket_elements: Optional[int]) -> list[li
     if current:
         buckets.append(current)
     return buckets
+
+
+def share_by_cost(costs: Sequence[float], replicas: int) -> list[int]:
+    """The replica (``0 .. replicas-1``) that evaluates each unit, longest processing time first: units in
+    order of decreasing cost (ties: lower index first), each to the least-loaded replica (ties: lower replica).
+    Depends only on the costs and the replica count, hence identical on every rank that passes the same ones:
+    the data-parallel split of the monitors (each replica evaluates its share, one SUM all-reduce combines)."""
+    if isinstance(replicas, bool) or int(replicas) != replicas or replicas < 1:
+        raise ValueError(f"replicas must be a positive integer, got {replicas!r}")
+    load = [0.0] * int(replicas)
+    owner = [0] * len(costs)
+    for unit in sorted(range(len(costs)), key=lambda u: (-float(costs[u]), u)):
+        replica = min(range(len(load)), key=lambda r: (load[r], r))
+        load[replica] += float(costs[unit])
+        owner[unit] = replica
+    return owner
 
 
 def all_reduce_flat(buffer: torch.Tensor, group=None) -> torch.Tensor:

@@ -207,4 +207,6 @@ def megatron_model_view(model_chunks: Sequence[torch.nn.Module], *, sequence_par
                   if ps.get_data_parallel_world_size(with_context_parallel=True) > 1 else None),
         pp_group=ps.get_pipeline_model_parallel_group() if ps.get_pipeline_model_parallel_world_size() > 1 else None,
         experts=find_experts(chunks), expert_group=ps.get_expert_tensor_and_model_parallel_group(),
+        expert_dp_group=(ps.get_expert_data_parallel_group()
+                         if ps.get_expert_data_parallel_world_size() > 1 else None),
         logging_rank=torch.distributed.get_rank() == torch.distributed.get_world_size() - 1, mols=mols)

@@ -20,23 +20,48 @@ partial ‖ΔW‖² and ‖W‖² of every shard (so the norms are exact over TP
 shard per expert (``writes_stable_rank``; with expert-TP > 1 the stable rank is that shard's). Every rank
 joins, with zeros for the experts it does not hold.
 
-Memory: a float32 snapshot of every local expert matrix on ``snapshot_device`` (host by default): as large as
-the local expert weights in float32. Cost per evaluation: one pass over the expert weights plus
-``power_iterations`` matrix-vector products per expert.
+Data-parallel split (``dp_group``: the expert-data-parallel replicas, which hold the same experts): the
+local experts are shared out over the replicas by size with the attention monitor's split
+(:func:`~megatron_mech.core.sharded.share_by_cost`, the same plan on every rank); a replica snapshots and
+evaluates only its share and writes zeros for the rest, and a second SUM all-reduce over ``dp_group`` gives
+every replica all values, bit for bit those of the unsplit evaluation (each is written by one replica).
+Construction adds one tiny all-reduce over ``dp_group`` (the replicas must hold the same layout).
+
+Arithmetic: the experts of a layer that share their matrix shapes are evaluated together, in chunks of at
+most ``_CHUNK_BYTES`` of increments: one stacked difference, one batched norm and ``power_iterations`` batched
+matrix-vector products per chunk (no Python loop over experts). ΔW is formed in float32 for 16-bit weights —
+the difference of two bf16 (fp16) values is exact in float32 unless their exponents differ by more than 15
+(12), where it is rounded once (relative 6e-8) — and in float64 for float32/float64 weights; squared norms
+accumulate in float64. The power iteration runs in that precision (float32: σ_max² to ~1e-6 relative, far
+below what the stable rank is read for).
+
+Memory: a snapshot of every evaluated local expert matrix on ``snapshot_device`` (host by default), in the
+weight's own dtype (a copy is the weight bit for bit): the local expert weights ÷ the data-parallel replicas.
+Cost per evaluation: one pass over the evaluated expert weights and their snapshots (the next snapshot is
+written in the same pass) plus ``power_iterations`` batched matrix-vector products.
 """
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
-from megatron_mech.core.sharded import all_reduce_flat, collective_device, distributed_active
+from megatron_mech.core.sharded import all_reduce_flat, collective_device, distributed_active, share_by_cost
 
 __all__ = ["ExpertLayer", "ExpertMonitor"]
 
 _F64 = torch.float64
+# Increments of one matrix over a chunk of experts formed at once (bounds the evaluation's extra memory).
+_CHUNK_BYTES = 256 * 2 ** 20
+
+
+def _compute_dtype(weight_dtype: torch.dtype) -> torch.dtype:
+    """float32 for 16-bit weights (their differences are exact there, see the module docstring), else float64."""
+    return torch.float32 if torch.finfo(weight_dtype).bits <= 16 else _F64
 
 
 @dataclass(frozen=True, eq=False)
@@ -70,10 +95,10 @@ class ExpertLayer:
 
 class ExpertMonitor:
     """See the module docstring. ``observe(step)`` after every optimizer step, on every rank of ``group``
-    (``None``: no collective, every expert of each layer is local)."""
+    (``None``: no collective, every expert of each layer is local) and of ``dp_group`` (``None``: no split)."""
 
     def __init__(self, layers: Sequence[ExpertLayer], interval: int = 10, group=None, power_iterations: int = 8,
-                 snapshot_device: str = "cpu") -> None:
+                 snapshot_device: str = "cpu", dp_group=None) -> None:
         if interval < 1 or power_iterations < 1:
             raise ValueError(f"interval and power_iterations must be >= 1, got {interval}, {power_iterations}")
         self.layers = sorted(layers, key=lambda lay: lay.layer)
@@ -83,56 +108,123 @@ class ExpertMonitor:
         self.group = group
         self.power_iterations = power_iterations
         self.snapshot_device = torch.device(snapshot_device)
+        self.dp_group = dp_group
+        self._dp = dp_group is not None and distributed_active(dp_group)
+        self.dp_size = dist.get_world_size(dp_group) if self._dp else 1
+        self.dp_rank = dist.get_rank(dp_group) if self._dp else 0
+        if self._dp:
+            self._validate_across_replicas()
+        units = [(i, e) for i, lay in enumerate(self.layers) for e in range(len(lay.experts))]
+        owners = share_by_cost([sum(m.numel() for m in self.layers[i].experts[e]) for i, e in units], self.dp_size)
+        mine = {unit for unit, owner in zip(units, owners) if owner == self.dp_rank}
+        # per layer: groups of this replica's local experts with equal matrix shapes and dtypes, evaluated together
+        self._groups: list[list[list[int]]] = []
+        for i, lay in enumerate(self.layers):
+            by_shape: dict = {}
+            for e, mats in enumerate(lay.experts):
+                if (i, e) in mine:
+                    by_shape.setdefault(tuple((tuple(m.shape), m.dtype) for m in mats), []).append(e)
+            self._groups.append(list(by_shape.values()))
         self._snap_step: Optional[int] = None
-        self._snapshots: Optional[list] = None
+        self._snapshots: Optional[list] = None     # [layer][group][matrix] -> [experts, *shape], own dtype
+
+    @property
+    def evaluated_experts(self) -> dict[int, list[int]]:
+        """Global layer index → global indices of the experts this replica snapshots and evaluates."""
+        return {lay.layer: sorted(lay.first_expert + e for g in groups for e in g)
+                for lay, groups in zip(self.layers, self._groups)}
+
+    def _validate_across_replicas(self) -> None:
+        """One all-reduce (MAX of ±values) over ``dp_group``: the replicas must hold the same layers and expert
+        shapes (each computes the split plan locally from them)."""
+        desc = [f"{lay.layer},{lay.first_expert},{lay.num_experts},"
+                + ";".join(",".join(f"{tuple(m.shape)}" for m in mats) for mats in lay.experts) for lay in self.layers]
+        fields = [len(self.layers), zlib.crc32("\x1f".join(desc).encode())]
+        both = torch.tensor(fields + [-v for v in fields], dtype=torch.int64,
+                            device=collective_device(self.dp_group))
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.dp_group)
+        hi, lo = both[:2].tolist(), [-v for v in both[2:].tolist()]
+        if hi != lo:
+            raise ValueError(f"ExpertMonitor: data-parallel replicas hold different MoE layers or expert shapes "
+                             f"(layer counts min/max {lo[0]}/{hi[0]}); every replica must build the monitor from "
+                             f"the same model")
 
     def observe(self, step: int):
         """Snapshot on multiples of ``interval``; on those that close an interval return ``(metrics, details)``."""
         if step % self.interval:
             return None
-        out = None
         if self._snap_step is not None and step - self._snap_step == self.interval:
-            out = self._evaluate()
-        self._snapshots = [[[m.detach().to(self.snapshot_device, torch.float32, copy=True) for m in mats]
-                            for mats in lay.experts] for lay in self.layers]
+            try:
+                out = self._evaluate()                 # writes the next snapshot in the same pass
+            except BaseException:
+                self._snap_step, self._snapshots = None, None
+                raise
+            self._snap_step = step
+            return out
+        self._snapshots = [[[self._stack(lay, g, j, self.snapshot_device) for j in range(len(lay.experts[g[0]]))]
+                            for g in groups] for lay, groups in zip(self.layers, self._groups)]
         self._snap_step = step
+        return None
+
+    @staticmethod
+    def _stack(lay: ExpertLayer, experts: Sequence[int], j: int, device: torch.device) -> torch.Tensor:
+        """Matrix ``j`` of ``experts`` (local indices) stacked ``[len(experts), *shape]`` in its own dtype."""
+        first = lay.experts[experts[0]][j]
+        out = torch.empty((len(experts), *first.shape), dtype=first.dtype, device=device)
+        for n, e in enumerate(experts):
+            out[n].copy_(lay.experts[e][j].detach())
         return out
 
-    def _stable_rank(self, delta: torch.Tensor) -> float:
-        sq = float(delta.square().sum())
-        if not math.isfinite(sq):
-            return math.nan
-        if sq == 0:
-            return math.nan
-        v = torch.ones(delta.shape[1], dtype=_F64, device=delta.device) / math.sqrt(delta.shape[1])
-        top = 0.0
+    def _stable_ranks(self, delta: torch.Tensor, sq: torch.Tensor) -> torch.Tensor:
+        """‖ΔW‖_F² / σ_max² per expert of ``delta`` [E, m, n] (squared norms ``sq`` [E], float64), σ_max² from
+        ``power_iterations`` batched power iterations on ΔWᵀΔW from the normalised all-ones start."""
+        n = delta.shape[2]
+        v = torch.full((delta.shape[0], n, 1), 1 / math.sqrt(n), dtype=delta.dtype, device=delta.device)
+        top = torch.zeros(delta.shape[0], dtype=_F64, device=delta.device)
         for _ in range(self.power_iterations):
-            w = delta.T @ (delta @ v)
-            top = float(w.norm())
-            if top == 0:
-                break
-            v = w / top
-        return sq / top if top > 0 else math.nan
+            w = torch.bmm(delta.transpose(1, 2), torch.bmm(delta, v))
+            top = torch.linalg.vector_norm(w, dim=(1, 2), dtype=_F64)
+            moving = top > 0
+            v = torch.where(moving[:, None, None], w / torch.where(moving, top, 1.0).to(w.dtype)[:, None, None], v)
+        usable = (top > 0) & (sq > 0) & torch.isfinite(sq) & torch.isfinite(top)
+        return torch.where(usable, sq / torch.where(usable, top, 1.0), torch.full_like(sq, math.nan))
 
     def _evaluate(self):
         sizes = [3 * lay.num_experts for lay in self.layers]
         buf = torch.zeros(sum(sizes), dtype=_F64)
         offset = 0
-        for lay, snaps, size in zip(self.layers, self._snapshots, sizes):
-            E = lay.num_experts
-            block = buf[offset:offset + size].view(3, E)
-            for e, (mats, prev) in enumerate(zip(lay.experts, snaps)):
-                g = lay.first_expert + e
-                deltas = [m.detach().to(_F64) - p.to(m.device, _F64) for m, p in zip(mats, prev)]
-                block[0, g] = sum(float(d.square().sum()) for d in deltas)
-                block[1, g] = sum(float(p.to(_F64).square().sum()) for p in prev)
-                if lay.writes_stable_rank:
-                    block[2, g] = self._stable_rank(deltas[0])
+        for lay, groups, snaps, size in zip(self.layers, self._groups, self._snapshots, sizes):
+            block = buf[offset:offset + size].view(3, lay.num_experts)
             offset += size
-        if self.group is not None and distributed_active(self.group):   # None: every expert is local
-            buf = buf.to(collective_device(self.group))
-            all_reduce_flat(buf, self.group)
-            buf = buf.cpu()
+            for experts, prev in zip(groups, snaps):
+                device = lay.experts[experts[0]][0].device
+                dt = _compute_dtype(lay.experts[experts[0]][0].dtype)
+                widest = max(math.prod(p.shape[1:]) for p in prev) * torch.finfo(dt).bits // 8
+                chunk = max(1, _CHUNK_BYTES // widest)
+                for lo in range(0, len(experts), chunk):
+                    part = experts[lo:lo + chunk]
+                    index = torch.tensor([lay.first_expert + e for e in part])
+                    delta_sq = torch.zeros(len(part), dtype=_F64, device=device)
+                    weight_sq = torch.zeros_like(delta_sq)
+                    for j, snap in enumerate(prev):
+                        old = snap[lo:lo + chunk]
+                        current = self._stack(lay, part, j, device)
+                        old_here = old.to(device)
+                        delta = current.to(dt)
+                        delta -= old_here                   # upcast on the fly: exact (see the module docstring)
+                        sq = torch.linalg.vector_norm(delta, dim=(1, 2), dtype=_F64).square()
+                        delta_sq += sq
+                        weight_sq += torch.linalg.vector_norm(old_here, dim=(1, 2), dtype=_F64).square()
+                        if j == 0 and lay.writes_stable_rank:
+                            block[2, index] = self._stable_ranks(delta, sq).cpu()
+                        old.copy_(current)                  # the next snapshot, in the same pass
+                    block[0, index] = delta_sq.cpu()
+                    block[1, index] = weight_sq.cpu()
+        for group in (self.group, self.dp_group if self._dp else None):
+            if group is not None and distributed_active(group):   # None: every expert is local / no split
+                buf = buf.to(collective_device(group))
+                all_reduce_flat(buf, group)
+                buf = buf.cpu()
         metrics: dict = {}
         details: dict = {}
         offset = 0

@@ -13,7 +13,7 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
-from megatron_mech.core.sharded import all_reduce_flat
+from megatron_mech.core.sharded import all_reduce_flat, share_by_cost
 
 __all__ = ["assign_units", "combine_replicas"]
 
@@ -24,14 +24,8 @@ def assign_units(units: Sequence[Hashable], cost: Callable[[Hashable], float], d
     """Replica ``dp_rank``'s share of ``units``: longest-processing-time-first over ``dp_size`` replicas (ties: the
     unit listed first, the lowest replica)."""
     units = list(units)
-    load = [0.0] * dp_size
-    mine = set()
-    for unit in sorted(units, key=lambda u: (-cost(u), units.index(u))):
-        replica = min(range(dp_size), key=lambda r: (load[r], r))
-        load[replica] += cost(unit)
-        if replica == dp_rank:
-            mine.add(unit)
-    return mine
+    owners = share_by_cost([cost(u) for u in units], dp_size)
+    return {unit for unit, owner in zip(units, owners) if owner == dp_rank}
 
 
 def combine_replicas(step: int, entries: Sequence[list[tuple[str, dict, Hashable]]], local: dict[int, dict],

@@ -2,12 +2,13 @@
 evaluates, and of its extra linears, with the step they were taken at; their checkpoint form and its checks.
 
 Snapshots live on ``snapshot_device`` (``"cpu"``: host memory, the default; ``"device"``: where the weights are),
-as float32 — float64 for float64 weights. Upcasting bf16/fp16 is exact, so the snapshot is the live weight bit for
-bit and ΔW is not quantized a second time; float32 (rather than the weight's own 16-bit dtype) keeps the monitor
-correct if an adapter points it at fp32 main params. Host memory: ``4·(H + G)·d_head·d_model`` bytes per layer and
-rank (a 70B-shaped layout at TP 8, PP 8, DP 16 with the data-parallel split: one layer per rank, 36 MiB). The
-snapshot cannot be replaced by a reference to the optimizer's previous buffer (where the main params are copied
-into the model params): that buffer holds W_{t−1}, while ΔW spans δ steps, so W_{t−δ} has to be kept somewhere.
+in the weight's own dtype: the snapshot is the live weight bit for bit, and ΔW is formed after both are upcast to the
+Gram precision, so the metrics equal those of a float32 snapshot exactly (fp32 main params are snapshotted in
+float32, bf16 model weights in bf16, half the memory). Host memory: ``(H + G)·d_head·d_model`` × the weight's
+element size per layer and rank (a 70B-shaped layout at TP 8, PP 8, DP 16 with the data-parallel split, bf16: one
+layer per rank, 18 MiB). The snapshot cannot be replaced by a reference to the optimizer's previous buffer (where
+the main params are copied into the model params): that buffer holds W_{t−1}, while ΔW spans δ steps, so W_{t−δ}
+has to be kept somewhere.
 """
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ __all__ = ["SnapshotStore", "snapshot_dtype"]
 
 
 def snapshot_dtype(t: torch.Tensor) -> torch.dtype:
-    """float64 for float64 weights, float32 otherwise (exact for bf16/fp16)."""
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
+    """The weight's own dtype: a copy is the live weight bit for bit (ΔW is formed after the upcast to the Gram
+    precision, the same values as from a float32 copy), at half the memory of float32 for 16-bit weights."""
+    return t.dtype
 
 
 class SnapshotStore:
