@@ -16,12 +16,21 @@ default a twentieth of the run; a long warm-up to a high LR lets the failure dev
   :func:`megatron_mech.studies.natural.max_logit_signal_step`);
 * for runs that do not diverge: any monitor alert is a false alarm.
 
+Attention-logit growth (the small-scale-proxy regime): a dense model at hidden 256 (head dim 64), independent
+weight decay (``--independent-weight-decay 1e-4``: Megatron's coupled ``--weight-decay`` 0.1 would remove 10% of
+every weight per step at LR 1) and a linear warm-up to a high LR. The plain model's maximum logit grows by orders
+of magnitude within tens of steps; qk-layernorm keeps it small. Such a run can diverge before step 250, when the
+detectors (30 warm-up + 20 baseline evaluations) first can alert at the default ``--mech-interval 5``: evaluate
+more often there.
+
 Seeds: reporting seeds only (tuning seeds refused without ``--tuning-run``). Writes
 ``benchmarks/results/natural_instability.{md,json}``.
 
     python benchmarks/natural_instability.py --runs-dir runs/natural                     # full sweep
     python benchmarks/natural_instability.py --runs-dir runs/natural --reuse             # continue / re-score
     python benchmarks/natural_instability.py --lrs 3e-2 --seeds 21 --steps 150 --no-write   # smoke
+    python benchmarks/natural_instability.py --model dense --width 256 --independent-weight-decay 1e-4 \
+        --lrs 0.4 --warmup 200 --steps 250 --mech-interval 1 --seeds 21 --results-name natural_instability_wortsman
 """
 from __future__ import annotations
 
@@ -43,6 +52,7 @@ from megatron_mech.studies.natural import (loss_spike_step, max_logit_signal_ste
                                            self_divergence_step)
 
 logger = logging.getLogger("benchmarks.natural_instability")
+DEFAULT_MECH_INTERVAL = 5  # evaluations every 5 steps: the detectors' warm-up + baseline (50) end at step 250
 DEFAULT_LRS = [2e-3, 1e-2, 3e-2, 1e-1, 3e-1]  # the preset trains at 2e-3; logit growth is visible from 3e-2 on
 
 
@@ -65,6 +75,7 @@ def run_flags(args, lr: float, qk_layernorm: bool, seed: int) -> list:
     flags = [*model_flags(args.width, args.model == "moe"), "--seed", str(seed), "--lr", f"{lr:g}",
              "--min-lr", f"{lr:g}", "--lr-decay-style", "constant",
              "--lr-warmup-iters", str(warmup_steps(args))]
+    flags[flags.index("--mech-interval") + 1] = str(args.mech_interval)  # in place: one value
     if args.independent_weight_decay is not None:
         flags += ["--weight-decay", f"{coupled_weight_decay(args.independent_weight_decay, lr):g}"]
     return flags + (["--qk-layernorm"] if qk_layernorm else [])
@@ -74,7 +85,8 @@ def run_name(args, lr: float, qk_layernorm: bool, seed: int) -> str:
     """The run's folder name: every setting that changes the run."""
     return (f"{args.model}_h{args.width}_lr{lr:g}_{'qkln' if qk_layernorm else 'plain'}_s{seed}"
             + (f"_w{args.warmup}" if args.warmup is not None else "")
-            + (f"_iwd{args.independent_weight_decay:g}" if args.independent_weight_decay is not None else ""))
+            + (f"_iwd{args.independent_weight_decay:g}" if args.independent_weight_decay is not None else "")
+            + (f"_i{args.mech_interval}" if args.mech_interval != DEFAULT_MECH_INTERVAL else ""))
 
 
 def max_logit_trajectory(records, every: int = 50) -> dict:
@@ -117,7 +129,8 @@ def report(args, rows: list) -> str:
     lines = [("**TUNING RUN — not a result.** " if args.tuning_run else "")
              + f"LR sweep of the small GPT ({args.model}, hidden {args.width}, 4 layers, 4 heads of "
              f"{args.width // 4}; 2 CPU processes), "
-             f"{args.steps} steps, constant LR after a {warmup_steps(args)}-step linear warm-up, no injected fault, "
+             f"{args.steps} steps, monitors every {args.mech_interval} steps, constant LR after a "
+             f"{warmup_steps(args)}-step linear warm-up, no injected fault, "
              f"with and without --qk-layernorm; {decay}. Seeds {args.seeds} (reporting seeds; tuning seeds "
              f"{list(TUNING_SEEDS)} never reported). Divergence: non-finite loss, or the 20-step moving-average "
              f"loss > {args.margin} nats above its own best until the end (≥ 50 steps). Lead = divergence − first "
@@ -169,6 +182,10 @@ def main(argv=None):
     p.add_argument("--independent-weight-decay", type=float, default=None,
                    help="weight decay per step at the peak lr, whatever the lr (passed as --weight-decay = this / "
                         "lr); default: the entry point's coupled --weight-decay 0.1")
+    p.add_argument("--mech-interval", type=int, default=DEFAULT_MECH_INTERVAL,
+                   help="monitor evaluation interval (steps). The default rules ignore 30 evaluations and build their "
+                        "baseline over 20 more, so no alert comes before step 50 × this: a run that diverges "
+                        "earlier needs a shorter interval")
     p.add_argument("--margin", type=float, default=1.0, help="divergence margin above the run's best (nats)")
     p.add_argument("--runs-dir", default=None, help="keep the runs here (default: a temporary folder)")
     p.add_argument("--reuse", action="store_true", help="with --runs-dir: reuse finished runs, resume unfinished ones")
@@ -177,6 +194,8 @@ def main(argv=None):
                    help="results file name under benchmarks/results/ (e.g. natural_instability_warmup)")
     p.add_argument("--no-write", action="store_true")
     args = parse_study_args(p, argv)
+    if args.mech_interval < 1:
+        p.error(f"--mech-interval must be >= 1, got {args.mech_interval}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     qk = {"both": (False, True), "off": (False,), "on": (True,)}[args.qk_layernorm]
     rows = []
