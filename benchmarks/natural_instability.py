@@ -30,7 +30,7 @@ Seeds: reporting seeds only (tuning seeds refused without ``--tuning-run``). Wri
     python benchmarks/natural_instability.py --runs-dir runs/natural --reuse             # continue / re-score
     python benchmarks/natural_instability.py --lrs 3e-2 --seeds 21 --steps 150 --no-write   # smoke
     python benchmarks/natural_instability.py --model dense --width 256 --independent-weight-decay 1e-4 \
-        --lrs 0.4 --warmup 200 --steps 250 --mech-interval 1 --seeds 21 --results-name natural_instability_wortsman
+        --lrs 0.3 --warmup 150 --steps 250 --mech-interval 2 --seeds 21 22 --results-name natural_instability_wortsman
 """
 from __future__ import annotations
 
