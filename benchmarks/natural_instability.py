@@ -16,10 +16,12 @@ default a twentieth of the run; a long warm-up to a high LR lets the failure dev
   :func:`megatron_mech.studies.natural.max_logit_signal_step`);
 * for runs that do not diverge: any monitor alert is a false alarm.
 
-Attention-logit growth (the small-scale-proxy regime): a dense model at hidden 256 (head dim 64), independent
+Attention-logit growth (the regime of Wortsman et al. 2023, small-scale proxies for large-scale Transformer
+training instabilities): a dense model at hidden 256 (head dim 64), independent
 weight decay (``--independent-weight-decay 1e-4``: Megatron's coupled ``--weight-decay`` 0.1 would remove 10% of
 every weight per step at LR 1) and a linear warm-up to a high LR. The plain model's maximum logit grows by orders
-of magnitude within tens of steps; qk-layernorm keeps it small. Such a run can diverge before step 250, when the
+of magnitude within tens of steps; qk-layernorm keeps it small, yet at this width the loss still diverges, at a
+higher LR (``benchmarks/results/natural_instability_wortsman.md``). Such a run can diverge before step 250, when the
 detectors (30 warm-up + 20 baseline evaluations) first can alert at the default ``--mech-interval 5``: evaluate
 more often there.
 
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -64,7 +67,7 @@ def warmup_steps(args) -> int:
 def coupled_weight_decay(independent: float, lr: float) -> float:
     """Megatron's ``--weight-decay`` (AdamW's, applied as ``lr_t × wd``) that shrinks the weights by ``independent``
     per step at the peak ``lr``: ``independent / lr``. Independent decay keeps the shrinkage per step the same
-    whatever the LR, as in the small-scale-proxy recipe; a fixed coupled decay grows with the LR (0.1 at LR 1
+    whatever the LR, as in Wortsman et al. 2023; a fixed coupled decay grows with the LR (0.1 at LR 1
     removes a tenth of every weight per step)."""
     if not (independent >= 0 and lr > 0):
         raise ValueError(f"--independent-weight-decay must be >= 0 and the lr > 0, got {independent} and {lr}")
@@ -217,7 +220,9 @@ def main(argv=None):
     text = report(args, rows)
     print(text)
     if not args.no_write:
-        write_results(args.results_name, text, {"tuning_run": args.tuning_run, "args": vars(args), "rows": rows})
+        # the machine is shared: the load says how far the run times (not used in any score) can be compared
+        write_results(args.results_name, text, {"tuning_run": args.tuning_run, "args": vars(args), "rows": rows,
+                                                "load_average_1_5_15min": list(os.getloadavg())})
 
 
 if __name__ == "__main__":
