@@ -64,7 +64,8 @@ def test_natural_instability_score_and_report():
     assert s["signals"]["max attention logit"] == 5 * (52 + 5) and s["lead"]["max attention logit"] == 301 - 285
     assert s["signals"]["loss spike (10× early max)"] == 301
     args = argparse.Namespace(tuning_run=False, model="dense", width=64, steps=310, seeds=[21], margin=1.0,
-                              warmup=None)
+                              warmup=None, independent_weight_decay=None,
+                              mech_interval=5)
     text = natural_instability.report(args, [{"lr": 0.03, "qk_layernorm": False, "seed": 21, "score": s,
                                               "command": "cmd"}])
     assert "runs that diverged: 1 of 1; monitors alerted before divergence in 1" in text
@@ -72,3 +73,33 @@ def test_natural_instability_score_and_report():
     args.warmup = 1000
     assert "after a 1000-step linear warm-up" in natural_instability.report(args, [])
     assert "monitors ahead of **max attention logit**" in text
+
+
+def test_natural_instability_independent_weight_decay_and_max_logit_trajectory():
+    # Megatron's AdamW decays by lr_t × wd per step: wd = 1e-4 / lr shrinks by 1e-4 per step at the peak lr
+    args = argparse.Namespace(width=128, model="dense", warmup=400, independent_weight_decay=1e-4, mech_interval=2)
+    flags = natural_instability.run_flags(args, 0.5, True, 11)
+    assert flags[flags.index("--weight-decay") + 1] == "0.0002" and flags[-1] == "--qk-layernorm"
+    assert flags.count("--mech-interval") == 1 and flags[flags.index("--mech-interval") + 1] == "2"
+    assert natural_instability.run_name(args, 0.5, True, 11) == "dense_h128_lr0.5_qkln_s11_w400_iwd0.0001_i2"
+    args.mech_interval = 5
+    args.independent_weight_decay = None  # the entry point's own --weight-decay, and the old run names
+    assert "--weight-decay" not in natural_instability.run_flags(args, 0.5, False, 11)
+    assert natural_instability.run_name(args, 0.5, False, 11) == "dense_h128_lr0.5_plain_s11_w400"
+    with pytest.raises(ValueError, match="--independent-weight-decay"):
+        natural_instability.coupled_weight_decay(-1e-4, 0.5)
+    records = [{"step": 5 * i, "metrics": {"symptom/max_attn_logit": float(10 * i)}} for i in range(1, 31)]
+    records.insert(3, {"step": 17, "metrics": {"symptom/loss": 3.0}})  # a record without the series is skipped
+    trajectory = natural_instability.max_logit_trajectory(records)
+    assert trajectory == {"every": {50: 100.0, 100: 200.0, 150: 300.0}, "max": 300.0}
+    row = {"lr": 0.5, "qk_layernorm": False, "seed": 21, "command": "cmd", "max_logit": trajectory,
+           "score": natural_instability.score({"losses": [6.0] * 150, "alerts": [], "records": records,
+                                               "command": "cmd"}, steps=150, margin=1.0)}
+    args = argparse.Namespace(tuning_run=False, model="dense", width=128, steps=150, seeds=[21], margin=1.0,
+                              warmup=None, independent_weight_decay=1e-4, mech_interval=2)
+    text = natural_instability.report(args, [row])
+    assert "- lr 0.5, plain, seed 21: 50: 100, 100: 200, 150: 300 (max 300.00)" in text
+    assert "independent weight decay 0.0001 per step at the peak LR" in text and "4 heads of 32" in text
+    assert "monitors every 2 steps" in text
+    with pytest.raises(SystemExit):  # refused before any run starts
+        natural_instability.main(["--mech-interval", "0", "--no-write"])
