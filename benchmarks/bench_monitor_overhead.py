@@ -44,12 +44,12 @@ except ImportError:
     from benchmarks._results import check_idle, write_results
 
 REPO = Path(__file__).resolve().parents[1]
-# 4 layers, hidden 128, 4 heads, 4 experts (top-2, expert FFN 256), vocab 8192, seq 64, micro-batch 2, global batch
-# 8 (two micro-batches per rank at EP=2 × DP=2): small enough that 5 rounds × 4 configurations × 200 steps, with
-# parts 2 and 3, fit in about 15 minutes alone on 2 cores.
-MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--ffn-hidden-size", "512",
-         "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "256", "--seq-length", "64",
-         "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3", "--lr-warmup-iters", "10",
+# 4 layers, hidden 64, 4 heads, 4 experts (top-2, expert FFN 128), vocab 8192, seq 64, micro-batch 2, global batch 4
+# (one micro-batch per rank at EP=2 × DP=2): a step of ≲ 0.1 s alone on 2 cores, so 5 rounds × 4 configurations
+# × 200 steps and parts 2 and 3 fit in about 15 minutes (most of a run's wall time is the ~13 s start-up).
+MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "256",
+         "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "128", "--seq-length", "64",
+         "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--lr-warmup-iters", "10",
          "--log-interval", "1000", "--eval-iters", "1"]
 INTERVALS = {"off": None, "δ=100": 100, "δ=10": 10, "δ=1": 1}
 WARMUP_STEPS = 10  # first steps of every run left out of its mean step time (allocations, first snapshot)
@@ -67,7 +67,9 @@ def config_flags(name: str, steps: int) -> list:
 
 def torchrun(script, nproc, args, env):
     cmd = [*torchrun_prefix(nproc), str(script), *args]
-    subprocess.run(cmd, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    done = subprocess.run(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
 
 
 def overhead_runs(steps, rounds, env, workdir):
