@@ -32,7 +32,7 @@ def test_monitors_issue_no_op_between_evaluation_steps(tmp_path):
     for step in (3, 6):  # evaluation steps: both captures inside the forward passes, the evaluation, its collectives
         assert issued(step, "megatron_mech/core/attention_logits.py:max_attention_logit") > 0, ops[step]
         assert issued(step, "megatron_mech/core/router.py:update") > 0, ops[step]   # router capture (per micro-batch)
-        assert issued(step, "megatron_mech/monitors/attention.py") > 0, ops[step]
+        assert issued(step, "megatron_mech/monitors/attention") > 0, ops[step]   # the module or the package
         assert issued(step, "megatron_mech/monitors/experts.py") > 0, ops[step]
         assert any(key.endswith(":c10d.allreduce_.default") for key in ops[step]), ops[step]
     for step in (1, 2):  # MoLS's estimation window: its gradient statistics
