@@ -337,7 +337,7 @@ class MechHook:
 
             self.max_logit = MaxLogitRecorder()
             for capture in view.attention_logit_capture:
-                capture(self.max_logit.record)
+                capture(self.max_logit)  # callable; its ``capturing`` tells the capture when to skip all work
         if self._sinks is None and view.logging_rank:
             self.open_sinks(start_step)
         self._is_setup = True
@@ -666,6 +666,11 @@ class _LayerRecorder:
 
     def __init__(self, monitor, layer: int):
         self.monitor, self.layer = monitor, layer
+
+    @property
+    def capturing(self) -> bool:
+        """Whether the monitor records this step: a capture skips the call (and any tensor work) otherwise."""
+        return self.monitor.capturing
 
     def __call__(self, logits: torch.Tensor) -> None:
         self.monitor.record(self.layer, logits)

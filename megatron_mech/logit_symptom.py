@@ -28,8 +28,9 @@ MAX_LOGIT_METRIC = "symptom/max_attn_logit"
 class MaxLogitRecorder:
     """Collects the maximum attention logit of one evaluation step on this rank, then reduces it over all ranks.
 
-    ``capturing`` is set by the hook (True on evaluation steps); :meth:`record` is what each layer's capture
-    calls with the tensors its attention kernel receives.
+    ``capturing`` is set by the hook (True on evaluation steps); the recorder itself is what the hook hands each
+    layer's capture: calling it is :meth:`record`, with the tensors the attention kernel receives, and a capture
+    reads ``capturing`` first so that between evaluation steps it does not even lay out those tensors.
     """
 
     def __init__(self) -> None:
@@ -47,6 +48,8 @@ class MaxLogitRecorder:
         if self._max is None or math.isnan(value) or (not math.isnan(self._max) and value > self._max):
             self._max = value
         self.seconds += time.perf_counter() - started
+
+    __call__ = record
 
     def observe(self) -> dict:
         """``{MAX_LOGIT_METRIC: value}`` over all ranks (empty if no rank captured anything); resets the step.

@@ -30,7 +30,8 @@ class RouterView:
     capture: Callable[[Callable[[torch.Tensor], None]], None]
     """``capture(observe)`` installs ``observe``: the framework then calls ``observe(logits)`` with the full router
     logits ``[tokens, num_experts]`` (before top-k) of every micro-batch, and routes on those same logits.
-    Installing twice must not observe twice."""
+    Installing twice must not observe twice. The hook's ``observe`` has a boolean ``capturing``, False between
+    evaluation steps: the capture then skips it and does no tensor work."""
 
 
 @dataclass
@@ -66,8 +67,9 @@ class ModelView:
     """One ``capture(record)`` per self-attention layer on this rank (empty: the framework offers none). It
     installs ``record(layer, query [b, h, sq, d], key [b, g, sk, d], scale, causal, mask=None)``, called with the
     inputs of every forward of the layer's attention kernel (``scale``: the softmax scale applied to ``q·k``;
-    ``mask``: bool, True = masked out). Installing twice must not record twice. Feeds the max-attention-logit
-    symptom (:mod:`megatron_mech.logit_symptom`)."""
+    ``mask``: bool, True = masked out). Installing twice must not record twice. The hook's ``record`` has a
+    boolean ``capturing``, False between evaluation steps: the capture then returns before any tensor work. Feeds
+    the max-attention-logit symptom (:mod:`megatron_mech.logit_symptom`)."""
     mols: Optional[Callable[..., Any]] = None
     """MoLS factory of this framework, ``mols(core_config, log=...) -> backend`` (``None``: MoLS unavailable).
     The backend offers ``config_overrides``, ``attach(optimizer)``, ``wrap_forward_step(fn)``,

@@ -101,10 +101,8 @@ def gate_capture(gate: GateHandle):
         if getattr(gate, "_captured", False):   # installing twice must not observe twice
             return
         gate._captured = True
-        monitor = getattr(observe, "monitor", None)  # the hook's recorder: skip the work off evaluation steps
-
-        def active() -> bool:
-            return monitor is None or monitor.capturing
+        def active() -> bool:  # the hook's recorder is off between evaluation steps: skip the work then
+            return getattr(observe, "capturing", True)
 
         if gate.kind == "deepspeed":
             # TopKGate computes its logits inline (F.linear(input.float(), wg.weight.float())) and never calls

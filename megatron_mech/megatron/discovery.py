@@ -87,8 +87,9 @@ def find_routers(model_chunks: Sequence[torch.nn.Module]) -> list[tuple[int, tor
 
 def _gating_capture(router: torch.nn.Module) -> Callable[[Callable[[torch.Tensor], None]], None]:
     """``capture(observe)`` for one ``TopKRouter``: wrap this instance's ``gating`` so every micro-batch's full
-    logits (before top-k) reach ``observe``; ``TopKRouter.forward`` routes on the same, unchanged logits.
-    Installing again replaces the observer (one wrapper per router)."""
+    logits (before top-k) reach ``observe`` (skipped while ``observe.capturing`` is False);
+    ``TopKRouter.forward`` routes on the same, unchanged logits. Installing again replaces the observer (one
+    wrapper per router)."""
 
     def capture(observe: Callable[[torch.Tensor], None]) -> None:
         router._mech_observe = observe
@@ -98,7 +99,9 @@ def _gating_capture(router: torch.nn.Module) -> Callable[[Callable[[torch.Tensor
 
         def gating(input, *args, **kwargs):
             logits = original(input, *args, **kwargs)
-            router._mech_observe(logits)
+            observe = router._mech_observe
+            if getattr(observe, "capturing", True):  # the hook's recorder is off between evaluation steps
+                observe(logits)
             return logits
 
         router.gating = gating
@@ -134,7 +137,8 @@ def find_experts(model_chunks: Sequence[torch.nn.Module]) -> list:
 def find_attention_logit_captures(model_chunks: Sequence[torch.nn.Module]) -> list:
     """``capture(record)`` for the core attention of every megatron-core ``SelfAttention`` on this rank: a forward
     pre-hook that hands ``record`` the kernel's query and key (``[s, b, heads, d]`` → ``[b, heads, s, d]``), the
-    effective softmax scale and the causal flag. Installing again replaces ``record`` (one pre-hook per module)."""
+    effective softmax scale and the causal flag; while ``record.capturing`` is False the pre-hook returns before
+    touching a tensor. Installing again replaces ``record`` (one pre-hook per module)."""
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.enums import AttnMaskType
 
@@ -153,6 +157,8 @@ def find_attention_logit_captures(model_chunks: Sequence[torch.nn.Module]) -> li
                     return
 
                 def pre_hook(mod, args, kwargs):
+                    if not getattr(mod._mech_record_logits, "capturing", True):  # not an evaluation step: no work
+                        return None
                     query = args[0] if args else kwargs.get("query")
                     key = args[1] if len(args) > 1 else kwargs.get("key")
                     mask = args[3] if len(args) > 3 else kwargs.get("attention_mask")
