@@ -1,0 +1,172 @@
+"""Does the router family warn first on a routing collapse that really happens?
+
+For each seed, the demo's clean run and its router-fault run (:func:`megatron_mech.studies.demo.demo_commands`:
+the small MoE GPT, 4 experts top-2, no load-balancing loss, EP=2 on 2 processes; the fault: the routers' learning
+rate × k from the start step, ``--mech-fault router``), both recording the routing
+(``--mech-record-routing``). Per seed:
+
+* **collapse step** — the ground truth, measured apart from the monitors on the routers' own top-k decisions
+  (:func:`megatron_mech.studies.router_outcome.find_collapse`: an expert of a layer gets < 2% of the layer's
+  assignments for 20 consecutive steps; the first of those steps);
+* the **first router alert**, the **first symptom alert** (the loss / grad-norm detectors: what users have
+  today) and the first attention alert, as the run fired them (``mech.jsonl``);
+* the **loss divergence** (:func:`megatron_mech.studies.leadtime.divergence_step`, against the clean run);
+* checks: the clean run's alerts and collapse step, and that both runs are identical before the fault.
+
+    python benchmarks/router_collapse.py                                  # reporting seeds 21 22
+    python benchmarks/router_collapse.py --tuning-run --seeds 1234 11     # what the strength was chosen on
+    python benchmarks/router_collapse.py --runs-dir runs/rc --reuse       # re-score finished runs
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks._results import write_results  # noqa: E402
+from megatron_mech.records.sinks import read_alerts  # noqa: E402
+from megatron_mech.studies.demo import demo_commands, step_losses  # noqa: E402
+from megatron_mech.studies.leadtime import (FAULT_FLAGS, REPORTING_SEEDS, TUNING_SEEDS, divergence_step,  # noqa: E402
+                                            first_alert, parse_study_args)
+from megatron_mech.studies.router_outcome import (ROUTING_FILE, STARVED_HOLD, STARVED_SHARE,  # noqa: E402
+                                                  find_collapse, read_routing_counts)
+
+MARGIN = 0.2  # nats: the demo's divergence margin
+
+
+def _finished(run_dir: Path, steps: int) -> bool:
+    summary = run_dir / "summary.json"
+    return summary.exists() and int(json.loads(summary.read_text()).get("final_step", -1)) >= steps
+
+
+def train(name: str, cmd: list, run_dir: Path, steps: int, reuse: bool) -> None:
+    import subprocess
+
+    if reuse and _finished(run_dir, steps):
+        return
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    print(f"training {run_dir} ({name})", flush=True)
+    done = subprocess.run(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{name} run {run_dir} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+
+
+def shares_at(counts: dict, step: int) -> dict:
+    """Each layer's share of assignments per expert at ``step`` (rounded)."""
+    return {layer: [round(n / max(1, sum(c)), 3) for n in c] for layer, c in counts.get(step, {}).items()}
+
+
+def score(seed: int, runs: Path, start: int) -> dict:
+    """One seed's row; without a clean run (``--fault-only``) the columns that need it are ``None``."""
+    clean_dir, fault_dir = runs / "clean", runs / "router"
+    has_clean = (clean_dir / "summary.json").exists()
+    losses = step_losses(fault_dir)
+    clean_losses = step_losses(clean_dir) if has_clean else None
+    alerts = read_alerts(fault_dir / "mech.jsonl")
+    clean_alerts = read_alerts(clean_dir / "mech.jsonl") if has_clean else None
+    counts = read_routing_counts(fault_dir)
+    collapse = find_collapse(counts)
+    clean_collapse = ("not run" if not has_clean else "not recorded" if not (clean_dir / ROUTING_FILE).exists()
+                      else find_collapse(read_routing_counts(clean_dir)))
+    firsts = {family: first_alert(alerts, family) for family in ("router", "symptom", "attention")}
+    router = firsts["router"]
+    first_router = next((a for a in alerts if a.family == "router" and a.step == router), None)
+    last = max(counts)
+    return {"seed": seed, "start": start,
+            "collapse": None if collapse is None else collapse._asdict(),
+            "first_router_alert": router, "first_router_metric": first_router.metric if first_router else None,
+            "first_symptom_alert": firsts["symptom"], "first_attention_alert": firsts["attention"],
+            "divergence": divergence_step(losses, clean_losses, MARGIN) if has_clean else None,
+            "router_before_symptom": router is not None and (firsts["symptom"] is None or router < firsts["symptom"]),
+            "router_before_collapse": router is not None and collapse is not None and router <= collapse.step,
+            "pre_onset_losses_identical": losses[:start - 1] == clean_losses[:start - 1] if has_clean else None,
+            "clean_alerts": len(clean_alerts) if has_clean else None,
+            "clean_collapse": (None if clean_collapse is None else clean_collapse if isinstance(clean_collapse, str)
+                               else clean_collapse._asdict()),
+            "shares_before_onset": shares_at(counts, start - 1), "shares_at_end": shares_at(counts, last),
+            "final_loss_gap": (sum(losses[-20:]) - sum(clean_losses[-20:])) / 20 if has_clean else None}
+
+
+def _fmt(value) -> str:
+    return "–" if value is None else str(value)
+
+
+def report(args, rows) -> str:
+    k = FAULT_FLAGS["router"][FAULT_FLAGS["router"].index("--mech-fault-strength") + 1]
+    lines = [("**TUNING RUN — not a result.** " if args.tuning_run else "") +
+             f"Seeds {args.seeds} ({'tuning' if args.tuning_run else 'reporting'}; the tuning seeds "
+             f"{list(TUNING_SEEDS)} chose the fault strength and the collapse level, the reporting seeds "
+             f"{list(REPORTING_SEEDS)} chose nothing).", "",
+             f"Runs: the demo's (small MoE GPT, 4 experts top-2, no load-balancing loss, EP=2 on 2 CPU processes, "
+             f"{args.steps} steps, default detector rules, monitors every 5 steps), clean and with the router fault "
+             f"— the routers' learning rate × {k} from step {args.start}, nothing else changed.", "",
+             f"Routing collapse (ground truth, from the routers' own top-k decisions on the logging rank's tokens, "
+             f"not from the monitors): an expert of a layer gets < {STARVED_SHARE:.0%} of the layer's top-k "
+             f"assignments (uniform: 25%) for {STARVED_HOLD} consecutive steps; the collapse step is the first of "
+             f"them. Divergence: the 20-step moving-average loss stays > {MARGIN} nats above the clean run for "
+             f"≥ 50 steps to the end.", "",
+             "| seed | collapse step (layer, expert) | first router alert (series) | first symptom alert | "
+             "first attention alert | divergence | router first? | router ≤ collapse? | clean: alerts / collapse | "
+             "identical before onset | loss gap, last 20 steps |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c = r["collapse"]
+        collapse = "none" if c is None else f"{c['step']} (layer {c['layer']}, expert {c['expert']})"
+        clean = r["clean_collapse"]
+        clean = clean if isinstance(clean, str) else ("none" if clean is None else str(clean["step"]))
+        lines.append(f"| {r['seed']} | {collapse} | {_fmt(r['first_router_alert'])} ({_fmt(r['first_router_metric'])})"
+                     f" | {_fmt(r['first_symptom_alert'])} | {_fmt(r['first_attention_alert'])} | "
+                     f"{_fmt(r['divergence'])} | {'yes' if r['router_before_symptom'] else 'no'} | "
+                     f"{'yes' if r['router_before_collapse'] else 'no'} | {_fmt(r['clean_alerts'])} / {clean} | "
+                     f"{ {True: 'yes', False: 'NO', None: '–'}[r['pre_onset_losses_identical']]} | "
+                     f"{'–' if r['final_loss_gap'] is None else format(r['final_loss_gap'], '+.3f')} |")
+    lines += ["", "Expert shares per layer (fault run, logging rank's tokens), the step before onset → the last "
+              "step:", ""]
+    lines += [f"- seed {r['seed']}: {r['shares_before_onset']} → {r['shares_at_end']}" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", type=int, nargs="+", default=list(REPORTING_SEEDS[:2]))
+    p.add_argument("--tuning-run", action="store_true", help="allow tuning seeds (the report says so)")
+    p.add_argument("--steps", type=int, default=500, help="the demo's default")
+    p.add_argument("--start", type=int, default=300, help="the demo's default fault start")
+    p.add_argument("--runs-dir", default=None, help="keep the runs here (default: a temporary folder)")
+    p.add_argument("--reuse", action="store_true", help="with --runs-dir: re-score runs that finished there")
+    p.add_argument("--fault-only", action="store_true",
+                   help="no clean runs (tuning: collapse and alerts only; no divergence)")
+    p.add_argument("--no-write", action="store_true")
+    args = parse_study_args(p, argv)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="mech_router_") as tmp:
+        work = Path(args.runs_dir or tmp)
+        for seed in args.seeds:
+            runs = work / f"s{seed}"
+            demo = argparse.Namespace(quick=False, steps=args.steps, fault_start=args.start, faults=["router"],
+                                      seed=seed, out=str(runs))
+            for name, cmd in demo_commands(demo).items():
+                if not (args.fault_only and name == "clean"):
+                    train(name, cmd, runs / name, args.steps, args.reuse)
+            rows.append(score(seed, runs, args.start))
+            print(json.dumps(rows[-1]), flush=True)
+    load = os.getloadavg()
+    body = report(args, rows) + (f"\n\nLoad while scoring (1/5/15-min averages on {os.cpu_count()} cores): "
+                                 f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (the CPU was shared with other "
+                                 f"jobs; runs are deterministic, so load changes their duration only).")
+    print(body)
+    if not args.no_write:
+        name = "router_collapse_tuning" if args.tuning_run else "router_collapse"
+        write_results(name, body, {"rows": rows, "tuning_run": args.tuning_run, "seeds": args.seeds,
+                                   "load": list(load)})
+
+
+if __name__ == "__main__":
+    main()
