@@ -322,7 +322,7 @@ def test_importing_faults_does_not_import_megatron():
 def megatron_results(tmp_path_factory):
     pytest.importorskip("megatron.core")
     jobs = [{"id": "core_match"}, {"id": "gpt_selectivity"}, {"id": "lr_scheduler"}, TRAIN_JOB,
-            {"id": "router_fault", "record_dir": str(tmp_path_factory.mktemp("routing"))}]
+            {"id": "router_fault", "record_dir": str(tmp_path_factory.mktemp("routing"))}, {"id": "router_input_fault"}]
     return run_worker_jobs(WORKER, jobs, timeout=240)
 
 
@@ -407,6 +407,17 @@ def test_routing_recorder_counts_the_routers_top_k_choices_of_training_steps(meg
         assert all(sum(counts) == 2 * r["tokens_per_step"] for counts in per_layer.values())  # top-2
 
 
+def test_router_input_fault_routes_on_pulled_tokens_from_the_start_step(megatron_results):
+    r = _result(megatron_results, "router_input_fault")
+    rows = r["rows"]
+    # every step and layer: the routing map is exactly top-2 of W·(x̄ + (1 − α)(x − x̄)), x the MoE layer's input
+    assert all(row["matches"] for row in rows), rows
+    assert [row["alpha"] for row in rows if row["layer"] == 0] == [0.0, 0.0, 0.5, 1.0, 1.0]
+    # before the start the tokens choose many expert pairs; at α = 1 every token chooses the same pair
+    assert all(row["distinct_choices"] > 1 for row in rows if row["step"] < r["start"])
+    assert all(row["distinct_choices"] == 1 for row in rows if row["alpha"] == 1.0)
+
+
 def test_router_fault_refuses_an_optimizer_that_steps_copies():
     weight = torch.nn.Parameter(torch.zeros(4, 8))
     fault = F.RouterLRFault(F.FaultConfig(kind="router", strength=10, start=3), [weight])
@@ -418,6 +429,8 @@ def test_router_fault_refuses_an_optimizer_that_steps_copies():
         fault.check_optimizer(None)
     with pytest.raises(ValueError, match="strength"):
         F.FaultConfig(kind="router", strength=0)
+    with pytest.raises(ValueError, match="router_input"):
+        F.FaultConfig(kind="router_input", strength=1.5)
     assert F.FaultConfig(kind="router", strength=10).lr_multiplier == 1.0  # the global lr is not touched
 
 

@@ -36,6 +36,8 @@ FAULT_KINDS = {
     "small_batch": (("batch",), 4, "divisor: global batch / divisor"),
     "combined": (("attention", "lr"), 1e-2, "γ of the attention fault (k is lr_factor)"),
     "router": (("router",), 30.0, "k: the MoE routers' learning rate × k from the start step"),
+    "router_input": (("router_input",), 1.0, "α in (0, 1]: each MoE router's input tokens pulled toward their mean, "
+                                             "x ← mean + (1 − α)·(x − mean) (the experts still get x)"),
 }
 DEFAULT_LR_FACTOR = 4.0
 
@@ -51,7 +53,7 @@ class FaultConfig:
                         flag="--mech-fault-start", type=int)
     strength: Optional[float] = option(
         None, "attention/combined: γ ≥ 0 (default 1e-2); lr: LR multiplier k > 0 (default 4); router: router LR "
-              "multiplier k > 0 (default 30); small_batch: integer global-batch divisor ≥ 1 (default 4)",
+              "multiplier k > 0 (default 30); router_input: pull α in (0, 1] (default 1); small_batch: integer global-batch divisor ≥ 1 (default 4)",
         flag="--mech-fault-strength", type=float)
     layers: Sequence[int] = option((1,), "0-based global layers of the attention fault (default: 1)",
                                    flag="--mech-fault-layers", type=int, nargs="+")
@@ -62,7 +64,7 @@ class FaultConfig:
     lr_factor: Optional[float] = option(None, "combined only: LR multiplier k (default 4)",
                                         flag="--mech-fault-lr-factor", type=float)
     ramp: int = option(0, "slowly developing fault: steps over which the strength grows linearly from 0 at the "
-                          "start step to its full value (attention: γ; lr, router: k from 1); 0 = full strength at "
+                          "start step to its full value (attention: γ; lr, router: k from 1; router_input: α); 0 = full strength at "
                           "once",
                        flag="--mech-fault-ramp", type=int)
 
@@ -91,6 +93,8 @@ class FaultConfig:
             if self.kind in ("lr", "router") and value <= 0:
                 what = "LR multiplier k" if self.kind == "lr" else "router LR multiplier k"
                 raise ValueError(f"FaultConfig.strength ({what}) must be > 0, got {value}")
+            if self.kind == "router_input" and not 0 < value <= 1:
+                raise ValueError(f"FaultConfig.strength (router_input pull α) must be in (0, 1], got {value}")
             if self.kind == "small_batch":
                 if value < 1 or value != int(value):
                     raise ValueError(f"FaultConfig.strength (global-batch divisor) must be an integer >= 1, "
@@ -181,6 +185,10 @@ class FaultConfig:
         """Router LR multiplier in force at ``step``: ``1 + (k − 1)·ramp_fraction(step)`` (1 when off)."""
         return 1.0 + (self.router_lr_multiplier - 1.0) * self.ramp_fraction(step)
 
+    def router_input_pull_at(self, step: Optional[int]) -> float:
+        """α of the router_input fault in force at ``step`` (ramped; 0 when off or another kind)."""
+        return float(self.strength) * self.ramp_fraction(step) if self.kind == "router_input" else 0.0
+
     @property
     def batch_divisor(self) -> int:
         return int(self.strength) if self.kind == "small_batch" else 1
@@ -215,6 +223,8 @@ class FaultConfig:
             parts.append(f"LR × {self.lr_multiplier:g}")
         if self.kind == "router":
             parts.append(f"router LR × {self.router_lr_multiplier:g} (no load-balancing loss to hold the routers)")
+        if self.kind == "router_input":
+            parts.append(f"router inputs pulled toward their mean, α = {float(self.strength):g}")
         if self.kind == "small_batch":
             parts.append(f"global batch / {self.batch_divisor}")
         ramp = f", ramping up over {self.ramp} steps" if self.ramp else ""

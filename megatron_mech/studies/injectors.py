@@ -29,7 +29,7 @@ from megatron_mech.hook import Extension
 from megatron_mech.optim import param_groups
 from megatron_mech.studies.fault_config import FaultConfig, add_fault_arguments, split_fault_section
 
-__all__ = ["FaultInjector", "FaultSchedule", "RouterLRFault", "apply_lr_fault", "effective_global_batch",
+__all__ = ["FaultInjector", "FaultSchedule", "RouterInputFault", "RouterLRFault", "apply_lr_fault", "effective_global_batch",
            "injector_from_section"]
 
 
@@ -159,6 +159,42 @@ class RouterLRFault:
         return k
 
 
+class RouterInputFault:
+    """The router_input fault: representation collapse as the MoE routers see it, from the start step.
+
+    Each router's input tokens are pulled toward their mean over the micro-batch, ``x ← x̄ + (1 − α)·(x − x̄)``
+    (α = ``strength``, ramped with ``ramp``), through a forward pre-hook on the router only: the experts still
+    get the true tokens. The router's logits of different tokens become alike, so every token picks the same
+    top-k experts and the others starve — routing collapse driven by the collapse of token representations onto
+    a few directions (Chi et al. 2022, "On the representation collapse of sparse mixture of experts"). With no
+    load-balancing loss nothing resists it. ``x̄`` is a detached constant of the micro-batch; the router weight
+    still gets gradients through the pulled tokens.
+    """
+
+    def __init__(self, config: FaultConfig, schedule: FaultSchedule, weights):
+        self.config = config
+        self.schedule = schedule
+        self._weights = {id(w) for w in weights}
+        # megatron-core builds the router inside MoELayer, outside any layer spec: a global pre-hook, filtered to
+        # this model's routers by their weight
+        self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._pull)
+
+    def _pull(self, module, args):
+        if id(getattr(module, "weight", None)) not in self._weights or not args:
+            return None
+        alpha = self.config.router_input_pull_at(self.schedule.step)
+        if alpha == 0.0:
+            return None
+        x = args[0]
+        mean = x.detach().reshape(-1, x.shape[-1]).mean(dim=0)
+        return (mean + (1.0 - alpha) * (x - mean), *args[1:])
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
 class FaultInjector(Extension):
     """The fault of one run, for the trainer: ``global_batch`` (once), ``layer_spec`` (model building),
     ``before_step`` (each step, before the forward) and ``before_optimizer_step`` (each step, after the backward
@@ -171,6 +207,7 @@ class FaultInjector(Extension):
         self.config = config
         self.schedule = schedule if schedule is not None else FaultSchedule()
         self.router_fault: Optional[RouterLRFault] = None
+        self.router_input_fault: Optional[RouterInputFault] = None
 
     @classmethod
     def add_arguments(cls, parser) -> None:
@@ -225,6 +262,15 @@ class FaultInjector(Extension):
                 raise ValueError("--mech-fault router: the model has no MoE router (set --num-experts)")
             self.router_fault = RouterLRFault(self.config, [router.weight for router in view.routers])
             self.router_fault.check_optimizer(optimizer)
+        if "router_input" in self.config.touches:
+            if not view.routers:
+                raise ValueError("--mech-fault router_input: the model has no MoE router (set --num-experts)")
+            self.router_input_fault = RouterInputFault(self.config, self.schedule,
+                                                       [router.weight for router in view.routers])
+
+    def close(self) -> None:
+        if self.router_input_fault is not None:
+            self.router_input_fault.close()
 
     def before_optimizer_step(self, optimizer, step: int) -> float:
         """Apply an LR fault to this step's lr (see :func:`apply_lr_fault`) and remember the router weights for

@@ -533,8 +533,55 @@ def _recorder_check(record_dir):
             "tokens_per_step": 2 * MBS * SEQ}
 
 
+def job_router_input_fault(opts):
+    """The router_input fault on a real megatron-core MoE GPT: the routers route on their input pulled toward its
+    mean (closed form from the MoE layer's own input, captured apart), from the start step only."""
+    from megatron_mech.megatron.discovery import find_routers, megatron_model_view
+    from megatron_mech.studies import faults
+
+    _, model = _moe_gpt(seed=6)
+    start, ramp = 3, 2  # α = 0.5 at step 3, 1 from step 4
+    injector = faults.FaultInjector(faults.FaultConfig(kind="router_input", strength=1.0, start=start, ramp=ramp))
+    injector.setup(None, megatron_model_view([model]), None)
+    seen = {}
+
+    def moe_input(layer):
+        def hook(module, args):
+            seen[("x", layer)] = args[0].detach().clone()
+        return hook
+
+    def routed(layer):
+        def hook(module, args, output):
+            seen[("map", layer)] = output[1].detach().clone()
+        return hook
+
+    handles = []
+    for layer, router in find_routers([model]):
+        handles.append(model.decoder.layers[layer].mlp.register_forward_pre_hook(moe_input(layer)))
+        handles.append(router.register_forward_hook(routed(layer)))
+    gen = torch.Generator().manual_seed(12)
+    rows = []
+    for step in range(1, 6):
+        injector.before_step(step)
+        _loss_and_grads(model, *_progression_batch(gen))
+        alpha = injector.config.router_input_pull_at(step)
+        for layer, router in find_routers([model]):
+            x = seen[("x", layer)].reshape(-1, seen[("x", layer)].shape[-1])
+            pulled = x.mean(dim=0) + (1.0 - alpha) * (x - x.mean(dim=0))
+            logits = pulled @ router.weight.detach().t()
+            expected = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, logits.topk(2, dim=1).indices, True)
+            got = seen[("map", layer)]
+            rows.append({"step": step, "layer": layer, "alpha": alpha, "matches": bool(torch.equal(got, expected)),
+                         "distinct_choices": len({tuple(r.tolist()) for r in got})})
+    injector.close()
+    for handle in handles:
+        handle.remove()
+    return {"rows": rows, "start": start}
+
+
 JOBS = {"tp2": job_tp2, "core_match": job_core_match, "gpt_selectivity": job_gpt_selectivity, "lr_scheduler": job_lr_scheduler,
-        "train": job_train, "router_fault": job_router_fault}
+        "train": job_train, "router_fault": job_router_fault,
+        "router_input_fault": job_router_input_fault}
 
 
 def torchrun_tp2():
