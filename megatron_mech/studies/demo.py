@@ -57,19 +57,19 @@ def demo_commands(args: argparse.Namespace) -> dict:
 DEMO_FAULTS = {
     "attention": ("attention-precision fault", "the biased bf16-rounding mechanism of FlashAttention's backward "
                   "injected into layer 1"),
-    "router": ("router fault (router LR ×{k})", "the MoE routers' learning rate multiplied by {k} (every other "
-               "parameter's unchanged); with no load-balancing loss to hold them the routers pile the tokens onto "
-               "a few experts"),
+    "router": ("router fault (representation collapse at the routers)", "each MoE router's input tokens pulled "
+               "toward their mean, x ← x̄ + (1 − α)(x − x̄), α growing from 0 to {strength} over {ramp} steps (the "
+               "experts still get the true tokens; no load-balancing loss holds the routing)"),
 }
-"""The demo's fault runs: ``(title, what was injected)``; ``{k}`` is the router fault's strength."""
+"""The demo's fault runs: ``(title, what was injected)``, formatted with the fault's ``--mech-fault-*`` values."""
 
 
 def _fault_text(name: str) -> tuple:
     from megatron_mech.studies.leadtime import FAULT_FLAGS
 
     flags = FAULT_FLAGS[name]
-    k = flags[flags.index("--mech-fault-strength") + 1]
-    return tuple(text.format(k=k) for text in DEMO_FAULTS[name])
+    values = {flag[len("--mech-fault-"):]: value for flag, value in zip(flags, flags[1:]) if flag.startswith("--")}
+    return tuple(text.format(**values) for text in DEMO_FAULTS[name])
 
 
 def collapse_line(run_dir) -> str:
