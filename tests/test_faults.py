@@ -407,15 +407,17 @@ def test_routing_recorder_counts_the_routers_top_k_choices_of_training_steps(meg
         assert all(sum(counts) == 2 * r["tokens_per_step"] for counts in per_layer.values())  # top-2
 
 
-def test_router_input_fault_routes_on_pulled_tokens_from_the_start_step(megatron_results):
+def test_router_input_fault_routes_on_shifted_tokens_from_the_start_step(megatron_results):
     r = _result(megatron_results, "router_input_fault")
     rows = r["rows"]
-    # every step and layer: the routing map is exactly top-2 of W·(x̄ + (1 − α)(x − x̄)), x the MoE layer's input
+    # every step and layer: the routing map is exactly top-2 of W·(x + β_step·e_channel), x the MoE layer's input
     assert all(row["matches"] for row in rows), rows
-    assert [row["alpha"] for row in rows if row["layer"] == 0] == [0.0, 0.0, 0.5, 1.0, 1.0]
-    # before the start the tokens choose many expert pairs; at α = 1 every token chooses the same pair
+    assert [row["shift"] for row in rows if row["layer"] == 0] == [0.0, 0.0, r["beta"] / 2, r["beta"], r["beta"]]
+    # before the start the tokens choose many expert pairs; with the shift at full strength (β = 1e4, far above
+    # the tokens' own logit spread) every token chooses the same pair
     assert all(row["distinct_choices"] > 1 for row in rows if row["step"] < r["start"])
-    assert all(row["distinct_choices"] == 1 for row in rows if row["alpha"] == 1.0)
+    assert all(row["distinct_choices"] == 1 for row in rows if row["shift"] == r["beta"])
+    assert "--mech-fault-channel 64" in r["channel_error"]  # the model's hidden size is 64
 
 
 def test_router_fault_refuses_an_optimizer_that_steps_copies():
@@ -430,7 +432,9 @@ def test_router_fault_refuses_an_optimizer_that_steps_copies():
     with pytest.raises(ValueError, match="strength"):
         F.FaultConfig(kind="router", strength=0)
     with pytest.raises(ValueError, match="router_input"):
-        F.FaultConfig(kind="router_input", strength=1.5)
+        F.FaultConfig(kind="router_input", strength=-1)
+    with pytest.raises(ValueError, match="channel"):
+        F.FaultConfig(kind="router_input", channel=-1)
     assert F.FaultConfig(kind="router", strength=10).lr_multiplier == 1.0  # the global lr is not touched
 
 

@@ -160,15 +160,15 @@ class RouterLRFault:
 
 
 class RouterInputFault:
-    """The router_input fault: representation collapse as the MoE routers see it, from the start step.
+    """The router_input fault: a massive activation in the MoE routers' input, from the start step.
 
-    Each router's input tokens are pulled toward their mean over the micro-batch, ``x ← x̄ + (1 − α)·(x − x̄)``
-    (α = ``strength``, ramped with ``ramp``), through a forward pre-hook on the router only: the experts still
-    get the true tokens. The router's logits of different tokens become alike, so every token picks the same
-    top-k experts and the others starve — routing collapse driven by the collapse of token representations onto
-    a few directions (Chi et al. 2022, "On the representation collapse of sparse mixture of experts"). With no
-    load-balancing loss nothing resists it. ``x̄`` is a detached constant of the micro-batch; the router weight
-    still gets gradients through the pulled tokens.
+    A constant β (= ``strength``, ramped with ``ramp``) is added to one hidden channel (``--mech-fault-channel``)
+    of every token at each router's input, through a forward pre-hook on the router only: the experts still get
+    the true tokens. Every token's logit for expert e then gains the same β·W[e, channel], so as β grows the same
+    top-k experts win for every token and the others starve — the routing collapse a massive activation (a few
+    channels carrying huge values shared by all tokens, Sun et al. 2024) causes in a router with no
+    load-balancing loss. A starved expert gets no router gradient (top-k routing passes gradients to the chosen
+    experts' logits only), so nothing brings it back.
     """
 
     def __init__(self, config: FaultConfig, schedule: FaultSchedule, weights):
@@ -177,17 +177,18 @@ class RouterInputFault:
         self._weights = {id(w) for w in weights}
         # megatron-core builds the router inside MoELayer, outside any layer spec: a global pre-hook, filtered to
         # this model's routers by their weight
-        self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._pull)
+        self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._shift)
 
-    def _pull(self, module, args):
+    def _shift(self, module, args):
         if id(getattr(module, "weight", None)) not in self._weights or not args:
             return None
-        alpha = self.config.router_input_pull_at(self.schedule.step)
-        if alpha == 0.0:
+        beta = self.config.router_input_shift_at(self.schedule.step)
+        if beta == 0.0:
             return None
         x = args[0]
-        mean = x.detach().reshape(-1, x.shape[-1]).mean(dim=0)
-        return (mean + (1.0 - alpha) * (x - mean), *args[1:])
+        offset = torch.zeros(x.shape[-1], dtype=x.dtype, device=x.device)
+        offset[self.config.channel] = beta
+        return (x + offset, *args[1:])
 
     def close(self) -> None:
         if self._handle is not None:
@@ -265,6 +266,10 @@ class FaultInjector(Extension):
         if "router_input" in self.config.touches:
             if not view.routers:
                 raise ValueError("--mech-fault router_input: the model has no MoE router (set --num-experts)")
+            hidden = view.routers[0].weight.shape[1]
+            if self.config.channel >= hidden:
+                raise ValueError(f"--mech-fault-channel {self.config.channel}: the routers' input has {hidden} "
+                                 f"channels (0..{hidden - 1})")
             self.router_input_fault = RouterInputFault(self.config, self.schedule,
                                                        [router.weight for router in view.routers])
 

@@ -534,14 +534,15 @@ def _recorder_check(record_dir):
 
 
 def job_router_input_fault(opts):
-    """The router_input fault on a real megatron-core MoE GPT: the routers route on their input pulled toward its
-    mean (closed form from the MoE layer's own input, captured apart), from the start step only."""
+    """The router_input fault on a real megatron-core MoE GPT: the routers route on their input with channel 5
+    shifted by β (closed form from the MoE layer's own input, captured apart), from the start step only."""
     from megatron_mech.megatron.discovery import find_routers, megatron_model_view
     from megatron_mech.studies import faults
 
     _, model = _moe_gpt(seed=6)
-    start, ramp = 3, 2  # α = 0.5 at step 3, 1 from step 4
-    injector = faults.FaultInjector(faults.FaultConfig(kind="router_input", strength=1.0, start=start, ramp=ramp))
+    start, ramp, beta, channel = 3, 2, 1e4, 5  # β/2 at step 3, β from step 4
+    injector = faults.FaultInjector(faults.FaultConfig(kind="router_input", strength=beta, start=start, ramp=ramp,
+                                                       channel=channel))
     injector.setup(None, megatron_model_view([model]), None)
     seen = {}
 
@@ -564,19 +565,25 @@ def job_router_input_fault(opts):
     for step in range(1, 6):
         injector.before_step(step)
         _loss_and_grads(model, *_progression_batch(gen))
-        alpha = injector.config.router_input_pull_at(step)
+        shift = injector.config.router_input_shift_at(step)
         for layer, router in find_routers([model]):
-            x = seen[("x", layer)].reshape(-1, seen[("x", layer)].shape[-1])
-            pulled = x.mean(dim=0) + (1.0 - alpha) * (x - x.mean(dim=0))
-            logits = pulled @ router.weight.detach().t()
+            x = seen[("x", layer)].reshape(-1, seen[("x", layer)].shape[-1]).clone()
+            x[:, channel] += shift
+            logits = x @ router.weight.detach().t()
             expected = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, logits.topk(2, dim=1).indices, True)
             got = seen[("map", layer)]
-            rows.append({"step": step, "layer": layer, "alpha": alpha, "matches": bool(torch.equal(got, expected)),
+            rows.append({"step": step, "layer": layer, "shift": shift, "matches": bool(torch.equal(got, expected)),
                          "distinct_choices": len({tuple(r.tolist()) for r in got})})
     injector.close()
     for handle in handles:
         handle.remove()
-    return {"rows": rows, "start": start}
+    out = {"rows": rows, "start": start, "beta": beta}
+    try:
+        bad = faults.FaultInjector(faults.FaultConfig(kind="router_input", channel=64))
+        bad.setup(None, megatron_model_view([model]), None)
+    except ValueError as e:
+        out["channel_error"] = str(e)
+    return out
 
 
 JOBS = {"tp2": job_tp2, "core_match": job_core_match, "gpt_selectivity": job_gpt_selectivity, "lr_scheduler": job_lr_scheduler,
