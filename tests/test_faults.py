@@ -407,17 +407,17 @@ def test_routing_recorder_counts_the_routers_top_k_choices_of_training_steps(meg
         assert all(sum(counts) == 2 * r["tokens_per_step"] for counts in per_layer.values())  # top-2
 
 
-def test_router_input_fault_routes_on_shifted_tokens_from_the_start_step(megatron_results):
+def test_router_input_fault_routes_on_shifted_logits_from_the_start_step(megatron_results):
     r = _result(megatron_results, "router_input_fault")
     rows = r["rows"]
-    # every step and layer: the routing map is exactly top-2 of W·(x + β_step·e_channel), x the MoE layer's input
+    # every step and layer: the routing map is exactly top-2 of x·Wᵀ + β_step·[1, 1, 0, 0], x the MoE layer's input
+    # (the shift is recomputed from the live router weight, so it is exact after the weight moved)
     assert all(row["matches"] for row in rows), rows
     assert [row["shift"] for row in rows if row["layer"] == 0] == [0.0, 0.0, r["beta"] / 2, r["beta"], r["beta"]]
-    # before the start the tokens choose many expert pairs; with the shift at full strength (β = 1e4, far above
-    # the tokens' own logit spread) every token chooses the same pair
-    assert all(row["distinct_choices"] > 1 for row in rows if row["step"] < r["start"])
-    assert all(row["distinct_choices"] == 1 for row in rows if row["shift"] == r["beta"])
-    assert "--mech-fault-channel 64" in r["channel_error"]  # the model's hidden size is 64
+    # before the start the tokens choose many expert pairs; with β = 100 (far above the tokens' own logit spread)
+    # every token chooses experts 0 and 1
+    assert all(len(row["distinct_choices"]) > 1 for row in rows if row["step"] < r["start"])
+    assert all(row["distinct_choices"] == [[True, True, False, False]] for row in rows if row["shift"] == r["beta"])
 
 
 def test_router_fault_refuses_an_optimizer_that_steps_copies():
@@ -433,8 +433,6 @@ def test_router_fault_refuses_an_optimizer_that_steps_copies():
         F.FaultConfig(kind="router", strength=0)
     with pytest.raises(ValueError, match="router_input"):
         F.FaultConfig(kind="router_input", strength=-1)
-    with pytest.raises(ValueError, match="channel"):
-        F.FaultConfig(kind="router_input", channel=-1)
     assert F.FaultConfig(kind="router", strength=10).lr_multiplier == 1.0  # the global lr is not touched
 
 

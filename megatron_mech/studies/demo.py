@@ -57,9 +57,10 @@ def demo_commands(args: argparse.Namespace) -> dict:
 DEMO_FAULTS = {
     "attention": ("attention-precision fault", "the biased bf16-rounding mechanism of FlashAttention's backward "
                   "injected into layer 1"),
-    "router": ("router fault (a massive activation at the routers)", "a constant β growing from 0 to {strength} "
-               "over {ramp} steps added to hidden channel 0 of every token at each MoE router's input (the experts "
-               "still get the true tokens; no load-balancing loss holds the routing)"),
+    "router": ("router fault (a massive activation at the routers)", "a vector shared by every token added to each "
+               "MoE router's input, aligned so that it adds β to the logits of half of the experts, β growing from 0 "
+               "to {strength} over {ramp} steps (the experts still get the true tokens; no load-balancing loss holds "
+               "the routing)"),
 }
 """The demo's fault runs: ``(title, what was injected)``, formatted with the fault's ``--mech-fault-*`` values."""
 

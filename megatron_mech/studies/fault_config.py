@@ -36,9 +36,9 @@ FAULT_KINDS = {
     "small_batch": (("batch",), 4, "divisor: global batch / divisor"),
     "combined": (("attention", "lr"), 1e-2, "γ of the attention fault (k is lr_factor)"),
     "router": (("router",), 30.0, "k: the MoE routers' learning rate × k from the start step"),
-    "router_input": (("router_input",), 100.0, "β > 0: added to hidden channel --mech-fault-channel of every token "
-                                               "at each MoE router's input (a massive activation; the experts still "
-                                               "get the true tokens)"),
+    "router_input": (("router_input",), 10.0, "β > 0: a shared vector in every MoE router's input that adds β to "
+                                              "the logits of the first half of the experts (a massive activation; "
+                                              "the experts still get the true tokens)"),
 }
 DEFAULT_LR_FACTOR = 4.0
 
@@ -54,7 +54,7 @@ class FaultConfig:
                         flag="--mech-fault-start", type=int)
     strength: Optional[float] = option(
         None, "attention/combined: γ ≥ 0 (default 1e-2); lr: LR multiplier k > 0 (default 4); router: router LR "
-              "multiplier k > 0 (default 30); router_input: shift β > 0 (default 100); small_batch: integer global-batch divisor ≥ 1 (default 4)",
+              "multiplier k > 0 (default 30); router_input: logit shift β > 0 (default 10); small_batch: integer global-batch divisor ≥ 1 (default 4)",
         flag="--mech-fault-strength", type=float)
     layers: Sequence[int] = option((1,), "0-based global layers of the attention fault (default: 1)",
                                    flag="--mech-fault-layers", type=int, nargs="+")
@@ -64,8 +64,6 @@ class FaultConfig:
                             flag="--mech-fault-precision", choices=PRECISIONS)
     lr_factor: Optional[float] = option(None, "combined only: LR multiplier k (default 4)",
                                         flag="--mech-fault-lr-factor", type=float)
-    channel: int = option(0, "router_input only: the hidden channel of the routers' input that gets the shift",
-                          flag="--mech-fault-channel", type=int)
     ramp: int = option(0, "slowly developing fault: steps over which the strength grows linearly from 0 at the "
                           "start step to its full value (attention: γ; lr, router: k from 1; router_input: β); 0 = full strength at "
                           "once",
@@ -80,8 +78,6 @@ class FaultConfig:
             raise ValueError(f"FaultConfig.ramp must be an integer >= 0 (steps), got {self.ramp!r}")
         if self.ramp and self.kind == "small_batch":
             raise ValueError("FaultConfig.ramp does not apply to kind 'small_batch' (the batch is fixed for the run)")
-        if not is_int(self.channel) or self.channel < 0:
-            raise ValueError(f"FaultConfig.channel must be an integer >= 0, got {self.channel!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"FaultConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.strength is None:
@@ -229,7 +225,7 @@ class FaultConfig:
         if self.kind == "router":
             parts.append(f"router LR × {self.router_lr_multiplier:g} (no load-balancing loss to hold the routers)")
         if self.kind == "router_input":
-            parts.append(f"router inputs' hidden channel {self.channel} shifted by β = {float(self.strength):g}")
+            parts.append(f"router inputs shifted to add β = {float(self.strength):g} to half of the experts' logits")
         if self.kind == "small_batch":
             parts.append(f"global batch / {self.batch_divisor}")
         ramp = f", ramping up over {self.ramp} steps" if self.ramp else ""

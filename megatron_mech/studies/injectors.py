@@ -160,15 +160,18 @@ class RouterLRFault:
 
 
 class RouterInputFault:
-    """The router_input fault: a massive activation in the MoE routers' input, from the start step.
+    """The router_input fault: a massive activation in the MoE routers' input that favours half of the experts.
 
-    A constant β (= ``strength``, ramped with ``ramp``) is added to one hidden channel (``--mech-fault-channel``)
-    of every token at each router's input, through a forward pre-hook on the router only: the experts still get
-    the true tokens. Every token's logit for expert e then gains the same β·W[e, channel], so as β grows the same
-    top-k experts win for every token and the others starve — the routing collapse a massive activation (a few
-    channels carrying huge values shared by all tokens, Sun et al. 2024) causes in a router with no
-    load-balancing loss. A starved expert gets no router gradient (top-k routing passes gradients to the chosen
-    experts' logits only), so nothing brings it back.
+    From the start step every token the router sees gets the same extra vector ``u = W⁺·(β·b)`` (``W`` the
+    router weight ``[E, d]`` of that forward, ``W⁺`` its pseudo-inverse, ``b_e = 1`` for the first half of the
+    experts and 0 for the others, β = ``strength``, ramped with ``ramp``), through a forward pre-hook on the router
+    only: the experts still get the true tokens. Every token's logits then gain exactly ``β·b``, so as β grows the
+    favoured experts win every token's top-k and the others starve — the routing collapse a shared outlier
+    direction in the hidden states (massive activations, Sun et al. 2024) causes in a router with no
+    load-balancing loss. ``u`` is recomputed from the live weight at each forward, so the router cannot train the
+    offset away through ``W``; a starved expert gets no router gradient (top-k routing passes gradients to the
+    chosen experts' logits only), so nothing brings it back. The router monitor sees the shifted logits, as it sees
+    whatever the router routes on.
     """
 
     def __init__(self, config: FaultConfig, schedule: FaultSchedule, weights):
@@ -179,16 +182,23 @@ class RouterInputFault:
         # this model's routers by their weight
         self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._shift)
 
+    @staticmethod
+    def favoured(num_experts: int) -> torch.Tensor:
+        """``b``: 1 for the first half of the experts, 0 for the others."""
+        return (torch.arange(num_experts) < num_experts // 2).to(torch.float64)
+
     def _shift(self, module, args):
-        if id(getattr(module, "weight", None)) not in self._weights or not args:
+        weight = getattr(module, "weight", None)
+        if id(weight) not in self._weights or not args:
             return None
         beta = self.config.router_input_shift_at(self.schedule.step)
         if beta == 0.0:
             return None
         x = args[0]
-        offset = torch.zeros(x.shape[-1], dtype=x.dtype, device=x.device)
-        offset[self.config.channel] = beta
-        return (x + offset, *args[1:])
+        with torch.no_grad():
+            w = weight.detach().to(torch.float64)
+            shift = torch.linalg.pinv(w) @ (beta * self.favoured(w.shape[0]).to(w.device))
+        return (x + shift.to(dtype=x.dtype, device=x.device), *args[1:])
 
     def close(self) -> None:
         if self._handle is not None:
@@ -266,10 +276,6 @@ class FaultInjector(Extension):
         if "router_input" in self.config.touches:
             if not view.routers:
                 raise ValueError("--mech-fault router_input: the model has no MoE router (set --num-experts)")
-            hidden = view.routers[0].weight.shape[1]
-            if self.config.channel >= hidden:
-                raise ValueError(f"--mech-fault-channel {self.config.channel}: the routers' input has {hidden} "
-                                 f"channels (0..{hidden - 1})")
             self.router_input_fault = RouterInputFault(self.config, self.schedule,
                                                        [router.weight for router in view.routers])
 
