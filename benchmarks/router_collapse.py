@@ -15,7 +15,7 @@ rate × k from the start step, ``--mech-fault router``), both recording the rout
 
     python benchmarks/router_collapse.py                                  # reporting seeds 21 22
     python benchmarks/router_collapse.py --tuning-run --seeds 1234 11     # what the strength was chosen on
-    python benchmarks/router_collapse.py --runs-dir runs/rc --reuse       # re-score finished runs
+    python benchmarks/router_collapse.py --runs-dir runs/rc --score-only  # re-score the runs there, train nothing
 """
 from __future__ import annotations
 
@@ -40,16 +40,46 @@ from megatron_mech.studies.router_outcome import (ROUTING_FILE, STARVED_HOLD, ST
 
 MARGIN = 0.2  # nats: the demo's divergence margin
 
+TUNING_NOTES = """## How the fault and the level were chosen (tuning seed 1234 only; the reporting seeds chose nothing)
+
+All runs: the demo's (500 steps, fault from step 300), seed 1234, routing recorded. Tried in this order:
+
+1. **The routers' learning rate × 30** (`--mech-fault router --mech-fault-strength 30`; the routers' update scaled
+   by k after each optimizer step, exactly AdamW at lr × k for them): the routers sharpened (per-token routing
+   entropy 1.35 → 0.69 nats in 20 steps; router alerts from step 320, none of the symptom family by step 379,
+   where it was stopped) but the **load stayed balanced** (no expert below 2% of its layer's assignments for 20
+   steps: no collapse by the criterion). Continued from its step-320 checkpoint at × 100: the same (router alerts from 325,
+   median routing entropy down to 0.14 nats, load balanced to step 407). Top-k routing passes gradients only
+   between each token's chosen experts, so a faster router sharpens its choices without moving the load.
+2. **The routers' input pulled toward its mean**, x ← x̄ + (1 − α)(x − x̄), α ramped 0 → 1 over 100 steps: the
+   router compensated; the load stayed near balanced (lowest shares 6–7% near α = 0.9) until α reached 1 (step
+   399), after which each
+   micro-batch was routed whole to one pair of experts, a different pair per micro-batch: no expert starved for 20
+   steps, and no alert of any family (stopped at step 452).
+3. **One hidden channel of the routers' input shifted by β**, ramped 0 → 100 over 100 steps: the router trained
+   the channel's weights down; the lowest share was 4% (layer 3, for a few steps), the load otherwise 9–41% per
+   expert (stopped at step 440, no alerts, no collapse).
+4. **The shift aligned with the live router weight** (u = W⁺·βb, b = 1 for experts 0 and 1: every token's
+   logits for half of the experts gain β; the router cannot train it away through W), β ramped 0 → 10 over 100
+   steps: **routing collapsed** — layer 2's expert 2 fell below 2% at step 304 (β = 0.5) and every layer was at
+   0.5/0.5/0/0 by step 430; router alert at step 315 (layer 2's load entropy), the first symptom alert at step
+   400 (stopped at step 487). This is the fault the demo and the reporting seeds use, unchanged.
+
+The collapse level (an expert below 2% of its layer's assignments for 20 consecutive steps) was set against the
+clean part of the same seed's runs (steps 1–299): the longest stretch any expert spent below 2% there was 6 steps
+(below 5%: 7 steps), in the early transient; uniform routing gives each of the 4 experts 25%.
+"""
+
 
 def _finished(run_dir: Path, steps: int) -> bool:
     summary = run_dir / "summary.json"
     return summary.exists() and int(json.loads(summary.read_text()).get("final_step", -1)) >= steps
 
 
-def train(name: str, cmd: list, run_dir: Path, steps: int, reuse: bool) -> None:
+def train(name: str, cmd: list, run_dir: Path, steps: int, reuse: bool, score_only: bool = False) -> None:
     import subprocess
 
-    if reuse and _finished(run_dir, steps):
+    if (reuse and _finished(run_dir, steps)) or score_only:
         return
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     print(f"training {run_dir} ({name})", flush=True)
@@ -141,6 +171,9 @@ def main(argv=None):
     p.add_argument("--start", type=int, default=300, help="the demo's default fault start")
     p.add_argument("--runs-dir", default=None, help="keep the runs here (default: a temporary folder)")
     p.add_argument("--reuse", action="store_true", help="with --runs-dir: re-score runs that finished there")
+    p.add_argument("--score-only", action="store_true",
+                   help="with --runs-dir: train nothing, score the runs there (a run stopped early counts to its "
+                        "last step)")
     p.add_argument("--fault-only", action="store_true",
                    help="no clean runs (tuning: collapse and alerts only; no divergence)")
     p.add_argument("--no-write", action="store_true")
@@ -154,11 +187,11 @@ def main(argv=None):
                                       seed=seed, out=str(runs))
             for name, cmd in demo_commands(demo).items():
                 if not (args.fault_only and name == "clean"):
-                    train(name, cmd, runs / name, args.steps, args.reuse)
+                    train(name, cmd, runs / name, args.steps, args.reuse, args.score_only)
             rows.append(score(seed, runs, args.start))
             print(json.dumps(rows[-1]), flush=True)
     load = os.getloadavg()
-    body = report(args, rows) + (f"\n\nLoad while scoring (1/5/15-min averages on {os.cpu_count()} cores): "
+    body = report(args, rows) + "\n\n" + TUNING_NOTES + (f"\n\nLoad while scoring (1/5/15-min averages on {os.cpu_count()} cores): "
                                  f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (the CPU was shared with other "
                                  f"jobs; runs are deterministic, so load changes their duration only).")
     print(body)
