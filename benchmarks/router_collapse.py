@@ -140,18 +140,19 @@ def report(args, rows) -> str:
              f"Routing collapse (ground truth, from the routers' own top-k decisions on the logging rank's tokens, "
              f"not from the monitors): an expert of a layer gets < {STARVED_SHARE:.0%} of the layer's top-k "
              f"assignments (uniform: 25%) for {STARVED_HOLD} consecutive steps; the collapse step is the first of "
-             f"them. Divergence: the 20-step moving-average loss stays > {MARGIN} nats above the clean run for "
+             f"them, and the criterion can only be known {STARVED_HOLD - 1} steps later ('confirmed'). Divergence: the 20-step moving-average loss stays > {MARGIN} nats above the clean run for "
              f"≥ 50 steps to the end.", "",
-             "| seed | collapse step (layer, expert) | first router alert (series) | first symptom alert | "
+             "| seed | collapse step (layer, expert) | collapse confirmed (+ hold) | first router alert (series) | first symptom alert | "
              "first attention alert | divergence | router first? | router ≤ collapse? | clean: alerts / collapse | "
              "identical before onset | loss gap, last 20 steps |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c = r["collapse"]
         collapse = "none" if c is None else f"{c['step']} (layer {c['layer']}, expert {c['expert']})"
         clean = r["clean_collapse"]
         clean = clean if isinstance(clean, str) else ("none" if clean is None else str(clean["step"]))
-        lines.append(f"| {r['seed']} | {collapse} | {_fmt(r['first_router_alert'])} ({_fmt(r['first_router_metric'])})"
+        confirmed = "–" if c is None else str(c["step"] + STARVED_HOLD - 1)
+        lines.append(f"| {r['seed']} | {collapse} | {confirmed} | {_fmt(r['first_router_alert'])} ({_fmt(r['first_router_metric'])})"
                      f" | {_fmt(r['first_symptom_alert'])} | {_fmt(r['first_attention_alert'])} | "
                      f"{_fmt(r['divergence'])} | {'yes' if r['router_before_symptom'] else 'no'} | "
                      f"{'yes' if r['router_before_collapse'] else 'no'} | {_fmt(r['clean_alerts'])} / {clean} | "

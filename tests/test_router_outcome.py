@@ -64,3 +64,14 @@ def test_bad_input_is_named(tmp_path):
         collapse_step({}, hold=0)
     with pytest.raises(ValueError, match="share"):
         collapse_step({}, share=1.5)
+
+
+def test_the_demo_states_the_collapse_step_from_the_record(tmp_path):
+    from megatron_mech.studies.demo import collapse_line
+
+    lines = [{"step": s, "counts": {"0": BALANCED, "2": STARVED if s >= 11 else BALANCED}} for s in range(1, 61)]
+    (tmp_path / ROUTING_FILE).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert collapse_line(tmp_path).startswith("routing collapsed at step 11 (known at step 30): expert 2 of layer 2")
+    (tmp_path / ROUTING_FILE).write_text("".join(json.dumps({**line, "counts": {"0": BALANCED}}) + "\n"
+                                                 for line in lines))
+    assert collapse_line(tmp_path).startswith("routing did not collapse within the run")

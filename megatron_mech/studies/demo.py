@@ -83,8 +83,8 @@ def collapse_line(run_dir) -> str:
              f"consecutive steps, counted on the routers' own decisions, apart from the monitors")
     if collapse is None:
         return f"routing did not collapse within the run ({level})"
-    return (f"routing collapsed at step {collapse.step}: expert {collapse.expert} of layer {collapse.layer} "
-            f"starved ({level})")
+    return (f"routing collapsed at step {collapse.step} (known at step {collapse.step + STARVED_HOLD - 1}): expert "
+            f"{collapse.expert} of layer {collapse.layer} starved ({level})")
 
 
 def run_demo(args: argparse.Namespace) -> int:
