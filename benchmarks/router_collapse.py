@@ -177,6 +177,7 @@ def main(argv=None):
                         "last step)")
     p.add_argument("--fault-only", action="store_true",
                    help="no clean runs (tuning: collapse and alerts only; no divergence)")
+    p.add_argument("--note", default="", help="a paragraph for the report: where the scored runs came from")
     p.add_argument("--no-write", action="store_true")
     args = parse_study_args(p, argv)
     rows = []
@@ -192,7 +193,7 @@ def main(argv=None):
             rows.append(score(seed, runs, args.start))
             print(json.dumps(rows[-1]), flush=True)
     load = os.getloadavg()
-    body = report(args, rows) + "\n\n" + TUNING_NOTES + (f"\n\nLoad while scoring (1/5/15-min averages on {os.cpu_count()} cores): "
+    body = report(args, rows) + (f"\n\n{args.note}" if args.note else "") + "\n\n" + TUNING_NOTES + (f"\n\nLoad while scoring (1/5/15-min averages on {os.cpu_count()} cores): "
                                  f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (the CPU was shared with other "
                                  f"jobs; runs are deterministic, so load changes their duration only).")
     print(body)
