@@ -154,7 +154,8 @@ def report(args, rows) -> str:
         confirmed = "–" if c is None else str(c["step"] + STARVED_HOLD - 1)
         lines.append(f"| {r['seed']} | {collapse} | {confirmed} | {_fmt(r['first_router_alert'])} ({_fmt(r['first_router_metric'])})"
                      f" | {_fmt(r['first_symptom_alert'])} | {_fmt(r['first_attention_alert'])} | "
-                     f"{_fmt(r['divergence'])} | {'yes' if r['router_before_symptom'] else 'no'} | "
+                     f"{'not measured' if r['clean_alerts'] is None else r['divergence'] or 'none'} | "
+                     f"{'yes' if r['router_before_symptom'] else 'no'} | "
                      f"{'yes' if r['router_before_collapse'] else 'no'} | {_fmt(r['clean_alerts'])} / {clean} | "
                      f"{ {True: 'yes', False: 'NO', None: '–'}[r['pre_onset_losses_identical']]} | "
                      f"{'–' if r['final_loss_gap'] is None else format(r['final_loss_gap'], '+.3f')} |")
