@@ -1,9 +1,9 @@
 """Does the router family warn first on a routing collapse that really happens?
 
 For each seed, the demo's clean run and its router-fault run (:func:`megatron_mech.studies.demo.demo_commands`:
-the small MoE GPT, 4 experts top-2, no load-balancing loss, EP=2 on 2 processes; the fault: the routers' learning
-rate × k from the start step, ``--mech-fault router``), both recording the routing
-(``--mech-record-routing``). Per seed:
+the small MoE GPT, 4 experts top-2, no load-balancing loss, EP=2 on 2 processes; the fault: ``FAULT_FLAGS["router"]``
+of :mod:`megatron_mech.studies.leadtime`, a massive activation at the routers' input, ``--mech-fault router_input``),
+both recording the routing (``--mech-record-routing``). Per seed:
 
 * **collapse step** — the ground truth, measured apart from the monitors on the routers' own top-k decisions
   (:func:`megatron_mech.studies.router_outcome.find_collapse`: an expert of a layer gets < 2% of the layer's
@@ -48,7 +48,8 @@ All runs: the demo's (500 steps, fault from step 300), seed 1234, routing record
    by k after each optimizer step, exactly AdamW at lr × k for them): the routers sharpened (per-token routing
    entropy 1.35 → 0.69 nats in 20 steps; router alerts from step 320, none of the symptom family by step 379,
    where it was stopped) but the **load stayed balanced** (no expert below 2% of its layer's assignments for 20
-   steps: no collapse by the criterion). Continued from its step-320 checkpoint at × 100: the same (router alerts from 325,
+   steps: no collapse by the criterion). Continued from its step-320 checkpoint at × 100: the same
+   (router alerts from 325,
    median routing entropy down to 0.14 nats, load balanced to step 407). Top-k routing passes gradients only
    between each token's chosen experts, so a faster router sharpens its choices without moving the load.
 2. **The routers' input pulled toward its mean**, x ← x̄ + (1 − α)(x − x̄), α ramped 0 → 1 over 100 steps: the
@@ -136,13 +137,17 @@ def report(args, rows) -> str:
              f"{list(REPORTING_SEEDS)} chose nothing).", "",
              f"Runs: the demo's (small MoE GPT, 4 experts top-2, no load-balancing loss, EP=2 on 2 CPU processes, "
              f"{args.steps} steps, default detector rules, monitors every 5 steps), clean and with the router fault "
-             f"— the routers' learning rate × {k} from step {args.start}, nothing else changed.", "",
+             f"— `{' '.join(FAULT_FLAGS['router'])}` from step {args.start}: one vector shared by every token added "
+             f"to each router's input, aligned with the live router weight so that it adds β to the logits of half "
+             f"of the experts (β ramped from 0 to {k}); the experts still get the true tokens.", "",
              f"Routing collapse (ground truth, from the routers' own top-k decisions on the logging rank's tokens, "
              f"not from the monitors): an expert of a layer gets < {STARVED_SHARE:.0%} of the layer's top-k "
              f"assignments (uniform: 25%) for {STARVED_HOLD} consecutive steps; the collapse step is the first of "
-             f"them, and the criterion can only be known {STARVED_HOLD - 1} steps later ('confirmed'). Divergence: the 20-step moving-average loss stays > {MARGIN} nats above the clean run for "
-             f"≥ 50 steps to the end.", "",
-             "| seed | collapse step (layer, expert) | collapse confirmed (+ hold) | first router alert (series) | first symptom alert | "
+             f"them, and the criterion can only be known {STARVED_HOLD - 1} steps later "
+             f"('confirmed'). Divergence: the 20-step moving-average loss stays > {MARGIN} nats above the clean run "
+             f"for ≥ 50 steps to the end.", "",
+             "| seed | collapse step (layer, expert) | collapse confirmed (+ hold) | "
+             "first router alert (series) | first symptom alert | "
              "first attention alert | divergence | router first? | router ≤ collapse? | clean: alerts / collapse | "
              "identical before onset | loss gap, last 20 steps |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -152,7 +157,8 @@ def report(args, rows) -> str:
         clean = r["clean_collapse"]
         clean = clean if isinstance(clean, str) else ("none" if clean is None else str(clean["step"]))
         confirmed = "–" if c is None else str(c["step"] + STARVED_HOLD - 1)
-        lines.append(f"| {r['seed']} | {collapse} | {confirmed} | {_fmt(r['first_router_alert'])} ({_fmt(r['first_router_metric'])})"
+        lines.append(f"| {r['seed']} | {collapse} | {confirmed} | "
+                     f"{_fmt(r['first_router_alert'])} ({_fmt(r['first_router_metric'])})"
                      f" | {_fmt(r['first_symptom_alert'])} | {_fmt(r['first_attention_alert'])} | "
                      f"{'not measured' if r['clean_alerts'] is None else r['divergence'] or 'none'} | "
                      f"{'yes' if r['router_before_symptom'] else 'no'} | "
@@ -194,9 +200,11 @@ def main(argv=None):
             rows.append(score(seed, runs, args.start))
             print(json.dumps(rows[-1]), flush=True)
     load = os.getloadavg()
-    body = report(args, rows) + (f"\n\n{args.note}" if args.note else "") + "\n\n" + TUNING_NOTES + (f"\n\nLoad while scoring (1/5/15-min averages on {os.cpu_count()} cores): "
-                                 f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (the CPU was shared with other "
-                                 f"jobs; runs are deterministic, so load changes their duration only).")
+    note = f"\n\n{args.note}" if args.note else ""
+    load_line = (f"Load while scoring (1/5/15-min averages on {os.cpu_count()} cores): {load[0]:.1f} / {load[1]:.1f} "
+                 f"/ {load[2]:.1f} (the CPU was shared with other jobs; runs are deterministic, so load changes their "
+                 f"duration only).")
+    body = report(args, rows) + note + "\n\n" + TUNING_NOTES + "\n\n" + load_line
     print(body)
     if not args.no_write:
         name = "router_collapse_tuning" if args.tuning_run else "router_collapse"

@@ -54,7 +54,8 @@ class FaultConfig:
                         flag="--mech-fault-start", type=int)
     strength: Optional[float] = option(
         None, "attention/combined: γ ≥ 0 (default 1e-2); lr: LR multiplier k > 0 (default 4); router: router LR "
-              "multiplier k > 0 (default 30); router_input: logit shift β > 0 (default 10); small_batch: integer global-batch divisor ≥ 1 (default 4)",
+              "multiplier k > 0 (default 30); router_input: logit shift β > 0 (default 10); small_batch: integer "
+              "global-batch divisor ≥ 1 (default 4)",
         flag="--mech-fault-strength", type=float)
     layers: Sequence[int] = option((1,), "0-based global layers of the attention fault (default: 1)",
                                    flag="--mech-fault-layers", type=int, nargs="+")
@@ -65,7 +66,8 @@ class FaultConfig:
     lr_factor: Optional[float] = option(None, "combined only: LR multiplier k (default 4)",
                                         flag="--mech-fault-lr-factor", type=float)
     ramp: int = option(0, "slowly developing fault: steps over which the strength grows linearly from 0 at the "
-                          "start step to its full value (attention: γ; lr, router: k from 1; router_input: β); 0 = full strength at "
+                          "start step to its full value (attention: γ; lr, router: k from 1; router_input: β); "
+                          "0 = full strength at "
                           "once",
                        flag="--mech-fault-ramp", type=int)
 

@@ -29,8 +29,8 @@ from megatron_mech.hook import Extension
 from megatron_mech.optim import param_groups
 from megatron_mech.studies.fault_config import FaultConfig, add_fault_arguments, split_fault_section
 
-__all__ = ["FaultInjector", "FaultSchedule", "RouterInputFault", "RouterLRFault", "apply_lr_fault", "effective_global_batch",
-           "injector_from_section"]
+__all__ = ["FaultInjector", "FaultSchedule", "RouterInputFault", "RouterLRFault", "apply_lr_fault",
+           "effective_global_batch", "injector_from_section"]
 
 
 class FaultSchedule:
