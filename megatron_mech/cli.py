@@ -110,8 +110,9 @@ def _add_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fault-start", type=int, default=300, help="after the detectors' 250-step baseline")
     p.add_argument("--seed", type=int, default=21,
                    help="default: a reporting seed (the detector was tuned on other seeds, see studies.leadtime)")
-    p.add_argument("--faults", nargs="+", default=["attention", "lr"], choices=("attention", "lr"),
-                   help="fault runs after the clean run (attention precision; LR ×4, a router fault)")
+    p.add_argument("--faults", nargs="+", default=["attention", "router"], choices=("attention", "router"),
+                   help="fault runs after the clean run (attention precision; the routers' LR raised, a routing "
+                        "collapse)")
     p.add_argument("--quick", action="store_true",
                    help="a ~2-minute smoke version (120 steps, short detector baseline) for CI")
 

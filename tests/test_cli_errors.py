@@ -56,19 +56,20 @@ def test_short_demo_runs_pass_the_entry_points_checks(tmp_path):
 
     from megatron_mech.megatron.flags import build_parser
     from megatron_mech.studies.demo import demo_commands
-    from megatron_mech.studies.injectors import FaultInjector
-    from megatron_mech.studies.pretrain_gpt_fault import ENTRY_MODULE, check_flags
+    from megatron_mech.studies.pretrain_gpt_fault import ENTRY_MODULE, EXTENSION_TYPES, check_flags
 
-    args = argparse.Namespace(out=str(tmp_path), steps=40, fault_start=20, seed=21, faults=["attention", "lr"],
+    args = argparse.Namespace(out=str(tmp_path), steps=40, fault_start=20, seed=21, faults=["attention", "router"],
                               quick=False)
     commands = demo_commands(args)
-    assert list(commands) == ["clean", "attention", "lr"]
-    for cmd in commands.values():  # the demo runs the studies' entry point, which offers the fault flags
+    assert list(commands) == ["clean", "attention", "router"]
+    for name, cmd in commands.items():  # the demo runs the studies' entry point, which offers the fault flags
         assert check_flags(cmd, 2) is None
         parser = build_parser()
-        FaultInjector.add_arguments(parser)
+        for kind in EXTENSION_TYPES:
+            kind.add_arguments(parser)
         flags = parser.parse_args(cmd[cmd.index(ENTRY_MODULE) + 1:])
         assert flags.train_iters == 40 and flags.lr_warmup_iters == 4
+        assert flags.mech_record_routing == str(tmp_path / name)  # every run records its routing
 
 
 def test_bad_training_flags_are_refused_before_launching():

@@ -166,7 +166,8 @@ _BAD_FAULTS = [
     ({"fault": {"heads": 0}}, "mech.fault.heads: expected a list of one or more integers or None, got the integer 0"),
     ({"fault": {"kind": "lr", "strength": "4"}}, "mech.fault.strength: expected a number or None, got the string '4'"),
     ({"fault": {"kind": "bits"}}, "mech.fault.kind: expected one of 'none', 'attention', 'lr', 'small_batch', "
-                                  "'combined', got the string 'bits'"),
+                                  "'combined', 'router', "
+                                  "'router_input', got the string 'bits'"),
     ({"fault": None}, "mech.fault: expected a mapping of FaultConfig settings, got None"),
     ({"fault": {"kind": "lr", "strength": -1}}, "FaultConfig.strength (LR multiplier k) must be > 0, got -1.0"),
 ]

@@ -319,9 +319,10 @@ def test_importing_faults_does_not_import_megatron():
 
 # ================================================================================================ real megatron-core
 @pytest.fixture(scope="module")
-def megatron_results():
+def megatron_results(tmp_path_factory):
     pytest.importorskip("megatron.core")
-    jobs = [{"id": "core_match"}, {"id": "gpt_selectivity"}, {"id": "lr_scheduler"}, TRAIN_JOB]
+    jobs = [{"id": "core_match"}, {"id": "gpt_selectivity"}, {"id": "lr_scheduler"}, TRAIN_JOB,
+            {"id": "router_fault", "record_dir": str(tmp_path_factory.mktemp("routing"))}, {"id": "router_input_fault"}]
     return run_worker_jobs(WORKER, jobs, timeout=240)
 
 
@@ -377,6 +378,62 @@ def test_lr_fault_with_megatron_scheduler(megatron_results):
         for step, (base, used) in enumerate(zip(r["base"], r[run]), start=1):
             assert used == ([lr * k for lr in base] if step >= start else base), (run, step)
     assert r["scheduler_state_equal"]  # the scheduler itself is untouched (checkpoints unaffected)
+
+
+def test_router_fault_is_the_router_lr_times_k_from_the_start_step(megatron_results):
+    r = _result(megatron_results, "router_fault")
+    assert r["routers"] == ["decoder.layers.0.mlp.router.weight", "decoder.layers.1.mlp.router.weight"]
+    # AdamW with weight decay, 6 steps, fault from step 4: the same weights as a router param group whose lr is set
+    # to lr × k from step 4. Tolerance: w0 + k·(w1 − w0) and w0 − k·lr·u round differently in fp32 (a few ulps of
+    # the weights per step, ~1e-7 relative measured); the same run without the fault is 6 orders of magnitude off.
+    assert r["fault_vs_router_lr_k_max_rel"] < 1e-5
+    assert r["plain_vs_router_lr_k_router_rel"] > 1e-2
+    # megatron's optimizer (DDP, fp32): bit-identical before the start step; at it the routers' update is k times
+    # the clean one (up to the same fp32 rounding) and every other parameter is bit-identical
+    assert r["megatron_routers"] == r["routers"]
+    assert r["megatron_equal_before_start"]
+    assert r["megatron_router_update_ratio_err"] < 1e-5
+    assert r["megatron_others_equal_at_start"]
+
+
+def test_routing_recorder_counts_the_routers_top_k_choices_of_training_steps(megatron_results):
+    r = _result(megatron_results, "router_fault")["recorder"]
+    # the router's own routing decisions, per step and layer, equal top-2 of logits recomputed from its input;
+    # the evaluation forward of step 3 (model.eval(), no grad) is not a training step and is not recorded
+    assert r["recorded"] == r["expected"]
+    assert sorted(r["recorded"]) == ["1", "2"]
+    for per_layer in r["recorded"].values():
+        assert sorted(per_layer) == ["0", "1"]
+        assert all(sum(counts) == 2 * r["tokens_per_step"] for counts in per_layer.values())  # top-2
+
+
+def test_router_input_fault_routes_on_shifted_logits_from_the_start_step(megatron_results):
+    r = _result(megatron_results, "router_input_fault")
+    rows = r["rows"]
+    # every step and layer: the routing map is exactly top-2 of x·Wᵀ + β_step·[1, 1, 0, 0], x the MoE layer's input
+    # (the shift is recomputed from the live router weight, so it is exact after the weight moved)
+    assert all(row["matches"] for row in rows), rows
+    assert [row["shift"] for row in rows if row["layer"] == 0] == [0.0, 0.0, r["beta"] / 2, r["beta"], r["beta"]]
+    # before the start the tokens choose many expert pairs; with β = 100 (far above the tokens' own logit spread)
+    # every token chooses experts 0 and 1
+    assert all(len(row["distinct_choices"]) > 1 for row in rows if row["step"] < r["start"])
+    assert all(row["distinct_choices"] == [[True, True, False, False]] for row in rows if row["shift"] == r["beta"])
+
+
+def test_router_fault_refuses_an_optimizer_that_steps_copies():
+    weight = torch.nn.Parameter(torch.zeros(4, 8))
+    fault = F.RouterLRFault(F.FaultConfig(kind="router", strength=10, start=3), [weight])
+    fault.check_optimizer(torch.optim.AdamW([weight]))  # updates the router weight itself: accepted
+    copy = torch.nn.Parameter(weight.detach().clone())  # what fp16/bf16 or the distributed optimizer step
+    with pytest.raises(ValueError, match="--mech-fault router"):
+        fault.check_optimizer(torch.optim.AdamW([copy]))
+    with pytest.raises(ValueError, match="--mech-fault router"):
+        fault.check_optimizer(None)
+    with pytest.raises(ValueError, match="strength"):
+        F.FaultConfig(kind="router", strength=0)
+    with pytest.raises(ValueError, match="router_input"):
+        F.FaultConfig(kind="router_input", strength=-1)
+    assert F.FaultConfig(kind="router", strength=10).lr_multiplier == 1.0  # the global lr is not touched
 
 
 def test_short_training_fault_makes_faulty_layer_updates_coherent(megatron_results):

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-__all__ = ["DEMO_FAULTS", "demo_commands", "demo_length", "run_demo", "step_losses"]
+__all__ = ["DEMO_FAULTS", "collapse_line", "demo_commands", "demo_length", "run_demo", "step_losses"]
 
 
 def step_losses(run_dir) -> list:
@@ -49,15 +49,42 @@ def demo_commands(args: argparse.Namespace) -> dict:
         commands[name] = [*torchrun_prefix(2), "-m", ENTRY_MODULE,
                           *fit_lr_warmup(LEAD_MODEL, steps), "--seed", str(args.seed), "--train-iters", str(steps),
                           "--save", str(run_dir), "--tensorboard-dir", str(run_dir / "tb"),
-                          "--mech-on-alert", "checkpoint", "--overwrite-run", *detector, *fault]  # it owns its folders
+                          "--mech-on-alert", "checkpoint", "--overwrite-run", *detector, *fault,  # it owns its folders
+                          "--mech-record-routing", str(run_dir)]
     return commands
 
 
 DEMO_FAULTS = {
     "attention": ("attention-precision fault", "the biased bf16-rounding mechanism of FlashAttention's backward "
                   "injected into layer 1"),
-    "lr": ("router fault (LR ×4)", "the learning rate multiplied by 4, which destabilizes the MoE routers"),
+    "router": ("router fault (a massive activation at the routers)", "a vector shared by every token added to each "
+               "MoE router's input, aligned so that it adds β to the logits of half of the experts, β growing from 0 "
+               "to {strength} over {ramp} steps (the experts still get the true tokens; no load-balancing loss holds "
+               "the routing)"),
 }
+"""The demo's fault runs: ``(title, what was injected)``, formatted with the fault's ``--mech-fault-*`` values."""
+
+
+def _fault_text(name: str) -> tuple:
+    from megatron_mech.studies.leadtime import FAULT_FLAGS
+
+    flags = FAULT_FLAGS[name]
+    values = {flag[len("--mech-fault-"):]: value for flag, value in zip(flags, flags[1:]) if flag.startswith("--")}
+    return tuple(text.format(**values) for text in DEMO_FAULTS[name])
+
+
+def collapse_line(run_dir) -> str:
+    """What the routing record says: the step routing collapsed (by
+    :func:`~megatron_mech.studies.router_outcome.find_collapse`), or that it did not."""
+    from megatron_mech.studies.router_outcome import STARVED_HOLD, STARVED_SHARE, find_collapse, read_routing_counts
+
+    collapse = find_collapse(read_routing_counts(run_dir))
+    level = (f"an expert gets < {STARVED_SHARE:.0%} of its layer's top-k assignments for {STARVED_HOLD} "
+             f"consecutive steps, counted on the routers' own decisions, apart from the monitors")
+    if collapse is None:
+        return f"routing did not collapse within the run ({level})"
+    return (f"routing collapsed at step {collapse.step} (known at step {collapse.step + STARVED_HOLD - 1}): expert "
+            f"{collapse.expert} of layer {collapse.layer} starved ({level})")
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -85,7 +112,7 @@ def run_demo(args: argparse.Namespace) -> int:
     runs = {}
     for name, cmd in commands.items():
         run_dir = out / name
-        what = f", {DEMO_FAULTS[name][0]} from step {start}" if name != "clean" else ""
+        what = f", {_fault_text(name)[0]} from step {start}" if name != "clean" else ""
         print(f"== {name} run ({steps} steps{what}) ==", flush=True)
         code, _ = run_training(cmd, env, show=_progress_line, prefix=f"[{name}] ")
         if code:
@@ -107,11 +134,13 @@ def run_demo(args: argparse.Namespace) -> int:
         firsts = {f: first_alert(faulty["alerts"], f) for f in ("attention", "router", "symptom")}
         plot = "demo.png" if name == "attention" else f"demo_{name}.png"
         plot_fault(out / plot, name, clean, faulty, start, divergence, firsts)
-        title, what = DEMO_FAULTS[name]
+        title, what = _fault_text(name)
         lines += ["", f"## {title}", "", f"Fault: {what}, from step {start}.", "",
                   f"- first attention alert: {firsts['attention'] or 'none'}; first router alert: "
                   f"{firsts['router'] or 'none'}; first symptom (loss/grad-norm) alert — what you have today: "
                   f"{firsts['symptom'] or 'none'}; loss divergence: {divergence or 'not within the run'}"]
+        if name == "router":
+            lines.append(f"- {collapse_line(out / name)}")
         first = min((s for s in (firsts["attention"], firsts["router"]) if s), default=None)
         if first and firsts["symptom"]:
             lines.append(f"- **the monitors fired {firsts['symptom'] - first} steps before the loss/grad-norm "

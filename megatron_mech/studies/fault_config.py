@@ -35,6 +35,10 @@ FAULT_KINDS = {
     "lr": (("lr",), 4.0, "k: learning rate × k from the start step"),
     "small_batch": (("batch",), 4, "divisor: global batch / divisor"),
     "combined": (("attention", "lr"), 1e-2, "γ of the attention fault (k is lr_factor)"),
+    "router": (("router",), 30.0, "k: the MoE routers' learning rate × k from the start step"),
+    "router_input": (("router_input",), 10.0, "β > 0: a shared vector in every MoE router's input that adds β to "
+                                              "the logits of the first half of the experts (a massive activation; "
+                                              "the experts still get the true tokens)"),
 }
 DEFAULT_LR_FACTOR = 4.0
 
@@ -49,8 +53,10 @@ class FaultConfig:
     start: int = option(0, "first optimizer step (1-based) with the fault on (0: from the start)",
                         flag="--mech-fault-start", type=int)
     strength: Optional[float] = option(
-        None, "attention/combined: γ ≥ 0 (default 1e-2); lr: LR multiplier k > 0 (default 4); small_batch: "
-              "integer global-batch divisor ≥ 1 (default 4)", flag="--mech-fault-strength", type=float)
+        None, "attention/combined: γ ≥ 0 (default 1e-2); lr: LR multiplier k > 0 (default 4); router: router LR "
+              "multiplier k > 0 (default 30); router_input: logit shift β > 0 (default 10); small_batch: integer "
+              "global-batch divisor ≥ 1 (default 4)",
+        flag="--mech-fault-strength", type=float)
     layers: Sequence[int] = option((1,), "0-based global layers of the attention fault (default: 1)",
                                    flag="--mech-fault-layers", type=int, nargs="+")
     heads: Optional[Sequence[int]] = option(None, "global query heads of the attention fault (default: all)",
@@ -60,7 +66,9 @@ class FaultConfig:
     lr_factor: Optional[float] = option(None, "combined only: LR multiplier k (default 4)",
                                         flag="--mech-fault-lr-factor", type=float)
     ramp: int = option(0, "slowly developing fault: steps over which the strength grows linearly from 0 at the "
-                          "start step to its full value (attention: γ; lr: k from 1); 0 = full strength at once",
+                          "start step to its full value (attention: γ; lr, router: k from 1; router_input: β); "
+                          "0 = full strength at "
+                          "once",
                        flag="--mech-fault-ramp", type=int)
 
     def __post_init__(self):
@@ -85,8 +93,11 @@ class FaultConfig:
                 raise ValueError(f"FaultConfig.strength must be finite, got {self.strength!r}")
             if self.kind in ("attention", "combined") and value < 0:
                 raise ValueError(f"FaultConfig.strength (γ of the {self.kind} fault) must be >= 0, got {value}")
-            if self.kind == "lr" and value <= 0:
-                raise ValueError(f"FaultConfig.strength (LR multiplier k) must be > 0, got {value}")
+            if self.kind in ("lr", "router") and value <= 0:
+                what = "LR multiplier k" if self.kind == "lr" else "router LR multiplier k"
+                raise ValueError(f"FaultConfig.strength ({what}) must be > 0, got {value}")
+            if self.kind == "router_input" and value <= 0:
+                raise ValueError(f"FaultConfig.strength (router_input shift β) must be > 0, got {value}")
             if self.kind == "small_batch":
                 if value < 1 or value != int(value):
                     raise ValueError(f"FaultConfig.strength (global-batch divisor) must be an integer >= 1, "
@@ -169,6 +180,19 @@ class FaultConfig:
         return 1.0
 
     @property
+    def router_lr_multiplier(self) -> float:
+        """k of the router fault (1 when the kind has none)."""
+        return float(self.strength) if self.kind == "router" else 1.0
+
+    def router_lr_multiplier_at(self, step: Optional[int]) -> float:
+        """Router LR multiplier in force at ``step``: ``1 + (k − 1)·ramp_fraction(step)`` (1 when off)."""
+        return 1.0 + (self.router_lr_multiplier - 1.0) * self.ramp_fraction(step)
+
+    def router_input_shift_at(self, step: Optional[int]) -> float:
+        """β of the router_input fault in force at ``step`` (ramped; 0 when off or another kind)."""
+        return float(self.strength) * self.ramp_fraction(step) if self.kind == "router_input" else 0.0
+
+    @property
     def batch_divisor(self) -> int:
         return int(self.strength) if self.kind == "small_batch" else 1
 
@@ -200,6 +224,10 @@ class FaultConfig:
                          f"({self.precision} attention)")
         if self.kind in ("lr", "combined"):
             parts.append(f"LR × {self.lr_multiplier:g}")
+        if self.kind == "router":
+            parts.append(f"router LR × {self.router_lr_multiplier:g} (no load-balancing loss to hold the routers)")
+        if self.kind == "router_input":
+            parts.append(f"router inputs shifted to add β = {float(self.strength):g} to half of the experts' logits")
         if self.kind == "small_batch":
             parts.append(f"global batch / {self.batch_divisor}")
         ramp = f", ramping up over {self.ramp} steps" if self.ramp else ""

@@ -1,6 +1,6 @@
 """Fault injection for studies of the monitors' lead time: the index of the pieces.
 
-Four faults, chosen with :class:`FaultConfig` (command line: :func:`add_fault_arguments`; in a DeepSpeed config the
+Five faults, chosen with :class:`FaultConfig` (command line: :func:`add_fault_arguments`; in a DeepSpeed config the
 ``"fault"`` key of the ``"mech"`` section, :func:`split_fault_section`):
 
 ``attention``
@@ -10,6 +10,9 @@ Four faults, chosen with :class:`FaultConfig` (command line: :func:`add_fault_ar
 ``lr``
     The learning rate multiplied by ``k`` (= ``strength``) from the start step (:func:`apply_lr_fault`).
     A "high-LR run" needs no injector: it is ``--lr`` set high from the start.
+``router``
+    The MoE routers' learning rate multiplied by ``k`` (= ``strength``) from the start step, nothing else
+    (:class:`RouterLRFault`): without a load-balancing loss the routers collapse onto a few experts.
 ``small_batch``
     A run at a reduced global batch: ``global batch / strength`` (:func:`effective_global_batch`).
 ``combined``
@@ -30,10 +33,12 @@ from megatron_mech.studies.fa2_numerics import (MASK_FILL, PRECISIONS, causal_ma
                                                 flash_attention, predicted_grad_error)
 from megatron_mech.studies.fault_config import (DEFAULT_LR_FACTOR, FAULT_KINDS, FaultConfig, add_fault_arguments,
                                                 head_gammas, split_fault_section)
-from megatron_mech.studies.injectors import FaultInjector, FaultSchedule, apply_lr_fault, effective_global_batch
+from megatron_mech.studies.injectors import (FaultInjector, FaultSchedule, RouterLRFault, apply_lr_fault,
+                                             effective_global_batch)
 
 __all__ = ["DEFAULT_LR_FACTOR", "FAULT_KINDS", "MASK_FILL", "PRECISIONS", "EmulatedFlashAttention", "FaultConfig",
-           "FaultInjector", "FaultSchedule", "add_fault_arguments", "apply_lr_fault", "attention_fault_spec",
+           "FaultInjector", "FaultSchedule", "RouterLRFault", "add_fault_arguments", "apply_lr_fault",
+           "attention_fault_spec",
            "causal_mask", "effective_global_batch", "fa2_backward", "fa2_forward", "flash_attention",
            "head_gammas", "predicted_grad_error", "split_fault_section"]
 

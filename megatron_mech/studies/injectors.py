@@ -9,6 +9,8 @@
         injector.before_step(step)                                # before forward/backward
         ... forward_backward(...) ...
         injector.before_optimizer_step(optimizer, step)           # before optimizer.step() (LR faults)
+        ... optimizer.step() ...
+        injector.after_optimizer_step(step, ...)                  # router fault: scale the routers' update
 
 The injector is a :class:`megatron_mech.hook.Extension`: an entry point that offers the ``--mech-fault*`` flags
 registers it on the hook (``MechHook(config, extensions=[injector])``; :meth:`FaultInjector.from_args` builds it
@@ -21,11 +23,14 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
+import torch
+
 from megatron_mech.hook import Extension
 from megatron_mech.optim import param_groups
 from megatron_mech.studies.fault_config import FaultConfig, add_fault_arguments, split_fault_section
 
-__all__ = ["FaultInjector", "FaultSchedule", "apply_lr_fault", "effective_global_batch", "injector_from_section"]
+__all__ = ["FaultInjector", "FaultSchedule", "RouterInputFault", "RouterLRFault", "apply_lr_fault",
+           "effective_global_batch", "injector_from_section"]
 
 
 class FaultSchedule:
@@ -106,6 +111,101 @@ def effective_global_batch(config: FaultConfig, global_batch: int, micro_batch_s
     return reduced
 
 
+class RouterLRFault:
+    """The router fault: the MoE routers' learning rate × k from the start step, every other parameter untouched.
+
+    Without a load-balancing loss (megatron-core's ``--moe-aux-loss-coeff`` defaults to 0) nothing holds a router
+    whose updates are too large: its logits grow, routing sharpens and the tokens pile onto a few experts while
+    the others starve — routing collapse (Shazeer et al. 2017; Fedus et al. 2021, Zoph et al. 2022 on the
+    router's sensitivity to its learning rate and logit scale). A router learning rate set apart from the rest is
+    a real configuration (per-module LR multipliers, router LR schemes); k stands in for a bad one.
+
+    How: the router's update of one optimizer step is multiplied by k in place, ``w ← w₀ + k·(w − w₀)`` with w₀
+    the weight before ``optimizer.step()``. For Adam(W) — whose whole step, decoupled weight decay included, is
+    proportional to the lr — that is exactly the step at lr × k: the moments depend on the gradients only. It
+    needs an optimizer that updates the router weight itself (fp32 training without the distributed optimizer,
+    as the studies' runs are); one that steps a copy (fp16/bf16 main params, the distributed optimizer) would
+    overwrite the change, so :meth:`check_optimizer` refuses it.
+    """
+
+    def __init__(self, config: FaultConfig, weights):
+        self.config = config
+        self.weights = list(weights)
+        self._before: Optional[tuple] = None  # (step, k, the weights before this step's update)
+
+    def check_optimizer(self, optimizer) -> None:
+        """``ValueError`` naming the flag unless ``optimizer`` updates every router weight in place."""
+        stepped = set() if optimizer is None else {id(p) for group in param_groups(optimizer) for p in group["params"]}
+        if any(id(w) not in stepped for w in self.weights):
+            raise ValueError("--mech-fault router: the optimizer does not update the router weights in place (it "
+                             "steps fp32 copies: fp16/bf16 or --use-distributed-optimizer); the router fault "
+                             "needs plain fp32 training")
+
+    def before_update(self, step: int) -> None:
+        """Before ``optimizer.step()`` of step ``step``: remember the router weights when the fault is on."""
+        k = self.config.router_lr_multiplier_at(step)
+        self._before = ((step, k, [w.detach().clone() for w in self.weights])
+                        if k != 1.0 and self.weights else None)
+
+    def after_update(self, step: int) -> float:
+        """After ``optimizer.step()`` of step ``step``: scale the routers' update by k; returns the k applied."""
+        if self._before is None or self._before[0] != step:
+            return 1.0
+        _, k, before = self._before
+        self._before = None
+        with torch.no_grad():
+            for weight, start in zip(self.weights, before):
+                weight.copy_(torch.lerp(start, weight, k))  # start + k·(weight − start)
+        return k
+
+
+class RouterInputFault:
+    """The router_input fault: a massive activation in the MoE routers' input that favours half of the experts.
+
+    From the start step every token the router sees gets the same extra vector ``u = W⁺·(β·b)`` (``W`` the
+    router weight ``[E, d]`` of that forward, ``W⁺`` its pseudo-inverse, ``b_e = 1`` for the first half of the
+    experts and 0 for the others, β = ``strength``, ramped with ``ramp``), through a forward pre-hook on the router
+    only: the experts still get the true tokens. Every token's logits then gain exactly ``β·b``, so as β grows the
+    favoured experts win every token's top-k and the others starve — the routing collapse a shared outlier
+    direction in the hidden states (massive activations, Sun et al. 2024) causes in a router with no
+    load-balancing loss. ``u`` is recomputed from the live weight at each forward, so the router cannot train the
+    offset away through ``W``; a starved expert gets no router gradient (top-k routing passes gradients to the
+    chosen experts' logits only), so nothing brings it back. The router monitor sees the shifted logits, as it sees
+    whatever the router routes on.
+    """
+
+    def __init__(self, config: FaultConfig, schedule: FaultSchedule, weights):
+        self.config = config
+        self.schedule = schedule
+        self._weights = {id(w) for w in weights}
+        # megatron-core builds the router inside MoELayer, outside any layer spec: a global pre-hook, filtered to
+        # this model's routers by their weight
+        self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._shift)
+
+    @staticmethod
+    def favoured(num_experts: int) -> torch.Tensor:
+        """``b``: 1 for the first half of the experts, 0 for the others."""
+        return (torch.arange(num_experts) < num_experts // 2).to(torch.float64)
+
+    def _shift(self, module, args):
+        weight = getattr(module, "weight", None)
+        if id(weight) not in self._weights or not args:
+            return None
+        beta = self.config.router_input_shift_at(self.schedule.step)
+        if beta == 0.0:
+            return None
+        x = args[0]
+        with torch.no_grad():
+            w = weight.detach().to(torch.float64)
+            shift = torch.linalg.pinv(w) @ (beta * self.favoured(w.shape[0]).to(w.device))
+        return (x + shift.to(dtype=x.dtype, device=x.device), *args[1:])
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
 class FaultInjector(Extension):
     """The fault of one run, for the trainer: ``global_batch`` (once), ``layer_spec`` (model building),
     ``before_step`` (each step, before the forward) and ``before_optimizer_step`` (each step, after the backward
@@ -117,6 +217,8 @@ class FaultInjector(Extension):
     def __init__(self, config: FaultConfig, schedule: Optional[FaultSchedule] = None):
         self.config = config
         self.schedule = schedule if schedule is not None else FaultSchedule()
+        self.router_fault: Optional[RouterLRFault] = None
+        self.router_input_fault: Optional[RouterInputFault] = None
 
     @classmethod
     def add_arguments(cls, parser) -> None:
@@ -164,9 +266,34 @@ class FaultInjector(Extension):
         """Tell the injected attention modules the optimizer step about to run."""
         self.schedule.step = int(step)
 
+    def setup(self, hook, view, optimizer=None) -> None:
+        """The router fault: this rank's router weights (:class:`RouterLRFault`), checked against the optimizer."""
+        if "router" in self.config.touches:
+            if not view.routers:
+                raise ValueError("--mech-fault router: the model has no MoE router (set --num-experts)")
+            self.router_fault = RouterLRFault(self.config, [router.weight for router in view.routers])
+            self.router_fault.check_optimizer(optimizer)
+        if "router_input" in self.config.touches:
+            if not view.routers:
+                raise ValueError("--mech-fault router_input: the model has no MoE router (set --num-experts)")
+            self.router_input_fault = RouterInputFault(self.config, self.schedule,
+                                                       [router.weight for router in view.routers])
+
+    def close(self) -> None:
+        if self.router_input_fault is not None:
+            self.router_input_fault.close()
+
     def before_optimizer_step(self, optimizer, step: int) -> float:
-        """Apply an LR fault to this step's lr (see :func:`apply_lr_fault`); returns the factor applied."""
+        """Apply an LR fault to this step's lr (see :func:`apply_lr_fault`) and remember the router weights for
+        the router fault; returns the LR factor applied."""
+        if self.router_fault is not None:
+            self.router_fault.before_update(step)
         return apply_lr_fault(optimizer, step, self.config)
+
+    def after_optimizer_step(self, step: int, *, loss: float, grad_norm: Optional[float], lr: float) -> None:
+        """The router fault: scale this step's router update by k (:meth:`RouterLRFault.after_update`)."""
+        if self.router_fault is not None:
+            self.router_fault.after_update(step)
 
 
 def injector_from_section(section: Optional[Mapping[str, Any]], where: str = "mech"

@@ -24,6 +24,8 @@ SLOW_RAMP = 400  # steps over which the slow fault's γ reaches full strength (b
 FAULT_FLAGS = {
     "attention": ["--mech-fault", "attention", "--mech-fault-strength", "0.1", "--mech-fault-layers", "1"],
     "lr": ["--mech-fault", "lr", "--mech-fault-strength", "4"],
+    "router": ["--mech-fault", "router_input", "--mech-fault-strength", "10", "--mech-fault-ramp", "100"],
+    "router_lr": ["--mech-fault", "router", "--mech-fault-strength", "30"],
     "small_batch": ["--mech-fault", "small_batch", "--mech-fault-strength", "4"],
     # The slowly developing precision fault: γ grows from 0 to 0.1 over SLOW_RAMP steps after the start, standing
     # in for a bias that accumulates; lead time is read as a fraction of the onset → divergence interval.

@@ -6,28 +6,32 @@
 :func:`megatron_mech.megatron.pretrain_gpt.main` with the fault injector offered as a hook extension: the flags
 are added to its parser, and a ``--mech-fault`` other than ``none`` registers a
 :class:`~megatron_mech.studies.injectors.FaultInjector` on the run's hook (the model's attention, the global
-batch, the lr of each step from the start step on).
+batch, the lr of each step from the start step on, the routers' updates); ``--mech-record-routing DIR`` registers a
+:class:`~megatron_mech.studies.router_outcome.RoutingRecorder`.
 """
 from typing import List, Optional
 
 from megatron_mech.megatron.launch import check_training_flags
 from megatron_mech.megatron.pretrain_gpt import main as train
 from megatron_mech.studies.injectors import FaultInjector
+from megatron_mech.studies.router_outcome import RoutingRecorder
 
-__all__ = ["ENTRY_MODULE", "check_flags", "main"]
+__all__ = ["ENTRY_MODULE", "EXTENSION_TYPES", "check_flags", "main"]
 
 ENTRY_MODULE = "megatron_mech.studies.pretrain_gpt_fault"
 """What ``python -m`` runs for this entry point."""
+EXTENSION_TYPES = (FaultInjector, RoutingRecorder)
+"""The hook extensions this entry point offers: the fault, and the routing record (router faults' ground truth)."""
 
 
 def check_flags(cmd: List[str], nproc: int) -> Optional[str]:
     """This entry point's start-up flag check on the flags of a torchrun command line that runs it (after
     :data:`ENTRY_MODULE`), before anything is launched: the error message, or ``None`` if they pass."""
-    return check_training_flags(cmd, nproc, ENTRY_MODULE, (FaultInjector,))
+    return check_training_flags(cmd, nproc, ENTRY_MODULE, EXTENSION_TYPES)
 
 
 def main(argv=None):
-    train(argv, extension_types=(FaultInjector,))
+    train(argv, extension_types=EXTENSION_TYPES)
 
 
 if __name__ == "__main__":

@@ -378,9 +378,210 @@ def job_tp2(opts):
                      "layer1_qkv_changed": _rel(g_on[qkv], g_off[qkv])}
     return out
 
+# ------------------------------------------------------------------------------------------------ router fault
+def _moe_gpt(seed):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = _config(num_layers=2, heads=4, groups=4, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64,
+                     add_bias_linear=False, moe_aux_loss_coeff=0.0)
+    return config, _gpt(config, get_gpt_layer_local_spec(num_experts=4), seed=seed, untie=False)
+
+
+def _router_injector(model, optimizer, k, start):
+    from megatron_mech.megatron.discovery import megatron_model_view
+    from megatron_mech.studies import faults
+
+    injector = faults.FaultInjector(faults.FaultConfig(kind="router", strength=k, start=start))
+    injector.setup(None, megatron_model_view([model]), optimizer)
+    return injector
+
+
+def job_router_fault(opts):
+    """The router fault on a real megatron-core MoE GPT: (a) with AdamW (weight decay on) it equals a router param
+    group at lr × k from the start step, every step; (b) with megatron's own optimizer (DDP, fp32) the first
+    faulty step moves the routers k times as far and nothing else differently, and nothing differs before."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_mech.megatron import cpu_shims as mcpu
+
+    k, start, steps, lr = 5.0, 4, 6, 1e-2
+    out = {"k": k, "start": start}
+
+    # (a) AdamW: the fault on one param group vs two groups whose router lr is set to lr × k from `start`
+    def adamw_run(mode):
+        _, model = _moe_gpt(seed=3)
+        routers = [n for n, _ in model.named_parameters() if n.endswith("router.weight")]
+        named = dict(model.named_parameters())
+        rest = [p for n, p in named.items() if n not in routers]
+        groups = ([{"params": rest}, {"params": [named[n] for n in routers]}] if mode == "two_groups"
+                  else [{"params": rest + [named[n] for n in routers]}])
+        opt = torch.optim.AdamW(groups, lr=lr, weight_decay=0.1, foreach=False)
+        injector = _router_injector(model, opt, k, start) if mode == "fault" else None
+        gen = torch.Generator().manual_seed(7)
+        for step in range(1, steps + 1):
+            if mode == "two_groups":
+                opt.param_groups[1]["lr"] = lr * k if step >= start else lr
+            tokens, labels = _progression_batch(gen)
+            if injector is not None:
+                injector.before_step(step)
+            _loss_and_grads(model, tokens, labels)
+            if injector is not None:
+                injector.before_optimizer_step(opt, step)
+            opt.step()
+            if injector is not None:
+                injector.after_optimizer_step(step, loss=0.0, grad_norm=None, lr=lr)
+        return {n: p.detach().clone() for n, p in model.named_parameters()}, routers
+
+    fault, routers = adamw_run("fault")
+    two_groups, _ = adamw_run("two_groups")
+    plain, _ = adamw_run("plain")
+    out["routers"] = routers
+    out["fault_vs_router_lr_k_max_rel"] = max(_rel(fault[n], two_groups[n]) for n in fault)
+    out["plain_vs_router_lr_k_router_rel"] = max(_rel(plain[n], two_groups[n]) for n in routers)
+
+    # (b) megatron's optimizer under DDP: one step at a time from identical states
+    def megatron_run(with_fault):
+        config, model = _moe_gpt(seed=5)
+        model = DistributedDataParallel(config, DistributedDataParallelConfig(overlap_grad_reduce=False), model)
+        mcpu.fast_forward_module(model)
+        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.1, clip_grad=1.0),
+                                           [model])
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = model.no_sync
+        injector = _router_injector(model, optimizer, k, start) if with_fault else None
+        gen = torch.Generator().manual_seed(9)
+        positions = torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ)
+
+        def forward_step(data_iterator, model_):
+            tokens, labels = next(data_iterator)
+            return model_(tokens, positions, None, labels=labels), lambda t: (t.float().mean(), {})
+
+        snapshots = [{n: p.detach().clone() for n, p in model.module.named_parameters()}]
+        for step in range(1, start + 1):
+            if injector is not None:
+                injector.before_step(step)
+            model.zero_grad_buffer()
+            optimizer.zero_grad()
+            get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([_progression_batch(gen)]),
+                                        model=[model], num_microbatches=1, seq_length=SEQ, micro_batch_size=MBS,
+                                        forward_only=False)
+            if injector is not None:
+                injector.before_optimizer_step(optimizer, step)
+            optimizer.step()
+            if injector is not None:
+                injector.after_optimizer_step(step, loss=0.0, grad_norm=None, lr=lr)
+            snapshots.append({n: p.detach().clone() for n, p in model.module.named_parameters()})
+        return snapshots
+
+    clean, faulty = megatron_run(False), megatron_run(True)
+    names = list(clean[0])
+    out["megatron_routers"] = [n for n in names if n.endswith("router.weight")]
+    out["megatron_equal_before_start"] = all(torch.equal(clean[s][n], faulty[s][n])
+                                             for s in range(start) for n in names)
+    before, after_clean, after_fault = clean[start - 1], clean[start], faulty[start]
+    out["megatron_router_update_ratio_err"] = max(
+        _rel(after_fault[n] - before[n], k * (after_clean[n] - before[n])) for n in out["megatron_routers"])
+    out["megatron_others_equal_at_start"] = all(torch.equal(after_fault[n], after_clean[n])
+                                                for n in names if n not in out["megatron_routers"])
+    out["recorder"] = _recorder_check(opts["record_dir"])
+    return out
+
+
+def _recorder_check(record_dir):
+    """RoutingRecorder's counts of two training steps vs top-k of the routers' logits recomputed from each router's
+    input and weight (captured by a separate forward hook); evaluation forwards must not be counted."""
+    from megatron_mech.megatron.discovery import find_routers, megatron_model_view
+    from megatron_mech.studies.router_outcome import RoutingRecorder, read_routing_counts
+
+    _, model = _moe_gpt(seed=4)
+    recorder = RoutingRecorder(record_dir)
+    recorder.setup(None, megatron_model_view([model]))
+    expected = {}
+    current = {}
+
+    def reference(layer):
+        def hook(module, inputs, output):
+            if module.training:
+                logits = inputs[0].reshape(-1, inputs[0].shape[-1]) @ module.weight.t()
+                chosen = torch.zeros_like(logits, dtype=torch.int64).scatter_(1, logits.topk(2, dim=1).indices, 1)
+                current[layer] = current.get(layer, 0) + chosen.sum(0)
+        return hook
+
+    handles = [router.register_forward_hook(reference(layer)) for layer, router in find_routers([model])]
+    gen = torch.Generator().manual_seed(8)
+    for step in (1, 2):
+        recorder.before_step(step)
+        current.clear()
+        for _ in range(2):  # two micro-batches per step
+            _loss_and_grads(model, *_progression_batch(gen))
+        expected[step] = {layer: counts.tolist() for layer, counts in current.items()}
+        recorder.after_optimizer_step(step, loss=0.0, grad_norm=None, lr=0.0)
+    model.eval()
+    with torch.no_grad():
+        recorder.before_step(3)
+        tokens, labels = _progression_batch(gen)
+        model(tokens, torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ), None, labels=labels)
+        recorder.after_optimizer_step(3, loss=0.0, grad_norm=None, lr=0.0)
+    recorder.close()
+    for handle in handles:
+        handle.remove()
+    recorded = read_routing_counts(record_dir)
+    return {"recorded": {str(s): {str(k): v for k, v in c.items()} for s, c in recorded.items()},
+            "expected": {str(s): {str(k): v for k, v in c.items()} for s, c in expected.items()},
+            "tokens_per_step": 2 * MBS * SEQ}
+
+
+def job_router_input_fault(opts):
+    """The router_input fault on a real megatron-core MoE GPT: the routers route on logits x·Wᵀ + β·b, b = 1 for
+    experts 0 and 1 (closed form from the MoE layer's own input, captured apart), from the start step only."""
+    from megatron_mech.megatron.discovery import find_routers, megatron_model_view
+    from megatron_mech.studies import faults
+
+    _, model = _moe_gpt(seed=6)
+    start, ramp, beta = 3, 2, 100.0  # β/2 at step 3, β from step 4
+    injector = faults.FaultInjector(faults.FaultConfig(kind="router_input", strength=beta, start=start, ramp=ramp))
+    injector.setup(None, megatron_model_view([model]), None)
+    seen = {}
+
+    def moe_input(layer):
+        def hook(module, args):
+            seen[("x", layer)] = args[0].detach().clone()
+        return hook
+
+    def routed(layer):
+        def hook(module, args, output):
+            seen[("map", layer)] = output[1].detach().clone()
+        return hook
+
+    handles = []
+    for layer, router in find_routers([model]):
+        handles.append(model.decoder.layers[layer].mlp.register_forward_pre_hook(moe_input(layer)))
+        handles.append(router.register_forward_hook(routed(layer)))
+    gen = torch.Generator().manual_seed(12)
+    rows = []
+    for step in range(1, 6):
+        injector.before_step(step)
+        _loss_and_grads(model, *_progression_batch(gen))
+        shift = injector.config.router_input_shift_at(step)
+        for layer, router in find_routers([model]):
+            x = seen[("x", layer)].reshape(-1, seen[("x", layer)].shape[-1])
+            logits = x @ router.weight.detach().t() + shift * torch.tensor([1.0, 1.0, 0.0, 0.0])
+            expected = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, logits.topk(2, dim=1).indices, True)
+            got = seen[("map", layer)]
+            rows.append({"step": step, "layer": layer, "shift": shift, "matches": bool(torch.equal(got, expected)),
+                         "distinct_choices": sorted({tuple(r.tolist()) for r in got})})
+    injector.close()
+    for handle in handles:
+        handle.remove()
+    out = {"rows": rows, "start": start, "beta": beta}
+    return out
+
 
 JOBS = {"tp2": job_tp2, "core_match": job_core_match, "gpt_selectivity": job_gpt_selectivity, "lr_scheduler": job_lr_scheduler,
-        "train": job_train}
+        "train": job_train, "router_fault": job_router_fault,
+        "router_input_fault": job_router_input_fault}
 
 
 def torchrun_tp2():
