@@ -37,16 +37,16 @@ def test_run_outcome_is_the_earlier_of_divergence_and_lasting_gap():
     assert run_outcome(gap_only, None, margin=1.0, gap=0.3) == {"divergence": None, "loss_gap": None, "step": None}
 
 
-def test_max_logit_explosion_needs_the_factor_held_for_consecutive_records():
+def test_max_logit_explosion_needs_the_level_held_for_consecutive_records():
     steps = [5, 10, 15, 20, 25, 30, 35]
-    healthy = {s: 10.0 for s in steps}
-    # ≥ 4 × 10 = 40 at steps 10 and 15, broken at 20 (39.9), then held from 25 to 35: with hold 3 → 25.
+    # >= 40 at steps 10 and 15, broken at 20 (39.9), then held from 25 to 35: with hold 3 → 25.
     values = [5.0, 40.0, 80.0, 39.9, 40.0, 50.0, 60.0]
-    assert max_logit_explosion_step(steps, values, healthy, factor=4.0, hold=3) == 25
-    assert max_logit_explosion_step(steps, values, healthy, factor=4.0, hold=2) == 10
-    assert max_logit_explosion_step(steps, values, healthy, factor=4.0, hold=4) is None
-    # A non-finite logit counts as exploded; steps the twin did not record are skipped (neither count nor break).
-    assert max_logit_explosion_step([5, 10, 12, 15], [math.inf, 50.0, 1.0, math.nan],
-                                    {5: 10.0, 10: 10.0, 15: 10.0}, factor=4.0, hold=3) == 5
-    with pytest.raises(ValueError, match="factor"):
-        max_logit_explosion_step(steps, values, healthy, factor=1.0, hold=3)
+    assert max_logit_explosion_step(steps, values, level=40.0, hold=3) == 25
+    assert max_logit_explosion_step(steps, values, level=40.0, hold=2) == 10
+    assert max_logit_explosion_step(steps, values, level=40.0, hold=4) is None
+    # A non-finite logit counts as exploded.
+    assert max_logit_explosion_step([5, 10, 15], [math.inf, 50.0, math.nan], level=40.0, hold=3) == 5
+    with pytest.raises(ValueError, match="level"):
+        max_logit_explosion_step(steps, values, level=0.0, hold=3)
+    with pytest.raises(ValueError, match="same length"):
+        max_logit_explosion_step(steps, values[:3], level=40.0, hold=3)

@@ -8,16 +8,17 @@ losses and its attention logits, never from any alarm being scored.
     stays more than ``gap`` nats above its **healthy twin's** (same seed and model, the preset learning rate)
     until the end of the run, for at least 50 steps — the run ends worse than it would have, for good.
 * **attention outcome** (:func:`max_logit_explosion_step`): the first recorded step from which the maximum
-  attention logit (``symptom/max_attn_logit``) stays at least ``factor ×`` the healthy twin's value at the same
-  step for ``hold`` consecutive records (a non-finite value counts as exploded).
+  attention logit (``symptom/max_attn_logit``) stays at or above an absolute ``level`` for ``hold`` consecutive
+  records (a non-finite value counts as exploded). A ratio to the healthy twin at the same step is no measure
+  early on: the twin's maximum logit starts near 0.1 at initialisation.
 
-The levels (``gap``, ``factor``, ``hold``) are arguments: the benchmark fixes them on the tuning seeds and writes
+The levels (``gap``, ``level``, ``hold``) are arguments: the benchmark fixes them on the tuning seeds and writes
 them into its results before any reporting seed is scored.
 """
 from __future__ import annotations
 
 import math
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from megatron_mech.studies.leadtime import DIVERGENCE_HOLD, divergence_step
 from megatron_mech.studies.natural import self_divergence_step
@@ -38,20 +39,17 @@ def loss_gap_step(losses: Sequence[float], healthy_losses: Sequence[float], gap:
     return divergence_step(list(losses), list(healthy_losses), gap, hold=hold)
 
 
-def max_logit_explosion_step(steps: Sequence[int], values: Sequence[float], healthy: Mapping[int, float],
-                             factor: float, hold: int) -> Optional[int]:
-    """First step of ``hold`` consecutive records whose max logit is non-finite or ``>= factor ×`` the healthy
-    twin's at the same step (``healthy``: step → value; steps the twin did not record are skipped)."""
-    if factor <= 1 or hold < 1:
-        raise ValueError(f"need factor > 1 and hold >= 1, got factor={factor}, hold={hold}")
+def max_logit_explosion_step(steps: Sequence[int], values: Sequence[float], level: float,
+                             hold: int) -> Optional[int]:
+    """First step of ``hold`` consecutive records whose max logit is non-finite or ``>= level``; None if the
+    level is never held that long."""
+    if level <= 0 or hold < 1:
+        raise ValueError(f"need level > 0 and hold >= 1, got level={level}, hold={hold}")
     if len(steps) != len(values):
         raise ValueError(f"steps ({len(steps)}) and values ({len(values)}) must have the same length")
     start, count = None, 0
     for step, value in zip(steps, values):
-        reference = healthy.get(step)
-        if reference is None:
-            continue
-        if not math.isfinite(value) or value >= factor * reference:
+        if not math.isfinite(value) or value >= level:
             start = step if count == 0 else start
             count += 1
             if count >= hold:
