@@ -14,8 +14,8 @@ Scores finished runs (trained by ``benchmarks/natural_instability.py``: one run 
   missed it; a firing on a run with no outcome is a false alarm.
 
 The outcome levels and the grad-norm alarm level were fixed on tuning seed 11 (constants below, with the tuning
-evidence) before any reporting seed was scored; reporting seeds are refused unless ``--tuning-run`` is absent
-and only tuning seeds are marked as such in the report.
+evidence; ``results/early_warning_tuning``) before any reporting seed was scored. Tuning seeds are refused without
+``--tuning-run``, and a report on them says it is a tuning run.
 
     python benchmarks/early_warning.py --runs-dir /work/runs/early_warning --seeds 11 --tuning-run
     python benchmarks/early_warning.py --runs-dir /work/runs/early_warning --seeds 21 22 23
@@ -156,23 +156,28 @@ def cell(j: dict) -> str:
     return f"{j['lead']:+d} ({j['fraction']:.2f})"
 
 
+def score_pair(run: dict, twin: dict, criteria: dict, router_outcome=None) -> dict:
+    """Outcomes, firings and judgements of one unstable run and its healthy twin."""
+    found = outcomes(run, twin, criteria, router_outcome)
+    firings = rule_firings(run, criteria["grad_norm_level"])
+    twin_firings = rule_firings(twin, criteria["grad_norm_level"])
+    twin_found = outcomes(twin, twin, criteria, router_outcome)  # against itself: no lasting gap by construction
+    return {"outcomes": found, "firings": firings,
+            "judged": {r: judge(found["first"], s) for r, s in firings.items()},
+            "judged_vs_run": {r: judge(found["run"], s) for r, s in firings.items()},
+            # A firing on the healthy twin is a false alarm unless the twin itself has an outcome (a divergence, a
+            # max-logit explosion or, when defined, a routing collapse).
+            "twin": {"outcomes": twin_found, "firings": twin_firings,
+                     "judged": {r: judge(twin_found["first"], s) for r, s in twin_firings.items()}},
+            "final_gap": _final_gap(run["losses"], twin["losses"])}
+
+
 def score_seed(runs_dir: Path, seed: int, args, criteria: dict, router_outcome=None) -> dict:
     name = f"moe_h64_lr{args.lr:g}_plain_s{seed}"
     run = load_run(runs_dir / name)
     twin = load_run(runs_dir / f"moe_h64_lr{args.healthy_lr:g}_plain_s{seed}")
-    found = outcomes(run, twin, criteria, router_outcome)
-    firings = rule_firings(run, criteria["grad_norm_level"])
-    twin_firings = rule_firings(twin, criteria["grad_norm_level"])
-    twin_found = outcomes(twin, twin, {**criteria}, router_outcome) if router_outcome else None
-    return {"name": name, "seed": seed, "tuning": seed in TUNING_SEEDS, "outcomes": found,
-            "firings": firings, "judged": {r: judge(found["first"], s) for r, s in firings.items()},
-            "judged_vs_run": {r: judge(found["run"], s) for r, s in firings.items()},
-            # The healthy twin has no run or attention outcome by construction; any firing there is a false alarm
-            # (unless a router outcome is defined and happens on it).
-            "twin": {"firings": twin_firings,
-                     "judged": {r: judge(twin_found["router"] if twin_found else None, s)
-                                for r, s in twin_firings.items()}},
-            "final_gap": _final_gap(run["losses"], twin["losses"])}
+    return {"name": name, "seed": seed, "tuning": seed in TUNING_SEEDS,
+            **score_pair(run, twin, criteria, router_outcome)}
 
 
 def _final_gap(losses, twin_losses, window=20) -> float:
@@ -227,9 +232,9 @@ def report(args, criteria: dict, rows: list) -> str:
              "records); QK-clip: recorded max logit > 100 (recorded every 5 steps).",
              "", "Tuning evidence: " + criteria["evidence"], "",
              "## Lead per rule against the earliest outcome", "",
-             "Cells: `+lead (lead fraction)` = fired that many steps before the outcome; `-n` = n steps after it; `miss` = "
-             "never fired on a run with an outcome; `FA@step` = fired on a run with no outcome (false alarm); `·` = "
-             "quiet on a run with no outcome.", ""]
+             "Cells: `+lead (lead fraction)` = fired that many steps before the outcome; `-n` = n steps after it; "
+             "`miss` = never fired on a run with an outcome; `FA@step` = fired on a run with no outcome (false "
+             "alarm); `·` = quiet on a run with no outcome.", ""]
     lines += table(rows, "judged", "first outcome")
     lines += ["", "Outcome steps: " + "; ".join(
         f"{r['name']}: divergence {r['outcomes']['divergence']}, loss gap {r['outcomes']['loss_gap']}, attention "

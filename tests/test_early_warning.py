@@ -46,6 +46,21 @@ def test_rule_firings_and_outcomes_on_a_synthetic_pair():
     assert found["router"] == 40 and found["first"] == 40
 
 
+def test_firings_on_the_healthy_twin_are_false_alarms_and_quiet_rules_are_quiet():
+    twin = _run([3.0] * 200, [1.0] * 40, [10.0] * 40,
+                [Alert("router/layer0/entropy_mean", "router", 120, 1.0, 1.3, 7.0)])
+    run = _run([3.0] * 100 + [3.6] * 100, [1.0] * 40, [10.0] * 40)
+    criteria = {"divergence_margin": 1.0, "loss_gap": 0.3, "logit_level": 100.0, "logit_hold": 10,
+                "grad_norm_level": 2.0}
+    scored = early_warning.score_pair(run, twin, criteria)
+    assert scored["twin"]["outcomes"]["first"] is None
+    assert scored["twin"]["judged"]["router monitor"]["kind"] == "false alarm"
+    assert scored["twin"]["judged"]["attention monitor"]["kind"] == "quiet"
+    # On the run (lasting gap from step 111) the router never fired: a miss; the final gap is the last 20 steps'.
+    assert scored["judged"]["router monitor"]["kind"] == "miss" and scored["outcomes"]["first"] == 111
+    assert scored["final_gap"] == pytest.approx(0.6)
+
+
 def test_microbatches_per_rank_from_the_preset_flags():
     flags = ["--global-batch-size", "16", "--micro-batch-size", "2"]
     assert early_warning.microbatches_per_rank(flags, 2) == 4
