@@ -47,8 +47,11 @@ def megatron_spiky_loss_step(values: Sequence[float], steps: Optional[Sequence[i
     maximum and never fire; from then on a value fires when ``value >= max × threshold``. The maximum is not
     updated after the first ``num_samples``.
 
-    Megatron checks every micro-batch's local loss; from a per-step series each step is one sample, so a caller
-    with ``k`` micro-batches per rank and step passes ``num_samples = ceil(100 / k)`` for the same stretch of run.
+    Megatron checks every micro-batch's local loss (in ``pretrain_gpt.py`` of Megatron-LM core_v0.19.0 the summed
+    token loss of the micro-batch; with a fixed number of tokens per micro-batch the ratio test reads the same on
+    the mean). From a per-step series each step is one sample, so a caller with ``k`` micro-batches per rank and
+    step passes ``num_samples = ceil(100 / k)`` for the same stretch of run; a spike confined to one micro-batch
+    is diluted in the step mean.
     """
     seen, largest = 0, 0.0
     for step, value in zip(_steps(values, steps), values):
