@@ -65,3 +65,10 @@ def test_microbatches_per_rank_from_the_preset_flags():
     flags = ["--global-batch-size", "16", "--micro-batch-size", "2"]
     assert early_warning.microbatches_per_rank(flags, 2) == 4
     assert early_warning.MEGATRON_SAMPLES_IN_STEPS == pytest.approx(100 / early_warning.MICROBATCHES, abs=1)
+
+
+def test_router_outcome_flag_names_a_function_or_fails_naming_the_flag():
+    assert early_warning.load_router_outcome(None) is None
+    assert early_warning.load_router_outcome("math:isfinite") is __import__("math").isfinite
+    with pytest.raises(SystemExit, match="--router-outcome"):
+        early_warning.load_router_outcome("megatron_mech.studies.outcomes")
