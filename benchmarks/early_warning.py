@@ -272,10 +272,14 @@ def main(argv=None):
                 "logit_hold": LOGIT_HOLD, "grad_norm_level": GRAD_NORM_LEVEL, "evidence": TUNING_EVIDENCE}
     router = load_router_outcome(args.router_outcome)
     rows = [score_seed(Path(args.runs_dir), seed, args, criteria, router) for seed in args.seeds]
-    text = report(args, criteria, rows)
+    load = dict(zip(("load1", "load5", "load15"), os.getloadavg()))
+    text = report(args, criteria, rows) + (
+        f"\n\nMachine load when scored: {load['load1']:.2f} / {load['load5']:.2f} / {load['load15']:.2f} (1/5/15 min). "
+        "The runs were trained one at a time (2 processes, OMP_NUM_THREADS=1) on a machine shared with other jobs; "
+        "the scores read steps, not time, so the load does not enter them.")
     logger.info(text)
     if not args.no_write:
-        write_results(args.results_name, text, {"tuning_run": args.tuning_run, "criteria": criteria,
+        write_results(args.results_name, text, {"tuning_run": args.tuning_run, "criteria": criteria, "load": load,
                                                 "args": vars(args), "rows": rows})
 
 
