@@ -218,6 +218,9 @@ def report(args, criteria: dict, rows: list) -> str:
              f"{args.steps} steps at LR {args.lr:g} (constant after a {args.steps // 20}-step warm-up), no injected "
              f"fault; healthy twin: same seed at LR {args.healthy_lr:g}. Seeds {args.seeds} "
              f"({'tuning' if tuning else 'reporting'}; tuning seeds {list(TUNING_SEEDS)}).", "",
+             f"Runs trained per seed S with `OMP_NUM_THREADS=1 python benchmarks/natural_instability.py --lrs "
+             f"{args.lr:g} {args.healthy_lr:g} --qk-layernorm off --seeds S --steps {args.steps} --runs-dir "
+             f"{args.runs_dir} --reuse --no-write` (one run at a time).", "",
              "## Criteria (fixed on tuning seed 11 before the reporting seeds were scored)", "",
              f"- run outcome: divergence (non-finite loss, or 20-step MA loss > {criteria['divergence_margin']} nats "
              f"above its own best until the end, ≥ 50 steps) or a lasting loss gap (20-step MA loss > "
