@@ -111,8 +111,8 @@ def _add_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=21,
                    help="default: a reporting seed (the detector was tuned on other seeds, see studies.leadtime)")
     p.add_argument("--faults", nargs="+", default=["attention", "router"], choices=("attention", "router"),
-                   help="fault runs after the clean run (attention precision; the routers' LR raised, a routing "
-                        "collapse)")
+                   help="fault runs after the clean run (attention: a precision fault in layer 1; router: a shift of "
+                        "the routers' input that collapses routing onto half of the experts)")
     p.add_argument("--quick", action="store_true",
                    help="a ~2-minute smoke version (120 steps, short detector baseline) for CI")
 
