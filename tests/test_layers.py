@@ -174,3 +174,54 @@ def test_the_output_evaluation_and_int_rules_have_one_home():
                   for node in ast.walk(ast.parse(path.read_text()))
                   if isinstance(node, ast.FunctionDef) and node.name.lstrip("_") == "is_int"}
     assert int_checks == {"megatron_mech/core/checks.py"}  # the one "int, not bool" check
+
+
+def import_loops(root: Path = PACKAGE):
+    """The import loops among the modules under ``root``: strongly connected groups of more than one module of
+    the graph "module → every package module it imports, anywhere in its body". A package's ``__init__`` that
+    only re-exports its own submodules is not an edge back from them (they never import it)."""
+    modules = {module_name(path): path for path in sorted(root.rglob("*.py"))}
+    graph = {m: sorted({t for t in imported_modules(p, m) if t in modules and t != m}) for m, p in modules.items()}
+    index, low, stack, on_stack, loops = {}, {}, [], set(), []
+
+    def visit(node):  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                loops.append(sorted(group))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return loops
+
+
+def test_no_import_loop_in_the_package():
+    loops = import_loops()
+    assert not loops, "modules that import each other (directly or around a loop):\n" + "\n".join(
+        " <-> ".join(group) for group in loops)
+
+
+def test_the_loop_scan_finds_a_loop(tmp_path, monkeypatch):
+    package = tmp_path / "megatron_mech" / "studies"
+    package.mkdir(parents=True)
+    (package / "a.py").write_text("def f():\n    from megatron_mech.studies.b import g\n")
+    (package / "b.py").write_text("from megatron_mech.studies import a\n")
+    (package / "c.py").write_text("from megatron_mech.studies.a import f\n")
+    monkeypatch.setattr(__import__(__name__), "REPO_ROOT", tmp_path)
+    assert import_loops(tmp_path / "megatron_mech") == [["megatron_mech.studies.a", "megatron_mech.studies.b"]]

@@ -28,7 +28,7 @@ from megatron.core.transformer.enums import AttnMaskType
 
 from megatron_mech.studies.fa2_numerics import PRECISIONS, FlashAttention2Function, causal_mask
 from megatron_mech.studies.fault_config import FaultConfig, head_gammas
-from megatron_mech.studies.injectors import FaultSchedule
+from megatron_mech.studies.fault_schedule import FaultSchedule
 
 __all__ = ["EmulatedFlashAttention", "attention_fault_spec"]
 

@@ -1,6 +1,6 @@
 """Fault injection for studies of the monitors' lead time: the index of the pieces.
 
-Five faults, chosen with :class:`FaultConfig` (command line: :func:`add_fault_arguments`; in a DeepSpeed config the
+Six faults, chosen with :class:`FaultConfig` (command line: :func:`add_fault_arguments`; in a DeepSpeed config the
 ``"fault"`` key of the ``"mech"`` section, :func:`split_fault_section`):
 
 ``attention``
@@ -12,7 +12,11 @@ Five faults, chosen with :class:`FaultConfig` (command line: :func:`add_fault_ar
     A "high-LR run" needs no injector: it is ``--lr`` set high from the start.
 ``router``
     The MoE routers' learning rate multiplied by ``k`` (= ``strength``) from the start step, nothing else
-    (:class:`RouterLRFault`): without a load-balancing loss the routers collapse onto a few experts.
+    (:class:`RouterLRFault`). At the small GPT's scale it sharpens routing without collapsing the load.
+``router_input``
+    A vector added to every token the routers see, aligned with the live router weight so that it adds β
+    (= ``strength``) to the logits of half of the experts (:class:`RouterInputFault`); the experts still get the
+    true tokens. Without a load-balancing loss routing collapses onto those experts.
 ``small_batch``
     A run at a reduced global batch: ``global batch / strength`` (:func:`effective_global_batch`).
 ``combined``

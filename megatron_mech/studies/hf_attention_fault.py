@@ -5,7 +5,7 @@
 through ``transformers``' ``AttentionInterface``) and points the model's config at it. Every attention layer
 then runs the emulation; the layers and heads named by the :class:`~megatron_mech.studies.faults.FaultConfig`
 apply the fault in their backward from ``FaultConfig.start`` on. The trainer tells the modules the step
-through a :class:`~megatron_mech.studies.faults.FaultSchedule`: ``schedule.step = engine.global_steps + 1``
+through a :class:`~megatron_mech.studies.fault_schedule.FaultSchedule`: ``schedule.step = engine.global_steps + 1``
 (the 1-based number of the optimizer step about to run) before each forward. Under DeepSpeed, the fault's
 :class:`~megatron_mech.studies.injectors.FaultInjector` installs it from ``prepare_model`` (the adapter calls it for
 every extension of the hook) and tells it the step from the hook's ``before_step``.
@@ -21,7 +21,9 @@ from typing import Optional
 
 import torch
 
-from megatron_mech.studies.faults import FaultConfig, FaultSchedule, flash_attention, head_gammas
+from megatron_mech.studies.fa2_numerics import flash_attention
+from megatron_mech.studies.fault_config import FaultConfig, head_gammas
+from megatron_mech.studies.fault_schedule import FaultSchedule
 
 __all__ = ["ATTENTION_IMPLEMENTATION", "install_attention_fault"]
 

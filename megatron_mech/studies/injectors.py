@@ -28,31 +28,10 @@ import torch
 from megatron_mech.hook import Extension
 from megatron_mech.optim import param_groups
 from megatron_mech.studies.fault_config import FaultConfig, add_fault_arguments, split_fault_section
+from megatron_mech.studies.fault_schedule import FaultSchedule
 
 __all__ = ["FaultInjector", "FaultSchedule", "RouterInputFault", "RouterLRFault", "apply_lr_fault",
            "effective_global_batch", "injector_from_section"]
-
-
-class FaultSchedule:
-    """The current optimizer step, shared by every injected module (one object, read at forward time).
-
-    The trainer (through :meth:`FaultInjector.before_step`) sets ``schedule.step = step`` before the
-    forward/backward of optimizer step ``step``; the attention fault is on in that step's backward iff ``step >= start``.
-    ``step`` starts as ``None`` (= never told): a fault with ``start > 0`` then stays off, with one warning
-    (``start == 0`` means "from the beginning" and is on whatever the step).
-    """
-
-    def __init__(self, step: Optional[int] = None):
-        self.step = step
-
-    def state_dict(self) -> dict:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step = state.get("step")
-
-    def __repr__(self):
-        return f"FaultSchedule(step={self.step})"
 
 
 # ================================================================================================ LR / batch
