@@ -206,7 +206,11 @@ def test_bad_configuration_fails_clearly_on_every_rank(tmp_path, extra, message)
     with pytest.raises(AssertionError) as failure:
         train(tmp_path, "bad", 2, *extra, steps=10)
     text = str(failure.value)
-    assert text.count(message) >= 2, text[-3000:]  # both ranks say why
+    # Every rank runs the same check before any collective, so none can hang; but torchrun stops the other rank as
+    # soon as the first one exits, so a slower rank may be killed before it prints: at least one rank says why,
+    # and no rank got past the check (no training line).
+    assert text.count(message) >= 1, text[-3000:]
+    assert "[train] step" not in text, text[-3000:]
 
 
 def test_unknown_mech_value_is_rejected(tmp_path):
