@@ -90,7 +90,7 @@ class RoutingRecorder(Extension):
         if not (module.training and torch.is_grad_enabled()) or torch._C._current_graph_task_id() != -1:
             return
         routing_map = output[1].detach().reshape(-1, output[1].shape[-1])
-        counts = routing_map.sum(dim=0).to(device="cpu", dtype=torch.int64)
+        counts = routing_map.sum(dim=0, dtype=torch.int64)  # summed where it is; copied to the host once a step
         self.counts[layer] = self.counts[layer] + counts if layer in self.counts else counts
 
     def before_step(self, step: int) -> None:
