@@ -183,7 +183,8 @@ class Extension:
         """In :meth:`MechHook.before_step`, when the hook knows the optimizer: this step's lr may be changed here."""
 
     def after_optimizer_step(self, step: int, *, loss: float, grad_norm: Optional[float], lr: float) -> None:
-        """At the start of :meth:`MechHook.after_optimizer_step`."""
+        """At the start of :meth:`MechHook.after_optimizer_step`; ``loss`` and ``grad_norm`` as the trainer gave
+        them (floats, or tensors that an extension reading them brings to the host itself)."""
 
     def state_dict(self) -> dict:
         """This extension's part of the hook's state (empty: nothing saved)."""
@@ -249,6 +250,10 @@ class MechHook:
         self._stage_exchange = None   # MetricExchange over the pipeline stages, built at the first evaluation
         self._mols_failure_logged = False
         self._pending_extension_state: dict = {}
+        self._unread: List[tuple] = []  # (step, loss, grad_norm, lr, extra) still on the device, oldest first
+        self._late_action = Action.CONTINUE  # the action of an alert judged outside after_optimizer_step
+        self._current_step = 0  # the step of the latest after_optimizer_step
+        self._first_alert_acted_step: Optional[int] = None  # the step whose Action carried out the first alert
         for extension in extensions:
             self.add_extension(extension)
 
@@ -396,11 +401,19 @@ class MechHook:
         ``grad_norm``: the optimizer's global gradient norm (``None`` when not computed); ``lr``: the base lr this
         step's update ran at (the record's ``mols/mult/*`` are this step's multipliers too);
         ``extra``: more plain values for this step's record. Returns the :class:`Action` for the trainer.
+
+        ``loss`` and ``grad_norm`` may be floats or tensors (the value is the tensor's mean, in float32 or the
+        tensor's float64). A tensor given on a step that evaluates nothing stays where it is: no host
+        synchronisation. The hook reads every waiting value back in one transfer at the next step that needs them:
+        an evaluation step, the run's last step (``train_steps``), :meth:`state_dict` or :meth:`close`. The
+        values and the steps they belong to are the same either way; what a non-finite value on such a step
+        triggers (its alert, its record, the :class:`Action`) comes at that read-back, the alert and its record
+        still carrying its own step. Floats are judged at once.
         """
+        self._current_step = int(step)
         for extension in self.extensions:
             extension.after_optimizer_step(step, loss=loss, grad_norm=grad_norm, lr=lr)
         mols_metrics = self._mols_step(step)
-        self.losses.append(float(loss))
         metrics: dict = {}
         details: dict = {}
         with self.timed("attention"):
@@ -414,8 +427,19 @@ class MechHook:
             if observed is not None:
                 metrics.update(observed[0])
                 details.update(observed[1])
-        if not self.is_evaluation_step(step):
-            return self._nonfinite_symptoms(step, loss, grad_norm, lr, extra)
+        evaluating = self.is_evaluation_step(step)
+        if not evaluating and step != self.train_steps and (
+                self._unread or isinstance(loss, torch.Tensor) or isinstance(grad_norm, torch.Tensor)):
+            self._unread.append((int(step), loss, grad_norm, lr, dict(extra) if extra else None))
+            return self._acting(Action.CONTINUE)
+        late_alerts, loss, grad_norm = self._read_back(loss, grad_norm)
+        self.losses.append(loss)
+        if not evaluating:
+            before = self.last_alerts
+            action = self._nonfinite_symptoms(step, loss, grad_norm, lr, extra)
+            if self.last_alerts is not before:  # this step's own alerts, after those of the steps read back
+                self.last_alerts = late_alerts + self.last_alerts
+            return self._acting(action)
         if self.router is not None:
             with self.timed("router"):
                 observed = self.router.observe(step)
@@ -452,7 +476,34 @@ class MechHook:
                 if mols_metrics:
                     record_extra["mols"] = mols_metrics
                 self._sinks.write(make_record(step, scalars, metrics, alerts, extra=record_extra))
-        return self._alert_action(step, alerts)
+        action = self._alert_action(step, alerts)
+        self.last_alerts = late_alerts + alerts
+        return self._acting(action)
+
+    def _read_back(self, *current) -> tuple:
+        """Bring the waiting steps' values and ``current`` (losses, grad norms: floats, tensors or ``None``) to the
+        host, one transfer per device, and judge the waiting steps in order (:meth:`_nonfinite_symptoms`, with their
+        own step, lr and extra). Returns the alerts those steps raised, then ``current`` as floats."""
+        unread, self._unread = self._unread, []
+        values = _host_values([v for entry in unread for v in entry[1:3]] + list(current))
+        late_alerts: list = []
+        previous = self.last_alerts
+        for i, (step, _, _, lr, extra) in enumerate(unread):
+            loss, grad_norm = values[2 * i], values[2 * i + 1]
+            self.losses.append(loss)
+            self.last_alerts = []
+            action = self._nonfinite_symptoms(step, loss, grad_norm, lr, extra)
+            late_alerts += self.last_alerts
+            if self._late_action is Action.CONTINUE:
+                self._late_action = action
+        self.last_alerts = late_alerts or previous
+        return (late_alerts, *values[2 * len(unread):])
+
+    def _acting(self, action: Action) -> Action:
+        """``action``, or the action of an alert judged late (read back) that the trainer has not been given yet."""
+        if self._late_action is not Action.CONTINUE:
+            action, self._late_action = self._late_action, Action.CONTINUE
+        return action
 
     def _nonfinite_symptoms(self, step: int, loss: float, grad_norm: Optional[float], lr: float,
                             extra: Optional[dict]) -> Action:
@@ -462,7 +513,7 @@ class MechHook:
         reduced over the whole model), so every rank fires the same alerts and takes the same action without a
         collective.
         """
-        symptoms = {"symptom/loss": float(loss)}
+        symptoms = {"symptom/loss": float(loss)}  # floats here (read back when they came as tensors)
         if grad_norm is not None:
             symptoms["symptom/grad_norm"] = float(grad_norm)
         if all(math.isfinite(v) for v in symptoms.values()):
@@ -484,19 +535,24 @@ class MechHook:
         """The trainer saved a checkpoint of ``step`` in ``directory``. For the first alert's checkpoint the
         logging rank writes ``first_alert.json`` next to it (the alert step, its checkpoint, and the last
         checkpoint of this run before the alert, to roll back to); the alerts themselves are in ``mech.jsonl``."""
-        earlier = [s for s in self._saved_steps if s < step]
+        alert_step = self.first_alert_step
+        earlier = [s for s in self._saved_steps if alert_step is not None and s < alert_step]
         self._saved_steps.append(int(step))
-        if step != self.first_alert_step or self._view is None or not self._view.logging_rank:
+        # the checkpoint of the step the first alert became known at: its own step, or a later one when its
+        # values were read back later (see after_optimizer_step)
+        if step != self._first_alert_acted_step or self._view is None or not self._view.logging_rank:
             return
         directory = Path(directory)
-        record = {"step": int(step), "checkpoint": str(directory),
+        record = {"step": int(alert_step), "checkpoint": str(directory),
                   "last_checkpoint_before_alert": max(earlier) if earlier else None}
         (directory.parent / "first_alert.json").write_text(json.dumps(record, indent=1))
-        logger.info(f"[mech] first alert at step {step}: checkpoint {directory}"
+        logger.info(f"[mech] first alert at step {alert_step}: checkpoint {directory}"
                     + (f"; roll back to iter_{max(earlier):07d} (before the alert)" if earlier else ""))
 
     def close(self) -> None:
-        """Flush and close the output (logging rank), then close the extensions."""
+        """Read back the values still waiting (their alerts and records), flush and close the output (logging
+        rank), then close the extensions."""
+        self._read_back()
         if self._sinks is not None:
             self._sinks.close()
         for extension in self.extensions:
@@ -505,7 +561,9 @@ class MechHook:
     # ------------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         """One versioned entry per rank: monitors, detectors, MoLS, the first-alert step and the extensions' states
-        (``"extensions"``, only when one has a state)."""
+        (``"extensions"``, only when one has a state). Reads back the values still waiting first (an alert they
+        raise acts at the next :meth:`after_optimizer_step`)."""
+        self._read_back()
         extensions = {e.name: e.state_dict() for e in self.extensions}
         extensions = {name: state for name, state in extensions.items() if state}
         return {"version": STATE_VERSION, **({"extensions": extensions} if extensions else {}),
@@ -658,7 +716,28 @@ class MechHook:
         if self.first_alert_step is not None:
             return Action.CONTINUE
         self.first_alert_step = step
+        self._first_alert_acted_step = self._current_step
         return {"log": Action.CONTINUE, "checkpoint": Action.CHECKPOINT, "stop": Action.STOP}[self.config.on_alert]
+
+
+def _host_values(values: list) -> list:
+    """``values`` (floats, ``None`` or tensors) as floats and ``None``: each tensor is its mean in float32 (float64
+    when it is float64), and the tensors of one device come to the host together (one transfer)."""
+    out: list = [None] * len(values)
+    by_device: dict = {}
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor):
+            by_device.setdefault(v.device, []).append(i)
+        elif v is not None:
+            out[i] = float(v)
+    for indices in by_device.values():
+        scalars = []
+        for i in indices:
+            t = values[i].detach()
+            scalars.append((t if t.dtype == torch.float64 else t.float()).mean().double())
+        for i, value in zip(indices, torch.stack(scalars).tolist()):
+            out[i] = value
+    return out
 
 
 class _LayerRecorder:

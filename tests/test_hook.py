@@ -4,6 +4,7 @@ seam and the LR fault registered through it. (The megatron-core path, with real 
 torchrun training tests.)"""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -74,6 +75,68 @@ def test_records_on_the_interval_grid_and_stop_on_the_first_alert_only():
     assert all(a is Action.CONTINUE for s, a in actions.items() if s != SPIKE)
     assert run.hook.first_alert_step == SPIKE
     assert Action("checkpoint") is Action.CHECKPOINT  # the policy's values are the flag's
+
+
+def _blow_up_loss(step):
+    """Finite, except non-finite from step 6 (no evaluation step at interval 4)."""
+    return math.nan if step >= 6 else _loss(step)
+
+
+def _run_to_alert(values, steps=range(1, 11), on_alert="checkpoint", tmp_path=None):
+    """A run at interval 4 fed ``values(x)`` (floats or tensors) for the loss and grad norm; saves a checkpoint at
+    step 5, and wherever the hook asks, under ``tmp_path`` (then ``first_alert.json`` is written there)."""
+    run = _Run(_config(on_alert=on_alert, interval=4))
+    actions = {}
+    for step in steps:
+        run.hook.before_step(step)
+        _update(run.weight, step)
+        actions[step] = run.hook.after_optimizer_step(step, loss=values(_blow_up_loss(step)),
+                                                      grad_norm=values(1.0 + step), lr=1e-3, extra={"n": step})
+        if tmp_path is not None and (step == 5 or actions[step] is not Action.CONTINUE):
+            (tmp_path / f"iter_{step:07d}").mkdir(parents=True)
+            run.hook.checkpoint_saved(step, tmp_path / f"iter_{step:07d}")
+    return run, actions
+
+
+def test_device_values_are_read_back_at_the_next_evaluation_with_the_same_records_and_alert_steps(tmp_path):
+    """Losses and grad norms given as tensors on steps without an evaluation stay unread until the next evaluation
+    (no host sync per step). The reference is the same run fed floats, judged at once: the same records (the
+    non-finite step 6 with its own values, lr and extra), the same alerts with the same steps, the same loss
+    series; only the action comes at the read-back (step 8), and first_alert.json, written at the checkpoint the
+    action asks for, still names the alert's step and the last checkpoint before it."""
+    floats, float_actions = _run_to_alert(float, tmp_path=tmp_path / "floats")
+    tensors, tensor_actions = _run_to_alert(lambda v: torch.tensor(v, dtype=torch.float64),
+                                            tmp_path=tmp_path / "tensors")
+    for run in (floats, tensors):
+        run.hook.close()  # reads back steps 9 and 10 (after the last evaluation)
+    assert [r["step"] for r in floats.records] == [4, 6, 8]  # the evaluations and the alert of step 6
+    assert json.dumps(tensors.records) == json.dumps(floats.records)
+    assert json.dumps(tensors.hook.losses) == json.dumps(floats.hook.losses) and len(floats.hook.losses) == 10
+    assert floats.hook.first_alert_step == tensors.hook.first_alert_step == 6
+    assert {s for s, a in float_actions.items() if a is not Action.CONTINUE} == {6}
+    assert {s for s, a in tensor_actions.items() if a is not Action.CONTINUE} == {8}
+    assert tensor_actions[8] is Action.CHECKPOINT
+    for name, acted in (("floats", 6), ("tensors", 8)):
+        record = json.loads((tmp_path / name / "first_alert.json").read_text())
+        assert record == {"step": 6, "checkpoint": str(tmp_path / name / f"iter_{acted:07d}"),
+                          "last_checkpoint_before_alert": 5}
+
+
+def test_device_values_still_unread_are_read_back_by_state_dict_and_close():
+    """A checkpoint between evaluations (state_dict) and the end of a run (close) read the waiting values back:
+    the state's loss series is complete and the non-finite step's record is written with its own step."""
+    floats, _ = _run_to_alert(float, steps=range(1, 8))
+    as_tensor = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731 - the floats' values exactly
+    tensors, actions = _run_to_alert(as_tensor, steps=range(1, 8))
+    assert [r["step"] for r in tensors.records] == [4]  # steps 5-7 are still unread
+    state = tensors.hook.state_dict()
+    assert json.dumps(state["losses"]) == json.dumps(floats.hook.losses) and len(state["losses"]) == 7
+    assert json.dumps(tensors.records) == json.dumps(floats.records)
+    tensors.hook.before_step(8)  # the alert found by the read-back acts at the next step
+    assert tensors.hook.after_optimizer_step(8, loss=torch.tensor(1.0), grad_norm=None, lr=1e-3) is Action.CHECKPOINT
+    closing, _ = _run_to_alert(as_tensor, steps=range(1, 8))
+    closing.hook.close()
+    assert json.dumps(closing.records) == json.dumps(floats.records)
 
 
 def test_resume_from_one_state_entry_continues_the_series_exactly():

@@ -182,22 +182,33 @@ class DeepSpeedMech:
             self.mols.after_backward(self.engine.is_gradient_accumulation_boundary())
 
     def after_step(self, loss, extra: Optional[dict] = None) -> Action:
-        """After ``engine.step()`` at the accumulation boundary. ``loss``: this rank's loss (averaged over the
-        data-parallel ranks here on evaluation steps, so every rank feeds the detectors the same value). Returns
-        the hook's :class:`~megatron_mech.hook.Action` (identical on every rank)."""
+        """After ``engine.step()`` at the accumulation boundary. ``loss``: this rank's loss, a tensor (its mean) or
+        a number (averaged over the data-parallel ranks here on evaluation steps, so every rank feeds the detectors
+        the same value). Returns the hook's :class:`~megatron_mech.hook.Action` (identical on every rank).
+
+        On a step where nothing evaluates, the loss and DeepSpeed's grad norm are handed to the hook as they are:
+        no host synchronisation and no collective; the hook reads them back at its next evaluation."""
         step = self.step
-        loss_value = float(loss.detach().float().mean()) if isinstance(loss, torch.Tensor) else float(loss)
         if self.is_evaluation_step(step) and _distributed():
-            t = torch.tensor([loss_value], dtype=torch.float64)
-            dist.all_reduce(t, group=self.token_group)
-            loss_value = float(t) / dist.get_world_size(self.token_group)
-        grad_norm = self.engine.get_global_grad_norm()
-        grad_norm = float(grad_norm) if grad_norm is not None else None
+            loss = self._data_parallel_mean(loss)
         self._refresh(step)
-        self.last_action = self.hook.after_optimizer_step(step, loss=loss_value, grad_norm=grad_norm,
-                                                          lr=self._step_base_lr,
-                                                          extra=extra)
+        grad_norm = self.engine.get_global_grad_norm()  # a tensor, a float (inf: overflow) or None
+        self.last_action = self.hook.after_optimizer_step(step, loss=loss, grad_norm=grad_norm,
+                                                          lr=self._step_base_lr, extra=extra)
         return self.last_action
+
+    def _data_parallel_mean(self, loss) -> torch.Tensor:
+        """The mean of the ranks' losses over the token group, in float64, as a one-element tensor (one
+        all-reduce; every rank calls it on the same steps)."""
+        from megatron_mech.core.sharded import collective_device
+
+        device = collective_device(self.token_group)
+        if isinstance(loss, torch.Tensor):
+            total = loss.detach().float().mean().to(device=device, dtype=torch.float64).reshape(1)
+        else:
+            total = torch.tensor([float(loss)], dtype=torch.float64, device=device)
+        dist.all_reduce(total, group=self.token_group)
+        return total / dist.get_world_size(self.token_group)
 
     # -------------------------------------------------------------------------------------------- reporting
     @property

@@ -173,7 +173,8 @@ class GradientStatistics:
         """Before the first micro-batch of ``iteration``: collect micro-batch norms if it is a window step (or a
         post-window diagnostic step, which is reported only)."""
         self.armed = self.controller.in_window(iteration) or self.controller.in_diagnostic(iteration)
-        self._local.zero_()
+        if self.armed:  # read only on armed steps: no tensor op on the others
+            self._local.zero_()
         return self.armed
 
     def micro_batch_done(self) -> None:
