@@ -507,7 +507,8 @@ class MechHook:
 
     def _nonfinite_symptoms(self, step: int, loss: float, grad_norm: Optional[float], lr: float,
                             extra: Optional[dict]) -> Action:
-        """Between evaluations: a non-finite loss or grad norm is judged at once, not at the next evaluation.
+        """Between evaluations: a non-finite loss or grad norm is judged with its own step, not left to the next
+        evaluation's detectors (at once for floats; at the read-back for values that waited on the device).
 
         Both values are identical on every rank (the loss is averaged over data-parallel ranks, the grad norm
         reduced over the whole model), so every rank fires the same alerts and takes the same action without a

@@ -224,10 +224,12 @@ METRICS: tuple = (
                 _EXPERT, ("--mech-experts",)),
     # ------------------------------------------------------------------ symptoms
     MetricEntry("symptom/loss", "The training loss the trainer reports for the step (LM cross-entropy averaged over "
-                "micro-batches and data-parallel ranks). Also judged at once on any step where it is non-finite.",
+                "micro-batches and data-parallel ranks). Also judged on any step where it is non-finite: at once, or "
+                "at the next evaluation when the trainer hands it over on the device (DeepSpeed), with its own step.",
                 "nats per token", "hook, every evaluation"),
     MetricEntry("symptom/grad_norm", "The optimizer's global gradient L2 norm for the step, as the trainer reports "
-                "it. Also judged at once on any step where it is non-finite.", "gradient units, ≥ 0",
+                "it. Also judged on any step where it is non-finite: at once, or at the next evaluation when the "
+                "trainer hands it over on the device (DeepSpeed), with its own step.", "gradient units, ≥ 0",
                 "hook, every evaluation where the trainer reports a grad norm"),
     MetricEntry("symptom/max_attn_logit", "Largest pre-softmax attention logit scale·q·k over every layer, head, "
                 "unmasked query/key pair, micro-batch and rank of the evaluation step.", "logit units",
