@@ -87,7 +87,7 @@ MEGATRON_SAMPLES_IN_STEPS = math.ceil(MEGATRON_SPIKY_LOSS_SAMPLES / MICROBATCHES
 
 
 def load_run(run_dir: Path) -> dict:
-    """Losses, recorded series and replayed monitor alerts of one finished run directory."""
+    """Losses, records, recorded series and replayed monitor alerts of one finished run directory."""
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
         raise FileNotFoundError(f"{summary_path}: no summary (the run has not finished); train it first")
@@ -101,7 +101,8 @@ def load_run(run_dir: Path) -> dict:
                  if isinstance((r.get("metrics") or {}).get(metric), (int, float))]
         return [p[0] for p in pairs], [p[1] for p in pairs]
 
-    return {"dir": str(run_dir), "losses": [float(v) for v in summary["losses"]], "alerts": replay_alerts(records),
+    return {"dir": str(run_dir), "losses": [float(v) for v in summary["losses"]], "records": records,
+            "alerts": replay_alerts(records),
             "max_logit": series(MAX_LOGIT_METRIC), "grad_norm": series(GRAD_NORM_METRIC)}
 
 

@@ -68,7 +68,9 @@ def test_level_gate_and_nonfinite_values():
     name = "attn/layer0/head0/delta2_entropy"
     falling = [0.5, 0.5, 0.5, 0.25, 0.12, 0.06]  # halves each evaluation: a steep fall, yet above the 0.01 level
     rule = SlopeRule(warmup=0, window=3, threshold=0.5, level=True)
-    assert replay_trend(records(name, falling), rule, DOWN)[0] == []
+    alerts, scores = replay_trend(records(name, falling), rule, DOWN)
+    assert alerts == [] and scores[name].peak_score == pytest.approx(math.log(0.5 / 0.12))  # y[i] - y[i-2]
+    assert scores[name].peak_score_beyond_level == -math.inf  # never at or below the level 0.01
     # without the level: the window [0.5, 0.5, 0.25] fits a log change of log 2 = 0.69 ≥ 0.5 (step 20)
     assert [a.step for a in replay_trend(records(name, falling), dataclasses.replace(rule, level=False), DOWN)[0]] \
         == [20]

@@ -128,7 +128,7 @@ class _Series:
         self.n_out = self.n_in = 0
         self.latched = self.nonfinite_latched = False
 
-    def _beyond_level(self, value: float) -> bool:
+    def beyond_level(self, value: float) -> bool:
         return self.level is None or (value >= self.level if self.sign > 0 else value <= self.level)
 
     def update(self, value: float):
@@ -158,7 +158,7 @@ class _Series:
         z = self.sign * (y - self.mu) / self.sigma
         self.cusum = max(0.0, self.cusum + z - r.drift)
         statistic = self.cusum
-        if statistic >= r.threshold and self._beyond_level(value):
+        if statistic >= r.threshold and self.beyond_level(value):
             self.cusum = 0.0
             return statistic, True
         return statistic, False
@@ -171,7 +171,7 @@ class _Series:
         if len(self.window) < r.window:
             return None, False
         change = self.sign * _ols_slope(self.window) * (r.window - 1)
-        out = change >= r.threshold and self._beyond_level(value)
+        out = change >= r.threshold and self.beyond_level(value)
         if self.latched:
             self.n_in = 0 if out else self.n_in + 1
             if self.n_in >= r.persistence:
@@ -193,7 +193,8 @@ def _series_rule(name: str, rules: Sequence[SeriesRule]) -> Optional[SeriesRule]
 def replay_trend(records: Iterable[Mapping], rule: TrendRule, rules: Optional[Sequence[SeriesRule]] = None):
     """``(alerts, {metric: SeriesScore})`` of ``rule`` on one run's records (``{"step", "metrics"}`` dicts in step
     order), on the series ``rules`` (default: the default rules) select; ``SeriesScore.evaluations`` counts the
-    evaluations that had a statistic, ``peak_score`` is the largest finite statistic, ``threshold`` the rule's."""
+    evaluations that had a statistic, ``peak_score`` is the largest finite statistic (``peak_score_beyond_level``: among values beyond the level, when the
+    rule uses it), ``threshold`` the rule's."""
     rules = default_rules() if rules is None else list(rules)
     states: dict = {}
     skipped: set = set()
@@ -218,6 +219,8 @@ def replay_trend(records: Iterable[Mapping], rule: TrendRule, rules: Optional[Se
                 score.evaluations += 1
                 if math.isfinite(statistic):
                     score.peak_score = max(score.peak_score, statistic)
+                    if state.beyond_level(float(value)):
+                        score.peak_score_beyond_level = max(score.peak_score_beyond_level, statistic)
             if fired:
                 score.alarms += 1
                 score.alarm_steps.append(step)
