@@ -146,10 +146,10 @@ def grid() -> dict:
     }
 
 
-def choose(run: dict, twin: dict, divergence) -> dict:
-    """Per candidate: the setting picked by :data:`SELECTION`, and every setting's scores."""
+def choose(run: dict, twin: dict, divergence, candidates=None) -> dict:
+    """Per candidate (default: :func:`grid`): the setting picked by :data:`SELECTION`, and every setting's scores."""
     picked, tried = {}, {}
-    for kind, settings in grid().items():
+    for kind, settings in (grid() if candidates is None else candidates).items():
         rows = []
         for i, rule in enumerate(settings):
             fired, clean = score_run(rule, run, divergence), score_clean(rule, twin)

@@ -18,20 +18,21 @@ def records(name, values, every=5):
 
 
 def test_cusum_crossing_step_matches_the_hand_computed_sums():
-    # log values: warm-up e^5 (ignored); baseline 0, 0.1, -0.1 -> median 0, MAD 0.1, σ = 1.4826 × 0.1 = 0.14826.
-    # Then log 0.3 three times: z = 0.3 / 0.14826 = 2.0235; S = 2.0235 - 0.5 = 1.5235, 3.0470, 4.5705.
-    # threshold 4: the third monitoring evaluation (7th record, step 35) fires, and S restarts at 0 (1.5235 at 40).
-    logs = [5.0, 0.0, 0.1, -0.1, 0.3, 0.3, 0.3, 0.3]
-    rule = CusumRule(warmup=1, baseline=3, drift=0.5, threshold=4.0, sigma_floor=0.01)
+    # log values: warm-up e^5 (ignored); baseline 0, 0.05, 0.3 -> median 0.05 (the mean would be 0.117), MAD 0.05,
+    # σ = 1.4826 × 0.05 = 0.07413. Then log 0.35 four times: z = 0.3 / 0.07413 = 4.0469; with drift 0.5
+    # S = 3.5469, 7.0938, 10.6407: threshold 10 fires at the third monitoring evaluation (7th record, step 35),
+    # and S restarts at 0 (3.5469 at step 40).
+    logs = [5.0, 0.0, 0.05, 0.3, 0.35, 0.35, 0.35, 0.35]
+    rule = CusumRule(warmup=1, baseline=3, drift=0.5, threshold=10.0, sigma_floor=0.01)
     alerts, scores = replay_trend(records("symptom/loss", [math.exp(v) for v in logs]), rule, UP)
     assert [a.step for a in alerts] == [35]
     score = scores["symptom/loss"]
     assert score.evaluations == 4 and score.alarms == 1 and score.alarm_steps == [35]
-    assert score.peak_score == pytest.approx(3 * 0.3 / 0.14826 - 3 * 0.5, rel=1e-4)
-    assert alerts[0].baseline == pytest.approx(1.0)
-    # threshold 3: fires one evaluation earlier (S = 3.047 at step 30), restarts, and fires again at step 40
+    assert score.peak_score == pytest.approx(3 * 0.3 / (1.4826 * 0.05) - 3 * 0.5, rel=1e-6)
+    assert alerts[0].baseline == pytest.approx(math.exp(0.05))
+    # threshold 7: fires one evaluation earlier (S = 7.094 at step 30), restarts, and fires again at step 40
     alerts, _ = replay_trend(records("symptom/loss", [math.exp(v) for v in logs]),
-                             CusumRule(warmup=1, baseline=3, drift=0.5, threshold=3.0, sigma_floor=0.01), UP)
+                             CusumRule(warmup=1, baseline=3, drift=0.5, threshold=7.0, sigma_floor=0.01), UP)
     assert [a.step for a in alerts] == [30, 40]
 
 
@@ -99,3 +100,32 @@ def test_rule_settings_are_checked():
         CusumRule(0, 2, 0.5, 5.0)
     with pytest.raises(ValueError, match="window"):
         SlopeRule(0, 2, 0.5)
+
+
+def test_trend_benchmark_scores_lead_false_alarms_and_picks_the_earliest_quiet_setting():
+    from benchmarks import trend_detectors
+
+    # The diverging run: router entropy 1.0 with a 1-2% wiggle, falling 10× per evaluation after step 100 (0.1 at
+    # step 105, 0.01 at 110). The twin: the same series without the fall. Divergence at step 400.
+    def series(collapse_at):
+        return [{"step": 5 * (i + 1), "metrics": {"router/layer0/entropy_mean":
+                 (1.0 + 0.01 * (i % 3)) * (0.1 ** max(0, i + 1 - collapse_at))}} for i in range(60)]
+
+    run, twin = {"records": series(20)}, {"records": series(10 ** 6)}
+    # window of 3 records: log change y[i] - y[i-2] = 2.3 (< 3) at step 105, 4.6 at step 110
+    slope = SlopeRule(warmup=0, window=3, threshold=3.0)
+    scored = trend_detectors.score_run(slope, run, 400)
+    assert scored["first_monitor_alert"] == 110 and scored["first_family"] == "router"
+    assert scored["lead"] == 290 and scored["lead_fraction"] == pytest.approx(290 / 400)
+    clean = trend_detectors.score_clean(slope, twin)
+    assert clean["alarms"] == 0 and clean["series_evaluations"] == 58 and clean["margin_ratio"] < 0.02
+    # Selection: 0.005 fires at once on the wiggle, on the twin too (excluded); 0.012 stays quiet on the twin but at
+    # 0.83 of its threshold (the wiggle's largest change is log(1.01) = 0.00995; excluded by the 2/3 margin); 2.0
+    # fires at 105 (change log(1/0.102) = 2.28), 3.0 at 110.
+    settings = [SlopeRule(0, 3, 0.005), SlopeRule(0, 3, 0.012), SlopeRule(0, 3, 3.0), SlopeRule(0, 3, 2.0)]
+    chosen = trend_detectors.choose(run, twin, 400, {"slope": settings})
+    assert chosen["picked"]["slope"] == SlopeRule(0, 3, 2.0)
+    alarms = [t["twin_alarms"] for t in chosen["tried"]["slope"]]
+    assert alarms[0] == 19 and alarms[1:] == [0, 0, 0]  # re-armed after each in-band record: every third record
+    assert chosen["tried"]["slope"][1]["twin_margin_ratio"] == pytest.approx(math.log(1.01) / 0.012, rel=1e-3)
+    assert trend_detectors.choose(run, twin, 400, {"slope": settings[:2]})["picked"]["slope"] is None
