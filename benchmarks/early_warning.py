@@ -166,6 +166,7 @@ def score_pair(run: dict, twin: dict, criteria: dict, router_outcome=None) -> di
     return {"outcomes": found, "firings": firings,
             "judged": {r: judge(found["first"], s) for r, s in firings.items()},
             "judged_vs_run": {r: judge(found["run"], s) for r, s in firings.items()},
+            "judged_vs_divergence": {r: judge(found["divergence"], s) for r, s in firings.items()},
             # A firing on the healthy twin is a false alarm unless the twin itself has an outcome (a divergence, a
             # max-logit explosion or, when defined, a routing collapse).
             "twin": {"outcomes": twin_found, "firings": twin_firings,
@@ -194,7 +195,7 @@ def table(rows, key: str, outcome_label: str) -> list:
     rules = list(rows[0]["firings"])
     lines = [f"| run | {outcome_label} | " + " | ".join(rules) + " |", "|---|---|" + "---|" * len(rules)]
     for r in rows:
-        step = r["outcomes"]["first"] if key == "judged" else r["outcomes"]["run"]
+        step = r["outcomes"][{"judged": "first", "judged_vs_run": "run", "judged_vs_divergence": "divergence"}[key]]
         lines.append(f"| {r['name']}{' (tuning)' if r['tuning'] else ''} | {step if step else 'none'} | "
                      + " | ".join(cell(r[key][k]) for k in rules) + " |")
         if key == "judged":
@@ -262,6 +263,11 @@ def report(args, criteria: dict, rows: list) -> str:
     lines += summary_lines(rows, "judged")
     lines += ["", "## Lead against the run outcome only (loss: divergence or lasting gap)", ""]
     lines += table(rows, "judged_vs_run", "run outcome")
+    if all(r["outcomes"]["divergence"] is not None for r in rows):  # every run diverged: the lead before it
+        lines += ["", "## Lead against divergence only (every run here diverged)", ""]
+        lines += table(rows, "judged_vs_divergence", "divergence")
+        lines += ["", "### Per rule, against divergence (runs only)", ""]
+        lines += summary_lines(rows, "judged_vs_divergence")
     return "\n".join(lines)
 
 

@@ -92,7 +92,8 @@ def test_warmup_runs_are_read_from_their_folders_with_twins_from_another(tmp_pat
                [1.0] * 19 + [30.0] * 21)
     _write_run(twins / "moe_h64_lr0.002_plain_s21", [3.0] * 200, [1.0] * 40)
     rows = {}
-    monkeypatch.setattr(early_warning, "write_results", lambda name, text, data: rows.update(name=name, **data))
+    monkeypatch.setattr(early_warning, "write_results",
+                        lambda name, text, data: rows.update(name=name, text=text, **data))
     early_warning.main(["--runs-dir", str(runs), "--twins-dir", str(twins), "--seeds", "21", "--lr", "1.5",
                         "--warmup", "1000", "--schedule-steps", "1200", "--steps", "200",
                         "--results-name", "early_warning_warmup"])
@@ -100,6 +101,9 @@ def test_warmup_runs_are_read_from_their_folders_with_twins_from_another(tmp_pat
     assert rows["name"] == "early_warning_warmup" and row["name"] == "moe_h64_lr1.5_plain_s21_w1000"
     assert row["outcomes"]["divergence"] == 150 and row["firings"]["grad norm > 20"] == 100
     assert row["judged"]["grad norm > 20"]["lead"] == 50
+    assert row["judged_vs_divergence"]["grad norm > 20"] == {"kind": "early", "lead": 50, "fraction": 50 / 150,
+                                                             "fired": 100}
+    assert "## Lead against divergence only" in rows["text"]  # every run diverged
     assert row["twin"]["judged"]["grad norm > 20"]["kind"] == "quiet"
     with pytest.raises(SystemExit):  # --schedule-steps only describes warm-up runs
         early_warning.main(["--runs-dir", str(runs), "--seeds", "21", "--schedule-steps", "1200", "--no-write"])
