@@ -11,7 +11,8 @@ through:
 * **short default** — the same rules with a shorter warm-up / baseline
   (:func:`megatron_mech.studies.trend_rules.shortened_default_rules`);
 * **CUSUM** — a one-sided CUSUM on the standardised log series (:class:`megatron_mech.studies.trend_rules.CusumRule`);
-* **slope** — the least-squares log change over a sliding window (:class:`megatron_mech.studies.trend_rules.SlopeRule`).
+* **slope** — the least-squares log change over a sliding window
+  (:class:`megatron_mech.studies.trend_rules.SlopeRule`).
 
 Per diverging run: divergence (:func:`megatron_mech.studies.natural.self_divergence_step`, 1 nat), each rule's
 first monitor alert (attention or router family, as in ``natural_instability.py``), lead and lead fraction (lead /
@@ -179,8 +180,8 @@ def report(args, rules: dict, rows: list, clean: dict, chosen=None, extras=()) -
              f"replayed through each rule. Healthy twins: same seed at LR {args.healthy_lr:g} (500 steps). Seeds "
              f"{args.seeds} ({'tuning' if tuning else 'reporting'}; tuning seeds {list(TUNING_SEEDS)}). Divergence: "
              f"non-finite loss, or 20-step MA loss > {DIVERGENCE_MARGIN} nats above its own best until the end "
-             "(≥ 50 steps). First alert: the first attention or router alert; lead = divergence − first alert; lead "
-             "fraction = lead / divergence step.", "",
+             "(≥ 50 steps). First alert: the first attention or router alert; lead = divergence − first alert; "
+             "lead fraction = lead / divergence step.", "",
              f"Diverging runs from `{args.runs_dir}` (folders `moe_h64_lr{args.lr:g}_plain_s<seed>_w{args.warmup}`), "
              f"twins from `{args.twins_dir}` (`moe_h64_lr{args.healthy_lr:g}_plain_s<seed>`).", "",
              "## Rules", "", "Selection on tuning seed 11: " + SELECTION, ""]
@@ -212,7 +213,8 @@ def report(args, rules: dict, rows: list, clean: dict, chosen=None, extras=()) -
         c = clean[name]
         lines.append(f"| {name} | " + " | ".join([alarms_cell(r["twin"][name]) for r in rows]
                                                  + [alarms_cell(e["scores"][name]) for e in extras])
-                     + f" | {c['alarms']} / {c['series_evaluations']} | {c['upper_95']:.2g} | {c['margin_ratio']:.2f} |")
+                     + f" | {c['alarms']} / {c['series_evaluations']} | {c['upper_95']:.2g} | "
+                       f"{c['margin_ratio']:.2f} |")
     alarm_series = sorted({m for name in rules for c in [r["twin"][name] for r in rows]
                            + [e["scores"][name] for e in extras] for m in c["alarm_series"]})
     if alarm_series:
@@ -224,18 +226,20 @@ def report(args, rules: dict, rows: list, clean: dict, chosen=None, extras=()) -
     lines += ["", f"The clean set here is {len(rows)} healthy twin(s) of 500 steps"
               + (f" and {len(extras)} more clean run(s)" if extras else "") + f": at most {n_clean} "
               f"series-evaluations per rule, against {FULL_STUDY_SERIES_EVALUATIONS:,} in the full false-alarm study "
-              f"(`false_alarms.md`: 11 clean runs of 1,000–2,000 steps, whose folders are gone), so a zero here bounds "
-              f"the rate ≈ {FULL_STUDY_SERIES_EVALUATIONS / max(n_clean, 1):.0f}× less tightly. The twins train at "
-              f"LR {args.healthy_lr:g}: a clean run at a higher, still stable LR is not in this set.", ""]
+              f"(`false_alarms.md`: 11 clean runs of 1,000–2,000 steps, whose folders are gone), so a zero here "
+              f"bounds the rate ≈ {FULL_STUDY_SERIES_EVALUATIONS / max(n_clean, 1):.0f}× less tightly. The twins "
+              f"train at LR {args.healthy_lr:g}"
+              + (": a clean run at a higher, still stable LR is not in this set." if not extras else "."), ""]
     if chosen is not None:
         lines += ["## Tuning grid (seed 11)", ""]
         for kind, tried in chosen["tried"].items():
             quiet = [t for t in tried if t["twin_alarms"] == 0 and t["twin_margin_ratio"] <= MARGIN]
+            earliest = {label: min((t["first_monitor_alert"] for t in group if t["first_monitor_alert"]), default=None)
+                        for label, group in (("quiet", quiet), ("all", tried))}
             lines.append(f"- {kind}: {len(tried)} settings, {len(quiet)} quiet on the twin with the margin "
                          f"(picked: {describe(chosen['picked'][kind]) if chosen['picked'][kind] else 'none'}); "
                          "earliest first alert "
-                         f"among the quiet: {_fmt(min((t['first_monitor_alert'] for t in quiet if t['first_monitor_alert']), default=None))}, "
-                         f"among all: {_fmt(min((t['first_monitor_alert'] for t in tried if t['first_monitor_alert']), default=None))}")
+                         f"among the quiet: {_fmt(earliest['quiet'])}, among all: {_fmt(earliest['all'])}")
     return "\n".join(lines)
 
 
@@ -297,7 +301,8 @@ def main(argv=None):
     if not args.no_write:
         write_results(args.results_name, text, {
             "tuning_run": args.tuning_run, "args": vars(args), "selection": SELECTION, "load": load,
-            "rules": {name: as_data(rule) for name, rule in rules.items()}, "rows": rows, "extra_clean": extras, "clean": clean,
+            "rules": {name: as_data(rule) for name, rule in rules.items()}, "rows": rows, "extra_clean": extras,
+            "clean": clean,
             "grid": chosen["tried"] if chosen else None})
 
 

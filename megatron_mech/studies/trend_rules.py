@@ -193,8 +193,8 @@ def _series_rule(name: str, rules: Sequence[SeriesRule]) -> Optional[SeriesRule]
 def replay_trend(records: Iterable[Mapping], rule: TrendRule, rules: Optional[Sequence[SeriesRule]] = None):
     """``(alerts, {metric: SeriesScore})`` of ``rule`` on one run's records (``{"step", "metrics"}`` dicts in step
     order), on the series ``rules`` (default: the default rules) select; ``SeriesScore.evaluations`` counts the
-    evaluations that had a statistic, ``peak_score`` is the largest finite statistic (``peak_score_beyond_level``: among values beyond the level, when the
-    rule uses it), ``threshold`` the rule's."""
+    evaluations that had a statistic, ``peak_score`` is the largest finite statistic (``peak_score_beyond_level``:
+    among values beyond the level, when the rule uses it), ``threshold`` the rule's."""
     rules = default_rules() if rules is None else list(rules)
     states: dict = {}
     skipped: set = set()
