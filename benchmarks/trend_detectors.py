@@ -230,6 +230,20 @@ def report(args, rules: dict, rows: list, clean: dict, chosen=None, extras=()) -
               f"bounds the rate ≈ {FULL_STUDY_SERIES_EVALUATIONS / max(n_clean, 1):.0f}× less tightly. The twins "
               f"train at LR {args.healthy_lr:g}"
               + (": a clean run at a higher, still stable LR is not in this set." if not extras else "."), ""]
+    if "default" in rules and not chosen:
+        lines += ["## Verdict", "", "A rule is called better only if it alerts earlier than the default rules on every "
+                  "diverging run here and raises no alarm on any clean run.", ""]
+        for name in rules:
+            if name == "default":
+                continue
+            earlier = all(r["rules"][name]["first_monitor_alert"] is not None and
+                          (r["rules"]["default"]["first_monitor_alert"] is None or
+                           r["rules"][name]["first_monitor_alert"] < r["rules"]["default"]["first_monitor_alert"])
+                          for r in rows)
+            quiet = clean[name]["alarms"] == 0
+            lines.append(f"- {name}: earlier on every run: {'yes' if earlier else 'no'}; quiet on every clean run: "
+                         f"{'yes' if quiet else 'no'} → {'better' if earlier and quiet else 'not better'}")
+        lines.append("")
     if chosen is not None:
         lines += ["## Tuning grid (seed 11)", ""]
         for kind, tried in chosen["tried"].items():
