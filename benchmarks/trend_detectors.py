@@ -220,7 +220,8 @@ def report(args, rules: dict, rows: list, clean: dict, chosen=None, extras=()) -
     if alarm_series:
         lines += ["", "Series that alarmed on a clean run: " + ", ".join(f"`{m}`" for m in alarm_series)]
     for e in extras:
-        lines += ["", f"Extra clean run `{e['name']}`: divergence {_fmt(e['divergence'])}, final 20-step mean loss "
+        lines += ["", f"Extra clean run `{e['name']}` (trained by `natural_instability.py`; its name gives model, "
+                      f"width, LR and seed): divergence {_fmt(e['divergence'])}, final 20-step mean loss "
                       f"{e['final_loss']:.2f}."]
     n_clean = max((c["series_evaluations"] for c in clean.values()), default=0)
     lines += ["", f"The clean set here is {len(rows)} healthy twin(s) of 500 steps"
