@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -51,20 +51,24 @@ def _finished(run_dir: Path, steps: int) -> bool:
 
 
 def train_run(run_dir: Path, flags: Sequence[str], steps: int, *, reuse: bool, nproc: int = 2,
-              save_interval: int = 250, timeout: float = 6 * 3600) -> dict:
+              save_interval: int = 250, timeout: float = 6 * 3600, stop_at: Optional[int] = None) -> dict:
     """Train (or reuse / resume) one run; returns its losses, records, alerts and command line.
 
     ``flags``: model and study flags (no ``--train-iters``/``--save``/``--load``). A finished run is reused only
-    with ``reuse``; without it a run directory that already holds a run is started over.
+    with ``reuse``; without it a run directory that already holds a run is started over. ``stop_at``: end the
+    run after that step (``--exit-interval``) while its schedule (LR, data) stays the one of ``steps`` steps; the
+    run counts as finished once it reached ``stop_at``.
     """
+    if stop_at is not None and not 0 < stop_at < steps:
+        raise ValueError(f"stop_at must be in 1..{steps - 1} (the run's --train-iters is {steps}), got {stop_at}")
     run_dir = Path(run_dir)
     if not reuse and run_dir.exists():  # this benchmark's own folder: start the run over
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     args = [*flags, "--train-iters", str(steps), "--save", str(run_dir), "--load", str(run_dir),
-            "--save-interval", str(save_interval)]
+            "--save-interval", str(save_interval), *(["--exit-interval", str(stop_at)] if stop_at else [])]
     command = " ".join(["torchrun", f"--nproc_per_node={nproc}", "launch_scripts/pretrain_gpt_mech.py", *args])
-    if not (reuse and _finished(run_dir, steps)):
+    if not (reuse and _finished(run_dir, stop_at or steps)):
         resumable = reuse and (run_dir / TRACKER).exists()
         extra = [] if resumable else ["--overwrite-run"]
         cmd = [*torchrun_prefix(nproc), str(REPO / "launch_scripts" / "pretrain_gpt_mech.py"), *args, *extra]

@@ -87,7 +87,7 @@ MEGATRON_SAMPLES_IN_STEPS = math.ceil(MEGATRON_SPIKY_LOSS_SAMPLES / MICROBATCHES
 
 
 def load_run(run_dir: Path) -> dict:
-    """Losses, recorded series and replayed monitor alerts of one finished run directory."""
+    """Losses, records, recorded series and replayed monitor alerts of one finished run directory."""
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
         raise FileNotFoundError(f"{summary_path}: no summary (the run has not finished); train it first")
@@ -101,7 +101,8 @@ def load_run(run_dir: Path) -> dict:
                  if isinstance((r.get("metrics") or {}).get(metric), (int, float))]
         return [p[0] for p in pairs], [p[1] for p in pairs]
 
-    return {"dir": str(run_dir), "losses": [float(v) for v in summary["losses"]], "alerts": replay_alerts(records),
+    return {"dir": str(run_dir), "losses": [float(v) for v in summary["losses"]], "records": records,
+            "alerts": replay_alerts(records),
             "max_logit": series(MAX_LOGIT_METRIC), "grad_norm": series(GRAD_NORM_METRIC)}
 
 
@@ -165,6 +166,7 @@ def score_pair(run: dict, twin: dict, criteria: dict, router_outcome=None) -> di
     return {"outcomes": found, "firings": firings,
             "judged": {r: judge(found["first"], s) for r, s in firings.items()},
             "judged_vs_run": {r: judge(found["run"], s) for r, s in firings.items()},
+            "judged_vs_divergence": {r: judge(found["divergence"], s) for r, s in firings.items()},
             # A firing on the healthy twin is a false alarm unless the twin itself has an outcome (a divergence, a
             # max-logit explosion or, when defined, a routing collapse).
             "twin": {"outcomes": twin_found, "firings": twin_firings,
@@ -172,10 +174,15 @@ def score_pair(run: dict, twin: dict, criteria: dict, router_outcome=None) -> di
             "final_gap": _final_gap(run["losses"], twin["losses"])}
 
 
+def unstable_run_name(args, seed: int) -> str:
+    """The unstable run's folder, as ``natural_instability.py`` names it (``_w<steps>`` with ``--warmup``)."""
+    return f"moe_h64_lr{args.lr:g}_plain_s{seed}" + (f"_w{args.warmup}" if args.warmup is not None else "")
+
+
 def score_seed(runs_dir: Path, seed: int, args, criteria: dict, router_outcome=None) -> dict:
-    name = f"moe_h64_lr{args.lr:g}_plain_s{seed}"
+    name = unstable_run_name(args, seed)
     run = load_run(runs_dir / name)
-    twin = load_run(runs_dir / f"moe_h64_lr{args.healthy_lr:g}_plain_s{seed}")
+    twin = load_run(Path(args.twins_dir or runs_dir) / f"moe_h64_lr{args.healthy_lr:g}_plain_s{seed}")
     return {"name": name, "seed": seed, "tuning": seed in TUNING_SEEDS,
             **score_pair(run, twin, criteria, router_outcome)}
 
@@ -188,7 +195,7 @@ def table(rows, key: str, outcome_label: str) -> list:
     rules = list(rows[0]["firings"])
     lines = [f"| run | {outcome_label} | " + " | ".join(rules) + " |", "|---|---|" + "---|" * len(rules)]
     for r in rows:
-        step = r["outcomes"]["first"] if key == "judged" else r["outcomes"]["run"]
+        step = r["outcomes"][{"judged": "first", "judged_vs_run": "run", "judged_vs_divergence": "divergence"}[key]]
         lines.append(f"| {r['name']}{' (tuning)' if r['tuning'] else ''} | {step if step else 'none'} | "
                      + " | ".join(cell(r[key][k]) for k in rules) + " |")
         if key == "judged":
@@ -213,14 +220,24 @@ def summary_lines(rows, key: str) -> list:
 
 def report(args, criteria: dict, rows: list) -> str:
     tuning = [r["seed"] for r in rows if r["tuning"]]
+    if args.warmup is None:
+        schedule = f"{args.steps} steps at LR {args.lr:g} (constant after a {args.steps // 20}-step warm-up)"
+        trained = (f"Runs trained per seed S with `OMP_NUM_THREADS=1 python benchmarks/natural_instability.py --lrs "
+                   f"{args.lr:g} {args.healthy_lr:g} --qk-layernorm off --seeds S --steps {args.steps} --runs-dir "
+                   f"{args.runs_dir} --reuse --no-write` (one run at a time).")
+    else:
+        schedule = (f"LR {args.lr:g} after a {args.warmup}-step linear warm-up, scored over its first {args.steps} "
+                    f"steps")
+        trained = (f"Unstable runs trained per seed S with `OMP_NUM_THREADS=1 python benchmarks/natural_instability.py "
+                   f"--lrs {args.lr:g} --qk-layernorm off --warmup {args.warmup} --seeds S --steps "
+                   f"{args.schedule_steps} --stop-at {args.steps} --runs-dir {args.runs_dir} --reuse --no-write`; "
+                   f"healthy twins ({args.steps} steps at LR {args.healthy_lr:g}, a {args.steps // 20}-step warm-up) "
+                   f"from `{args.twins_dir or args.runs_dir}`, trained as in `benchmarks/results/early_warning.md`.")
     lines = [("**TUNING RUN — the criteria were read off these seeds; not a result.** " if tuning else "")
              + f"Small MoE GPT (hidden 64, 4 layers, 4 heads, 4 experts top-2, EP=2 on 2 CPU processes), "
-             f"{args.steps} steps at LR {args.lr:g} (constant after a {args.steps // 20}-step warm-up), no injected "
-             f"fault; healthy twin: same seed at LR {args.healthy_lr:g}. Seeds {args.seeds} "
+             f"{schedule}, no injected fault; healthy twin: same seed at LR {args.healthy_lr:g}. Seeds {args.seeds} "
              f"({'tuning' if tuning else 'reporting'}; tuning seeds {list(TUNING_SEEDS)}).", "",
-             f"Runs trained per seed S with `OMP_NUM_THREADS=1 python benchmarks/natural_instability.py --lrs "
-             f"{args.lr:g} {args.healthy_lr:g} --qk-layernorm off --seeds S --steps {args.steps} --runs-dir "
-             f"{args.runs_dir} --reuse --no-write` (one run at a time).", "",
+             trained, "",
              "## Criteria (fixed on tuning seed 11 before the reporting seeds were scored)", "",
              f"- run outcome: divergence (non-finite loss, or 20-step MA loss > {criteria['divergence_margin']} nats "
              f"above its own best until the end, ≥ 50 steps) or a lasting loss gap (20-step MA loss > "
@@ -246,6 +263,11 @@ def report(args, criteria: dict, rows: list) -> str:
     lines += summary_lines(rows, "judged")
     lines += ["", "## Lead against the run outcome only (loss: divergence or lasting gap)", ""]
     lines += table(rows, "judged_vs_run", "run outcome")
+    if all(r["outcomes"]["divergence"] is not None for r in rows):  # every run diverged: the lead before it
+        lines += ["", "## Lead against divergence only (every run here diverged)", ""]
+        lines += table(rows, "judged_vs_divergence", "divergence")
+        lines += ["", "### Per rule, against divergence (runs only)", ""]
+        lines += summary_lines(rows, "judged_vs_divergence")
     return "\n".join(lines)
 
 
@@ -264,12 +286,23 @@ def main(argv=None):
     p.add_argument("--seeds", type=int, nargs="+", required=True)
     p.add_argument("--lr", type=float, default=0.5, help="the unstable runs' learning rate")
     p.add_argument("--healthy-lr", type=float, default=2e-3, help="the healthy twins' learning rate (the preset's)")
-    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--steps", type=int, default=500, help="steps scored (the runs' length)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="score the unstable runs natural_instability.py trained with this --warmup (folders "
+                        "..._w<warmup>) instead of its default warm-up")
+    p.add_argument("--schedule-steps", type=int, default=None,
+                   help="with --warmup: the --steps (schedule length) those runs were trained with, when they were "
+                        "stopped early at --steps (--stop-at); for the report")
+    p.add_argument("--twins-dir", default=None, help="the healthy twins' folder (default: --runs-dir)")
     p.add_argument("--router-outcome", default=None, help="module:function(run_dir) -> routing-collapse step or None")
     p.add_argument("--tuning-run", action="store_true", help="allow tuning seeds (the report says so)")
     p.add_argument("--results-name", default="early_warning")
     p.add_argument("--no-write", action="store_true")
     args = parse_study_args(p, argv)
+    if args.schedule_steps is not None and args.warmup is None:
+        p.error("--schedule-steps needs --warmup")
+    if args.warmup is not None and args.schedule_steps is None:
+        args.schedule_steps = args.steps
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     criteria = {"divergence_margin": DIVERGENCE_MARGIN, "loss_gap": LOSS_GAP, "logit_level": LOGIT_LEVEL,
                 "logit_hold": LOGIT_HOLD, "grad_norm_level": GRAD_NORM_LEVEL, "evidence": TUNING_EVIDENCE}

@@ -132,7 +132,8 @@ def report(args, rows: list) -> str:
     lines = [("**TUNING RUN — not a result.** " if args.tuning_run else "")
              + f"LR sweep of the small GPT ({args.model}, hidden {args.width}, 4 layers, 4 heads of "
              f"{args.width // 4}; 2 CPU processes), "
-             f"{args.steps} steps, monitors every {args.mech_interval} steps, constant LR after a "
+             f"{args.steps} steps" + (f" stopped after step {args.stop_at}" if args.stop_at else "")
+             + f", monitors every {args.mech_interval} steps, constant LR after a "
              f"{warmup_steps(args)}-step linear warm-up, no injected fault, "
              f"with and without --qk-layernorm; {decay}. Seeds {args.seeds} (reporting seeds; tuning seeds "
              f"{list(TUNING_SEEDS)} never reported). Divergence: non-finite loss, or the 20-step moving-average "
@@ -176,6 +177,9 @@ def main(argv=None):
     p.add_argument("--lrs", type=float, nargs="+", default=DEFAULT_LRS)
     p.add_argument("--seeds", type=int, nargs="+", default=list(REPORTING_SEEDS[:3]))
     p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--stop-at", type=int, default=None,
+                   help="end every run after this step (--exit-interval), its LR schedule and data still those of "
+                        "--steps: enough to see a divergence without training past it (default: run all --steps)")
     p.add_argument("--model", choices=("moe", "dense"), default="moe")
     p.add_argument("--width", type=int, default=64, help="hidden size")
     p.add_argument("--qk-layernorm", choices=("both", "off", "on"), default="both")
@@ -197,6 +201,8 @@ def main(argv=None):
                    help="results file name under benchmarks/results/ (e.g. natural_instability_warmup)")
     p.add_argument("--no-write", action="store_true")
     args = parse_study_args(p, argv)
+    if args.stop_at is not None and not 0 < args.stop_at < args.steps:
+        p.error(f"--stop-at must be in 1..{args.steps - 1} (below --steps {args.steps}), got {args.stop_at}")
     if args.mech_interval < 1:
         p.error(f"--mech-interval must be >= 1, got {args.mech_interval}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -209,7 +215,8 @@ def main(argv=None):
                 for seed in args.seeds:
                     name = run_name(args, lr, qk_ln, seed)
                     t0 = time.perf_counter()
-                    run = train_run(work / name, run_flags(args, lr, qk_ln, seed), args.steps, reuse=args.reuse)
+                    run = train_run(work / name, run_flags(args, lr, qk_ln, seed), args.steps, reuse=args.reuse,
+                                    stop_at=args.stop_at)
                     row = {"name": name, "lr": lr, "qk_layernorm": qk_ln, "seed": seed, "command": run["command"],
                            "score": score(run, args.steps, args.margin),
                            "max_logit": max_logit_trajectory(run["records"])}

@@ -65,7 +65,7 @@ def test_natural_instability_score_and_report():
     assert s["signals"]["loss spike (10× early max)"] == 301
     args = argparse.Namespace(tuning_run=False, model="dense", width=64, steps=310, seeds=[21], margin=1.0,
                               warmup=None, independent_weight_decay=None,
-                              mech_interval=5)
+                              mech_interval=5, stop_at=None)
     text = natural_instability.report(args, [{"lr": 0.03, "qk_layernorm": False, "seed": 21, "score": s,
                                               "command": "cmd"}])
     assert "runs that diverged: 1 of 1; monitors alerted before divergence in 1" in text
@@ -96,10 +96,41 @@ def test_natural_instability_independent_weight_decay_and_max_logit_trajectory()
            "score": natural_instability.score({"losses": [6.0] * 150, "alerts": [], "records": records,
                                                "command": "cmd"}, steps=150, margin=1.0)}
     args = argparse.Namespace(tuning_run=False, model="dense", width=128, steps=150, seeds=[21], margin=1.0,
-                              warmup=None, independent_weight_decay=1e-4, mech_interval=2)
+                              warmup=None, independent_weight_decay=1e-4, mech_interval=2, stop_at=None)
     text = natural_instability.report(args, [row])
     assert "- lr 0.5, plain, seed 21: 50: 100, 100: 200, 150: 300 (max 300.00)" in text
     assert "independent weight decay 0.0001 per step at the peak LR" in text and "4 heads of 32" in text
     assert "monitors every 2 steps" in text
     with pytest.raises(SystemExit):  # refused before any run starts
         natural_instability.main(["--mech-interval", "0", "--no-write"])
+
+
+def test_stopped_runs_keep_the_schedule_of_the_full_run_and_count_as_finished(tmp_path, monkeypatch):
+    # A run stopped at step 500 of a 1200-step schedule: trained with --train-iters 1200 and --exit-interval 500
+    # (the LR schedule and the data of the 1200-step run), and reused once it reached step 500.
+    import json
+    import subprocess
+
+    from benchmarks import _train_runs
+    calls = []
+
+    def fake_run(cmd, **kwargs):
+        calls.append(cmd)
+        (tmp_path / "run" / "summary.json").write_text(json.dumps({"final_step": 500, "losses": [5.0] * 500}))
+        (tmp_path / "run" / "mech.jsonl").write_text(json.dumps({"step": 5, "metrics": {"symptom/loss": 5.0}}) + "\n")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(_train_runs.subprocess, "run", fake_run)
+    run = _train_runs.train_run(tmp_path / "run", ["--seed", "21"], 1200, reuse=True, stop_at=500)
+    (cmd,) = calls
+    assert cmd[cmd.index("--train-iters") + 1] == "1200" and cmd[cmd.index("--exit-interval") + 1] == "500"
+    assert "--exit-interval 500" in run["command"] and len(run["losses"]) == 500
+    _train_runs.train_run(tmp_path / "run", ["--seed", "21"], 1200, reuse=True, stop_at=500)
+    assert len(calls) == 1  # finished at its stop: reused, not resumed toward 1200
+    with pytest.raises(ValueError, match="stop_at"):
+        _train_runs.train_run(tmp_path / "other", ["--seed", "21"], 1200, reuse=True, stop_at=1200)
+    args = argparse.Namespace(tuning_run=False, model="moe", width=64, steps=1200, seeds=[21], margin=1.0,
+                              warmup=1000, independent_weight_decay=None, mech_interval=5, stop_at=500)
+    assert "1200 steps stopped after step 500, monitors every 5 steps" in natural_instability.report(args, [])
+    with pytest.raises(SystemExit):  # a stop at or past the end is refused before any run starts
+        natural_instability.main(["--steps", "500", "--stop-at", "500", "--no-write"])

@@ -72,3 +72,38 @@ def test_router_outcome_flag_names_a_function_or_fails_naming_the_flag():
     assert early_warning.load_router_outcome("math:isfinite") is __import__("math").isfinite
     with pytest.raises(SystemExit, match="--router-outcome"):
         early_warning.load_router_outcome("megatron_mech.studies.outcomes")
+
+
+def _write_run(folder, losses, grad_norms):
+    import json
+    folder.mkdir(parents=True)
+    (folder / "summary.json").write_text(json.dumps({"first_step": 1, "final_step": len(losses), "losses": losses}))
+    (folder / "mech.jsonl").write_text("".join(
+        json.dumps({"step": 5 * (i + 1), "metrics": {"symptom/grad_norm": g, "symptom/max_attn_logit": 1.0}}) + "\n"
+        for i, g in enumerate(grad_norms)))
+
+
+def test_warmup_runs_are_read_from_their_folders_with_twins_from_another(tmp_path, monkeypatch):
+    # The warm-up run (folder ..._w1000) diverges with a non-finite loss at step 150, its grad norm passes 20 at
+    # step 100; the twin lives in another folder and is flat. A run without the _w suffix in --runs-dir would be
+    # scored instead if the option did not select the warm-up folder: it is absent, so that would fail to load.
+    runs, twins = tmp_path / "runs", tmp_path / "twins"
+    _write_run(runs / "moe_h64_lr1.5_plain_s21_w1000", [3.0] * 149 + [float("nan")] * 51,
+               [1.0] * 19 + [30.0] * 21)
+    _write_run(twins / "moe_h64_lr0.002_plain_s21", [3.0] * 200, [1.0] * 40)
+    rows = {}
+    monkeypatch.setattr(early_warning, "write_results",
+                        lambda name, text, data: rows.update(name=name, text=text, **data))
+    early_warning.main(["--runs-dir", str(runs), "--twins-dir", str(twins), "--seeds", "21", "--lr", "1.5",
+                        "--warmup", "1000", "--schedule-steps", "1200", "--steps", "200",
+                        "--results-name", "early_warning_warmup"])
+    (row,) = rows["rows"]
+    assert rows["name"] == "early_warning_warmup" and row["name"] == "moe_h64_lr1.5_plain_s21_w1000"
+    assert row["outcomes"]["divergence"] == 150 and row["firings"]["grad norm > 20"] == 100
+    assert row["judged"]["grad norm > 20"]["lead"] == 50
+    assert row["judged_vs_divergence"]["grad norm > 20"] == {"kind": "early", "lead": 50, "fraction": 50 / 150,
+                                                             "fired": 100}
+    assert "## Lead against divergence only" in rows["text"]  # every run diverged
+    assert row["twin"]["judged"]["grad norm > 20"]["kind"] == "quiet"
+    with pytest.raises(SystemExit):  # --schedule-steps only describes warm-up runs
+        early_warning.main(["--runs-dir", str(runs), "--seeds", "21", "--schedule-steps", "1200", "--no-write"])
