@@ -3,6 +3,12 @@
 Every run is our entry point under ``torchrun`` with ``--mech-on-alert checkpoint``. What the demo reports about a
 run comes from its records: the alerts from ``mech.jsonl`` (the run's one record of alerts) and the per-step loss
 from ``summary.json``'s ``losses``, indexed by step (``first_step`` is the step of ``losses[0]``).
+
+Each fault's outcome is stated apart from the monitors: the router act's routing collapse from the routers' own
+decisions (:mod:`megatron_mech.studies.router_outcome`), the attention act's maximum attention logit against the
+QK-clip level and the max-logit explosion criterion (:mod:`megatron_mech.studies.outcomes`) and its loss gap to the
+clean run. On every run the incumbent alarms (:mod:`megatron_mech.studies.incumbents`) are applied to the run's own
+records, and each act sets our first alert against them.
 """
 from __future__ import annotations
 
