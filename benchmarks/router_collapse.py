@@ -147,11 +147,14 @@ def _fmt(value) -> str:
     return "–" if value is None else str(value)
 
 
-def rule_cell(judged: dict) -> str:
+def rule_cell(judged: dict, start: int) -> str:
     """One rule on one run: its firing step and the lead to the collapse (``+n``: n steps before it, ``-n``: after
-    it); ``miss``: never fired though routing collapsed; ``FA@step``: fired on a run that did not collapse (a false
-    alarm); ``·``: quiet on such a run."""
+    it), or ``(before the fault)`` when it fired before the fault's ``start`` (the rules report their first firing;
+    one before the fault says nothing about it); ``miss``: never fired though routing collapsed; ``FA@step``: fired
+    on a run that did not collapse (a false alarm); ``·``: quiet on such a run."""
     kind = judged["kind"]
+    if kind in ("early", "late") and judged["fired"] < start:
+        return f"{judged['fired']} (before the fault)"
     if kind in ("early", "late"):
         return f"{judged['fired']} ({judged['lead']:+d})"
     return {"miss": "miss", "quiet": "·", "false alarm": f"FA@{judged['fired']}"}[kind]
@@ -164,11 +167,12 @@ def rules_table(rows) -> list:
     for r in rows:
         c = r["collapse"]
         lines.append(f"| {r['seed']} | router fault | {'none' if c is None else c['step']} | "
-                     + " | ".join(rule_cell(r["judged"][rule]) for rule in rules) + " |")
+                     + " | ".join(rule_cell(r["judged"][rule], r["start"]) for rule in rules) + " |")
         clean = r["clean_collapse"]
         clean = clean if isinstance(clean, str) else ("none" if clean is None else str(clean["step"]))
+        judged = r["clean_judged"]
         lines.append(f"| {r['seed']} | clean | {clean} | " + (
-            " | ".join(rule_cell(r["clean_judged"][rule]) for rule in rules) if r["clean_judged"] is not None
+            " | ".join(rule_cell(judged[rule], r["start"]) for rule in rules) if judged is not None
             else " | ".join("not run" for _ in rules)) + " |")
     return lines
 
@@ -217,11 +221,13 @@ def report(args, rows) -> str:
               f"100 micro-batch samples at {MICROBATCHES} per rank), OLMo-core's spikes (> mean + 6σ of the previous "
               "128 steps; the grad norm's window holds the 26 records of those steps), QK-clip (max logit > 100), "
               f"the grad-norm level {GRAD_NORM_LEVEL:g} (fixed on the early-warning benchmark's tuning seed 11). "
-              "Cells: the firing step and its lead to the collapse step (`+n`: n steps before it, `-n`: after it; "
-              f"the collapse is confirmed {STARVED_HOLD - 1} steps after its step); `miss`: never fired though "
-              "routing collapsed (the attention monitor and QK-clip watch attention: on a router fault their "
-              "silence is the expected answer); on a run whose routing did not collapse (the clean runs) `FA@step`: fired (a "
-              "false alarm), `·`: quiet.", ""]
+              "Each rule gives its first firing. Cells: the firing step and its lead to the collapse step (`+n`: n "
+              f"steps before it, `-n`: after it; the collapse is confirmed {STARVED_HOLD - 1} steps after its step), "
+              f"or '(before the fault)' when the rule first fired before step {rows[0]['start']}, where the fault "
+              "starts (it then says nothing about the fault); `miss`: never fired though routing collapsed (the "
+              "attention monitor and QK-clip watch attention: on a router fault their silence is the expected "
+              "answer); on a run whose routing did not collapse (the clean runs) `FA@step`: fired (a false alarm), "
+              "`·`: quiet.", ""]
     lines += rules_table(rows)
     lines += ["", "Expert shares per layer (fault run, logging rank's tokens), the step before onset → the last "
               "step:", ""]

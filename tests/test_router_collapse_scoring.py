@@ -28,11 +28,18 @@ def test_every_rule_is_judged_against_the_collapse_and_on_the_clean_run(tmp_path
     _write_run(tmp_path / "clean", lambda s: 25.0 if s == 50 else 1.0)
     row = router_collapse.score(21, tmp_path, START)
     assert row["collapse"] == {"step": 120, "layer": 1, "expert": 2} and row["clean_collapse"] is None
-    cells = {rule: router_collapse.rule_cell(j) for rule, j in row["judged"].items()}
-    clean_cells = {rule: router_collapse.rule_cell(j) for rule, j in row["clean_judged"].items()}
+    cells = {rule: router_collapse.rule_cell(j, START) for rule, j in row["judged"].items()}
+    clean_cells = {rule: router_collapse.rule_cell(j, START) for rule, j in row["clean_judged"].items()}
     assert cells["grad norm > 20"] == "130 (-10)" and cells["max logit > 100 (QK-clip)"] == "miss"
     assert cells["router monitor"] == "miss" and cells["Megatron spiky loss"] == "miss"
     assert clean_cells["grad norm > 20"] == "FA@50" and clean_cells["router monitor"] == "·"
     table = router_collapse.rules_table([row])
     assert table[2].startswith("| 21 | router fault | 120 | ") and table[3].startswith("| 21 | clean | none | ")
     assert "| 130 (-10) |" in table[2] and "| FA@50 |" in table[3]
+
+
+def test_a_first_firing_before_the_fault_is_shown_as_such():
+    # A rule that first fired at step 55 of a run whose fault starts at 100 and that collapsed at 120.
+    before = {"kind": "early", "lead": 65, "fraction": 65 / 120, "fired": 55}
+    assert router_collapse.rule_cell(before, START) == "55 (before the fault)"
+    assert router_collapse.rule_cell({**before, "lead": 10, "fired": 110}, START) == "110 (+10)"
