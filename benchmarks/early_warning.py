@@ -40,15 +40,14 @@ from megatron_mech.logit_symptom import MAX_LOGIT_METRIC  # noqa: E402
 from megatron_mech.megatron.presets import small_moe  # noqa: E402
 from megatron_mech.records.sinks import read_jsonl  # noqa: E402
 from megatron_mech.studies.clean_scores import replay_alerts  # noqa: E402
-from megatron_mech.studies.incumbents import (MEGATRON_SPIKY_LOSS_SAMPLES, OLMO_SPIKE_WINDOW,  # noqa: E402
-                                              QK_CLIP_THRESHOLD, megatron_spiky_loss_step, olmo_spike_step,
-                                              qk_clip_step, threshold_step)
+from megatron_mech.studies.incumbents import (GRAD_NORM_LEVEL, GRAD_NORM_METRIC,  # noqa: E402
+                                              MEGATRON_SPIKY_LOSS_SAMPLES, incumbent_firings, metric_series,
+                                              microbatches_per_rank)
 from megatron_mech.studies.leadtime import TUNING_SEEDS, first_alert, parse_study_args  # noqa: E402
-from megatron_mech.studies.outcomes import max_logit_explosion_step, run_outcome  # noqa: E402
+from megatron_mech.studies.outcomes import (LOGIT_EXPLOSION_HOLD, LOGIT_EXPLOSION_LEVEL,  # noqa: E402
+                                            max_logit_explosion_step, run_outcome)
 
 logger = logging.getLogger("benchmarks.early_warning")
-
-GRAD_NORM_METRIC = "symptom/grad_norm"
 
 # ---- Criteria, fixed on tuning seed 11 (LR 0.5 run and its healthy twin at 2e-3, 500 steps) before any reporting
 # seed was scored. Each level follows a rule stated before reading it off the healthy twin, not off the failure. ----
@@ -57,13 +56,10 @@ DIVERGENCE_MARGIN = 1.0  # nats above the run's own best (as benchmarks/natural_
 # MA over steps 250-500; 0.5 is ~4x that. On seed 11 the outcome step barely depends on it (gap 0.1-0.5: steps
 # 38-42; 1.0: 86; 1.5: 153), because the LR 0.5 run stalls near 7.0 nats while the twin reaches 5.0.
 LOSS_GAP = 0.5
-# An absolute level, 10x the largest max logit the healthy twin reached in 500 steps (21.5), rounded: 200. A ratio to
-# the twin at the same step was dropped: the twin starts near 0.1, so any run that learns faster "explodes" at step 5.
-LOGIT_LEVEL = 200.0
-LOGIT_HOLD = 10  # consecutive records (50 steps): a lasting explosion, not one batch
-# The lowest round level the healthy tuning twin never exceeded (its largest grad norm: 19.1, one spike at step 45;
-# median 0.68): a plain alarm set to stay quiet on a healthy run.
-GRAD_NORM_LEVEL = 20.0
+# The attention outcome's level and hold (studies/outcomes.py) and the grad-norm alarm level (studies/incumbents.py) are
+# declared with the studies, which the demo shares; their reasons are given there and in TUNING_EVIDENCE.
+LOGIT_LEVEL = LOGIT_EXPLOSION_LEVEL
+LOGIT_HOLD = LOGIT_EXPLOSION_HOLD
 TUNING_EVIDENCE = (
     "seed 11, LR 0.5 vs its twin at 2e-3. Twin: 20-step MA loss 9.0 → 5.04 at step 500, its MA strays ≤ 0.13 "
     "nats (std 0.03) from its 100-step MA over steps 250–500; max logit 0.1 at step 5, ≤ 21.5 throughout; grad "
@@ -73,13 +69,6 @@ TUNING_EVIDENCE = (
     "518 at 10, 1.7e4 at 20, 10⁶ by step 170 (attention saturated); grad norm median 2.5, max 6.9. A grad-norm "
     "level at 5× the twin's median (3.4) would have fired on the twin's healthy spike at step 45 and on the run at "
     "step 20; the chosen level (20) stays quiet on both.")
-
-
-def microbatches_per_rank(flags, nproc: int) -> int:
-    """Micro-batches each rank runs per step: global batch / (micro batch × data-parallel size); the preset has
-    no tensor or pipeline parallelism, so the data-parallel size is the process count."""
-    value = {name: int(flags[flags.index(name) + 1]) for name in ("--global-batch-size", "--micro-batch-size")}
-    return max(1, value["--global-batch-size"] // (value["--micro-batch-size"] * nproc))
 
 
 MICROBATCHES = microbatches_per_rank(small_moe(2), 2)
@@ -95,33 +84,19 @@ def load_run(run_dir: Path) -> dict:
     if summary.get("first_step", 1) != 1:
         raise ValueError(f"{summary_path}: losses start at step {summary['first_step']}, need a run from step 1")
     records = read_jsonl(run_dir / "mech.jsonl")
-
-    def series(metric):
-        pairs = [(int(r["step"]), float(r["metrics"][metric])) for r in records
-                 if isinstance((r.get("metrics") or {}).get(metric), (int, float))]
-        return [p[0] for p in pairs], [p[1] for p in pairs]
-
     return {"dir": str(run_dir), "losses": [float(v) for v in summary["losses"]], "records": records,
-            "alerts": replay_alerts(records),
-            "max_logit": series(MAX_LOGIT_METRIC), "grad_norm": series(GRAD_NORM_METRIC)}
+            "alerts": replay_alerts(records), "max_logit": metric_series(records, MAX_LOGIT_METRIC),
+            "grad_norm": metric_series(records, GRAD_NORM_METRIC)}
 
 
 def rule_firings(run: dict, grad_norm_level: float) -> dict:
     """First firing step (or None) of each monitor family and each incumbent rule on one run."""
-    gn_steps, gn = run["grad_norm"]
-    ml_steps, ml = run["max_logit"]
-    interval = (gn_steps[1] - gn_steps[0]) if len(gn_steps) > 1 else 1
     return {
         "attention monitor": first_alert(run["alerts"], "attention"),
         "router monitor": first_alert(run["alerts"], "router"),
         "symptom detectors": first_alert(run["alerts"], "symptom"),
-        "Megatron spiky loss": megatron_spiky_loss_step(run["losses"], num_samples=MEGATRON_SAMPLES_IN_STEPS),
-        "OLMo loss spike": olmo_spike_step(run["losses"]),
-        # OLMo-core judges every step's grad norm over 128 steps; the runs record it every `interval` steps, so the
-        # window holds the records of the same 128 steps.
-        "OLMo grad-norm spike": olmo_spike_step(gn, gn_steps, window=math.ceil(OLMO_SPIKE_WINDOW / interval)),
-        f"max logit > {QK_CLIP_THRESHOLD:g} (QK-clip)": qk_clip_step(ml, ml_steps),
-        f"grad norm > {grad_norm_level:g}": threshold_step(gn, grad_norm_level, gn_steps),
+        **incumbent_firings(run["losses"], run["grad_norm"], run["max_logit"], microbatches=MICROBATCHES,
+                            grad_norm_level=grad_norm_level),
     }
 
 

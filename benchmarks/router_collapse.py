@@ -10,6 +10,10 @@ both recording the routing (``--mech-record-routing``). Per seed:
   assignments for 20 consecutive steps; the first of those steps);
 * the **first router alert**, the **first symptom alert** (the loss / grad-norm detectors: what users have
   today) and the first attention alert, as the run fired them (``mech.jsonl``);
+* every rule on the same run, as the early-warning benchmark scores it (``benchmarks/early_warning.py``: the
+  monitor families replayed with the current default rules, and the incumbent alarms of
+  :mod:`megatron_mech.studies.incumbents`), judged against the collapse step — and on the clean run, where any
+  firing is a false alarm (its routing does not collapse);
 * the **loss divergence** (:func:`megatron_mech.studies.leadtime.divergence_step`, against the clean run);
 * checks: the clean run's alerts and collapse step, and that both runs are identical before the fault.
 
@@ -31,6 +35,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks._results import write_results  # noqa: E402
+from benchmarks.early_warning import (GRAD_NORM_LEVEL, MEGATRON_SAMPLES_IN_STEPS, MICROBATCHES, judge,  # noqa: E402
+                                      load_run, rule_firings)
 from megatron_mech.records.sinks import read_alerts  # noqa: E402
 from megatron_mech.studies.demo import demo_commands, step_losses  # noqa: E402
 from megatron_mech.studies.leadtime import (FAULT_FLAGS, REPORTING_SEEDS, TUNING_SEEDS, divergence_step,  # noqa: E402
@@ -110,6 +116,12 @@ def score(seed: int, runs: Path, start: int) -> dict:
     router = firsts["router"]
     first_router = next((a for a in alerts if a.family == "router" and a.step == router), None)
     last = max(counts)
+    # Every rule, scored as the early-warning benchmark scores it: against the collapse step on the fault run;
+    # on the clean run against its own collapse (none: any firing is a false alarm).
+    firings = rule_firings(load_run(fault_dir), GRAD_NORM_LEVEL)
+    clean_firings = rule_firings(load_run(clean_dir), GRAD_NORM_LEVEL) if has_clean else None
+    clean_collapse_step = clean_collapse.step if clean_collapse is not None and not isinstance(clean_collapse, str) \
+        else None
     return {"seed": seed, "start": start,
             "collapse": None if collapse is None else collapse._asdict(),
             "first_router_alert": router, "first_router_metric": first_router.metric if first_router else None,
@@ -122,11 +134,47 @@ def score(seed: int, runs: Path, start: int) -> dict:
             "clean_collapse": (None if clean_collapse is None else clean_collapse if isinstance(clean_collapse, str)
                                else clean_collapse._asdict()),
             "shares_before_onset": shares_at(counts, start - 1), "shares_at_end": shares_at(counts, last),
-            "final_loss_gap": (sum(losses[-20:]) - sum(clean_losses[-20:])) / 20 if has_clean else None}
+            "final_loss_gap": (sum(losses[-20:]) - sum(clean_losses[-20:])) / 20 if has_clean else None,
+            "firings": firings,
+            "judged": {rule: judge(None if collapse is None else collapse.step, step)
+                       for rule, step in firings.items()},
+            "clean_firings": clean_firings,
+            "clean_judged": (None if clean_firings is None else
+                             {rule: judge(clean_collapse_step, step) for rule, step in clean_firings.items()})}
 
 
 def _fmt(value) -> str:
     return "–" if value is None else str(value)
+
+
+def rule_cell(judged: dict, start: int) -> str:
+    """One rule on one run: its firing step and the lead to the collapse (``+n``: n steps before it, ``-n``: after
+    it), or ``(before the fault)`` when it fired before the fault's ``start`` (the rules report their first firing;
+    one before the fault says nothing about it); ``miss``: never fired though routing collapsed; ``FA@step``: fired
+    on a run that did not collapse (a false alarm); ``·``: quiet on such a run."""
+    kind = judged["kind"]
+    if kind in ("early", "late") and judged["fired"] < start:
+        return f"{judged['fired']} (before the fault)"
+    if kind in ("early", "late"):
+        return f"{judged['fired']} ({judged['lead']:+d})"
+    return {"miss": "miss", "quiet": "·", "false alarm": f"FA@{judged['fired']}"}[kind]
+
+
+def rules_table(rows) -> list:
+    """Every rule (monitor families and incumbent alarms) on every fault run and clean run."""
+    rules = list(rows[0]["firings"])
+    lines = ["| seed | run | collapse step | " + " | ".join(rules) + " |", "|---|---|---|" + "---|" * len(rules)]
+    for r in rows:
+        c = r["collapse"]
+        lines.append(f"| {r['seed']} | router fault | {'none' if c is None else c['step']} | "
+                     + " | ".join(rule_cell(r["judged"][rule], r["start"]) for rule in rules) + " |")
+        clean = r["clean_collapse"]
+        clean = clean if isinstance(clean, str) else ("none" if clean is None else str(clean["step"]))
+        judged = r["clean_judged"]
+        lines.append(f"| {r['seed']} | clean | {clean} | " + (
+            " | ".join(rule_cell(judged[rule], r["start"]) for rule in rules) if judged is not None
+            else " | ".join("not run" for _ in rules)) + " |")
+    return lines
 
 
 def report(args, rows) -> str:
@@ -165,6 +213,22 @@ def report(args, rows) -> str:
                      f"{'yes' if r['router_before_collapse'] else 'no'} | {_fmt(r['clean_alerts'])} / {clean} | "
                      f"{ {True: 'yes', False: 'NO', None: '–'}[r['pre_onset_losses_identical']]} | "
                      f"{'–' if r['final_loss_gap'] is None else format(r['final_loss_gap'], '+.3f')} |")
+    lines += ["", "## Every rule on the same runs, against the collapse step", "",
+              "As `benchmarks/early_warning.py` scores them: the monitor families' alerts replayed from `mech.jsonl` "
+              "with the current default rules; the incumbent alarms (`megatron_mech.studies.incumbents`) on the "
+              "run's own per-step loss and its grad norm and maximum attention logit (recorded every 5 steps): "
+              f"Megatron-LM's spiky loss (≥ 10× the largest loss of the first {MEGATRON_SAMPLES_IN_STEPS} steps = "
+              f"100 micro-batch samples at {MICROBATCHES} per rank), OLMo-core's spikes (> mean + 6σ of the previous "
+              "128 steps; the grad norm's window holds the 26 records of those steps), QK-clip (max logit > 100), "
+              f"the grad-norm level {GRAD_NORM_LEVEL:g} (fixed on the early-warning benchmark's tuning seed 11). "
+              "Each rule gives its first firing. Cells: the firing step and its lead to the collapse step (`+n`: n "
+              f"steps before it, `-n`: after it; the collapse is confirmed {STARVED_HOLD - 1} steps after its step), "
+              f"or '(before the fault)' when the rule first fired before step {rows[0]['start']}, where the fault "
+              "starts (it then says nothing about the fault); `miss`: never fired though routing collapsed (the "
+              "attention monitor and QK-clip watch attention: on a router fault their silence is the expected "
+              "answer); on a run whose routing did not collapse (the clean runs) `FA@step`: fired (a false alarm), "
+              "`·`: quiet.", ""]
+    lines += rules_table(rows)
     lines += ["", "Expert shares per layer (fault run, logging rank's tokens), the step before onset → the last "
               "step:", ""]
     lines += [f"- seed {r['seed']}: {r['shares_before_onset']} → {r['shares_at_end']}" for r in rows]

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from megatron_mech.studies.outcomes import loss_gap_step, max_logit_explosion_step, run_outcome
+from megatron_mech.studies.outcomes import first_held_step, loss_gap_step, max_logit_explosion_step, run_outcome
 
 
 def test_lasting_loss_gap_starts_where_the_moving_average_crosses_for_good():
@@ -50,3 +50,18 @@ def test_max_logit_explosion_needs_the_level_held_for_consecutive_records():
         max_logit_explosion_step(steps, values, level=0.0, hold=3)
     with pytest.raises(ValueError, match="same length"):
         max_logit_explosion_step(steps, values[:3], level=40.0, hold=3)
+
+
+def test_first_held_step_counts_consecutive_records_and_breaks_on_a_gap_only_when_asked():
+    steps = [5, 10, 15, 20, 30, 35, 40]
+    held = [False, True, True, True, True, True, False]
+    # Records follow one another whatever their steps: 10..35 is 5 consecutive records.
+    assert first_held_step(steps, held, hold=5) == 10
+    assert first_held_step(steps, held, hold=6) is None
+    # With records 5 steps apart, 20 → 30 skips one: 10..20 (3 records) and 30..35 (2) are separate stretches.
+    assert first_held_step(steps, held, hold=3, max_step_gap=5) == 10
+    assert first_held_step(steps, held, hold=4, max_step_gap=5) is None
+    assert first_held_step(steps, [False, False, False, False, True, True, False], hold=2, max_step_gap=5) == 30
+    assert first_held_step([], [], hold=1) is None
+    with pytest.raises(ValueError, match="hold"):
+        first_held_step(steps, held, hold=0)

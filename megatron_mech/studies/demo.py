@@ -3,6 +3,12 @@
 Every run is our entry point under ``torchrun`` with ``--mech-on-alert checkpoint``. What the demo reports about a
 run comes from its records: the alerts from ``mech.jsonl`` (the run's one record of alerts) and the per-step loss
 from ``summary.json``'s ``losses``, indexed by step (``first_step`` is the step of ``losses[0]``).
+
+Each fault's outcome is stated apart from the monitors: the router act's routing collapse from the routers' own
+decisions (:mod:`megatron_mech.studies.router_outcome`), the attention act's maximum attention logit against the
+QK-clip level and the max-logit explosion criterion (:mod:`megatron_mech.studies.outcomes`) and its loss gap to the
+clean run. On every run the incumbent alarms (:mod:`megatron_mech.studies.incumbents`) are applied to the run's own
+records, and each act sets our first alert against them.
 """
 from __future__ import annotations
 
@@ -11,7 +17,8 @@ import json
 import sys
 from pathlib import Path
 
-__all__ = ["DEMO_FAULTS", "collapse_line", "demo_commands", "demo_length", "run_demo", "step_losses"]
+__all__ = ["DEMO_FAULTS", "attention_outcome_line", "collapse_line", "demo_commands", "demo_length", "demo_report",
+           "incumbents_line", "load_demo_run", "run_demo", "step_losses"]
 
 
 def step_losses(run_dir) -> list:
@@ -87,53 +94,111 @@ def collapse_line(run_dir) -> str:
             f"{collapse.expert} of layer {collapse.layer} starved ({level})")
 
 
-def run_demo(args: argparse.Namespace) -> int:
-    """``megatron-mech demo``: see the module docstring."""
-    import os
-
-    from megatron_mech.megatron.launch import run_training
-    from megatron_mech.core.attribution import alert_lines
-    from megatron_mech.records.report import run_report
+def load_demo_run(run_dir, seed: int) -> dict:
+    """One finished demo run as the report reads it: per-step losses, alerts and ``mech.jsonl`` records."""
     from megatron_mech.records.sinks import read_alerts, read_jsonl
+
+    run_dir = Path(run_dir)
+    return {"losses": step_losses(run_dir), "alerts": read_alerts(run_dir / "mech.jsonl"),
+            "records": read_jsonl(run_dir / "mech.jsonl"), "seed": seed}
+
+
+def _incumbents(run: dict) -> dict:
+    """First firing (or None) of each incumbent rule on a demo run (:mod:`megatron_mech.studies.incumbents`)."""
+    from megatron_mech.studies.incumbents import microbatches_per_rank, run_incumbent_firings
+    from megatron_mech.studies.leadtime import LEAD_MODEL
+
+    return run_incumbent_firings(run["records"], run["losses"], microbatches=microbatches_per_rank(LEAD_MODEL, 2))
+
+
+def _fired_text(firings: dict) -> str:
+    fired = sorted((step, rule) for rule, step in firings.items() if step is not None)
+    silent = [rule for rule, step in firings.items() if step is None]
+    parts = [f"{rule} at {step}" for step, rule in fired] + ([f"silent: {', '.join(silent)}"] if silent else [])
+    return "; ".join(parts)
+
+
+def incumbents_line(run: dict, first_ours) -> str:
+    """Our first alert against the alarms users already have (each incumbent rule's first firing), on one run."""
+    firings = _incumbents(run)
+    fired = [(step, rule) for rule, step in firings.items() if step is not None]
+    ours = f"our first monitor alert: {first_ours if first_ours else 'none'}"
+    if not fired:
+        return f"{ours}; no incumbent alarm fired ({_fired_text(firings)})"
+    step, rule = min(fired)
+    verdict = ("" if not first_ours else f" — ours {step - first_ours} steps before the first of them" if
+               first_ours < step else f" — ours {first_ours - step} steps after the first of them" if
+               first_ours > step else " — ours at the same step as the first of them")
+    return f"{ours}; incumbent alarms on the same run: {_fired_text(firings)}{verdict}"
+
+
+def attention_outcome_line(faulty: dict, clean: dict, start: int) -> str:
+    """What the attention fault did, measured apart from the monitors: the maximum attention logit against the
+    QK-clip level and the max-logit explosion criterion (:mod:`megatron_mech.studies.outcomes`), and the loss gap
+    to the clean run."""
+    from megatron_mech.logit_symptom import MAX_LOGIT_METRIC
+    from megatron_mech.studies.incumbents import QK_CLIP_THRESHOLD, metric_series, qk_clip_step
+    from megatron_mech.studies.leadtime import moving_average
+    from megatron_mech.studies.outcomes import (LOGIT_EXPLOSION_HOLD, LOGIT_EXPLOSION_LEVEL,
+                                                max_logit_explosion_step)
+
+    steps, values = metric_series(faulty["records"], MAX_LOGIT_METRIC)
+    if not steps:
+        return f"attention outcome: not measured (no {MAX_LOGIT_METRIC} in the run's records)"
+    before = [v for s, v in zip(steps, values) if s < start]
+    after = [(v, s) for s, v in zip(steps, values) if s >= start] or [(values[-1], steps[-1])]
+    peak, peak_step = max(after)
+    crossed = qk_clip_step(values, steps)
+    exploded = max_logit_explosion_step(steps, values, LOGIT_EXPLOSION_LEVEL, LOGIT_EXPLOSION_HOLD)
+    held_at_end = 0
+    for value in reversed(values):
+        if value < LOGIT_EXPLOSION_LEVEL:
+            break
+        held_at_end += 1
+    explosion = (f"from step {exploded}" if exploded else
+                 f"not met within the run (≥ {LOGIT_EXPLOSION_LEVEL:g} in its last {held_at_end} records)"
+                 if held_at_end else "not met within the run")
+    clip = (f"above the QK-clip level ({QK_CLIP_THRESHOLD:g}) from step {crossed}" if crossed else
+            f"never above the QK-clip level ({QK_CLIP_THRESHOLD:g})")
+    gaps = [f - c for f, c in zip(moving_average(faulty["losses"]), moving_average(clean["losses"]))]
+    after_onset = [(gap, i + 1) for i, gap in enumerate(gaps) if i + 1 >= start]
+    if after_onset:
+        worst_gap, worst_step = max(after_onset)
+        loss = f"{gaps[-1]:+.3f} nats at the end (largest after onset {worst_gap:+.3f}, step {worst_step})"
+    else:
+        loss = "not measured (the runs end before the fault)"
+    return (f"attention outcome (the max attention logit and the loss, measured apart from the monitors): max "
+            f"logit {before[-1] if before else values[0]:.3g} before the fault → {peak:.3g} at step {peak_step}; "
+            f"{clip}; max-logit explosion (≥ {LOGIT_EXPLOSION_LEVEL:g} for {LOGIT_EXPLOSION_HOLD} consecutive "
+            f"records): {explosion}; 20-step moving-average loss gap to the clean run: {loss}")
+
+
+def demo_report(out, names, *, seed: int, steps: int, start: int, plots: bool = True) -> str:
+    """The demo's report (``demo.md``'s text) from the finished runs ``out/<name>`` (``clean`` and the faults, in
+    ``names``' order); with ``plots``, each fault's plot is drawn into ``out`` too."""
+    from megatron_mech.core.attribution import alert_lines
     from megatron_mech.studies.leadtime import divergence_step, first_alert, plot_fault
-    from megatron_mech.studies.pretrain_gpt_fault import check_flags
 
-    steps, start = demo_length(args)
-    commands = demo_commands(args)
-    faults = [name for name in commands if name != "clean"]
-    for name, cmd in commands.items():  # every run's flags, before the first one starts
-        error = check_flags(cmd, 2)
-        if error:
-            print(f"megatron-mech demo: error: the {name} run's flags: {error}", file=sys.stderr)
-            return 2
-    out = Path(args.out)
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    runs = {}
-    for name, cmd in commands.items():
-        run_dir = out / name
-        what = f", {_fault_text(name)[0]} from step {start}" if name != "clean" else ""
-        print(f"== {name} run ({steps} steps{what}) ==", flush=True)
-        code, _ = run_training(cmd, env, show=_progress_line, prefix=f"[{name}] ")
-        if code:
-            print(f"error: the {name} run failed", file=sys.stderr)
-            return 1
-        runs[name] = {"losses": step_losses(run_dir), "alerts": read_alerts(run_dir / "mech.jsonl"),
-                      "records": read_jsonl(run_dir / "mech.jsonl"), "seed": args.seed}
-        run_report(argparse.Namespace(run_dir=str(run_dir), out=None, metrics=None))
-
+    out = Path(out)
+    runs = {name: load_demo_run(out / name, seed) for name in names}
+    faults = [name for name in names if name != "clean"]
     clean = runs["clean"]
+    clean_firings = _incumbents(clean)
     lines = ["# megatron-mech demo: faults caught before the loss moves", "",
-             f"Runs of the small MoE GPT (seed {args.seed}, {steps} steps), identical except for one injected fault "
+             f"Runs of the small MoE GPT (seed {seed}, {steps} steps), identical except for one injected fault "
              f"from step {start}. Loss divergence: the 20-step moving-average loss stays > 0.2 nats above the "
-             f"clean run until the end.", "",
-             f"- clean run: {len(clean['alerts'])} alerts (false alarms)"]
+             f"clean run until the end. Incumbent alarms: Megatron-LM's spiky-loss check, OLMo-core's 6σ loss and "
+             f"grad-norm spikes, the QK-clip level on the max attention logit, a grad-norm level "
+             f"(megatron_mech.studies.incumbents), applied to each run's own records.", "",
+             f"- clean run: {len(clean['alerts'])} alerts (false alarms); incumbent alarms on it: "
+             + ("none fired" if all(step is None for step in clean_firings.values()) else _fired_text(clean_firings))]
     for name in faults:
         faulty = runs[name]
         divergence = divergence_step(faulty["losses"], clean["losses"], 0.2)
         firsts = {f: first_alert(faulty["alerts"], f) for f in ("attention", "router", "symptom")}
         plot = "demo.png" if name == "attention" else f"demo_{name}.png"
-        plot_fault(out / plot, name, clean, faulty, start, divergence, firsts)
+        if plots:
+            plot_fault(out / plot, name, clean, faulty, start, divergence, firsts)
         title, what = _fault_text(name)
         lines += ["", f"## {title}", "", f"Fault: {what}, from step {start}.", "",
                   f"- first attention alert: {firsts['attention'] or 'none'}; first router alert: "
@@ -141,7 +206,10 @@ def run_demo(args: argparse.Namespace) -> int:
                   f"{firsts['symptom'] or 'none'}; loss divergence: {divergence or 'not within the run'}"]
         if name == "router":
             lines.append(f"- {collapse_line(out / name)}")
+        if name == "attention":
+            lines.append(f"- {attention_outcome_line(faulty, clean, start)}")
         first = min((s for s in (firsts["attention"], firsts["router"]) if s), default=None)
+        lines.append(f"- {incumbents_line(faulty, first)}")
         if first and firsts["symptom"]:
             lines.append(f"- **the monitors fired {firsts['symptom'] - first} steps before the loss/grad-norm "
                          f"alarm**")
@@ -156,7 +224,39 @@ def run_demo(args: argparse.Namespace) -> int:
         lines += ["", f"![monitors vs loss]({plot})"]
     lines += ["", "Per-run reports: " + ", ".join(f"`{n}/report.md`" for n in runs) + ". Each fault run saved a "
               "checkpoint at its first alert (`<run>/first_alert.json` names it)."]
-    (out / "demo.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return "\n".join(lines) + "\n"
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """``megatron-mech demo``: see the module docstring."""
+    import os
+
+    from megatron_mech.megatron.launch import run_training
+    from megatron_mech.records.report import run_report
+    from megatron_mech.studies.pretrain_gpt_fault import check_flags
+
+    steps, start = demo_length(args)
+    commands = demo_commands(args)
+    for name, cmd in commands.items():  # every run's flags, before the first one starts
+        error = check_flags(cmd, 2)
+        if error:
+            print(f"megatron-mech demo: error: the {name} run's flags: {error}", file=sys.stderr)
+            return 2
+    out = Path(args.out)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    for name, cmd in commands.items():
+        run_dir = out / name
+        what = f", {_fault_text(name)[0]} from step {start}" if name != "clean" else ""
+        print(f"== {name} run ({steps} steps{what}) ==", flush=True)
+        code, _ = run_training(cmd, env, show=_progress_line, prefix=f"[{name}] ")
+        if code:
+            print(f"error: the {name} run failed", file=sys.stderr)
+            return 1
+        run_report(argparse.Namespace(run_dir=str(run_dir), out=None, metrics=None))
+
+    text = demo_report(out, list(commands), seed=args.seed, steps=steps, start=start)
+    (out / "demo.md").write_text(text)
+    print(text, end="")
     print(f"\nreport: {out / 'demo.md'}\nplots:  " + ", ".join(str(p) for p in sorted(out.glob("demo*.png"))))
     return 0

@@ -26,6 +26,7 @@ import torch
 
 from megatron_mech.hook import Extension
 from megatron_mech.options import add_section_flags, option, section_from_flags
+from megatron_mech.studies.outcomes import first_held_step
 
 __all__ = ["ROUTING_FILE", "STARVED_HOLD", "STARVED_SHARE", "Collapse", "RoutingRecordConfig", "RoutingRecorder",
            "collapse_step", "find_collapse", "read_routing_counts", "router_collapse_step"]
@@ -153,29 +154,24 @@ def find_collapse(counts: Mapping[int, Mapping[int, Sequence[int]]], share: floa
     ``share`` of its layer's assignments, as its first step, layer and expert; ``None`` if there is none.
 
     ``counts``: ``{step: {layer: [assignments per expert]}}``. A step missing from the record breaks a stretch.
-    Every stretch needs the same ``hold``, so the first to complete is the one that started first."""
+    Every stretch needs the same ``hold``, so the first to complete is the one that started first (ties: the
+    lowest layer, then expert). The stretch is counted by :func:`megatron_mech.studies.outcomes.first_held_step`."""
     if hold < 1 or not 0 < share < 1:
         raise ValueError(f"collapse_step: hold must be >= 1 and 0 < share < 1, got hold={hold}, share={share}")
-    streak_start: dict = {}  # (layer, expert) → first step of its current starved stretch
-    previous = None
-    for step in sorted(counts):
-        if previous is not None and step != previous + 1:
-            streak_start = {}
-        previous = step
-        done = []
-        for layer, per_expert in counts[step].items():
+    steps = sorted(counts)
+    experts = sorted({(layer, expert) for step in steps for layer, per_expert in counts[step].items()
+                      for expert in range(len(per_expert))})
+    found = []
+    for layer, expert in experts:
+        starved = []
+        for step in steps:  # a step whose record lacks the layer breaks the stretch, like a missing step
+            per_expert = counts[step].get(layer, ())
             total = sum(per_expert)
-            for expert, n in enumerate(per_expert):
-                key = (layer, expert)
-                if total > 0 and n < share * total:
-                    streak_start.setdefault(key, step)
-                    if step - streak_start[key] + 1 >= hold:
-                        done.append(Collapse(streak_start[key], layer, expert))
-                else:
-                    streak_start.pop(key, None)
-        if done:
-            return min(done)
-    return None
+            starved.append(expert < len(per_expert) and total > 0 and per_expert[expert] < share * total)
+        start = first_held_step(steps, starved, hold, max_step_gap=1)
+        if start is not None:
+            found.append(Collapse(start, layer, expert))
+    return min(found, default=None)
 
 
 def collapse_step(counts: Mapping[int, Mapping[int, Sequence[int]]], share: float = STARVED_SHARE,

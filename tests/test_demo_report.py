@@ -1,0 +1,83 @@
+"""The demo's report (megatron_mech.studies.demo.demo_report) built from small hand-written run folders whose
+answers are known by construction: the attention act's outcome, measured apart from the monitors, and the line
+that sets our first alert against the incumbent alarms on the same run."""
+import json
+
+import pytest
+
+from megatron_mech.studies.demo import demo_report, incumbents_line, load_demo_run
+
+STEPS, START = 200, 100
+RECORD_EVERY = 5
+
+
+def _write_run(run_dir, losses, max_logit, grad_norm, alerts=()):
+    """A finished run: ``summary.json`` with every step's loss, ``mech.jsonl`` with a record every 5 steps."""
+    run_dir.mkdir(parents=True)
+    (run_dir / "summary.json").write_text(json.dumps({"first_step": 1, "final_step": len(losses), "losses": losses}))
+    lines = []
+    for step in range(RECORD_EVERY, len(losses) + 1, RECORD_EVERY):
+        lines.append({"step": step, "loss": losses[step - 1], "metrics": {
+            "symptom/max_attn_logit": max_logit(step), "symptom/grad_norm": grad_norm(step)},
+            "alerts": [a for a in alerts if a["step"] == step]})
+    (run_dir / "mech.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+ATTENTION_ALERT = {"metric": "attn/layer1/head0/delta2_entropy", "family": "attention", "step": 110, "value": 0.01,
+                   "baseline": 0.25, "score": 9.0, "detail": {"layer": 1, "head": 0, "term": "delta2"}}
+
+
+def _demo(tmp_path, fault_logit, fault_grad_norm):
+    clean_losses = [3.0] * STEPS
+    # The fault run's loss climbs 0.002 nats a step from step 101: its 20-step moving-average gap to the clean run
+    # grows to the end, where it is the mean of 0.002 × (81..100) = 0.181 nats.
+    fault_losses = [3.0 if s <= START else 3.0 + 0.002 * (s - START) for s in range(1, STEPS + 1)]
+    _write_run(tmp_path / "clean", clean_losses, lambda s: 10.0, lambda s: 1.0)
+    _write_run(tmp_path / "attention", fault_losses, fault_logit, fault_grad_norm, [ATTENTION_ALERT])
+    return demo_report(tmp_path, ["clean", "attention"], seed=21, steps=STEPS, start=START, plots=False)
+
+
+def _line(report, start):
+    found = [line for line in report.splitlines() if line.startswith(start)]
+    assert len(found) == 1, report
+    return found[0]
+
+
+def test_attention_act_reports_the_logit_crossings_and_the_incumbents(tmp_path):
+    # Max logit 10, then from step 101 up 5 per step: 95 at step 115, 110 at step 120 (first record above the
+    # QK-clip level 100), 210 at step 140 (first of the 13 records ≥ 200 to step 200: the explosion criterion,
+    # 10 records, is met from step 140); 510 at step 200. Grad norm 1, 30 from step 150 (over the level 20 there;
+    # OLMo's 6σ rule cannot fire: a window of constant values has no spread, and 30 is never 6σ above a window
+    # holding both 1s and 30s).
+    report = _demo(tmp_path, lambda s: 10.0 if s <= START else 10.0 + 5 * (s - START),
+                   lambda s: 1.0 if s < 150 else 30.0)
+    assert _line(report, "- clean run:") == "- clean run: 0 alerts (false alarms); incumbent alarms on it: none fired"
+    assert _line(report, "- attention outcome") == (
+        "- attention outcome (the max attention logit and the loss, measured apart from the monitors): max logit 10 "
+        "before the fault → 510 at step 200; above the QK-clip level (100) from step 120; max-logit explosion "
+        "(≥ 200 for 10 consecutive records): from step 140; 20-step moving-average loss gap to the clean run: "
+        "+0.181 nats at the end (largest after onset +0.181, step 200)")
+    assert _line(report, "- our first monitor alert") == (
+        "- our first monitor alert: 110; incumbent alarms on the same run: max logit > 100 (QK-clip) at 120; grad "
+        "norm > 20 at 150; silent: Megatron spiky loss, OLMo loss spike, OLMo grad-norm spike — ours 10 steps "
+        "before the first of them")
+    assert "first attention alert: 110" in report
+
+
+def test_an_explosion_cut_short_by_the_end_of_the_run_is_not_met(tmp_path):
+    # 150 from step 120 (above the QK-clip level), 250 in the last 3 records (190, 195, 200): short of 10 records.
+    report = _demo(tmp_path, lambda s: 10.0 if s < 120 else 150.0 if s < 190 else 250.0, lambda s: 1.0)
+    line = _line(report, "- attention outcome")
+    assert "above the QK-clip level (100) from step 120;" in line
+    assert "max-logit explosion (≥ 200 for 10 consecutive records): not met within the run (≥ 200 in its last 3 " \
+           "records);" in line
+    assert _line(report, "- our first monitor alert").endswith("— ours 10 steps before the first of them")
+
+
+@pytest.mark.parametrize("ours, verdict", [(None, ""), (130, " — ours 10 steps after the first of them")])
+def test_incumbents_line_without_or_after_our_alert(tmp_path, ours, verdict):
+    _write_run(tmp_path / "run", [3.0] * STEPS, lambda s: 10.0 if s < 120 else 150.0, lambda s: 1.0)
+    line = incumbents_line(load_demo_run(tmp_path / "run", 21), ours)
+    assert line == (f"our first monitor alert: {ours or 'none'}; incumbent alarms on the same run: max logit > 100 "
+                    f"(QK-clip) at 120; silent: Megatron spiky loss, OLMo loss spike, OLMo grad-norm spike, grad "
+                    f"norm > 20{verdict}")
