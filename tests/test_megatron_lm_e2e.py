@@ -14,6 +14,8 @@ the CPU shims), training a small MoE GPT with EP=2 on the embedded corpus (``--d
   weights (they agree with a plain-optimizer run of the same seed) and the MoLS lrs hold there too.
 * A small dense GQA GPT at ``--tensor-model-parallel-size 2``: it trains, and its losses and every monitor value
   agree with the TP=1 run of the same seed (Megatron-LM builds the same full weights before splitting them).
+* The same GPT at ``--pipeline-model-parallel-size 2``: every stage hands the hook the last stage's loss, so no
+  rank alerts on a loss it does not compute, and the recorded losses are Megatron-LM's own.
 * ``--mech-on-alert stop`` / ``checkpoint`` with the attention fault: Megatron-LM saves the alert step's checkpoint
   through its own save path; ``stop`` ends the run there, ``checkpoint`` trains on.
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 
 import pytest
@@ -250,6 +253,30 @@ def test_tensor_parallel_2_matches_tp1(fork, data, tmp_path):
         for head in range(4):  # per query head, across both TP shards
             assert f"attn/layer{layer}/head{head}/delta2_entropy" in tp2[steps]["metrics"]
     assert compared > 150
+
+
+def test_pipeline_parallel_2_every_stage_gets_the_loss(fork, data, tmp_path):
+    """PP=2: only the last stage computes the loss, yet the hook on every rank must see the same value. With
+    ``--mech-on-alert stop`` a rank that saw another loss (NaN) would alert and stop alone, and the run would fail
+    or end early; evaluations every 2nd step cover both paths (evaluation steps and the checks in between).
+
+    The PP=1 run is no reference here: Megatron-LM seeds each stage with ``seed + 100 × stage``, so the stages'
+    layers start from other weights than at PP=1. The reference is Megatron-LM's own ``lm loss`` log line."""
+    steps = 4
+    stdout = train(fork, data, tmp_path / "pp2", "--train-iters", str(steps), "--mech-interval", "2",
+                   "--mech-on-alert", "stop", model=(*dense_gqa(1), "--pipeline-model-parallel-size", "2"))
+    recs = records(tmp_path / "pp2")
+    assert sorted(recs) == [2, 4]  # the evaluation steps; an alert in between would have written its step too
+    assert not any(r["alerts"] for r in recs.values())
+    logged = [float(v) for v in re.findall(r"lm loss: ([0-9.E+-]+)", stdout)]  # one line per iteration
+    assert len(logged) == steps  # trained to the end: no rank stopped
+    assert all(math.isfinite(r["loss"]) for r in recs.values())
+    # Megatron logs 7 significant digits (%.6E: half a unit in the last place is 5e-7 relative), and its line for
+    # iteration 2 averages iterations 1 and 2 (it does not reset its sums after the first iteration's line).
+    assert (logged[0] + recs[2]["loss"]) / 2 == pytest.approx(logged[1], rel=1e-6)
+    assert recs[4]["loss"] == pytest.approx(logged[3], rel=1e-6)
+    for layer in (0, 1):  # each stage monitors its own layer; the records merge both
+        assert f"attn/layer{layer}/delta2_entropy_mean" in recs[steps]["metrics"]
 
 
 ALERT_FAULT = ("--spec", "megatron_mech.megatron_lm.fault_spec", "layer_spec", "--mech-fault", "attention",

@@ -332,10 +332,35 @@ def before_step(iteration: int) -> None:
 
 
 def _mean_loss(losses_reduced) -> float:
-    """This step's mean loss over the global batch, as ``train_step`` reduces it (last pipeline stage)."""
+    """This step's mean loss over the global batch, as ``train_step`` reduces it on the last pipeline stage; the
+    same value on every rank.
+
+    The hook takes the loss to be identical on every rank (its between-evaluation check and its detectors act on
+    it without a collective), but only the last pipeline stage computes it. With one stage: ``train_step``'s own
+    reduction — the micro-batches' ``[loss sum, tokens]`` all-reduced over the data-parallel (with context) group,
+    or the mean of the older per-micro-batch means. With several stages every rank joins one all-reduce of
+    ``[loss sum, tokens]`` over the default (world) group, the other stages adding zeros: the last stage's
+    tensor-parallel ranks add identical pairs and its context-parallel ranks partial sums, so the ratio equals
+    the data-parallel one; an older per-micro-batch mean ``m`` over ``n`` micro-batches enters as ``[m·n, n]``.
+    Cost as before: one 2-float all-reduce per step (float64 here, so the tensor-parallel copies add exactly).
+    """
     from megatron.core import parallel_state as mpu
 
-    if not losses_reduced or not mpu.is_pipeline_last_stage(ignore_virtual=True):
+    if mpu.get_pipeline_model_parallel_world_size() > 1:
+        from megatron_mech.core.sharded import collective_device
+
+        total = torch.zeros(2, dtype=torch.float64, device=collective_device())
+        if losses_reduced and mpu.is_pipeline_last_stage(ignore_virtual=True):
+            key = next(iter(losses_reduced[0]))
+            values = [x[key].detach().float().view(-1) for x in losses_reduced]
+            if values[0].numel() == 2:
+                total += torch.vstack(values).sum(dim=0).to(total)
+            else:
+                total += torch.tensor([float(torch.cat(values).mean()) * len(values), len(values)], dtype=total.dtype,
+                                      device=total.device)
+        torch.distributed.all_reduce(total)
+        return float(total[0] / total[1]) if total[1] > 0 else math.nan
+    if not losses_reduced:
         return math.nan
     key = next(iter(losses_reduced[0]))
     values = [x[key].detach().float().view(-1) for x in losses_reduced]
