@@ -448,6 +448,14 @@ def test_data_parallel_split_equals_unsplit_under_torchrun():
     assert "DP_SPLIT PASS" in result.stdout, result.stdout[-4000:]
 
 
+@pytest.mark.timeout(300)
+def test_data_parallel_split_shares_parts_of_layers_under_torchrun():
+    """DP=4 over two layers and DP=2×TP=2 (4 ranks): ΔW_q, ΔW_k and head chunks go to different replicas (none
+    idle, each head and ΔW evaluated once), and the metrics equal the single-rank evaluation bit for bit."""
+    result = run_torchrun(Path(__file__).parent / "workers" / "dp_parts_worker.py", nproc=4, timeout=260)
+    assert "DP_PARTS PASS" in result.stdout, result.stdout[-4000:]
+
+
 @pytest.mark.parametrize("scope", ["global", "slice"])
 def test_krylov_route_equals_gram_route_when_the_basis_spans(scope):
     """The Krylov route on matrices small enough for its basis to span the whole space (d_model 16, block 8,
