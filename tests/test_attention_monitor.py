@@ -491,3 +491,23 @@ def test_auto_route_picks_gram_up_to_gram_max_dim():
     assert AttentionMonitorConfig(entropy_power=1.0).route(8192) == "gram"     # Krylov computes p ∝ σ² only
     with pytest.raises(ValueError, match="power"):
         AttentionMonitorConfig(dw_route="krylov", entropy_power=1.0)
+
+
+def test_parts_chunk_heads_by_query_group_and_read_only_their_rows():
+    """The parts of the data-parallel split: a GQA layer's heads in whole query groups, an MHA layer's one by one,
+    a rank whose heads share one K head one by one; each chunk reads its heads' Q rows and its K heads' rows
+    (rows ordered by head, d_head each), and a replica holding ΔW_q reads every Q row."""
+    from megatron_mech.monitors.attention.parts import parts_of, rows_needed
+
+    layers = [AttentionLayer(0, make_weight(4, 2), 4, 2, HEAD_DIM), AttentionLayer(1, make_weight(2, 2), 2, 2, HEAD_DIM),
+              AttentionLayer(2, make_weight(4, 1), 4, 1, HEAD_DIM)]
+    monitor = AttentionMonitor(layers, AttentionMonitorConfig(interval=1))
+    parts = parts_of(monitor._layout, tp_size=1)
+    assert [p for p in parts if p[0] == "heads"] == [("heads", 0, 0, 2), ("heads", 0, 2, 4), ("heads", 1, 0, 1),
+                                                     ("heads", 1, 1, 2)] + [("heads", 2, h, h + 1) for h in range(4)]
+    assert sorted(p for p in parts if p[0] == "dw") == sorted(("dw", i, m) for i in range(3) for m in "qk")
+    d = HEAD_DIM
+    assert rows_needed(monitor._layout, [("heads", 0, 2, 4), ("heads", 2, 3, 4)]) == {
+        0: {"q": [(2 * d, 4 * d)], "k": [(d, 2 * d)]}, 2: {"q": [(3 * d, 4 * d)], "k": [(0, d)]}}
+    assert rows_needed(monitor._layout, [("dw", 0, "q"), ("heads", 0, 2, 4)]) == {
+        0: {"q": [(0, 4 * d)], "k": [(d, 2 * d)]}}

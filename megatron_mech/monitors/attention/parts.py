@@ -20,11 +20,14 @@ from megatron_mech.monitors.attention.layout import BufferLayout
 
 __all__ = ["head_chunks", "part_cost", "parts_of", "rows_needed"]
 
-# Relative costs, calibrated on one CPU (d_model 7168, d_head 128, bf16 weights, float32 Grams): a Krylov block
-# product over a [rows, k] ΔW is a memory-bound skinny GEMM, about 8× a compute-bound GEMM's time per FLOP; an
-# r × r symmetric eigenproblem (Cholesky, core product, eigvalsh) about 10 r³ GEMM FLOPs.
-_SKINNY_GEMM_PENALTY = 8.0
+# Relative costs in GEMM-FLOP equivalents, fitted to times measured on one CPU thread (benchmarks/frontier_shards.py
+# --quick, d_head 128, bf16 weights, float32 Grams): a k × k ΔW eigenproblem ≈ 10 k³; a head's r × r core per
+# term (r = 2·d_head: Cholesky, the core product, eigvalsh, the rank-deficient fallback of Δ3's padding) ≈ 50 r³,
+# which makes a head ≈ 0.3 ΔW Grams of k = 896; a Krylov block product ≈ its FLOPs (at d_model 7168 a Krylov ΔW_q
+# ≈ 30 heads, as one MoE layer's recorded 58 s splits into 2 ΔW and 128 heads).
+_KRYLOV_FLOPS = 1.0
 _EIG_FLOPS = 10.0
+_HEAD_CORE_FLOPS = 50.0
 
 
 def head_chunks(layout: BufferLayout, i: int, tp_size: int) -> list[tuple[int, int]]:
@@ -51,7 +54,7 @@ def parts_of(layout: BufferLayout, tp_size: int) -> list[tuple]:
 def _dw_cost(config, rows: int, k: int) -> float:
     if config.route(k) == "gram":
         return float(rows * k * k + _EIG_FLOPS * k ** 3)
-    return float(config.krylov_steps * 4 * config.krylov_block * rows * k * _SKINNY_GEMM_PENALTY)
+    return float(config.krylov_steps * 4 * config.krylov_block * rows * k * _KRYLOV_FLOPS)
 
 
 def part_cost(layout: BufferLayout, part: tuple, tp_size: int) -> float:
@@ -74,7 +77,7 @@ def part_cost(layout: BufferLayout, part: tuple, tp_size: int) -> float:
     n = hi - lo
     k_heads = -(-n // max(1, lay.num_heads // lay.num_query_groups))
     grams = 3 * 2 * dh * dh * lay.d_model * (n + k_heads)           # ΔΔᵀ, ΔWᵀ, WWᵀ of each Q and K head
-    return float(grams + len(config.qk_terms) * n * _EIG_FLOPS * (2 * dh) ** 3)
+    return float(grams + len(config.qk_terms) * n * _HEAD_CORE_FLOPS * (2 * dh) ** 3)
 
 
 def rows_needed(layout: BufferLayout, parts) -> dict[int, dict[str, list[tuple[int, int]]]]:
