@@ -499,7 +499,8 @@ def test_parts_chunk_heads_by_query_group_and_read_only_their_rows():
     (rows ordered by head, d_head each), and a replica holding ΔW_q reads every Q row."""
     from megatron_mech.monitors.attention.parts import parts_of, rows_needed
 
-    layers = [AttentionLayer(0, make_weight(4, 2), 4, 2, HEAD_DIM), AttentionLayer(1, make_weight(2, 2), 2, 2, HEAD_DIM),
+    layers = [AttentionLayer(0, make_weight(4, 2), 4, 2, HEAD_DIM),
+              AttentionLayer(1, make_weight(2, 2), 2, 2, HEAD_DIM),
               AttentionLayer(2, make_weight(4, 1), 4, 1, HEAD_DIM)]
     monitor = AttentionMonitor(layers, AttentionMonitorConfig(interval=1))
     parts = parts_of(monitor._layout, tp_size=1)
