@@ -57,6 +57,7 @@ import dataclasses
 import logging
 import math
 import time
+from typing import Optional
 
 import torch
 
@@ -163,12 +164,14 @@ def timed_replicas(layout: Layout, cfg: AttentionMonitorConfig) -> list[int]:
     return picks
 
 
-def time_attention(layout: Layout, interval: int, replica: int) -> dict:
+def time_attention(layout: Layout, interval: int, replica: Optional[int]) -> dict:
     """One DP replica's share of the stage's attention evaluation: its snapshot, δ steps of updates, its evaluation
-    (the parts it owns) and its next snapshot, as in training; the DP combine's bytes are derived."""
+    (the parts it owns) and its next snapshot, as in training; the DP combine's bytes are derived. ``replica=None``:
+    every part of one layer, the busiest replica's share under the previous whole-layer split (the in-run
+    reference)."""
     cfg = AttentionMonitorConfig(interval=interval)
-    _, shares, costs = replica_shares(layout, cfg)
-    mine = shares[replica]
+    parts, shares, costs = replica_shares(layout, cfg)
+    mine = shares[replica] if replica is not None else {p for p in parts if p[0] != "extra" and p[1] == 0}
     touched = {p[1] for p in mine if p[0] != "extra"}
     gen = torch.Generator().manual_seed(0)
     layers = stage_layers(layout, touched, gen)
@@ -196,7 +199,8 @@ def time_attention(layout: Layout, interval: int, replica: int) -> dict:
     dws = sum(1 for p in mine if p[0] == "dw")
     return {"snapshot_s": snapshot_s, "evaluation_s": evaluate_s, "snapshot_bytes": snap_bytes,
             "routes": routes, "layers_evaluated": len(touched), "replica": replica, "heads_evaluated": heads,
-            "dw_evaluated": dws, "planned_cost_share": costs[replica] / sum(costs)}
+            "dw_evaluated": dws,
+            "planned_cost_share": sum(part_cost(monitor._layout, p, layout.tp) for p in mine) / sum(costs)}
 
 
 def previous_expert_scalars(before, after, power_iterations: int = 8) -> list[tuple[float, float]]:
@@ -327,6 +331,10 @@ def main(argv=None) -> int:
             log.info(f"{layout.name}: DP replica {a['replica']}: {a['dw_evaluated']} ΔW spectra, "
                      f"{a['heads_evaluated']} heads over {a['layers_evaluated']} layer(s), planned share "
                      f"{100 * a['planned_cost_share']:.1f} %: evaluation {a['evaluation_s']:.2f} s")
+        whole_layer = time_attention(layout, 10, None)
+        attention["previous_split_s"] = whole_layer["evaluation_s"]
+        log.info(f"{layout.name}: previous split (one whole layer on the busiest replica), same run: "
+                 f"{whole_layer['evaluation_s']:.2f} s")
         router = time_router(layout, args.router_token_stride)
         if router:
             log.info(f"{layout.name}: router every token {router['router_s_every']:.2f} s, every "
@@ -361,13 +369,14 @@ def main(argv=None) -> int:
         lines = [f"Machine load at start: {load['load1']:.2f} on {load['cores']} cores"
                  + (" (LOADED: timings unreliable)" if load["loaded"] else "") + ".", "",
                  "| layout | layers touched / rank | ΔW route | evaluation s (measured, CPU) | "
-                 "router s (measured, sampled) | "
+                 "previous whole-layer split s (same run) | router s (measured, sampled) | "
                  "snapshot MiB/rank (measured) | TP MiB | Krylov MiB | DP KiB | PP KiB (derived) | step s (derived) | "
-                 "overhead δ=10 | δ=100 (derived) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                 "overhead δ=10 | δ=100 (derived) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             a, c, lay = r["attention"], r["comm"], r["layout"]
             lines.append(f"| {lay['name']} | {a['layers_evaluated']} | {','.join(a['routes'])} | "
-                         f"{a['evaluation_s']:.2f} | {r['router'].get('router_s', 0):.2f} | "
+                         f"{a['evaluation_s']:.2f} | {a['previous_split_s']:.2f} | "
+                         f"{r['router'].get('router_s', 0):.2f} | "
                          f"{a['snapshot_bytes'] / 2**20:.1f} | {c['tp_reduce_bytes'] / 2**20:.2f} | "
                          f"{c['krylov_bytes'] / 2**20:.2f} | {c['dp_combine_bytes'] / 2**10:.1f} | "
                          f"{c['pp_exchange_bytes'] / 2**10:.1f} | {lay['step_seconds']:.1f} | "
