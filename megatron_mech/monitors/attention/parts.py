@@ -70,9 +70,14 @@ def part_cost(layout: BufferLayout, part: tuple, tp_size: int) -> float:
     (_, kq), (_, kk), heads = layout.layer_geometry(i)
     dh = lay.head_dim
     if part[0] == "dw":
-        ratio = max(1, lay.num_heads // lay.num_query_groups)
-        rows = heads * dh if part[2] == "q" else max(1, heads // ratio) * dh
-        return _dw_cost(config, rows, kq if part[2] == "q" else kk)
+        k = kq if part[2] == "q" else kk
+        if layout.collective:   # the Gram is over d_model; the other side is every rank's rows (global counts)
+            ratio = max(1, lay.num_heads // lay.num_query_groups)
+            other = heads * dh if part[2] == "q" else max(1, heads // ratio) * dh
+        else:                   # the shard's own smaller Gram; the other side is its larger dimension
+            n_q, n_k = lay.qk_row_counts
+            other = max(n_q if part[2] == "q" else n_k, lay.d_model)
+        return _dw_cost(config, other, k)
     lo, hi = part[2], part[3]
     n = hi - lo
     k_heads = -(-n // max(1, lay.num_heads // lay.num_query_groups))
