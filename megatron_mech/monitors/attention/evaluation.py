@@ -1,6 +1,8 @@
-"""The evaluation of a replica's units, bucket by bucket: fill the reduce buffer (each ΔW slot by its route, the
-per-head entropies), reduce it over the TP group, run the Krylov products, and read every unit's values back, keyed
-as :func:`~megatron_mech.monitors.attention.names.unit_entries` says.
+"""The evaluation of a replica's parts (:mod:`~megatron_mech.monitors.attention.parts`), bucket by bucket of units:
+fill the reduce buffer (each owned ΔW slot by its route, the owned heads' entropies), reduce it over the TP group,
+run the Krylov products, and read the owned values back, keyed as
+:func:`~megatron_mech.monitors.attention.names.unit_entries` says (the head aggregates follow once every head is
+known: :func:`complete_layer_values`).
 
 Collectives (global scope over a TP group of more than one rank; none otherwise): ONE ``all_reduce`` (SUM, float64)
 per bucket (one bucket unless ``bucket_mb``), plus ``krylov_steps`` for a bucket with Krylov-route matrices and one

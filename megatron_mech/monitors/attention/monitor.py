@@ -55,8 +55,9 @@ class AttentionMonitor:
             A weight replicated across TP (not split) does not belong here in global scope with TP > 1: its
             Gram would be summed TP times (entropies unchanged, norms scaled by sqrt(TP)).
         dp_group: the data-parallel replicas holding the same weights (None: no split). With
-            ``config.dp_split`` each replica evaluates and snapshots only its share of the units (layers and
-            extra linears) and one SUM all-reduce over ``dp_group`` per evaluation combines the results.
+            ``config.dp_split`` each replica evaluates only its share of the parts (each layer's ΔW_q and ΔW_k
+            spectra and head chunks, each extra linear: :mod:`.parts`), snapshots only the rows they read, and
+            one SUM all-reduce over ``dp_group`` per evaluation combines the results.
     """
 
     def __init__(self, layers: Sequence[AttentionLayer], config: Optional[AttentionMonitorConfig] = None,
