@@ -11,13 +11,17 @@ Layouts (``LAYOUTS`` below):
 What is measured and what is derived (every figure in the results is labelled):
 
 * **Compute (measured here on CPU).** The rank holds its TP shard of its stage's layers (``L/PP`` layers) and
-  evaluates its DP share of them (the default DP split: ``ceil((L/PP) / DP)`` layers on the busiest replica).
-  We build exactly those tensors — the fused-QKV shard ``[(h + 2g)·d_head, hidden]`` of each evaluated layer,
-  bf16 like training weights — and time :class:`~megatron_mech.monitors.attention.AttentionMonitor` on them
-  with the default settings (ΔW route chosen per shape, per-head Δ1/Δ2/Δ3): a snapshot, δ steps of updates,
-  an evaluation. In one process the TP collectives are absent; the per-rank arithmetic is the same (local
-  Grams / Krylov products of the shard, per-head cores of the rank's own heads). MoE: the router statistics
-  of one evaluation step's micro-batches are timed on ``[tokens, experts]`` logits.
+  evaluates its DP share of their parts (the default DP split: each layer's ΔW_q and ΔW_k spectra and its head
+  chunks shared out by planned cost over the DP replicas, :mod:`megatron_mech.monitors.attention.parts`). The
+  monitor's own planner gives every replica's share; the busiest replica holding a ΔW spectrum and the busiest
+  holding only heads are timed (the planned costs are approximate) and the slower one is reported. We build
+  the tensors those parts read — the fused-QKV shard ``[(h + 2g)·d_head, hidden]`` of each layer touched, bf16
+  like training weights — and time the monitor's evaluation of exactly those parts with the default settings
+  (ΔW route chosen per shape, per-head Δ1/Δ2/Δ3): a snapshot of the rows they read, δ steps of updates, an
+  evaluation and the next snapshot. In one process the TP and DP collectives are absent; the per-rank arithmetic
+  is the same (local Grams / Krylov products of the shard, per-head cores of the rank's own heads). MoE: the
+  router statistics of one evaluation step's micro-batches are timed on ``[tokens, experts]`` logits, every
+  token and every ``--router-token-stride``-th (``--mech-router-token-stride``; the overhead uses the latter).
 * **Communication (derived, exact).** Bytes of each collective per evaluation from the monitor's buffer
   layouts: the TP reduction (packed Grams or Krylov scalars, per-head entropies), the Krylov products (steps ×
   Σ k·block floats), the DP combine (every metric of the stage) and the pipeline exchange (every metric of the
@@ -53,11 +57,14 @@ import dataclasses
 import logging
 import math
 import time
+from typing import Optional
 
 import torch
 
 from megatron_mech.core.router import RoutingStats
+from megatron_mech.core.sharded import share_by_cost
 from megatron_mech.monitors.attention import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
+from megatron_mech.monitors.attention.parts import part_cost, rows_needed
 from megatron_mech.monitors.experts import ExpertLayer, ExpertMonitor
 
 try:
@@ -105,11 +112,6 @@ class Layout:
         """Experts the busiest expert-data-parallel replica evaluates (equal sizes: the ceiling)."""
         return -(-self.stage_layers * (self.experts // self.ep) // self.expert_dp)
 
-    @property
-    def evaluated_layers(self) -> int:
-        """Layers the busiest DP replica evaluates (LPT over equal layers: the ceiling)."""
-        return -(-self.stage_layers // self.dp)
-
 
 LAYOUTS = {
     "70b": Layout("70B dense (Llama-2-70B shape)", 80, 8192, 64, 8, 128, tp=8, pp=8, dp=16,
@@ -124,37 +126,81 @@ LAYOUTS = {
 }
 
 
-def rank_layers(layout: Layout, generator: torch.Generator) -> list[AttentionLayer]:
-    """The fused-QKV TP shards (bf16) of the layers this rank evaluates."""
+def stage_layers(layout: Layout, real: set, generator: torch.Generator) -> list[AttentionLayer]:
+    """The fused-QKV TP shards (bf16) of the stage's layers: real random weights for the layers in ``real`` (those
+    the timed replica reads), a zero-stride stand-in of the same shape for the others (planned, never read)."""
     h, g = layout.heads // layout.tp, layout.groups // layout.tp
     rows = (h + 2 * g) * layout.head_dim
     scale = layout.hidden ** -0.5
-    return [AttentionLayer(i, (torch.randn(rows, layout.hidden, generator=generator) * scale).to(torch.bfloat16),
-                           h, g, layout.head_dim) for i in range(layout.evaluated_layers)]
+    out = []
+    for i in range(layout.stage_layers):
+        if i in real:
+            w = (torch.randn(rows, layout.hidden, generator=generator) * scale).to(torch.bfloat16)
+        else:
+            w = torch.zeros((), dtype=torch.bfloat16).expand(rows, layout.hidden)
+        out.append(AttentionLayer(i, w, h, g, layout.head_dim))
+    return out
 
 
-def time_attention(layout: Layout, interval: int) -> dict:
+def replica_shares(layout: Layout, cfg: AttentionMonitorConfig) -> tuple[list, list[set], list[float]]:
+    """The stage's parts and every DP replica's share of them (the monitor's own planner on the real shapes)."""
+    monitor = AttentionMonitor(stage_layers(layout, set(), torch.Generator()), cfg)
+    parts = monitor._parts
+    cost = lambda p: part_cost(monitor._layout, p, layout.tp)  # noqa: E731
+    owners = share_by_cost([cost(p) for p in parts], layout.dp)
+    shares = [{p for p, o in zip(parts, owners) if o == r} for r in range(layout.dp)]
+    return parts, shares, [sum(cost(p) for p in share) for share in shares]
+
+
+def timed_replicas(layout: Layout, cfg: AttentionMonitorConfig) -> list[int]:
+    """The replicas to time: the one of highest planned cost among those holding a ΔW spectrum and among those
+    holding only head chunks (the cost model is approximate; the busier of the two measured is reported)."""
+    _, shares, costs = replica_shares(layout, cfg)
+    picks = []
+    for holds_dw in (True, False):
+        group = [r for r, share in enumerate(shares) if share and any(p[0] == "dw" for p in share) == holds_dw]
+        if group:
+            picks.append(max(group, key=lambda r: costs[r]))
+    return picks
+
+
+def time_attention(layout: Layout, interval: int, replica: Optional[int]) -> dict:
+    """One DP replica's share of the stage's attention evaluation: its snapshot, δ steps of updates, its evaluation
+    (the parts it owns) and its next snapshot, as in training; the DP combine's bytes are derived. ``replica=None``:
+    every part of one layer, the busiest replica's share under the previous whole-layer split (the in-run
+    reference)."""
+    cfg = AttentionMonitorConfig(interval=interval)
+    parts, shares, costs = replica_shares(layout, cfg)
+    mine = shares[replica] if replica is not None else {p for p in parts if p[0] != "extra" and p[1] == 0}
+    touched = {p[1] for p in mine if p[0] != "extra"}
     gen = torch.Generator().manual_seed(0)
-    layers = rank_layers(layout, gen)
-    monitor = AttentionMonitor(layers, AttentionMonitorConfig(interval=interval))
+    layers = stage_layers(layout, touched, gen)
+    monitor = AttentionMonitor(layers, cfg)
+    rows = rows_needed(monitor._layout, mine)
+    snapshots = monitor._snapshots
     t0 = time.perf_counter()
-    monitor.observe(0)
+    snapshots.take(0, layers, [], rows, mine)
     snapshot_s = time.perf_counter() - t0
     with torch.no_grad():
-        for lay in layers:   # δ optimizer steps of updates, ~1e-2 of the weights (bf16 spacing is 2^-8 ≈ 4e-3
-            w = lay.qkv_weight  # relative: smaller random steps would round to zero), plus a coherent rank-4 part
+        for i in sorted(touched):   # δ optimizer steps of updates, ~1e-2 of the weights (bf16 spacing is 2^-8 ≈ 4e-3
+            w = layers[i].qkv_weight  # relative: smaller random steps would round to zero), plus a coherent rank-4 part
             std = float(w.float().std())
             coherent = torch.randn(w.shape[0], 4, generator=gen) @ torch.randn(4, w.shape[1], generator=gen)
             w.copy_((w.float() + 1e-2 * std * (torch.randn(w.shape, generator=gen) + 0.5 * coherent)).to(w.dtype))
     t0 = time.perf_counter()
-    out = monitor.observe(interval)
+    values = monitor._evaluation.values(interval, [p for p in monitor._parts if p in mine])
+    snapshots.take(interval, layers, [], rows, mine)
     evaluate_s = time.perf_counter() - t0        # evaluation + the next snapshot, as in training
-    assert out is not None
-    snap_bytes = sum(t.numel() * t.element_size() for pair in monitor.state_dict()["snapshots"]["layers"]
-                     if pair is not None for t in pair.values())
+    assert values
+    snap_bytes = sum(t.numel() * t.element_size() for held in snapshots.layers if held is not None
+                     for ranges in held.values() for _, _, t in ranges)
     routes = sorted({monitor.config.route(layout.hidden)})
+    heads = sum(p[3] - p[2] for p in mine if p[0] == "heads")
+    dws = sum(1 for p in mine if p[0] == "dw")
     return {"snapshot_s": snapshot_s, "evaluation_s": evaluate_s, "snapshot_bytes": snap_bytes,
-            "metrics": len(out[0]), "routes": routes, "layers_evaluated": len(layers)}
+            "routes": routes, "layers_evaluated": len(touched), "replica": replica, "heads_evaluated": heads,
+            "dw_evaluated": dws,
+            "planned_cost_share": sum(part_cost(monitor._layout, p, layout.tp) for p in mine) / sum(costs)}
 
 
 def previous_expert_scalars(before, after, power_iterations: int = 8) -> list[tuple[float, float]]:
@@ -212,29 +258,36 @@ def time_experts(layout: Layout, interval: int, sample: int) -> dict:
             "update_ratio_rel_err": ratio_err, "stable_rank_rel_err": rank_err}
 
 
-def time_router(layout: Layout) -> dict:
-    """RoutingStats over one evaluation step's tokens on this rank (DP × EP share), in 8192-token micro-batches."""
+def time_router(layout: Layout, stride: int) -> dict:
+    """RoutingStats over one evaluation step's tokens on this rank (DP × EP share), in 8192-token micro-batches:
+    every token, and every ``stride``-th token of each micro-batch (``--mech-router-token-stride``, the rows the
+    monitor records); the relative difference of the mean entropy between the two."""
     if not layout.experts:
         return {}
     tokens = layout.tokens_per_step // layout.dp
-    stats = RoutingStats(layout.experts)
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(8192, layout.experts, generator=gen) * 2.0
     batches = -(-tokens // 8192)
-    t0 = time.perf_counter()
-    for _ in range(batches):
-        stats.update(logits, layout.topk)
-    per_layer = time.perf_counter() - t0
-    return {"tokens_per_rank": tokens, "router_s_per_layer": per_layer,
-            "router_s": per_layer * layout.stage_layers}
+    out = {"tokens_per_rank": tokens, "stride": stride}
+    for key, step in (("every", 1), ("sampled", stride)):
+        stats = RoutingStats(layout.experts)
+        t0 = time.perf_counter()
+        for _ in range(batches):
+            stats.update(logits[::step] if step > 1 else logits, layout.topk)
+        per_layer = time.perf_counter() - t0
+        out[f"router_s_per_layer_{key}"] = per_layer
+        out[f"router_s_{key}"] = per_layer * layout.stage_layers
+        out[f"entropy_mean_{key}"] = stats.mean
+    out["router_s"] = out["router_s_sampled"]
+    out["entropy_mean_rel_diff"] = abs(out["entropy_mean_sampled"] / out["entropy_mean_every"] - 1)
+    return out
 
 
-def communication(layout: Layout, cfg: AttentionMonitorConfig) -> dict:
+def communication(layout: Layout, cfg: AttentionMonitorConfig, layers: int) -> dict:
     """Bytes per evaluation of each collective (derived from the buffer layouts, float64)."""
     k = layout.hidden
     heads_per_layer = layout.heads
     per_layer_tp = (k * k + 2 if cfg.route(k) == "gram" else 3) * 2 + QK_TERMS * heads_per_layer
-    layers = layout.evaluated_layers
     tp_bytes = 8 * (layers * per_layer_tp + 1) if layout.tp > 1 else 0
     krylov_bytes = 0
     if cfg.route(k) == "krylov" and layout.tp > 1:
@@ -254,6 +307,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="hidden ÷ 8, heads ÷ 8: a smoke check")
     parser.add_argument("--force", action="store_true", help="time even on a loaded machine (marked loaded)")
     parser.add_argument("--record", action="store_true", help="write results/frontier_shards.{md,json}")
+    parser.add_argument("--router-token-stride", type=int, default=16,
+                        help="--mech-router-token-stride timed (the every-token time is reported beside it)")
     parser.add_argument("--expert-sample", type=int, default=4,
                         help="experts timed (real shapes), scaled to the rank's evaluated experts")
     args = parser.parse_args(argv)
@@ -268,9 +323,24 @@ def main(argv=None) -> int:
                                          tokens_per_step=layout.tokens_per_step // 64,
                                          expert_ffn=layout.expert_ffn // 8)
         cfg = AttentionMonitorConfig(interval=10)
-        attention = time_attention(layout, interval=10)
-        router = time_router(layout)
-        comm = communication(layout, cfg)
+        timed = [time_attention(layout, 10, r) for r in timed_replicas(layout, cfg)]
+        attention = max(timed, key=lambda a: a["evaluation_s"])
+        attention["replicas_timed"] = [{k: a[k] for k in ("replica", "evaluation_s", "heads_evaluated",
+                                                          "dw_evaluated", "planned_cost_share")} for a in timed]
+        for a in timed:
+            log.info(f"{layout.name}: DP replica {a['replica']}: {a['dw_evaluated']} ΔW spectra, "
+                     f"{a['heads_evaluated']} heads over {a['layers_evaluated']} layer(s), planned share "
+                     f"{100 * a['planned_cost_share']:.1f} %: evaluation {a['evaluation_s']:.2f} s")
+        whole_layer = time_attention(layout, 10, None)
+        attention["previous_split_s"] = whole_layer["evaluation_s"]
+        log.info(f"{layout.name}: previous split (one whole layer on the busiest replica), same run: "
+                 f"{whole_layer['evaluation_s']:.2f} s")
+        router = time_router(layout, args.router_token_stride)
+        if router:
+            log.info(f"{layout.name}: router every token {router['router_s_every']:.2f} s, every "
+                     f"{router['stride']}-th {router['router_s_sampled']:.2f} s (mean entropy rel. diff "
+                     f"{router['entropy_mean_rel_diff']:.1e})")
+        comm = communication(layout, cfg, attention["layers_evaluated"])
         experts = time_experts(layout, interval=10, sample=args.expert_sample)
         per_eval = attention["evaluation_s"] + router.get("router_s", 0.0)
         overhead = {f"delta{d}": per_eval / (d * layout.step_seconds) for d in (10, 100)}
@@ -298,13 +368,15 @@ def main(argv=None) -> int:
     if args.record:
         lines = [f"Machine load at start: {load['load1']:.2f} on {load['cores']} cores"
                  + (" (LOADED: timings unreliable)" if load["loaded"] else "") + ".", "",
-                 "| layout | layers evaluated / rank | ΔW route | evaluation s (measured, CPU) | router s (measured) | "
+                 "| layout | layers touched / rank | ΔW route | evaluation s (measured, CPU) | "
+                 "previous whole-layer split s (same run) | router s (measured, sampled) | "
                  "snapshot MiB/rank (measured) | TP MiB | Krylov MiB | DP KiB | PP KiB (derived) | step s (derived) | "
-                 "overhead δ=10 | δ=100 (derived) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                 "overhead δ=10 | δ=100 (derived) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             a, c, lay = r["attention"], r["comm"], r["layout"]
             lines.append(f"| {lay['name']} | {a['layers_evaluated']} | {','.join(a['routes'])} | "
-                         f"{a['evaluation_s']:.2f} | {r['router'].get('router_s', 0):.2f} | "
+                         f"{a['evaluation_s']:.2f} | {a['previous_split_s']:.2f} | "
+                         f"{r['router'].get('router_s', 0):.2f} | "
                          f"{a['snapshot_bytes'] / 2**20:.1f} | {c['tp_reduce_bytes'] / 2**20:.2f} | "
                          f"{c['krylov_bytes'] / 2**20:.2f} | {c['dp_combine_bytes'] / 2**10:.1f} | "
                          f"{c['pp_exchange_bytes'] / 2**10:.1f} | {lay['step_seconds']:.1f} | "

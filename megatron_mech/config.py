@@ -60,6 +60,11 @@ class MonitorConfig(AttentionMonitorConfig):
     experts: bool = option(False, "per-expert update monitors on MoE layers (update/param ratio, its spread and "
                            "z-score across experts, stable rank); snapshots every local expert weight in host "
                            "memory", flag="--mech-experts")
+    # every n-th token of each micro-batch, a systematic sample: the routing summaries are means, fractions and
+    # quantiles, whose sampling error over m sampled tokens is ~1/sqrt(m) (tests/test_router.py states the bound)
+    router_token_stride: int = option(1, "routing statistics (entropy, margin, load) of every n-th token of each "
+                                      "micro-batch on evaluation steps (1: every token); the summaries' 'tokens' "
+                                      "counts the sampled ones", flag="--mech-router-token-stride", type=int)
 
     def __post_init__(self):
         if isinstance(self.families, str):
@@ -72,6 +77,8 @@ class MonitorConfig(AttentionMonitorConfig):
         if unknown:
             raise ValueError(f"--mech-monitors: unknown monitor family {unknown}; expected {MONITOR_FAMILIES}")
         self.families = () if families == ("none",) else families
+        if not is_int(self.router_token_stride) or self.router_token_stride < 1:
+            raise ValueError(f"--mech-router-token-stride must be an int >= 1, got {self.router_token_stride!r}")
         if isinstance(self.qk_terms, (list, str)):
             self.qk_terms = (self.qk_terms,) if isinstance(self.qk_terms, str) else tuple(self.qk_terms)
         try:

@@ -328,7 +328,7 @@ class MechHook:
                                               dp_group=view.dp_group)
         if "router" in self.families:
             self.router = RouterMonitor([RouterLayer(r.layer, r.weight, r.topk) for r in view.routers],
-                                        token_group=view.token_group)
+                                        token_group=view.token_group, token_stride=monitors.router_token_stride)
             for r in view.routers:
                 r.capture(_LayerRecorder(self.router, r.layer))
         if monitors.experts and view.experts:

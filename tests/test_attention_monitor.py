@@ -448,6 +448,14 @@ def test_data_parallel_split_equals_unsplit_under_torchrun():
     assert "DP_SPLIT PASS" in result.stdout, result.stdout[-4000:]
 
 
+@pytest.mark.timeout(300)
+def test_data_parallel_split_shares_parts_of_layers_under_torchrun():
+    """DP=4 over two layers and DP=2×TP=2 (4 ranks): ΔW_q, ΔW_k and head chunks go to different replicas (none
+    idle, each head and ΔW evaluated once), and the metrics equal the single-rank evaluation bit for bit."""
+    result = run_torchrun(Path(__file__).parent / "workers" / "dp_parts_worker.py", nproc=4, timeout=260)
+    assert "DP_PARTS PASS" in result.stdout, result.stdout[-4000:]
+
+
 @pytest.mark.parametrize("scope", ["global", "slice"])
 def test_krylov_route_equals_gram_route_when_the_basis_spans(scope):
     """The Krylov route on matrices small enough for its basis to span the whole space (d_model 16, block 8,
@@ -483,3 +491,24 @@ def test_auto_route_picks_gram_up_to_gram_max_dim():
     assert AttentionMonitorConfig(entropy_power=1.0).route(8192) == "gram"     # Krylov computes p ∝ σ² only
     with pytest.raises(ValueError, match="power"):
         AttentionMonitorConfig(dw_route="krylov", entropy_power=1.0)
+
+
+def test_parts_chunk_heads_by_query_group_and_read_only_their_rows():
+    """The parts of the data-parallel split: a GQA layer's heads in whole query groups, an MHA layer's one by one,
+    a rank whose heads share one K head one by one; each chunk reads its heads' Q rows and its K heads' rows
+    (rows ordered by head, d_head each), and a replica holding ΔW_q reads every Q row."""
+    from megatron_mech.monitors.attention.parts import parts_of, rows_needed
+
+    layers = [AttentionLayer(0, make_weight(4, 2), 4, 2, HEAD_DIM),
+              AttentionLayer(1, make_weight(2, 2), 2, 2, HEAD_DIM),
+              AttentionLayer(2, make_weight(4, 1), 4, 1, HEAD_DIM)]
+    monitor = AttentionMonitor(layers, AttentionMonitorConfig(interval=1))
+    parts = parts_of(monitor._layout, tp_size=1)
+    assert [p for p in parts if p[0] == "heads"] == [("heads", 0, 0, 2), ("heads", 0, 2, 4), ("heads", 1, 0, 1),
+                                                     ("heads", 1, 1, 2)] + [("heads", 2, h, h + 1) for h in range(4)]
+    assert sorted(p for p in parts if p[0] == "dw") == sorted(("dw", i, m) for i in range(3) for m in "qk")
+    d = HEAD_DIM
+    assert rows_needed(monitor._layout, [("heads", 0, 2, 4), ("heads", 2, 3, 4)]) == {
+        0: {"q": [(2 * d, 4 * d)], "k": [(d, 2 * d)]}, 2: {"q": [(3 * d, 4 * d)], "k": [(0, d)]}}
+    assert rows_needed(monitor._layout, [("dw", 0, "q"), ("heads", 0, 2, 4)]) == {
+        0: {"q": [(0, 4 * d)], "k": [(d, 2 * d)]}}

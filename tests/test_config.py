@@ -204,6 +204,7 @@ def test_deepspeed_section_is_checked_by_the_same_declarations(section, message)
     ({"monitors": {"families": ["attention", "none"]}}, "--mech-monitors"),
     ({"detector": {"baseline": 2}}, "--mech-detector-baseline"),
     ({"mols": {"clamp": [2, 4]}}, "clamp"),
+    ({"monitors": {"router_token_stride": 0}}, "--mech-router-token-stride"),
 ])
 def test_bad_values_raise_once_naming_the_setting(data, flag):
     with pytest.raises(ValueError, match=flag):
@@ -342,7 +343,7 @@ def test_every_attention_setting_is_declared_once_by_the_monitor():
     assert all(section_fields.get(name) is f for name, f in monitor_fields.items())
     redeclared = set(vars(MonitorConfig).get("__annotations__", {})) & set(monitor_fields)
     assert not redeclared, f"MonitorConfig declares attention settings again: {sorted(redeclared)}"
-    assert set(section_fields) - set(monitor_fields) == {"families", "all_linears", "experts"}
+    assert set(section_fields) - set(monitor_fields) == {"families", "all_linears", "experts", "router_token_stride"}
     assert not hasattr(config_module, "ATTENTION_FIELDS")
 
     declared = _declared_flags()

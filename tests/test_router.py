@@ -414,3 +414,45 @@ def test_entropy_of_peaked_routing_with_the_denormal_floor(spread):
     np.testing.assert_allclose(routing_entropy(logits).double().numpy(), reference_entropy(logits), atol=2e-6)
     z = logits.double()
     np.testing.assert_allclose(routing_entropy(z).numpy(), reference_entropy(z), atol=1e-12)
+
+
+def test_router_token_stride_matches_every_token_within_sampling_error():
+    """``token_stride`` n records every n-th token of each micro-batch. On i.i.d. tokens that systematic sample is
+    a simple random sample, so each summary is within a few standard errors of the every-token summary:
+    4 × σ/√m for the means (m sampled tokens; a 4σ miss has probability ~6e-5, and the seed is fixed), and
+    4 × √(p(1−p)/(m·k)) for each expert's load fraction (m·k top-k assignments). The token count is exact."""
+    from megatron_mech.monitors.router import RouterLayer, RouterMonitor
+
+    experts, topk, stride, batches, per_batch = 16, 2, 16, 8, 8192
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randn(experts, 8, generator=gen)
+    # tokens of mixed sharpness (entropy spread over most of [0, log E]) and a skewed load
+    bias = torch.linspace(0.0, 1.5, experts)
+    logits = [torch.randn(per_batch, experts, generator=gen) * (0.5 + 4 * torch.rand(per_batch, 1, generator=gen))
+              + bias for _ in range(batches)]
+    monitors = {s: RouterMonitor([RouterLayer(0, weight, topk)], token_stride=s) for s in (1, stride)}
+    for monitor in monitors.values():
+        monitor.capturing = True
+        for batch in logits:
+            monitor.record(0, batch)
+    full_stats = monitors[1].stats[0]
+    sampled_stats = monitors[stride].stats[0]
+    full_load, sampled_load = full_stats.load_fraction, sampled_stats.load_fraction
+    entropy = torch.cat([routing_entropy(b) for b in logits]).double()
+    top2 = torch.cat([b.topk(2, dim=-1).values for b in logits]).double()
+    margin = top2[:, 0] - top2[:, 1]
+    full, sampled = monitors[1].observe(1)[0], monitors[stride].observe(1)[0]
+    m = batches * per_batch // stride
+    assert sampled["router/layer0/tokens"] == m and full["router/layer0/tokens"] == batches * per_batch
+    for key, spread in (("entropy_mean", float(entropy.std())), ("margin_mean", float(margin.std()))):
+        assert abs(sampled[f"router/layer0/{key}"] - full[f"router/layer0/{key}"]) <= 4 * spread / math.sqrt(m), key
+    tolerance = 4 * torch.sqrt(full_load * (1 - full_load) / (m * topk))
+    assert bool(((sampled_load - full_load).abs() <= tolerance).all()), (sampled_load, full_load)
+    assert sampled["router/layer0/entropy_mean"] != full["router/layer0/entropy_mean"]   # really a sample
+
+
+def test_router_token_stride_rejects_bad_values():
+    from megatron_mech.monitors.router import RouterLayer, RouterMonitor
+
+    with pytest.raises(ValueError, match="token_stride"):
+        RouterMonitor([RouterLayer(0, torch.randn(4, 2), 2)], token_stride=0)

@@ -4,7 +4,7 @@ A framework adapter hands over, per MoE layer, the live router weight ``[E, d]``
 :meth:`RouterMonitor.record` with the router's raw logits ``[tokens..., E]`` from inside the router's forward
 (Megatron: a wrapped ``TopKRouter.gating``; DeepSpeed: a forward-pre-hook on the gate). Recording is switched
 on only for the steps that will be evaluated (``capturing``), so a monitor at interval δ pays for the extra
-softmax on 1/δ of the steps.
+softmax on 1/δ of the steps, and with ``token_stride`` n on every n-th token of those steps' micro-batches.
 
 At an evaluation the per-layer :class:`~megatron_mech.core.router.RoutingStats` are reduced over ``token_group``
 — exactly the ranks that together hold every token of the step (data × expert parallel, plus tensor
@@ -39,10 +39,21 @@ class RouterLayer:
 
 
 class RouterMonitor:
-    def __init__(self, layers: Sequence[RouterLayer], token_group=None, num_bins: int = 20):
+    """Args:
+        layers: this rank's MoE routers.
+        token_group: the ranks that together hold every token of a step (None: this rank alone).
+        num_bins: bins of the normalised-entropy histogram.
+        token_stride: record every n-th token of each micro-batch (a systematic sample; 1: every token). The cost
+            of a recorded micro-batch falls by about n; the summaries are those of the sampled tokens.
+    """
+
+    def __init__(self, layers: Sequence[RouterLayer], token_group=None, num_bins: int = 20, token_stride: int = 1):
         self.layers = {spec.layer: spec for spec in layers}
         if len(self.layers) != len(layers):
             raise ValueError("RouterMonitor got the same layer index twice")
+        if isinstance(token_stride, bool) or not isinstance(token_stride, int) or token_stride < 1:
+            raise ValueError(f"token_stride must be an int >= 1, got {token_stride!r}")
+        self.token_stride = token_stride
         self.token_group = token_group
         self.stats = {spec.layer: RoutingStats(spec.weight.shape[0], num_bins) for spec in layers}
         self.capturing = False
@@ -57,6 +68,8 @@ class RouterMonitor:
         """
         if self.capturing and torch._C._current_graph_task_id() == -1:
             started = time.perf_counter()
+            if self.token_stride > 1:      # a strided view: only the sampled rows are read and upcast
+                logits = logits.detach().reshape(-1, logits.shape[-1])[::self.token_stride]
             self.stats[layer].update(logits, self.layers[layer].topk)
             self.capture_seconds += time.perf_counter() - started
 

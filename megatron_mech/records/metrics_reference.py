@@ -170,7 +170,8 @@ METRICS: tuple = (
                    flags=("--mech-all-linears",)),
     # ------------------------------------------------------------------ router
     MetricEntry("router/layer{L}/tokens", "Tokens in this evaluation's routing statistics: every token of the "
-                "evaluation step over all ranks, counted once; non-finite ones excluded (see `nonfinite_tokens`).",
+                "evaluation step over all ranks, counted once (every n-th of each micro-batch with "
+                "`--mech-router-token-stride n`); non-finite ones excluded (see `nonfinite_tokens`).",
                 "count, ≥ 0", _ROUTER),
     MetricEntry("router/layer{L}/nonfinite_tokens", "Tokens skipped because a router logit was NaN or +inf (or "
                 "every logit −inf).", "count, ≥ 0", _ROUTER),

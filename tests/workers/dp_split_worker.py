@@ -9,9 +9,10 @@ Two layouts on the same 4 processes, each checked on every rank:
 All replicas apply the same updates (as data-parallel replicas do after the gradient all-reduce). The
 reference is the same monitor with ``dp_split=False`` in the same process (every replica evaluates every
 layer). Checks: the split metrics and details equal the reference bit for bit (the combined buffer adds
-exact zeros to the one replica's value); each replica evaluates and snapshots a disjoint share whose union is
-every unit; one DP all-reduce per evaluation on top of the TP one, none on other steps; a NaN in one layer's
-shard makes that layer NaN on every rank; a state_dict saved by the split monitor restores it exactly.
+exact zeros to the one replica's value); each replica evaluates a disjoint share whose union is every part (a
+layer's ΔW_q, ΔW_k, a chunk of its heads, an extra linear); one DP all-reduce per evaluation on top of the TP
+one, none on other steps; a NaN in one layer's shard makes that layer NaN on every rank; a state_dict saved by
+the split monitor restores it exactly.
 
 Rank 0 prints ``DP_SPLIT PASS`` when every rank passed.
 """
@@ -98,8 +99,8 @@ def check_layout(name, tp_group, dp_group, tp_rank, tp, calls, expect) -> None:
                               tp_group=tp_group, extra_linears=replica.extras(), dp_group=dp_group)
     shares = [None] * dist.get_world_size(dp_group)
     dist.all_gather_object(shares, sorted(split._mine), group=dp_group)
-    units = sorted(split._units)
-    expect(sorted(u for s in shares for u in s) == units, f"{name}: shares {shares} do not partition {units}")
+    parts = sorted(split._parts)
+    expect(sorted(u for s in shares for u in s) == parts, f"{name}: shares {shares} do not partition {parts}")
     expect(all(s for s in shares), f"{name}: a replica got no work: {shares}")
     saved = None
     for step in range(STEPS + 1):
@@ -146,7 +147,7 @@ def check_layout(name, tp_group, dp_group, tp_rank, tp, calls, expect) -> None:
             saved = split.state_dict()
             snaps = saved["snapshots"]["layers"]
             held = {i for i, s in enumerate(snaps) if s is not None}
-            expect(held == {i for kind, i in split._mine if kind == "layer"},
+            expect(held == {part[1] for part in split._mine if part[0] != "extra"},
                    f"{name}: snapshots held for layers {held}, evaluated {split._mine}")
     # Resume from the step-4 state on a fresh split monitor: step 6 must match what the run produced then.
     resumed_replica = Replica(tp_rank, tp)

@@ -26,7 +26,8 @@ The package, one concept a module:
 * :mod:`.settings` — :class:`AttentionMonitorConfig`, every setting declared once (doc, flag, check);
 * :mod:`.layer` — :class:`AttentionLayer`; :mod:`.inputs` — checks of the layer list and extra linears;
 * :mod:`.agreement` — the cross-rank agreement on layouts, settings and the loaded snapshot step;
-* :mod:`.dp_split` — the data-parallel work split and the one all-reduce combining the replicas' results;
+* :mod:`.parts` — the parts of an evaluation (ΔW spectra, head chunks), their costs and the rows they read;
+  :mod:`.dp_split` — the data-parallel work split and the one all-reduce combining the replicas' results;
 * :mod:`.snapshots` — the snapshot store, its dtype policy and its checkpoint form;
 * :mod:`.layout` — the reduce buffer's layout; :mod:`.dw_slots` — one ΔW in it, by route (Gram or Krylov);
   :mod:`.qk_heads` — the per-head QK-increment entropies in it; :mod:`.evaluation` — a replica's units evaluated

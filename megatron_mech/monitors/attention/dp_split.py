@@ -1,10 +1,12 @@
-"""The data-parallel work split of the attention monitor: which replica evaluates (and snapshots) which unit (a layer
-or an extra linear), and the one all-reduce that gives every replica every unit's metrics.
+"""The data-parallel work split of the attention monitor: which replica evaluates (and snapshots) which part (a
+layer's ΔW_q or ΔW_k spectrum, a chunk of its heads, an extra linear: :mod:`~megatron_mech.monitors.attention.parts`),
+and the one all-reduce that gives every replica every unit's values.
 
-The units are shared out by cost (longest first, to the least-loaded replica), computed from sizes only, so the plan
-is the same on every rank. After its evaluation a replica writes the values of its own units into a fixed-size
-float64 buffer, in the order of :func:`~megatron_mech.monitors.attention.names.unit_entries` (zeros elsewhere, so
-the SUM is the evaluating replica's value bit for bit), and ONE ``all_reduce`` over ``dp_group`` combines them.
+The parts are shared out by cost (longest first, to the least-loaded replica), computed from sizes only, so the plan
+is the same on every rank. After its evaluation a replica writes the values of its own parts into a fixed-size
+float64 buffer, in a fixed key order per unit (zeros elsewhere, so the SUM is the evaluating replica's value bit for
+bit), and ONE ``all_reduce`` over ``dp_group`` combines them; the head aggregates are formed afterwards, from the
+combined heads, on every replica alike.
 """
 from __future__ import annotations
 
@@ -28,26 +30,28 @@ def assign_units(units: Sequence[Hashable], cost: Callable[[Hashable], float], d
     return {unit for unit, owner in zip(units, owners) if owner == dp_rank}
 
 
-def combine_replicas(step: int, entries: Sequence[list[tuple[str, dict, Hashable]]], local: dict[int, dict],
-                     dp_group, dp_size: int, device: torch.device) -> tuple[dict, dict]:
-    """Every unit's ``(metrics, details)`` on every replica.
+def combine_replicas(step: int, keys: Sequence[list[Hashable]], local: dict[int, dict], dp_group, dp_size: int,
+                     device: torch.device) -> list[dict]:
+    """Every unit's values on every replica: one ``{key: value}`` per unit.
 
     Args:
-        entries: per unit (all units, the same list on every replica), its ``(name, detail, key)`` entries.
-        local: ``{unit position: {key: value}}`` for the units this replica evaluated.
+        keys: per unit (all units, the same list on every replica), the keys of its values.
+        local: ``{unit position: {key: value}}`` with the values this replica computed (a unit's keys may be
+            spread over several replicas: its ΔW spectra and its head chunks; each key is computed by one).
 
-    The buffer holds every value in ``entries`` order, then one step slot (every replica must evaluate this step),
+    The buffer holds every value in ``keys`` order, then one step slot (every replica must evaluate this step),
     then one "unmeasured" mark per value, so ``None`` (the entropies of a frozen matrix) survives the sum."""
-    total = sum(len(e) for e in entries)
+    total = sum(len(k) for k in keys)
     buf = torch.zeros(2 * total + 1, dtype=_F64)
     offset = 0
-    for position, unit_entries in enumerate(entries):
-        if position in local:
-            row = [local[position][key] for _, _, key in unit_entries]
-            buf[offset:offset + len(row)] = torch.tensor([math.nan if v is None else v for v in row], dtype=_F64)
-            buf[total + 1 + offset:total + 1 + offset + len(row)] = torch.tensor(
-                [1.0 if v is None else 0.0 for v in row], dtype=_F64)
-        offset += len(unit_entries)
+    for position, unit_keys in enumerate(keys):
+        mine = local.get(position, {})
+        at = [(j, mine[key]) for j, key in enumerate(unit_keys) if key in mine]
+        if at:
+            index = torch.tensor([offset + j for j, _ in at])
+            buf[index] = torch.tensor([math.nan if v is None else v for _, v in at], dtype=_F64)
+            buf[total + 1 + index] = torch.tensor([1.0 if v is None else 0.0 for _, v in at], dtype=_F64)
+        offset += len(unit_keys)
     buf[total] = float(step)
     buf = buf.to(device)
     all_reduce_flat(buf, dp_group)
@@ -56,13 +60,11 @@ def combine_replicas(step: int, entries: Sequence[list[tuple[str, dict, Hashable
         raise RuntimeError(f"AttentionMonitor: data-parallel replicas evaluated different steps (this rank "
                            f"{step}, sum over replicas {values[total]}); every rank must call observe() at "
                            f"the same steps with the same loaded state")
-    metrics: dict = {}
-    details: dict = {}
+    out = []
     offset = 0
-    for unit_entries in entries:
-        unmeasured = values[total + 1 + offset:total + 1 + offset + len(unit_entries)]
-        for (name, detail, _), value, none in zip(unit_entries, values[offset:offset + len(unit_entries)], unmeasured):
-            metrics[name] = None if none else value
-            details[name] = detail
-        offset += len(unit_entries)
-    return metrics, details
+    for unit_keys in keys:
+        unmeasured = values[total + 1 + offset:total + 1 + offset + len(unit_keys)]
+        out.append({key: None if none else value for key, value, none in
+                    zip(unit_keys, values[offset:offset + len(unit_keys)], unmeasured)})
+        offset += len(unit_keys)
+    return out

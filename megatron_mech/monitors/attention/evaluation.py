@@ -1,6 +1,8 @@
-"""The evaluation of a replica's units, bucket by bucket: fill the reduce buffer (each ΔW slot by its route, the
-per-head entropies), reduce it over the TP group, run the Krylov products, and read every unit's values back, keyed
-as :func:`~megatron_mech.monitors.attention.names.unit_entries` says.
+"""The evaluation of a replica's parts (:mod:`~megatron_mech.monitors.attention.parts`), bucket by bucket of units:
+fill the reduce buffer (each owned ΔW slot by its route, the owned heads' entropies), reduce it over the TP group,
+run the Krylov products, and read the owned values back, keyed as
+:func:`~megatron_mech.monitors.attention.names.unit_entries` says (the head aggregates follow once every head is
+known: :func:`complete_layer_values`).
 
 Collectives (global scope over a TP group of more than one rank; none otherwise): ONE ``all_reduce`` (SUM, float64)
 per bucket (one bucket unless ``bucket_mb``), plus ``krylov_steps`` for a bucket with Krylov-route matrices and one
@@ -22,7 +24,7 @@ from megatron_mech.monitors.attention.qk_heads import HeadEntropies
 from megatron_mech.monitors.attention.settings import AttentionMonitorConfig
 from megatron_mech.monitors.attention.snapshots import SnapshotStore
 
-__all__ = ["UnitEvaluation"]
+__all__ = ["UnitEvaluation", "complete_layer_values"]
 
 
 class UnitEvaluation:
@@ -48,10 +50,16 @@ class UnitEvaluation:
         self._device = fallback_device
         self._heads = HeadEntropies(config, tp_group, tp_size)
 
-    def values(self, step: int, units: list) -> dict:
-        """Evaluate ``units`` (this replica's share) bucket by bucket: Grams summed over the TP group, then the
-        values, ``{unit: {key: value}}`` keyed as the metric table says."""
-        units = list(units)
+    def values(self, step: int, parts) -> dict:
+        """Evaluate ``parts`` (this replica's share, :mod:`~megatron_mech.monitors.attention.parts`) bucket by
+        bucket: Grams summed over the TP group, then the values of each unit with a part among them,
+        ``{unit: {key: value}}`` keyed as the metric table says, without the head aggregates
+        (:func:`complete_layer_values` adds them once every head is known)."""
+        owned: dict = {}
+        for part in parts:
+            unit = ("extra", part[1]) if part[0] == "extra" else ("layer", part[1])
+            owned.setdefault(unit, []).append(part)
+        units = [u for u in sorted(owned, key=lambda u: (u[0] != "layer", u[1]))]
         if self._collective:
             units.append(("check", 0))
             device = collective_device(self.tp_group, fallback=self._device())
@@ -70,7 +78,7 @@ class UnitEvaluation:
             krylov_jobs: dict = {}
             for (kind, i), piece in pieces:
                 if kind == "layer":
-                    self._fill_layer(i, piece, krylov_jobs)
+                    self._fill_layer(i, piece, krylov_jobs, owned[(kind, i)])
                 elif kind == "extra":
                     self._fill_extra(i, piece, krylov_jobs)
                 else:
@@ -82,7 +90,7 @@ class UnitEvaluation:
             for unit, piece in pieces:
                 kind, i = unit
                 if kind == "layer":
-                    values[unit] = self._layer_values(i, piece, krylov)
+                    values[unit] = self._layer_values(i, piece, krylov, owned[unit])
                 elif kind == "extra":
                     values[unit] = self._extra_values(i, piece, krylov)
                 elif float(piece[0]) != float(step) * self.tp_size:
@@ -126,25 +134,49 @@ class UnitEvaluation:
         if job is not None:
             krylov_jobs[key] = job
 
-    def _fill_layer(self, i: int, out: torch.Tensor, krylov_jobs: dict) -> None:
+    def _fill_layer(self, i: int, out: torch.Tensor, krylov_jobs: dict, parts: list) -> None:
         lay = self.layers[i]
         (sq, kq), (sk, kk), heads = self.layout.layer_geometry(i)
         w = lay.qkv_weight.detach()
         w = w.to(self._eval_device(w))
-        q_prev, k_prev = (t.to(w.device) for t in self.snapshots.layers[i])
         q_cur, k_cur = lay.qk_rows(w)
         slots = self._dw_pieces(("layer", i), out)
         dt = compute_dtype(self.config, w)
-        self._fill_dw(slots[("layer", i, "q")], q_cur, q_prev, sq, kq, dt, ("layer", i, "q"), krylov_jobs)
-        self._fill_dw(slots[("layer", i, "k")], k_cur, k_prev, sk, kk, dt, ("layer", i, "k"), krylov_jobs)
+        n_q, n_k = lay.qk_row_counts
+        for m, cur, shard_dim, k, count in (("q", q_cur, sq, kq, n_q), ("k", k_cur, sk, kk, n_k)):
+            if ("dw", i, m) in parts:
+                prev = self.snapshots.rows(i, m, 0, count).to(w.device)
+                self._fill_dw(slots[("layer", i, m)], cur, prev, shard_dim, k, dt, ("layer", i, m), krylov_jobs)
         terms = self.config.qk_terms
         if not terms:
             return
         n_dw = sum(s.numel() for s in slots.values())
         start = lay.head_offset if self._collective else 0
         block = out[n_dw:].view(len(terms), heads)
-        target = block[:, start:start + lay.num_heads]         # zero padding elsewhere: the SUM gathers heads
-        self._heads.fill(lay, w, q_cur, k_cur, q_prev, k_prev, target, dt)
+        for lo, hi in _runs([(p[2], p[3]) for p in parts if p[0] == "heads"]):
+            # zero padding elsewhere: the SUM over TP gathers the heads
+            target = block[:, start + lo:start + hi]
+            if (lo, hi) == (0, lay.num_heads):
+                q_prev = self.snapshots.rows(i, "q", 0, n_q).to(w.device)
+                k_prev = self.snapshots.rows(i, "k", 0, n_k).to(w.device)
+                self._heads.fill(lay, w, q_cur, k_cur, q_prev, k_prev, target, dt)
+                continue
+            dh, ratio = lay.head_dim, lay.num_heads // lay.num_query_groups
+            q_rows, k_rows = (lo * dh, hi * dh), (lo // ratio * dh, ((hi - 1) // ratio + 1) * dh)
+            self._heads.fill_range(q_cur[q_rows[0]:q_rows[1]], k_cur[k_rows[0]:k_rows[1]],
+                                   self.snapshots.rows(i, "q", *q_rows).to(w.device),
+                                   self.snapshots.rows(i, "k", *k_rows).to(w.device), dh, target, dt)
+
+    def owned_columns(self, i: int, lo: int, hi: int) -> list[int]:
+        """Columns of layer i's ``[terms × heads]`` block that local heads ``lo .. hi-1`` fill, on every TP rank
+        of the group in global scope (each at its ``head_offset``, the ranks holding equal head counts)."""
+        lay = self.layers[i]
+        if not self._collective:
+            return list(range(lo, hi))
+        (_, _), (_, _), heads = self.layout.layer_geometry(i)
+        if (lo, hi) == (0, lay.num_heads):
+            return list(range(heads))
+        return [r * lay.num_heads + h for r in range(heads // lay.num_heads) for h in range(lo, hi)]
 
     def _fill_extra(self, j: int, out: torch.Tensor, krylov_jobs: dict) -> None:
         _, w, _ = self.extras[j]
@@ -158,32 +190,58 @@ class UnitEvaluation:
         return slot_values(slot, k, self.config.route(k), self.config.entropy_power, compute_dtype(self.config, weight),
                            krylov.get(key))
 
-    def _layer_values(self, i: int, buf: torch.Tensor, krylov: dict) -> dict:
-        """Layer i's values from its reduced piece: ``(matrix, quantity)``, ``(term, aggregate)``, ``(term, head)``."""
+    def _layer_values(self, i: int, buf: torch.Tensor, krylov: dict, parts: list) -> dict:
+        """Layer i's values of ``parts`` from its reduced piece: ``(matrix, quantity)`` and ``(term, head)``."""
         lay = self.layers[i]
         (_, kq), (_, kk), heads = self.layout.layer_geometry(i)
         slots = self._dw_pieces(("layer", i), buf)
         values = {}
         for m, k in (("q", kq), ("k", kk)):
             key = ("layer", i, m)
-            values.update({(m, what): v for what, v in
-                           self._dw_values(slots[key], k, lay.qkv_weight, key, krylov).items()})
+            if ("dw", i, m) in parts:
+                values.update({(m, what): v for what, v in
+                               self._dw_values(slots[key], k, lay.qkv_weight, key, krylov).items()})
         terms = self.config.qk_terms
         if not terms:
             return values
         n_dw = sum(s.numel() for s in slots.values())
         block = buf[n_dw:].view(len(terms), heads).cpu()
-        q_frozen, k_frozen = values[("q", "frozen")] == 1.0, values[("k", "frozen")] == 1.0
         reported = self.layout.reported_heads(i)
+        columns = [c for p in parts if p[0] == "heads" for c in self.owned_columns(i, p[2], p[3])]
         for t, term in enumerate(terms):
-            row = block[t]
-            vanished = (q_frozen or k_frozen) if term == "delta3" else (q_frozen and k_frozen)
-            for agg, value in zip(HEAD_AGGREGATES, (row.mean(), row.amin())):
-                values[(term, agg)] = None if vanished else float(value)
-            for h, value in zip(reported, row.tolist()):
-                values[(term, h)] = None if vanished else value
+            row = block[t].tolist()
+            for c in columns:
+                values[(term, reported[c])] = row[c]
         return values
 
     def _extra_values(self, j: int, buf: torch.Tensor, krylov: dict) -> dict:
         _, w, _ = self.extras[j]
         return self._dw_values(buf, self.layout.extra_geometry(j)[1], w, ("extra", j), krylov)
+
+
+def _runs(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Adjacent head ranges joined (one batched evaluation each): ``[(0, 2), (2, 4), (6, 8)]`` →
+    ``[(0, 4), (6, 8)]``."""
+    out: list[list[int]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo == out[-1][1]:
+            out[-1][1] = hi
+        else:
+            out.append([lo, hi])
+    return [(lo, hi) for lo, hi in out]
+
+
+def complete_layer_values(values: dict, terms, reported) -> dict:
+    """A layer's values with every head known: the per-head entropies that vanish with a frozen ΔW (Δ3 when ΔW_q or
+    ΔW_k is exactly zero, Δ1/Δ2 when both are) set to ``None``, and the head aggregates ``(term, "mean"|"min")``
+    (float64 over the heads, in head order; NaN when a head is NaN)."""
+    out = dict(values)
+    q_frozen, k_frozen = values[("q", "frozen")] == 1.0, values[("k", "frozen")] == 1.0
+    for term in terms:
+        vanished = (q_frozen or k_frozen) if term == "delta3" else (q_frozen and k_frozen)
+        row = torch.tensor([values[(term, h)] for h in reported], dtype=F64)
+        for agg, value in zip(HEAD_AGGREGATES, (row.mean(), row.amin())):
+            out[(term, agg)] = None if vanished else float(value)
+        if vanished:
+            out.update({(term, h): None for h in reported})
+    return out

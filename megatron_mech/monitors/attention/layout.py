@@ -1,5 +1,5 @@
 """The reduce buffer's layout: what each unit (a layer, an extra linear, the step check) occupies in the float64
-buffer summed over the TP group, and what it costs to evaluate (for the data-parallel split).
+buffer summed over the TP group.
 
 Per layer: the ΔW slots of the Q and K rows (:mod:`~megatron_mech.monitors.attention.dw_slots`; Gram route over
 d_model: ``d_model² + 3`` values each) and a zero-padded ``[terms × total heads]`` block of per-head entropies (each
@@ -79,11 +79,3 @@ class BufferLayout:
         if kind == "extra":
             return self.slot(self.extra_geometry(i)[1])
         return 1  # "check"
-
-    def unit_cost(self, unit) -> float:
-        """Relative evaluation cost of a unit, for balancing: a k×k eigenproblem per Gram (k³) plus the Grams."""
-        kind, i = unit
-        if kind == "layer":
-            (_, kq), (_, kk), heads = self.layer_geometry(i)
-            return float(kq ** 3 + kk ** 3 + heads * (2 * self.layers[i].head_dim) ** 3)
-        return float(self.extra_geometry(i)[1] ** 3)

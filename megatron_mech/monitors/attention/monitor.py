@@ -25,11 +25,12 @@ from megatron_mech.core.sharded import collective_device, distributed_active
 from megatron_mech.monitors.attention.agreement import agree_across_replicas, agree_across_tensor_parallel, \
     agree_on_snapshot_step
 from megatron_mech.monitors.attention.dp_split import assign_units, combine_replicas
-from megatron_mech.monitors.attention.evaluation import UnitEvaluation
+from megatron_mech.monitors.attention.evaluation import UnitEvaluation, complete_layer_values
 from megatron_mech.monitors.attention.inputs import check_extras, check_layers, check_replicated_kv
 from megatron_mech.monitors.attention.layer import AttentionLayer
 from megatron_mech.monitors.attention.layout import BufferLayout
-from megatron_mech.monitors.attention.names import unit_entries
+from megatron_mech.monitors.attention.names import DW_QUANTITIES, unit_entries
+from megatron_mech.monitors.attention.parts import part_cost, parts_of, rows_needed
 from megatron_mech.monitors.attention.settings import AttentionMonitorConfig
 from megatron_mech.monitors.attention.snapshots import SnapshotStore
 
@@ -54,8 +55,9 @@ class AttentionMonitor:
             A weight replicated across TP (not split) does not belong here in global scope with TP > 1: its
             Gram would be summed TP times (entropies unchanged, norms scaled by sqrt(TP)).
         dp_group: the data-parallel replicas holding the same weights (None: no split). With
-            ``config.dp_split`` each replica evaluates and snapshots only its share of the units (layers and
-            extra linears) and one SUM all-reduce over ``dp_group`` per evaluation combines the results.
+            ``config.dp_split`` each replica evaluates only its share of the parts (each layer's ΔW_q and ΔW_k
+            spectra and head chunks, each extra linear: :mod:`.parts`), snapshots only the rows they read, and
+            one SUM all-reduce over ``dp_group`` per evaluation combines the results.
     """
 
     def __init__(self, layers: Sequence[AttentionLayer], config: Optional[AttentionMonitorConfig] = None,
@@ -100,8 +102,10 @@ class AttentionMonitor:
         self._layout = BufferLayout(self.config, self.layers, self.extras, total_heads, self._collective)
         self._units = [("layer", i) for i in range(len(self.layers))] + [("extra", j)
                                                                           for j in range(len(self.extras))]
-        self._mine = (assign_units(self._units, self._layout.unit_cost, self.dp_size, self.dp_rank) if self._dp
-                      else set(self._units))
+        self._parts = parts_of(self._layout, self.tp_size)
+        self._mine = (assign_units(self._parts, lambda p: part_cost(self._layout, p, self.tp_size), self.dp_size,
+                                   self.dp_rank) if self._dp else set(self._parts))
+        self._rows = rows_needed(self._layout, self._mine)
         self._snapshots = SnapshotStore(self.config.snapshot_device, self._device())
         self._evaluation = UnitEvaluation(self.config, self._layout, self._snapshots, self.tp_group, self.tp_size,
                                           self._collective, self._device)
@@ -115,8 +119,9 @@ class AttentionMonitor:
 
     @property
     def evaluated_layers(self) -> list[int]:
-        """Global indices of the layers this replica evaluates and snapshots (all of them without a DP split)."""
-        return [self.layers[i].layer for kind, i in self._units if kind == "layer" and (kind, i) in self._mine]
+        """Global indices of the layers of which this replica evaluates (and snapshots) a part (all of them without
+        a DP split)."""
+        return [self.layers[i].layer for i in sorted(self._rows)]
 
     # ------------------------------------------------------------------ schedule
     def should_observe(self, step: int) -> bool:
@@ -143,7 +148,7 @@ class AttentionMonitor:
         if step % self.config.interval:
             return None
         result = self._evaluate(step) if self.should_evaluate(step) else None
-        self._snapshots.take(step, self.layers, self.extras, self._mine)
+        self._snapshots.take(step, self.layers, self.extras, self._rows, self._mine)
         return result
 
     # ------------------------------------------------------------------ evaluation
@@ -156,18 +161,30 @@ class AttentionMonitor:
         return unit_entries("layer", self.layers[i].layer, terms=self.config.qk_terms,
                             heads=self._layout.reported_heads(i), tp_rank=tp_rank)
 
+    def _raw_keys(self, unit) -> list:
+        """The keys a unit's parts compute (its metric table's keys less the head aggregates)."""
+        kind, i = unit
+        if kind == "extra":
+            return list(DW_QUANTITIES)
+        return ([(m, what) for m in ("q", "k") for what in DW_QUANTITIES]
+                + [(term, h) for term in self.config.qk_terms for h in self._layout.reported_heads(i)])
+
     def _evaluate(self, step: int) -> tuple[dict[str, float], dict[str, dict]]:
-        values = self._evaluation.values(step, [u for u in self._units if u in self._mine])
+        values = self._evaluation.values(step, [p for p in self._parts if p in self._mine])
         if self._dp:
-            entries = [self._entries(u) for u in self._units]
             local = {position: values[u] for position, u in enumerate(self._units) if u in values}
-            return combine_replicas(step, entries, local, self.dp_group, self.dp_size,
-                                    collective_device(self.dp_group, fallback=self._device()))
+            combined = combine_replicas(step, [self._raw_keys(u) for u in self._units], local, self.dp_group,
+                                        self.dp_size, collective_device(self.dp_group, fallback=self._device()))
+            values = dict(zip(self._units, combined))
         metrics: dict[str, float] = {}
         details: dict[str, dict] = {}
         for unit in self._units:
+            unit_values = values[unit]
+            if unit[0] == "layer":
+                unit_values = complete_layer_values(unit_values, self.config.qk_terms,
+                                                    self._layout.reported_heads(unit[1]))
             for name, detail, key in self._entries(unit):
-                metrics[name] = values[unit][key]
+                metrics[name] = unit_values[key]
                 details[name] = detail
         return metrics, details
 
@@ -180,7 +197,7 @@ class AttentionMonitor:
         return {"version": _STATE_VERSION, "step": self._snapshots.step if save else None,
                 "layers": [lay.layer for lay in self.layers], "extras": [name for name, _, _ in self.extras],
                 "tp_rank": self.tp_rank, "config": dataclasses.asdict(self.config),
-                "snapshots": self._snapshots.saved(self.extras) if save else None}
+                "snapshots": self._snapshots.saved(self.layers, self.extras) if save else None}
 
     def _check_state_belongs_here(self, state: Mapping[str, Any]) -> None:
         if state.get("version") != _STATE_VERSION:
@@ -204,9 +221,9 @@ class AttentionMonitor:
         self._check_state_belongs_here(state)
         step, restored = state.get("step"), None
         if step is not None and state.get("snapshots") is not None:
-            restored = self._snapshots.restored(state["snapshots"], self.layers, self.extras, self._mine)
+            restored = self._snapshots.restored(state["snapshots"], self.layers, self.extras, self._rows, self._mine)
             if restored is None:
-                warnings.warn("AttentionMonitor: the saved state lacks snapshots of layers this replica evaluates "
+                warnings.warn("AttentionMonitor: the saved state lacks snapshot rows this replica evaluates "
                               "(saved under another data-parallel split?); the next interval is skipped")
         step = None if restored is None else int(step)
         rounds = [(group, what) for group, active, what in ((self.tp_group, self._collective, "tensor-parallel ranks"),

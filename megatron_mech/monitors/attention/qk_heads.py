@@ -44,7 +44,6 @@ class HeadEntropies:
              dt: torch.dtype) -> None:
         """Layer ``lay``'s entropies of this rank's heads into ``target`` ``[terms × num_heads]``: from the live
         weight ``w`` on the evaluation device, its current and snapshot Q/K rows, in ``dt``."""
-        terms = self.config.qk_terms
         d_model, dh = lay.d_model, lay.head_dim
         if lay.replicated_kv is not None:
             q_cur, k_cur, q_prev, k_prev = self._rows_attended_with(lay, q_cur, k_cur, q_prev, k_prev, dt)
@@ -53,6 +52,18 @@ class HeadEntropies:
             wq, wk, _ = split_fused_qkv(w, lay.num_heads, lay.num_query_groups, dh)
         wq_prev = q_prev.view(lay.num_heads, dh, d_model).transpose(1, 2)
         wk_prev = k_prev.view(lay.num_query_groups, dh, d_model).transpose(1, 2)
+        self._solve(wq_prev, wk_prev, wq, wk, target, dt)
+
+    def fill_range(self, q_cur, k_cur, q_prev, k_prev, head_dim: int, target: torch.Tensor, dt: torch.dtype) -> None:
+        """The entropies of a range of heads into ``target`` ``[terms × heads]``: their current and snapshot Q rows
+        ``[heads·d_head, d_model]`` and the rows of the K heads they attend with (the heads of the range share
+        those K heads evenly, as whole query groups or part of one do)."""
+        d_model = q_cur.shape[1]
+        views = [t.reshape(-1, head_dim, d_model).transpose(1, 2) for t in (q_prev, k_prev, q_cur, k_cur)]
+        self._solve(*views, target, dt)
+
+    def _solve(self, wq_prev, wk_prev, wq, wk, target: torch.Tensor, dt: torch.dtype) -> None:
+        terms = self.config.qk_terms
         if self.config.qk_method == "gram":   # the cores wait for the rest of the bucket: one eigenproblem batch
             self._pending.append((qk_increment_cores(wq_prev, wk_prev, wq, wk, terms=terms, gram_dtype=dt), target))
             held = sum(c.grams_a.numel() * c.grams_a.element_size() * 2 for c, _ in self._pending)

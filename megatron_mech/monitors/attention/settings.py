@@ -85,9 +85,10 @@ class AttentionMonitorConfig:
                                         "(smaller checkpoints; after a resume the first interval re-snapshots and "
                                         "is skipped)", flag="--mech-no-checkpoint-snapshots", inverted=True)
     # each value is computed by one replica and the others add exact zeros, so the split equals the unsplit run
-    dp_split: bool = option(True, "share each evaluation's layers out over the data-parallel replicas (one "
-                            "fixed-size all-reduce combines the results); the flag makes every replica evaluate "
-                            "every layer", flag="--mech-no-dp-split", inverted=True)
+    dp_split: bool = option(True, "share each evaluation's parts (each layer's ΔW_q and ΔW_k spectra and its heads "
+                            "in chunks) out over the data-parallel replicas (one fixed-size all-reduce combines the "
+                            "results); the flag makes every replica evaluate every layer", flag="--mech-no-dp-split",
+                            inverted=True)
 
     def __post_init__(self) -> None:
         if not is_int(self.interval) or self.interval < 1:

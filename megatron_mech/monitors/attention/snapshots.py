@@ -1,14 +1,14 @@
-"""The attention monitor's snapshot store: ``W_{t−δ}`` of the Q and K row blocks (not V) of each layer this replica
-evaluates, and of its extra linears, with the step they were taken at; their checkpoint form and its checks.
+"""The attention monitor's snapshot store: ``W_{t−δ}`` of the Q and K rows (not V) that this replica's parts of each
+layer read (every Q and K row without a data-parallel split), and of its extra linears, with the step they were
+taken at; their checkpoint form and its checks.
 
 Snapshots live on ``snapshot_device`` (``"cpu"``: host memory, the default; ``"device"``: where the weights are),
 in the weight's own dtype: the snapshot is the live weight bit for bit, and ΔW is formed after both are upcast to the
 Gram precision, so the metrics equal those of a float32 snapshot exactly (fp32 main params are snapshotted in
 float32, bf16 model weights in bf16, half the memory). Host memory: ``(H + G)·d_head·d_model`` × the weight's
-element size per layer and rank (a 70B-shaped layout at TP 8, PP 8, DP 16 with the data-parallel split, bf16: one
-layer per rank, 18 MiB). The snapshot cannot be replaced by a reference to the optimizer's previous buffer (where
-the main params are copied into the model params): that buffer holds W_{t−1}, while ΔW spans δ steps, so W_{t−δ}
-has to be kept somewhere.
+element size per layer and rank without a data-parallel split; with it, the rows of the replica's parts. The
+snapshot cannot be replaced by a reference to the optimizer's previous buffer (where the main params are copied
+into the model params): that buffer holds W_{t−1}, while ΔW spans δ steps, so W_{t−δ} has to be kept somewhere.
 """
 from __future__ import annotations
 
@@ -28,8 +28,9 @@ def snapshot_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 class SnapshotStore:
-    """The snapshots of one rank: per layer ``(q_rows, k_rows)`` and per extra linear its weight, ``None`` for a
-    unit another data-parallel replica evaluates.
+    """The snapshots of one rank: per layer the Q and K row ranges its parts read (``{"q": [(lo, hi, rows)],
+    "k": [...]}``, every row when the replica evaluates the whole layer) and per extra linear its weight; ``None``
+    for a unit whose parts other data-parallel replicas evaluate.
 
     Args:
         setting: ``snapshot_device`` (``"cpu"`` or ``"device"``).
@@ -42,53 +43,91 @@ class SnapshotStore:
         self.layers: Optional[list] = None
         self.extras: Optional[list] = None
 
-    def take(self, step: int, layers: list[AttentionLayer], extras: list, mine: set) -> None:
-        """Snapshot the units in ``mine`` (``("layer", i)``, ``("extra", j)``) at ``step``."""
+    def take(self, step: int, layers: list[AttentionLayer], extras: list, rows: Mapping[int, dict], mine: set) -> None:
+        """Snapshot at ``step`` the layer rows in ``rows`` (``{i: {"q": [(lo, hi)], "k": [...]}}``, see
+        :func:`~megatron_mech.monitors.attention.parts.rows_needed`) and the extra linears ``("extra", j)`` in
+        ``mine``."""
         snapped = []
         for i, lay in enumerate(layers):
-            if ("layer", i) not in mine:   # evaluated by another replica: no snapshot here
+            if i not in rows:   # evaluated by other replicas: no snapshot here
                 snapped.append(None)
                 continue
             q, k = lay.qk_rows(lay.qkv_weight.detach())
             dtype = snapshot_dtype(lay.qkv_weight)
             # copy=True: qk_rows may return views of the live parameter.
-            snapped.append((q.to(device=self.device, dtype=dtype, copy=True),
-                            k.to(device=self.device, dtype=dtype, copy=True)))
+            snapped.append({m: [(lo, hi, t[lo:hi].to(device=self.device, dtype=dtype, copy=True))
+                                for lo, hi in rows[i][m]] for m, t in (("q", q), ("k", k))})
         self.layers = snapped
         self.extras = [w.detach().to(device=self.device, dtype=snapshot_dtype(w), copy=True)
                        if ("extra", j) in mine else None for j, (_, w, _) in enumerate(extras)]
         self.step = step
+
+    def rows(self, i: int, matrix: str, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``lo .. hi-1`` of layer i's Q (``matrix="q"``) or K snapshot (a view of the range holding them)."""
+        for start, stop, t in self.layers[i][matrix]:
+            if start <= lo and hi <= stop:
+                return t[lo - start:hi - start]
+        raise KeyError(f"layer {i}: no {matrix} snapshot of rows {lo}..{hi}")
 
     def load(self, step: Optional[int], restored: Optional[tuple[list, list]]) -> None:
         """Replace the snapshots by ``restored`` (from :meth:`restored`) taken at ``step``, or drop them (``None``)."""
         self.step = step
         self.layers, self.extras = restored if restored is not None else (None, None)
 
-    def saved(self, extras: list) -> dict[str, Any]:
-        """The snapshots as a checkpoint holds them: ``{"layers": [{"q", "k"} | None], "extras": {name: weight}}``."""
-        return {"layers": [None if pair is None else {"q": pair[0], "k": pair[1]} for pair in self.layers],
-                "extras": {name: t for (name, _, _), t in zip(extras, self.extras)}}
+    def saved(self, layers: list[AttentionLayer], extras: list) -> dict[str, Any]:
+        """The snapshots as a checkpoint holds them: per layer ``None`` or, per matrix, ``"q"``: every row, or
+        ``"q_ranges"`` ``[[lo, hi], ...]`` with ``"q_rows"`` the tensors of those ranges (same for ``"k"``);
+        ``"extras"``: ``{name: weight}``."""
+        out = []
+        for lay, held in zip(layers, self.layers):
+            if held is None:
+                out.append(None)
+                continue
+            entry = {}
+            for m, count in zip(("q", "k"), lay.qk_row_counts):
+                if [(lo, hi) for lo, hi, _ in held[m]] == [(0, count)]:
+                    entry[m] = held[m][0][2]
+                else:
+                    entry[f"{m}_ranges"] = [[lo, hi] for lo, hi, _ in held[m]]
+                    entry[f"{m}_rows"] = [t for _, _, t in held[m]]
+            out.append(entry)
+        return {"layers": out, "extras": {name: t for (name, _, _), t in zip(extras, self.extras)}}
 
-    def restored(self, saved: Mapping[str, Any], layers: list[AttentionLayer], extras: list,
+    def restored(self, saved: Mapping[str, Any], layers: list[AttentionLayer], extras: list, rows: Mapping[int, dict],
                  mine: set) -> Optional[tuple[list, list]]:
-        """The snapshots of :meth:`saved` for the units in ``mine``, copied onto the snapshot device; ``None`` when
-        one of them is missing (saved by a replica that did not evaluate it: another data-parallel split). A
-        snapshot of the wrong shape raises ``ValueError`` naming the layer or linear."""
+        """The snapshots of :meth:`saved` for the rows in ``rows`` and the extra linears in ``mine``, copied onto
+        the snapshot device; ``None`` when one of them is missing (saved by a replica that evaluated other parts:
+        another data-parallel split). A snapshot of the wrong shape raises ``ValueError`` naming the layer or
+        linear."""
         restored_layers = []
         for i, (lay, snap) in enumerate(zip(layers, saved["layers"])):
-            if ("layer", i) not in mine:
+            if i not in rows:
                 restored_layers.append(None)
                 continue
             if snap is None:
                 return None
-            shapes = tuple((n, lay.d_model) for n in lay.qk_row_counts)
-            for key, shape in zip(("q", "k"), shapes):
-                if tuple(snap[key].shape) != shape:
-                    raise ValueError(f"layer {lay.layer}: snapshot {key} has shape {tuple(snap[key].shape)}, "
-                                     f"expected {shape}")
             dtype = snapshot_dtype(lay.qkv_weight)
-            restored_layers.append(tuple(snap[key].to(device=self.device, dtype=dtype, copy=True)
-                                         for key in ("q", "k")))
+            held = {}
+            for m, count in zip(("q", "k"), lay.qk_row_counts):
+                if m in snap:
+                    if tuple(snap[m].shape) != (count, lay.d_model):
+                        raise ValueError(f"layer {lay.layer}: snapshot {m} has shape {tuple(snap[m].shape)}, "
+                                         f"expected {(count, lay.d_model)}")
+                    pieces = [(0, count, snap[m])]
+                else:
+                    pieces = [(lo, hi, t) for (lo, hi), t in zip(snap.get(f"{m}_ranges", []),
+                                                                 snap.get(f"{m}_rows", []))]
+                    for lo, hi, t in pieces:
+                        if tuple(t.shape) != (hi - lo, lay.d_model):
+                            raise ValueError(f"layer {lay.layer}: snapshot {m} rows {lo}..{hi} have shape "
+                                             f"{tuple(t.shape)}, expected {(hi - lo, lay.d_model)}")
+                held[m] = []
+                for lo, hi in rows[i][m]:
+                    source = next((t[lo - a:hi - a] for a, b, t in pieces if a <= lo and hi <= b), None)
+                    if source is None:
+                        return None
+                    held[m].append((lo, hi, source.to(device=self.device, dtype=dtype, copy=True)))
+            restored_layers.append(held)
         restored_extras = []
         for j, (name, w, _) in enumerate(extras):
             if ("extra", j) not in mine:
