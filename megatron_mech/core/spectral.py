@@ -11,10 +11,11 @@ Dtype policy
 ------------
 * Spectra come back as ``float64`` tensors (they are tiny: a few hundred values per head).
 * ``matrix_spectrum`` computes in ``float64`` for float64 input, otherwise in ``float32`` (bf16/fp16 upcast).
-* ``qk_increment_spectra`` (method ``"gram"``, the default) forms ΔW first, in the input precision, then its
-  d_model-long block Grams in float32 for float32/bf16/fp16 weights (float64 for float64 weights or
-  ``gram_dtype=torch.float64``), and the small r×r cores (r ≤ 2·d_head: Cholesky, eigenvalues) in the same
-  precision as the Grams (``core_dtype`` overrides; the balancing ratios and the final scaling are float64).
+* ``qk_increment_spectra`` (method ``"gram"``, the default) forms ΔW first (once per weight tensor, in the
+  Grams' precision, both weights converted to it), then its d_model-long block Grams: float32 for
+  float32/bf16/fp16 weights, float64 for float64 weights or ``gram_dtype=torch.float64``; and the small
+  r×r cores (r ≤ 2·d_head: Cholesky, eigenvalues) in the same precision as the Grams (``core_dtype``
+  overrides; the balancing ratios and the final scaling are float64).
   Why float32 is enough there: the increments are 1e-3..1e-6 of the weights, but ΔW is formed
   before any product (never as a difference of Grams) and the blocks are balanced to equal norms, so the
   Gram error is ~eps32·σ_max² of the increment's own spectrum: singular values near zero are resolved to
@@ -566,6 +567,10 @@ def spectra_from_qk_cores(cores: Sequence[QKCores], batch: str = "auto") -> list
     * ``"item"``: one batched call per item (per layer: all its heads and terms);
     * ``"head"``: one call per head and term (no batching; the reference the other two must equal).
 
+    On a CPU with several intra-op threads, each call's batch is split into one chunk per thread, the chunks
+    evaluated concurrently with single-threaded LAPACK (see :func:`_core_spectra`): the threads share the
+    matrices instead of each matrix's eigensolver.
+
     The values agree across modes to rounding (LAPACK's batched and single calls run the same algorithm on the
     same matrices; only the blocking of the work differs), which the tests check.
     """
@@ -624,24 +629,29 @@ def qk_increment_cores(
     """The d_model-long part of the Gram route of :func:`qk_increment_spectra` (same arguments): the balanced
     factor Grams of every head and term, as :class:`QKCores`.
 
-    Cost: per query head and per K group three ``d_head × d_head`` block Grams over d_model (``ΔΔᵀ``,
-    ``ΔWᵀ``, ``WWᵀ``: ``6·d_head²·d_model`` FLOPs each side), in ``gram_dtype``; everything after that is
-    r × r (r ≤ 2·d_head) work in ``core_dtype`` (default: ``gram_dtype``): balancing (ratios in float64),
-    assembling each term's Grams (W' = W + Δ from the blocks), a Cholesky factor and one batched symmetric
-    eigenproblem for all heads and terms.
+    Cost: ΔW once per weight tensor (all heads at once; the only d_model-long temporary), then per query
+    head and per K group three ``d_head × d_head`` block Grams over d_model (``ΔWᵀΔW``, ``WᵀΔW``, ``WᵀW``:
+    one batched GEMM each, ``6·d_head²·d_model`` FLOPs each side, 3/4 of the full [2·d_head]² Gram), in
+    ``gram_dtype``; everything after that is r × r (r ≤ 2·d_head) work in ``core_dtype`` (default:
+    ``gram_dtype``): balancing (ratios in float64), assembling each term's Grams (W' = W + Δ from the blocks),
+    and, in :func:`spectra_from_qk_cores`, a Cholesky factor and one batched symmetric eigenproblem for all
+    heads and terms.
 
-    Precision (``gram_dtype`` float32, the default for non-float64 weights): ΔW is formed first, in the input
-    precision (a difference of two float32 weights is rounded once, a relative 6e-8 per entry of ΔW — the
-    increment is never obtained by subtracting two Grams), so the Grams of Δ carry errors relative to ‖Δ‖,
-    not to ‖W‖. Each block's GEMM error is ~eps32·‖X_i‖·‖X_j‖, which balancing (applied to the blocks
-    afterwards, exactly equivalent to balancing the factors) turns into ~eps32·s² on the core's eigenvalues,
-    with s = ‖A‖_F·‖B‖_F the balanced factors' scale: singular values are resolved to ~sqrt(eps32)·s ≈ 3e-4·s
-    absolute, entropies (p ∝ σ²) to ~1e-6. s is of the order of σ_max unless the product cancels (e.g. Δ3 of
-    two rank-1 increments whose d_head sides are nearly orthogonal, s ≫ σ_max), where the relative accuracy
-    drops with it; the QR route keeps ~eps·s there. float64 Grams (the default for float64 input, or
-    ``gram_dtype=torch.float64``) give ~sqrt(eps64)·s and ~1e-12, at twice the GEMM time. A float32 core
-    (the default with float32 Grams) adds an error of the same order as the Grams' own; ``core_dtype=torch.float64`` keeps the r × r work in
-    float64 at about 1.6× its cost.
+    Shapes and orientation: inputs ``[H, d_model, d_head]`` / ``[G, d_model, d_head]`` (paper orientation; a
+    transposed view of Megatron's ``[d_head, d_model]`` rows is read in place); the blocks are formed per K
+    group and indexed to query heads only with GQA.
+
+    Precision (``gram_dtype`` float32, the default for non-float64 weights): ΔW is formed first, in ``gram_dtype`` from
+    both weights converted to it (a difference of two float32 weights is rounded once, a relative 6e-8 per entry of ΔW —
+    the increment is never obtained by subtracting two Grams), so the Grams of Δ carry errors relative to ‖Δ‖, not to
+    ‖W‖. Each block's GEMM error is ~eps32·‖X_i‖·‖X_j‖, which balancing (applied to the blocks afterwards, exactly
+    equivalent to balancing the factors) turns into ~eps32·s² on the core's eigenvalues, with s = ‖A‖_F·‖B‖_F the
+    balanced factors' scale: singular values are resolved to ~sqrt(eps32)·s ≈ 3e-4·s absolute, entropies (p ∝ σ²) to
+    ~1e-6. s is of the order of σ_max unless the product cancels (e.g. Δ3 of two rank-1 increments whose d_head sides
+    are nearly orthogonal, s ≫ σ_max), where the relative accuracy drops with it; the QR route keeps ~eps·s there.
+    float64 Grams (the default for float64 input, or ``gram_dtype=torch.float64``) give ~sqrt(eps64)·s and ~1e-12, at
+    twice the GEMM time. A float32 core (the default with float32 Grams) adds an error of the same order as the Grams'
+    own; ``core_dtype=torch.float64`` keeps the r × r work in float64 at about 1.6× its cost.
     """
     num_heads, num_groups, d_model, d_head, terms, group_of_head = _prepare_qk(wq_prev, wk_prev, wq, wk, terms)
     dtype = _gram_dtype(wq, gram_dtype)
