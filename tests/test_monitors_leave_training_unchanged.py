@@ -1,11 +1,14 @@
 """The monitors only read: a run with every monitor on trains exactly as the same run with the monitors off.
 
-Real megatron-core MoE GPT (torchrun, 2 gloo ranks, EP=2) and a real DeepSpeed MoE engine (2 ranks, ZeRO 2, the
-gate draws random numbers for its second expert): the same seed, data and machine, once with the attention
+Real megatron-core MoE GPT (torchrun, 2 gloo ranks, EP=2): the same seed, data and machine, once with the attention
 monitor, the router capture, the max-attention-logit capture and the expert monitor evaluating every other step,
-once with no monitor. MoLS is left out: it changes the lrs by design. The reference is the unmonitored run itself:
-each step's loss and grad norm, and the final weights, must be bit-identical (same arithmetic on the same machine;
-any op of the monitors that touched the model, its gradients, the optimizer or the random stream would show).
+once with ``--mech-monitors none``; each step's loss and the final weights of both ranks must be bit-identical.
+Real DeepSpeed MoE engine (2 ranks, ZeRO 2; its top-2 gate samples the second expert from the global random
+stream): once with the adapter's attention and router monitors every other step, once without the adapter; each
+step's loss and grad norm on both ranks and the final weights must be bit-identical.
+MoLS is left out: it changes the lrs by design. The reference is the unmonitored run itself: same arithmetic on
+the same machine, so any op of the monitors that touched the model, its gradients, the optimizer or the random
+stream would show.
 """
 import json
 from pathlib import Path
