@@ -83,54 +83,6 @@ def test_batched_equals_per_layer_and_per_head_and_dense():
             assert err.max() <= (1e-4 if f32 else 1e-9), (i, term, err.max().item())
 
 
-def test_core_eigenproblems_spread_over_intra_op_threads_one_lapack_thread_each(monkeypatch):
-    """With several intra-op threads, the r × r work of a batch runs as one chunk per thread, concurrently, each
-    chunk with a single intra-op thread (threaded LAPACK on 256 × 256 cores only adds CPU time); the values
-    are those of the one-thread batched call and of the float64 dense reference, and the caller's thread count
-    is restored, also when a chunk fails."""
-    import threading
-
-    from megatron_mech.core import spectral
-
-    weights = [layer_weights(**spec) for spec in LAYERS[:2]]     # 4 heads × 3 terms = 12 cores per layer
-    cores = [qk_increment_cores(*w, terms=QK_TERMS) for w in weights]
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one_thread = spectra_from_qk_cores(cores, batch="item")
-        calls = []
-        original = spectral._core_spectrum_from_grams
-
-        def recording(gram_a, gram_b):
-            calls.append((threading.get_ident(), torch.get_num_threads(), gram_a.shape[0]))
-            return original(gram_a, gram_b)
-
-        monkeypatch.setattr(spectral, "_core_spectrum_from_grams", recording)
-        torch.set_num_threads(3)
-        spread = spectra_from_qk_cores(cores, batch="item")
-        assert torch.get_num_threads() == 3
-        # 12 cores over 3 threads: chunks of 4, each evaluated with one intra-op thread, not all on one thread
-        assert sorted(n for _, _, n in calls) == [4] * 6 and {t for _, t, _ in calls} == {1}
-        assert len({ident for ident, _, _ in calls}) >= 2
-        for got, ref, w in zip(spread, one_thread, weights):
-            dense = qk_increment_spectra_dense(*w)
-            for term in QK_TERMS:
-                a, b = getattr(got, term), getattr(ref, term)
-                assert ((a - b).abs() / b[:, :1]).max() <= 1e-5, term   # the module docstring's rounding level
-                err = (spectral_entropy(a) - spectral_entropy(getattr(dense, term))).abs().max()
-                assert err <= 1e-4, (term, err.item())                  # the float32 route's accuracy
-
-        def failing(gram_a, gram_b):
-            raise RuntimeError("chunk failed")
-
-        monkeypatch.setattr(spectral, "_core_spectrum_from_grams", failing)
-        with pytest.raises(RuntimeError, match="chunk failed"):
-            spectra_from_qk_cores(cores, batch="item")
-        assert torch.get_num_threads() == 3
-    finally:
-        torch.set_num_threads(before)
-
-
 def test_bad_batch_mode_is_refused():
     with pytest.raises(ValueError, match="batch must be one of"):
         spectra_from_qk_cores([], batch="layers")

@@ -11,11 +11,10 @@ Dtype policy
 ------------
 * Spectra come back as ``float64`` tensors (they are tiny: a few hundred values per head).
 * ``matrix_spectrum`` computes in ``float64`` for float64 input, otherwise in ``float32`` (bf16/fp16 upcast).
-* ``qk_increment_spectra`` (method ``"gram"``, the default) forms ΔW first (once per weight tensor, in the
-  Grams' precision, both weights converted to it), then its d_model-long block Grams: float32 for
-  float32/bf16/fp16 weights, float64 for float64 weights or ``gram_dtype=torch.float64``; and the small
-  r×r cores (r ≤ 2·d_head: Cholesky, eigenvalues) in the same precision as the Grams (``core_dtype``
-  overrides; the balancing ratios and the final scaling are float64).
+* ``qk_increment_spectra`` (method ``"gram"``, the default) forms ΔW first, in the input precision, then its
+  d_model-long block Grams in float32 for float32/bf16/fp16 weights (float64 for float64 weights or
+  ``gram_dtype=torch.float64``), and the small r×r cores (r ≤ 2·d_head: Cholesky, eigenvalues) in the same
+  precision as the Grams (``core_dtype`` overrides; the balancing ratios and the final scaling are float64).
   Why float32 is enough there: the increments are 1e-3..1e-6 of the weights, but ΔW is formed
   before any product (never as a difference of Grams) and the blocks are balanced to equal norms, so the
   Gram error is ~eps32·σ_max² of the increment's own spectrum: singular values near zero are resolved to
@@ -45,8 +44,6 @@ The monitors tell the two NaN cases apart with a separate ``frozen`` flag.
 from __future__ import annotations
 
 import math
-import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
@@ -348,52 +345,6 @@ def _core_spectrum_from_grams(gram_a: torch.Tensor, gram_b: torch.Tensor) -> tor
     return eig.to(torch.float64).clamp_min(0).sqrt().flip(-1) * unit[:, None]
 
 
-_core_pool: Optional[tuple[int, int, ThreadPoolExecutor]] = None   # (pid, workers, pool), made on first use
-
-
-def _core_spectra(gram_a: torch.Tensor, gram_b: torch.Tensor) -> torch.Tensor:
-    """:func:`_core_spectrum_from_grams` ([N, r, r] → [N, r]) with the r × r work spread over the CPU's
-    intra-op threads one matrix group per thread, each running single-threaded LAPACK.
-
-    On a CPU, torch runs a batched ``eigvalsh``/``cholesky`` one matrix after another, each call with all
-    intra-op threads; at r = 256 the threaded symmetric eigensolver gains nothing from a second thread and
-    spends three times the CPU time of one (measured: float32 ``eigvalsh`` of two 256 × 256 cores, 4.9 ms
-    CPU time on one thread, 13.5 ms on two, wall no shorter). So the batch is split into
-    ``torch.get_num_threads()`` contiguous chunks, evaluated concurrently in a small thread pool with the
-    intra-op thread count set to 1 for the duration of the call (and restored after, also on error): the
-    same matrices and the same per-matrix routines, only the scheduling differs (values agree with the
-    one-thread batched call to rounding; LAPACK's blocking depends on its thread count). With one
-    intra-op thread, a batch of one matrix, or a tensor off the CPU, this is :func:`_core_spectrum_from_grams`
-    itself; a single matrix still runs with one intra-op thread, so the per-head mode of
-    :func:`spectra_from_qk_cores` computes exactly what the batched modes compute.
-    """
-    threads = torch.get_num_threads()
-    if gram_a.device.type != "cpu" or threads <= 1:
-        return _core_spectrum_from_grams(gram_a, gram_b)
-    chunks = min(threads, gram_a.shape[0])
-    torch.set_num_threads(1)
-    try:
-        if chunks == 1:
-            return _core_spectrum_from_grams(gram_a, gram_b)
-        pool = _core_thread_pool(chunks)
-        parts = list(pool.map(_core_spectrum_from_grams, gram_a.tensor_split(chunks), gram_b.tensor_split(chunks)))
-    finally:
-        torch.set_num_threads(threads)
-    return torch.cat(parts)
-
-
-def _core_thread_pool(workers: int) -> ThreadPoolExecutor:
-    """The pool of :func:`_core_spectra`, with at least ``workers`` threads. A process forked after the pool
-    was made (e.g. a data-loader worker) gets a fresh one: the forked copy has no threads behind it."""
-    global _core_pool
-    if _core_pool is None or _core_pool[0] != os.getpid() or _core_pool[1] < workers:
-        if _core_pool is not None and _core_pool[0] == os.getpid():
-            _core_pool[2].shutdown(wait=False)   # a smaller pool: its idle threads exit
-        _core_pool = (os.getpid(), workers, ThreadPoolExecutor(max_workers=workers,
-                                                               thread_name_prefix="megatron-mech-qk-cores"))
-    return _core_pool[2]
-
-
 def _singular_psd_factor(gram: torch.Tensor) -> torch.Tensor:
     """A factor F with F Fᵀ = ``gram`` for PSD Grams [M, r, r] on which Cholesky failed (rank-deficient).
 
@@ -486,24 +437,37 @@ def _core_dtype(gram_dtype: torch.dtype, core_dtype: Optional[torch.dtype]) -> t
     return core_dtype
 
 
-def _factor_grams(prev: torch.Tensor, new: torch.Tensor, dtype: torch.dtype, core_dtype: torch.dtype) -> dict:
-    """The three distinct d_head × d_head blocks of the Gram of the factor ``[ΔW, W]`` (inputs
-    ``[N, d_model, d_head]``, paper orientation; ΔW = ``new − prev``, W = ``prev``): ``ΔWᵀΔW``, ``WᵀΔW``,
-    ``WᵀW``, each one batched GEMM over d_model in ``dtype``, returned in ``core_dtype`` ([N, d_head, d_head]).
+def _rows(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[N, d_model, d_head] (paper orientation) → [N, d_head, d_model] in ``dtype``: the row layout Megatron
+    stores (a view when the input is a transposed view of it), so X·Xᵀ below is a plain NT GEMM."""
+    return t.detach().transpose(1, 2).to(dtype)
 
-    Both weights are converted to ``dtype`` before the difference (a difference of two float32/bf16 weights
-    is then rounded once, in ``dtype``); ΔW is the only d_model-long temporary (W is read in place, in the
-    layout it comes in: for Megatron's row layout a transposed view, so each GEMM is a plain NT product over
-    contiguous rows). The fourth block is the transpose of the second, and every other block pair a term needs
-    (e.g. W' = W + ΔW) follows from these three in ``core_dtype``, so no d_model-long product is formed twice.
-    Three full d_head-wide GEMMs do 3/4 of the FLOPs of the 2·d_head-wide Gram of the stacked factor, with
-    no copy of W into a stacked operand; splitting the symmetric two further (5/8 of the FLOPs in five
-    GEMMs) measured no faster on one thread and slower on two (more, smaller calls)."""
-    base = prev.detach().to(dtype)
-    delta = new.detach().to(dtype) - base
-    delta_t, base_t = delta.transpose(1, 2), base.transpose(1, 2)
-    return {("d", "d"): (delta_t @ delta).to(core_dtype), ("w", "d"): (base_t @ delta).to(core_dtype),
-            ("w", "w"): (base_t @ base).to(core_dtype)}
+
+def _block_grams(delta: torch.Tensor, base: torch.Tensor, core_dtype: torch.dtype) -> dict:
+    """The three distinct d_head × d_head blocks of the Gram of [Δ, W] (row layout [N, d_head, d_model]):
+    ``ΔΔᵀ``, ``ΔWᵀ``, ``WWᵀ``, each one batched GEMM in the input dtype, returned in ``core_dtype``. The fourth
+    block is the transpose of the second, and every other block pair a term needs (e.g. W' = W + Δ) follows
+    from these three in ``core_dtype``, so no d_model-long product is formed twice. (Three d_head-wide GEMMs do
+    3/4 of the FLOPs of the one 2·d_head-wide Gram of the stacked [Δ; W]; the two symmetric ones are formed
+    by their lower block rows, which brings it to 5/8.)"""
+    return {("d", "d"): _symmetric_gram(delta).to(core_dtype),
+            ("d", "w"): (delta @ base.transpose(1, 2)).to(core_dtype),
+            ("w", "w"): _symmetric_gram(base).to(core_dtype)}
+
+
+def _symmetric_gram(x: torch.Tensor) -> torch.Tensor:
+    """``x xᵀ`` for ``x`` [N, n, d_model] with 3/4 of the GEMM FLOPs: the two lower block rows of a 2 × 2
+    split (``x₁x₁ᵀ`` and ``x₂xᵀ``), the upper-right block mirrored from the lower-left one (an n²/4 copy).
+    Rows narrower than 32 per half go through one GEMM (too small to gain)."""
+    n = x.shape[1]
+    half = n // 2
+    if half < 32:
+        return x @ x.transpose(1, 2)
+    out = torch.empty(x.shape[0], n, n, dtype=x.dtype, device=x.device)
+    torch.matmul(x[:, :half], x[:, :half].transpose(1, 2), out=out[:, :half, :half])
+    torch.matmul(x[:, half:], x.transpose(1, 2), out=out[:, half:, :])
+    out[:, :half, half:] = out[:, half:, :half].transpose(1, 2)
+    return out
 
 
 def _gram_block(blocks: dict, left: str, right: str) -> torch.Tensor:
@@ -567,10 +531,6 @@ def spectra_from_qk_cores(cores: Sequence[QKCores], batch: str = "auto") -> list
     * ``"item"``: one batched call per item (per layer: all its heads and terms);
     * ``"head"``: one call per head and term (no batching; the reference the other two must equal).
 
-    On a CPU with several intra-op threads, each call's batch is split into one chunk per thread, the chunks
-    evaluated concurrently with single-threaded LAPACK (see :func:`_core_spectra`): the threads share the
-    matrices instead of each matrix's eigensolver.
-
     The values agree across modes to rounding (LAPACK's batched and single calls run the same algorithm on the
     same matrices; only the blocking of the work differs), which the tests check.
     """
@@ -585,14 +545,14 @@ def spectra_from_qk_cores(cores: Sequence[QKCores], batch: str = "auto") -> list
         for i, c in enumerate(cores):
             groups.setdefault((c.grams_a.shape[-1], c.grams_a.dtype, c.grams_a.device), []).append(i)
         for members in groups.values():
-            sv = _core_spectra(torch.cat([cores[i].grams_a for i in members]),
-                               torch.cat([cores[i].grams_b for i in members]))
+            sv = _core_spectrum_from_grams(torch.cat([cores[i].grams_a for i in members]),
+                                           torch.cat([cores[i].grams_b for i in members]))
             for i, part in zip(members, sv.split([cores[i].grams_a.shape[0] for i in members])):
                 values[i] = part
     elif batch == "item":
-        values = [_core_spectra(c.grams_a, c.grams_b) for c in cores]
+        values = [_core_spectrum_from_grams(c.grams_a, c.grams_b) for c in cores]
     else:
-        values = [torch.cat([_core_spectra(c.grams_a[j:j + 1], c.grams_b[j:j + 1])
+        values = [torch.cat([_core_spectrum_from_grams(c.grams_a[j:j + 1], c.grams_b[j:j + 1])
                              for j in range(c.grams_a.shape[0])]) for c in cores]
     out = []
     for c, sv in zip(cores, values):
@@ -629,37 +589,32 @@ def qk_increment_cores(
     """The d_model-long part of the Gram route of :func:`qk_increment_spectra` (same arguments): the balanced
     factor Grams of every head and term, as :class:`QKCores`.
 
-    Cost: ΔW once per weight tensor (all heads at once; the only d_model-long temporary), then per query
-    head and per K group three ``d_head × d_head`` block Grams over d_model (``ΔWᵀΔW``, ``WᵀΔW``, ``WᵀW``:
-    one batched GEMM each, ``6·d_head²·d_model`` FLOPs each side, 3/4 of the full [2·d_head]² Gram), in
-    ``gram_dtype``; everything after that is r × r (r ≤ 2·d_head) work in ``core_dtype`` (default:
-    ``gram_dtype``): balancing (ratios in float64), assembling each term's Grams (W' = W + Δ from the blocks),
-    and, in :func:`spectra_from_qk_cores`, a Cholesky factor and one batched symmetric eigenproblem for all
-    heads and terms.
+    Cost: per query head and per K group three ``d_head × d_head`` block Grams over d_model (``ΔΔᵀ``,
+    ``ΔWᵀ``, ``WWᵀ``: ``6·d_head²·d_model`` FLOPs each side), in ``gram_dtype``; everything after that is
+    r × r (r ≤ 2·d_head) work in ``core_dtype`` (default: ``gram_dtype``): balancing (ratios in float64),
+    assembling each term's Grams (W' = W + Δ from the blocks), a Cholesky factor and one batched symmetric
+    eigenproblem for all heads and terms.
 
-    Shapes and orientation: inputs ``[H, d_model, d_head]`` / ``[G, d_model, d_head]`` (paper orientation; a
-    transposed view of Megatron's ``[d_head, d_model]`` rows is read in place); the blocks are formed per K
-    group and indexed to query heads only with GQA.
-
-    Precision (``gram_dtype`` float32, the default for non-float64 weights): ΔW is formed first, in ``gram_dtype`` from
-    both weights converted to it (a difference of two float32 weights is rounded once, a relative 6e-8 per entry of ΔW —
-    the increment is never obtained by subtracting two Grams), so the Grams of Δ carry errors relative to ‖Δ‖, not to
-    ‖W‖. Each block's GEMM error is ~eps32·‖X_i‖·‖X_j‖, which balancing (applied to the blocks afterwards, exactly
-    equivalent to balancing the factors) turns into ~eps32·s² on the core's eigenvalues, with s = ‖A‖_F·‖B‖_F the
-    balanced factors' scale: singular values are resolved to ~sqrt(eps32)·s ≈ 3e-4·s absolute, entropies (p ∝ σ²) to
-    ~1e-6. s is of the order of σ_max unless the product cancels (e.g. Δ3 of two rank-1 increments whose d_head sides
-    are nearly orthogonal, s ≫ σ_max), where the relative accuracy drops with it; the QR route keeps ~eps·s there.
-    float64 Grams (the default for float64 input, or ``gram_dtype=torch.float64``) give ~sqrt(eps64)·s and ~1e-12, at
-    twice the GEMM time. A float32 core (the default with float32 Grams) adds an error of the same order as the Grams'
-    own; ``core_dtype=torch.float64`` keeps the r × r work in float64 at about 1.6× its cost.
+    Precision (``gram_dtype`` float32, the default for non-float64 weights): ΔW is formed first, in the input
+    precision (a difference of two float32 weights is rounded once, a relative 6e-8 per entry of ΔW — the
+    increment is never obtained by subtracting two Grams), so the Grams of Δ carry errors relative to ‖Δ‖,
+    not to ‖W‖. Each block's GEMM error is ~eps32·‖X_i‖·‖X_j‖, which balancing (applied to the blocks
+    afterwards, exactly equivalent to balancing the factors) turns into ~eps32·s² on the core's eigenvalues,
+    with s = ‖A‖_F·‖B‖_F the balanced factors' scale: singular values are resolved to ~sqrt(eps32)·s ≈ 3e-4·s
+    absolute, entropies (p ∝ σ²) to ~1e-6. s is of the order of σ_max unless the product cancels (e.g. Δ3 of
+    two rank-1 increments whose d_head sides are nearly orthogonal, s ≫ σ_max), where the relative accuracy
+    drops with it; the QR route keeps ~eps·s there. float64 Grams (the default for float64 input, or
+    ``gram_dtype=torch.float64``) give ~sqrt(eps64)·s and ~1e-12, at twice the GEMM time. A float32 core
+    (the default with float32 Grams) adds an error of the same order as the Grams' own; ``core_dtype=torch.float64`` keeps the r × r work in
+    float64 at about 1.6× its cost.
     """
     num_heads, num_groups, d_model, d_head, terms, group_of_head = _prepare_qk(wq_prev, wk_prev, wq, wk, terms)
     dtype = _gram_dtype(wq, gram_dtype)
     core_dtype = _core_dtype(dtype, core_dtype)
-    q_blocks = _factor_grams(wq_prev, wq, dtype, core_dtype)                                     # [H, dh, dh]
-    k_blocks = _factor_grams(wk_prev, wk, dtype, core_dtype)                                     # [G, dh, dh]
-    if num_groups != num_heads:   # GQA: each query head's K group (MHA: the identity, no copy)
-        k_blocks = {key: g[group_of_head] for key, g in k_blocks.items()}
+    q_prev, k_prev = _rows(wq_prev, dtype), _rows(wk_prev, dtype)
+    dq, dk = _rows(wq, dtype) - q_prev, _rows(wk, dtype) - k_prev
+    q_blocks = _block_grams(dq, q_prev, core_dtype)                                              # [H, dh, dh]
+    k_blocks = {key: g[group_of_head] for key, g in _block_grams(dk, k_prev, core_dtype).items()}
 
     def trace(g):  # squared norms in float64 (the balancing ratios stay in range for any block dtype)
         return g.diagonal(dim1=1, dim2=2).sum(-1, dtype=torch.float64)
@@ -680,7 +635,7 @@ def qk_increment_cores(
 
     # All terms in one batch ([terms·H, 2dh, 2dh], Δ3's r = d_head zero-padded): fewer, larger LAPACK calls.
     width = 2 * d_head
-    grams_a = torch.zeros(len(terms) * num_heads, width, width, dtype=core_dtype, device=wq.device)
+    grams_a = torch.zeros(len(terms) * num_heads, width, width, dtype=core_dtype, device=q_prev.device)
     grams_b = torch.zeros_like(grams_a)
     for t, term in enumerate(terms):
         pairs = _TERM_BLOCKS[term]
