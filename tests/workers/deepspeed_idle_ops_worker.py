@@ -27,6 +27,7 @@ if REPO_ROOT not in sys.path:
 
 import torch.distributed as dist  # noqa: E402
 from deepspeed_worker import MICRO, SEQ, VOCAB, build_engine, corpus_tokens, ds_config  # noqa: E402
+from verdict import exit_without_destructors  # noqa: E402
 from op_attribution import OpsPerStep  # noqa: E402  (tests/workers/, the script's directory)
 
 from megatron_mech.deepspeed.engine import DeepSpeedMech  # noqa: E402
@@ -114,8 +115,4 @@ def main(out_file: str, output_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
-    # as tests/workers/deepspeed_worker.py: leave without C++ static destructors (a gloo process sometimes aborts
-    # at interpreter exit after a finished run)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_destructors(0)
