@@ -510,9 +510,11 @@ class MechHook:
         """Between evaluations: a non-finite loss or grad norm is judged with its own step, not left to the next
         evaluation's detectors (at once for floats; at the read-back for values that waited on the device).
 
-        Both values are identical on every rank (the loss is averaged over data-parallel ranks, the grad norm
-        reduced over the whole model), so every rank fires the same alerts and takes the same action without a
-        collective.
+        The grad norm is reduced over the whole model, so a non-finite update shows on every rank at the same step
+        and every rank takes the same action without a collective. The loss is averaged over data-parallel ranks
+        where the trainer does so every step (megatron-core, Megatron-LM); the DeepSpeed adapter averages it only
+        on evaluation steps, so there a loss that is non-finite on one rank alone, with a finite grad norm, is
+        judged by that rank alone.
         """
         symptoms = {"symptom/loss": float(loss)}  # floats here (read back when they came as tensors)
         if grad_norm is not None:
