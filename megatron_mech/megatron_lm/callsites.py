@@ -346,24 +346,23 @@ def _mean_loss(losses_reduced) -> float:
     """
     from megatron.core import parallel_state as mpu
 
+    values = None  # the micro-batches' loss entries, on the last stage (the only one with a loss)
+    if losses_reduced and mpu.is_pipeline_last_stage(ignore_virtual=True):
+        key = next(iter(losses_reduced[0]))
+        values = [x[key].detach().float().view(-1) for x in losses_reduced]
     if mpu.get_pipeline_model_parallel_world_size() > 1:
         from megatron_mech.core.sharded import collective_device
 
         total = torch.zeros(2, dtype=torch.float64, device=collective_device())
-        if losses_reduced and mpu.is_pipeline_last_stage(ignore_virtual=True):
-            key = next(iter(losses_reduced[0]))
-            values = [x[key].detach().float().view(-1) for x in losses_reduced]
-            if values[0].numel() == 2:
-                total += torch.vstack(values).sum(dim=0).to(total)
-            else:
-                total += torch.tensor([float(torch.cat(values).mean()) * len(values), len(values)], dtype=total.dtype,
-                                      device=total.device)
+        if values and values[0].numel() == 2:
+            total += torch.vstack(values).sum(dim=0).to(total)
+        elif values:
+            total += torch.tensor([float(torch.cat(values).mean()) * len(values), len(values)], dtype=total.dtype,
+                                  device=total.device)
         torch.distributed.all_reduce(total)
         return float(total[0] / total[1]) if total[1] > 0 else math.nan
-    if not losses_reduced:
+    if not values:
         return math.nan
-    key = next(iter(losses_reduced[0]))
-    values = [x[key].detach().float().view(-1) for x in losses_reduced]
     if values[0].numel() == 2:  # [sum, tokens] per micro-batch: a token-weighted mean over DP
         total = torch.vstack(values).sum(dim=0).clone()
         torch.distributed.all_reduce(total, group=mpu.get_data_parallel_group(with_context_parallel=True))
