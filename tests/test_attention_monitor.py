@@ -236,11 +236,12 @@ def test_state_dict_round_trip_mid_run(save):
         assert metrics == full[step][0]                # bit-identical continuation
 
 
-def test_non_finite_weight_gives_nan_metrics():
+@pytest.mark.parametrize("route", ["gram", "krylov"])
+def test_non_finite_weight_gives_nan_metrics(route):
     h, g = 4, 2
     weight = make_weight(h, g)
     updates = make_updates(weight.shape, 6)
-    monitor = AttentionMonitor([AttentionLayer(1, weight, h, g, HEAD_DIM)], exact_config(interval=3))
+    monitor = AttentionMonitor([AttentionLayer(1, weight, h, g, HEAD_DIM)], exact_config(interval=3, dw_route=route))
     run_loop(monitor, weight, updates, 3)
     with torch.no_grad():
         weight += updates[4]
@@ -512,3 +513,23 @@ def test_parts_chunk_heads_by_query_group_and_read_only_their_rows():
         0: {"q": [(2 * d, 4 * d)], "k": [(d, 2 * d)]}, 2: {"q": [(3 * d, 4 * d)], "k": [(0, d)]}}
     assert rows_needed(monitor._layout, [("dw", 0, "q"), ("heads", 0, 2, 4)]) == {
         0: {"q": [(0, 4 * d)], "k": [(d, 2 * d)]}}
+
+
+@pytest.mark.parametrize("num_heads,num_groups", [(4, 1), (4, 4), (4, 2)])
+def test_snapshots_never_share_memory_with_the_live_weight(num_heads, num_groups):
+    """Snapshot rows are read as views of the live weight where the fused layout allows (one query group); the
+    store must still own a copy: an in-place update of the weight leaves every snapshot row as it was."""
+    from megatron_mech.monitors.attention.parts import parts_of, rows_needed
+
+    weight = make_weight(num_heads, num_groups)
+    monitor = AttentionMonitor([AttentionLayer(0, weight, num_heads, num_groups, HEAD_DIM)],
+                               AttentionMonitorConfig(interval=2))
+    parts = set(parts_of(monitor._layout, 1))
+    rows = rows_needed(monitor._layout, parts)
+    monitor._snapshots.take(0, monitor.layers, [], rows, parts)
+    before = {m: [t.clone() for _, _, t in monitor._snapshots.layers[0][m]] for m in ("q", "k")}
+    with torch.no_grad():
+        weight.add_(1.0)
+    for m in ("q", "k"):
+        for (_, _, held), copy in zip(monitor._snapshots.layers[0][m], before[m]):
+            assert torch.equal(held, copy)

@@ -2,13 +2,12 @@
 import pytest
 import torch
 
-from megatron_mech.core.layouts import fuse_qkv, qkv_partition_sizes, qkv_row_blocks, split_fused_qkv
+from megatron_mech.core.layouts import fuse_qkv, qkv_block_rows, qkv_partition_sizes, qkv_row_blocks, split_fused_qkv
 
 
 def build_by_hand(wq, wk, wv):
     """Rows per query group: its H/G query heads, then K, then V — each d_head rows of [out, in] weight."""
     num_heads, num_groups = wq.shape[0], wk.shape[0]
-    per_group = num_heads // num_groups
     rows = []
     for g in range(num_groups):
         for j in range(per_group):
@@ -74,3 +73,26 @@ def test_float_counts_are_refused_by_name():
     with pytest.raises(ValueError, match="head_dim must be an int, got 4.0"):
         split_fused_qkv(weight, 4, 2, 4.0)
     split_fused_qkv(weight, 4, 2, 4)
+
+
+@pytest.mark.parametrize("num_heads,num_groups", [(8, 2), (4, 4), (6, 1), (8, 8)])
+def test_block_rows_read_exactly_the_rows_of_the_blocks(num_heads, num_groups):
+    """Every row range of Q, K and V equals the same range of the whole blocks (the reference), and a range inside
+    one query group is a view of the weight (no copy), a range across groups a copy of just those rows."""
+    head_dim = 3
+    weight = torch.randn((num_heads + 2 * num_groups) * head_dim, 5)
+    blocks = dict(zip("qkv", qkv_row_blocks(weight, num_heads, num_groups, head_dim)))
+    for name, whole in blocks.items():
+        for lo in range(whole.shape[0] + 1):
+            for hi in range(lo, whole.shape[0] + 1):
+                rows = qkv_block_rows(weight, num_heads, num_groups, head_dim, name, lo, hi)
+                assert torch.equal(rows, whole[lo:hi]), (name, lo, hi)
+    one_head = qkv_block_rows(weight, num_heads, num_groups, head_dim, "q", head_dim, 2 * head_dim)
+    assert one_head.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()
+    if num_groups > 1:
+        across = qkv_block_rows(weight, num_heads, num_groups, head_dim, "k", 0, 2 * head_dim)
+        assert across.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr()
+    with pytest.raises(ValueError, match="block must be"):
+        qkv_block_rows(weight, num_heads, num_groups, head_dim, "o", 0, 1)
+    with pytest.raises(ValueError, match="outside"):
+        qkv_block_rows(weight, num_heads, num_groups, head_dim, "k", 0, num_groups * head_dim + 1)

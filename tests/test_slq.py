@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from megatron_mech.core.slq import sharded_gram_matvec, slq_spectral_entropy
+from megatron_mech.core.slq import gram_times, sharded_gram_matvec, slq_spectral_entropy
 from megatron_mech.core.spectral import matrix_spectrum, spectral_entropy
 
 
@@ -75,3 +75,19 @@ def test_krylov_zero_and_nonfinite_give_nan_with_the_same_products():
         got = krylov_spectral_summaries(lambda b: calls.append(1) or torch.zeros_like(b), 64, z, 32, steps=5, block=4)
         assert math.isnan(got["entropy"]) and math.isnan(got["lambda_max"])
         assert len(calls) == 5
+
+
+@pytest.mark.parametrize("shard_dim", [0, 1])
+@pytest.mark.parametrize("columns", [None, 1, 8])
+def test_gram_times_is_the_gram_product(shard_dim, columns):
+    """``gram_times`` against the dense Gram formed first (float64 reference): xᵀx·v for a row split, x·xᵀ·v for a
+    column split, for a vector and for blocks."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(37, 23, dtype=torch.float64, generator=gen)
+    gram = x.T @ x if shard_dim == 0 else x @ x.T
+    shape = (gram.shape[0],) if columns is None else (gram.shape[0], columns)
+    v = torch.randn(shape, dtype=torch.float64, generator=gen)
+    got = gram_times(x, v, shard_dim)
+    assert got.shape == v.shape
+    # different summation orders of the same float64 sums: relative error ~ n·eps
+    torch.testing.assert_close(got, gram @ v, rtol=1e-12, atol=1e-12)

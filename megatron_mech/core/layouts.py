@@ -34,7 +34,7 @@ import torch
 from megatron_mech.core.checks import is_int
 
 __all__ = ["ReplicatedKVShard", "concatenated_qkv_blocks", "fuse_qkv", "grouped_qkv_from_blocks", "qkv_partition_sizes",
-           "qkv_row_blocks", "split_fused_qkv"]
+           "qkv_block_rows", "qkv_row_blocks", "split_fused_qkv"]
 
 
 def qkv_partition_sizes(num_heads: int, num_query_groups: int, tp_size: int = 1) -> tuple[int, int]:
@@ -110,6 +110,32 @@ def qkv_row_blocks(weight: torch.Tensor, num_heads: int, num_query_groups: int, 
     """
     wq, wk, wv = split_fused_qkv(weight, num_heads, num_query_groups, head_dim)
     return tuple(w.transpose(1, 2).reshape(-1, w.shape[1]) for w in (wq, wk, wv))
+
+
+def qkv_block_rows(weight: torch.Tensor, num_heads: int, num_query_groups: int, head_dim: int, block: str,
+                   lo: int, hi: int) -> torch.Tensor:
+    """Rows ``lo .. hi-1`` of the Q, K or V row block (``block`` ``"q"``, ``"k"`` or ``"v"``) of a fused
+    ``linear_qkv`` weight, in the head order of :func:`qkv_row_blocks`, ``[hi − lo, d_model]``.
+
+    Reads only those rows: a view of ``weight`` when they lie in one query group (e.g. one head, or one K head),
+    else a copy of just those rows — never the whole block, nor V's rows when Q or K are asked for (the
+    per-group interleaving makes :func:`qkv_row_blocks` copy all three). Never write through the result.
+    """
+    d_model = _check_fused(weight, num_heads, num_query_groups, head_dim)
+    per_group = num_heads // num_query_groups
+    width = (per_group if block == "q" else 1) * head_dim          # the block's rows in each query group
+    offsets = {"q": 0, "k": per_group * head_dim, "v": (per_group + 1) * head_dim}
+    if block not in offsets:
+        raise ValueError(f"block must be 'q', 'k' or 'v', got {block!r}")
+    if not (is_int(lo) and is_int(hi) and 0 <= lo <= hi <= width * num_query_groups):
+        raise ValueError(f"{block} rows {lo}..{hi} are outside 0..{width * num_query_groups}")
+    grouped = weight.view(num_query_groups, (per_group + 2) * head_dim, d_model)
+    offset = offsets[block]
+    if lo == hi:
+        return grouped[0, offset:offset]
+    pieces = [grouped[g, offset + max(lo, g * width) - g * width:offset + min(hi, (g + 1) * width) - g * width]
+              for g in range(lo // width, -(-hi // width))]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def grouped_qkv_from_blocks(q_rows: torch.Tensor, k_rows: torch.Tensor, v_rows: Optional[torch.Tensor],

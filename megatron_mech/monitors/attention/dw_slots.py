@@ -14,7 +14,7 @@ from typing import Callable, Hashable, Optional
 import torch
 
 from megatron_mech.core.sharded import frobenius_from_shard_grams, shard_gram, spectrum_from_shard_grams
-from megatron_mech.core.slq import krylov_spectral_summaries_many
+from megatron_mech.core.slq import gram_times, krylov_spectral_summaries_many
 from megatron_mech.core.spectral import effective_rank, spectral_entropy, stable_rank
 from megatron_mech.monitors.attention.agreement import process_independent_hash
 from megatron_mech.monitors.attention.settings import AttentionMonitorConfig
@@ -42,7 +42,7 @@ def fill_slot(out: torch.Tensor, delta: torch.Tensor, shard_dim: int, k: int, ro
               prev: torch.Tensor) -> Optional[KrylovJob]:
     """Write this rank's part of one ΔW into ``out`` (``slot_size(k, route)`` values); the Krylov route returns the
     job its products need after the reduction."""
-    out[-1] = prev.detach().to(F64).square().sum()
+    out[-1] = torch.linalg.vector_norm(prev.detach(), dtype=F64).square()   # accumulates in float64, no copy
     out = out[:-1]
     if route == "gram":
         out.copy_(shard_gram(delta, shard_dim, accumulate_dtype=delta.dtype, lower_only=True))
@@ -50,13 +50,16 @@ def fill_slot(out: torch.Tensor, delta: torch.Tensor, shard_dim: int, k: int, ro
     # ΔW stays in the Gram precision (float32 for float32/bf16 weights): the products are memory-bound
     # skinny GEMMs over the whole shard, so float64 would double both their time and the shard's copy, for
     # nothing the estimate can resolve (the Lanczos basis and Rayleigh–Ritz stay float64).
+    # Finite input — the normal case — costs one pass (the norm): a non-finite entry makes the float64 sum of
+    # squares non-finite (finite float32 squares cannot overflow it), and only then is ΔW scanned and zeroed.
     x = delta.detach()
-    finite = torch.isfinite(x)
-    if not bool(finite.all()):
+    squares = torch.linalg.vector_norm(x, dtype=F64).square()
+    bad = torch.zeros((), dtype=F64, device=x.device)
+    if not bool(torch.isfinite(squares)):
+        finite = torch.isfinite(x)
         x = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
-    out.copy_(torch.stack([torch.linalg.vector_norm(x, dtype=F64).square(),
-                           torch.tensor(float(delta.shape[shard_dim]), dtype=F64, device=x.device),
-                           (~finite).sum().to(F64)]))
+        squares, bad = torch.linalg.vector_norm(x, dtype=F64).square(), (~finite).sum().to(F64)
+    out.copy_(torch.stack([squares, torch.tensor(float(delta.shape[shard_dim]), dtype=F64, device=x.device), bad]))
     return x, shard_dim, k
 
 
@@ -77,8 +80,7 @@ def run_krylov(step: int, jobs: dict[Hashable, KrylovJob], reduced: dict[Hashabl
     for key in keys:
         x, shard_dim, k = jobs[key]
         packed = reduced[key]
-        matvecs.append((lambda v, x=x: (x.T @ (x @ v.to(x.device, x.dtype))).to(v.dtype)) if shard_dim == 0
-                       else (lambda v, x=x: (x @ (x.T @ v.to(x.device, x.dtype))).to(v.dtype)))
+        matvecs.append(lambda v, x=x, d=shard_dim: gram_times(x, v.to(x.device, x.dtype), d).to(v.dtype))
         ns.append(k)
         zs.append(_squared_norm(packed))
         bounds.append(max(1, min(int(round(float(packed[1]))), k)))

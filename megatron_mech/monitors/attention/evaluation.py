@@ -130,7 +130,9 @@ class UnitEvaluation:
 
     def _fill_dw(self, out: torch.Tensor, current: torch.Tensor, prev: torch.Tensor, shard_dim: int, k: int,
                  dt: torch.dtype, key, krylov_jobs: dict) -> None:
-        job = fill_slot(out, current.to(dt) - prev.to(dt), shard_dim, k, self.config.route(k), prev)
+        delta = current.to(dt, copy=True)       # a copy: ``current`` may be a view of the live weight
+        delta.sub_(prev)                         # upcasts prev element by element: one temporary, not two
+        job = fill_slot(out, delta, shard_dim, k, self.config.route(k), prev)
         if job is not None:
             krylov_jobs[key] = job
 
@@ -139,14 +141,16 @@ class UnitEvaluation:
         (sq, kq), (sk, kk), heads = self.layout.layer_geometry(i)
         w = lay.qkv_weight.detach()
         w = w.to(self._eval_device(w))
-        q_cur, k_cur = lay.qk_rows(w)
         slots = self._dw_pieces(("layer", i), out)
         dt = compute_dtype(self.config, w)
         n_q, n_k = lay.qk_row_counts
-        for m, cur, shard_dim, k, count in (("q", q_cur, sq, kq, n_q), ("k", k_cur, sk, kk, n_k)):
+        # Rows are read per part (lay.qk_row_range): the fused layout interleaves Q, K and V per query group, so
+        # taking the whole Q and K blocks would copy V too, and every row for a replica holding a few heads.
+        for m, shard_dim, k, count in (("q", sq, kq, n_q), ("k", sk, kk, n_k)):
             if ("dw", i, m) in parts:
                 prev = self.snapshots.rows(i, m, 0, count).to(w.device)
-                self._fill_dw(slots[("layer", i, m)], cur, prev, shard_dim, k, dt, ("layer", i, m), krylov_jobs)
+                self._fill_dw(slots[("layer", i, m)], lay.qk_row_range(w, m, 0, count), prev, shard_dim, k, dt,
+                              ("layer", i, m), krylov_jobs)
         terms = self.config.qk_terms
         if not terms:
             return
@@ -159,11 +163,11 @@ class UnitEvaluation:
             if (lo, hi) == (0, lay.num_heads):
                 q_prev = self.snapshots.rows(i, "q", 0, n_q).to(w.device)
                 k_prev = self.snapshots.rows(i, "k", 0, n_k).to(w.device)
-                self._heads.fill(lay, w, q_cur, k_cur, q_prev, k_prev, target, dt)
+                self._heads.fill(lay, w, q_prev, k_prev, target, dt)
                 continue
             dh, ratio = lay.head_dim, lay.num_heads // lay.num_query_groups
             q_rows, k_rows = (lo * dh, hi * dh), (lo // ratio * dh, ((hi - 1) // ratio + 1) * dh)
-            self._heads.fill_range(q_cur[q_rows[0]:q_rows[1]], k_cur[k_rows[0]:k_rows[1]],
+            self._heads.fill_range(lay.qk_row_range(w, "q", *q_rows), lay.qk_row_range(w, "k", *k_rows),
                                    self.snapshots.rows(i, "q", *q_rows).to(w.device),
                                    self.snapshots.rows(i, "k", *k_rows).to(w.device), dh, target, dt)
 

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from megatron_mech.core.checks import is_int
-from megatron_mech.core.layouts import ReplicatedKVShard, qkv_partition_sizes, qkv_row_blocks
+from megatron_mech.core.layouts import ReplicatedKVShard, qkv_block_rows, qkv_partition_sizes, qkv_row_blocks
 
 __all__ = ["AttentionLayer"]
 
@@ -81,6 +81,13 @@ class AttentionLayer:
             return self.replicated_kv.local_qk_rows(weight)
         q, k, _ = qkv_row_blocks(weight, self.num_heads, self.num_query_groups, self.head_dim)
         return q, k
+
+    def qk_row_range(self, weight: torch.Tensor, matrix: str, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``lo .. hi-1`` of :meth:`qk_rows`' Q (``matrix="q"``) or K rows, reading only those rows of
+        ``weight`` (a view where the layout allows, else a copy of just them; never write through it)."""
+        if self.replicated_kv is not None:
+            return self.qk_rows(weight)[0 if matrix == "q" else 1][lo:hi]     # views already
+        return qkv_block_rows(weight, self.num_heads, self.num_query_groups, self.head_dim, matrix, lo, hi)
 
     @property
     def qk_row_counts(self) -> tuple[int, int]:

@@ -27,6 +27,15 @@ def snapshot_dtype(t: torch.Tensor) -> torch.dtype:
     return t.dtype
 
 
+def _copy(rows: torch.Tensor, live: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``rows`` on ``device`` in ``dtype``, never sharing memory with the live parameter ``live`` (``rows`` may be a
+    view of it, or already a fresh copy of the rows, which is then not copied again)."""
+    moved = rows.to(device=device, dtype=dtype)
+    if moved.untyped_storage().data_ptr() == live.untyped_storage().data_ptr():
+        moved = moved.clone()
+    return moved
+
+
 class SnapshotStore:
     """The snapshots of one rank: per layer the Q and K row ranges its parts read (``{"q": [(lo, hi, rows)],
     "k": [...]}``, every row when the replica evaluates the whole layer) and per extra linear its weight; ``None``
@@ -52,11 +61,10 @@ class SnapshotStore:
             if i not in rows:   # evaluated by other replicas: no snapshot here
                 snapped.append(None)
                 continue
-            q, k = lay.qk_rows(lay.qkv_weight.detach())
-            dtype = snapshot_dtype(lay.qkv_weight)
-            # copy=True: qk_rows may return views of the live parameter.
-            snapped.append({m: [(lo, hi, t[lo:hi].to(device=self.device, dtype=dtype, copy=True))
-                                for lo, hi in rows[i][m]] for m, t in (("q", q), ("k", k))})
+            w = lay.qkv_weight.detach()
+            dtype = snapshot_dtype(w)
+            snapped.append({m: [(lo, hi, _copy(lay.qk_row_range(w, m, lo, hi), w, self.device, dtype))
+                                for lo, hi in rows[i][m]] for m in ("q", "k")})
         self.layers = snapped
         self.extras = [w.detach().to(device=self.device, dtype=snapshot_dtype(w), copy=True)
                        if ("extra", j) in mine else None for j, (_, w, _) in enumerate(extras)]
