@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from dist_utils import run_torchrun
 from megatron_mech.core.sharded import (all_reduce_packed, bucket_plan, frobenius_from_shard_grams, gram_size,
                                    shard_gram, sharded_matrix_spectra, sharded_matrix_spectrum,
-                                   spectrum_from_shard_grams)
+                                   spectrum_from_shard_grams, squared_norm)
 from megatron_mech.core.spectral import matrix_spectrum
 
 EPS64 = torch.finfo(torch.float64).eps
@@ -156,3 +156,17 @@ def test_lower_only_gram_is_the_lower_triangle_by_blocks(shard_dim):
     bad = shard_gram(M, shard_dim, lower_only=True)
     assert bad[-1] == 1 and torch.isfinite(bad[:-1]).all()
     assert torch.isnan(spectrum_from_shard_grams(bad, k)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (300, 4000), (2, 3, 4)])
+def test_squared_norm_is_the_float64_sum_of_squares(dtype, shape):
+    """Blockwise float64 sum of squares against the float64 copy squared and summed at once (the reference);
+    300 × 4000 spans several blocks. Non-finite entries give a non-finite result."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+    got = squared_norm(x)
+    assert got.dtype == torch.float64
+    # the same float64 squares summed in another order: relative error ~ log(n)·eps
+    assert float(got) == pytest.approx(float(x.double().square().sum()), rel=1e-12)
+    x.view(-1)[len(x.view(-1)) // 2] = float("nan")
+    assert not math.isfinite(float(squared_norm(x)))

@@ -13,7 +13,7 @@ from typing import Callable, Hashable, Optional
 
 import torch
 
-from megatron_mech.core.sharded import frobenius_from_shard_grams, shard_gram, spectrum_from_shard_grams
+from megatron_mech.core.sharded import frobenius_from_shard_grams, shard_gram, spectrum_from_shard_grams, squared_norm
 from megatron_mech.core.slq import gram_times, krylov_spectral_summaries_many
 from megatron_mech.core.spectral import effective_rank, spectral_entropy, stable_rank
 from megatron_mech.monitors.attention.agreement import process_independent_hash
@@ -42,7 +42,7 @@ def fill_slot(out: torch.Tensor, delta: torch.Tensor, shard_dim: int, k: int, ro
               prev: torch.Tensor) -> Optional[KrylovJob]:
     """Write this rank's part of one ΔW into ``out`` (``slot_size(k, route)`` values); the Krylov route returns the
     job its products need after the reduction."""
-    out[-1] = torch.linalg.vector_norm(prev.detach(), dtype=F64).square()   # accumulates in float64, no copy
+    out[-1] = squared_norm(prev)
     out = out[:-1]
     if route == "gram":
         out.copy_(shard_gram(delta, shard_dim, accumulate_dtype=delta.dtype, lower_only=True))
@@ -53,12 +53,12 @@ def fill_slot(out: torch.Tensor, delta: torch.Tensor, shard_dim: int, k: int, ro
     # Finite input — the normal case — costs one pass (the norm): a non-finite entry makes the float64 sum of
     # squares non-finite (finite float32 squares cannot overflow it), and only then is ΔW scanned and zeroed.
     x = delta.detach()
-    squares = torch.linalg.vector_norm(x, dtype=F64).square()
+    squares = squared_norm(x)
     bad = torch.zeros((), dtype=F64, device=x.device)
     if not bool(torch.isfinite(squares)):
         finite = torch.isfinite(x)
         x = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
-        squares, bad = torch.linalg.vector_norm(x, dtype=F64).square(), (~finite).sum().to(F64)
+        squares, bad = squared_norm(x), (~finite).sum().to(F64)
     out.copy_(torch.stack([squares, torch.tensor(float(delta.shape[shard_dim]), dtype=F64, device=x.device), bad]))
     return x, shard_dim, k
 
