@@ -512,7 +512,8 @@ class MechHook:
 
         The grad norm is reduced over the whole model, so a non-finite update shows on every rank at the same step
         and every rank takes the same action without a collective. The loss is averaged over data-parallel ranks
-        where the trainer does so every step (megatron-core, Megatron-LM); the DeepSpeed adapter averages it only
+        where the trainer does so every step (megatron-core) or before the hook reads it back (the Megatron-LM call
+        sites, which also bring it to every pipeline stage); the DeepSpeed adapter averages it only
         on evaluation steps, so there a loss that is non-finite on one rank alone, with a finite grad norm, is
         judged by that rank alone.
         """

@@ -15,7 +15,9 @@ the CPU shims), training a small MoE GPT with EP=2 on the embedded corpus (``--d
 * A small dense GQA GPT at ``--tensor-model-parallel-size 2``: it trains, and its losses and every monitor value
   agree with the TP=1 run of the same seed (Megatron-LM builds the same full weights before splitting them).
 * The same GPT at ``--pipeline-model-parallel-size 2``: every stage hands the hook the last stage's loss, so no
-  rank alerts on a loss it does not compute, and the recorded losses are Megatron-LM's own.
+  rank alerts on a loss it does not compute, and the recorded losses are Megatron-LM's own; between evaluations
+  the loss goes to the hook as a tensor with no collective (one all-reduce at each evaluation and save), and a
+  NaN loss of the last stage alone is judged alike, with its own step, on both stages.
 * ``--mech-on-alert stop`` / ``checkpoint`` with the attention fault: Megatron-LM saves the alert step's checkpoint
   through its own save path; ``stop`` ends the run there, ``checkpoint`` trains on.
 
@@ -36,6 +38,7 @@ from megatron_lm_trees import CPU_TRAINING_FLAGS, RUNNABLE_TAG, SMALL_MOE_FLAGS,
 pytest.importorskip("tensorboard")
 GLOBAL_BATCH, WARMUP_ITERS, LR, MIN_LR = 8, 2, 1e-3, 1e-4  # as in SMALL_MOE_FLAGS
 FAULT_LAUNCHER = REPO_ROOT / "launch_scripts" / "megatron_lm_fault.py"
+LOSS_PROBE = REPO_ROOT / "tests" / "lm_loss_probe.py"
 TIMEOUT = 420
 
 
@@ -255,17 +258,33 @@ def test_tensor_parallel_2_matches_tp1(fork, data, tmp_path):
     assert compared > 150
 
 
+def probe(fork, data, out, *extra, nan_step: int = 0) -> tuple:
+    """Train the PP=2 dense GPT under ``lm_loss_probe.py``: Megatron's stdout and every rank's probe record."""
+    args = [*CPU_TRAINING_FLAGS, *dense_gqa(1), "--pipeline-model-parallel-size", "2", "--tokenizer-type",
+            "NullTokenizer", "--vocab-size", str(data.vocab_size), "--data-path", data.train_prefix, "--split",
+            "98,2,0", "--data-cache-path", str(out / "index_cache"), "--mech-output-dir", str(out / "mech"), *extra]
+    env = {"MECH_PROBE_OUT": str(out / "probe"), "MECH_PROBE_NAN_STEP": str(nan_step)}
+    stdout = run_torchrun(LOSS_PROBE, fork / "pretrain_gpt.py", *args, nproc=2, timeout=TIMEOUT,
+                          extra_env=env).stdout
+    return stdout, [json.loads((out / "probe" / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
 def test_pipeline_parallel_2_every_stage_gets_the_loss(fork, data, tmp_path):
     """PP=2: only the last stage computes the loss, yet the hook on every rank must see the same value. With
     ``--mech-on-alert stop`` a rank that saw another loss (NaN) would alert and stop alone, and the run would fail
     or end early; evaluations every 2nd step cover both paths (evaluation steps and the checks in between).
+    Between evaluations the call site hands the hook the loss as a tensor and issues no collective; at an
+    evaluation step one all-reduce combines every waiting step's loss over the pipeline; so does a save between
+    evaluations (step 3, a legacy checkpoint per stage), whose state holds every step's loss.
 
     The PP=1 run is no reference here: Megatron-LM seeds each stage with ``seed + 100 × stage``, so the stages'
     layers start from other weights than at PP=1. The reference is Megatron-LM's own ``lm loss`` log line."""
     steps = 4
-    stdout = train(fork, data, tmp_path / "pp2", "--train-iters", str(steps), "--mech-interval", "2",
-                   "--mech-on-alert", "stop", model=(*dense_gqa(1), "--pipeline-model-parallel-size", "2"))
-    recs = records(tmp_path / "pp2")
+    out = tmp_path / "pp2"
+    stdout, ranks = probe(fork, data, out, "--train-iters", str(steps), "--mech-interval", "2",
+                          "--mech-on-alert", "stop", "--save", str(out / "ckpt"), "--save-interval", "3",
+                          "--ckpt-format", "torch")
+    recs = records(out)
     assert sorted(recs) == [2, 4]  # the evaluation steps; an alert in between would have written its step too
     assert not any(r["alerts"] for r in recs.values())
     logged = [float(v) for v in re.findall(r"lm loss: ([0-9.E+-]+)", stdout)]  # one line per iteration
@@ -277,6 +296,38 @@ def test_pipeline_parallel_2_every_stage_gets_the_loss(fork, data, tmp_path):
     assert recs[4]["loss"] == pytest.approx(logged[3], rel=1e-6)
     for layer in (0, 1):  # each stage monitors its own layer; the records merge both
         assert f"attn/layer{layer}/delta2_entropy_mean" in recs[steps]["metrics"]
+    # every step's loss, on both stages: the same values, Megatron's own (iteration 3's line holds step 3 alone)
+    first, last = (rank["losses"] for rank in ranks)
+    assert first == last and len(last) == steps
+    assert last[0] == pytest.approx(logged[0], rel=1e-6) and last[2] == pytest.approx(logged[2], rel=1e-6)
+    assert [last[1], last[3]] == [recs[2]["loss"], recs[4]["loss"]]
+    for rank in ranks:  # the cost: nothing between evaluations, one combining all-reduce at each evaluation
+        assert rank["loss_kinds"] == {"1": "tensor", "2": "tensor", "3": "tensor", "4": "tensor"}
+        assert rank["callsite_all_reduces"] == {"2": 1, "3": 1, "4": 1}  # step 3: its save's
+    import torch
+
+    for stage in (0, 1):
+        saved = torch.load(out / "ckpt" / "iter_0000003" / f"mp_rank_00_00{stage}" / "model_optim_rng.pt",
+                           weights_only=False)
+        assert saved["megatron_mech"]["state"]["hook"]["losses"] == last[:3]
+
+
+def test_pipeline_parallel_2_nonfinite_loss_judged_alike_on_every_stage(fork, data, tmp_path):
+    """PP=2, the last stage's loss NaN at step 3 (between evaluations): read back at the evaluation of step 4, it
+    is judged the same on both stages — the first stage never computed it — so both stop at step 4 together; a
+    stage judging alone would stop alone and the other would wait in its next collective until the timeout."""
+    out = tmp_path / "pp2_nan"
+    stdout, ranks = probe(fork, data, out, "--train-iters", "6", "--mech-interval", "2", "--mech-on-alert",
+                          "stop", nan_step=3)
+    for rank in ranks:
+        assert rank["first_alert_step"] == 3 and rank["alert_steps"] == [3]
+        assert rank["actions"] == {"1": "CONTINUE", "2": "CONTINUE", "3": "CONTINUE", "4": "STOP"}
+        assert math.isnan(rank["losses"][2]) and all(math.isfinite(v) for i, v in enumerate(rank["losses"]) if i != 2)
+    assert ranks[0]["losses"][:2] == ranks[1]["losses"][:2] and ranks[0]["losses"][3] == ranks[1]["losses"][3]
+    recs = records(out)
+    assert sorted(recs) == [2, 3, 4]  # step 3's alert has its own record, with its own step
+    assert [a["family"] for a in recs[3]["alerts"]] and math.isnan(recs[3]["loss"])
+    assert len(re.findall(r"lm loss: ", stdout)) == 4  # Megatron stopped after iteration 4
 
 
 ALERT_FAULT = ("--spec", "megatron_mech.megatron_lm.fault_spec", "layer_spec", "--mech-fault", "attention",

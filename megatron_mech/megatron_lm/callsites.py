@@ -90,6 +90,8 @@ class MechRun:
     alert_action: Any = None  # the first alert's (step, Action) when it asks to save or stop; acted on at its end
     saved_iteration: Optional[int] = None  # the iteration of Megatron's latest persistent save
     extension_types: List[type] = field(default_factory=list)  # offered by the launcher (register_extension)
+    # (this rank's [loss sum, tokens], the tensor the hook was handed) of the steps whose loss is not combined yet
+    waiting_losses: List[tuple] = field(default_factory=list)
 
 
 RUN = MechRun()
@@ -128,6 +130,7 @@ def get_hook():
         if getattr(args, "mech_mols", False) and getattr(args, "mech_mols_estimator", "two_batch") != "two_batch":
             raise ValueError("--mech-mols-estimator samples is not wired into the Megatron-LM patch set; use "
                              "two_batch (the default)")
+        _install_save_combine()
         extensions = [e for e in (kind.from_args(args) for kind in RUN.extension_types) if e is not None]
         RUN.hook = MechHook(MechConfig.from_flags(args), train_steps=train_steps(args),
                             lr_warmup_steps=lr_warmup_steps(args), extensions=extensions)
@@ -213,6 +216,7 @@ def on_start() -> List[str]:
 
     applied = apply_training_cpu_shims() + apply_megatron_fixes()
     _install_alert_actions()
+    _install_save_combine()
     RUN.started = True
     if applied:
         logger.info("megatron-mech: applied %s", ", ".join(applied))
@@ -331,18 +335,19 @@ def before_step(iteration: int) -> None:
     get_hook().before_step(int(iteration) + 1)
 
 
-def _mean_loss(losses_reduced) -> float:
-    """This step's mean loss over the global batch, as ``train_step`` reduces it on the last pipeline stage; the
-    same value on every rank.
+def _step_loss(losses_reduced) -> tuple:
+    """This step's loss as this rank holds it, before any reduction and without a host synchronisation:
+    ``(pair, None)`` when the loss is the ratio of a ``[loss sum, tokens]`` pair still to be summed over
+    :func:`_loss_group` (:func:`_combine_waiting_losses`), or ``(None, loss)`` when it is final here.
 
     The hook takes the loss to be identical on every rank (its between-evaluation check and its detectors act on
     it without a collective), but only the last pipeline stage computes it. With one stage: ``train_step``'s own
-    reduction — the micro-batches' ``[loss sum, tokens]`` all-reduced over the data-parallel (with context) group,
-    or the mean of the older per-micro-batch means. With several stages every rank joins one all-reduce of
-    ``[loss sum, tokens]`` over the default (world) group, the other stages adding zeros: the last stage's
-    tensor-parallel ranks add identical pairs and its context-parallel ranks partial sums, so the ratio equals
-    the data-parallel one; an older per-micro-batch mean ``m`` over ``n`` micro-batches enters as ``[m·n, n]``.
-    Cost as before: one 2-float all-reduce per step (float64 here, so the tensor-parallel copies add exactly).
+    reduction — the micro-batches' ``[loss sum, tokens]`` summed over the data-parallel (with context) group, in
+    float32 as there; or the mean of the older per-micro-batch means, final as it is. With several stages the
+    pair is summed over the default (world) group, in float64, the other stages adding zeros: the last stage's
+    tensor-parallel ranks add identical pairs and its context-parallel ranks partial sums, so the ratio equals the
+    data-parallel one (float64, so the tensor-parallel copies add exactly); an older per-micro-batch mean ``m``
+    over ``n`` micro-batches enters as ``[m·n, n]``.
     """
     from megatron.core import parallel_state as mpu
 
@@ -353,21 +358,70 @@ def _mean_loss(losses_reduced) -> float:
     if mpu.get_pipeline_model_parallel_world_size() > 1:
         from megatron_mech.core.sharded import collective_device
 
-        total = torch.zeros(2, dtype=torch.float64, device=collective_device())
+        pair = torch.zeros(2, dtype=torch.float64, device=collective_device())
         if values and values[0].numel() == 2:
-            total += torch.vstack(values).sum(dim=0).to(total)
+            pair += torch.vstack(values).sum(dim=0).to(pair)
         elif values:
-            total += torch.tensor([float(torch.cat(values).mean()) * len(values), len(values)], dtype=total.dtype,
-                                  device=total.device)
-        torch.distributed.all_reduce(total)
-        return float(total[0] / total[1]) if total[1] > 0 else math.nan
+            pair[0] += torch.cat(values).mean().to(pair) * len(values)
+            pair[1] += len(values)
+        return pair, None
     if not values:
-        return math.nan
+        return None, math.nan
     if values[0].numel() == 2:  # [sum, tokens] per micro-batch: a token-weighted mean over DP
-        total = torch.vstack(values).sum(dim=0).clone()
-        torch.distributed.all_reduce(total, group=mpu.get_data_parallel_group(with_context_parallel=True))
-        return float(total[0] / total[1])
-    return float(torch.cat(values).mean())
+        return torch.vstack(values).sum(dim=0), None
+    return None, torch.cat(values).mean()
+
+
+def _loss_group():
+    """The group :func:`_step_loss`'s pairs are summed over: the world with several pipeline stages, else the
+    data-parallel (with context) group."""
+    from megatron.core import parallel_state as mpu
+
+    if mpu.get_pipeline_model_parallel_world_size() > 1:
+        return None
+    return mpu.get_data_parallel_group(with_context_parallel=True)
+
+
+def _combine_waiting_losses() -> None:
+    """Sum the waiting steps' loss pairs over :func:`_loss_group` in one all-reduce (stacked) and write each step's
+    ratio into the tensor the hook was handed for it, which the hook has not read yet (it reads the waiting values
+    back at its next evaluation, at the run's last step and in ``state_dict``). Collective: every rank calls it at
+    the same points — the steps the hook reads back at (:func:`after_optimizer_step`) and before every checkpoint
+    save (:func:`_install_save_combine`) — and holds the same number of waiting steps there."""
+    waiting, RUN.waiting_losses = RUN.waiting_losses, []
+    if not waiting:
+        return
+    totals = torch.stack([pair for pair, _ in waiting])
+    torch.distributed.all_reduce(totals, group=_loss_group())
+    ratios = torch.where(totals[:, 1] > 0, totals[:, 0] / totals[:, 1], math.nan)
+    for i, (_, loss) in enumerate(waiting):
+        loss.copy_(ratios[i:i + 1])
+
+
+_SAVE_COMBINE_INSTALLED = False
+
+
+def _install_save_combine() -> None:
+    """Wrap the fork's ``megatron.training.training.save_checkpoint`` (every save of the ``train`` loop and of
+    ``pretrain`` goes through it, on every rank): the waiting losses are combined first, so the hook's
+    ``state_dict`` — built on only some ranks for legacy checkpoints, where no collective is possible — reads final
+    values. Idempotent."""
+    global _SAVE_COMBINE_INSTALLED
+    import functools
+
+    from megatron.training import training
+
+    if _SAVE_COMBINE_INSTALLED:
+        return
+    save = training.save_checkpoint
+
+    @functools.wraps(save)
+    def save_checkpoint(*args, **kwargs):
+        _combine_waiting_losses()
+        return save(*args, **kwargs)
+
+    training.save_checkpoint = save_checkpoint
+    _SAVE_COMBINE_INSTALLED = True
 
 
 def _sync_params_if_gather_overlaps(model) -> None:
@@ -399,7 +453,11 @@ def after_optimizer_step(model, optimizer, iteration: int, losses_reduced, updat
     """``train_step``, after ``optimizer.step()`` and before ``opt_param_scheduler.step``: MoLS writes the
     multipliers of the next step (the scheduler step right after applies them), the monitors evaluate step
     ``iteration + 1``. Returns the hook's :class:`~megatron_mech.hook.Action` (the same on every rank); a
-    CHECKPOINT or STOP is carried out at the end of this iteration by ``checkpoint_and_decide_exit``."""
+    CHECKPOINT or STOP is carried out at the end of this iteration by ``checkpoint_and_decide_exit``.
+
+    The hook (and its extensions) get the loss as a one-element device tensor; where it is combined over ranks
+    (data parallelism, pipeline stages) it holds NaN until the next evaluation step, the run's last step or
+    checkpoint save writes the combined value into it, before the hook reads it."""
     from megatron_mech.hook import Action
     from megatron_mech.optim import base_lr
 
@@ -411,9 +469,18 @@ def after_optimizer_step(model, optimizer, iteration: int, losses_reduced, updat
     extra: Dict[str, Any] = {"update_successful": bool(update_successful)}
     if hook.mols is not None:
         extra["mols_group_lr"] = _group_lrs(optimizer)
-    action = hook.after_optimizer_step(step, loss=_mean_loss(losses_reduced),
-                                       grad_norm=None if grad_norm is None else float(grad_norm),
-                                       lr=float(base_lr(optimizer)), extra=extra)
+    # The loss goes to the hook as a device tensor, combined over the ranks only on the steps the hook reads it
+    # back at (one all-reduce for all the steps since the last): no host synchronisation and no collective between.
+    pair, loss = _step_loss(losses_reduced)
+    if pair is not None:
+        loss = torch.full((1,), math.nan, dtype=pair.dtype, device=pair.device)  # written by the combine
+        RUN.waiting_losses.append((pair, loss))
+        if hook.is_evaluation_step(step) or step == hook.train_steps:  # as the hook reads back: the same everywhere
+            _combine_waiting_losses()
+    if grad_norm is not None and not isinstance(grad_norm, torch.Tensor):
+        grad_norm = float(grad_norm)  # Megatron's norm is reduced over the model: the same on every rank
+    action = hook.after_optimizer_step(step, loss=loss, grad_norm=grad_norm, lr=float(base_lr(optimizer)),
+                                       extra=extra)
     if action is not Action.CONTINUE:
         RUN.alert_action = (step, action)
     return action
@@ -446,6 +513,10 @@ def log_to_writers(iteration: int, writer=None, wandb_writer=None) -> int:
 
 # --------------------------------------------------------------------------------------------- checkpoint
 def _rank_state() -> dict:
+    if RUN.waiting_losses:  # a save that bypassed training.save_checkpoint: only a collective could finish them
+        raise RuntimeError("megatron-mech: a checkpoint is being built while step losses wait to be combined over "
+                           "the ranks; save through megatron.training.training.save_checkpoint, which combines them "
+                           "on every rank first")
     return {"version": STATE_VERSION, "hook": RUN.hook.state_dict()}
 
 
