@@ -60,11 +60,14 @@ import time
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from megatron_mech.core.router import RoutingStats
 from megatron_mech.core.sharded import share_by_cost
 from megatron_mech.monitors.attention import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
-from megatron_mech.monitors.attention.parts import part_cost, rows_needed
+from megatron_mech.monitors.attention.evaluation import UnitEvaluation
+from megatron_mech.monitors.attention.layout import BufferLayout
+from megatron_mech.monitors.attention.parts import part_cost, parts_of, rows_needed, split_row_chunks
 from megatron_mech.monitors.experts import ExpertLayer, ExpertMonitor
 
 try:
@@ -142,10 +145,27 @@ def stage_layers(layout: Layout, real: set, generator: torch.Generator) -> list[
     return out
 
 
+def rank_monitor(layout: Layout, layers: list[AttentionLayer], cfg: AttentionMonitorConfig) -> AttentionMonitor:
+    """The attention monitor of one rank of a TP group in global scope (``dw_scope="global"``, the default): ΔW
+    spectra over d_model (Krylov products of the rank's rows), the per-head block of the whole group. In this one
+    process a world of one gloo rank stands in for the TP group, so the TP collectives add nothing and their bytes
+    are derived; the arithmetic per rank is the real one. (A monitor built without a TP group would take the
+    shard's own smaller Gram instead: another route, another cost.)"""
+    monitor = AttentionMonitor(layers, cfg)
+    if layout.tp > 1:
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        monitor._collective = True
+        monitor._layout = BufferLayout(monitor.config, monitor.layers, [], [layout.heads] * len(layers), True)
+        monitor._evaluation = UnitEvaluation(monitor.config, monitor._layout, monitor._snapshots, None, 1, True,
+                                             monitor._device)
+    return monitor
+
+
 def replica_shares(layout: Layout, cfg: AttentionMonitorConfig) -> tuple[list, list[set], list[float]]:
     """The stage's parts and every DP replica's share of them (the monitor's own planner on the real shapes)."""
-    monitor = AttentionMonitor(stage_layers(layout, set(), torch.Generator()), cfg)
-    parts = monitor._parts
+    monitor = rank_monitor(layout, stage_layers(layout, set(), torch.Generator()), cfg)
+    parts = split_row_chunks(monitor._layout, parts_of(monitor._layout, layout.tp), layout.tp, layout.dp)
     cost = lambda p: part_cost(monitor._layout, p, layout.tp)  # noqa: E731
     owners = share_by_cost([cost(p) for p in parts], layout.dp)
     shares = [{p for p, o in zip(parts, owners) if o == r} for r in range(layout.dp)]
@@ -158,7 +178,8 @@ def timed_replicas(layout: Layout, cfg: AttentionMonitorConfig) -> list[int]:
     _, shares, costs = replica_shares(layout, cfg)
     picks = []
     for holds_dw in (True, False):
-        group = [r for r, share in enumerate(shares) if share and any(p[0] == "dw" for p in share) == holds_dw]
+        group = [r for r, share in enumerate(shares) if share and any(p[0] in ("dw", "dwrows") for p in share)
+                 == holds_dw]
         if group:
             picks.append(max(group, key=lambda r: costs[r]))
     return picks
@@ -171,11 +192,15 @@ def time_attention(layout: Layout, interval: int, replica: Optional[int]) -> dic
     reference)."""
     cfg = AttentionMonitorConfig(interval=interval)
     parts, shares, costs = replica_shares(layout, cfg)
-    mine = shares[replica] if replica is not None else {p for p in parts if p[0] != "extra" and p[1] == 0}
+    if replica is None:      # the whole-layer reference: layer 0's parts, its ΔW unsplit
+        parts = parts_of(rank_monitor(layout, stage_layers(layout, set(), torch.Generator()), cfg)._layout, layout.tp)
+        mine = {p for p in parts if p[0] != "extra" and p[1] == 0}
+    else:
+        mine = shares[replica]
     touched = {p[1] for p in mine if p[0] != "extra"}
     gen = torch.Generator().manual_seed(0)
     layers = stage_layers(layout, touched, gen)
-    monitor = AttentionMonitor(layers, cfg)
+    monitor = rank_monitor(layout, layers, cfg)
     rows = rows_needed(monitor._layout, mine)
     snapshots = monitor._snapshots
     t0 = time.perf_counter()
@@ -188,16 +213,18 @@ def time_attention(layout: Layout, interval: int, replica: Optional[int]) -> dic
             coherent = torch.randn(w.shape[0], 4, generator=gen) @ torch.randn(4, w.shape[1], generator=gen)
             w.copy_((w.float() + 1e-2 * std * (torch.randn(w.shape, generator=gen) + 0.5 * coherent)).to(w.dtype))
     t0 = time.perf_counter()
-    values = monitor._evaluation.values(interval, [p for p in monitor._parts if p in mine])
+    values = monitor._evaluation.values(interval, [p for p in parts if p in mine], parts)
     snapshots.take(interval, layers, [], rows, mine)
     evaluate_s = time.perf_counter() - t0        # evaluation + the next snapshot, as in training
-    assert values
+    assert values or any(p[0] == "dwrows" for p in mine)
     snap_bytes = sum(t.numel() * t.element_size() for held in snapshots.layers if held is not None
                      for ranges in held.values() for _, _, t in ranges)
     routes = sorted({monitor.config.route(layout.hidden)})
     heads = sum(p[3] - p[2] for p in mine if p[0] == "heads")
     dws = sum(1 for p in mine if p[0] == "dw")
-    return {"snapshot_s": snapshot_s, "evaluation_s": evaluate_s, "snapshot_bytes": snap_bytes,
+    chunks = sum(1 for p in mine if p[0] == "dwrows")
+    split = len({p[1:3] for p in parts if p[0] == "dwrows"})
+    return {"dw_row_chunks": chunks, "split_matrices": split, "snapshot_s": snapshot_s, "evaluation_s": evaluate_s, "snapshot_bytes": snap_bytes,
             "routes": routes, "layers_evaluated": len(touched), "replica": replica, "heads_evaluated": heads,
             "dw_evaluated": dws,
             "planned_cost_share": sum(part_cost(monitor._layout, p, layout.tp) for p in mine) / sum(costs)}
@@ -283,8 +310,9 @@ def time_router(layout: Layout, stride: int) -> dict:
     return out
 
 
-def communication(layout: Layout, cfg: AttentionMonitorConfig, layers: int) -> dict:
-    """Bytes per evaluation of each collective (derived from the buffer layouts, float64)."""
+def communication(layout: Layout, cfg: AttentionMonitorConfig, layers: int, split_matrices: int) -> dict:
+    """Bytes per evaluation of each collective (derived from the buffer layouts, float64); the row-split ΔW add
+    their Krylov products over DP (every replica, every split matrix) and one 4-value-per-matrix sum."""
     k = layout.hidden
     heads_per_layer = layout.heads
     per_layer_tp = (k * k + 2 if cfg.route(k) == "gram" else 3) * 2 + QK_TERMS * heads_per_layer
@@ -297,8 +325,10 @@ def communication(layout: Layout, cfg: AttentionMonitorConfig, layers: int) -> d
     router_names = 16 if layout.experts else 0
     pp_values = layout.layers * (names_per_layer + router_names * 2)   # metric + numeric detail fields
     pp_bytes = 8 * (pp_values + 1) if layout.pp > 1 else 0
+    dp_krylov_bytes = 8 * split_matrices * (cfg.krylov_steps * cfg.krylov_block * k + 4)
     return {"tp_reduce_bytes": tp_bytes, "krylov_bytes": krylov_bytes, "krylov_collectives":
-            cfg.krylov_steps if krylov_bytes else 0, "dp_combine_bytes": dp_bytes, "pp_exchange_bytes": pp_bytes}
+            cfg.krylov_steps if krylov_bytes else 0, "dp_combine_bytes": dp_bytes, "pp_exchange_bytes": pp_bytes,
+            "dp_krylov_bytes": dp_krylov_bytes, "dp_krylov_collectives": 1 + cfg.krylov_steps if split_matrices else 0}
 
 
 def main(argv=None) -> int:
@@ -326,9 +356,11 @@ def main(argv=None) -> int:
         timed = [time_attention(layout, 10, r) for r in timed_replicas(layout, cfg)]
         attention = max(timed, key=lambda a: a["evaluation_s"])
         attention["replicas_timed"] = [{k: a[k] for k in ("replica", "evaluation_s", "heads_evaluated",
-                                                          "dw_evaluated", "planned_cost_share")} for a in timed]
+                                                          "dw_evaluated", "dw_row_chunks", "planned_cost_share")}
+                                        for a in timed]
         for a in timed:
             log.info(f"{layout.name}: DP replica {a['replica']}: {a['dw_evaluated']} ΔW spectra, "
+                     f"{a['dw_row_chunks']} row chunks of the {a['split_matrices']} row-split ΔW, "
                      f"{a['heads_evaluated']} heads over {a['layers_evaluated']} layer(s), planned share "
                      f"{100 * a['planned_cost_share']:.1f} %: evaluation {a['evaluation_s']:.2f} s")
         whole_layer = time_attention(layout, 10, None)
@@ -340,7 +372,7 @@ def main(argv=None) -> int:
             log.info(f"{layout.name}: router every token {router['router_s_every']:.2f} s, every "
                      f"{router['stride']}-th {router['router_s_sampled']:.2f} s (mean entropy rel. diff "
                      f"{router['entropy_mean_rel_diff']:.1e})")
-        comm = communication(layout, cfg, attention["layers_evaluated"])
+        comm = communication(layout, cfg, attention["layers_evaluated"], attention["split_matrices"])
         experts = time_experts(layout, interval=10, sample=args.expert_sample)
         per_eval = attention["evaluation_s"] + router.get("router_s", 0.0)
         overhead = {f"delta{d}": per_eval / (d * layout.step_seconds) for d in (10, 100)}
@@ -370,8 +402,9 @@ def main(argv=None) -> int:
                  + (" (LOADED: timings unreliable)" if load["loaded"] else "") + ".", "",
                  "| layout | layers touched / rank | ΔW route | evaluation s (measured, CPU) | "
                  "previous whole-layer split s (same run) | router s (measured, sampled) | "
-                 "snapshot MiB/rank (measured) | TP MiB | Krylov MiB | DP KiB | PP KiB (derived) | step s (derived) | "
-                 "overhead δ=10 | δ=100 (derived) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                 "snapshot MiB/rank (measured) | TP MiB | Krylov MiB | DP KiB | DP row-split Krylov MiB | "
+                 "PP KiB (derived) | step s (derived) | overhead δ=10 | δ=100 (derived) |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             a, c, lay = r["attention"], r["comm"], r["layout"]
             lines.append(f"| {lay['name']} | {a['layers_evaluated']} | {','.join(a['routes'])} | "
@@ -379,6 +412,8 @@ def main(argv=None) -> int:
                          f"{r['router'].get('router_s', 0):.2f} | "
                          f"{a['snapshot_bytes'] / 2**20:.1f} | {c['tp_reduce_bytes'] / 2**20:.2f} | "
                          f"{c['krylov_bytes'] / 2**20:.2f} | {c['dp_combine_bytes'] / 2**10:.1f} | "
+                         f"{c['dp_krylov_bytes'] / 2**20:.2f} ({a['split_matrices']} ΔW, {a['dw_row_chunks']} chunk(s) "
+                         f"here) | "
                          f"{c['pp_exchange_bytes'] / 2**10:.1f} | {lay['step_seconds']:.1f} | "
                          f"{100 * r['overhead']['delta10']:.3f} % | {100 * r['overhead']['delta100']:.4f} % |")
         expert_rows = [r for r in rows if r["experts"]]

@@ -457,6 +457,14 @@ def test_data_parallel_split_shares_parts_of_layers_under_torchrun():
     assert "DP_PARTS PASS" in result.stdout, result.stdout[-4000:]
 
 
+def test_data_parallel_split_shares_a_krylov_spectrum_by_rows_under_torchrun():
+    """DP=4 and DP=2×TP=2 (4 ranks): a Krylov-route ΔW larger than a replica's share is split by rows over the
+    replicas (each row snapshotted once), its products summed over them: the metrics equal the unsplit evaluation
+    (to float64 summation order), and a NaN in one replica's chunk makes them NaN on every rank."""
+    result = run_torchrun(Path(__file__).parent / "workers" / "dp_row_split_worker.py", nproc=4, timeout=260)
+    assert "DP_ROW_SPLIT PASS" in result.stdout, result.stdout[-4000:]
+
+
 @pytest.mark.parametrize("scope", ["global", "slice"])
 def test_krylov_route_equals_gram_route_when_the_basis_spans(scope):
     """The Krylov route on matrices small enough for its basis to span the whole space (d_model 16, block 8,

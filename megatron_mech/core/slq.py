@@ -165,7 +165,9 @@ def krylov_spectral_summaries_many(local_matvecs, ns, frobenius_sqs, rank_bounds
     (None: nothing to combine) receives the list of every matrix's contribution at one step and returns the
     summed list — ONE collective per step for all matrices. The number of steps, ``max_i min(steps,
     ceil(n_i / block))``, and each matrix's participation depend only on the sizes, so every rank issues the
-    same collectives. Returns one dict per matrix.
+    same collectives. ``local_matvecs[i] = None``: this rank holds no part of matrix i — it adds zeros to the
+    reductions, keeps no Krylov basis for it and gets ``None`` for it (the ranks that hold parts compute the
+    same basis from the same sums). Returns one dict per matrix.
     """
     if steps < 1 or block < 1:
         raise ValueError(f"steps and block must be >= 1, got {steps}, {block}")
@@ -174,15 +176,22 @@ def krylov_spectral_summaries_many(local_matvecs, ns, frobenius_sqs, rank_bounds
     limits = [min(steps, -(-n // block)) for n in ns]
     ok = [math.isfinite(float(z)) and float(z) > 0 for z in frobenius_sqs]
     q, bases, products = [], [[] for _ in range(count)], [[] for _ in range(count)]
+    held = [matvec is not None for matvec in local_matvecs]
     for i, n in enumerate(ns):
+        if not held[i]:
+            q.append(None)
+            continue
         start = torch.randint(0, 2, (n, block), generator=generators[i], dtype=torch.int64).to(torch.float64) * 2 - 1
         q.append(torch.linalg.qr(start.to(device) if device is not None else start).Q)
     for step in range(max(limits, default=0)):
         todo = [i for i in range(count) if step < limits[i]]
-        contributions = [local_matvecs[i](q[i]) for i in todo]
+        contributions = [local_matvecs[i](q[i]) if held[i] else torch.zeros(ns[i], block, dtype=torch.float64,
+                                                                            device=device) for i in todo]
         if reduce is not None:
             contributions = reduce(contributions)
         for i, w in zip(todo, contributions):
+            if not held[i]:
+                continue
             if not ok[i]:
                 w = torch.zeros_like(w)
             bases[i].append(q[i])
@@ -193,6 +202,9 @@ def krylov_spectral_summaries_many(local_matvecs, ns, frobenius_sqs, rank_bounds
             q[i] = torch.linalg.qr(w).Q
     results = []
     for i in range(count):
+        if not held[i]:
+            results.append(None)
+            continue
         if not ok[i]:
             results.append({"entropy": math.nan, "entropy_nats": math.nan, "lambda_max": math.nan})
             continue

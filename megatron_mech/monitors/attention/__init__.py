@@ -28,6 +28,7 @@ The package, one concept a module:
 * :mod:`.agreement` — the cross-rank agreement on layouts, settings and the loaded snapshot step;
 * :mod:`.parts` — the parts of an evaluation (ΔW spectra, head chunks), their costs and the rows they read;
   :mod:`.dp_split` — the data-parallel work split and the one all-reduce combining the replicas' results;
+  :mod:`.row_split` — a large Krylov-route ΔW evaluated by rows over several replicas;
 * :mod:`.snapshots` — the snapshot store, its dtype policy and its checkpoint form;
 * :mod:`.layout` — the reduce buffer's layout; :mod:`.dw_slots` — one ΔW in it, by route (Gram or Krylov);
   :mod:`.qk_heads` — the per-head QK-increment entropies in it; :mod:`.evaluation` — a replica's units evaluated

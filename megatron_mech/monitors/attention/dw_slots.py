@@ -72,7 +72,9 @@ def run_krylov(step: int, jobs: dict[Hashable, KrylovJob], reduced: dict[Hashabl
                config: AttentionMonitorConfig, reduce: Optional[Callable]) -> dict:
     """The Krylov route for every job of a bucket in lock step: ``krylov_steps`` block products, each reduced by
     ``reduce`` (one collective over TP in global scope; ``None``: none), all matrices in one buffer each step.
-    ``reduced[key]`` is the job's reduced slot. Returns ``{key: summaries}``."""
+    ``reduced[key]`` is the job's reduced slot. A job whose ΔW is ``None`` is a matrix this rank holds no rows of
+    (a row-split ΔW, :mod:`~megatron_mech.monitors.attention.row_split`): it joins the reductions with zeros and
+    its summaries are ``None``. Returns ``{key: summaries}``."""
     if not jobs:
         return {}
     keys = list(jobs)
@@ -80,7 +82,8 @@ def run_krylov(step: int, jobs: dict[Hashable, KrylovJob], reduced: dict[Hashabl
     for key in keys:
         x, shard_dim, k = jobs[key]
         packed = reduced[key]
-        matvecs.append(lambda v, x=x, d=shard_dim: gram_times(x, v.to(x.device, x.dtype), d).to(v.dtype))
+        matvecs.append(None if x is None else
+                       lambda v, x=x, d=shard_dim: gram_times(x, v.to(x.device, x.dtype), d).to(v.dtype))
         ns.append(k)
         zs.append(_squared_norm(packed))
         bounds.append(max(1, min(int(round(float(packed[1]))), k)))

@@ -7,8 +7,10 @@ known: :func:`complete_layer_values`).
 Collectives (global scope over a TP group of more than one rank; none otherwise): ONE ``all_reduce`` (SUM, float64)
 per bucket (one bucket unless ``bucket_mb``), plus ``krylov_steps`` for a bucket with Krylov-route matrices and one
 ``all_to_all`` per layer with replicated K/V heads, before the bucket's all-reduce. A step value in the last bucket
-checks that every rank evaluated the same step. ΔW, the Grams and the QK spectra are computed on the weight's device
-(``eval_device="device"``) or on the host (``"host"``).
+checks that every rank evaluated the same step. With the data-parallel split, a plan with row-split ΔW adds
+``1 + krylov_steps`` all-reduces over TP (global scope) and the data-parallel group after the buckets, on every
+rank (:mod:`~megatron_mech.monitors.attention.row_split`). ΔW, the Grams and the QK spectra are computed on the
+weight's device (``eval_device="device"``) or on the host (``"host"``).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from megatron_mech.monitors.attention.dw_slots import F64, compute_dtype, fill_s
 from megatron_mech.monitors.attention.layout import BufferLayout
 from megatron_mech.monitors.attention.names import HEAD_AGGREGATES
 from megatron_mech.monitors.attention.qk_heads import HeadEntropies
+from megatron_mech.monitors.attention.row_split import row_split_values
 from megatron_mech.monitors.attention.settings import AttentionMonitorConfig
 from megatron_mech.monitors.attention.snapshots import SnapshotStore
 
@@ -38,7 +41,7 @@ class UnitEvaluation:
     """
 
     def __init__(self, config: AttentionMonitorConfig, layout: BufferLayout, snapshots: SnapshotStore, tp_group,
-                 tp_size: int, collective: bool, fallback_device: Callable[[], torch.device]) -> None:
+                 tp_size: int, collective: bool, fallback_device: Callable[[], torch.device], dp_group=None) -> None:
         self.config = config
         self.layout = layout
         self.layers = layout.layers
@@ -49,12 +52,22 @@ class UnitEvaluation:
         self._collective = collective
         self._device = fallback_device
         self._heads = HeadEntropies(config, tp_group, tp_size)
+        self.dp_group = dp_group               # None: no data-parallel split (no row-split ΔW)
 
-    def values(self, step: int, parts) -> dict:
+    def values(self, step: int, parts, plan=None) -> dict:
         """Evaluate ``parts`` (this replica's share, :mod:`~megatron_mech.monitors.attention.parts`) bucket by
         bucket: Grams summed over the TP group, then the values of each unit with a part among them,
         ``{unit: {key: value}}`` keyed as the metric table says, without the head aggregates
-        (:func:`complete_layer_values` adds them once every head is known)."""
+        (:func:`complete_layer_values` adds them once every head is known). Then the row-split ΔW of ``plan``
+        (every replica's parts; :mod:`~megatron_mech.monitors.attention.row_split`), on every replica."""
+        values = self._bucket_values(step, [p for p in parts if p[0] != "dwrows"])
+        split = row_split_values(step, plan or [], parts, self.layout, self.snapshots, self.config,
+                                 self._reduce_over_replicas, self._eval_device)
+        for unit, unit_values in split.items():
+            values.setdefault(unit, {}).update(unit_values)
+        return values
+
+    def _bucket_values(self, step: int, parts) -> dict:
         owned: dict = {}
         for part in parts:
             unit = ("extra", part[1]) if part[0] == "extra" else ("layer", part[1])
@@ -122,6 +135,20 @@ class UnitEvaluation:
         device = collective_device(self.tp_group, fallback=self._device())
         flat = torch.cat([p.reshape(-1).to(device) for p in parts])
         all_reduce_flat(flat, self.tp_group)
+        return [piece.view(p.shape).to(p.device) for piece, p in zip(flat.split([p.numel() for p in parts]), parts)]
+
+    def _reduce_over_replicas(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One SUM all-reduce of all ``parts`` over the TP group (global scope) and one over the data-parallel
+        group: the row-split ΔW's sums over every rank holding rows of them."""
+        if self.dp_group is None and not self._collective:    # nothing to sum over (a single-process plan)
+            return parts
+        device = collective_device(self.dp_group if self.dp_group is not None else self.tp_group,
+                                   fallback=self._device())
+        flat = torch.cat([p.reshape(-1).to(device) for p in parts])
+        if self._collective:
+            all_reduce_flat(flat, self.tp_group)
+        if self.dp_group is not None:          # None means no replicas (never the default group)
+            all_reduce_flat(flat, self.dp_group)
         return [piece.view(p.shape).to(p.device) for piece, p in zip(flat.split([p.numel() for p in parts]), parts)]
 
     def _eval_device(self, weight: torch.Tensor) -> torch.device:

@@ -30,7 +30,7 @@ from megatron_mech.monitors.attention.inputs import check_extras, check_layers, 
 from megatron_mech.monitors.attention.layer import AttentionLayer
 from megatron_mech.monitors.attention.layout import BufferLayout
 from megatron_mech.monitors.attention.names import DW_QUANTITIES, unit_entries
-from megatron_mech.monitors.attention.parts import part_cost, parts_of, rows_needed
+from megatron_mech.monitors.attention.parts import part_cost, parts_of, rows_needed, split_row_chunks
 from megatron_mech.monitors.attention.settings import AttentionMonitorConfig
 from megatron_mech.monitors.attention.snapshots import SnapshotStore
 
@@ -102,13 +102,13 @@ class AttentionMonitor:
         self._layout = BufferLayout(self.config, self.layers, self.extras, total_heads, self._collective)
         self._units = [("layer", i) for i in range(len(self.layers))] + [("extra", j)
                                                                           for j in range(len(self.extras))]
-        self._parts = parts_of(self._layout, self.tp_size)
+        self._parts = split_row_chunks(self._layout, parts_of(self._layout, self.tp_size), self.tp_size, self.dp_size)
         self._mine = (assign_units(self._parts, lambda p: part_cost(self._layout, p, self.tp_size), self.dp_size,
                                    self.dp_rank) if self._dp else set(self._parts))
         self._rows = rows_needed(self._layout, self._mine)
         self._snapshots = SnapshotStore(self.config.snapshot_device, self._device())
         self._evaluation = UnitEvaluation(self.config, self._layout, self._snapshots, self.tp_group, self.tp_size,
-                                          self._collective, self._device)
+                                          self._collective, self._device, dp_group=self.dp_group if self._dp else None)
 
     def _device(self) -> torch.device:
         for lay in self.layers:
@@ -170,7 +170,7 @@ class AttentionMonitor:
                 + [(term, h) for term in self.config.qk_terms for h in self._layout.reported_heads(i)])
 
     def _evaluate(self, step: int) -> tuple[dict[str, float], dict[str, dict]]:
-        values = self._evaluation.values(step, [p for p in self._parts if p in self._mine])
+        values = self._evaluation.values(step, [p for p in self._parts if p in self._mine], self._parts)
         if self._dp:
             local = {position: values[u] for position, u in enumerate(self._units) if u in values}
             combined = combine_replicas(step, [self._raw_keys(u) for u in self._units], local, self.dp_group,

@@ -9,23 +9,32 @@ Parts (hashable tuples; ``i`` indexes the monitor's layers, ``j`` its extra line
   and the rows of their K heads). Every TP rank of a replica evaluates the same local range of its own heads, so
   the chunks are one query group each when a rank holds several, one head each when its heads share one K head,
   and the whole layer with replicated K/V heads or ranks holding different head counts;
-* ``("extra", j)``: an extra linear's ΔW spectrum.
+* ``("extra", j)``: an extra linear's ΔW spectrum;
+* ``("dwrows", i, m, c, n)``: rows chunk ``c`` of ``n`` of layer i's ΔW_m (``m`` ``"q"`` or ``"k"``), when the data-
+  parallel split shares one Krylov-route spectrum out by rows (:func:`chunk_rows`): the Gram ``ΔWᵀΔW`` is the sum of
+  its row chunks' Grams, so each replica adds its chunks' share to every Krylov product and one all-reduce over the
+  replicas per product sums them — the same spectrum, by the same products, as one replica holding every row.
+  A ΔW is split when it costs more than the average replica's share of the stage
+  (:func:`split_row_chunks`), into as many chunks as that takes (at most one per replica).
 
 The list and the costs depend only on the layers' shapes and the settings (never on a rank's position), so every
 rank of a TP group and of a DP group computes the same plan.
 """
 from __future__ import annotations
 
+import math
+
 from megatron_mech.monitors.attention.layout import BufferLayout
 
-__all__ = ["head_chunks", "part_cost", "parts_of", "rows_needed"]
+__all__ = ["chunk_rows", "head_chunks", "part_cost", "parts_of", "rows_needed", "split_row_chunks"]
 
-# Relative costs in GEMM-FLOP equivalents, fitted to times measured on one CPU thread (benchmarks/frontier_shards.py
-# --quick, d_head 128, bf16 weights, float32 Grams): a k × k ΔW eigenproblem ≈ 10 k³; a head's r × r core per
-# term (r = 2·d_head: Cholesky, the core product, eigvalsh, the rank-deficient fallback of Δ3's padding) ≈ 50 r³,
-# which makes a head ≈ 0.3 ΔW Grams of k = 896; a Krylov block product ≈ its FLOPs (at d_model 7168 a Krylov ΔW_q
-# ≈ 30 heads, as one MoE layer's recorded 58 s splits into 2 ΔW and 128 heads).
-_KRYLOV_FLOPS = 1.0
+# Relative costs in GEMM-FLOP equivalents, fitted to times measured on one CPU thread (d_head 128, bf16 weights,
+# float32 Grams): a k × k ΔW eigenproblem ≈ 10 k³; a head's r × r core per term (r = 2·d_head: Cholesky, the core
+# product, eigvalsh, the rank-deficient fallback of Δ3's padding) ≈ 50 r³, which makes a head ≈ 0.3 ΔW Grams of
+# k = 896; a Krylov block product ≈ 7× its FLOPs: the skinny products stream the whole float32 ΔW and are bound by
+# memory, not arithmetic (at d_model 7168 a 16384-row ΔW_q took 202 heads' time, at the 70B shape's 1024 × 8192
+# TP shard 15 heads', where the Lanczos bookkeeping this leaves out weighs more; benchmarks/frontier_shards.py).
+_KRYLOV_FLOPS = 7.0
 _EIG_FLOPS = 10.0
 _HEAD_CORE_FLOPS = 50.0
 
@@ -51,6 +60,34 @@ def parts_of(layout: BufferLayout, tp_size: int) -> list[tuple]:
     return parts + [("extra", j) for j in range(len(layout.extras))]
 
 
+def chunk_rows(count: int, chunk: int, chunks: int) -> tuple[int, int]:
+    """Rows ``[lo, hi)`` of chunk ``chunk`` of ``chunks`` near-equal chunks of ``count`` rows."""
+    return count * chunk // chunks, count * (chunk + 1) // chunks
+
+
+def split_row_chunks(layout: BufferLayout, parts: list[tuple], tp_size: int, dp_size: int) -> list[tuple]:
+    """``parts`` with each Krylov-route layer ΔW that costs more than ``1/dp_size`` of all of them replaced by its
+    row chunks ``("dwrows", i, m, c, n)``, ``n = ceil(cost / (total / dp_size))`` (at most ``dp_size`` and the row
+    count). Only ΔW whose Gram sums over rows (shard dim 0, the Q and K rows of a fused QKV) and only with more
+    than one replica. From sizes only: the same list on every rank."""
+    if dp_size <= 1:
+        return list(parts)
+    costs = [part_cost(layout, p, tp_size) for p in parts]
+    share = sum(costs) / dp_size
+    out: list[tuple] = []
+    for part, cost in zip(parts, costs):
+        chunks = 1
+        if part[0] == "dw" and share > 0:
+            i, m = part[1], part[2]
+            (sq, kq), (sk, kk), _ = layout.layer_geometry(i)
+            shard_dim, k = (sq, kq) if m == "q" else (sk, kk)
+            rows = layout.layers[i].qk_row_counts[0 if m == "q" else 1]
+            if layout.config.route(k) == "krylov" and shard_dim == 0:
+                chunks = min(dp_size, rows, math.ceil(cost / share))
+        out += [part] if chunks <= 1 else [("dwrows", part[1], part[2], c, chunks) for c in range(chunks)]
+    return out
+
+
 def _dw_cost(config, rows: int, k: int) -> float:
     if config.route(k) == "gram":
         return float(rows * k * k + _EIG_FLOPS * k ** 3)
@@ -69,15 +106,15 @@ def part_cost(layout: BufferLayout, part: tuple, tp_size: int) -> float:
     lay = layout.layers[i]
     (_, kq), (_, kk), heads = layout.layer_geometry(i)
     dh = lay.head_dim
-    if part[0] == "dw":
+    if part[0] in ("dw", "dwrows"):
         k = kq if part[2] == "q" else kk
-        if layout.collective:   # the Gram is over d_model; the other side is every rank's rows (global counts)
+        if layout.collective:   # the Gram is over d_model; the other side is a rank's share of the global rows
             ratio = max(1, lay.num_heads // lay.num_query_groups)
-            other = heads * dh if part[2] == "q" else max(1, heads // ratio) * dh
+            other = (heads * dh if part[2] == "q" else max(1, heads // ratio) * dh) / tp_size
         else:                   # the shard's own smaller Gram; the other side is its larger dimension
             n_q, n_k = lay.qk_row_counts
             other = max(n_q if part[2] == "q" else n_k, lay.d_model)
-        return _dw_cost(config, other, k)
+        return _dw_cost(config, other, k) / (part[4] if part[0] == "dwrows" else 1)
     lo, hi = part[2], part[3]
     n = hi - lo
     k_heads = -(-n // max(1, lay.num_heads // lay.num_query_groups))
@@ -98,6 +135,9 @@ def rows_needed(layout: BufferLayout, parts) -> dict[int, dict[str, list[tuple[i
         ranges = wanted.setdefault(i, {"q": [], "k": []})
         if part[0] == "dw":
             ranges[part[2]].append((0, n_q if part[2] == "q" else n_k))
+            continue
+        if part[0] == "dwrows":
+            ranges[part[2]].append(chunk_rows(n_q if part[2] == "q" else n_k, part[3], part[4]))
             continue
         lo, hi = part[2], part[3]
         if (lo, hi) == (0, lay.num_heads):             # the whole layer (also the replicated K/V layout)

@@ -84,11 +84,13 @@ class AttentionMonitorConfig:
     checkpoint_snapshots: bool = option(True, "save the snapshots with the checkpoint; the flag turns it off "
                                         "(smaller checkpoints; after a resume the first interval re-snapshots and "
                                         "is skipped)", flag="--mech-no-checkpoint-snapshots", inverted=True)
-    # each value is computed by one replica and the others add exact zeros, so the split equals the unsplit run
+    # each value is computed by one replica and the others add exact zeros, so the split equals the unsplit run;
+    # a row-split ΔW's products are summed over replicas: the unsplit values up to the order of float64 sums
     dp_split: bool = option(True, "share each evaluation's parts (each layer's ΔW_q and ΔW_k spectra and its heads "
                             "in chunks) out over the data-parallel replicas (one fixed-size all-reduce combines the "
-                            "results); the flag makes every replica evaluate every layer", flag="--mech-no-dp-split",
-                            inverted=True)
+                            "results); a Krylov-route ΔW costing more than a replica's share is split by rows over "
+                            "several replicas (1 + --mech-krylov-steps small all-reduces); the flag makes every "
+                            "replica evaluate every layer", flag="--mech-no-dp-split", inverted=True)
 
     def __post_init__(self) -> None:
         if not is_int(self.interval) or self.interval < 1:
