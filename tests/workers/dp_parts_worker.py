@@ -29,7 +29,7 @@ import megatron_mech.monitors.attention.evaluation as evaluation
 import megatron_mech.monitors.attention.qk_heads as qk_heads
 from megatron_mech.core.layouts import qkv_partition_sizes
 from megatron_mech.monitors import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
-from verdict import finish  # tests/workers/, the script's directory
+from verdict import finish, four_rank_groups  # tests/workers/, the script's directory
 
 D_MODEL, HEAD_DIM = 16, 4
 LAYERS = {0: (8, 8), 1: (8, 2)}   # layer -> (heads, groups), full model
@@ -126,11 +126,7 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == 4, "this worker expects --nproc_per_node=4"
     real_all_reduce = dist.all_reduce
-    # Every rank creates every group in the same order (torch.distributed requires it).
-    everyone = dist.new_group([0, 1, 2, 3])
-    singles = [dist.new_group([r]) for r in range(world)]
-    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    dp_groups_2x2 = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    groups = four_rank_groups()
     work = Work()
     errors: list[str] = []
 
@@ -139,8 +135,8 @@ def main() -> int:
             errors.append(msg)
 
     try:
-        check_layout("DP=4", singles[rank], everyone, 0, 1, work, expect)
-        check_layout("DP=2xTP=2", tp_groups[rank // 2], dp_groups_2x2[rank % 2], rank % 2, 2, work, expect)
+        check_layout("DP=4", groups["single"], groups["dp4"], 0, 1, work, expect)
+        check_layout("DP=2xTP=2", groups["tp"], groups["dp"], rank % 2, 2, work, expect)
     except Exception as exc:  # report, still reach the verdict collective
         import traceback
         traceback.print_exc()

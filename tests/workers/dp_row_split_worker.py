@@ -28,7 +28,7 @@ import torch.distributed as dist
 from megatron_mech.core.layouts import qkv_partition_sizes
 from megatron_mech.monitors import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
 from megatron_mech.monitors.attention.parts import chunk_rows
-from verdict import finish  # tests/workers/, the script's directory
+from verdict import finish, four_rank_groups  # tests/workers/, the script's directory
 
 D_MODEL, HEAD_DIM = 16, 4
 INTERVAL, STEPS = 2, 6
@@ -97,10 +97,7 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == 4, "this worker expects --nproc_per_node=4"
     real_all_reduce = dist.all_reduce
-    everyone = dist.new_group([0, 1, 2, 3])
-    singles = [dist.new_group([r]) for r in range(world)]
-    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    dp_groups_2x2 = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    groups = four_rank_groups()
     errors: list[str] = []
 
     def expect(cond: bool, msg: str):
@@ -108,8 +105,8 @@ def main() -> int:
             errors.append(msg)
 
     try:
-        check_layout("DP=4", 8, 8, (), singles[rank], everyone, 0, 1, expect)
-        check_layout("DP=2xTP=2", 8, 2, ("delta2",), tp_groups[rank // 2], dp_groups_2x2[rank % 2], rank % 2, 2,
+        check_layout("DP=4", 8, 8, (), groups["single"], groups["dp4"], 0, 1, expect)
+        check_layout("DP=2xTP=2", 8, 2, ("delta2",), groups["tp"], groups["dp"], rank % 2, 2,
                      expect)
     except Exception as exc:  # report, still reach the verdict collective
         import traceback

@@ -62,3 +62,17 @@ def exit_without_destructors(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def four_rank_groups() -> dict:
+    """The groups of the 4-rank layouts, this rank's: ``"dp4"`` (DP=4: every rank), ``"single"`` (its own TP group of
+    one), ``"tp"`` and ``"dp"`` (DP=2 × TP=2: TP groups {0, 1}, {2, 3}, DP groups {0, 2}, {1, 3}). Every rank creates
+    every group in the same order, as torch.distributed requires."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    everyone = dist.new_group([0, 1, 2, 3])
+    singles = [dist.new_group([r]) for r in range(4)]
+    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    return {"dp4": everyone, "single": singles[rank], "tp": tp_groups[rank // 2], "dp": dp_groups[rank % 2]}
