@@ -17,7 +17,7 @@ def cli(*args):
     (["train", "--nproc", "0"], "--nproc must be >= 1, got 0"),
     (["train", "--steps", "0"], "--steps must be >= 1, got 0"),
     (["train", "--mech-interval", "0"], "training flags go after '--'"),
-    (["demo", "--steps", "200"], "--fault-start 300 is not before --steps 200"),
+    (["demo", "--steps", "200"], "--fault-start 260 is not before --steps 200"),
 ])
 def test_bad_subcommand_input_is_named(args, message):
     out = cli(*args)

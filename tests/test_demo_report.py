@@ -81,3 +81,25 @@ def test_incumbents_line_without_or_after_our_alert(tmp_path, ours, verdict):
     assert line == (f"our first monitor alert: {ours or 'none'}; incumbent alarms on the same run: max logit > 100 "
                     f"(QK-clip) at 120; silent: Megatron spiky loss, OLMo loss spike, OLMo grad-norm spike, grad "
                     f"norm > 20{verdict}")
+
+
+def test_the_attention_act_states_the_fault_its_command_injects(tmp_path):
+    # The reference is the attention run's own command line, parsed by the fault flags' parser: the report must
+    # name the layer and γ the run injects, not the lead-time study's setting.
+    import argparse
+
+    from megatron_mech.studies.demo import demo_commands
+    from megatron_mech.studies.fault_config import FaultConfig, add_fault_arguments
+    from megatron_mech.studies.pretrain_gpt_fault import ENTRY_MODULE
+
+    args = argparse.Namespace(quick=False, steps=STEPS, fault_start=START, faults=["attention"], seed=21,
+                              out=str(tmp_path / "runs"))
+    cmd = demo_commands(args)["attention"]
+    flags, _ = add_fault_arguments(argparse.ArgumentParser()).parse_known_args(cmd[cmd.index(ENTRY_MODULE) + 1:])
+    fault = FaultConfig.from_args(flags)
+    assert (fault.kind, fault.start) == ("attention", START)
+    report = _demo(tmp_path, lambda s: 10.0, lambda s: 1.0)
+    layers = " ".join(str(layer) for layer in fault.layers)
+    assert _line(report, "Fault:") == (
+        f"Fault: the biased bf16-rounding mechanism of FlashAttention's backward injected into layer {layers} "
+        f"(γ = {fault.gamma:g}), from step {START}.")

@@ -17,8 +17,17 @@ import json
 import sys
 from pathlib import Path
 
-__all__ = ["DEMO_FAULTS", "attention_outcome_line", "collapse_line", "demo_commands", "demo_length", "demo_report",
-           "incumbents_line", "load_demo_run", "run_demo", "step_losses"]
+__all__ = ["DEMO_ATTENTION_FLAGS", "DEMO_FAULTS", "attention_outcome_line", "collapse_line", "demo_commands",
+           "demo_fault_flags", "demo_length", "demo_report", "incumbents_line", "load_demo_run", "run_demo",
+           "step_losses"]
+
+# The demo's attention fault: the lead-time study's precision fault (``FAULT_FLAGS["attention"]``, γ = 0.1 in layer
+# 1 from step 300) made stronger and, with the CLI's ``--fault-start`` of 260, earlier, so that within the demo's 500
+# steps the max attention logit explodes by the attention outcome's own criterion
+# (:mod:`megatron_mech.studies.outcomes`). From step 300 it did not, or with one record to spare: the logit climbs
+# at a pace set by the decaying learning rate (Adam), not by γ. Chosen on the tuning seeds
+# (benchmarks/results/demo_attention_tuning.md).
+DEMO_ATTENTION_FLAGS = ["--mech-fault", "attention", "--mech-fault-strength", "0.3", "--mech-fault-layers", "1"]
 
 
 def step_losses(run_dir) -> list:
@@ -38,12 +47,20 @@ def demo_length(args: argparse.Namespace) -> tuple:
     return (120, 60) if args.quick else (args.steps, args.fault_start)
 
 
+def demo_fault_flags(name: str) -> list:
+    """The ``--mech-fault*`` flags of the demo's fault run ``name``: :data:`DEMO_ATTENTION_FLAGS` for the attention
+    act, the fault studies' flags (``FAULT_FLAGS``) for the others."""
+    from megatron_mech.studies.leadtime import FAULT_FLAGS
+
+    return list(DEMO_ATTENTION_FLAGS) if name == "attention" else list(FAULT_FLAGS[name])
+
+
 def demo_commands(args: argparse.Namespace) -> dict:
     """The torchrun command of each demo run (``clean`` first, then the faults), by run name. The preset's LR
     warm-up is shortened to fit a short demo (:func:`megatron_mech.megatron.presets.fit_lr_warmup`)."""
     from megatron_mech.megatron.launch import torchrun_prefix
     from megatron_mech.megatron.presets import fit_lr_warmup
-    from megatron_mech.studies.leadtime import FAULT_FLAGS, LEAD_MODEL
+    from megatron_mech.studies.leadtime import LEAD_MODEL
     from megatron_mech.studies.pretrain_gpt_fault import ENTRY_MODULE
 
     steps, start = demo_length(args)
@@ -51,7 +68,7 @@ def demo_commands(args: argparse.Namespace) -> dict:
     detector = (["--mech-detector-warmup", "4", "--mech-detector-baseline", "6"] if args.quick else [])
     commands = {}
     for name in ["clean", *faults]:
-        fault = [*FAULT_FLAGS[name], "--mech-fault-start", str(start)] if name != "clean" else []
+        fault = [*demo_fault_flags(name), "--mech-fault-start", str(start)] if name != "clean" else []
         run_dir = Path(args.out) / name
         commands[name] = [*torchrun_prefix(2), "-m", ENTRY_MODULE,
                           *fit_lr_warmup(LEAD_MODEL, steps), "--seed", str(args.seed), "--train-iters", str(steps),
@@ -63,7 +80,7 @@ def demo_commands(args: argparse.Namespace) -> dict:
 
 DEMO_FAULTS = {
     "attention": ("attention-precision fault", "the biased bf16-rounding mechanism of FlashAttention's backward "
-                  "injected into layer 1"),
+                  "injected into layer {layers} (γ = {strength})"),
     "router": ("router fault (a massive activation at the routers)", "a vector shared by every token added to each "
                "MoE router's input, aligned so that it adds β to the logits of half of the experts, β growing from 0 "
                "to {strength} over {ramp} steps (the experts still get the true tokens; no load-balancing loss holds "
@@ -73,10 +90,13 @@ DEMO_FAULTS = {
 
 
 def _fault_text(name: str) -> tuple:
-    from megatron_mech.studies.leadtime import FAULT_FLAGS
-
-    flags = FAULT_FLAGS[name]
-    values = {flag[len("--mech-fault-"):]: value for flag, value in zip(flags, flags[1:]) if flag.startswith("--")}
+    values, key = {}, None
+    for item in demo_fault_flags(name):  # a flag's values (``--mech-fault-layers 1 2``: "1 2") by its name
+        if item.startswith("--"):
+            key = item[len("--mech-fault-"):]
+            values[key] = ""
+        else:
+            values[key] = f"{values[key]} {item}".strip()
     return tuple(text.format(**values) for text in DEMO_FAULTS[name])
 
 
