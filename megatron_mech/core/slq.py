@@ -175,8 +175,13 @@ def krylov_spectral_summaries_many(local_matvecs, ns, frobenius_sqs, rank_bounds
     generators = list(generators) if generators is not None else [None] * count
     limits = [min(steps, -(-n // block)) for n in ns]
     ok = [math.isfinite(float(z)) and float(z) > 0 for z in frobenius_sqs]
-    q, bases, products = [], [[] for _ in range(count)], [[] for _ in range(count)]
     held = [matvec is not None for matvec in local_matvecs]
+    # Each matrix's basis and products fill preallocated [n, limit·block] float64 buffers column block by block.
+    # Projections onto the basis are written as (wᵀB)ᵀ, not Bᵀw: see gram_times for why the orientation matters.
+    bases = [torch.empty(n, limits[i] * block, dtype=torch.float64, device=device) if held[i] else None
+             for i, n in enumerate(ns)]
+    products = [torch.empty_like(b) if b is not None else None for b in bases]
+    q = []
     for i, n in enumerate(ns):
         if not held[i]:
             q.append(None)
@@ -194,11 +199,12 @@ def krylov_spectral_summaries_many(local_matvecs, ns, frobenius_sqs, rank_bounds
                 continue
             if not ok[i]:
                 w = torch.zeros_like(w)
-            bases[i].append(q[i])
-            products[i].append(w)
-            basis = torch.cat(bases[i], 1)
-            w = w - basis @ (basis.T @ w)
-            w = w - basis @ (basis.T @ w)      # twice is enough (Kahan–Parlett)
+            end = (step + 1) * block
+            bases[i][:, end - block:end] = q[i]
+            products[i][:, end - block:end] = w
+            basis = bases[i][:, :end]
+            w = w - basis @ (w.T @ basis).T
+            w = w - basis @ (w.T @ basis).T    # twice is enough (Kahan–Parlett)
             q[i] = torch.linalg.qr(w).Q
     results = []
     for i in range(count):
@@ -209,8 +215,7 @@ def krylov_spectral_summaries_many(local_matvecs, ns, frobenius_sqs, rank_bounds
             results.append({"entropy": math.nan, "entropy_nats": math.nan, "lambda_max": math.nan})
             continue
         z, rank_bound = float(frobenius_sqs[i]), rank_bounds[i]
-        basis = torch.cat(bases[i], 1)
-        t = basis.T @ torch.cat(products[i], 1)
+        t = (products[i].T @ bases[i]).T       # Bᵀ(G B), the Rayleigh–Ritz matrix
         theta = torch.linalg.eigvalsh(0.5 * (t + t.T)).clamp_min(0)
         p = theta / z
         rest = max(0.0, 1.0 - float(p.sum()))
