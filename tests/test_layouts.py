@@ -8,6 +8,7 @@ from megatron_mech.core.layouts import fuse_qkv, qkv_block_rows, qkv_partition_s
 def build_by_hand(wq, wk, wv):
     """Rows per query group: its H/G query heads, then K, then V — each d_head rows of [out, in] weight."""
     num_heads, num_groups = wq.shape[0], wk.shape[0]
+    per_group = num_heads // num_groups
     rows = []
     for g in range(num_groups):
         for j in range(per_group):
