@@ -83,6 +83,29 @@ def test_batched_equals_per_layer_and_per_head_and_dense():
             assert err.max() <= (1e-4 if f32 else 1e-9), (i, term, err.max().item())
 
 
+@pytest.mark.parametrize("mode", ["all", "item", "head"])
+def test_delta3_is_solved_at_its_own_width_by_cholesky(mode, monkeypatch):
+    """Δ3 = ΔW_q ΔW_kᵀ has r = d_head: its eigenproblem is d_head wide, not the 2·d_head of the zero-padded store
+    (an eighth of the work), and on full-rank increments every factor is a Cholesky one (the padding made each
+    Δ3 Gram singular, so it went through the singular-factor fallback). Values: the float64 dense reference."""
+    from megatron_mech.core import spectral
+
+    def no_fallback(gram):
+        raise AssertionError(f"singular-factor fallback on {tuple(gram.shape)}")
+    widths = []
+    eigvalsh = torch.linalg.eigvalsh
+    monkeypatch.setattr(spectral, "_singular_psd_factor", no_fallback)
+    monkeypatch.setattr(torch.linalg, "eigvalsh", lambda a: widths.append(a.shape[-1]) or eigvalsh(a))
+    w = layer_weights(heads=4, groups=2, d_model=384, d_head=64, seed=21)
+    got = spectra_from_qk_cores([qk_increment_cores(*w, terms=QK_TERMS)], batch=mode)[0]
+    assert sorted(set(widths)) == [64, 128]
+    assert widths.count(64) == {"head": 4}.get(mode, 1)
+    dense = qk_increment_spectra_dense(*w)
+    for term in QK_TERMS:           # the float32 Gram route's stated accuracy on entropies (see the module doc)
+        err = (spectral_entropy(getattr(got, term)) - spectral_entropy(getattr(dense, term))).abs()
+        assert getattr(got, term).shape[-1] == (64 if term == "delta3" else 128) and err.max() <= 1e-4, term
+
+
 def test_bad_batch_mode_is_refused():
     with pytest.raises(ValueError, match="batch must be one of"):
         spectra_from_qk_cores([], batch="layers")

@@ -321,7 +321,7 @@ def _core_spectrum_from_grams(gram_a: torch.Tensor, gram_b: torch.Tensor) -> tor
     σ(ABᵀ)² are the eigenvalues of (AᵀA)(BᵀB) = F Fᵀ BᵀB for any factor F Fᵀ = AᵀA, which equal the
     eigenvalues of the symmetric PSD core Fᵀ (BᵀB) F. F is the Cholesky factor where it exists (fast and
     backward stable: L Lᵀ = AᵀA + E with ‖E‖ ~ eps‖AᵀA‖, the same error level as an eigendecomposition);
-    where Cholesky fails — a rank-deficient factor, e.g. a collapsed or zero increment, or Δ3's zero padding —
+    where Cholesky fails — a rank-deficient factor, e.g. a collapsed or zero increment —
     F comes from :func:`_singular_psd_factor` (exact for singular Grams).
 
     Works in the Grams' dtype. Each Gram is first divided by its largest diagonal entry (σ(ABᵀ) scales with
@@ -348,8 +348,8 @@ def _core_spectrum_from_grams(gram_a: torch.Tensor, gram_b: torch.Tensor) -> tor
 def _singular_psd_factor(gram: torch.Tensor) -> torch.Tensor:
     """A factor F with F Fᵀ = ``gram`` for PSD Grams [M, r, r] on which Cholesky failed (rank-deficient).
 
-    The Grams of the Gram route are 2 × 2 block Grams of [X₁, X₂] where one factor is a weight (full rank) and
-    the other an increment, which is what goes rank-deficient (a collapsed update, Δ3's zero padding). So split
+    The Grams of Δ1 and Δ2 are 2 × 2 block Grams of [X₁, X₂] where one factor is a weight (full rank) and the
+    other an increment, which is what goes rank-deficient (a collapsed update). So split
     at r/2 and factor the full-rank diagonal block by Cholesky, the rest through its Schur complement:
     with G₂₂ = L Lᵀ and Xᵀ = L⁻¹G₂₁, S = G₁₁ − X Xᵀ (PSD, the increment's part outside the weight's span)
     = V diag(λ) Vᵀ, F = [[V·diag(√λ), X], [0, L]] (and the mirror image when G₁₁ is the full-rank block).
@@ -361,7 +361,8 @@ def _singular_psd_factor(gram: torch.Tensor) -> torch.Tensor:
     As F Fᵀ = G holds to rounding in every block but the clamped one, the clamp is the factor's error: a head
     whose S has an eigenvalue below −r·eps·max diag(G) (the rank tolerance of the Gram itself) takes the
     whole-Gram eigendecomposition F = V·diag(√λ) instead (backward stable), as do Grams with neither block
-    positive definite (both factors rank-deficient, e.g. zero weights).
+    positive definite (both factors rank-deficient, e.g. zero weights; Δ3's single increment block when it
+    collapses).
     """
     r = gram.shape[-1]
     half = r // 2
@@ -488,7 +489,7 @@ _BLOCK_LETTER = {"dq": "d", "q": "w", "dk": "d", "k": "w", "k_new": "n"}
 def _assemble_gram(out: torch.Tensor, blocks: dict, names: list, scales: list) -> None:
     """Write the Gram of the scaled factor [s_1 X_1, s_2 X_2, ...] into ``out`` ([N, ≥ k·d_head, ≥ k·d_head],
     its top-left corner) from the block Grams: block by block, no concatenation (the rest of ``out`` keeps its
-    zeros: Δ3's padding)."""
+    zeros: Δ3's padding in the stored cores, cut off before its eigenproblem)."""
     dh = blocks[("d", "d")].shape[-1]
     dtype = out.dtype
     for i, (name_i, s_i) in enumerate(zip(names, scales)):
@@ -539,28 +540,34 @@ def spectra_from_qk_cores(cores: Sequence[QKCores], batch: str = "auto") -> list
     cores = list(cores)
     if batch == "auto":
         batch = "item" if all(c.grams_a.device.type == "cpu" for c in cores) else "all"
-    values: list[Optional[torch.Tensor]] = [None] * len(cores)
-    if batch == "all":
-        groups: dict = {}
-        for i, c in enumerate(cores):
-            groups.setdefault((c.grams_a.shape[-1], c.grams_a.dtype, c.grams_a.device), []).append(i)
-        for members in groups.values():
-            sv = _core_spectrum_from_grams(torch.cat([cores[i].grams_a for i in members]),
-                                           torch.cat([cores[i].grams_b for i in members]))
-            for i, part in zip(members, sv.split([cores[i].grams_a.shape[0] for i in members])):
-                values[i] = part
-    elif batch == "item":
-        values = [_core_spectrum_from_grams(c.grams_a, c.grams_b) for c in cores]
-    else:
-        values = [torch.cat([_core_spectrum_from_grams(c.grams_a[j:j + 1], c.grams_b[j:j + 1])
-                             for j in range(c.grams_a.shape[0])]) for c in cores]
-    out = []
-    for c, sv in zip(cores, values):
-        per_term = sv.split(c.num_heads)
-        out.append(QKIncrementSpectra(**{
-            term: part[:, : len(_TERM_BLOCKS[term]) * c.d_head].masked_fill(~c.finite[:, None], math.nan)
-            for term, part in zip(c.terms, per_term)}))
-    return out
+    # One job per (core, term): its rows of the stored Grams, cut to the term's own width (Δ3's r = d_head
+    # block, not its zero-padded 2·d_head store: an eigenproblem of an eighth of the cost, and a Cholesky that
+    # succeeds instead of the singular-factor fallback the padding forced).
+    jobs = [(i, term, slice(t * c.num_heads, (t + 1) * c.num_heads), len(_TERM_BLOCKS[term]) * c.d_head)
+            for i, c in enumerate(cores) for t, term in enumerate(c.terms)]
+
+    def group_of(i: int, term: str, width: int) -> tuple:
+        if batch == "all":
+            return width, cores[i].grams_a.dtype, cores[i].grams_a.device
+        return (i, width) if batch == "item" else (i, term)
+
+    groups: dict = {}
+    for job in jobs:
+        groups.setdefault(group_of(job[0], job[1], job[3]), []).append(job)
+    values: dict = {}
+    for members in groups.values():
+        ga = [cores[i].grams_a[rows, :w, :w] for i, _, rows, w in members]
+        gb = [cores[i].grams_b[rows, :w, :w] for i, _, rows, w in members]
+        if batch == "head":      # one eigenproblem per head
+            sv = torch.cat([_core_spectrum_from_grams(a[j:j + 1], b[j:j + 1])
+                            for a, b in zip(ga, gb) for j in range(a.shape[0])])
+        else:
+            sv = _core_spectrum_from_grams(torch.cat(ga), torch.cat(gb))
+        for (i, term, _, _), part in zip(members, sv.split([a.shape[0] for a in ga])):
+            values[(i, term)] = part
+    return [QKIncrementSpectra(**{term: values[(i, term)].masked_fill(~c.finite[:, None], math.nan)
+                                  for term in c.terms})
+            for i, c in enumerate(cores)]
 
 
 def qk_increment_spectra_gram(
