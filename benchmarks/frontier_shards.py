@@ -17,11 +17,12 @@ What is measured and what is derived (every figure in the results is labelled):
   holding only heads are timed (the planned costs are approximate) and the slower one is reported. We build
   the tensors those parts read — the fused-QKV shard ``[(h + 2g)·d_head, hidden]`` of each layer touched, bf16
   like training weights — and time the monitor's evaluation of exactly those parts with the default settings
-  (ΔW route chosen per shape, per-head Δ1/Δ2/Δ3): a snapshot of the rows they read, δ steps of updates, an
-  evaluation and the next snapshot. In one process the TP and DP collectives are absent; the per-rank arithmetic
-  is the same (local Grams / Krylov products of the shard, per-head cores of the rank's own heads). MoE: the
-  router statistics of one evaluation step's micro-batches are timed on ``[tokens, experts]`` logits, every
-  token and every ``--router-token-stride``-th (``--mech-router-token-stride``; the overhead uses the latter).
+  (ΔW route chosen per shape, per-head Δ1/Δ2/Δ3): a snapshot of the rows they read, then ``--repeats`` times
+  (5) δ steps of updates, an evaluation and the next snapshot; the median evaluation is reported, with its
+  range. In one process the TP and DP collectives are absent; the per-rank arithmetic is the same (local
+  Grams / Krylov products of the shard, per-head cores of the rank's own heads). MoE: the router statistics
+  of one evaluation step's micro-batches are timed on ``[tokens, experts]`` logits, every token and every
+  ``--router-token-stride``-th (``--mech-router-token-stride``; the overhead uses the latter).
 * **Communication (derived, exact).** Bytes of each collective per evaluation from the monitor's buffer
   layouts: the TP reduction (packed Grams or Krylov scalars, per-head entropies), the Krylov products (steps ×
   Σ k·block floats), the DP combine (every metric of the stage) and the pipeline exchange (every metric of the
@@ -45,7 +46,7 @@ What is measured and what is derived (every figure in the results is labelled):
   on the GPU the same evaluation runs faster.
 
     python benchmarks/frontier_shards.py --record             # both layouts, writes results/frontier_shards.*
-                                                              # (about 4 minutes alone on 2 cores)
+                                                              # (4–12 minutes alone on 2 cores)
     python benchmarks/frontier_shards.py --quick --force      # scaled-down shapes: a smoke check, nothing written
 
 Refuses to time on a loaded machine (``os.getloadavg``) unless ``--force``.
@@ -56,6 +57,7 @@ import argparse
 import dataclasses
 import logging
 import math
+import statistics
 import time
 from typing import Optional
 
@@ -185,11 +187,12 @@ def timed_replicas(layout: Layout, cfg: AttentionMonitorConfig) -> list[int]:
     return picks
 
 
-def time_attention(layout: Layout, interval: int, replica: Optional[int]) -> dict:
-    """One DP replica's share of the stage's attention evaluation: its snapshot, δ steps of updates, its evaluation
-    (the parts it owns) and its next snapshot, as in training; the DP combine's bytes are derived. ``replica=None``:
-    every part of one layer, the busiest replica's share under the previous whole-layer split (the in-run
-    reference)."""
+def time_attention(layout: Layout, interval: int, replica: Optional[int], repeats: int = 1) -> dict:
+    """One DP replica's share of the stage's attention evaluation: its snapshot, then ``repeats`` times δ steps of
+    updates, its evaluation (the parts it owns) and its next snapshot, as in training; the median evaluation is
+    reported with the range (a single evaluation on a shared 2-core machine varies by ±25 %). The DP combine's
+    bytes are derived. ``replica=None``: every part of one layer, the busiest replica's share under the previous
+    whole-layer split (the in-run reference)."""
     cfg = AttentionMonitorConfig(interval=interval)
     parts, shares, costs = replica_shares(layout, cfg)
     if replica is None:      # the whole-layer reference: layer 0's parts, its ΔW unsplit
@@ -206,16 +209,21 @@ def time_attention(layout: Layout, interval: int, replica: Optional[int]) -> dic
     t0 = time.perf_counter()
     snapshots.take(0, layers, [], rows, mine)
     snapshot_s = time.perf_counter() - t0
-    with torch.no_grad():
-        for i in sorted(touched):   # δ optimizer steps of updates, ~1e-2 of the weights (bf16 spacing is 2^-8 ≈ 4e-3
-            w = layers[i].qkv_weight  # relative: smaller random steps would round to zero), plus a coherent rank-4 part
-            std = float(w.float().std())
-            coherent = torch.randn(w.shape[0], 4, generator=gen) @ torch.randn(4, w.shape[1], generator=gen)
-            w.copy_((w.float() + 1e-2 * std * (torch.randn(w.shape, generator=gen) + 0.5 * coherent)).to(w.dtype))
-    t0 = time.perf_counter()
-    values = monitor._evaluation.values(interval, [p for p in parts if p in mine], parts)
-    snapshots.take(interval, layers, [], rows, mine)
-    evaluate_s = time.perf_counter() - t0        # evaluation + the next snapshot, as in training
+    times = []
+    for evaluation in range(1, repeats + 1):
+        # δ optimizer steps of updates, ~1e-2 of the weights (bf16 spacing is 2^-8 ≈ 4e-3 relative: smaller
+        # random steps would round to zero), plus a coherent rank-4 part
+        with torch.no_grad():
+            for i in sorted(touched):
+                w = layers[i].qkv_weight
+                std = float(w.float().std())
+                coherent = torch.randn(w.shape[0], 4, generator=gen) @ torch.randn(4, w.shape[1], generator=gen)
+                w.copy_((w.float() + 1e-2 * std * (torch.randn(w.shape, generator=gen) + 0.5 * coherent)).to(w.dtype))
+        t0 = time.perf_counter()
+        values = monitor._evaluation.values(evaluation * interval, [p for p in parts if p in mine], parts)
+        snapshots.take(evaluation * interval, layers, [], rows, mine)
+        times.append(time.perf_counter() - t0)    # evaluation + the next snapshot, as in training
+    evaluate_s = statistics.median(times)
     assert values or any(p[0] == "dwrows" for p in mine)
     snap_bytes = sum(t.numel() * t.element_size() for held in snapshots.layers if held is not None
                      for ranges in held.values() for _, _, t in ranges)
@@ -224,7 +232,8 @@ def time_attention(layout: Layout, interval: int, replica: Optional[int]) -> dic
     dws = sum(1 for p in mine if p[0] == "dw")
     chunks = sum(1 for p in mine if p[0] == "dwrows")
     split = len({p[1:3] for p in parts if p[0] == "dwrows"})
-    return {"dw_row_chunks": chunks, "split_matrices": split, "snapshot_s": snapshot_s, "evaluation_s": evaluate_s, "snapshot_bytes": snap_bytes,
+    return {"dw_row_chunks": chunks, "split_matrices": split, "snapshot_s": snapshot_s, "evaluation_s": evaluate_s,
+            "evaluation_s_all": times, "snapshot_bytes": snap_bytes,
             "routes": routes, "layers_evaluated": len(touched), "replica": replica, "heads_evaluated": heads,
             "dw_evaluated": dws,
             "planned_cost_share": sum(part_cost(monitor._layout, p, layout.tp) for p in mine) / sum(costs)}
@@ -331,6 +340,10 @@ def communication(layout: Layout, cfg: AttentionMonitorConfig, layers: int, spli
             "dp_krylov_bytes": dp_krylov_bytes, "dp_krylov_collectives": 1 + cfg.krylov_steps if split_matrices else 0}
 
 
+def spread(times: list) -> str:
+    return f"{min(times):.2f}–{max(times):.2f}"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
@@ -339,6 +352,8 @@ def main(argv=None) -> int:
     parser.add_argument("--record", action="store_true", help="write results/frontier_shards.{md,json}")
     parser.add_argument("--router-token-stride", type=int, default=16,
                         help="--mech-router-token-stride timed (the every-token time is reported beside it)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="attention evaluations timed per replica (fresh updates before each); median reported")
     parser.add_argument("--expert-sample", type=int, default=4,
                         help="experts timed (real shapes), scaled to the rank's evaluated experts")
     args = parser.parse_args(argv)
@@ -353,18 +368,19 @@ def main(argv=None) -> int:
                                          tokens_per_step=layout.tokens_per_step // 64,
                                          expert_ffn=layout.expert_ffn // 8)
         cfg = AttentionMonitorConfig(interval=10)
-        timed = [time_attention(layout, 10, r) for r in timed_replicas(layout, cfg)]
+        timed = [time_attention(layout, 10, r, args.repeats) for r in timed_replicas(layout, cfg)]
         attention = max(timed, key=lambda a: a["evaluation_s"])
-        attention["replicas_timed"] = [{k: a[k] for k in ("replica", "evaluation_s", "heads_evaluated",
-                                                          "dw_evaluated", "dw_row_chunks", "planned_cost_share")}
-                                        for a in timed]
+        kept = ("replica", "evaluation_s", "evaluation_s_all", "heads_evaluated", "dw_evaluated", "dw_row_chunks",
+                "planned_cost_share")
+        attention["replicas_timed"] = [{k: a[k] for k in kept} for a in timed]
         for a in timed:
             log.info(f"{layout.name}: DP replica {a['replica']}: {a['dw_evaluated']} ΔW spectra, "
                      f"{a['dw_row_chunks']} row chunks of the {a['split_matrices']} row-split ΔW, "
                      f"{a['heads_evaluated']} heads over {a['layers_evaluated']} layer(s), planned share "
                      f"{100 * a['planned_cost_share']:.1f} %: evaluation {a['evaluation_s']:.2f} s")
-        whole_layer = time_attention(layout, 10, None)
+        whole_layer = time_attention(layout, 10, None, args.repeats)
         attention["previous_split_s"] = whole_layer["evaluation_s"]
+        attention["previous_split_s_all"] = whole_layer["evaluation_s_all"]
         log.info(f"{layout.name}: previous split (one whole layer on the busiest replica), same run: "
                  f"{whole_layer['evaluation_s']:.2f} s")
         router = time_router(layout, args.router_token_stride)
@@ -400,7 +416,7 @@ def main(argv=None) -> int:
     if args.record:
         lines = [f"Machine load at start: {load['load1']:.2f} on {load['cores']} cores"
                  + (" (LOADED: timings unreliable)" if load["loaded"] else "") + ".", "",
-                 "| layout | layers touched / rank | ΔW route | evaluation s (measured, CPU) | "
+                 "| layout | layers touched / rank | ΔW route | evaluation s (measured, CPU: median [range]) | "
                  "previous whole-layer split s (same run) | router s (measured, sampled) | "
                  "snapshot MiB/rank (measured) | TP MiB | Krylov MiB | DP KiB | DP row-split Krylov MiB | "
                  "PP KiB (derived) | step s (derived) | overhead δ=10 | δ=100 (derived) |",
@@ -408,7 +424,8 @@ def main(argv=None) -> int:
         for r in rows:
             a, c, lay = r["attention"], r["comm"], r["layout"]
             lines.append(f"| {lay['name']} | {a['layers_evaluated']} | {','.join(a['routes'])} | "
-                         f"{a['evaluation_s']:.2f} | {a['previous_split_s']:.2f} | "
+                         f"{a['evaluation_s']:.2f} [{spread(a['evaluation_s_all'])}] | "
+                         f"{a['previous_split_s']:.2f} [{spread(a['previous_split_s_all'])}] | "
                          f"{r['router'].get('router_s', 0):.2f} | "
                          f"{a['snapshot_bytes'] / 2**20:.1f} | {c['tp_reduce_bytes'] / 2**20:.2f} | "
                          f"{c['krylov_bytes'] / 2**20:.2f} | {c['dp_combine_bytes'] / 2**10:.1f} | "
