@@ -29,7 +29,7 @@ import megatron_mech.monitors.attention.evaluation as evaluation
 import megatron_mech.monitors.attention.qk_heads as qk_heads
 from megatron_mech.core.layouts import qkv_partition_sizes
 from megatron_mech.monitors import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
-from verdict import finish, four_rank_groups  # tests/workers/, the script's directory
+from verdict import four_rank_groups, run_checks  # tests/workers/, the script's directory
 
 D_MODEL, HEAD_DIM = 16, 4
 LAYERS = {0: (8, 8), 1: (8, 2)}   # layer -> (heads, groups), full model
@@ -128,20 +128,12 @@ def main() -> int:
     real_all_reduce = dist.all_reduce
     groups = four_rank_groups()
     work = Work()
-    errors: list[str] = []
 
-    def expect(cond: bool, msg: str):
-        if not cond:
-            errors.append(msg)
-
-    try:
+    def checks(expect) -> None:
         check_layout("DP=4", groups["single"], groups["dp4"], 0, 1, work, expect)
         check_layout("DP=2xTP=2", groups["tp"], groups["dp"], rank % 2, 2, work, expect)
-    except Exception as exc:  # report, still reach the verdict collective
-        import traceback
-        traceback.print_exc()
-        errors.append(f"exception: {exc!r}")
-    return finish(errors, "DP_PARTS", "parts shared out, split == single-rank bit for bit", real_all_reduce)
+
+    return run_checks(checks, "DP_PARTS", "parts shared out, split == single-rank bit for bit", real_all_reduce)
 
 
 if __name__ == "__main__":

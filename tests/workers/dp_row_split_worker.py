@@ -28,7 +28,7 @@ import torch.distributed as dist
 from megatron_mech.core.layouts import qkv_partition_sizes
 from megatron_mech.monitors import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
 from megatron_mech.monitors.attention.parts import chunk_rows
-from verdict import finish, four_rank_groups  # tests/workers/, the script's directory
+from verdict import four_rank_groups, run_checks  # tests/workers/, the script's directory
 
 D_MODEL, HEAD_DIM = 16, 4
 INTERVAL, STEPS = 2, 6
@@ -98,21 +98,13 @@ def main() -> int:
     assert world == 4, "this worker expects --nproc_per_node=4"
     real_all_reduce = dist.all_reduce
     groups = four_rank_groups()
-    errors: list[str] = []
 
-    def expect(cond: bool, msg: str):
-        if not cond:
-            errors.append(msg)
-
-    try:
+    def checks(expect) -> None:
         check_layout("DP=4", 8, 8, (), groups["single"], groups["dp4"], 0, 1, expect)
         check_layout("DP=2xTP=2", 8, 2, ("delta2",), groups["tp"], groups["dp"], rank % 2, 2,
                      expect)
-    except Exception as exc:  # report, still reach the verdict collective
-        import traceback
-        traceback.print_exc()
-        errors.append(f"exception: {exc!r}")
-    return finish(errors, "DP_ROW_SPLIT", "row-split ΔW == unsplit evaluation", real_all_reduce)
+
+    return run_checks(checks, "DP_ROW_SPLIT", "row-split ΔW == unsplit evaluation", real_all_reduce)
 
 
 if __name__ == "__main__":

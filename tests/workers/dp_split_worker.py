@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from megatron_mech.core.layouts import qkv_partition_sizes
 from megatron_mech.monitors import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
-from verdict import finish  # tests/workers/, the script's directory
+from verdict import run_checks  # tests/workers/, the script's directory
 
 D_MODEL, HEAD_DIM, FFN = 16, 4, 24
 LAYERS = {0: (4, 2), 1: (4, 4), 2: (2, 2), 3: (8, 2), 4: (4, 2)}   # layer -> (heads, groups), full model
@@ -185,20 +185,12 @@ def main() -> int:
         return real_all_reduce(*args, **kwargs)
 
     dist.all_reduce = counting
-    errors: list[str] = []
 
-    def expect(cond: bool, msg: str):
-        if not cond:
-            errors.append(msg)
-
-    try:
+    def checks(expect) -> None:
         check_layout("DP=2xTP=2", tp_groups[rank // 2], dp_groups_2x2[rank % 2], rank % 2, 2, calls, expect)
         check_layout("DP=2", singles[rank], dp_groups_tp1[rank // 2], 0, 1, calls, expect)
-    except Exception as exc:  # report, still reach the verdict collective
-        import traceback
-        traceback.print_exc()
-        errors.append(f"exception: {exc!r}")
-    return finish(errors, "DP_SPLIT", "split == unsplit bit for bit, DP=2 and DP=2xTP=2", real_all_reduce)
+
+    return run_checks(checks, "DP_SPLIT", "split == unsplit bit for bit, DP=2 and DP=2xTP=2", real_all_reduce)
 
 
 if __name__ == "__main__":

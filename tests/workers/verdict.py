@@ -1,5 +1,5 @@
 """The common parts of the torchrun check workers (router_allreduce, sharded, attention_monitor, replicated_kv):
-counting the collectives a check issues, and the common ending.
+counting the collectives a check issues, running the checks, and the common ending.
 
 The workers run as scripts under torchrun, so ``import verdict`` finds this file in the script's own directory.
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from typing import Callable, Iterable
 
 import torch
@@ -52,6 +53,25 @@ def finish(errors: list[str], name: str, detail: str, all_reduce: Callable, *, n
     if rank == 0:
         print(f"{name} PASS ({detail})", flush=True)
     return 0
+
+
+def run_checks(checks: Callable[[Callable[[bool, str], None]], None], name: str, detail: str,
+               all_reduce: Callable) -> int:
+    """Run ``checks(expect)``, where ``expect(cond, msg)`` records ``msg`` when ``cond`` is false, then
+    :func:`finish`. An exception is recorded too (its traceback printed), so this rank still reaches the
+    verdict's collective and the others do not hang."""
+    errors: list[str] = []
+
+    def expect(cond: bool, msg: str) -> None:
+        if not cond:
+            errors.append(msg)
+
+    try:
+        checks(expect)
+    except Exception as exc:  # report, still reach the verdict collective
+        traceback.print_exc()
+        errors.append(f"exception: {exc!r}")
+    return finish(errors, name, detail, all_reduce)
 
 
 def exit_without_destructors(code: int) -> None:
