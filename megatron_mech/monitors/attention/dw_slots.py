@@ -19,7 +19,8 @@ from megatron_mech.core.spectral import effective_rank, spectral_entropy, stable
 from megatron_mech.monitors.attention.agreement import process_independent_hash
 from megatron_mech.monitors.attention.settings import AttentionMonitorConfig
 
-__all__ = ["F64", "KrylovJob", "compute_dtype", "fill_slot", "run_krylov", "slot_size", "slot_values"]
+__all__ = ["F64", "KrylovJob", "compute_dtype", "fill_slot", "increment", "run_krylov", "slot_size",
+           "slot_values"]
 
 F64 = torch.float64
 KrylovJob = tuple  # (local ΔW, shard_dim, k): kept between the reduction and the Krylov products
@@ -30,6 +31,14 @@ def compute_dtype(config: AttentionMonitorConfig, weight: torch.Tensor) -> torch
     if config.gram_dtype == "auto":
         return F64 if weight.dtype == F64 else torch.float32
     return F64 if config.gram_dtype == "float64" else torch.float32
+
+
+def increment(current: torch.Tensor, prev: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """ΔW = ``current`` − ``prev`` in ``dtype`` (same shape, on ``current``'s device), a new tensor: ``current`` may
+    be a view of the live weight, so it is copied first, then ``prev`` is subtracted in place (upcast element by
+    element: one temporary, not two)."""
+    delta = current.to(dtype, copy=True)
+    return delta.sub_(prev)
 
 
 def slot_size(k: int, route: str) -> int:

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from megatron_mech.core.sharded import all_reduce_flat, bucket_plan, collective_device
-from megatron_mech.monitors.attention.dw_slots import F64, compute_dtype, fill_slot, run_krylov, slot_values
+from megatron_mech.monitors.attention.dw_slots import F64, compute_dtype, fill_slot, increment, run_krylov, slot_values
 from megatron_mech.monitors.attention.layout import BufferLayout
 from megatron_mech.monitors.attention.names import HEAD_AGGREGATES
 from megatron_mech.monitors.attention.qk_heads import HeadEntropies
@@ -157,9 +157,7 @@ class UnitEvaluation:
 
     def _fill_dw(self, out: torch.Tensor, current: torch.Tensor, prev: torch.Tensor, shard_dim: int, k: int,
                  dt: torch.dtype, key, krylov_jobs: dict) -> None:
-        delta = current.to(dt, copy=True)       # a copy: ``current`` may be a view of the live weight
-        delta.sub_(prev)                         # upcasts prev element by element: one temporary, not two
-        job = fill_slot(out, delta, shard_dim, k, self.config.route(k), prev)
+        job = fill_slot(out, increment(current, prev, dt), shard_dim, k, self.config.route(k), prev)
         if job is not None:
             krylov_jobs[key] = job
 

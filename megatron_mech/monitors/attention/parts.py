@@ -30,10 +30,12 @@ __all__ = ["chunk_rows", "head_chunks", "part_cost", "parts_of", "rows_needed", 
 
 # Relative costs in GEMM-FLOP equivalents, fitted to times measured on one CPU thread (d_head 128, bf16 weights,
 # float32 Grams): a k × k ΔW eigenproblem ≈ 10 k³; a head's r × r core per term (r = 2·d_head: Cholesky, the core
-# product, eigvalsh, the rank-deficient fallback of Δ3's padding) ≈ 50 r³, which makes a head ≈ 0.3 ΔW Grams of
-# k = 896; a Krylov block product ≈ 7× its FLOPs: the skinny products stream the whole float32 ΔW and are bound by
-# memory, not arithmetic (at d_model 7168 a 16384-row ΔW_q took 202 heads' time, at the 70B shape's 1024 × 8192
-# TP shard 15 heads', where the Lanczos bookkeeping this leaves out weighs more; benchmarks/frontier_shards.py).
+# product, eigvalsh) ≈ 50 r³, which makes a head ≈ 0.3 ΔW Grams of k = 896. That fit predates Δ3's core running at
+# its own r = d_head (it ran zero-padded, with a singular-factor fallback): a head's core part is now overestimated
+# by about 30 %, the same for every head, which shifts heads against ΔW parts only. A Krylov block product ≈ 7×
+# its FLOPs: the skinny products stream the whole float32 ΔW and are bound by memory, not arithmetic (at d_model
+# 7168 a 16384-row ΔW_q took 202 heads' time, at the 70B shape's 1024 × 8192 TP shard 15 heads', where the Lanczos
+# bookkeeping this leaves out weighs more; benchmarks/frontier_shards.py).
 _KRYLOV_FLOPS = 7.0
 _EIG_FLOPS = 10.0
 _HEAD_CORE_FLOPS = 50.0

@@ -21,7 +21,8 @@ from typing import Callable
 
 import torch
 
-from megatron_mech.monitors.attention.dw_slots import F64, compute_dtype, fill_slot, run_krylov, slot_values
+from megatron_mech.monitors.attention.dw_slots import F64, compute_dtype, fill_slot, increment, run_krylov, \
+    slot_values
 from megatron_mech.monitors.attention.layout import BufferLayout
 from megatron_mech.monitors.attention.parts import chunk_rows
 from megatron_mech.monitors.attention.settings import AttentionMonitorConfig
@@ -68,8 +69,7 @@ def row_split_values(step: int, plan, mine, layout: BufferLayout, snapshots: Sna
         deltas, prevs = [], []
         for lo, hi in held:
             prev = snapshots.rows(i, m, lo, hi).to(w.device)
-            delta = lay.qk_row_range(w, m, lo, hi).to(dt, copy=True)    # a copy: it may be a view of the weight
-            deltas.append(delta.sub_(prev))
+            deltas.append(increment(lay.qk_row_range(w, m, lo, hi), prev, dt))
             prevs.append(prev)
         delta, prev = (deltas[0], prevs[0]) if len(held) == 1 else (torch.cat(deltas), torch.cat(prevs))
         jobs[key] = fill_slot(slot, delta, 0, k, "krylov", prev)
