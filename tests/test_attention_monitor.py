@@ -523,6 +523,34 @@ def test_parts_chunk_heads_by_query_group_and_read_only_their_rows():
         0: {"q": [(0, 4 * d)], "k": [(d, 2 * d)]}}
 
 
+def test_planned_costs_price_what_the_krylov_route_and_the_head_cores_really_run():
+    """The split's cost model, against its own closed forms: a Krylov spectrum costs the block products it runs
+    (``min(steps, ceil(k / block))``, not the configured steps) plus its basis bookkeeping, which every holder of a
+    row chunk pays in full (chunks cost more than 1/n of the whole: the whole = the chunks minus n−1 bases); a
+    head's cores are priced at each term's width (Δ3's d_head core an eighth of Δ2's 2·d_head one)."""
+    from megatron_mech.monitors.attention.parts import part_cost
+
+    def layout(**settings):
+        layer = AttentionLayer(0, make_weight(4, 4), 4, 4, HEAD_DIM)
+        return AttentionMonitor([layer], AttentionMonitorConfig(interval=1, dw_route="krylov", **settings))._layout
+
+    # d_model 16, block 8: the route runs 2 products whatever krylov_steps says
+    assert part_cost(layout(krylov_steps=30), ("dw", 0, "q"), 1) == part_cost(layout(krylov_steps=2),
+                                                                             ("dw", 0, "q"), 1)
+    lay = layout()
+    whole = part_cost(lay, ("dw", 0, "q"), 1)
+    chunks = [part_cost(lay, ("dwrows", 0, "q", c, 4), 1) for c in range(4)]
+    basis = (4 * chunks[0] - whole) / 3
+    assert basis > 0 and chunks[0] > whole / 4
+    assert sum(chunks) - 3 * basis == pytest.approx(whole, rel=1e-12)
+    # one head: Gram products (the same for every term set) + cores; Δ2's core is 8 Δ3 cores
+    grams_and = {terms: part_cost(layout(qk_terms=terms), ("heads", 0, 0, 1), 1)
+                 for terms in (("delta2",), ("delta3",), ("delta2", "delta3"))}
+    core2 = grams_and[("delta2", "delta3")] - grams_and[("delta3",)]
+    core3 = grams_and[("delta2", "delta3")] - grams_and[("delta2",)]
+    assert core2 == pytest.approx(8 * core3, rel=1e-12)
+
+
 @pytest.mark.parametrize("num_heads,num_groups", [(4, 1), (4, 4), (4, 2)])
 def test_snapshots_never_share_memory_with_the_live_weight(num_heads, num_groups):
     """Snapshot rows are read as views of the live weight where the fused layout allows (one query group); the

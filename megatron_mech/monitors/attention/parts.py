@@ -29,16 +29,20 @@ from megatron_mech.monitors.attention.layout import BufferLayout
 __all__ = ["chunk_rows", "head_chunks", "part_cost", "parts_of", "rows_needed", "split_row_chunks"]
 
 # Relative costs in GEMM-FLOP equivalents, fitted to times measured on one CPU thread (d_head 128, bf16 weights,
-# float32 Grams): a k × k ΔW eigenproblem ≈ 10 k³; a head's r × r core per term (r = 2·d_head: Cholesky, the core
-# product, eigvalsh) ≈ 50 r³, which makes a head ≈ 0.3 ΔW Grams of k = 896. That fit predates Δ3's core running at
-# its own r = d_head (it ran zero-padded, with a singular-factor fallback): a head's core part is now overestimated
-# by about 30 %, the same for every head, which shifts heads against ΔW parts only. A Krylov block product ≈ 7×
-# its FLOPs: the skinny products stream the whole float32 ΔW and are bound by memory, not arithmetic (at d_model
-# 7168 a 16384-row ΔW_q took 202 heads' time, at the 70B shape's 1024 × 8192 TP shard 15 heads', where the Lanczos
-# bookkeeping this leaves out weighs more; benchmarks/frontier_shards.py).
+# float32 Grams): a k × k ΔW eigenproblem ≈ 10 k³; a head's r × r core per term (Cholesky, the core product,
+# eigvalsh; r = 2·d_head for Δ1 and Δ2, d_head for Δ3) ≈ 50 r³, which makes a head ≈ 0.3 ΔW Grams of k = 896.
+# A Krylov block product ≈ 7× its FLOPs: the skinny products stream the whole float32 ΔW and are bound by memory,
+# not arithmetic. Its float64 basis bookkeeping (two projections of each new block on the basis, its QR, the
+# final Rayleigh–Ritz matrix) ≈ 38 · k · (steps · block)², refitted on two threads at k = 8192 against the
+# product term (benchmarks/frontier_shards.py: at the 70B shape's 128 × 8192 ΔW_k shard the bookkeeping is
+# about two thirds of the spectrum's time; the product term alone priced it at an eighth of a 1024-row ΔW_q,
+# which it takes nearly half of). Every
+# replica holding rows of a row-split ΔW builds the whole basis, so that term is not divided among its chunks.
 _KRYLOV_FLOPS = 7.0
+_KRYLOV_BASIS_FLOPS = 38.0
 _EIG_FLOPS = 10.0
 _HEAD_CORE_FLOPS = 50.0
+_CORE_WIDTH = {"delta1": 2, "delta2": 2, "delta3": 1}     # a term's core size r in units of d_head
 
 
 def head_chunks(layout: BufferLayout, i: int, tp_size: int) -> list[tuple[int, int]]:
@@ -90,10 +94,14 @@ def split_row_chunks(layout: BufferLayout, parts: list[tuple], tp_size: int, dp_
     return out
 
 
-def _dw_cost(config, rows: int, k: int) -> float:
+def _dw_cost(config, rows: int, k: int, chunks: int = 1) -> float:
+    """One ΔW spectrum (``rows`` × Gram size ``k``), or one of ``chunks`` row chunks of it."""
     if config.route(k) == "gram":
-        return float(rows * k * k + _EIG_FLOPS * k ** 3)
-    return float(config.krylov_steps * 4 * config.krylov_block * rows * k * _KRYLOV_FLOPS)
+        return float(rows * k * k + _EIG_FLOPS * k ** 3) / chunks
+    steps = min(config.krylov_steps, -(-k // config.krylov_block))    # the products the route really runs
+    basis = steps * config.krylov_block
+    return float(steps * 4 * config.krylov_block * rows * k * _KRYLOV_FLOPS / chunks
+                 + _KRYLOV_BASIS_FLOPS * k * basis * basis)
 
 
 def part_cost(layout: BufferLayout, part: tuple, tp_size: int) -> float:
@@ -116,12 +124,12 @@ def part_cost(layout: BufferLayout, part: tuple, tp_size: int) -> float:
         else:                   # the shard's own smaller Gram; the other side is its larger dimension
             n_q, n_k = lay.qk_row_counts
             other = max(n_q if part[2] == "q" else n_k, lay.d_model)
-        return _dw_cost(config, other, k) / (part[4] if part[0] == "dwrows" else 1)
+        return _dw_cost(config, other, k, part[4] if part[0] == "dwrows" else 1)
     lo, hi = part[2], part[3]
     n = hi - lo
     k_heads = -(-n // max(1, lay.num_heads // lay.num_query_groups))
     grams = 3 * 2 * dh * dh * lay.d_model * (n + k_heads)           # ΔΔᵀ, ΔWᵀ, WWᵀ of each Q and K head
-    return float(grams + len(config.qk_terms) * n * _HEAD_CORE_FLOPS * (2 * dh) ** 3)
+    return float(grams + n * _HEAD_CORE_FLOPS * sum((_CORE_WIDTH[t] * dh) ** 3 for t in config.qk_terms))
 
 
 def rows_needed(layout: BufferLayout, parts) -> dict[int, dict[str, list[tuple[int, int]]]]:
