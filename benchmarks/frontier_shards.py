@@ -13,13 +13,16 @@ What is measured and what is derived (every figure in the results is labelled):
 * **Compute (measured here on CPU).** The rank holds its TP shard of its stage's layers (``L/PP`` layers) and
   evaluates its DP share of their parts (the default DP split: each layer's ΔW_q and ΔW_k spectra and its head
   chunks shared out by planned cost over the DP replicas, :mod:`megatron_mech.monitors.attention.parts`). The
-  monitor's own planner gives every replica's share; the busiest replica holding a ΔW spectrum and the busiest
-  holding only heads are timed (the planned costs are approximate) and the slower one is reported. We build
+  monitor's own planner gives every replica's share; one replica of each distinct share (its ΔW parts and head
+  count) is timed (the planned costs are approximate) and the slowest is reported. We build
   the tensors those parts read — the fused-QKV shard ``[(h + 2g)·d_head, hidden]`` of each layer touched, bf16
   like training weights — and time the monitor's evaluation of exactly those parts with the default settings
   (ΔW route chosen per shape, per-head Δ1/Δ2/Δ3): a snapshot of the rows they read, then ``--repeats`` times
   (5) δ steps of updates, an evaluation and the next snapshot; the median evaluation is reported, with its
-  range. In one process the TP and DP collectives are absent; the per-rank arithmetic is the same (local
+  range. Beside it, on the same replicas, parts and updates (a second monitor with its own snapshot, the two
+  alternating within every repeat), the evaluation at a second Krylov shape (``--krylov-shape``, 15 steps × block
+  16: the same 240 directions in half the passes over ΔW; its accuracy in ``benchmarks/krylov_shape.py``). In one
+  process the TP and DP collectives are absent; the per-rank arithmetic is the same (local
   Grams / Krylov products of the shard, per-head cores of the rank's own heads). MoE: the router statistics
   of one evaluation step's micro-batches are timed on ``[tokens, experts]`` logits, every token and every
   ``--router-token-stride``-th (``--mech-router-token-stride``; the overhead uses the latter).
@@ -175,24 +178,32 @@ def replica_shares(layout: Layout, cfg: AttentionMonitorConfig) -> tuple[list, l
 
 
 def timed_replicas(layout: Layout, cfg: AttentionMonitorConfig) -> list[int]:
-    """The replicas to time: the one of highest planned cost among those holding a ΔW spectrum and among those
-    holding only head chunks (the cost model is approximate; the busier of the two measured is reported)."""
+    """The replicas to time: one of each distinct share (its ΔW parts by matrix and row chunking, and its head
+    count), the one of highest planned cost among those alike. The planned costs are approximate, so every kind
+    of share is measured and the slowest is reported: a replica holding one large ΔW_q and another holding two
+    ΔW_k and many heads can have the same planned cost and different times."""
     _, shares, costs = replica_shares(layout, cfg)
-    picks = []
-    for holds_dw in (True, False):
-        group = [r for r, share in enumerate(shares) if share and any(p[0] in ("dw", "dwrows") for p in share)
-                 == holds_dw]
-        if group:
-            picks.append(max(group, key=lambda r: costs[r]))
-    return picks
+    kinds: dict[tuple, int] = {}
+    for r, share in enumerate(shares):
+        if not share:
+            continue
+        kind = (tuple(sorted((p[0], p[2], p[4] if p[0] == "dwrows" else 1) for p in share
+                             if p[0] in ("dw", "dwrows"))),
+                sum(p[3] - p[2] for p in share if p[0] == "heads"))
+        if kind not in kinds or costs[r] > costs[kinds[kind]]:
+            kinds[kind] = r
+    return sorted(kinds.values())
 
 
-def time_attention(layout: Layout, interval: int, replica: Optional[int], repeats: int = 1) -> dict:
+def time_attention(layout: Layout, interval: int, replica: Optional[int], repeats: int = 1,
+                   krylov_shapes: tuple = ()) -> dict:
     """One DP replica's share of the stage's attention evaluation: its snapshot, then ``repeats`` times δ steps of
     updates, its evaluation (the parts it owns) and its next snapshot, as in training; the median evaluation is
     reported with the range (a single evaluation on a shared 2-core machine varies by ±25 %). The DP combine's
     bytes are derived. ``replica=None``: every part of one layer, the busiest replica's share under the previous
-    whole-layer split (the in-run reference)."""
+    whole-layer split (the in-run reference). ``krylov_shapes``: ``(steps, block)`` pairs also timed on the same
+    parts and the same updates (a monitor each, with its own snapshot), interleaved with the default in every
+    repeat: ``"krylov_shapes"`` in the result, each with its median and range."""
     cfg = AttentionMonitorConfig(interval=interval)
     parts, shares, costs = replica_shares(layout, cfg)
     if replica is None:      # the whole-layer reference: layer 0's parts, its ΔW unsplit
@@ -209,6 +220,11 @@ def time_attention(layout: Layout, interval: int, replica: Optional[int], repeat
     t0 = time.perf_counter()
     snapshots.take(0, layers, [], rows, mine)
     snapshot_s = time.perf_counter() - t0
+    others = [rank_monitor(layout, layers, dataclasses.replace(cfg, krylov_steps=s, krylov_block=b))
+              for s, b in krylov_shapes]
+    for other in others:
+        other._snapshots.take(0, layers, [], rows, mine)
+    other_times: list[list[float]] = [[] for _ in others]
     times = []
     for evaluation in range(1, repeats + 1):
         # δ optimizer steps of updates, ~1e-2 of the weights (bf16 spacing is 2^-8 ≈ 4e-3 relative: smaller
@@ -219,10 +235,12 @@ def time_attention(layout: Layout, interval: int, replica: Optional[int], repeat
                 std = float(w.float().std())
                 coherent = torch.randn(w.shape[0], 4, generator=gen) @ torch.randn(4, w.shape[1], generator=gen)
                 w.copy_((w.float() + 1e-2 * std * (torch.randn(w.shape, generator=gen) + 0.5 * coherent)).to(w.dtype))
-        t0 = time.perf_counter()
-        values = monitor._evaluation.values(evaluation * interval, [p for p in parts if p in mine], parts)
-        snapshots.take(evaluation * interval, layers, [], rows, mine)
-        times.append(time.perf_counter() - t0)    # evaluation + the next snapshot, as in training
+        timed = [(monitor, times)] + list(zip(others, other_times))
+        for each, into in (timed if evaluation % 2 else timed[::-1]):      # alternate the order between repeats
+            t0 = time.perf_counter()
+            values = each._evaluation.values(evaluation * interval, [p for p in parts if p in mine], parts)
+            each._snapshots.take(evaluation * interval, layers, [], rows, mine)
+            into.append(time.perf_counter() - t0)    # evaluation + the next snapshot, as in training
     evaluate_s = statistics.median(times)
     assert values or any(p[0] == "dwrows" for p in mine)
     snap_bytes = sum(t.numel() * t.element_size() for held in snapshots.layers if held is not None
@@ -236,6 +254,8 @@ def time_attention(layout: Layout, interval: int, replica: Optional[int], repeat
             "evaluation_s_all": times, "snapshot_bytes": snap_bytes,
             "routes": routes, "layers_evaluated": len(touched), "replica": replica, "heads_evaluated": heads,
             "dw_evaluated": dws,
+            "krylov_shapes": [{"steps": st, "block": b, "evaluation_s": statistics.median(t), "evaluation_s_all": t}
+                              for (st, b), t in zip(krylov_shapes, other_times)],
             "planned_cost_share": sum(part_cost(monitor._layout, p, layout.tp) for p in mine) / sum(costs)}
 
 
@@ -354,6 +374,9 @@ def main(argv=None) -> int:
                         help="--mech-router-token-stride timed (the every-token time is reported beside it)")
     parser.add_argument("--repeats", type=int, default=5,
                         help="attention evaluations timed per replica (fresh updates before each); median reported")
+    parser.add_argument("--krylov-shape", type=int, nargs=2, default=[15, 16], metavar=("STEPS", "BLOCK"),
+                        help="a second Krylov shape (--mech-krylov-steps, --mech-krylov-block) timed beside the "
+                             "default on the same replicas and updates (benchmarks/krylov_shape.py: its accuracy)")
     parser.add_argument("--expert-sample", type=int, default=4,
                         help="experts timed (real shapes), scaled to the rank's evaluated experts")
     args = parser.parse_args(argv)
@@ -368,16 +391,19 @@ def main(argv=None) -> int:
                                          tokens_per_step=layout.tokens_per_step // 64,
                                          expert_ffn=layout.expert_ffn // 8)
         cfg = AttentionMonitorConfig(interval=10)
-        timed = [time_attention(layout, 10, r, args.repeats) for r in timed_replicas(layout, cfg)]
+        shape = tuple(args.krylov_shape)
+        timed = [time_attention(layout, 10, r, args.repeats, (shape,)) for r in timed_replicas(layout, cfg)]
         attention = max(timed, key=lambda a: a["evaluation_s"])
+        attention["krylov_shape"] = max((a["krylov_shapes"][0] for a in timed), key=lambda k: k["evaluation_s"])
         kept = ("replica", "evaluation_s", "evaluation_s_all", "heads_evaluated", "dw_evaluated", "dw_row_chunks",
-                "planned_cost_share")
+                "planned_cost_share", "krylov_shapes")
         attention["replicas_timed"] = [{k: a[k] for k in kept} for a in timed]
         for a in timed:
             log.info(f"{layout.name}: DP replica {a['replica']}: {a['dw_evaluated']} ΔW spectra, "
                      f"{a['dw_row_chunks']} row chunks of the {a['split_matrices']} row-split ΔW, "
                      f"{a['heads_evaluated']} heads over {a['layers_evaluated']} layer(s), planned share "
-                     f"{100 * a['planned_cost_share']:.1f} %: evaluation {a['evaluation_s']:.2f} s")
+                     f"{100 * a['planned_cost_share']:.1f} %: evaluation {a['evaluation_s']:.2f} s, at Krylov "
+                     f"{shape[0]} × {shape[1]} {a['krylov_shapes'][0]['evaluation_s']:.2f} s")
         whole_layer = time_attention(layout, 10, None, args.repeats)
         attention["previous_split_s"] = whole_layer["evaluation_s"]
         attention["previous_split_s_all"] = whole_layer["evaluation_s_all"]
@@ -392,6 +418,8 @@ def main(argv=None) -> int:
         experts = time_experts(layout, interval=10, sample=args.expert_sample)
         per_eval = attention["evaluation_s"] + router.get("router_s", 0.0)
         overhead = {f"delta{d}": per_eval / (d * layout.step_seconds) for d in (10, 100)}
+        overhead["delta10_krylov_shape"] = ((attention["krylov_shape"]["evaluation_s"] + router.get("router_s", 0.0))
+                                            / (10 * layout.step_seconds))
         with_experts = per_eval + experts.get("expert_s", 0.0)
         overhead.update({f"delta{d}_with_experts": with_experts / (d * layout.step_seconds) for d in (10, 100)})
         row = {"layout": dataclasses.asdict(layout), "attention": attention, "router": router, "comm": comm,
@@ -419,8 +447,10 @@ def main(argv=None) -> int:
                  "| layout | layers touched / rank | ΔW route | evaluation s (measured, CPU: median [range]) | "
                  "previous whole-layer split s (same run) | router s (measured, sampled) | "
                  "snapshot MiB/rank (measured) | TP MiB | Krylov MiB | DP KiB | DP row-split Krylov MiB | "
-                 "PP KiB (derived) | step s (derived) | overhead δ=10 | δ=100 (derived) |",
-                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                 "PP KiB (derived) | step s (derived) | overhead δ=10 | δ=100 (derived) | "
+                 f"evaluation s at Krylov {args.krylov_shape[0]} × {args.krylov_shape[1]} (same run) | "
+                 "overhead δ=10 at it |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             a, c, lay = r["attention"], r["comm"], r["layout"]
             lines.append(f"| {lay['name']} | {a['layers_evaluated']} | {','.join(a['routes'])} | "
@@ -432,7 +462,9 @@ def main(argv=None) -> int:
                          f"{c['dp_krylov_bytes'] / 2**20:.2f} ({a['split_matrices']} ΔW, {a['dw_row_chunks']} chunk(s) "
                          f"here) | "
                          f"{c['pp_exchange_bytes'] / 2**10:.1f} | {lay['step_seconds']:.1f} | "
-                         f"{100 * r['overhead']['delta10']:.3f} % | {100 * r['overhead']['delta100']:.4f} % |")
+                         f"{100 * r['overhead']['delta10']:.3f} % | {100 * r['overhead']['delta100']:.4f} % | "
+                         f"{a['krylov_shape']['evaluation_s']:.2f} [{spread(a['krylov_shape']['evaluation_s_all'])}] | "
+                         f"{100 * r['overhead']['delta10_krylov_shape']:.3f} % |")
         expert_rows = [r for r in rows if r["experts"]]
         if expert_rows:
             lines += ["", "With `--mech-experts` (off by default): the rank's share of the experts, timed on a sample "

@@ -245,6 +245,11 @@ def main(argv=None) -> int:
     symmetric = 0.75 if args.head_dim // 2 >= 32 else 1.0      # (narrow heads: one GEMM per block)
     bound["own_flops_bound_s"] = (1 + 2 * symmetric) / 4 * bound["bound_s"]
     bound["ratio_to_own_flops"] = ours / bound["own_flops_bound_s"]
+    # the two stages apart, same weights: the block Grams (and ΔW) that the bound prices, and the r × r
+    # eigenproblems (Cholesky, core product, eigvalsh) that it does not
+    cores = qk_increment_cores(*w, terms=("delta2",))
+    bound["cores_s"] = best_time(lambda: qk_increment_cores(*w, terms=("delta2",)), args.repeats)
+    bound["eigen_s"] = best_time(lambda: spectra_from_qk_cores([cores]), args.repeats)
 
     for r in rows:
         log.info(f"{r['computation']:55s} peer {r['peer_s'] * 1e3:9.2f} ms  ours {r['ours_s'] * 1e3:9.2f} ms  "
@@ -253,6 +258,8 @@ def main(argv=None) -> int:
     log.info(f"Δ2 Gram route, {args.bound_heads} heads, d={args.d_model}: {ours * 1e3:.1f} ms; full-Gram bound "
              f"{bound['full_gram_gflop']:.2f} GFLOP at {rate32:.0f} GFLOP/s = {bound['bound_s'] * 1e3:.1f} ms; "
              f"ratio {bound['ratio_to_bound']:.2f} ({bound['ratio_to_own_flops']:.2f} to the FLOPs it forms)")
+    log.info(f"  apart: block Grams and ΔW {bound['cores_s'] * 1e3:.1f} ms, r×r eigenproblems "
+             f"{bound['eigen_s'] * 1e3:.1f} ms")
     log.info(f"{batched['what']}: per head {batched['per_head_s'] * 1e3:.1f} ms, per layer "
              f"{batched['per_layer_s'] * 1e3:.1f} ms, all layers batched {batched['all_s'] * 1e3:.1f} ms; max "
              f"entropy difference between modes {batched['max_entropy_diff']:.1e}")
@@ -272,7 +279,11 @@ def main(argv=None) -> int:
                   f"float32 2048³ matmul here: ratio {bound['ratio_to_bound']:.2f} (ours forms 3 of the 4 blocks, "
                   "the two symmetric ones by their lower block rows: 62.5 % of those FLOPs; "
                   f"{bound['ratio_to_own_flops']:.2f} to the bound of its own FLOPs, the rest being ΔW and the "
-                  "float32 r×r cores).",
+                  f"float32 r×r cores). Apart, in the same run: the block Grams and ΔW {bound['cores_s'] * 1e3:.1f} "
+                  f"ms ({bound['cores_s'] / bound['own_flops_bound_s']:.2f}× the bound of their FLOPs), the r×r "
+                  f"eigenproblems {bound['eigen_s'] * 1e3:.1f} ms = {bound['eigen_s'] / bound['bound_s']:.2f} of the "
+                  f"whole bound: with the Grams at the GEMM rate, the route would still take "
+                  f"{(bound['own_flops_bound_s'] + bound['eigen_s']) / bound['bound_s']:.2f}× the bound.",
                   "", f"Batched eigenproblems, {batched['what']}, float32 cores: one call per head "
                   f"{batched['per_head_s'] * 1e3:.1f} ms, one per layer {batched['per_layer_s'] * 1e3:.1f} ms, one "
                   f"for all layers {batched['all_s'] * 1e3:.1f} ms (per head / all = "
