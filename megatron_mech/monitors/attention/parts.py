@@ -35,9 +35,9 @@ __all__ = ["chunk_rows", "head_chunks", "part_cost", "parts_of", "rows_needed", 
 # not arithmetic. Its float64 basis bookkeeping (two projections of each new block on the basis, its QR, the
 # final Rayleigh–Ritz matrix) ≈ 38 · k · (steps · block)², refitted on two threads at k = 8192 against the
 # product term (benchmarks/frontier_shards.py: at the 70B shape's 128 × 8192 ΔW_k shard the bookkeeping is
-# about two thirds of the spectrum's time; the product term alone priced it at an eighth of a 1024-row ΔW_q,
-# which it takes nearly half of). Every
-# replica holding rows of a row-split ΔW builds the whole basis, so that term is not divided among its chunks.
+# about two thirds of the spectrum's time; the product term alone priced that ΔW_k at an eighth of a 1024-row
+# ΔW_q, and it takes nearly half of its time). Every replica holding rows of a row-split ΔW builds the whole
+# basis, so that term is not divided among its chunks.
 _KRYLOV_FLOPS = 7.0
 _KRYLOV_BASIS_FLOPS = 38.0
 _EIG_FLOPS = 10.0
