@@ -49,7 +49,7 @@ What is measured and what is derived (every figure in the results is labelled):
   on the GPU the same evaluation runs faster.
 
     python benchmarks/frontier_shards.py --record             # both layouts, writes results/frontier_shards.*
-                                                              # (4–12 minutes alone on 2 cores)
+                                                              # (about 20 minutes alone on 2 cores)
     python benchmarks/frontier_shards.py --quick --force      # scaled-down shapes: a smoke check, nothing written
 
 Refuses to time on a loaded machine (``os.getloadavg``) unless ``--force``.

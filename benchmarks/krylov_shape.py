@@ -19,7 +19,7 @@ accuracy and what it saves in time, side by side, for shapes of the same subspac
   (8192 × 7168: half of a 16384-row ΔW_q) and a 70B TP-rank shard of ΔW_q (1024 × 8192) and of ΔW_k
   (128 × 8192), the candidates interleaved in ``--rounds`` rounds, median with range.
 
-    python benchmarks/krylov_shape.py --record     # ~3 minutes alone on 2 cores; writes results/krylov_shape.*
+    python benchmarks/krylov_shape.py --record     # ~1.5 minutes alone on 2 cores; writes results/krylov_shape.*
 
 Refuses to time on a loaded machine (``os.getloadavg``) unless ``--force``.
 """
