@@ -69,6 +69,7 @@ import torch.distributed as dist
 
 from megatron_mech.core.router import RoutingStats
 from megatron_mech.core.sharded import share_by_cost
+from megatron_mech.core.slq import gram_times
 from megatron_mech.monitors.attention import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
 from megatron_mech.monitors.attention.evaluation import UnitEvaluation
 from megatron_mech.monitors.attention.layout import BufferLayout
@@ -259,6 +260,37 @@ def time_attention(layout: Layout, interval: int, replica: Optional[int], repeat
             "planned_cost_share": sum(part_cost(monitor._layout, p, layout.tp) for p in mine) / sum(costs)}
 
 
+def product_floor(layout: Layout, cfg: AttentionMonitorConfig, repeats: int = 5) -> dict:
+    """A lower bound on one replica's evaluation from the Krylov products alone: the stage's ΔW_q and ΔW_k
+    spectra each run ``min(steps, ceil(hidden / block))`` block products of the rank's float32 shard
+    (``[heads/TP · d_head, hidden]`` and ``[groups/TP · d_head, hidden]``), each timed here (median of
+    ``repeats``) with the route's own product, and the total spread perfectly evenly over the DP replicas, with
+    nothing else costing anything (no basis bookkeeping, head cores, increments or snapshots). No split of the
+    same spectra can beat it at these Krylov settings. ``None`` where the ΔW route is the exact Gram (no products;
+    the ``--quick`` shapes)."""
+    if cfg.route(layout.hidden) != "krylov":
+        return None
+    gen = torch.Generator().manual_seed(3)
+    steps = min(cfg.krylov_steps, -(-layout.hidden // cfg.krylov_block))
+    product_s = {}
+    for name, rows in (("q", layout.heads // layout.tp * layout.head_dim),
+                       ("k", layout.groups // layout.tp * layout.head_dim)):
+        shard = torch.randn(rows, layout.hidden, generator=gen)
+        block = torch.linalg.qr(torch.randn(layout.hidden, cfg.krylov_block, generator=gen,
+                                            dtype=torch.float64)).Q.to(torch.float32)
+        gram_times(shard, block)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            gram_times(shard, block)
+            times.append(time.perf_counter() - t0)
+        product_s[name] = statistics.median(times)
+        del shard
+    stage_s = layout.stage_layers * steps * (product_s["q"] + product_s["k"])
+    return {"product_s": product_s, "products_per_spectrum": steps, "stage_products_s": stage_s,
+            "floor_s": stage_s / layout.dp}
+
+
 def previous_expert_scalars(before, after, power_iterations: int = 8) -> list[tuple[float, float]]:
     """The previous per-expert loop (the exact reference): float64 increments, norms and power iteration, one
     expert at a time. ``(update ratio, stable rank)`` per expert."""
@@ -414,10 +446,18 @@ def main(argv=None) -> int:
             log.info(f"{layout.name}: router every token {router['router_s_every']:.2f} s, every "
                      f"{router['stride']}-th {router['router_s_sampled']:.2f} s (mean entropy rel. diff "
                      f"{router['entropy_mean_rel_diff']:.1e})")
+        floor = product_floor(layout, cfg)
+        attention["product_floor"] = floor
+        if floor:
+            log.info(f"{layout.name}: one Krylov product {1e3 * floor['product_s']['q']:.1f} ms (ΔW_q shard), "
+                     f"{1e3 * floor['product_s']['k']:.1f} ms (ΔW_k shard); the stage's products "
+                     f"{floor['stage_products_s']:.2f} s, {floor['floor_s']:.2f} s per replica at an even spread")
         comm = communication(layout, cfg, attention["layers_evaluated"], attention["split_matrices"])
         experts = time_experts(layout, interval=10, sample=args.expert_sample)
         per_eval = attention["evaluation_s"] + router.get("router_s", 0.0)
         overhead = {f"delta{d}": per_eval / (d * layout.step_seconds) for d in (10, 100)}
+        if floor:
+            overhead["delta10_product_floor"] = floor["floor_s"] / (10 * layout.step_seconds)
         overhead["delta10_krylov_shape"] = ((attention["krylov_shape"]["evaluation_s"] + router.get("router_s", 0.0))
                                             / (10 * layout.step_seconds))
         with_experts = per_eval + experts.get("expert_s", 0.0)
@@ -465,6 +505,20 @@ def main(argv=None) -> int:
                          f"{100 * r['overhead']['delta10']:.3f} % | {100 * r['overhead']['delta100']:.4f} % | "
                          f"{a['krylov_shape']['evaluation_s']:.2f} [{spread(a['krylov_shape']['evaluation_s_all'])}] | "
                          f"{100 * r['overhead']['delta10_krylov_shape']:.3f} % |")
+        lines += ["", "The floor under the default Krylov settings: the stage's ΔW spectra's block products alone (each "
+                  "timed on the rank's float32 shard, same run), spread evenly over the DP replicas with nothing "
+                  "else costing anything. No split of these spectra gets a replica below it.", "",
+                  "| layout | products per spectrum | one product: ΔW_q shard ms | ΔW_k shard ms | stage's products s | "
+                  "floor s / replica | overhead δ=10 at the floor |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in rows:
+            f = r["attention"]["product_floor"]
+            if not f:
+                lines.append(f"| {r['layout']['name']} | (exact Gram route: no products) | | | | | |")
+                continue
+            lines.append(f"| {r['layout']['name']} | {f['products_per_spectrum']} | {1e3 * f['product_s']['q']:.1f} | "
+                         f"{1e3 * f['product_s']['k']:.1f} | {f['stage_products_s']:.2f} | {f['floor_s']:.3f} | "
+                         f"{100 * r['overhead']['delta10_product_floor']:.3f} % |")
         expert_rows = [r for r in rows if r["experts"]]
         if expert_rows:
             lines += ["", "With `--mech-experts` (off by default): the rank's share of the experts, timed on a sample "

@@ -158,6 +158,11 @@ def krylov_spectral_summaries(matvec: Callable[[torch.Tensor], torch.Tensor], n:
                                           generators=[generator], device=device)[0]
 
 
+def _project_out(rows: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """``rows`` [b, n] minus their projection onto the orthonormal rows of ``basis`` [e, n]: ``rows − (rows Bᵀ) B``."""
+    return rows - (rows @ basis.T) @ basis
+
+
 # A new Krylov direction whose norm after the projections is below this fraction of its block's norm before
 # them is treated as cancelled (about sqrt(float64 eps): what survives above it is orthogonal to the basis to
 # ~1e-8 after the two projections).
@@ -183,9 +188,11 @@ def krylov_spectral_summaries_many(local_matvecs, ns, frobenius_sqs, rank_bounds
     limits = [min(steps, -(-n // block)) for n in ns]
     ok = [math.isfinite(float(z)) and float(z) > 0 for z in frobenius_sqs]
     held = [matvec is not None for matvec in local_matvecs]
-    # Each matrix's basis and products fill preallocated [n, limit·block] float64 buffers column block by block.
-    # Projections onto the basis are written as (wᵀB)ᵀ, not Bᵀw: see gram_times for why the orientation matters.
-    bases = [torch.empty(n, limits[i] * block, dtype=torch.float64, device=device) if held[i] else None
+    # Each matrix's basis and products fill preallocated float64 buffers held transposed, [limit·block, n]: one
+    # direction per row, block by block. A projection onto the basis is then two GEMMs whose skinny side is the
+    # block's few rows on the left, ``(wᵀBᵀ)B``: the orientation MKL runs fastest (see gram_times), where
+    # ``B(Bᵀw)`` on an [n, directions] basis ends in a GEMM with a skinny right-hand side.
+    bases = [torch.empty(limits[i] * block, n, dtype=torch.float64, device=device) if held[i] else None
              for i, n in enumerate(ns)]
     products = [torch.empty_like(b) if b is not None else None for b in bases]
     q = []
@@ -207,20 +214,18 @@ def krylov_spectral_summaries_many(local_matvecs, ns, frobenius_sqs, rank_bounds
             if not ok[i]:
                 w = torch.zeros_like(w)
             end = (step + 1) * block
-            bases[i][:, end - block:end] = q[i]
-            products[i][:, end - block:end] = w
-            basis = bases[i][:, :end]
+            bases[i][end - block:end] = q[i].T
+            products[i][end - block:end] = w.T
+            basis = bases[i][:end]                  # [directions so far, n]
             scale = w.norm(dim=0).max()
-            w = w - basis @ (w.T @ basis).T
-            w = w - basis @ (w.T @ basis).T    # twice is enough (Kahan–Parlett)
+            w = _project_out(_project_out(w.T, basis), basis).T    # twice is enough (Kahan–Parlett)
             q[i], r = torch.linalg.qr(w)
             # A direction the projections cancelled (G's range exhausted: a rank-deficient, collapsed update) is
             # rounding noise that the QR scales to unit length, and that noise is not orthogonal to the basis:
             # without a second projection of q itself the Rayleigh–Ritz values are not the spectrum's (λ_max 58 %
             # high on an exactly rank-3 matrix). Detected from R's diagonal, so full-rank steps pay nothing.
             if bool((r.diagonal().abs() <= _CANCELLED * scale).any()):
-                fresh = q[i] - basis @ (q[i].T @ basis).T
-                q[i] = torch.linalg.qr(fresh - basis @ (fresh.T @ basis).T).Q
+                q[i] = torch.linalg.qr(_project_out(_project_out(q[i].T, basis), basis).T).Q
     results = []
     for i in range(count):
         if not held[i]:
@@ -230,7 +235,7 @@ def krylov_spectral_summaries_many(local_matvecs, ns, frobenius_sqs, rank_bounds
             results.append({"entropy": math.nan, "entropy_nats": math.nan, "lambda_max": math.nan})
             continue
         z, rank_bound = float(frobenius_sqs[i]), rank_bounds[i]
-        t = (products[i].T @ bases[i]).T       # Bᵀ(G B), the Rayleigh–Ritz matrix
+        t = products[i] @ bases[i].T           # (G B)ᵀB = Bᵀ(G B) up to rounding: the Rayleigh–Ritz matrix
         theta = torch.linalg.eigvalsh(0.5 * (t + t.T)).clamp_min(0)
         p = theta / z
         rest = max(0.0, 1.0 - float(p.sum()))
