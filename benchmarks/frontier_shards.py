@@ -40,6 +40,9 @@ What is measured and what is derived (every figure in the results is labelled):
   size: labelled "scaled"). Side by side, in the same run, the previous per-expert float64 loop (one expert at a
   time, float64 increments and power iteration) on the same experts: its time, and the largest relative
   difference of the update ratios and stable ranks (the float64 loop is the exact reference).
+* **Floor (measured).** :func:`product_floor`: the stage's Krylov block products alone, each timed on the rank's
+  float32 shard, spread evenly over the DP replicas with nothing else costing anything — what no split of the
+  same spectra can beat at the default Krylov settings.
 * **Overhead (derived).** per-evaluation compute / (δ × step time) for δ = 10 and 100. Step time, derived from
   a published figure: Llama 2 70B took 1,720,320 A100 GPU-hours for 2.0T tokens (Touvron et al. 2023, "Llama 2",
   Table 2) = 323 tokens/s per GPU; with its 4M-token global batch on 1024 GPUs a step takes 4e6 / (323 × 1024)
