@@ -263,7 +263,7 @@ def time_attention(layout: Layout, interval: int, replica: Optional[int], repeat
             "planned_cost_share": sum(part_cost(monitor._layout, p, layout.tp) for p in mine) / sum(costs)}
 
 
-def product_floor(layout: Layout, cfg: AttentionMonitorConfig, repeats: int = 5) -> dict:
+def product_floor(layout: Layout, cfg: AttentionMonitorConfig, repeats: int = 5) -> Optional[dict]:
     """A lower bound on one replica's evaluation from the Krylov products alone: the stage's ΔW_q and ΔW_k
     spectra each run ``min(steps, ceil(hidden / block))`` block products of the rank's float32 shard
     (``[heads/TP · d_head, hidden]`` and ``[groups/TP · d_head, hidden]``), each timed here (median of
@@ -502,17 +502,18 @@ def main(argv=None) -> int:
                          f"{r['router'].get('router_s', 0):.2f} | "
                          f"{a['snapshot_bytes'] / 2**20:.1f} | {c['tp_reduce_bytes'] / 2**20:.2f} | "
                          f"{c['krylov_bytes'] / 2**20:.2f} | {c['dp_combine_bytes'] / 2**10:.1f} | "
-                         f"{c['dp_krylov_bytes'] / 2**20:.2f} ({a['split_matrices']} ΔW, {a['dw_row_chunks']} chunk(s) "
+                         f"{c['dp_krylov_bytes'] / 2**20:.2f} ({a['split_matrices']} ΔW, "
+                         f"{a['dw_row_chunks']} chunk(s) "
                          f"here) | "
                          f"{c['pp_exchange_bytes'] / 2**10:.1f} | {lay['step_seconds']:.1f} | "
                          f"{100 * r['overhead']['delta10']:.3f} % | {100 * r['overhead']['delta100']:.4f} % | "
                          f"{a['krylov_shape']['evaluation_s']:.2f} [{spread(a['krylov_shape']['evaluation_s_all'])}] | "
                          f"{100 * r['overhead']['delta10_krylov_shape']:.3f} % |")
-        lines += ["", "The floor under the default Krylov settings: the stage's ΔW spectra's block products alone (each "
-                  "timed on the rank's float32 shard, same run), spread evenly over the DP replicas with nothing "
-                  "else costing anything. No split of these spectra gets a replica below it.", "",
-                  "| layout | products per spectrum | one product: ΔW_q shard ms | ΔW_k shard ms | stage's products s | "
-                  "floor s / replica | overhead δ=10 at the floor |",
+        lines += ["", "The floor under the default Krylov settings: the stage's ΔW spectra's block products alone "
+                  "(each timed on the rank's float32 shard, same run), spread evenly over the DP replicas with "
+                  "nothing else costing anything. No split of these spectra gets a replica below it.", "",
+                  "| layout | products per spectrum | one product: ΔW_q shard ms | ΔW_k shard ms | "
+                  "stage's products s | floor s / replica | overhead δ=10 at the floor |",
                   "|---|---|---|---|---|---|---|"]
         for r in rows:
             f = r["attention"]["product_floor"]

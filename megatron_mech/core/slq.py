@@ -49,7 +49,8 @@ def _lanczos(matvec: Callable[[torch.Tensor], torch.Tensor], start: torch.Tensor
     return torch.stack(alphas), (torch.stack(betas) if betas else torch.zeros(0, dtype=torch.float64))
 
 
-def slq_trace_function(matvec: Callable[[torch.Tensor], torch.Tensor], n: int, f: Callable[[torch.Tensor], torch.Tensor],
+def slq_trace_function(matvec: Callable[[torch.Tensor], torch.Tensor], n: int,
+                       f: Callable[[torch.Tensor], torch.Tensor],
                        steps: int = 30, probes: int = 8, generator: Optional[torch.Generator] = None,
                        device=None) -> float:
     """Estimate ``tr(f(A))`` for a symmetric PSD ``A`` (n×n) given only ``v ↦ A v``.
@@ -159,7 +160,8 @@ def krylov_spectral_summaries(matvec: Callable[[torch.Tensor], torch.Tensor], n:
 
 
 def _project_out(rows: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
-    """``rows`` [b, n] minus their projection onto the orthonormal rows of ``basis`` [e, n]: ``rows − (rows Bᵀ) B``."""
+    """``rows`` [b, n] minus their projection onto the orthonormal rows of ``basis`` R [e, n]:
+    ``rows − (rows Rᵀ) R``."""
     return rows - (rows @ basis.T) @ basis
 
 
@@ -188,10 +190,10 @@ def krylov_spectral_summaries_many(local_matvecs, ns, frobenius_sqs, rank_bounds
     limits = [min(steps, -(-n // block)) for n in ns]
     ok = [math.isfinite(float(z)) and float(z) > 0 for z in frobenius_sqs]
     held = [matvec is not None for matvec in local_matvecs]
-    # Each matrix's basis and products fill preallocated float64 buffers held transposed, [limit·block, n]: one
-    # direction per row, block by block. A projection onto the basis is then two GEMMs whose skinny side is the
-    # block's few rows on the left, ``(wᵀBᵀ)B``: the orientation MKL runs fastest (see gram_times), where
-    # ``B(Bᵀw)`` on an [n, directions] basis ends in a GEMM with a skinny right-hand side.
+    # Each matrix's basis and products fill preallocated float64 buffers held transposed, R = Bᵀ [limit·block, n]:
+    # one direction per row, block by block. A projection of a block w [n, b] is then ``(wᵀRᵀ)R`` (transposed),
+    # two GEMMs whose skinny side is the block's few rows on the left: the orientation MKL runs fastest (see
+    # gram_times), where ``B(Bᵀw)`` on an [n, directions] basis ends in a GEMM with a skinny right-hand side.
     bases = [torch.empty(limits[i] * block, n, dtype=torch.float64, device=device) if held[i] else None
              for i, n in enumerate(ns)]
     products = [torch.empty_like(b) if b is not None else None for b in bases]
@@ -235,7 +237,7 @@ def krylov_spectral_summaries_many(local_matvecs, ns, frobenius_sqs, rank_bounds
             results.append({"entropy": math.nan, "entropy_nats": math.nan, "lambda_max": math.nan})
             continue
         z, rank_bound = float(frobenius_sqs[i]), rank_bounds[i]
-        t = products[i] @ bases[i].T           # (G B)ᵀB = Bᵀ(G B) up to rounding: the Rayleigh–Ritz matrix
+        t = products[i] @ bases[i].T           # (G B)ᵀB = Bᵀ(G B), G symmetric: the Rayleigh–Ritz matrix
         theta = torch.linalg.eigvalsh(0.5 * (t + t.T)).clamp_min(0)
         p = theta / z
         rest = max(0.0, 1.0 - float(p.sum()))

@@ -182,8 +182,9 @@ class ExpertMonitor:
         v = torch.full((delta.shape[0], n, 1), 1 / math.sqrt(n), dtype=delta.dtype, device=delta.device)
         top = torch.zeros(delta.shape[0], dtype=_F64, device=delta.device)
         for _ in range(self.power_iterations):
-            # ΔWᵀ(ΔW v) formed as ((ΔW v)ᵀ ΔW)ᵀ: the same sums, read by rows of ΔW. MKL runs the transposed batched
-            # GEMM with a one-column right-hand side several times slower (gram_times in core.slq: the same rule).
+            # ΔWᵀ(ΔW v) formed as ((ΔW v)ᵀ ΔW)ᵀ: the same sums, read by rows of ΔW. MKL runs the transposed
+            # batched GEMM with a one-column right-hand side several times slower (core.slq.gram_times: the same
+            # rule).
             w = torch.bmm(torch.bmm(delta, v).transpose(1, 2), delta).transpose(1, 2)
             top = torch.linalg.vector_norm(w, dim=(1, 2), dtype=_F64)
             moving = top > 0
