@@ -160,9 +160,11 @@ def krylov_spectral_summaries(matvec: Callable[[torch.Tensor], torch.Tensor], n:
 
 
 def _project_out(rows: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
-    """``rows`` [b, n] minus their projection onto the orthonormal rows of ``basis`` R [e, n]:
-    ``rows − (rows Rᵀ) R``."""
-    return rows - (rows @ basis.T) @ basis
+    """``rows`` [b, n] minus their projection onto the orthonormal rows of ``basis`` R [e, n], applied twice:
+    ``rows − (rows Rᵀ) R``, then the same on the result (twice is enough: Kahan–Parlett)."""
+    for _ in range(2):
+        rows = rows - (rows @ basis.T) @ basis
+    return rows
 
 
 # A new Krylov direction whose norm after the projections is below this fraction of its block's norm before
@@ -220,14 +222,14 @@ def krylov_spectral_summaries_many(local_matvecs, ns, frobenius_sqs, rank_bounds
             products[i][end - block:end] = w.T
             basis = bases[i][:end]                  # [directions so far, n]
             scale = w.norm(dim=0).max()
-            w = _project_out(_project_out(w.T, basis), basis).T    # twice is enough (Kahan–Parlett)
+            w = _project_out(w.T, basis).T
             q[i], r = torch.linalg.qr(w)
             # A direction the projections cancelled (G's range exhausted: a rank-deficient, collapsed update) is
             # rounding noise that the QR scales to unit length, and that noise is not orthogonal to the basis:
             # without a second projection of q itself the Rayleigh–Ritz values are not the spectrum's (λ_max 58 %
             # high on an exactly rank-3 matrix). Detected from R's diagonal, so full-rank steps pay nothing.
             if bool((r.diagonal().abs() <= _CANCELLED * scale).any()):
-                q[i] = torch.linalg.qr(_project_out(_project_out(q[i].T, basis), basis).T).Q
+                q[i] = torch.linalg.qr(_project_out(q[i].T, basis).T).Q
     results = []
     for i in range(count):
         if not held[i]:
