@@ -199,6 +199,27 @@ def timed_replicas(layout: Layout, cfg: AttentionMonitorConfig) -> list[int]:
     return sorted(kinds.values())
 
 
+def apply_updates(layers: list[AttentionLayer], touched: set, gen: torch.Generator) -> None:
+    """δ optimizer steps of updates to the ``touched`` layers' weights, in place: ~1e-2 of the weights (bf16
+    spacing is 2^-8 ≈ 4e-3 relative: smaller random steps would round to zero), plus a coherent rank-4 part."""
+    with torch.no_grad():
+        for i in sorted(touched):
+            w = layers[i].qkv_weight
+            std = float(w.float().std())
+            coherent = torch.randn(w.shape[0], 4, generator=gen) @ torch.randn(4, w.shape[1], generator=gen)
+            w.copy_((w.float() + 1e-2 * std * (torch.randn(w.shape, generator=gen) + 0.5 * coherent)).to(w.dtype))
+
+
+def evaluate_and_snapshot(monitor: AttentionMonitor, step: int, mine: set, parts: list,
+                          layers: list[AttentionLayer], rows: dict) -> tuple[dict, float]:
+    """``monitor``'s evaluation of its parts ``mine`` at ``step`` and its next snapshot of their ``rows``, as in
+    training: ``(values, seconds)``."""
+    t0 = time.perf_counter()
+    values = monitor._evaluation.values(step, [p for p in parts if p in mine], parts)
+    monitor._snapshots.take(step, layers, [], rows, mine)
+    return values, time.perf_counter() - t0
+
+
 def time_attention(layout: Layout, interval: int, replica: Optional[int], repeats: int = 1,
                    krylov_shapes: tuple = ()) -> dict:
     """One DP replica's share of the stage's attention evaluation: its snapshot, then ``repeats`` times δ steps of
@@ -231,20 +252,11 @@ def time_attention(layout: Layout, interval: int, replica: Optional[int], repeat
     other_times: list[list[float]] = [[] for _ in others]
     times = []
     for evaluation in range(1, repeats + 1):
-        # δ optimizer steps of updates, ~1e-2 of the weights (bf16 spacing is 2^-8 ≈ 4e-3 relative: smaller
-        # random steps would round to zero), plus a coherent rank-4 part
-        with torch.no_grad():
-            for i in sorted(touched):
-                w = layers[i].qkv_weight
-                std = float(w.float().std())
-                coherent = torch.randn(w.shape[0], 4, generator=gen) @ torch.randn(4, w.shape[1], generator=gen)
-                w.copy_((w.float() + 1e-2 * std * (torch.randn(w.shape, generator=gen) + 0.5 * coherent)).to(w.dtype))
+        apply_updates(layers, touched, gen)
         timed = [(monitor, times)] + list(zip(others, other_times))
         for each, into in (timed if evaluation % 2 else timed[::-1]):      # alternate the order between repeats
-            t0 = time.perf_counter()
-            values = each._evaluation.values(evaluation * interval, [p for p in parts if p in mine], parts)
-            each._snapshots.take(evaluation * interval, layers, [], rows, mine)
-            into.append(time.perf_counter() - t0)    # evaluation + the next snapshot, as in training
+            values, seconds = evaluate_and_snapshot(each, evaluation * interval, mine, parts, layers, rows)
+            into.append(seconds)
     evaluate_s = statistics.median(times)
     assert values or any(p[0] == "dwrows" for p in mine)
     snap_bytes = sum(t.numel() * t.element_size() for held in snapshots.layers if held is not None

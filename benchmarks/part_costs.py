@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import logging
 import statistics
-import time
 
 import torch
 
@@ -29,10 +28,12 @@ from megatron_mech.monitors.attention.parts import part_cost, rows_needed
 
 try:
     from _results import check_idle, write_results
-    from frontier_shards import LAYOUTS, rank_monitor, replica_shares, stage_layers
+    from frontier_shards import (LAYOUTS, apply_updates, evaluate_and_snapshot, rank_monitor, replica_shares,
+                                 stage_layers)
 except ImportError:  # run as a module
     from benchmarks._results import check_idle, write_results
-    from benchmarks.frontier_shards import LAYOUTS, rank_monitor, replica_shares, stage_layers
+    from benchmarks.frontier_shards import (LAYOUTS, apply_updates, evaluate_and_snapshot, rank_monitor,
+                                            replica_shares, stage_layers)
 
 log = logging.getLogger("part_costs")
 
@@ -71,17 +72,10 @@ def time_kinds(layout, interval: int, rounds: int) -> dict:
     planned = {kind: part_cost(monitor._layout, part, layout.tp) for kind, (monitor, part, _, _) in timed.items()}
     order = list(timed)
     for evaluation in range(1, rounds + 1):
-        with torch.no_grad():      # δ steps of updates, ~1e-2 of the weights (as frontier_shards)
-            for i in sorted(touched):
-                w = layers[i].qkv_weight
-                std = float(w.float().std())
-                w.copy_((w.float() + 1e-2 * std * torch.randn(w.shape, generator=gen)).to(w.dtype))
+        apply_updates(layers, touched, gen)
         for kind in (order if evaluation % 2 else order[::-1]):
             monitor, part, rows, times = timed[kind]
-            t0 = time.perf_counter()
-            monitor._evaluation.values(evaluation * interval, [part], parts)
-            monitor._snapshots.take(evaluation * interval, layers, [], rows, {part})
-            times.append(time.perf_counter() - t0)
+            times.append(evaluate_and_snapshot(monitor, evaluation * interval, {part}, parts, layers, rows)[1])
     first = order[0]
     seconds = {kind: statistics.median(timed[kind][3]) for kind in order}
     return {"kinds": {kind: {"part": list(timed[kind][1]), "seconds": seconds[kind],

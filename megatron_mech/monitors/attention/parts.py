@@ -34,7 +34,7 @@ __all__ = ["chunk_rows", "head_chunks", "part_cost", "parts_of", "rows_needed", 
 # A Krylov block product ≈ 7× its FLOPs: the skinny products stream the whole float32 ΔW and are bound by memory,
 # not arithmetic. Its float64 basis bookkeeping (two projections of each new block on the basis, its QR, the
 # final Rayleigh–Ritz matrix) ≈ 38 · k · (steps · block)², fitted on two threads at k = 8192 against the
-# product term: in the monitor's evaluation the 70B shape's 128 × 8192 ΔW_k shard takes 0.35 of the time of its
+# product term: in the monitor's evaluation the 70B shape's 128 × 8192 ΔW_k shard takes 0.33 of the time of its
 # 1024 × 8192 ΔW_q shard, 0.336 planned (benchmarks/part_costs.py), where the product term alone would price it
 # at an eighth. Every replica holding rows of a row-split ΔW builds the whole basis, so that term is not divided
 # among its chunks.
