@@ -72,7 +72,7 @@ import torch.distributed as dist
 
 from megatron_mech.core.router import RoutingStats
 from megatron_mech.core.sharded import share_by_cost
-from megatron_mech.core.slq import gram_times
+from megatron_mech.core.slq import gram_operator
 from megatron_mech.monitors.attention import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
 from megatron_mech.monitors.attention.evaluation import UnitEvaluation
 from megatron_mech.monitors.attention.layout import BufferLayout
@@ -293,11 +293,12 @@ def product_floor(layout: Layout, cfg: AttentionMonitorConfig, repeats: int = 5)
         shard = torch.randn(rows, layout.hidden, generator=gen)
         block = torch.linalg.qr(torch.randn(layout.hidden, cfg.krylov_block, generator=gen,
                                             dtype=torch.float64)).Q.to(torch.float32)
-        gram_times(shard, block)
+        product = gram_operator(shard)                  # the monitor's product, its default kernel
+        product(block)
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            gram_times(shard, block)
+            product(block)
             times.append(time.perf_counter() - t0)
         product_s[name] = statistics.median(times)
         del shard

@@ -15,9 +15,11 @@ accuracy and what it saves in time, side by side, for shapes of the same subspac
   seed (entropy shifts that separate a fault from a clean run are ≥ 1e-2), and whose λ_max relative error stays
   ≤ 1e-6 (the stable rank to six digits).
 * **Time** (this process, alone): the route's products and bookkeeping — ``krylov_spectral_summaries`` with the
-  monitor's float32 ``gram_times`` product — on the frontier shards that carry it: a DeepSeek-style MoE row chunk
-  (8192 × 7168: half of a 16384-row ΔW_q) and a 70B TP-rank shard of ΔW_q (1024 × 8192) and of ΔW_k
-  (128 × 8192), the candidates interleaved in ``--rounds`` rounds, median with range.
+  monitor's float32 product (:func:`megatron_mech.core.slq.gram_operator`, its default kernel) — on the frontier
+  shards that carry it: a DeepSeek-style MoE row chunk (8192 × 7168: half of a 16384-row ΔW_q) and a 70B TP-rank
+  shard of ΔW_q (1024 × 8192) and of ΔW_k (128 × 8192), the candidates interleaved in ``--rounds`` rounds, median
+  with range. Beside them, in the same rounds, the default shape with the products on ``torch.matmul`` (the
+  ``"matmul"`` kernel: MKL's GEMM here) instead of oneDNN's inner product.
 
     python benchmarks/krylov_shape.py --record     # ~1.5 minutes alone on 2 cores; writes results/krylov_shape.*
 
@@ -33,7 +35,7 @@ import time
 
 import torch
 
-from megatron_mech.core.slq import gram_times, krylov_spectral_summaries
+from megatron_mech.core.slq import gram_operator, krylov_spectral_summaries
 from megatron_mech.core.spectral import spectral_entropy
 
 try:
@@ -95,20 +97,26 @@ def chosen(tuning: list[dict]) -> tuple[int, int]:
     return CURRENT
 
 
+MATMUL_KEY = f"{CURRENT[0]}×{CURRENT[1]}, torch.matmul products"
+
+
 def timings(rounds: int) -> dict:
-    """``{shape: {"steps×block": [seconds per round]}}``, candidates interleaved within each round."""
+    """``{shape: {"steps×block": [seconds per round]}}``, candidates (and the default shape on the ``"matmul"``
+    kernel, :data:`MATMUL_KEY`) interleaved within each round."""
     gen = torch.Generator().manual_seed(0)
     out = {}
+    runs = [(f"{s}×{b}", s, b, "auto") for s, b in CANDIDATES] + [(MATMUL_KEY, *CURRENT, "matmul")]
     for name, (rows, cols) in SHAPES.items():
         x = torch.randn(rows, cols, generator=gen)
         z = float(x.double().square().sum())
-        times = {f"{s}×{b}": [] for s, b in CANDIDATES}
+        times = {key: [] for key, *_ in runs}
         for _ in range(rounds):
-            for steps, block in CANDIDATES:
+            for key, steps, block, kernel in runs:
                 t0 = time.perf_counter()
-                krylov_spectral_summaries(lambda v: gram_times(x, v.float()).double(), cols, z, min(rows, cols),
+                product = gram_operator(x, 0, kernel)
+                krylov_spectral_summaries(lambda v: product(v.float()).double(), cols, z, min(rows, cols),
                                           steps=steps, block=block, generator=torch.Generator().manual_seed(7))
-                times[f"{steps}×{block}"].append(time.perf_counter() - t0)
+                times[key].append(time.perf_counter() - t0)
         out[name] = times
         log.info(f"{name}: " + ", ".join(f"{k} {statistics.median(v):.3f} s" for k, v in times.items()))
     return out
@@ -146,11 +154,11 @@ def main(argv=None) -> int:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", f"Time of one Krylov spectrum (products + float64 bookkeeping), float32 shard, median of "
                   f"{args.rounds} interleaved rounds [range], seconds; ratio to {CURRENT[0]} × {CURRENT[1]}:", "",
-              "| shard | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+              "| shard | " + " | ".join(keys + [MATMUL_KEY]) + " |", "|---|" + "---|" * (len(keys) + 1)]
     for name, row in times.items():
         base = statistics.median(row[keys[0]])
         cells = [f"{statistics.median(row[k]):.3f} [{min(row[k]):.3f}–{max(row[k]):.3f}] "
-                 f"({statistics.median(row[k]) / base:.2f}×)" for k in keys]
+                 f"({statistics.median(row[k]) / base:.2f}×)" for k in keys + [MATMUL_KEY]]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     if args.record:
         data = {"candidates": CANDIDATES, "chosen": pick, "tuning": {s: e for s, e in zip(TUNING_SEEDS, tuning)},

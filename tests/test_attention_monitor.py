@@ -569,3 +569,28 @@ def test_snapshots_never_share_memory_with_the_live_weight(num_heads, num_groups
     for m in ("q", "k"):
         for (_, _, held), copy in zip(monitor._snapshots.layers[0][m], before[m]):
             assert torch.equal(held, copy)
+
+
+def test_increment_never_writes_into_the_weight_it_reads_and_reuses_fresh_rows():
+    """ΔW of a view of a float32 weight is a copy (the live weight is unchanged); a bf16 view is upcast; rows
+    already gathered into a fresh float32 tensor are subtracted in place (no second copy). Reference: float64."""
+    from megatron_mech.core.layouts import qkv_block_rows
+    from megatron_mech.monitors.attention.dw_slots import increment
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(12, 5, generator=gen)
+    before = weight.clone()
+    prev = torch.randn(4, 5, generator=gen)
+    delta = increment(weight[2:6], prev, torch.float32, weight)
+    assert torch.equal(weight, before)
+    torch.testing.assert_close(delta.double(), before[2:6].double() - prev.double(), rtol=0, atol=1e-6)
+    low = weight.to(torch.bfloat16)
+    delta = increment(low[2:6], prev.to(torch.bfloat16), torch.float32, low)
+    assert torch.equal(delta, low[2:6].float() - prev.to(torch.bfloat16).float())   # bf16 → float32 is exact
+    # 2 query groups of (2 Q heads, K, V) × d_head 1: Q rows 1..2 span both groups, so they are gathered
+    fused = torch.randn(8, 5, generator=gen).to(torch.bfloat16)
+    rows = qkv_block_rows(fused, 4, 2, 1, "q", 1, 3, torch.float32)
+    fresh_ptr = rows.data_ptr()
+    delta = increment(rows, prev[:2].to(torch.bfloat16), torch.float32, fused)
+    assert delta.data_ptr() == fresh_ptr
+    want = torch.stack([fused[1], fused[4]]).double() - prev[:2].to(torch.bfloat16).double()
+    torch.testing.assert_close(delta.double(), want, rtol=0, atol=1e-6)

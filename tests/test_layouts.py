@@ -93,6 +93,14 @@ def test_block_rows_read_exactly_the_rows_of_the_blocks(num_heads, num_groups):
     if num_groups > 1:
         across = qkv_block_rows(weight, num_heads, num_groups, head_dim, "k", 0, 2 * head_dim)
         assert across.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr()
+    # a dtype: a copy across groups is made in it (bf16 → float32 is exact), a view keeps the weight's dtype
+    low = weight.to(torch.bfloat16)
+    whole_q = qkv_row_blocks(low, num_heads, num_groups, head_dim)[0]
+    for lo, hi in ((0, whole_q.shape[0]), (1, whole_q.shape[0] - 1), (head_dim, 2 * head_dim)):
+        rows = qkv_block_rows(low, num_heads, num_groups, head_dim, "q", lo, hi, torch.float32)
+        assert torch.equal(rows.float(), whole_q[lo:hi].float())
+        view = rows.untyped_storage().data_ptr() == low.untyped_storage().data_ptr()
+        assert rows.dtype == (torch.bfloat16 if view else torch.float32)
     with pytest.raises(ValueError, match="block must be"):
         qkv_block_rows(weight, num_heads, num_groups, head_dim, "o", 0, 1)
     with pytest.raises(ValueError, match="outside"):

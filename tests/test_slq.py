@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from megatron_mech.core.slq import gram_times, sharded_gram_matvec, slq_spectral_entropy
+from megatron_mech.core.slq import GRAM_KERNELS, gram_operator, gram_times, sharded_gram_matvec, \
+    slq_spectral_entropy
 from megatron_mech.core.spectral import matrix_spectrum, spectral_entropy
 
 
@@ -108,3 +109,42 @@ def test_gram_times_is_the_gram_product(shard_dim, columns):
     assert got.shape == v.shape
     # different summation orders of the same float64 sums: relative error ~ n·eps
     torch.testing.assert_close(got, gram @ v, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kernel", GRAM_KERNELS)
+@pytest.mark.parametrize("shard_dim", [0, 1])
+@pytest.mark.parametrize("columns", [None, 1, 8])
+def test_gram_operator_kernels_are_the_gram_product(kernel, shard_dim, columns):
+    """Every kernel of ``gram_operator`` on a float32 CPU shard (oneDNN's inner product where this torch has it,
+    which the CPU wheel the tests install does) against the float64 dense Gram: xᵀx·v, x·xᵀ·v, vector and
+    blocks, shapes large enough that both kernels block their sums."""
+    gen = torch.Generator().manual_seed(6)
+    x64 = torch.randn(300, 517, dtype=torch.float64, generator=gen)
+    x = x64.float()
+    gram = x.double().T @ x.double() if shard_dim == 0 else x.double() @ x.double().T
+    shape = (gram.shape[0],) if columns is None else (gram.shape[0], columns)
+    v = torch.randn(shape, dtype=torch.float64, generator=gen).float()
+    got = gram_operator(x, shard_dim, kernel)(v)
+    assert got.shape == v.shape and got.dtype == torch.float32
+    # float32 sums of ~500 terms, twice: relative error ~ sqrt(n)·eps32 per entry, 1e-5 of the largest is wide
+    ref = gram @ v.double()
+    assert float((got.double() - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+
+def test_gram_operator_auto_uses_onednn_on_float32_cpu_and_matmul_elsewhere(monkeypatch):
+    """``"auto"`` takes oneDNN's inner product for a float32 CPU shard (the skinny products' fast kernel) and
+    torch.matmul for float64; ``"onednn"`` refuses what it cannot run; an unknown kernel is named."""
+    import megatron_mech.core.slq as slq
+    calls = []
+    real = slq._onednn_linear_op()
+    assert real is not None, "this torch (the tests' CPU wheel) has oneDNN's linear"
+    monkeypatch.setattr(slq, "_onednn_linear_op", lambda: lambda *a: calls.append(1) or real(*a))
+    v = torch.ones(20, 8)
+    gram_operator(torch.ones(10, 20), 0)(v)
+    assert len(calls) == 2                       # both products
+    gram_operator(torch.ones(10, 20, dtype=torch.float64), 0)(v.double())
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="float32 CPU"):
+        gram_operator(torch.ones(10, 20, dtype=torch.float64), 0, "onednn")
+    with pytest.raises(ValueError, match="kernel"):
+        gram_operator(torch.ones(10, 20), 0, "blas")

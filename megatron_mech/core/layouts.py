@@ -113,13 +113,15 @@ def qkv_row_blocks(weight: torch.Tensor, num_heads: int, num_query_groups: int, 
 
 
 def qkv_block_rows(weight: torch.Tensor, num_heads: int, num_query_groups: int, head_dim: int, block: str,
-                   lo: int, hi: int) -> torch.Tensor:
+                   lo: int, hi: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Rows ``lo .. hi-1`` of the Q, K or V row block (``block`` ``"q"``, ``"k"`` or ``"v"``) of a fused
     ``linear_qkv`` weight, in the head order of :func:`qkv_row_blocks`, ``[hi − lo, d_model]``.
 
     Reads only those rows: a view of ``weight`` when they lie in one query group (e.g. one head, or one K head),
     else a copy of just those rows — never the whole block, nor V's rows when Q or K are asked for (the
-    per-group interleaving makes :func:`qkv_row_blocks` copy all three). Never write through the result.
+    per-group interleaving makes :func:`qkv_row_blocks` copy all three). That copy is made in ``dtype``
+    (default: the weight's), converting each group's rows as they are copied, so a caller that wants them in
+    another precision pays one pass, not two; a view keeps the weight's dtype. Never write through the result.
     """
     d_model = _check_fused(weight, num_heads, num_query_groups, head_dim)
     per_group = num_heads // num_query_groups
@@ -135,7 +137,9 @@ def qkv_block_rows(weight: torch.Tensor, num_heads: int, num_query_groups: int, 
         return grouped[0, offset:offset]
     pieces = [grouped[g, offset + max(lo, g * width) - g * width:offset + min(hi, (g + 1) * width) - g * width]
               for g in range(lo // width, -(-hi // width))]
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    if len(pieces) == 1:
+        return pieces[0]
+    return torch.cat(pieces, out=torch.empty(hi - lo, d_model, dtype=dtype or weight.dtype, device=weight.device))
 
 
 def grouped_qkv_from_blocks(q_rows: torch.Tensor, k_rows: torch.Tensor, v_rows: Optional[torch.Tensor],

@@ -17,6 +17,7 @@ falls fast with k for smooth spectra; the probe variance falls as 1/sqrt(probes)
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import Callable, Optional
 
@@ -24,8 +25,10 @@ import torch
 
 from megatron_mech.core.spectral import guarded_linalg
 
-__all__ = ["gram_times", "krylov_spectral_summaries", "krylov_spectral_summaries_many", "slq_trace_function",
-           "slq_spectral_entropy", "sharded_gram_matvec"]
+log = logging.getLogger(__name__)
+
+__all__ = ["GRAM_KERNELS", "gram_operator", "gram_times", "krylov_spectral_summaries", "krylov_spectral_summaries_many",
+           "slq_trace_function", "slq_spectral_entropy", "sharded_gram_matvec"]
 
 
 def _lanczos(matvec: Callable[[torch.Tensor], torch.Tensor], start: torch.Tensor, steps: int):
@@ -110,6 +113,71 @@ def gram_times(x: torch.Tensor, v: torch.Tensor, shard_dim: int = 0) -> torch.Te
     if shard_dim == 0:
         return ((x @ v).T @ x).T
     return x @ (v.T @ x).T
+
+
+GRAM_KERNELS = ("auto", "onednn", "matmul")
+_ONEDNN_LINEAR = None      # the checked kernel once looked up; False: this torch has none
+
+
+def _onednn_linear_op():
+    """oneDNN's inner-product kernel (``torch.ops.mkldnn._linear_pointwise``) when this torch has it and it
+    returns the right product on a small check, else ``None``. Checked once per process."""
+    global _ONEDNN_LINEAR
+    if _ONEDNN_LINEAR is None:
+        _ONEDNN_LINEAR = False
+        try:
+            if torch.backends.mkldnn.is_available():
+                op = torch.ops.mkldnn._linear_pointwise
+                x = torch.arange(1.0, 49.0).reshape(6, 8).sin()
+                v, y = torch.arange(1.0, 25.0).reshape(3, 8).cos(), torch.arange(1.0, 19.0).reshape(3, 6).cos()
+                # both orientations the products use: x as the weight, and its transposed view
+                if torch.allclose(op(v, x, None, "none", [], "").double(), v.double() @ x.double().T,
+                                  rtol=1e-5, atol=1e-5) and \
+                        torch.allclose(op(y, x.T, None, "none", [], "").double(), y.double() @ x.double(),
+                                       rtol=1e-5, atol=1e-5):
+                    _ONEDNN_LINEAR = op
+        except (AttributeError, RuntimeError, NotImplementedError) as exc:  # a torch built without it
+            log.info("oneDNN linear unavailable (%s): Krylov products use torch.matmul", exc)
+    return _ONEDNN_LINEAR or None
+
+
+
+def gram_operator(x: torch.Tensor, shard_dim: int = 0, kernel: str = "auto") -> Callable[[torch.Tensor], torch.Tensor]:
+    """``v ↦ gram_times(x, v, shard_dim)`` for many blocks ``v`` with the same ``x`` (a Krylov spectrum's ~30
+    products): the same product, with the kernel chosen once.
+
+    ``kernel``: ``"matmul"`` is :func:`gram_times` (``torch.matmul``, any device and dtype); ``"onednn"`` runs
+    both GEMMs as oneDNN inner products — the kernel of an inference linear layer with a batch of b = 8 tokens,
+    the shape of these products (``vᵀ`` is the batch, ``x`` or ``xᵀ``, a strided view, the weight; nothing is
+    copied). It needs a float32 CPU ``x`` and a torch built with oneDNN. MKL's GEMM (torch.matmul's on a CPU)
+    runs these skinny products several times slower than the shard's memory traffic needs; on the 2-core AMD
+    EPYC this project is measured on, a whole Krylov spectrum of an 8192 × 7168 shard (30 steps of block 8 and
+    the basis bookkeeping) took 1.12 s with oneDNN's products and 2.24 s with torch.matmul's, side by side in
+    ``benchmarks/krylov_shape.py``. ``"auto"`` (default): ``"onednn"`` where it applies, else ``"matmul"``.
+    The kernels differ only in rounding (float32 sums in another order). Returns an ``[n, b]`` block (``[m, b]``
+    for ``shard_dim=1``) in ``x``'s dtype; a 1-D ``v`` is one column.
+    """
+    if kernel not in GRAM_KERNELS:
+        raise ValueError(f"kernel must be one of {GRAM_KERNELS}, got {kernel!r}")
+    if shard_dim not in (0, 1):
+        raise ValueError(f"shard_dim must be 0 or 1, got {shard_dim!r}")
+    applies = x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous()
+    op = _onednn_linear_op() if kernel != "matmul" and applies else None
+    if kernel == "onednn" and op is None:
+        raise ValueError("kernel='onednn' needs a contiguous 2-D float32 CPU x and a torch built with oneDNN "
+                         f"(got {x.dtype} on {x.device}, contiguous={x.is_contiguous()})")
+    if op is None:
+        return lambda v: gram_times(x, v, shard_dim)
+    # linear(a, w) = a wᵀ. shard_dim 0: (xv)ᵀ = vᵀxᵀ = linear(vᵀ, x), then xᵀ(xv) = (linear((xv)ᵀ, xᵀ))ᵀ;
+    # shard_dim 1 the same with x and xᵀ exchanged.
+    first, second = (x, x.T) if shard_dim == 0 else (x.T, x)
+
+    def product(v: torch.Tensor) -> torch.Tensor:
+        if v.dim() == 1:
+            return product(v[:, None])[:, 0]
+        inner = op(v.T.contiguous(), first, None, "none", [], "")
+        return op(inner, second, None, "none", [], "").T
+    return product
 
 
 def sharded_gram_matvec(local_rows: torch.Tensor, group=None) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -14,7 +14,7 @@ from typing import Callable, Hashable, Optional
 import torch
 
 from megatron_mech.core.sharded import frobenius_from_shard_grams, shard_gram, spectrum_from_shard_grams, squared_norm
-from megatron_mech.core.slq import gram_times, krylov_spectral_summaries_many
+from megatron_mech.core.slq import gram_operator, krylov_spectral_summaries_many
 from megatron_mech.core.spectral import effective_rank, spectral_entropy, stable_rank
 from megatron_mech.monitors.attention.agreement import process_independent_hash
 from megatron_mech.monitors.attention.settings import AttentionMonitorConfig
@@ -33,11 +33,14 @@ def compute_dtype(config: AttentionMonitorConfig, weight: torch.Tensor) -> torch
     return F64 if config.gram_dtype == "float64" else torch.float32
 
 
-def increment(current: torch.Tensor, prev: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """ΔW = ``current`` − ``prev`` in ``dtype`` (same shape, on ``current``'s device), a new tensor: ``current`` may
-    be a view of the live weight, so it is copied first, then ``prev`` is subtracted in place (upcast element by
-    element: one temporary, not two)."""
-    delta = current.to(dtype, copy=True)
+def increment(current: torch.Tensor, prev: torch.Tensor, dtype: torch.dtype, source: torch.Tensor) -> torch.Tensor:
+    """ΔW = ``current`` − ``prev`` in ``dtype`` (same shape, on ``current``'s device), never written into
+    ``source``, the weight ``current`` was read from: a view of it is copied (into ``dtype``) first, while rows
+    already gathered into a fresh tensor of ``dtype`` (``qk_row_range(..., dtype)``) are used as they are. Then
+    ``prev`` is subtracted in place (upcast element by element: no temporary)."""
+    delta = current.to(dtype)
+    if delta.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
+        delta = delta.clone()
     return delta.sub_(prev)
 
 
@@ -92,7 +95,7 @@ def run_krylov(step: int, jobs: dict[Hashable, KrylovJob], reduced: dict[Hashabl
         x, shard_dim, k = jobs[key]
         packed = reduced[key]
         matvecs.append(None if x is None else
-                       lambda v, x=x, d=shard_dim: gram_times(x, v.to(x.device, x.dtype), d).to(v.dtype))
+                       lambda v, x=x, op=gram_operator(x, shard_dim): op(v.to(x.device, x.dtype)).to(v.dtype))
         ns.append(k)
         zs.append(_squared_norm(packed))
         bounds.append(max(1, min(int(round(float(packed[1]))), k)))

@@ -155,9 +155,9 @@ class UnitEvaluation:
         """Where an evaluation computes: the live weight's device, or the host (``eval_device``)."""
         return weight.device if self.config.eval_device == "device" else torch.device("cpu")
 
-    def _fill_dw(self, out: torch.Tensor, current: torch.Tensor, prev: torch.Tensor, shard_dim: int, k: int,
-                 dt: torch.dtype, key, krylov_jobs: dict) -> None:
-        job = fill_slot(out, increment(current, prev, dt), shard_dim, k, self.config.route(k), prev)
+    def _fill_dw(self, out: torch.Tensor, current: torch.Tensor, source: torch.Tensor, prev: torch.Tensor,
+                 shard_dim: int, k: int, dt: torch.dtype, key, krylov_jobs: dict) -> None:
+        job = fill_slot(out, increment(current, prev, dt, source), shard_dim, k, self.config.route(k), prev)
         if job is not None:
             krylov_jobs[key] = job
 
@@ -174,8 +174,8 @@ class UnitEvaluation:
         for m, shard_dim, k, count in (("q", sq, kq, n_q), ("k", sk, kk, n_k)):
             if ("dw", i, m) in parts:
                 prev = self.snapshots.rows(i, m, 0, count).to(w.device)
-                self._fill_dw(slots[("layer", i, m)], lay.qk_row_range(w, m, 0, count), prev, shard_dim, k, dt,
-                              ("layer", i, m), krylov_jobs)
+                self._fill_dw(slots[("layer", i, m)], lay.qk_row_range(w, m, 0, count, dt), w, prev, shard_dim, k,
+                              dt, ("layer", i, m), krylov_jobs)
         terms = self.config.qk_terms
         if not terms:
             return
@@ -213,7 +213,7 @@ class UnitEvaluation:
         w = w.to(self._eval_device(w))
         prev = self.snapshots.extras[j].to(w.device)
         shard_dim, k = self.layout.extra_geometry(j)
-        self._fill_dw(out, w, prev, shard_dim, k, compute_dtype(self.config, w), ("extra", j), krylov_jobs)
+        self._fill_dw(out, w, w, prev, shard_dim, k, compute_dtype(self.config, w), ("extra", j), krylov_jobs)
 
     def _dw_values(self, slot: torch.Tensor, k: int, weight: torch.Tensor, key, krylov: dict) -> dict:
         return slot_values(slot, k, self.config.route(k), self.config.entropy_power, compute_dtype(self.config, weight),

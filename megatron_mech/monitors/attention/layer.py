@@ -82,12 +82,14 @@ class AttentionLayer:
         q, k, _ = qkv_row_blocks(weight, self.num_heads, self.num_query_groups, self.head_dim)
         return q, k
 
-    def qk_row_range(self, weight: torch.Tensor, matrix: str, lo: int, hi: int) -> torch.Tensor:
+    def qk_row_range(self, weight: torch.Tensor, matrix: str, lo: int, hi: int,
+                     dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """Rows ``lo .. hi-1`` of :meth:`qk_rows`' Q (``matrix="q"``) or K rows, reading only those rows of
-        ``weight`` (a view where the layout allows, else a copy of just them; never write through it)."""
+        ``weight`` (a view where the layout allows, else a copy of just them, made in ``dtype`` when given; never
+        write through it)."""
         if self.replicated_kv is not None:
             return self.qk_rows(weight)[0 if matrix == "q" else 1][lo:hi]     # views already
-        return qkv_block_rows(weight, self.num_heads, self.num_query_groups, self.head_dim, matrix, lo, hi)
+        return qkv_block_rows(weight, self.num_heads, self.num_query_groups, self.head_dim, matrix, lo, hi, dtype)
 
     @property
     def qk_row_counts(self) -> tuple[int, int]:

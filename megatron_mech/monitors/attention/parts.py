@@ -31,15 +31,17 @@ __all__ = ["chunk_rows", "head_chunks", "part_cost", "parts_of", "rows_needed", 
 # Relative costs in GEMM-FLOP equivalents, fitted to times measured on one CPU thread (d_head 128, bf16 weights,
 # float32 Grams): a k × k ΔW eigenproblem ≈ 10 k³; a head's r × r core per term (Cholesky, the core product,
 # eigvalsh; r = 2·d_head for Δ1 and Δ2, d_head for Δ3) ≈ 50 r³, which makes a head ≈ 0.3 ΔW Grams of k = 896.
-# A Krylov block product ≈ 7× its FLOPs: the skinny products stream the whole float32 ΔW and are bound by memory,
-# not arithmetic. Its float64 basis bookkeeping (two projections of each new block on the basis, its QR, the
-# final Rayleigh–Ritz matrix) ≈ 38 · k · (steps · block)², fitted on two threads at k = 8192 against the
-# product term: in the monitor's evaluation the 70B shape's 128 × 8192 ΔW_k shard takes 0.33 of the time of its
-# 1024 × 8192 ΔW_q shard, 0.336 planned (benchmarks/part_costs.py), where the product term alone would price it
-# at an eighth. Every replica holding rows of a row-split ΔW builds the whole basis, so that term is not divided
-# among its chunks.
-_KRYLOV_FLOPS = 7.0
-_KRYLOV_BASIS_FLOPS = 38.0
+# A Krylov block product ≈ 2.7× its FLOPs (core.slq.gram_operator's oneDNN kernel on a CPU): a skinny product
+# streams the whole float32 ΔW for 2·block FLOPs per value read, far from a square GEMM's rate. Its float64 basis
+# bookkeeping (two projections of each new block on the basis, its QR, the final Rayleigh–Ritz matrix)
+# ≈ 32 · k · (steps · block)². Both fitted on two threads to the monitor's evaluation of the 70B shape's parts
+# (benchmarks/part_costs.py): a 1024 × 8192 ΔW_q shard, a 128 × 8192 ΔW_k shard (0.48 of ΔW_q's time in the
+# fitting run, 0.43 in the recorded one; 0.48 planned — the product term alone would price it at an eighth) and
+# one head (0.09 and 0.07; 0.09 planned). The MoE shape's parts come out as measured (one head 0.021 of a
+# 8192 × 7168 row chunk, 0.019 planned). Every replica holding rows of a row-split ΔW builds the whole basis, so
+# that term is not divided among its chunks.
+_KRYLOV_FLOPS = 2.7
+_KRYLOV_BASIS_FLOPS = 32.0
 _EIG_FLOPS = 10.0
 _HEAD_CORE_FLOPS = 50.0
 _CORE_WIDTH = {"delta1": 2, "delta2": 2, "delta3": 1}     # a term's core size r in units of d_head

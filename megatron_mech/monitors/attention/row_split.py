@@ -69,7 +69,7 @@ def row_split_values(step: int, plan, mine, layout: BufferLayout, snapshots: Sna
         deltas, prevs = [], []
         for lo, hi in held:
             prev = snapshots.rows(i, m, lo, hi).to(w.device)
-            deltas.append(increment(lay.qk_row_range(w, m, lo, hi), prev, dt))
+            deltas.append(increment(lay.qk_row_range(w, m, lo, hi, dt), prev, dt, w))
             prevs.append(prev)
         delta, prev = (deltas[0], prevs[0]) if len(held) == 1 else (torch.cat(deltas), torch.cat(prevs))
         jobs[key] = fill_slot(slot, delta, 0, k, "krylov", prev)
