@@ -148,3 +148,17 @@ def test_gram_operator_auto_uses_onednn_on_float32_cpu_and_matmul_elsewhere(monk
         gram_operator(torch.ones(10, 20, dtype=torch.float64), 0, "onednn")
     with pytest.raises(ValueError, match="kernel"):
         gram_operator(torch.ones(10, 20), 0, "blas")
+
+
+def test_onednn_check_holds_under_a_float64_default_dtype(monkeypatch):
+    """The once-per-process check builds float32 CPU tensors itself: a process that set float64 as its default
+    dtype before the first Krylov product still gets the oneDNN kernel (the check failing would silently leave
+    every product on the slower kernel)."""
+    import megatron_mech.core.slq as slq
+    monkeypatch.setattr(slq, "_ONEDNN_LINEAR", None)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert slq._onednn_linear_op() is not None
+    finally:
+        torch.set_default_dtype(previous)

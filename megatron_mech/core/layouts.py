@@ -139,7 +139,9 @@ def qkv_block_rows(weight: torch.Tensor, num_heads: int, num_query_groups: int, 
               for g in range(lo // width, -(-hi // width))]
     if len(pieces) == 1:
         return pieces[0]
-    return torch.cat(pieces, out=torch.empty(hi - lo, d_model, dtype=dtype or weight.dtype, device=weight.device))
+    if dtype is None or dtype == weight.dtype:
+        return torch.cat(pieces)
+    return torch.cat(pieces, out=torch.empty(hi - lo, d_model, dtype=dtype, device=weight.device))
 
 
 def grouped_qkv_from_blocks(q_rows: torch.Tensor, k_rows: torch.Tensor, v_rows: Optional[torch.Tensor],

@@ -105,8 +105,9 @@ def gram_times(x: torch.Tensor, v: torch.Tensor, shard_dim: int = 0) -> torch.Te
 
     The product with ``xᵀ`` is formed as ``(yᵀx)ᵀ``: the same sums, read by rows of ``x``. On the x86 CPUs this
     project was measured on, MKL runs the transposed GEMM ``xᵀy`` with a skinny ``y`` (b ≈ 8 columns) 7–12×
-    slower than ``yᵀx`` (16384 × 7168 float32: 0.77 s vs 0.065 s), and these products are most of a Krylov
-    evaluation's time. A 1-D ``v`` is one column.
+    slower than ``yᵀx`` (16384 × 7168 float32: 0.77 s vs 0.065 s). This is the ``"matmul"`` kernel of
+    :func:`gram_operator`, which the Krylov route calls: on a CPU it takes oneDNN's kernel instead for float32
+    shards. A 1-D ``v`` is one column.
     """
     if v.dim() == 1:
         return gram_times(x, v[:, None], shard_dim)[:, 0]
@@ -128,8 +129,9 @@ def _onednn_linear_op():
         try:
             if torch.backends.mkldnn.is_available():
                 op = torch.ops.mkldnn._linear_pointwise
-                x = torch.arange(1.0, 49.0).reshape(6, 8).sin()
-                v, y = torch.arange(1.0, 25.0).reshape(3, 8).cos(), torch.arange(1.0, 19.0).reshape(3, 6).cos()
+                def values(count, rows):       # float32 on the CPU whatever the process's defaults
+                    return torch.arange(1, count + 1, dtype=torch.float32, device="cpu").reshape(rows, -1)
+                x, v, y = values(48, 6).sin(), values(24, 3).cos(), values(18, 3).cos()
                 # both orientations the products use: x as the weight, and its transposed view
                 if torch.allclose(op(v, x, None, "none", [], "").double(), v.double() @ x.double().T,
                                   rtol=1e-5, atol=1e-5) and \
@@ -141,21 +143,21 @@ def _onednn_linear_op():
     return _ONEDNN_LINEAR or None
 
 
-
 def gram_operator(x: torch.Tensor, shard_dim: int = 0, kernel: str = "auto") -> Callable[[torch.Tensor], torch.Tensor]:
     """``v ↦ gram_times(x, v, shard_dim)`` for many blocks ``v`` with the same ``x`` (a Krylov spectrum's ~30
     products): the same product, with the kernel chosen once.
 
     ``kernel``: ``"matmul"`` is :func:`gram_times` (``torch.matmul``, any device and dtype); ``"onednn"`` runs
     both GEMMs as oneDNN inner products — the kernel of an inference linear layer with a batch of b = 8 tokens,
-    the shape of these products (``vᵀ`` is the batch, ``x`` or ``xᵀ``, a strided view, the weight; nothing is
-    copied). It needs a float32 CPU ``x`` and a torch built with oneDNN. MKL's GEMM (torch.matmul's on a CPU)
-    runs these skinny products several times slower than the shard's memory traffic needs; on the 2-core AMD
-    EPYC this project is measured on, a whole Krylov spectrum of an 8192 × 7168 shard (30 steps of block 8 and
-    the basis bookkeeping) took 1.12 s with oneDNN's products and 2.24 s with torch.matmul's, side by side in
-    ``benchmarks/krylov_shape.py``. ``"auto"`` (default): ``"onednn"`` where it applies, else ``"matmul"``.
-    The kernels differ only in rounding (float32 sums in another order). Returns an ``[n, b]`` block (``[m, b]``
-    for ``shard_dim=1``) in ``x``'s dtype; a 1-D ``v`` is one column.
+    the shape of these products (``vᵀ`` is the batch, ``x`` or ``xᵀ`` the weight, passed as they are: ``xᵀ`` is
+    a strided view, not a copy made here). It needs a float32 CPU ``x`` and a torch built with oneDNN. MKL's
+    GEMM (torch.matmul's on a CPU) runs these skinny products several times slower than the shard's memory
+    traffic needs; on the 2-core AMD EPYC this project is measured on, a whole Krylov spectrum of an
+    8192 × 7168 shard (30 steps of block 8 and the basis bookkeeping) took 1.12 s with oneDNN's products and
+    2.24 s with torch.matmul's, side by side in ``benchmarks/krylov_shape.py``. ``"auto"`` (default):
+    ``"onednn"`` where it applies, else ``"matmul"``. The kernels differ only in rounding (float32 sums in
+    another order). Returns an ``[n, b]`` block (``[m, b]`` for ``shard_dim=1``) in ``x``'s dtype; a 1-D ``v``
+    is one column.
     """
     if kernel not in GRAM_KERNELS:
         raise ValueError(f"kernel must be one of {GRAM_KERNELS}, got {kernel!r}")

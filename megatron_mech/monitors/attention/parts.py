@@ -37,9 +37,10 @@ __all__ = ["chunk_rows", "head_chunks", "part_cost", "parts_of", "rows_needed", 
 # ≈ 32 · k · (steps · block)². Both fitted on two threads to one run of the monitor's evaluation of the 70B
 # shape's parts (benchmarks/part_costs.py): a 128 × 8192 ΔW_k shard takes 0.48, 0.43 and 0.44 of a 1024 × 8192
 # ΔW_q shard's time in three runs, 0.48 planned (the product term alone would price it at an eighth), one head
-# 0.09, 0.07 and 0.07, 0.09 planned; the MoE shape's head 0.020–0.021 of a 8192 × 7168 row chunk, 0.019
-# planned. (Fitting the 70B heads closer prices the MoE heads lower by as much.) Every replica holding rows of a
-# row-split ΔW builds the whole basis, so that term is not divided among its chunks.
+# 0.09, 0.07 and 0.07, 0.09 planned; the MoE shape's head 0.020 of a 8192 × 7168 row chunk in the recorded
+# run, 0.019 planned. (Fitting the 70B heads closer prices the MoE heads lower by as much.) On the torch.matmul
+# kernel (float64 ΔW, an accelerator) the products cost relatively more than this prices them. Every replica
+# holding rows of a row-split ΔW builds the whole basis, so that term is not divided among its chunks.
 _KRYLOV_FLOPS = 2.7
 _KRYLOV_BASIS_FLOPS = 32.0
 _EIG_FLOPS = 10.0
