@@ -34,7 +34,7 @@ import torch
 from megatron_mech.core.checks import is_int
 
 __all__ = ["ReplicatedKVShard", "concatenated_qkv_blocks", "fuse_qkv", "grouped_qkv_from_blocks", "qkv_partition_sizes",
-           "qkv_block_rows", "qkv_row_blocks", "split_fused_qkv"]
+           "qkv_block_rows", "qkv_row_blocks", "split_fused_qkv", "unshared_copy"]
 
 
 def qkv_partition_sizes(num_heads: int, num_query_groups: int, tp_size: int = 1) -> tuple[int, int]:
@@ -142,6 +142,17 @@ def qkv_block_rows(weight: torch.Tensor, num_heads: int, num_query_groups: int, 
     if dtype is None or dtype == weight.dtype:
         return torch.cat(pieces)
     return torch.cat(pieces, out=torch.empty(hi - lo, d_model, dtype=dtype, device=weight.device))
+
+
+def unshared_copy(rows: torch.Tensor, source: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``rows`` on ``device`` in ``dtype``, never sharing memory with ``source``, the weight they were read from:
+    a view of ``source`` (which ``.to`` may return as it is) is cloned; rows already copied out of it (e.g. a
+    :func:`qkv_block_rows` gather, or a move to another device or dtype) are used as they are, not copied again.
+    The result may be written into."""
+    moved = rows.to(device=device, dtype=dtype)
+    if moved.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
+        moved = moved.clone()
+    return moved
 
 
 def grouped_qkv_from_blocks(q_rows: torch.Tensor, k_rows: torch.Tensor, v_rows: Optional[torch.Tensor],

@@ -129,6 +129,7 @@ def _onednn_linear_op():
         try:
             if torch.backends.mkldnn.is_available():
                 op = torch.ops.mkldnn._linear_pointwise
+
                 def values(count, rows):       # float32 on the CPU whatever the process's defaults
                     return torch.arange(1, count + 1, dtype=torch.float32, device="cpu").reshape(rows, -1)
                 x, v, y = values(48, 6).sin(), values(24, 3).cos(), values(18, 3).cos()

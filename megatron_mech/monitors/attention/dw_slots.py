@@ -13,6 +13,7 @@ from typing import Callable, Hashable, Optional
 
 import torch
 
+from megatron_mech.core.layouts import unshared_copy
 from megatron_mech.core.sharded import frobenius_from_shard_grams, shard_gram, spectrum_from_shard_grams, squared_norm
 from megatron_mech.core.slq import gram_operator, krylov_spectral_summaries_many
 from megatron_mech.core.spectral import effective_rank, spectral_entropy, stable_rank
@@ -38,10 +39,7 @@ def increment(current: torch.Tensor, prev: torch.Tensor, dtype: torch.dtype, sou
     ``source``, the weight ``current`` was read from: a view of it is copied (into ``dtype``) first, while rows
     already gathered into a fresh tensor of ``dtype`` (``qk_row_range(..., dtype)``) are used as they are. Then
     ``prev`` is subtracted in place (upcast element by element: no temporary)."""
-    delta = current.to(dtype)
-    if delta.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
-        delta = delta.clone()
-    return delta.sub_(prev)
+    return unshared_copy(current, source, current.device, dtype).sub_(prev)
 
 
 def slot_size(k: int, route: str) -> int:

@@ -16,6 +16,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from megatron_mech.core.layouts import unshared_copy
 from megatron_mech.monitors.attention.layer import AttentionLayer
 
 __all__ = ["SnapshotStore", "snapshot_dtype"]
@@ -25,15 +26,6 @@ def snapshot_dtype(t: torch.Tensor) -> torch.dtype:
     """The weight's own dtype: a copy is the live weight bit for bit (ΔW is formed after the upcast to the Gram
     precision, the same values as from a float32 copy), at half the memory of float32 for 16-bit weights."""
     return t.dtype
-
-
-def _copy(rows: torch.Tensor, live: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """``rows`` on ``device`` in ``dtype``, never sharing memory with the live parameter ``live`` (``rows`` may be a
-    view of it, or already a fresh copy of the rows, which is then not copied again)."""
-    moved = rows.to(device=device, dtype=dtype)
-    if moved.untyped_storage().data_ptr() == live.untyped_storage().data_ptr():
-        moved = moved.clone()
-    return moved
 
 
 class SnapshotStore:
@@ -63,7 +55,7 @@ class SnapshotStore:
                 continue
             w = lay.qkv_weight.detach()
             dtype = snapshot_dtype(w)
-            snapped.append({m: [(lo, hi, _copy(lay.qk_row_range(w, m, lo, hi), w, self.device, dtype))
+            snapped.append({m: [(lo, hi, unshared_copy(lay.qk_row_range(w, m, lo, hi), w, self.device, dtype))
                                 for lo, hi in rows[i][m]] for m in ("q", "k")})
         self.layers = snapped
         self.extras = [w.detach().to(device=self.device, dtype=snapshot_dtype(w), copy=True)
