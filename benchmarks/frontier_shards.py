@@ -42,7 +42,10 @@ What is measured and what is derived (every figure in the results is labelled):
   difference of the update ratios and stable ranks (the float64 loop is the exact reference).
 * **Floor (measured).** :func:`product_floor`: the stage's Krylov block products alone, each timed on the rank's
   float32 shard, spread evenly over the DP replicas with nothing else costing anything — what no split of the
-  same spectra can beat at the default Krylov settings.
+  same spectra can beat at the default Krylov settings. Beside it :func:`head_floor`: one layer's local heads
+  through the Gram route's own functions in one call (each K head's Grams formed once for its query group),
+  the stage's heads spread evenly — what this implementation's head arithmetic costs a replica at best. Their
+  sum bounds the default evaluation from below: the basis bookkeeping, increments and snapshots only add.
 * **Overhead (derived).** per-evaluation compute / (δ × step time) for δ = 10 and 100. Step time, derived from
   a published figure: Llama 2 70B took 1,720,320 A100 GPU-hours for 2.0T tokens (Touvron et al. 2023, "Llama 2",
   Table 2) = 323 tokens/s per GPU; with its 4M-token global batch on 1024 GPUs a step takes 4e6 / (323 × 1024)
@@ -73,6 +76,8 @@ import torch.distributed as dist
 from megatron_mech.core.router import RoutingStats
 from megatron_mech.core.sharded import share_by_cost
 from megatron_mech.core.slq import gram_operator
+from megatron_mech.core.spectral import (qk_increment_cores, spectra_from_qk_cores,
+                                        spectral_entropy)
 from megatron_mech.monitors.attention import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
 from megatron_mech.monitors.attention.evaluation import UnitEvaluation
 from megatron_mech.monitors.attention.layout import BufferLayout
@@ -307,6 +312,35 @@ def product_floor(layout: Layout, cfg: AttentionMonitorConfig, repeats: int = 5)
             "floor_s": stage_s / layout.dp}
 
 
+def head_floor(layout: Layout, cfg: AttentionMonitorConfig, repeats: int = 5) -> dict:
+    """The heads' share of a lower bound: one layer's local heads (``heads/TP``, their ``groups/TP`` K heads)
+    through the Gram route's own functions at the default terms — block Grams over d_model and the core
+    eigenproblems, all heads in one call, each K head's Grams formed once for its query group (the cheapest
+    grouping: the data-parallel split's head chunks can only add K Grams) — on float32 rows, timed here (median
+    of ``repeats``); the stage's heads spread evenly over the DP replicas, with nothing else costing anything."""
+    gen = torch.Generator().manual_seed(4)
+    heads, groups, dh, d = layout.heads // layout.tp, layout.groups // layout.tp, layout.head_dim, layout.hidden
+
+    def rows(count):        # [count, d_model, d_head], the paper orientation, over the stored row layout
+        return (torch.randn(count * dh, d, generator=gen) * d ** -0.5).view(count, dh, d).transpose(1, 2)
+    q_prev, k_prev = rows(heads), rows(groups)
+    q, k = q_prev + 1e-2 * rows(heads), k_prev + 1e-2 * rows(groups)
+
+    def layer_heads():
+        cores = qk_increment_cores(q_prev, k_prev, q, k, terms=cfg.qk_terms, gram_dtype=torch.float32)
+        spectra = spectra_from_qk_cores([cores], batch=cfg.qk_batch)[0]
+        return [spectral_entropy(getattr(spectra, t), power=cfg.entropy_power) for t in cfg.qk_terms]
+    layer_heads()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        layer_heads()
+        times.append(time.perf_counter() - t0)
+    stage_s = layout.stage_layers * statistics.median(times)
+    return {"layer_heads_s": statistics.median(times), "heads_per_layer": heads, "stage_heads_s": stage_s,
+            "floor_s": stage_s / layout.dp}
+
+
 def previous_expert_scalars(before, after, power_iterations: int = 8) -> list[tuple[float, float]]:
     """The previous per-expert loop (the exact reference): float64 increments, norms and power iteration, one
     expert at a time. ``(update ratio, stable rank)`` per expert."""
@@ -464,16 +498,25 @@ def main(argv=None) -> int:
                      f"{router['entropy_mean_rel_diff']:.1e})")
         floor = product_floor(layout, cfg)
         attention["product_floor"] = floor
+        heads_floor = head_floor(layout, cfg) if cfg.qk_terms else None
+        attention["head_floor"] = heads_floor
         if floor:
             log.info(f"{layout.name}: one Krylov product {1e3 * floor['product_s']['q']:.1f} ms (ΔW_q shard), "
                      f"{1e3 * floor['product_s']['k']:.1f} ms (ΔW_k shard); the stage's products "
-                     f"{floor['stage_products_s']:.2f} s, {floor['floor_s']:.2f} s per replica at an even spread")
+                     f"{floor['stage_products_s']:.2f} s, {floor['floor_s']:.3f} s per replica at an even spread")
+        if heads_floor:
+            log.info(f"{layout.name}: one layer's {heads_floor['heads_per_layer']} local heads "
+                     f"{1e3 * heads_floor['layer_heads_s']:.1f} ms; the stage's heads "
+                     f"{heads_floor['stage_heads_s']:.2f} s, {heads_floor['floor_s']:.3f} s per replica")
         comm = communication(layout, cfg, attention["layers_evaluated"], attention["split_matrices"])
         experts = time_experts(layout, interval=10, sample=args.expert_sample)
         per_eval = attention["evaluation_s"] + router.get("router_s", 0.0)
         overhead = {f"delta{d}": per_eval / (d * layout.step_seconds) for d in (10, 100)}
         if floor:
             overhead["delta10_product_floor"] = floor["floor_s"] / (10 * layout.step_seconds)
+            if heads_floor:
+                overhead["delta10_products_and_heads_floor"] = ((floor["floor_s"] + heads_floor["floor_s"])
+                                                                / (10 * layout.step_seconds))
         overhead["delta10_krylov_shape"] = ((attention["krylov_shape"]["evaluation_s"] + router.get("router_s", 0.0))
                                             / (10 * layout.step_seconds))
         with_experts = per_eval + experts.get("expert_s", 0.0)
@@ -522,20 +565,26 @@ def main(argv=None) -> int:
                          f"{100 * r['overhead']['delta10']:.3f} % | {100 * r['overhead']['delta100']:.4f} % | "
                          f"{a['krylov_shape']['evaluation_s']:.2f} [{spread(a['krylov_shape']['evaluation_s_all'])}] | "
                          f"{100 * r['overhead']['delta10_krylov_shape']:.3f} % |")
-        lines += ["", "The floor under the default Krylov settings: the stage's ΔW spectra's block products alone "
+        lines += ["", "The floor under the default settings: the stage's ΔW spectra's block products alone "
                   "(each timed on the rank's float32 shard, same run), spread evenly over the DP replicas with "
-                  "nothing else costing anything. No split of these spectra gets a replica below it.", "",
+                  "nothing else costing anything. No split of these spectra gets a replica below it. Beside it "
+                  "the same for the heads (`head_floor`: one layer's local heads in one call of the Gram route, "
+                  "each K head's Grams formed once), and the two together: no split of the default evaluation's "
+                  "products and heads gets a replica below their sum.", "",
                   "| layout | products per spectrum | one product: ΔW_q shard ms | ΔW_k shard ms | "
-                  "stage's products s | floor s / replica | overhead δ=10 at the floor |",
-                  "|---|---|---|---|---|---|---|"]
+                  "stage's products s | floor s / replica | overhead δ=10 at the floor | one layer's heads ms | "
+                  "heads' floor s / replica | products + heads s / replica | overhead δ=10 at both |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
-            f = r["attention"]["product_floor"]
+            f, h = r["attention"]["product_floor"], r["attention"]["head_floor"]
             if not f:
-                lines.append(f"| {r['layout']['name']} | (exact Gram route: no products) | | | | | |")
+                lines.append(f"| {r['layout']['name']} | (exact Gram route: no products) | | | | | | | | | |")
                 continue
+            both = (f"{1e3 * h['layer_heads_s']:.1f} | {h['floor_s']:.3f} | {f['floor_s'] + h['floor_s']:.3f} | "
+                    f"{100 * r['overhead']['delta10_products_and_heads_floor']:.3f} %" if h else "| | |")
             lines.append(f"| {r['layout']['name']} | {f['products_per_spectrum']} | {1e3 * f['product_s']['q']:.1f} | "
                          f"{1e3 * f['product_s']['k']:.1f} | {f['stage_products_s']:.2f} | {f['floor_s']:.3f} | "
-                         f"{100 * r['overhead']['delta10_product_floor']:.3f} % |")
+                         f"{100 * r['overhead']['delta10_product_floor']:.3f} % | {both} |")
         expert_rows = [r for r in rows if r["experts"]]
         if expert_rows:
             lines += ["", "With `--mech-experts` (off by default): the rank's share of the experts, timed on a sample "

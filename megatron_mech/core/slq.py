@@ -230,18 +230,43 @@ def krylov_spectral_summaries(matvec: Callable[[torch.Tensor], torch.Tensor], n:
                                           generators=[generator], device=device)[0]
 
 
-def _project_out(rows: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
-    """``rows`` [b, n] minus their projection onto the orthonormal rows of ``basis`` R [e, n], applied twice:
-    ``rows − (rows Rᵀ) R``, then the same on the result (twice is enough: Kahan–Parlett)."""
-    for _ in range(2):
-        rows = rows - (rows @ basis.T) @ basis
-    return rows
+def _project_out(rows: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` [b, n] minus their projection onto the orthonormal rows of ``basis`` R [e, n] (one classical
+    Gram–Schmidt pass, ``rows − (rows Rᵀ) R``), and the coefficients ``rows Rᵀ`` [b, e]."""
+    coefficients = rows @ basis.T
+    return rows - coefficients @ basis, coefficients
 
 
 # A new Krylov direction whose norm after the projections is below this fraction of its block's norm before
 # them is treated as cancelled (about sqrt(float64 eps): what survives above it is orthogonal to the basis to
 # ~1e-8 after the two projections).
 _CANCELLED = 1e-8
+# A block whose norm the pass over the whole basis brought below this fraction of what it was (the DGKS
+# criterion) had large components along old directions: rounding left by that cancellation is not orthogonal
+# to the basis, so the pass is repeated (twice is enough: Kahan–Parlett).
+_REPEAT_BELOW = 0.5 ** 0.5
+
+
+def _orthogonalize(w: torch.Tensor, basis: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One Krylov step's new block ``w`` = G·q_j [n, b] made orthogonal to ``basis`` (the rows R [e, n], the
+    current block q_j last), and ``wᵀRᵀ`` [b, e]: the j-th block row of the Rayleigh–Ritz matrix Bᵀ G B.
+
+    Two passes, the first one cheap: in exact arithmetic G·q_j lies in the span of q_{j−1}, q_j and q_{j+1}
+    (block Lanczos), so the first pass projects out only the last two blocks — which carry all of w but the new
+    direction — and the second runs over the whole basis, removing what rounding left along the older
+    directions (and, on a step where the Krylov space was exhausted, the components of G times a fresh
+    direction). Where that second pass cancels much (norm below ``_REPEAT_BELOW`` of before), it runs once
+    more. The coefficients of the first two passes sum to ``wᵀRᵀ``, up to rounding of the basis's
+    orthogonality (~eps): the Rayleigh–Ritz matrix comes from the projections, with no product of its own."""
+    rows = w.T
+    recent = basis.shape[0] - min(basis.shape[0], 2 * block)
+    rows, local = _project_out(rows, basis[recent:])
+    before = rows.norm(dim=1)
+    rows, coefficients = _project_out(rows, basis)
+    coefficients[:, recent:] += local
+    if bool((rows.norm(dim=1) < _REPEAT_BELOW * before).any()):
+        rows = _project_out(rows, basis)[0]
+    return rows.T, coefficients
 
 
 def krylov_spectral_summaries_many(local_matvecs, ns, frobenius_sqs, rank_bounds, steps: int = 30, block: int = 8,
@@ -263,13 +288,16 @@ def krylov_spectral_summaries_many(local_matvecs, ns, frobenius_sqs, rank_bounds
     limits = [min(steps, -(-n // block)) for n in ns]
     ok = [math.isfinite(float(z)) and float(z) > 0 for z in frobenius_sqs]
     held = [matvec is not None for matvec in local_matvecs]
-    # Each matrix's basis and products fill preallocated float64 buffers held transposed, R = Bᵀ [limit·block, n]:
-    # one direction per row, block by block. A projection of a block w [n, b] is then ``(wᵀRᵀ)R`` (transposed),
+    # Each matrix's basis fills a preallocated float64 buffer held transposed, R = Bᵀ [limit·block, n]: one
+    # direction per row, block by block. A projection of a block w [n, b] is then ``(wᵀRᵀ)R`` (transposed),
     # two GEMMs whose skinny side is the block's few rows on the left: the orientation MKL runs fastest (see
     # gram_times), where ``B(Bᵀw)`` on an [n, directions] basis ends in a GEMM with a skinny right-hand side.
+    # The Rayleigh–Ritz matrix Bᵀ G B [limit·block, limit·block] fills by block rows, its lower triangle from
+    # the projections' coefficients.
     bases = [torch.empty(limits[i] * block, n, dtype=torch.float64, device=device) if held[i] else None
              for i, n in enumerate(ns)]
-    products = [torch.empty_like(b) if b is not None else None for b in bases]
+    ritz = [torch.zeros(b.shape[0], b.shape[0], dtype=torch.float64, device=device) if b is not None else None
+            for b in bases]
     q = []
     for i, n in enumerate(ns):
         if not held[i]:
@@ -290,17 +318,17 @@ def krylov_spectral_summaries_many(local_matvecs, ns, frobenius_sqs, rank_bounds
                 w = torch.zeros_like(w)
             end = (step + 1) * block
             bases[i][end - block:end] = q[i].T
-            products[i][end - block:end] = w.T
             basis = bases[i][:end]                  # [directions so far, n]
             scale = w.norm(dim=0).max()
-            w = _project_out(w.T, basis).T
+            w, ritz[i][end - block:end, :end] = _orthogonalize(w, basis, block)
             q[i], r = torch.linalg.qr(w)
             # A direction the projections cancelled (G's range exhausted: a rank-deficient, collapsed update) is
             # rounding noise that the QR scales to unit length, and that noise is not orthogonal to the basis:
             # without a second projection of q itself the Rayleigh–Ritz values are not the spectrum's (λ_max 58 %
             # high on an exactly rank-3 matrix). Detected from R's diagonal, so full-rank steps pay nothing.
             if bool((r.diagonal().abs() <= _CANCELLED * scale).any()):
-                q[i] = torch.linalg.qr(_project_out(q[i].T, basis).T).Q
+                noise = _project_out(_project_out(q[i].T, basis)[0], basis)[0]
+                q[i] = torch.linalg.qr(noise.T).Q
     results = []
     for i in range(count):
         if not held[i]:
@@ -310,8 +338,7 @@ def krylov_spectral_summaries_many(local_matvecs, ns, frobenius_sqs, rank_bounds
             results.append({"entropy": math.nan, "entropy_nats": math.nan, "lambda_max": math.nan})
             continue
         z, rank_bound = float(frobenius_sqs[i]), rank_bounds[i]
-        t = products[i] @ bases[i].T           # (G B)ᵀB = Bᵀ(G B), G symmetric: the Rayleigh–Ritz matrix
-        theta = torch.linalg.eigvalsh(0.5 * (t + t.T)).clamp_min(0)
+        theta = torch.linalg.eigvalsh(ritz[i], UPLO="L").clamp_min(0)   # its lower triangle: what was filled
         p = theta / z
         rest = max(0.0, 1.0 - float(p.sum()))
         others = rank_bound - int((p > 0).sum())
