@@ -494,6 +494,30 @@ def test_krylov_route_equals_gram_route_when_the_basis_spans(scope):
     assert_metrics_close(krylov, gram, tol=1e-8)
 
 
+def test_krylov_route_runs_its_block_products_on_onednn_for_float32_weights(monkeypatch):
+    """Float32 weights on a CPU: every Krylov block product of the route goes through oneDNN's inner product
+    (``core.slq.gram_operator``, two inner products per block product), counted here because a route reverted
+    to torch.matmul would give the same values, only slower."""
+    import megatron_mech.core.slq as slq
+    real = slq._onednn_linear_op()
+    assert real is not None, "this torch (the tests' CPU wheel) has oneDNN's linear"
+    calls = []
+    monkeypatch.setattr(slq, "_onednn_linear_op", lambda: lambda *a: calls.append(1) or real(*a))
+    h, g = 4, 2
+    weight = make_weight(h, g)
+    cfg = AttentionMonitorConfig(interval=1, dw_route="krylov", qk_terms=())
+    monitor = AttentionMonitor([AttentionLayer(0, weight, h, g, HEAD_DIM)], cfg)
+    monitor.observe(0)
+    with torch.no_grad():
+        weight += make_updates(weight.shape, 1)[1]
+    calls.clear()
+    values = monitor.observe(1)[0]
+    assert any(math.isfinite(v) for k, v in values.items() if k.endswith("dwq_entropy")), values
+    (_, k_q), (_, k_k), _ = monitor._layout.layer_geometry(0)      # each spectrum's Gram size (its products)
+    products = sum(min(cfg.krylov_steps, -(-k // cfg.krylov_block)) for k in (k_q, k_k))
+    assert len(calls) == 2 * products
+
+
 def test_auto_route_picks_gram_up_to_gram_max_dim():
     cfg = AttentionMonitorConfig()
     assert [cfg.route(k) for k in (1024, 4096, 8192)] == ["gram", "gram", "krylov"]

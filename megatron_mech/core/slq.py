@@ -210,9 +210,10 @@ def krylov_spectral_summaries(matvec: Callable[[torch.Tensor], torch.Tensor], n:
 
     Block Krylov Rayleigh–Ritz with a flat remainder: from a Rademacher block of ``block`` columns, ``steps``
     products build an orthonormal basis B (n × steps·block) of the block Krylov space; the Ritz values θ of
-    ``Bᵀ G B`` (formed from the products already computed, no extra one) capture the top of the spectrum —
-    Krylov spaces find the dominant directions first — and the rest of the mass, ``Z − Σθ`` (Z = tr G =
-    ‖M‖_F², exact), is spread evenly over the ``rank_bound − steps·block`` remaining directions. Exact when
+    ``Bᵀ G B`` (its entries are the coefficients of the projections that orthogonalize each new block: no
+    extra product) capture the top of the spectrum — Krylov spaces find the dominant directions first — and
+    the rest of the mass, ``Z − Σθ`` (Z = tr G = ‖M‖_F², exact), is spread evenly over the
+    ``rank_bound − steps·block`` remaining directions. Exact when
     the basis spans the range of G (rank ≤ steps·block: a collapsed, low-rank update); for a flat tail the
     remainder estimate is close; the error is largest, and an *over*-estimate of the entropy, for spectra
     with no dominant part (a healthy, noise-like update) — it never makes a collapse look healthier.

@@ -33,12 +33,13 @@ __all__ = ["chunk_rows", "head_chunks", "part_cost", "parts_of", "rows_needed", 
 # eigvalsh; r = 2·d_head for Δ1 and Δ2, d_head for Δ3) ≈ 50 r³, which makes a head ≈ 0.3 ΔW Grams of k = 896.
 # A Krylov block product ≈ 2.7× its FLOPs (core.slq.gram_operator's oneDNN kernel on a CPU): a skinny product
 # streams the whole float32 ΔW for 2·block FLOPs per value read, far from a square GEMM's rate. Its float64 basis
-# bookkeeping (two projections of each new block on the basis, its QR, the final Rayleigh–Ritz matrix)
-# ≈ 32 · k · (steps · block)². Both fitted on two threads to one run of the monitor's evaluation of the 70B
-# shape's parts (benchmarks/part_costs.py): a 128 × 8192 ΔW_k shard takes 0.48, 0.43 and 0.44 of a 1024 × 8192
-# ΔW_q shard's time in three runs, 0.48 planned (the product term alone would price it at an eighth), one head
-# 0.09, 0.07 and 0.07, 0.09 planned; the MoE shape's head 0.020 of a 8192 × 7168 row chunk in the recorded
-# run, 0.019 planned. (Fitting the 70B heads closer prices the MoE heads lower by as much.) On the torch.matmul
+# bookkeeping (the projections of each new block on the basis and its QR) ≈ 32 · k · (steps · block)². Both
+# fitted on two threads to one run of the monitor's evaluation of the 70B shape's parts
+# (benchmarks/part_costs.py): a 128 × 8192 ΔW_k shard takes 0.48, 0.43 and 0.44 of a 1024 × 8192 ΔW_q shard's
+# time in three runs, and 0.48 in a fourth with the cheaper bookkeeping (one pass over the whole basis instead of
+# two), 0.48 planned (the product term alone would price it at an eighth), one head 0.09, 0.07, 0.07 and 0.07,
+# 0.09 planned; the MoE shape's head 0.020 and 0.021 of a 8192 × 7168 row chunk in the last two runs, 0.019
+# planned. (Fitting the 70B heads closer prices the MoE heads lower by as much.) On the torch.matmul
 # kernel (float64 ΔW, an accelerator) the products cost relatively more than this prices them. Every replica
 # holding rows of a row-split ΔW builds the whole basis, so that term is not divided among its chunks.
 _KRYLOV_FLOPS = 2.7
