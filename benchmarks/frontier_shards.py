@@ -44,8 +44,9 @@ What is measured and what is derived (every figure in the results is labelled):
   float32 shard, spread evenly over the DP replicas with nothing else costing anything — what no split of the
   same spectra can beat at the default Krylov settings. Beside it :func:`head_floor`: one layer's local heads
   through the Gram route's own functions in one call (each K head's Grams formed once for its query group),
-  the stage's heads spread evenly — what this implementation's head arithmetic costs a replica at best. Their
-  sum bounds the default evaluation from below: the basis bookkeeping, increments and snapshots only add.
+  the stage's heads spread evenly — what this implementation's head arithmetic costs a replica at its cheapest
+  grouping measured here. Their sum estimates a floor under the default evaluation (medians, same run): the
+  basis bookkeeping, increments and snapshots only add.
 * **Overhead (derived).** per-evaluation compute / (δ × step time) for δ = 10 and 100. Step time, derived from
   a published figure: Llama 2 70B took 1,720,320 A100 GPU-hours for 2.0T tokens (Touvron et al. 2023, "Llama 2",
   Table 2) = 323 tokens/s per GPU; with its 4M-token global batch on 1024 GPUs a step takes 4e6 / (323 × 1024)
@@ -569,8 +570,8 @@ def main(argv=None) -> int:
                   "(each timed on the rank's float32 shard, same run), spread evenly over the DP replicas with "
                   "nothing else costing anything. No split of these spectra gets a replica below it. Beside it "
                   "the same for the heads (`head_floor`: one layer's local heads in one call of the Gram route, "
-                  "each K head's Grams formed once), and the two together: no split of the default evaluation's "
-                  "products and heads gets a replica below their sum.", "",
+                  "each K head's Grams formed once), and the two together: an estimated floor (same-run medians) "
+                  "that no split of the default evaluation's products and heads gets a replica below.", "",
                   "| layout | products per spectrum | one product: ΔW_q shard ms | ΔW_k shard ms | "
                   "stage's products s | floor s / replica | overhead δ=10 at the floor | one layer's heads ms | "
                   "heads' floor s / replica | products + heads s / replica | overhead δ=10 at both |",

@@ -13,7 +13,9 @@ split by rows over TP ranks that is a local product plus ONE all-reduce of an n-
 communication instead of n², O(k·probes·m·n) compute instead of n³, and no n×n matrix anywhere.
 
 Accuracy (``benchmarks/bench_monitor_overhead.py`` measures it on update-like spectra): the quadrature error
-falls fast with k for smooth spectra; the probe variance falls as 1/sqrt(probes). Dtype: float64 throughout.
+falls fast with k for smooth spectra; the probe variance falls as 1/sqrt(probes). Dtype: the Lanczos and Krylov
+bases, the quadrature and the Rayleigh–Ritz matrix in float64; each product in its matrix's own dtype (the
+monitors pass float32 shards).
 """
 from __future__ import annotations
 
@@ -155,7 +157,8 @@ def gram_operator(x: torch.Tensor, shard_dim: int = 0, kernel: str = "auto") -> 
     GEMM (torch.matmul's on a CPU) runs these skinny products several times slower than the shard's memory
     traffic needs; on the 2-core AMD EPYC this project is measured on, a whole Krylov spectrum of an
     8192 × 7168 shard (30 steps of block 8 and the basis bookkeeping) took 1.12 s with oneDNN's products and
-    2.24 s with torch.matmul's, side by side in ``benchmarks/krylov_shape.py``. ``"auto"`` (default):
+    2.24 s and 2.39 s with torch.matmul's, side by side in two runs of ``benchmarks/krylov_shape.py``.
+    ``"auto"`` (default):
     ``"onednn"`` where it applies, else ``"matmul"``. The kernels differ only in rounding (float32 sums in
     another order). Returns an ``[n, b]`` block (``[m, b]`` for ``shard_dim=1``) in ``x``'s dtype; a 1-D ``v``
     is one column.
@@ -239,8 +242,8 @@ def _project_out(rows: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tensor,
 
 
 # A new Krylov direction whose norm after the projections is below this fraction of its block's norm before
-# them is treated as cancelled (about sqrt(float64 eps): what survives above it is orthogonal to the basis to
-# ~1e-8 after the two projections).
+# them is treated as cancelled (about sqrt(float64 eps)): what survives above it is orthogonal to the basis to
+# ~1e-8 after the projections of :func:`_orthogonalize`; a cancelled one is projected twice more.
 _CANCELLED = 1e-8
 # A block whose norm the pass over the whole basis brought below this fraction of what it was (the DGKS
 # criterion) had large components along old directions: rounding left by that cancellation is not orthogonal
@@ -330,6 +333,12 @@ def krylov_spectral_summaries_many(local_matvecs, ns, frobenius_sqs, rank_bounds
             if bool((r.diagonal().abs() <= _CANCELLED * scale).any()):
                 noise = _project_out(_project_out(q[i].T, basis)[0], basis)[0]
                 q[i] = torch.linalg.qr(noise.T).Q
+            # The last block of a space that ``block`` does not divide (n < steps·block) has only n − end
+            # directions left: its other columns cannot be orthogonal to the basis, and Rayleigh–Ritz on a basis
+            # that is not orthonormal is not the spectrum's. They are zeroed: G·0 = 0, so they add zero rows to
+            # the basis and zero Ritz values (p = 0), and the basis spans the whole space.
+            if end + block > ns[i]:
+                q[i][:, ns[i] - end:] = 0
     results = []
     for i in range(count):
         if not held[i]:

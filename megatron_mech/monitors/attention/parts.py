@@ -34,7 +34,8 @@ __all__ = ["chunk_rows", "head_chunks", "part_cost", "parts_of", "rows_needed", 
 # A Krylov block product ≈ 2.7× its FLOPs (core.slq.gram_operator's oneDNN kernel on a CPU): a skinny product
 # streams the whole float32 ΔW for 2·block FLOPs per value read, far from a square GEMM's rate. Its float64 basis
 # bookkeeping (the projections of each new block on the basis and its QR) ≈ 32 · k · (steps · block)². Both
-# fitted on two threads to one run of the monitor's evaluation of the 70B shape's parts
+# fitted (before the bookkeeping's second full pass was dropped; not refit, as the run since matches them) on
+# two threads to one run of the monitor's evaluation of the 70B shape's parts
 # (benchmarks/part_costs.py): a 128 × 8192 ΔW_k shard takes 0.48, 0.43 and 0.44 of a 1024 × 8192 ΔW_q shard's
 # time in three runs, and 0.48 in a fourth with the cheaper bookkeeping (one pass over the whole basis instead of
 # two), 0.48 planned (the product term alone would price it at an eighth), one head 0.09, 0.07, 0.07 and 0.07,
