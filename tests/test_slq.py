@@ -85,18 +85,20 @@ def test_krylov_is_exact_on_an_exactly_rank_deficient_matrix(steps, block):
     assert got["entropy"] == pytest.approx(float(spectral_entropy(sv)), abs=1e-10)
 
 
-@pytest.mark.parametrize("n,block", [(20, 8), (17, 8), (10, 3)])
-def test_krylov_is_exact_when_its_basis_fills_a_space_the_block_does_not_divide(n, block):
+@pytest.mark.parametrize("n,block,rank", [(20, 8, None), (17, 8, None), (10, 3, None), (17, 8, 5)])
+def test_krylov_is_exact_when_its_basis_fills_a_space_the_block_does_not_divide(n, block, rank):
     """A Gram of size n < steps·block with n not a multiple of ``block``: the last block has only
     n − (blocks before)·block directions left. Its other columns could not be orthogonal to the basis, and
-    Rayleigh–Ritz on that basis gave entropies 0.07–0.23 off and λ_max 2–69 % high (these three cases); with them
-    zeroed the basis spans the whole space and the route is exact to float64 rounding — alone and in lock step
-    with a matrix the block divides."""
+    Rayleigh–Ritz on that basis gave entropies 0.07–0.23 off and λ_max 2–69 % high (the first three cases); with
+    them zeroed the basis spans the whole space and the route is exact to float64 rounding — alone and in lock
+    step with a matrix the block divides, and on a rank-5 matrix (cancelled directions before the last block)."""
     from megatron_mech.core.slq import krylov_spectral_summaries_many
 
     g = torch.Generator().manual_seed(0)
-    matrices = [torch.randn(30, n, generator=g, dtype=torch.float64),
-                torch.randn(30, 4 * block, generator=g, dtype=torch.float64)]
+    first = (torch.randn(30, n, generator=g, dtype=torch.float64) if rank is None else
+             torch.randn(30, rank, generator=g, dtype=torch.float64) @ torch.randn(rank, n, generator=g,
+                                                                                   dtype=torch.float64))
+    matrices = [first, torch.randn(30, 4 * block, generator=g, dtype=torch.float64)]
     for chosen in ([0], [0, 1]):
         got = krylov_spectral_summaries_many(
             [lambda b, m=matrices[i]: m.T @ (m @ b) for i in chosen], [matrices[i].shape[1] for i in chosen],

@@ -212,11 +212,11 @@ def krylov_spectral_summaries(matvec: Callable[[torch.Tensor], torch.Tensor], n:
     """Spectral entropy (p ∝ σ²) and top eigenvalue of G = MᵀM (n × n) from ``steps`` block products ``G V``.
 
     Block Krylov Rayleigh–Ritz with a flat remainder: from a Rademacher block of ``block`` columns, ``steps``
-    products build an orthonormal basis B (n × steps·block) of the block Krylov space; the Ritz values θ of
-    ``Bᵀ G B`` (its entries are the coefficients of the projections that orthogonalize each new block: no
+    products build an orthonormal basis B (n × min(n, steps·block)) of the block Krylov space; the Ritz values
+    θ of ``Bᵀ G B`` (its entries are the coefficients of the projections that orthogonalize each new block: no
     extra product) capture the top of the spectrum — Krylov spaces find the dominant directions first — and
-    the rest of the mass, ``Z − Σθ`` (Z = tr G = ‖M‖_F², exact), is spread evenly over the
-    ``rank_bound − steps·block`` remaining directions. Exact when
+    the rest of the mass, ``Z − Σθ`` (Z = tr G = ‖M‖_F², exact), is spread evenly over the remaining
+    directions (``rank_bound`` less the Ritz values above zero). Exact when
     the basis spans the range of G (rank ≤ steps·block: a collapsed, low-rank update); for a flat tail the
     remainder estimate is close; the error is largest, and an *over*-estimate of the entropy, for spectra
     with no dominant part (a healthy, noise-like update) — it never makes a collapse look healthier.
@@ -226,7 +226,8 @@ def krylov_spectral_summaries(matvec: Callable[[torch.Tensor], torch.Tensor], n:
 
     ``matvec`` maps an [n, b] block to ``G`` times it and is called exactly ``min(steps, ceil(n / block))``
     times whatever the values (a distributed ``matvec`` issues a fixed number of collectives); pass
-    identically seeded ``generator`` on every rank that shares the matrix. Float64 throughout. Returns
+    identically seeded ``generator`` on every rank that shares the matrix. The basis, the Rayleigh–Ritz matrix
+    and its eigenvalues are float64; ``matvec`` receives and returns float64 blocks. Returns
     ``{"entropy" (normalised by log rank_bound), "entropy_nats", "lambda_max"}``; NaN for a zero or
     non-finite matrix.
     """
@@ -325,20 +326,22 @@ def krylov_spectral_summaries_many(local_matvecs, ns, frobenius_sqs, rank_bounds
             basis = bases[i][:end]                  # [directions so far, n]
             scale = w.norm(dim=0).max()
             w, ritz[i][end - block:end, :end] = _orthogonalize(w, basis, block)
+            if step + 1 == limits[i]:
+                continue                            # the last block: its Rayleigh–Ritz row is all it adds
+            # The next block of a space that ``block`` does not divide (n < steps·block) may have fewer than
+            # ``block`` directions left: its other columns could not be orthogonal to the basis, and Rayleigh–Ritz
+            # on a basis that is not orthonormal is not the spectrum's. They are zeroed: G·0 = 0, so they add zero
+            # rows to the basis and Ritz values at rounding level (p ≈ 0), and the basis spans the whole space.
+            left = min(block, ns[i] - end)
             q[i], r = torch.linalg.qr(w)
             # A direction the projections cancelled (G's range exhausted: a rank-deficient, collapsed update) is
             # rounding noise that the QR scales to unit length, and that noise is not orthogonal to the basis:
             # without a second projection of q itself the Rayleigh–Ritz values are not the spectrum's (λ_max 58 %
             # high on an exactly rank-3 matrix). Detected from R's diagonal, so full-rank steps pay nothing.
-            if bool((r.diagonal().abs() <= _CANCELLED * scale).any()):
+            if bool((r.diagonal()[:left].abs() <= _CANCELLED * scale).any()):
                 noise = _project_out(_project_out(q[i].T, basis)[0], basis)[0]
                 q[i] = torch.linalg.qr(noise.T).Q
-            # The last block of a space that ``block`` does not divide (n < steps·block) has only n − end
-            # directions left: its other columns cannot be orthogonal to the basis, and Rayleigh–Ritz on a basis
-            # that is not orthonormal is not the spectrum's. They are zeroed: G·0 = 0, so they add zero rows to
-            # the basis and zero Ritz values (p = 0), and the basis spans the whole space.
-            if end + block > ns[i]:
-                q[i][:, ns[i] - end:] = 0
+            q[i][:, left:] = 0
     results = []
     for i in range(count):
         if not held[i]:
