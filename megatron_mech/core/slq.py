@@ -156,12 +156,12 @@ def gram_operator(x: torch.Tensor, shard_dim: int = 0, kernel: str = "auto") -> 
     a strided view, not a copy made here). It needs a float32 CPU ``x`` and a torch built with oneDNN. MKL's
     GEMM (torch.matmul's on a CPU) runs these skinny products several times slower than the shard's memory
     traffic needs; on the 2-core AMD EPYC this project is measured on, a whole Krylov spectrum of an
-    8192 × 7168 shard (30 steps of block 8 and the basis bookkeeping) took 1.12 s with oneDNN's products and
-    2.24 s and 2.39 s with torch.matmul's, side by side in two runs of ``benchmarks/krylov_shape.py``.
-    ``"auto"`` (default):
-    ``"onednn"`` where it applies, else ``"matmul"``. The kernels differ only in rounding (float32 sums in
-    another order). Returns an ``[n, b]`` block (``[m, b]`` for ``shard_dim=1``) in ``x``'s dtype; a 1-D ``v``
-    is one column.
+    8192 × 7168 shard (30 steps of block 8 and the basis bookkeeping) took about half as long with oneDNN's
+    products as with torch.matmul's, side by side in three runs of ``benchmarks/krylov_shape.py`` (1.12 s
+    against 2.24 s, 1.12 against 2.39, 1.00 against 1.99).
+    ``"auto"`` (default): ``"onednn"`` where it applies, else ``"matmul"``. The kernels differ only in rounding
+    (float32 sums in another order). Returns an ``[n, b]`` block (``[m, b]`` for ``shard_dim=1``) in ``x``'s
+    dtype; a 1-D ``v`` is one column.
     """
     if kernel not in GRAM_KERNELS:
         raise ValueError(f"kernel must be one of {GRAM_KERNELS}, got {kernel!r}")
@@ -325,9 +325,10 @@ def krylov_spectral_summaries_many(local_matvecs, ns, frobenius_sqs, rank_bounds
             bases[i][end - block:end] = q[i].T
             basis = bases[i][:end]                  # [directions so far, n]
             scale = w.norm(dim=0).max()
+            if step + 1 == limits[i]:               # the last block: its Rayleigh–Ritz row is all it adds
+                ritz[i][end - block:end, :end] = w.T @ basis.T
+                continue
             w, ritz[i][end - block:end, :end] = _orthogonalize(w, basis, block)
-            if step + 1 == limits[i]:
-                continue                            # the last block: its Rayleigh–Ritz row is all it adds
             # The next block of a space that ``block`` does not divide (n < steps·block) may have fewer than
             # ``block`` directions left: its other columns could not be orthogonal to the basis, and Rayleigh–Ritz
             # on a basis that is not orthonormal is not the spectrum's. They are zeroed: G·0 = 0, so they add zero
