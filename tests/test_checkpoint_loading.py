@@ -7,6 +7,8 @@ exist afterwards. A genuine file of the same shape (tensors and plain data) stil
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 
 import pytest
@@ -175,3 +177,44 @@ def test_naming_damaged_state_knows_an_error_that_names_its_source_by_its_type_n
             raise ValueError("checkpoint file a.pt: the number 3 is not a list")  # a raw check's own text
     assert str(info.value) == ("checkpoint file a.pt: the megatron-mech state is damaged or was written by another "
                                "configuration (ValueError: checkpoint file a.pt: the number 3 is not a list)")
+
+
+@pytest.mark.parametrize("key,value,why", [
+    ("median", math.nan, "median must be a finite number"), ("scale", math.inf, "scale must be a finite number"),
+    ("mad", -1.0, "mad >= 0"), ("n_warmup", -10 ** 6, "n_warmup must be an int >= 0"),
+    ("n_out", 2.5, "n_out must be an int"),
+    ("values", [0.5, math.nan], "values must be a finite number"),
+])
+def test_a_detector_state_that_would_silence_alerts_is_refused_by_file(tmp_path, key, value, why):
+    """A detector state with a NaN or infinite baseline scores nothing, and a negative warm-up count keeps the detector in warm-up for as many evaluations: either would switch alerting off
+    for the rest of the run with '0 alerts'. The load refuses it, naming the checkpoint file, the series and the
+    entry."""
+    saved, _ = _hook()
+    for step in range(1, 61):  # 30 warm-up + 20 baseline evaluations of the loss rule, then monitoring
+        saved.registry.update(step, {"symptom/loss": 2.0 + 0.01 * (step % 3)})
+    assert saved.registry.detectors["symptom/loss"].phase == "monitoring"
+    mech = saved.state_dict()
+    mech["detectors"]["detectors"]["symptom/loss"][key] = value
+    run, path = _checkpoint(tmp_path, mech=mech)
+    hook, view = _hook()
+    load_checkpoint(run, *_model_and_optimizer(), layout={}, hook=hook)
+    with pytest.raises(ValueError, match=why) as info:
+        hook.setup(view, None, start_step=5)
+    assert str(path) in str(info.value) and "'symptom/loss'" in str(info.value)
+
+
+def test_a_detector_state_saved_with_a_longer_warm_up_resumes_monitoring(tmp_path):
+    """A run resumed with a shorter --mech-detector-warmup than it was saved with: the saved warm-up count is past
+    the configured one, which means the warm-up is over, not a damaged state. The detector goes on monitoring
+    with its saved baseline and scores the next evaluation against it."""
+    saved, _ = _hook()
+    for step in range(1, 61):
+        saved.registry.update(step, {"symptom/loss": 2.0 + 0.01 * (step % 3)})
+    run, _ = _checkpoint(tmp_path, mech=saved.state_dict())
+    hook, view = _hook()
+    hook.registry = type(hook.registry)([dataclasses.replace(r, warmup=5) for r in hook.registry.rules])
+    load_checkpoint(run, *_model_and_optimizer(), layout={}, hook=hook)
+    hook.setup(view, None, start_step=5)
+    det = hook.registry.detectors["symptom/loss"]
+    assert det.phase == "monitoring" and det.baseline_median == saved.registry.detectors["symptom/loss"].baseline_median
+    assert hook.registry.update(61, {"symptom/loss": 2.01}) == []

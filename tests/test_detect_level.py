@@ -51,7 +51,8 @@ def test_healthy_wander_far_below_baseline_does_not_alert_with_the_level(seed, n
     det = Detector(rule.config(DetectorConfig()), name, "attention")
     assert run(det, values) == []
     # Without the level the same series alerts: the relative score alone cannot tell a dip from a collapse.
-    plain = Detector(dataclasses.replace(rule.config(DetectorConfig()), level=None), name, "attention")
+    plain = Detector(dataclasses.replace(rule.config(DetectorConfig()), level=None, collapse=None), name,
+                     "attention")
     assert run(plain, values) != []
     assert det.baseline_median == pytest.approx(plain.baseline_median)
 

@@ -53,6 +53,16 @@ what a fault *looks like* in the metric's own units, independent of the model's 
 entropies live in [0, 1] whatever the width: an attention-precision collapse drives them to ~1e-3 while healthy
 dips stay above a few hundredths, so a level between the two separates them without per-size tuning.
 
+Layer collapse (``collapse = c``, optional, with a level and ``down``): an evaluation that is not beyond the
+level still counts as beyond it when its *layer* has collapsed against its own baseline — the median, over the
+rule's series of that layer at this evaluation, of ``value / baseline median`` is at most ``c``. A precision
+fault hits a layer's attention as a whole: all its heads (and its ΔW_Q, ΔW_K) fall together and keep falling,
+while a healthy head dips alone and recovers. How deep a fault goes within a given number of steps depends on
+the run (on two CPU vendors the same seeded fault run fell 40× or only 27× in 60 steps); a fall by a factor
+``1/c`` of the whole layer below its own healthy level is the signature whatever the final depth. The registry
+computes the layer medians (:class:`DetectorRegistry` sees every series of an evaluation at once); a single
+:class:`Detector` fed alone has no layer and uses the level only.
+
 Tracking baseline (``track = L > 0``), for series whose healthy drift goes the bad way (routing entropies fall
 for thousands of steps as experts specialize): after the baseline is collected, every in-band evaluation is
 held back for ``L`` evaluations and then joins a sliding window of the last ``baseline`` admitted values, from
@@ -65,6 +75,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import math
+import re
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -72,8 +83,8 @@ from typing import Any, Mapping, Sequence
 from megatron_mech.core.checks import is_finite_real, is_int
 from megatron_mech.core.settings import option
 
-__all__ = ["ATTENTION_LEVELS", "FAMILIES", "DIRECTIONS", "Alert", "DetectorConfig", "Detector", "SeriesRule", "DetectorRegistry",
-           "default_rules"]
+__all__ = ["ATTENTION_COLLAPSE", "ATTENTION_LEVELS", "FAMILIES", "DIRECTIONS", "Alert", "DetectorConfig", "Detector",
+           "SeriesRule", "DetectorRegistry", "default_rules"]
 
 FAMILIES = ("attention", "router", "symptom")
 DIRECTIONS = ("down", "up", "both")
@@ -82,6 +93,10 @@ ROUTER_TRACK = 20  # lag (evaluations) of the router rules' tracking baseline; s
 # Absolute levels (normalized spectral entropy, in [0, 1]) below which an attention evaluation can be out of band:
 # a precision collapse reaches ~1e-3, healthy dips stayed above ~0.03 (Δ2) / ~0.05 (ΔW); see default_rules.
 ATTENTION_LEVELS = {"delta2_entropy": 0.01, "dw_entropy": 0.02}
+# A layer whose attention entropies fell, in median over the layer's series, to this fraction of their own baselines
+# counts as beyond the level (module docstring, "Layer collapse"); see default_rules for the measurements.
+ATTENTION_COLLAPSE = 0.15
+_LAYER = re.compile(r"(?:^|/)layer(\d+)(?:/|$)")
 
 
 def _check_family(family: str) -> None:
@@ -156,6 +171,9 @@ class DetectorConfig:
         level: None = no level criterion; a finite number = the value must also be at or beyond this absolute
             level in the bad direction to count as out of band (metric units; module docstring). Not allowed
             with ``direction="both"``.
+        collapse: None = no layer-collapse criterion; ``0 < c < 1`` = an evaluation that is not beyond the level
+            still counts as beyond it when the median over its layer's series of ``value / baseline median`` is
+            at most ``c`` (module docstring). Needs a level and ``direction="down"``.
     """
 
     warmup: int = option(20, "evaluations ignored before the baseline", flag="--mech-detector-warmup", type=int)
@@ -170,8 +188,15 @@ class DetectorConfig:
     track: int = 0
     recede: float | None = None
     level: float | None = None
+    collapse: float | None = None
 
     def __post_init__(self) -> None:
+        if self.collapse is not None:
+            if not is_finite_real(self.collapse) or not 0 < self.collapse < 1:
+                raise ValueError(f"collapse must be None or a number in (0, 1), got {self.collapse!r}")
+            if self.level is None or self.direction != "down":
+                raise ValueError("collapse is an alternative to a level on a falling series: it needs a level and "
+                                 f"direction 'down', got level {self.level!r}, direction {self.direction!r}")
         if self.level is not None:
             if not is_finite_real(self.level):
                 raise ValueError(f"level must be None or a finite number, got {self.level!r}")
@@ -225,6 +250,8 @@ class Detector:
         self._n_in = 0                # consecutive in-band evaluations (while latched)
         self._active = False          # latched after an alert
         self._last_score: float | None = None
+        self._last_beyond: bool | None = None
+        self._last_layer_ratio: float | None = None
         self._n_alerts = 0
         self._run_peak = 0.0          # highest score of the current out-of-band run (while armed)
         self._nonfinite_latched = False  # a non-finite alert fired; re-armed by `persistence` finite values
@@ -250,6 +277,24 @@ class Detector:
     def last_score(self) -> float | None:
         """Score of the latest monitoring evaluation (None before monitoring starts)."""
         return self._last_score
+
+    @property
+    def last_beyond_level(self) -> bool | None:
+        """Whether the latest monitoring evaluation passed the level criterion, by the level itself or by its
+        layer's collapse (None before monitoring starts)."""
+        return self._last_beyond
+
+    @property
+    def last_layer_ratio(self) -> float | None:
+        """The layer ratio the latest monitoring evaluation was judged with (None without one)."""
+        return self._last_layer_ratio
+
+    def ratio(self, value: float) -> float | None:
+        """``value / baseline median``, the quantity a layer collapse is judged on; None before monitoring, for a
+        non-finite value or a baseline median ≤ 0 (no meaningful ratio)."""
+        if self._median is None or not self._median > 0 or not math.isfinite(value):
+            return None
+        return value / self._median
 
     @property
     def active(self) -> bool:
@@ -294,12 +339,16 @@ class Detector:
                 self._values = (self._values + [oldest])[-self.config.baseline:]
                 self._freeze_baseline()
 
-    def beyond_level(self, value: float) -> bool:
-        """Whether ``value`` passes the level criterion (always True without a level)."""
-        level = self.config.level
-        if level is None:
+    def beyond_level(self, value: float, layer_ratio: float | None = None) -> bool:
+        """Whether ``value`` passes the level criterion (always True without a level). With a ``collapse``
+        setting, ``layer_ratio`` — the median of ``value / baseline median`` over this series' layer at this
+        evaluation, as :class:`DetectorRegistry` computes it — at or below ``collapse`` passes too."""
+        c = self.config
+        if c.level is None:
             return True
-        return value <= level if self.config.direction == "down" else value >= level
+        if (value <= c.level) if c.direction == "down" else (value >= c.level):
+            return True
+        return c.collapse is not None and layer_ratio is not None and layer_ratio <= c.collapse
 
     # ------------------------------------------------------------------ main entry
     def _alert(self, step: int, value: float, score: float, detail: Mapping[str, Any] | None) -> Alert:
@@ -329,8 +378,10 @@ class Detector:
             self._active, self._n_out, self._run_peak = True, 0, 0.0
         return alert
 
-    def update(self, step: int, value: float, detail: Mapping[str, Any] | None = None) -> Alert | None:
-        """Feed one evaluation; return an :class:`Alert` when one fires, else None."""
+    def update(self, step: int, value: float, detail: Mapping[str, Any] | None = None,
+               layer_ratio: float | None = None) -> Alert | None:
+        """Feed one evaluation; return an :class:`Alert` when one fires, else None. ``layer_ratio``: see
+        :meth:`beyond_level` (None: the level alone decides)."""
         value = float(value)
         c = self.config
         if not math.isfinite(value):
@@ -350,7 +401,9 @@ class Detector:
 
         s = self.score(value)
         self._last_score = s
-        out = s >= c.threshold and self.beyond_level(value)
+        self._last_beyond = self.beyond_level(value, layer_ratio)
+        self._last_layer_ratio = layer_ratio
+        out = s >= c.threshold and self._last_beyond
         if c.track:
             self._track(value, admissible=not out and not self._active and math.isfinite(value))
         if self._active:
@@ -390,22 +443,56 @@ class Detector:
             raise ValueError(f"unsupported Detector state version {state.get('version')!r}")
         if state["metric"] != self.metric:
             raise ValueError(f"state is for metric {state['metric']!r}, this detector is {self.metric!r}")
-        opt = lambda v: None if v is None else float(v)  # noqa: E731
-        self._n_warmup = int(state["n_warmup"])
-        self._values = [float(v) for v in state["values"]]
-        self._pending = [None if v is None else float(v) for v in state.get("pending", [])]
-        self._median, self._mad, self._scale = opt(state["median"]), opt(state["mad"]), opt(state["scale"])
-        self._n_out, self._n_in = int(state["n_out"]), int(state["n_in"])
+        c = self.config
+        where = f"detector state of {self.metric!r}"
+
+        def count(key: str, default: Any = None) -> int:
+            v = state.get(key, default) if default is not None else state[key]
+            if not is_int(v) or v < 0:
+                raise ValueError(f"{where}: {key} must be an int >= 0, got {v!r}")
+            return int(v)
+
+        def finite(key: str, v: Any, allow_none: bool = False, allow_inf: bool = False) -> float | None:
+            if v is None and allow_none:
+                return None
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or (
+                    math.isinf(v) and not allow_inf):
+                raise ValueError(f"{where}: {key} must be a finite number{' or None' if allow_none else ''}, "
+                                 f"got {v!r}")
+            return float(v)
+
+        # A damaged state must not switch monitoring off for the rest of the run: a NaN or inf baseline scores
+        # nothing, and a negative warm-up count keeps the detector in warm-up for as many evaluations.
+        # A count past this run's warm-up, or more baseline values than its window, is a state saved with a longer
+        # --mech-detector-warmup / -baseline: the warm-up is over, the baseline freezes at the next evaluation.
+        n_warmup = count("n_warmup")
+        values = [finite("values", v) for v in state["values"]]
+        pending = [finite("pending", v, allow_none=True) for v in state.get("pending", [])]
+        median = finite("median", state["median"], allow_none=True)
+        mad = finite("mad", state["mad"], allow_none=True)
+        scale = finite("scale", state["scale"], allow_none=True)
+        if (median is None) != (scale is None) or (median is None) != (mad is None):
+            raise ValueError(f"{where}: median, mad and scale must all be set (monitoring) or all be None, got "
+                             f"{state['median']!r}, {state['mad']!r}, {state['scale']!r}")
+        if scale is not None and (scale <= 0 or mad < 0):
+            raise ValueError(f"{where}: scale must be > 0 and mad >= 0, got scale {scale!r}, mad {mad!r}")
+        self._n_warmup, self._values, self._pending = n_warmup, values, pending
+        self._median, self._mad, self._scale = median, mad, scale
+        self._n_out, self._n_in = count("n_out"), count("n_in")
         self._active = bool(state["active"])
-        self._last_score = opt(state["last_score"])
-        self._n_alerts = int(state["n_alerts"])
-        self._run_peak = float(state.get("run_peak", 0.0))
+        self._last_score = finite("last_score", state["last_score"], allow_none=True, allow_inf=True)
+        self._n_alerts = count("n_alerts")
+        run_peak = finite("run_peak", state.get("run_peak", 0.0), allow_inf=True)
+        if run_peak < 0:
+            raise ValueError(f"{where}: run_peak must be >= 0, got {run_peak!r}")
+        self._run_peak = run_peak
         self._nonfinite_latched = bool(state.get("nonfinite_latched", False))
-        self._n_finite = int(state.get("n_finite", 0))
+        self._n_finite = count("n_finite", default=0)
+        self._last_beyond = self._last_layer_ratio = None
 
 
 _OVERRIDES = ("warmup", "baseline", "threshold", "persistence", "rel_floor", "rel_cap", "abs_floor", "track",
-              "recede", "level")
+              "recede", "level", "collapse")
 
 
 @dataclass(frozen=True)
@@ -427,6 +514,7 @@ class SeriesRule:
     track: int | None = None
     recede: float | None = None
     level: float | None = None
+    collapse: float | None = None
 
     def __post_init__(self) -> None:
         _check_family(self.family)
@@ -497,8 +585,8 @@ def default_rules() -> list[SeriesRule]:
     # (7.0, 8.5, 7.5) alerted at steps 65 and 70, before layer 1's collapse at 75; with it layer 1 alerted
     # first and the same clean dips alerted only later, if at all.
     ent_attn = dict(ent, recede=0.05)
-    delta2_attn = dict(ent_attn, level=ATTENTION_LEVELS["delta2_entropy"])
-    dw_attn = dict(ent_attn, level=ATTENTION_LEVELS["dw_entropy"])
+    delta2_attn = dict(ent_attn, level=ATTENTION_LEVELS["delta2_entropy"], collapse=ATTENTION_COLLAPSE)
+    dw_attn = dict(ent_attn, level=ATTENTION_LEVELS["dw_entropy"], collapse=ATTENTION_COLLAPSE)
     near_zero_up_router = dict(near_zero_up, track=ROUTER_TRACK)
     router_ent = ("entropy_mean", "entropy_norm_mean", "entropy_p50", "load_entropy")
     return [
@@ -528,18 +616,39 @@ class DetectorRegistry:
         for r in self.rules:  # validate every rule's overrides now, not at the first matching series
             r.config(self.base_config)
         self.detectors: dict[str, Detector] = {}
+        self._rule_of: dict[str, int] = {}  # series name -> index of the rule it matched (groups layer collapses)
         self._unmonitored: set[str] = set()
         self.alerts: list[Alert] = []
 
     def _detector(self, name: str) -> Detector | None:
         det = self.detectors.get(name)
         if det is None and name not in self._unmonitored:
-            rule = next((r for r in self.rules if r.matches(name)), None)
-            if rule is None:
+            index = next((i for i, r in enumerate(self.rules) if r.matches(name)), None)
+            if index is None:
                 self._unmonitored.add(name)
                 return None
+            rule = self.rules[index]
             det = self.detectors[name] = Detector(rule.config(self.base_config), name, rule.family)
+            self._rule_of[name] = index
         return det
+
+    def _layer_ratios(self, values: Mapping[str, float]) -> dict[str, float]:
+        """For every series whose rule has a ``collapse`` setting and whose name holds ``layer{L}``: the median of
+        ``value / baseline median`` over the series of the same rule and layer in ``values`` (one evaluation).
+        Series without a baseline yet, or without a usable ratio, take no part."""
+        groups: dict[tuple, list[str]] = {}
+        for name in values:
+            det = self.detectors[name]
+            match = _LAYER.search(name)
+            if det.config.collapse is not None and match is not None:
+                groups.setdefault((self._rule_of[name], int(match.group(1))), []).append(name)
+        ratios: dict[str, float] = {}
+        for names in groups.values():
+            members = [r for r in (self.detectors[n].ratio(values[n]) for n in names) if r is not None]
+            if members:
+                median = statistics.median(members)
+                ratios.update((n, median) for n in names)
+        return ratios
 
     @property
     def unmonitored(self) -> list[str]:
@@ -553,14 +662,12 @@ class DetectorRegistry:
         ``details[name]`` (e.g. ``{"layer": 1, "head": 2}``) is attached to that series' alerts.
         """
         details = details or {}
+        # None: not measured this time (as in the sinks), nothing to judge
+        values = {name: float(v) for name, v in metrics.items() if v is not None and self._detector(name) is not None}
+        layer_ratios = self._layer_ratios(values)  # from the baselines before this evaluation
         fired = []
-        for name, value in metrics.items():
-            if value is None:  # not measured this time (as in the sinks): nothing to judge
-                continue
-            det = self._detector(name)
-            if det is None:
-                continue
-            alert = det.update(step, value, details.get(name))
+        for name, value in values.items():
+            alert = self.detectors[name].update(step, value, details.get(name), layer_ratios.get(name))
             if alert is not None:
                 fired.append(alert)
         self.alerts.extend(fired)
@@ -578,7 +685,7 @@ class DetectorRegistry:
             raise ValueError(f"unsupported DetectorRegistry state version {state.get('version')!r}")
         # Saved unmatched names stay listed unless a current rule now matches them (then they are monitored
         # from scratch the next time they are seen).
-        self.detectors = {}
+        self.detectors, self._rule_of = {}, {}
         self._unmonitored = {n for n in state["unmonitored"] if not any(r.matches(n) for r in self.rules)}
         for name, dstate in state["detectors"].items():
             det = self._detector(name)

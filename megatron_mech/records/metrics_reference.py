@@ -346,6 +346,8 @@ def _rule_cells(entry: MetricEntry) -> list[str]:
         return ["logged only", "", "", "", "", ""]
     c: DetectorConfig = rule.config(DetectorConfig())
     level = "—" if c.level is None else ("≤ " if c.direction == "down" else "≥ ") + _number(c.level)
+    if c.collapse is not None:
+        level += f", or its layer ≤ {_number(c.collapse)} × baseline"
     baseline = (f"{c.warmup} + {c.baseline}, "
                 + ("frozen" if not c.track else f"tracking (lag {c.track})"))
     return [f"`{rule.pattern}` ({rule.family})", c.direction, _number(c.threshold), level, str(c.persistence),
@@ -386,7 +388,9 @@ def render_markdown() -> str:
         "first rule whose pattern matches the name (`fnmatch`, `*` also matches `/`) — \"logged only\" where none "
         "does. Series in the `mols` section never reach the detectors. A score is the distance from the series' "
         "own baseline median in robust units, positive in the bad direction; an evaluation is out of band when "
-        "the score reaches the threshold *and* the value is beyond the level (when there is one); `persistence` "
+        "the score reaches the threshold *and* the value is beyond the level (when there is one) — for the attention "
+        "entropies, or its layer has collapsed: the median over the layer's series of the same rule of value / "
+        "baseline median is at most the given fraction; `persistence` "
         "out-of-band evaluations in a row fire one alert. The baseline is the median/MAD of `baseline` evaluations "
         "after `warm-up` ignored ones, frozen or tracking (following slow drift with the given lag). "
         "`--mech-detector-warmup`, `-baseline`, `-threshold` and `-persistence` override these for every rule. A "

@@ -37,6 +37,11 @@ class SeriesScore:
     """The value furthest in the bad direction during monitoring (lowest for ``down``, highest for ``up``)."""
     level: Optional[float] = None
     """The rule's level (None without one)."""
+    collapse: Optional[float] = None
+    """The rule's layer-collapse ratio (None without one)."""
+    lowest_layer_ratio: Optional[float] = None
+    """The lowest layer ratio (median over the series' layer of value / baseline median) during monitoring: its
+    margin above ``collapse``."""
     alarm_steps: list = field(default_factory=list)
     """Steps of the alarms."""
 
@@ -71,7 +76,7 @@ def replay(records: Iterable[Mapping], rules: Optional[Sequence[SeriesRule]] = N
             s = scores.get(name)
             if s is None:
                 s = scores[name] = SeriesScore(name, det.family, threshold=det.config.threshold,
-                                               level=det.config.level)
+                                               level=det.config.level, collapse=det.config.collapse)
             if name in fired_names:
                 s.alarms += 1
                 s.alarm_steps.append(int(record["step"]))
@@ -81,8 +86,11 @@ def replay(records: Iterable[Mapping], rules: Optional[Sequence[SeriesRule]] = N
             s.evaluations += 1
             if math.isfinite(det.last_score):
                 s.peak_score = max(s.peak_score, det.last_score)
-                if det.beyond_level(value):
+                if det.last_beyond_level:  # by the level or by its layer's collapse
                     s.peak_score_beyond_level = max(s.peak_score_beyond_level, det.last_score)
+            ratio = det.last_layer_ratio
+            if ratio is not None and (s.lowest_layer_ratio is None or ratio < s.lowest_layer_ratio):
+                s.lowest_layer_ratio = ratio
             if math.isfinite(value):
                 worse = (s.extreme_value is None or
                          (value < s.extreme_value if det.config.direction == "down" else value > s.extreme_value))
