@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -35,8 +36,8 @@ from megatron_mech.core.detect import DetectorConfig
 from megatron_mech.core.mols import MoLSConfig, default_window, parse_fixed_multipliers
 from megatron_mech.core.settings import BadSetting
 from megatron_mech.monitors.attention import AttentionMonitorConfig
-from megatron_mech.options import (add_section_flags, field_flag, option, section_from_dict, section_from_flags,
-                                   section_to_dict, settings_of, settings_values)
+from megatron_mech.options import (add_section_flags, field_flag, file_path, option, section_from_dict,
+                                   section_from_flags, section_to_dict, settings_of, settings_values)
 
 __all__ = ["DEFAULT_OUTPUT_DIR", "MONITOR_FAMILIES", "ON_ALERT", "DetectorOverrides", "MechConfig", "MoLSOptions",
            "MonitorConfig", "OutputConfig"]
@@ -186,10 +187,20 @@ class OutputConfig:
     metrics and every alert); TensorBoard and W&B are copies."""
 
     dir: Optional[str] = option(None, f"where mech.jsonl goes (default: --save, else ./{DEFAULT_OUTPUT_DIR})",
-                                flag="--mech-output-dir")
+                                flag="--mech-output-dir", type=file_path)
     wandb_project: Optional[str] = option(None, "also log to this W&B project", flag="--mech-wandb-project")
     tensorboard_dir: Optional[str] = option(None, "also write TensorBoard events here (the framework's own "
-                                            "TensorBoard directory; no --mech flag)")
+                                            "TensorBoard directory; no --mech flag)", type=file_path)
+
+    def __post_init__(self):
+        # Flags and dict sections are checked as they are read (file_path); a section built in Python is not, and
+        # a NUL byte would otherwise surface only at the first write, as "embedded null byte" naming nothing.
+        for name in ("dir", "tensorboard_dir"):
+            value = getattr(self, name)
+            if isinstance(value, (str, os.PathLike)) and "\0" in os.fspath(value):
+                flag = field_flag(OutputConfig, name)
+                raise ValueError(f"mech.output.{name}{f' ({flag})' if flag else ''}: a path cannot hold a NUL byte, "
+                                 f"got {value!r}")
 
 
 @dataclass

@@ -211,7 +211,8 @@ class MechHook:
     What an adapter may use besides the lifecycle: :meth:`open_sinks` (the run's output, with the framework's
     own sinks added), :meth:`is_evaluation_step` (the steps the monitors evaluate on), :meth:`timed` (wall time of
     the adapter's own work for a part, in :attr:`seconds`), :attr:`requested_families` (the monitor families
-    that may run, known before ``setup``) and :attr:`families` (those that run, from ``setup`` on).
+    that may run, known before ``setup``), :attr:`families` (those that run, from ``setup`` on) and
+    :meth:`unarmed_settings` (why the run can alert on nothing but non-finite values; ``setup`` logs it).
     """
 
     def __init__(self, config: MechConfig, *, train_steps: Optional[int] = None,
@@ -345,6 +346,9 @@ class MechHook:
                 capture(self.max_logit)  # callable; its ``capturing`` tells the capture when to skip all work
         if self._sinks is None and view.logging_rank:
             self.open_sinks(start_step)
+        if view.logging_rank:
+            for message in self.unarmed_settings():
+                logger.warning(f"[mech] WARNING: {message}")
         self._is_setup = True
         if start_step and start_step not in self._saved_steps:  # the checkpoint this run resumed from
             self._saved_steps.append(int(start_step))
@@ -676,6 +680,36 @@ class MechHook:
         model): the configured ones, 'auto' counting as every family. :attr:`families`, set by ``setup``, is
         what runs."""
         return self.config.monitors.resolve(has_routers=True)
+
+    def unarmed_settings(self) -> List[str]:
+        """Why this configuration can alert on nothing but non-finite values in a run of :attr:`train_steps`
+        steps, one message per reason ([] when it can, or when the run's length is not known): an interval longer
+        than the run (no evaluation at all), or fewer evaluations than the detectors need before their first
+        baseline-relative alert. :meth:`setup` logs them on the logging rank, before the first step: such a run
+        otherwise ends with an empty or alert-free ``mech.jsonl`` and no word why.
+
+        The count is over the whole run, from step 1: a resumed run's detectors carry their progress over."""
+        if not self.train_steps:
+            return []
+        steps, interval = int(self.train_steps), self.config.monitors.interval
+        if interval > steps:
+            return [f"--mech-interval {interval} (mech.monitors.interval) is longer than the run's {steps} training "
+                    f"steps: nothing will be evaluated (no monitor record, no baseline-relative alert; only a "
+                    f"non-finite loss or grad norm can alert). Use an interval of at most {steps}"]
+        evaluations = steps // interval
+        # A detector scores nothing during its warm-up and baseline evaluations, and fires after `persistence`
+        # out-of-band ones; the earliest rule of all decides whether anything but a non-finite value can alert.
+        rules = [rule.config(self.registry.base_config) for rule in self.registry.rules]
+        first = min(rules, key=lambda c: c.warmup + c.baseline + c.persistence)
+        needed = first.warmup + first.baseline + first.persistence
+        if evaluations >= needed:
+            return []
+        return [f"the detectors cannot reach a baseline in this run: its {steps} training steps at --mech-interval "
+                f"{interval} make {evaluations} evaluation{'s' if evaluations != 1 else ''}, and the earliest "
+                f"baseline-relative alert needs {needed}: {first.warmup} warm-up (--mech-detector-warmup, "
+                f"mech.detector.warmup) + {first.baseline} baseline (--mech-detector-baseline) + "
+                f"{first.persistence} out-of-band (--mech-detector-persistence). Only non-finite values can alert; "
+                f"lower them or the interval"]
 
     def is_evaluation_step(self, step: int) -> bool:
         """Whether the monitors evaluate after optimizer step ``step`` (the one rule: multiples of the interval);

@@ -23,10 +23,20 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from megatron_mech.core.settings import field_doc, field_flag, field_key, option  # noqa: F401  (re-exported)
 
-__all__ = ["option", "add_section_flags", "check_mapping", "section_from_flags", "section_from_dict",
+__all__ = ["option", "add_section_flags", "check_mapping", "file_path", "section_from_flags", "section_from_dict",
            "section_to_dict", "settings_of", "settings_values", "field_doc", "field_flag", "field_key"]
 
 _MISSING = dataclasses.MISSING
+
+
+def file_path(text: str) -> str:
+    """The ``type`` of a setting that names a file or directory: a string the operating system accepts as a
+    path. A NUL byte is the one character no path may hold; the OS call that meets it fails with "embedded null
+    byte", far from the setting, so it is refused where the setting is read: by argparse, naming the flag, or by
+    :func:`section_from_dict`, naming the key."""
+    if "\0" in text:
+        raise argparse.ArgumentTypeError(f"a path cannot hold a NUL byte, got {text!r}")
+    return text
 
 
 def _default_of(f: dataclasses.Field) -> Any:
@@ -158,8 +168,9 @@ def _checked(f: dataclasses.Field, hint: Any, value: Any, path: str) -> Any:
                  for i, item in enumerate(value))
 
 
-_KINDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
-_PLURALS = {bool: "booleans", int: "integers", float: "numbers", str: "strings"}
+_KINDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+          file_path: "a path (a string without NUL bytes)"}
+_PLURALS = {bool: "booleans", int: "integers", float: "numbers", str: "strings", file_path: "paths"}
 
 
 def _item_expectation(kind: Any, choices: Optional[Sequence]) -> str:
@@ -184,9 +195,11 @@ def _item(kind: Any, choices: Optional[Sequence], value: Any, path: str, expecte
         value = float(value) if ok else value
     elif kind is str:
         ok = isinstance(value, str)
+    elif kind is file_path:
+        ok = isinstance(value, str) and "\0" not in value
     else:
-        raise TypeError(f"{path}: declared type {kind!r} has no dict check (declare bool, int, float, str, a config "
-                        f"section, or a flag type among those)")
+        raise TypeError(f"{path}: declared type {kind!r} has no dict check (declare bool, int, float, str, file_path, "
+                        f"a config section, or a flag type among those)")
     if not ok or (choices is not None and value not in choices):
         raise ValueError(f"{path}: expected {expected}, got {_described(value)}")
     return value

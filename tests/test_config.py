@@ -106,9 +106,10 @@ _BAD_VALUES = [
     ({"mols": {"window": "5"}}, "mech.mols.window: expected an integer or None, got the string '5'"),
     ({"detector": {"threshold": "1"}}, "mech.detector.threshold: expected a number or None, got the string '1'"),
     ({"detector": {"threshold": False}}, "mech.detector.threshold: expected a number or None, got the boolean False"),
-    ({"output": {"dir": 5}}, "mech.output.dir: expected a string or None, got the integer 5"),
-    ({"output": {"tensorboard_dir": ["tb"]}}, "mech.output.tensorboard_dir: expected a string or None, got the list "
-                                              "['tb']"),
+    ({"output": {"dir": 5}}, "mech.output.dir: expected a path (a string without NUL bytes) or None, got the "
+                             "integer 5"),
+    ({"output": {"tensorboard_dir": ["tb"]}}, "mech.output.tensorboard_dir: expected a path (a string without NUL "
+                                              "bytes) or None, got the list ['tb']"),
     ({"monitors": {"dw_scope": "all"}}, "mech.monitors.dw_scope: expected one of 'global', 'slice', got the string "
                                         "'all'"),
     ({"on_alert": "panic"}, "mech.on_alert: expected one of 'log', 'checkpoint', 'stop', got the string 'panic'"),
@@ -487,3 +488,34 @@ def test_bad_mols_and_detector_values_name_their_flag_from_flags_and_from_a_dict
     with pytest.raises(ValueError) as info:
         MechConfig.from_dict(data)
     assert str(info.value) == message
+
+
+def test_a_path_with_a_nul_byte_is_refused_where_it_is_set_naming_it(tmp_path):
+    """No path may hold a NUL byte (the OS call fails with "embedded null byte", naming nothing): a DeepSpeed
+    config file's ``mech.output.dir`` is refused by the example launcher before anything is built, naming the key;
+    the other path settings are refused by key, by flag or, built in Python, by both."""
+    import json
+    import subprocess
+    import sys
+
+    from megatron_mech.deepspeed.config import parse_section, read_section
+
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2,
+                                  "mech": {"output": {"dir": str(tmp_path / "runs\0x")}}}))
+    out = subprocess.run([sys.executable, "launch_scripts/deepspeed_train.py", "--deepspeed-config", str(config),
+                          "--output-dir", str(tmp_path / "out"), "--steps", "2"], cwd=pathlib.Path(__file__).parents[1],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.startswith("deepspeed_train: error: mech.output.dir: expected a path (a string without NUL "
+                                 "bytes) or None"), out.stderr[-3000:]
+    assert not (tmp_path / "out").exists()  # refused before any directory was made
+    section = read_section(str(config))
+    section["output"] = {"tensorboard_dir": "tb\0"}
+    with pytest.raises(ValueError, match=r"^mech\.output\.tensorboard_dir: expected a path"):
+        parse_section(section)
+    with pytest.raises(ValueError, match=r"^mech\.output\.dir \(--mech-output-dir\): a path cannot hold a NUL byte"):
+        MechConfig(output=OutputConfig(dir="runs\0x"))
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--mech-output-dir", "runs\0x"])
+    assert parse_section({"output": {"dir": "runs/x"}})[0].output.dir == "runs/x"  # an ordinary path is kept

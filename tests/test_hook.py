@@ -251,3 +251,57 @@ def test_setup_twice_and_unknown_router_request_are_errors():
     hook = MechHook(MechConfig(monitors=MonitorConfig(families=("router",))))
     with pytest.raises(ValueError, match="no MoE routers"):
         hook.setup(ModelView())
+
+
+def _short_run(config, train_steps, spike_at=None, logging_rank=True):
+    """A real hook on the one-layer view, set up and run for ``train_steps`` steps (the loss jumps by 50 from
+    ``spike_at``): its records and the warnings it logged."""
+    import logging
+
+    records, warnings = [], []
+
+    class _Collect(logging.Handler):
+        def emit(self, record):
+            if record.levelno >= logging.WARNING:
+                warnings.append(record.getMessage())
+
+    weight = torch.randn((HEADS + 2 * GROUPS) * HEAD_DIM, D_MODEL, generator=torch.Generator().manual_seed(0))
+    hook = MechHook(config, train_steps=train_steps, sinks=CallbackSink(records.append))
+    handler = _Collect()
+    logging.getLogger("megatron_mech").addHandler(handler)
+    try:
+        hook.setup(ModelView(attention_layers=[AttentionLayer(0, weight, HEADS, GROUPS, HEAD_DIM)],
+                             logging_rank=logging_rank))
+        for step in range(1, train_steps + 1):
+            hook.before_step(step)
+            _update(weight, step)
+            loss = 5.0 - 0.01 * step + (50.0 if spike_at is not None and step >= spike_at else 0.0)
+            hook.after_optimizer_step(step, loss=loss, grad_norm=1.0, lr=1e-3)
+    finally:
+        logging.getLogger("megatron_mech").removeHandler(handler)
+    return records, warnings
+
+
+def test_settings_that_can_arm_nothing_are_warned_at_setup_naming_the_flag_and_the_steps():
+    """An interval past the run evaluates nothing; warm-up + baseline + persistence beyond the run's evaluations
+    leave only non-finite values to alert. Both are said once, up front, on the logging rank; a run whose
+    detectors can alert (checked by making its last evaluation a loss spike) gets no warning."""
+    # 6 steps, interval 10**20: no multiple of the interval in 1..6, so no record at all
+    records, warnings = _short_run(_config(interval=10 ** 20), 6)
+    assert records == []
+    [message] = warnings
+    assert "--mech-interval 100000000000000000000" in message and "6 training steps" in message, message
+    assert _short_run(_config(interval=10 ** 20), 6, logging_rank=False)[1] == []  # the logging rank only
+    # a warm-up of 100 evaluations in a run of 6 // 2 = 3: no baseline, a spike goes unnoticed
+    late = MechConfig(monitors=MonitorConfig(families=("attention",), interval=2, qk_terms=("delta2",)),
+                      detector=DetectorOverrides(warmup=100, baseline=3, persistence=1))
+    records, warnings = _short_run(late, 6, spike_at=6)
+    assert [r["step"] for r in records] == [2, 4, 6] and not any(r["alerts"] for r in records)
+    [message] = warnings
+    assert "--mech-detector-warmup" in message and "6 training steps" in message and "make 3 evaluations" in message
+    assert "needs 104" in message, message  # 100 warm-up + 3 baseline + 1 out-of-band
+    # warm-up 0 + baseline 3 + persistence 1 = 4 evaluations: 6 steps (3) cannot alert, 8 steps (4) can
+    records, warnings = _short_run(_config(interval=2), 6, spike_at=6)
+    assert not any(r["alerts"] for r in records) and len(warnings) == 1 and "needs 4" in warnings[0]
+    records, warnings = _short_run(_config(interval=2), 8, spike_at=8)
+    assert warnings == [] and [a["family"] for a in records[-1]["alerts"]] == ["symptom"] and records[-1]["step"] == 8

@@ -238,3 +238,24 @@ def test_crlf_tree_conflict_names_the_line_endings(trees):
     assert all("CRLF" in p.describe() for p in bad.problems), [p.describe() for p in bad.problems]
     with pytest.raises(patcher.PatchError, match="CRLF"):
         patcher.apply(root)
+
+
+def test_apply_and_revert_keep_each_files_mode(trees):
+    """``git apply`` rewrites a file it patches with 0644 or 0755: ``megatron-mech patch apply`` and ``revert`` (real
+    processes) put each file's own permission bits back (a read-only file stays read-only)."""
+    root = unpack(TAGS[0], trees / "modes")
+    pristine = unpack(TAGS[0], trees / "modes-pristine")
+    modes = dict(zip(PATCHED_FILES, (0o555, 0o444, 0o640)))
+    for name, mode in modes.items():
+        (root / name).chmod(mode)
+    run = lambda *a: subprocess.run([sys.executable, "-m", "megatron_mech.cli", "patch", *a], cwd=REPO_ROOT,
+                                    capture_output=True, text=True, timeout=120)
+    out = run("apply", str(root))
+    assert out.returncode == 0 and out.stdout.count("applied ") == 3, out.stdout + out.stderr
+    assert {n: oct((root / n).stat().st_mode & 0o7777) for n in modes} == {n: oct(m) for n, m in modes.items()}
+    assert not filecmp.cmp(root / PATCHED_FILES[1], pristine / PATCHED_FILES[1], shallow=False)  # really patched
+    out = run("revert", str(root))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert {n: oct((root / n).stat().st_mode & 0o7777) for n in modes} == {n: oct(m) for n, m in modes.items()}
+    for name in PATCHED_FILES:
+        assert filecmp.cmp(root / name, pristine / name, shallow=False), f"{name} differs after revert"

@@ -217,3 +217,30 @@ def test_unknown_mech_value_is_rejected(tmp_path):
     with pytest.raises(AssertionError) as failure:
         train(tmp_path, "bad", 1, "--mech-dw-scope", "everything", steps=10)
     assert "invalid choice: 'everything'" in str(failure.value)
+
+
+def test_openmp_nesting_list_sets_the_outer_level_threads(tmp_path):
+    """``OMP_NUM_THREADS=2,1`` is valid OpenMP (2 threads, 1 per nested region): a CPU run trains with 2 intra-op
+    threads per rank, the list's first entry, and finishes. Its interval is longer than the run, which the entry
+    point says before training (the hook's rule, :meth:`MechHook.unarmed_settings`)."""
+    run_dir = tmp_path / "nested"
+    out = run_torchrun(LAUNCHER, *TINY, "--train-iters", "6", "--save", str(run_dir),
+                       "--mech-interval", "99999999999999999999", nproc=1, timeout=300,
+                       extra_env={"OMP_NUM_THREADS": "2,1"})
+    assert "cpu-threads/rank=2" in out.stdout, out.stdout[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["final_step"] == 6
+    warning = "--mech-interval 99999999999999999999 (mech.monitors.interval) is longer than the run's 6 training steps"
+    assert out.stdout.count(warning) == 1 and out.stdout.index(warning) < out.stdout.index("[train] step"), \
+        out.stdout[-3000:]
+    assert (run_dir / "mech.jsonl").read_text() == ""  # indeed nothing was evaluated
+
+
+@pytest.mark.parametrize("value", ["four", "2,x", "0"])
+def test_invalid_omp_num_threads_is_named_before_anything_starts(tmp_path, value):
+    with pytest.raises(AssertionError) as failure:
+        run_torchrun(LAUNCHER, *TINY, "--train-iters", "6", "--save", str(tmp_path / "bad"), nproc=1, timeout=120,
+                     extra_env={"OMP_NUM_THREADS": value})
+    text = str(failure.value)
+    assert f"pretrain_gpt: error: OMP_NUM_THREADS={value!r} is not a thread count" in text, text[-3000:]
+    assert "ValueError" not in text and "[train] world=" not in text  # one line (no worker traceback), at start
+    assert not (tmp_path / "bad" / "run_id.txt").exists()  # refused before the run directory is touched

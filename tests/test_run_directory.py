@@ -88,6 +88,30 @@ def test_resume_into_another_runs_output_directory_is_refused(tmp_path):
                                  ).run_id is None
 
 
+def test_empty_run_id_is_named_as_empty_with_where_to_restore_it_from(tmp_path):
+    """An emptied ``run_id.txt`` (a write cut short) is not "no run_id.txt": the error names the file as empty and
+    the copy of the same id to restore it from; restoring it that way lets the resume go on."""
+    run = tmp_path / "run"
+    checkpoint(run, 10, run_id="run-a")
+    previous_run(run)  # the run's own records, next to its checkpoint
+    (run / RUN_ID_FILE).write_text("")
+    resume = parse("--load", str(run), "--save", str(run))
+    with pytest.raises(ValueError) as info:
+        check_run_directories(resume)
+    message = str(info.value)
+    assert f"{run / RUN_ID_FILE} is empty" in message and "no run_id.txt" not in message, message
+    assert f"copy {run / 'iter_0000010' / RUN_ID_FILE} to {run / RUN_ID_FILE}" in message, message
+    (run / RUN_ID_FILE).write_text((run / "iter_0000010" / RUN_ID_FILE).read_text())  # as the message says
+    assert check_run_directories(resume).run_id == "run-a"
+    # the checkpoint's own copy emptied: named too, with the output directory's copy to restore it from
+    (run / "iter_0000010" / RUN_ID_FILE).write_text(" \n")
+    with pytest.raises(ValueError) as info:
+        check_run_directories(resume)
+    message = str(info.value)
+    assert message.startswith(f"--load {run}: {run / 'iter_0000010' / RUN_ID_FILE} is empty"), message
+    assert f"{run / RUN_ID_FILE} when --save {run} is its output directory" in message, message
+
+
 def test_damaged_tracker_is_refused_at_start(tmp_path):
     checkpoint(tmp_path / "run", 10)
     (tmp_path / "run" / TRACKER).write_text("abc")

@@ -23,7 +23,8 @@ from megatron_mech.hook import naming_damaged_state
 from megatron_mech.optim import inner_optimizer, leaf_optimizers
 
 __all__ = ["RUN_ID_FILE", "check_model_shapes", "check_mols_match", "load_checkpoint",
-           "load_distributed_optimizer_state", "read_checkpoint_file", "read_run_id", "read_tracker", "save_checkpoint"]
+           "load_distributed_optimizer_state", "read_checkpoint_file", "read_run_id", "read_tracker", "save_checkpoint",
+           "write_run_id"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RUN_ID_FILE = "run_id.txt"  # in each iteration directory and in the run's output directory: which run wrote it
@@ -52,11 +53,29 @@ def read_tracker(load_dir) -> Optional[int]:
 
 def read_run_id(directory) -> Optional[str]:
     """The run id recorded in ``directory`` (a checkpoint's iteration directory or an output directory), or
-    None when none is recorded (a directory written before run ids existed, or a new one)."""
+    None when none is recorded (no ``run_id.txt``: a directory written before run ids existed, or a new one).
+
+    A ``run_id.txt`` that is there but holds no id (empty, or unreadable) raises ``ValueError`` naming the file:
+    it is not the same as no id, since the directory did belong to a run, and the caller must not guess which."""
     path = Path(directory) / RUN_ID_FILE
     if not path.is_file():
         return None
-    return path.read_text().strip() or None
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
+    if not text:
+        raise ValueError(f"{path} is empty (it holds the id of the run that wrote this directory)")
+    return text
+
+
+def write_run_id(directory, run_id: str) -> None:
+    """Record ``run_id`` in ``directory`` atomically: a crash mid-write leaves the old file or none, never an
+    empty one (which :func:`read_run_id` refuses)."""
+    path = Path(directory) / RUN_ID_FILE
+    tmp = path.with_name(f".{RUN_ID_FILE}.tmp")
+    tmp.write_text(run_id, encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def _rng_state() -> dict:
@@ -177,7 +196,7 @@ def save_checkpoint(save_dir, step: int, model, optimizer, scheduler, layout: di
     torch.save(state, tmp)
     os.replace(tmp, directory / f"rank{rank:04d}.pt")  # atomic: a file that exists is complete
     if run_id is not None and rank == 0:
-        (directory / RUN_ID_FILE).write_text(run_id)
+        write_run_id(directory, run_id)
     torch.distributed.barrier()
     if rank == 0:
         (Path(save_dir) / TRACKER).write_text(str(step))

@@ -46,6 +46,9 @@ Public API
     mode is not active (GPU machine). The schedule, backward and optimizer keep running under the mode.
 ``CPU_CONFIG_KWARGS``
     ``TransformerConfig`` keyword arguments a CPU run needs (CPU init, every CUDA fusion off).
+``omp_num_threads(value=None)``
+    The intra-op thread count ``OMP_NUM_THREADS`` gives (read as OpenMP reads it, nesting lists included); for
+    ``torch.set_num_threads`` on a CPU run. An invalid value raises ``ValueError`` naming the variable.
 
 Model/config requirements on CPU (not shims, configuration): local layer spec
 (``get_gpt_layer_local_spec``), ``CPU_CONFIG_KWARGS``, fp32, ``moe_grouped_gemm=False``, for MoE
@@ -80,6 +83,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -96,6 +100,7 @@ __all__ = [
     "fast_forward",
     "fast_forward_module",
     "model_parallel_seed",
+    "omp_num_threads",
 ]
 
 # TransformerConfig kwargs for CPU runs: no fused CUDA kernels, weights initialised on the CPU from the full
@@ -347,6 +352,25 @@ def _apply_rng_tracker():
         # A CUDA tracker was already created (e.g. get_cuda_rng_tracker() called early): rebuild lazily.
         mrandom._CUDA_RNG_STATE_TRACKER = None
         mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+
+
+def omp_num_threads(value: Optional[str] = None) -> int:
+    """The thread count of the outermost parallel level that ``OMP_NUM_THREADS`` (``value``, default the
+    environment's) asks for; 1 when it is unset or blank.
+
+    OpenMP reads the variable as a comma-separated list of positive integers, one per nesting level (``4,2``: 4
+    threads, each nested region 2), so a launcher or scheduler may well set a list. torch's intra-op pool is the
+    outermost level: the first entry is its count. A value OpenMP would not accept raises ``ValueError`` naming
+    the variable, instead of failing later inside ``int()``."""
+    if value is None:
+        value = os.environ.get("OMP_NUM_THREADS", "")
+    if not value.strip():
+        return 1
+    levels = [level.strip() for level in value.split(",")]
+    if not all(re.fullmatch(r"[0-9]+", level) and int(level) > 0 for level in levels):
+        raise ValueError(f"OMP_NUM_THREADS={value!r} is not a thread count: OpenMP expects a positive integer, or "
+                         f"a comma-separated list of them, one per nesting level (e.g. 4 or 4,2)")
+    return int(levels[0])
 
 
 def model_parallel_seed(seed: int, **kwargs) -> None:

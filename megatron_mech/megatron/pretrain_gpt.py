@@ -291,7 +291,7 @@ def init_runtime() -> Runtime:
         from megatron_mech.megatron import cpu_shims
 
         cpu_shims.apply_cpu_shims()
-        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+        torch.set_num_threads(cpu_shims.omp_num_threads())
         fast_forward = cpu_shims.fast_forward
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -501,6 +501,10 @@ def preflight(args, world: int, rank: int, extension_types: Sequence[type] = ())
     naming it (exit code 2) on every rank. Returns ``(config, extensions, run directory plan)``."""
     try:
         check_args(args, world)
+        if not torch.cuda.is_available():  # the CPU run sizes its thread pool from it (init_runtime)
+            from megatron_mech.megatron.cpu_shims import omp_num_threads
+
+            omp_num_threads()
         config = MechConfig.from_flags(args, tensorboard_dir=args.tensorboard_dir)
         config.output.dir = args.mech_output_dir or args.save or DEFAULT_OUTPUT_DIR
         extensions = extensions_from_args(args, extension_types)
@@ -564,7 +568,8 @@ def main(argv=None, extension_types: Sequence[type] = ()):
                 f"EP={args.expert_model_parallel_size} PP={args.pipeline_model_parallel_size} "
                 f"DP={torch.distributed.get_world_size(t.dp_group)} "
                 f"params/rank={t.n_params/1e6:.2f}M vocab={t.vocab_size} steps {t.start_step}->{args.train_iters} "
-                f"monitors={','.join(t.hook.families) or 'none'} every {args.mech_interval}")
+                f"monitors={','.join(t.hook.families) or 'none'} every {args.mech_interval}"
+                + ("" if runtime.cuda else f" cpu-threads/rank={torch.get_num_threads()}"))
     run = train(args, t, runtime, stop_signal)  # a checkpoint at or past --train-iters ended main() above
     finish(args, t, runtime, run, output_dir)
     torch.distributed.barrier()

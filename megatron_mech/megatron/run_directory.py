@@ -15,7 +15,8 @@ Rules (checked on every rank before any data, model or process group is built; e
 * Every run has an id (``run_id.txt``), written into its output directory at start and into each checkpoint
   iteration directory. A resume whose output directory holds another run — another id, or records without any
   id while the checkpoint has one — is refused: it would append to that run's ``mech.jsonl`` and replace its
-  ``summary.json``. A run without an id yet (written before ids existed) gets one.
+  ``summary.json``. A run without an id yet (written before ids existed) gets one. A ``run_id.txt`` that is
+  there but empty or unreadable is refused naming the file and where the same id can be copied from.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_mech.config import DEFAULT_OUTPUT_DIR
-from megatron_mech.megatron.checkpoint import RUN_ID_FILE, TRACKER, read_run_id, read_tracker
+from megatron_mech.megatron.checkpoint import RUN_ID_FILE, TRACKER, read_run_id, read_tracker, write_run_id
 from megatron_mech.records.run_directory import FIRST_ALERT, previous_run, probe_writable, refuse_mixing_runs
 from megatron_mech.records.run_directory import clear_previous_run as clear_run_files
 
@@ -82,7 +83,23 @@ def check_run_directories(args, rank: int = 0) -> RunDirectoryPlan:
 def _resumed_run_id(load_dir: str, step: int, output_dir: str, output_flag: str) -> Optional[str]:
     """The id of the run ``--load`` continues; refuses an output directory that belongs to another run."""
     checkpoint = Path(load_dir) / f"iter_{step:07d}"
-    saved, recorded = read_run_id(checkpoint), read_run_id(output_dir)
+    try:
+        saved = read_run_id(checkpoint)
+    except ValueError as exc:
+        raise ValueError(f"--load {load_dir}: {exc}, so the checkpoint cannot say which run it continues. Restore "
+                         f"it: the same id is in {Path(load_dir) / 'iter_*' / RUN_ID_FILE} of that run's other "
+                         f"checkpoints and in {Path(output_dir) / RUN_ID_FILE} when {output_flag} {output_dir} is "
+                         f"its output directory; copy one to {checkpoint / RUN_ID_FILE}") from None
+    try:
+        recorded = read_run_id(output_dir)
+    except ValueError as exc:
+        restore = (f"if the records there are of run {saved}, which the checkpoint --load {load_dir} resumes, "
+                   f"copy {checkpoint / RUN_ID_FILE} to {Path(output_dir) / RUN_ID_FILE}; if not, point "
+                   f"{output_flag} at the checkpoint's own output directory or at a new one" if saved is not None
+                   else f"copy the {RUN_ID_FILE} of one of that run's checkpoints there, or remove it to give the "
+                        f"resumed run a new id")
+        raise ValueError(f"{output_flag} {output_dir}: {exc}, so the records there cannot be matched to the run "
+                         f"being resumed. Restore it: {restore}") from None
     if saved is not None and recorded is not None and saved != recorded:
         raise ValueError(f"{output_flag} {output_dir} belongs to run {recorded} ({Path(output_dir) / RUN_ID_FILE}), "
                          f"but the checkpoint --load {load_dir} resumes ({checkpoint}) is of run {saved}: resuming "
@@ -101,7 +118,7 @@ def _resumed_run_id(load_dir: str, step: int, output_dir: str, output_flag: str)
 def record_run_id(output_dir: str, run_id: str) -> None:
     """Write the run's id into its output directory (one rank)."""
     Path(output_dir).mkdir(parents=True, exist_ok=True)
-    (Path(output_dir) / RUN_ID_FILE).write_text(run_id)
+    write_run_id(output_dir, run_id)
 
 
 def clear_previous_run(plan: RunDirectoryPlan, save_dir: Optional[str]) -> None:

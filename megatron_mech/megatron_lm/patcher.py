@@ -281,6 +281,19 @@ def _touched_files(patch: Path) -> List[str]:
     return files
 
 
+def _declared_modes(patch: Path) -> List[str]:
+    """The tree paths whose mode the patch itself sets (``new mode`` / ``new file mode`` lines)."""
+    files: List[str] = []
+    current = None
+    for line in patch.read_bytes().split(b"\n"):
+        line = line.rstrip(b"\r")
+        if line.startswith(b"diff --git ") and b" b/" in line:
+            current = os.fsdecode(line.rsplit(b" b/", 1)[1])
+        elif current is not None and line.startswith((b"new mode ", b"new file mode ")) and current not in files:
+            files.append(current)
+    return files
+
+
 class _Snapshot:
     """The bytes and mode of files before a change (None: absent), to put the tree back on any failure."""
 
@@ -310,10 +323,22 @@ class _Snapshot:
                 failed.append(f"{name} ({e})")
         return failed
 
+    def keep_modes(self, declared: Sequence[str]) -> None:
+        """Give every patched file its own permission bits back. ``git apply`` writes a file it patches anew with
+        0644 or 0755 (the only modes git records), so a read-only or group-restricted file would silently become
+        writable; a mode the patch itself sets (``declared``) is the patch's to decide."""
+        for name, saved in self.saved.items():
+            path = self.tree / name
+            if saved is None or name in declared or path.is_symlink() or not path.is_file():
+                continue
+            if path.stat().st_mode & 0o7777 != saved[1] & 0o7777:
+                os.chmod(path, saved[1] & 0o7777)
+
 
 def _run_series(report: "SeriesReport", patches: Sequence[PatchState], verb: str, *flags: str) -> None:
     """``git apply [flags]`` each patch in order, all or nothing: on any failure every file the patches touch is
-    restored byte for byte and :class:`PatchError` names the patch, its files and git's own reason."""
+    restored byte for byte and :class:`PatchError` names the patch, its files and git's own reason. On success
+    every patched file keeps its permission bits (:meth:`_Snapshot.keep_modes`)."""
     snapshot = _Snapshot(report.tree, [f for p in patches for f in _touched_files(p.patch)])
     failure = None
     try:
@@ -327,12 +352,14 @@ def _run_series(report: "SeriesReport", patches: Sequence[PatchState], verb: str
     except BaseException:  # interrupted or git not startable: leave the tree as it was, then re-raise
         snapshot.restore()
         raise
-    if failure is not None:
-        unrestored = snapshot.restore()
-        if unrestored:
-            raise PatchError(f"{failure}\nand these files could not be restored: {'; '.join(unrestored)}")
-        done = {"apply": "applied", "revert": "reverted"}[verb]
-        raise PatchError(f"{failure}\nevery file is restored: nothing was {done}")
+    if failure is None:
+        snapshot.keep_modes([f for p in patches for f in _declared_modes(p.patch)])
+        return
+    unrestored = snapshot.restore()
+    if unrestored:
+        raise PatchError(f"{failure}\nand these files could not be restored: {'; '.join(unrestored)}")
+    done = {"apply": "applied", "revert": "reverted"}[verb]
+    raise PatchError(f"{failure}\nevery file is restored: nothing was {done}")
 
 
 # ------------------------------------------------------------------------------------------------ commands

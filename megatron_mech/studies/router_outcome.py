@@ -25,7 +25,7 @@ from typing import Mapping, NamedTuple, Optional, Sequence
 import torch
 
 from megatron_mech.hook import Extension
-from megatron_mech.options import add_section_flags, option, section_from_flags
+from megatron_mech.options import add_section_flags, file_path, option, section_from_flags
 from megatron_mech.studies.outcomes import first_held_step
 
 __all__ = ["ROUTING_FILE", "STARVED_HOLD", "STARVED_SHARE", "Collapse", "RoutingRecordConfig", "RoutingRecorder",
@@ -47,7 +47,7 @@ class RoutingRecordConfig:
     dir: Optional[str] = option(None, "studies: write the per-step expert assignment counts of the logging rank's "
                                       "tokens, per MoE layer, to DIR/" + ROUTING_FILE + " (ground truth for router "
                                       "faults; read by megatron_mech.studies.router_outcome)",
-                                flag="--mech-record-routing")
+                                flag="--mech-record-routing", type=file_path)
 
 
 class RoutingRecorder(Extension):

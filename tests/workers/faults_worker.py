@@ -25,6 +25,7 @@ if REPO_ROOT not in sys.path:
 
 import torch  # noqa: E402
 from fork_runner import free_port  # noqa: E402  (tests/workers/, the script's directory)
+from megatron_mech.megatron.cpu_shims import omp_num_threads  # noqa: E402
 
 SEQ, VOCAB, MBS = 32, 128, 4
 
@@ -607,7 +608,7 @@ def main():
     parser.add_argument("--jobs", help="JSON file: a list of job names or {'id': name, ...options}")
     parser.add_argument("--tp2", action="store_true", help="run the TP=2 job (under torchrun, 2 ranks)")
     args = parser.parse_args()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    torch.set_num_threads(omp_num_threads())
     if args.tp2:
         torchrun_tp2()
         return
