@@ -17,8 +17,13 @@ Reports:
 Seeds: the reporting seeds of :mod:`megatron_mech.studies.leadtime`; tuning seeds are refused (``--tuning-run``
 to look at them anyway, marked as such). Writes ``benchmarks/results/false_alarms.{md,json}``.
 
+The clean corpus: every run's judged series are also packed into ``benchmarks/data/clean_corpus/<run>.json.gz``
+(:mod:`megatron_mech.studies.clean_corpus`, ~0.3 MB a run), which is committed. ``--from-corpus`` replays the
+corpus alone, without training: after a rule change, that regenerates the table in seconds.
+
     python benchmarks/false_alarms.py --runs-dir runs/false_alarms        # 5 seeds × 2 widths × 2 models × 2000 steps
     python benchmarks/false_alarms.py --runs-dir runs/false_alarms --reuse   # continue / re-score
+    python benchmarks/false_alarms.py --from-corpus        # re-score the committed corpus
     python benchmarks/false_alarms.py --seeds 21 --widths 64 --models dense --steps 150 --no-write   # smoke
     # an explicit plan instead of the full product (model:width:steps:seeds), e.g. what fits a short session:
     python benchmarks/false_alarms.py --runs-dir runs/false_alarms --reuse \
@@ -40,12 +45,14 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks._results import write_results  # noqa: E402
 from benchmarks._train_runs import model_flags, train_run  # noqa: E402
+from megatron_mech.studies import clean_corpus  # noqa: E402
 from megatron_mech.studies.clean_scores import (binomial_upper_bound, expected_alarms, kind_of,  # noqa: E402
                                                 replay)
 from megatron_mech.studies.leadtime import (REPORTING_SEEDS, TUNING_SEEDS, check_reporting_seeds,  # noqa: E402
                                             parse_study_args)  # noqa: E402
 
 logger = logging.getLogger("benchmarks.false_alarms")
+CORPUS = REPO / "benchmarks" / "data" / "clean_corpus"
 
 
 def _rate_line(label: str, alarms: int, n: int, scale_e: float, scale_s: float) -> dict:
@@ -88,7 +95,10 @@ def summarize(runs: list, scale_e: float, scale_s: float) -> dict:
                     "level": (members[0].level if len({s.level for s in members}) == 1 else
                               "/".join(sorted({str(s.level) for s in members if s.level is not None}))),
                     "lowest_value": min((s.extreme_value for s in members if s.extreme_value is not None
-                                         and s.level is not None and s.family == "attention"), default=None)}
+                                         and s.level is not None and s.family == "attention"), default=None),
+                    "collapse": (members[0].collapse if len({s.collapse for s in members}) == 1 else None),
+                    "lowest_layer_ratio": min((s.lowest_layer_ratio for s in members
+                                               if s.lowest_layer_ratio is not None), default=None)}
     alarms = [{"run": run["name"], "metric": s.metric, "steps": s.alarm_steps}
               for run in runs for s in run["scores"].values() if s.alarms]
     return {"rates": rates, "peaks": peaks, "alarms": alarms}
@@ -122,11 +132,18 @@ def parse_plan(entries, seeds, widths, models, steps) -> list:
 
 
 def report(args, runs: list, summary: dict) -> str:
-    shape = (f"{args.steps} steps each, seeds {args.seeds}, widths {args.widths}, models {args.models}"
-             if not args.plan else "plan " + ", ".join(f"`{e}`" for e in args.plan) + " (model:width:steps:seeds)")
+    if args.plan:
+        shape = "plan " + ", ".join(f"`{e}`" for e in args.plan) + " (model:width:steps:seeds)"
+    elif args.from_corpus:
+        shape = "every run of the clean corpus (" + ", ".join(
+            f"`{r['model']}:{r['width']}:{r['steps']}:{r['seed']}`" for r in runs) + ", model:width:steps:seed)"
+    else:
+        shape = f"{args.steps} steps each, seeds {args.seeds}, widths {args.widths}, models {args.models}"
+    source = ("replayed from the committed clean corpus (benchmarks/data/clean_corpus)" if args.from_corpus
+              else "replayed on the recorded series")
     lines = [("**TUNING RUN — not a result.** " if args.tuning_run else "")
              + f"Clean runs of the small GPT (4 layers, 4 heads, FFN 2×hidden; MoE: 4 experts top-2, EP=2; 2 CPU "
-             f"processes), {shape}, monitors every 5 steps, default detector rules replayed on the recorded series. "
+             f"processes), {shape}, monitors every 5 steps, default detector rules {source}. "
              f"Reporting seeds only (tuning seeds {list(TUNING_SEEDS)} are never reported): {len(runs)} runs.", "",
              "Rate = alarms / monitored series-evaluations (the detector had its baseline). Upper bound: one-sided "
              "95% Clopper–Pearson (≈ 3/n with no alarm). Scaled: a run of "
@@ -139,19 +156,31 @@ def report(args, runs: list, summary: dict) -> str:
                      f"{_fmt(r['upper_95'])} | {_fmt(r['scaled_expected'])} / {_fmt(r['scaled_expected_at_bound'])} "
                      f"| {_fmt(r['scaled_p_any'], '.2f')} / {_fmt(r['scaled_p_any_at_bound'], '.2f')} |")
     lines += ["", "## Peak score per series on clean runs (margin below the threshold)", "",
+              "Peak beyond level: the highest score among evaluations that passed the level, by the value itself or "
+              "by its layer's collapse. Lowest layer ratio: the lowest median, over a layer's series of one rule, "
+              "of value / baseline median; a layer collapse needs it at or below the collapse ratio.", "",
               "| group | threshold | series | peak p50 | p90 | p99 | max | min margin | peak beyond level (max) | "
-              "level | lowest value |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "level | lowest value | collapse ratio | lowest layer ratio |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for g, p in summary["peaks"].items():
         q, ql = p["peak"], p["peak_beyond_level"]
         lines.append(f"| {g} | {_fmt(p['threshold'])} | {q.get('n', 0)} | {_fmt(q.get('p50'))} | {_fmt(q.get('p90'))} "
                      f"| {_fmt(q.get('p99'))} | {_fmt(q.get('max'))} | {_fmt(p['margin_min'])} | "
-                     f"{_fmt(ql.get('max')) if ql else 'none'} | {_fmt(p['level'])} | {_fmt(p['lowest_value'])} |")
+                     f"{_fmt(ql.get('max')) if ql else 'none'} | {_fmt(p['level'])} | {_fmt(p['lowest_value'])} | "
+                     f"{_fmt(p['collapse'])} | {_fmt(p['lowest_layer_ratio'])} |")
     lines += ["", "## Alarms", ""]
     lines += [f"- {a['run']}: `{a['metric']}` at steps {a['steps']}" for a in summary["alarms"]] or ["- none"]
     lines += ["", "## Runs", ""] + [f"- {run['name']}: `{run['command']}`" for run in runs[:4]]
     if len(runs) > 4:
         lines.append(f"- … {len(runs) - 4} more, same flags with the seed / width / model changed")
     return "\n".join(lines)
+
+
+def _scored(meta: dict, run_records: list) -> dict:
+    """One run's entry of the report: how it was made, and its series replayed through today's default rules."""
+    scores = replay(run_records)
+    return {**meta, "scores": scores, "alarms": sum(s.alarms for s in scores.values()),
+            "evaluations": sum(s.evaluations for s in scores.values())}
 
 
 def main(argv=None):
@@ -167,7 +196,10 @@ def main(argv=None):
     p.add_argument("--tuning-run", action="store_true", help="allow tuning seeds (the report says so)")
     p.add_argument("--scale-evaluations", type=float, default=1e4)
     p.add_argument("--scale-series", type=float, default=1e3)
-    p.add_argument("--no-write", action="store_true")
+    p.add_argument("--no-write", action="store_true", help="write neither the results nor the corpus")
+    p.add_argument("--corpus-dir", default=str(CORPUS), help="the clean corpus (default: %(default)s)")
+    p.add_argument("--from-corpus", action="store_true",
+                   help="replay the corpus files (those of --plan, if given) instead of training")
     args = parse_study_args(p, argv)
     plan = parse_plan(args.plan, args.seeds, args.widths, args.models, args.steps)
     try:  # the plan's seeds pass the same tuning-seed check as --seeds
@@ -176,18 +208,32 @@ def main(argv=None):
         p.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     runs = []
+    if args.from_corpus:
+        for path in sorted(Path(args.corpus_dir).glob("*.json.gz")):
+            corpus = clean_corpus.read(path)
+            meta = corpus["meta"]
+            if (meta["model"], meta["width"], meta["steps"], meta["seed"]) not in plan and args.plan:
+                continue
+            try:
+                check_reporting_seeds([meta["seed"]], args.tuning_run)
+            except ValueError as e:
+                p.error(f"{path}: {e}")
+            runs.append(_scored(meta, clean_corpus.records(corpus)))
+        if not runs:
+            p.error(f"--from-corpus: no corpus file of the plan under {args.corpus_dir}")
     with tempfile.TemporaryDirectory(prefix="mech_fa_") as tmp:
         work = Path(args.runs_dir or tmp)
-        for model, width, steps, seed in plan:
+        for model, width, steps, seed in ([] if args.from_corpus else plan):
             name = f"{model}_h{width}_s{seed}"
             t0 = time.perf_counter()
             run = train_run(work / name, [*model_flags(width, model == "moe"), "--seed", str(seed)], steps,
                             reuse=args.reuse)
-            scores = replay(run["records"])
-            runs.append({"name": name, "model": model, "width": width, "seed": seed, "steps": steps,
-                         "scores": scores, "command": run["command"], "alerts_fired": len(run["alerts_fired"])})
-            logger.info(f"{name}: {sum(s.alarms for s in scores.values())} alarms over "
-                        f"{sum(s.evaluations for s in scores.values())} series-evaluations "
+            meta = {"name": name, "model": model, "width": width, "seed": seed, "steps": steps,
+                    "command": run["command"].replace(str(work), "RUNS")}  # no machine's folder in the corpus
+            if not args.no_write:
+                clean_corpus.write(Path(args.corpus_dir) / f"{name}.json.gz", clean_corpus.pack(run["records"], meta))
+            runs.append(_scored(meta, run["records"]))
+            logger.info(f"{name}: {runs[-1]['alarms']} alarms over {runs[-1]['evaluations']} series-evaluations "
                         f"({time.perf_counter() - t0:.0f}s)")
     summary = summarize(runs, args.scale_evaluations, args.scale_series)
     text = report(args, runs, summary)
