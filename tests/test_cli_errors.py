@@ -110,3 +110,49 @@ def test_worker_reason_from_a_traceback():
              "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: "]
     assert worker_reason(lines) == "ValueError: checkpoint tracker /r/latest_checkpointed_iteration.txt holds 'abc'"
     assert worker_reason(["[train] step 1", "done"]) is None
+
+
+def cli_env(*args, pythonpath=()):
+    """``megatron-mech ARGS`` in a subprocess whose ``PYTHONPATH`` starts with ``pythonpath`` (then the checkout)."""
+    import os
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*map(str, pythonpath), str(REPO_ROOT)]))
+    return subprocess.run([sys.executable, "-m", "megatron_mech.cli", *args], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=300, env=env)
+
+
+def small_log(run_dir):
+    """A real ``mech.jsonl`` of three records, written by the package's own sink."""
+    from megatron_mech.records.sinks import JSONL_NAME, JsonlSink, make_record
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with JsonlSink(run_dir / JSONL_NAME) as sink:
+        for step in (10, 20, 30):
+            sink.write(make_record(step, {"loss": 4.0 - step / 100}, {"attn/layer0/dwq_entropy": 0.8}, []))
+    return run_dir / JSONL_NAME
+
+
+def test_report_refuses_a_file_that_is_not_a_log_in_one_line(tmp_path):
+    """``report`` on a text or binary file used to print one warning per line (hundreds) before "holds no
+    records". A user who points it at the wrong file expects to be told so once: a file whose first lines are not
+    JSON records is refused with one line naming it (exit code 2). A real log damaged further on is still drawn
+    from its good records, with a bounded number of warnings and a count of the rest."""
+    import os
+
+    text = tmp_path / "notes.txt"
+    text.write_text("".join(f"line {i} of some notes\n" for i in range(350)))
+    binary = tmp_path / "blob.bin"
+    binary.write_bytes(os.urandom(64) + b"".join(bytes([i % 256]) * 20 + b"\n" for i in range(350)))
+    for path in (text, binary):
+        out = cli_env("report", str(path), "--out-dir", str(tmp_path / "out"))
+        assert out.returncode == 2, out.stderr[-3000:]
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and str(path) in lines[0] and "not a megatron-mech log" in lines[0], lines[:5]
+    log = small_log(tmp_path / "run")
+    good = log.read_text().splitlines()
+    log.write_text("\n".join(good[:2] + [f"garbage {i}" for i in range(300)] + good[2:]) + "\n")
+    out = cli_env("report", str(tmp_path / "run"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    warned = [line for line in out.stderr.splitlines() if "skipping corrupt line" in line]
+    assert len(warned) == 10, out.stderr[-3000:]
+    assert "290 more lines were not JSON records" in out.stderr

@@ -42,6 +42,8 @@ REPORT_MD = "report.md"
 FAMILY_COLORS = {"attention": "#d62728", "router": "#ff7f0e", "symptom": "#222222"}
 _FAMILY_STYLE = {"attention": "--", "router": "-.", "symptom": ":"}
 MAX_GENERIC_PANELS = 8
+#: A file none of whose first lines is a record is refused as not a log (a wrong path), not warned line by line.
+REFUSE_AFTER_LINES = 5
 
 Series = tuple[list[int], list[float]]
 
@@ -501,7 +503,7 @@ def run_report(args: argparse.Namespace) -> int:
     out_dir = getattr(args, "out_dir", None)
     try:
         jsonl = resolve_jsonl(args.run_dir)
-        records = read_jsonl(jsonl)
+        records = read_jsonl(jsonl, first_lines=REFUSE_AFTER_LINES)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
