@@ -87,7 +87,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
     error = _check_counts(nproc=args.nproc, steps=args.steps)
     cmd = train_command(args.nproc, args.steps, args.out, args.dense, args.extra)
-    error = error or check_training_flags(cmd, args.nproc)
+    error = error or check_training_flags(cmd, args.nproc) or missing_plot_package()
     if error:
         print(f"megatron-mech train: error: {error}", file=sys.stderr)
         return 2
@@ -133,7 +133,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-from megatron_mech.records.report import add_report_arguments, run_report  # noqa: E402  (cheap: no matplotlib/torch)
+from megatron_mech.records.report import add_report_arguments, missing_plot_package, run_report  # noqa: E402  (cheap)
 
 # ---------------------------------------------------------------------------------------------------
 # patch: the Megatron-LM patch set

@@ -132,6 +132,27 @@ def small_log(run_dir):
     return run_dir / JSONL_NAME
 
 
+def test_report_without_matplotlib_names_the_package_and_the_extra(tmp_path):
+    """``report`` where matplotlib cannot be imported: one line naming the package and the install command, exit
+    code 2, no traceback. matplotlib is made absent for the subprocess only: a directory first on its PYTHONPATH
+    holds a ``matplotlib`` package whose import raises ModuleNotFoundError, as a missing one does (no mock)."""
+    hidden = tmp_path / "hide"
+    (hidden / "matplotlib").mkdir(parents=True)
+    (hidden / "matplotlib" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'matplotlib'\", name='matplotlib')\n")
+    small_log(tmp_path / "run")
+    out = cli_env("report", str(tmp_path / "run"), pythonpath=[hidden])
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "matplotlib" in lines[0] and "pip install 'megatron-mech[viz]'" in lines[0], lines
+    assert not (tmp_path / "run" / "report.md").exists()
+    # `train` ends with the same report: it refuses before launching anything, not after the training
+    out = cli_env("train", "--nproc", "1", "--steps", "20", "--out", str(tmp_path / "t"), pythonpath=[hidden])
+    assert out.returncode == 2 and "pip install 'megatron-mech[viz]'" in out.stderr, out.stderr[-3000:]
+    assert "torch.distributed.run" not in out.stdout
+
+
 def test_report_refuses_a_file_that_is_not_a_log_in_one_line(tmp_path):
     """``report`` on a text or binary file used to print one warning per line (hundreds) before "holds no
     records". A user who points it at the wrong file expects to be told so once: a file whose first lines are not
