@@ -82,12 +82,26 @@ def _check_counts(**counts: int) -> Optional[str]:
     return None
 
 
+def _train_run_error(cmd: List[str], steps: int) -> Optional[str]:
+    """What would end a ``train`` run with no report, found before launching: a run shorter than the evaluation
+    interval (nothing recorded)."""
+    from megatron_mech.megatron.flags import build_parser
+
+    flags = build_parser().parse_args(cmd[cmd.index("megatron_mech.megatron.pretrain_gpt") + 1:])
+    if steps < flags.mech_interval:
+        return (f"--steps {steps} is shorter than --mech-interval {flags.mech_interval}: the monitors first evaluate "
+                f"at step {flags.mech_interval}, so the run would record nothing to report. Use --steps "
+                f"{flags.mech_interval} or more, or a shorter interval after '--' (e.g. -- --mech-interval {steps})")
+    return None
+
+
 def _run_train(args: argparse.Namespace) -> int:
     import os
 
     error = _check_counts(nproc=args.nproc, steps=args.steps)
     cmd = train_command(args.nproc, args.steps, args.out, args.dense, args.extra)
-    error = error or check_training_flags(cmd, args.nproc) or missing_plot_package()
+    error = (error or check_training_flags(cmd, args.nproc) or missing_plot_package()
+             or _train_run_error(cmd, args.steps))
     if error:
         print(f"megatron-mech train: error: {error}", file=sys.stderr)
         return 2

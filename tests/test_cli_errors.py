@@ -177,3 +177,17 @@ def test_report_refuses_a_file_that_is_not_a_log_in_one_line(tmp_path):
     warned = [line for line in out.stderr.splitlines() if "skipping corrupt line" in line]
     assert len(warned) == 10, out.stderr[-3000:]
     assert "290 more lines were not JSON records" in out.stderr
+
+
+def test_train_shorter_than_the_evaluation_interval_is_refused_before_training(tmp_path):
+    """``train --steps 1`` used to train and then fail on an empty log ("holds no records"): no evaluation
+    happens before the first multiple of --mech-interval. A user running the product's train-then-report command
+    wants the report, so a run too short for one evaluation is refused before anything launches, naming both flags
+    and both ways out (nothing trains here)."""
+    out = cli("train", "--nproc", "1", "--steps", "1", "--out", str(tmp_path / "a"))
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "--steps 1 is shorter than --mech-interval 10" in out.stderr
+    assert "torch.distributed.run" not in out.stdout
+    out = cli("train", "--nproc", "1", "--steps", "4", "--out", str(tmp_path / "b"), "--", "--mech-interval", "5")
+    assert out.returncode == 2 and "--steps 4 is shorter than --mech-interval 5" in out.stderr, out.stderr[-2000:]
+    assert "torch.distributed.run" not in out.stdout
