@@ -83,15 +83,21 @@ def _check_counts(**counts: int) -> Optional[str]:
 
 
 def _train_run_error(cmd: List[str], steps: int) -> Optional[str]:
-    """What would end a ``train`` run with no report, found before launching: a run shorter than the evaluation
-    interval (nothing recorded)."""
+    """What would end a ``train`` run with no report, or be refused by every worker, found before launching: a run
+    shorter than the evaluation interval (nothing recorded), or an output directory the entry point refuses (its
+    own rule, so the command exits 2 as documented instead of with torchrun's 1)."""
     from megatron_mech.megatron.flags import build_parser
+    from megatron_mech.megatron.run_directory import check_run_directories
 
     flags = build_parser().parse_args(cmd[cmd.index("megatron_mech.megatron.pretrain_gpt") + 1:])
     if steps < flags.mech_interval:
         return (f"--steps {steps} is shorter than --mech-interval {flags.mech_interval}: the monitors first evaluate "
                 f"at step {flags.mech_interval}, so the run would record nothing to report. Use --steps "
                 f"{flags.mech_interval} or more, or a shorter interval after '--' (e.g. -- --mech-interval {steps})")
+    try:
+        check_run_directories(flags)
+    except ValueError as exc:
+        return str(exc)
     return None
 
 
@@ -109,9 +115,11 @@ def _run_train(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     print("+ " + " ".join(cmd), flush=True)
-    code, _ = run_training(cmd, env)
+    code, reason = run_training(cmd, env)
     if code != 0:
-        return code
+        # torchrun exits 1 whatever its workers' code; a refusal of the entry point's start-up checks is a usage
+        # error (2, as documented) should one get past the checks above
+        return 2 if reason and reason.startswith("pretrain_gpt: error:") else code
     return run_report(argparse.Namespace(run_dir=args.out, out=None, metrics=None))
 
 

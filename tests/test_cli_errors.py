@@ -191,3 +191,14 @@ def test_train_shorter_than_the_evaluation_interval_is_refused_before_training(t
     out = cli("train", "--nproc", "1", "--steps", "4", "--out", str(tmp_path / "b"), "--", "--mech-interval", "5")
     assert out.returncode == 2 and "--steps 4 is shorter than --mech-interval 5" in out.stderr, out.stderr[-2000:]
     assert "torch.distributed.run" not in out.stdout
+
+
+def test_train_into_a_directory_holding_a_run_exits_2_before_launching(tmp_path):
+    """The README: a fresh run into a directory that already holds a run is refused with one line, exit code 2.
+    ``megatron-mech train --out DIR`` on such a DIR used to launch torchrun, whose workers refused it, and exit
+    with torchrun's 1."""
+    small_log(tmp_path / "run")
+    out = cli("train", "--nproc", "1", "--steps", "10", "--out", str(tmp_path / "run"))
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert f"{tmp_path / 'run'} already holds a run" in out.stderr and "--overwrite-run" in out.stderr
+    assert "torch.distributed.run" not in out.stdout
