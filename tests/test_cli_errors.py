@@ -202,3 +202,14 @@ def test_train_into_a_directory_holding_a_run_exits_2_before_launching(tmp_path)
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     assert f"{tmp_path / 'run'} already holds a run" in out.stderr and "--overwrite-run" in out.stderr
     assert "torch.distributed.run" not in out.stdout
+
+
+def test_misspelt_mech_flag_gets_the_closest_name(tmp_path):
+    """A misspelt ``--mech-*`` flag is refused naming the closest valid flag (Python 3.11's argparse suggests
+    nothing for options), with either spelling of a value."""
+    for flag in (["--mech-intervall", "5"], ["--mech-intervall=5"]):
+        out = cli("train", "--nproc", "1", "--steps", "10", "--out", str(tmp_path / "run"), "--", *flag)
+        assert out.returncode == 2, out.stderr[-2000:]
+        assert "unrecognized arguments: " in out.stderr and "did you mean --mech-interval?" in out.stderr, \
+            out.stderr[-2000:]
+        assert "torch.distributed.run" not in out.stdout
