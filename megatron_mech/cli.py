@@ -82,12 +82,32 @@ def _check_counts(**counts: int) -> Optional[str]:
     return None
 
 
+def _train_run_error(cmd: List[str], steps: int) -> Optional[str]:
+    """What would end a ``train`` run with no report, or be refused by every worker, found before launching: a run
+    shorter than the evaluation interval (nothing recorded), or an output directory the entry point refuses (its
+    own rule, so the command exits 2 as documented instead of with torchrun's 1)."""
+    from megatron_mech.megatron.flags import build_parser
+    from megatron_mech.megatron.run_directory import check_run_directories
+
+    flags = build_parser().parse_args(cmd[cmd.index("megatron_mech.megatron.pretrain_gpt") + 1:])
+    if steps < flags.mech_interval:
+        return (f"--steps {steps} is shorter than --mech-interval {flags.mech_interval}: the monitors first evaluate "
+                f"at step {flags.mech_interval}, so the run would record nothing to report. Use --steps "
+                f"{flags.mech_interval} or more, or a shorter interval after '--' (e.g. -- --mech-interval {steps})")
+    try:
+        check_run_directories(flags)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def _run_train(args: argparse.Namespace) -> int:
     import os
 
     error = _check_counts(nproc=args.nproc, steps=args.steps)
     cmd = train_command(args.nproc, args.steps, args.out, args.dense, args.extra)
-    error = error or check_training_flags(cmd, args.nproc)
+    error = (error or check_training_flags(cmd, args.nproc) or missing_plot_package()
+             or _train_run_error(cmd, args.steps))
     if error:
         print(f"megatron-mech train: error: {error}", file=sys.stderr)
         return 2
@@ -95,9 +115,11 @@ def _run_train(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     print("+ " + " ".join(cmd), flush=True)
-    code, _ = run_training(cmd, env)
+    code, reason = run_training(cmd, env)
     if code != 0:
-        return code
+        # torchrun exits 1 whatever its workers' code; a refusal of the entry point's start-up checks is a usage
+        # error (2, as documented) should one get past the checks above
+        return 2 if reason and reason.startswith("pretrain_gpt: error:") else code
     return run_report(argparse.Namespace(run_dir=args.out, out=None, metrics=None))
 
 
@@ -133,7 +155,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-from megatron_mech.records.report import add_report_arguments, run_report  # noqa: E402  (cheap: no matplotlib/torch)
+from megatron_mech.records.report import add_report_arguments, missing_plot_package, run_report  # noqa: E402  (cheap)
 
 # ---------------------------------------------------------------------------------------------------
 # patch: the Megatron-LM patch set

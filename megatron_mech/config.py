@@ -29,7 +29,7 @@ import argparse
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from megatron_mech.core.checks import is_int
 from megatron_mech.core.detect import DetectorConfig
@@ -248,11 +248,13 @@ class MechConfig:
 
     # ---------------------------------------------------------------------------------------- dicts
     @classmethod
-    def from_dict(cls, data: Optional[Mapping[str, Any]], where: str = "mech") -> "MechConfig":
+    def from_dict(cls, data: Optional[Mapping[str, Any]], where: str = "mech",
+                  other_keys: Sequence[str] = ()) -> "MechConfig":
         """From a plain dict (e.g. the ``"mech"`` section of a DeepSpeed config); unknown keys and values of the
-        wrong type raise ``ValueError`` naming their path (``mech.monitors.intervall``, ``mech.mols.enabled:
-        expected a boolean, got the string 'false'``)."""
-        return section_from_dict(cls, data, where)
+        wrong type raise ``ValueError`` naming their path and the closest known key (``mech.monitors: unknown
+        key(s) 'intervall' (did you mean 'interval'?)``, ``mech.mols.enabled: expected a boolean, got the string
+        'false'``). ``other_keys``: keys of the section that the caller has taken out (e.g. ``"deepspeed"``)."""
+        return section_from_dict(cls, data, where, other_keys)
 
     def to_dict(self) -> dict:
         """Plain types; ``MechConfig.from_dict(c.to_dict()) == c``."""

@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import typing
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 from megatron_mech.core.settings import field_doc, field_flag, field_key, option  # noqa: F401  (re-exported)
 
-__all__ = ["option", "add_section_flags", "check_mapping", "file_path", "section_from_flags", "section_from_dict",
-           "section_to_dict", "settings_of", "settings_values", "field_doc", "field_flag", "field_key"]
+__all__ = ["option", "add_section_flags", "check_mapping", "closest_name", "file_path", "section_from_flags",
+           "section_from_dict", "section_to_dict", "settings_of", "settings_values", "field_doc", "field_flag",
+           "field_key"]
 
 _MISSING = dataclasses.MISSING
 
@@ -37,6 +39,15 @@ def file_path(text: str) -> str:
     if "\0" in text:
         raise argparse.ArgumentTypeError(f"a path cannot hold a NUL byte, got {text!r}")
     return text
+
+
+def closest_name(name: Any, known: Iterable[str]) -> Optional[str]:
+    """The name in ``known`` closest to a misspelt ``name`` (``difflib``'s default cutoff), or None: the hint an
+    unknown key or flag is refused with."""
+    if not isinstance(name, str):
+        return None
+    matches = difflib.get_close_matches(name, list(known), n=1)
+    return matches[0] if matches else None
 
 
 def _default_of(f: dataclasses.Field) -> Any:
@@ -94,8 +105,9 @@ def section_from_flags(section: type, args: argparse.Namespace, **unflagged) -> 
     return section(**values)
 
 
-def section_from_dict(section: type, data: Optional[Mapping], where: str) -> Any:
-    """Build ``section`` from a plain dict (``None``: every default).
+def section_from_dict(section: type, data: Optional[Mapping], where: str, other_keys: Sequence[str] = ()) -> Any:
+    """Build ``section`` from a plain dict (``None``: every default). ``other_keys``: keys the caller takes out of
+    ``data`` at this level before (named in the message about an unknown key, as the closest match or as known).
 
     Every value is checked against its field's declaration before the section is built: the annotation
     (``bool``, ``int``, ``float`` — an int is accepted and made a float —, ``str``, ``Optional[...]`` allows
@@ -110,8 +122,10 @@ def section_from_dict(section: type, data: Optional[Mapping], where: str) -> Any
     fields = {f.name: f for f in dataclasses.fields(section)}
     unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
-        raise ValueError(f"{where}: unknown key(s) {', '.join(repr(k) for k in unknown)}; "
-                         f"known keys: {', '.join(fields)}")
+        known = [*fields, *other_keys]
+        named = [f"{k!r} (did you mean {closest!r}?)" if (closest := closest_name(k, known)) else repr(k)
+                 for k in unknown]
+        raise ValueError(f"{where}: unknown key(s) {', '.join(named)}; known keys: {', '.join(known)}")
     hints = typing.get_type_hints(section)
     values = {}
     for name, value in data.items():

@@ -110,3 +110,106 @@ def test_worker_reason_from_a_traceback():
              "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: "]
     assert worker_reason(lines) == "ValueError: checkpoint tracker /r/latest_checkpointed_iteration.txt holds 'abc'"
     assert worker_reason(["[train] step 1", "done"]) is None
+
+
+def cli_env(*args, pythonpath=()):
+    """``megatron-mech ARGS`` in a subprocess whose ``PYTHONPATH`` starts with ``pythonpath`` (then the checkout)."""
+    import os
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*map(str, pythonpath), str(REPO_ROOT)]))
+    return subprocess.run([sys.executable, "-m", "megatron_mech.cli", *args], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=300, env=env)
+
+
+def small_log(run_dir):
+    """A real ``mech.jsonl`` of three records, written by the package's own sink."""
+    from megatron_mech.records.sinks import JSONL_NAME, JsonlSink, make_record
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with JsonlSink(run_dir / JSONL_NAME) as sink:
+        for step in (10, 20, 30):
+            sink.write(make_record(step, {"loss": 4.0 - step / 100}, {"attn/layer0/dwq_entropy": 0.8}, []))
+    return run_dir / JSONL_NAME
+
+
+def test_report_without_matplotlib_names_the_package_and_the_extra(tmp_path):
+    """``report`` where matplotlib cannot be imported: one line naming the package and the install command, exit
+    code 2, no traceback. matplotlib is made absent for the subprocess only: a directory first on its PYTHONPATH
+    holds a ``matplotlib`` package whose import raises ModuleNotFoundError, as a missing one does (no mock)."""
+    hidden = tmp_path / "hide"
+    (hidden / "matplotlib").mkdir(parents=True)
+    (hidden / "matplotlib" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'matplotlib'\", name='matplotlib')\n")
+    small_log(tmp_path / "run")
+    out = cli_env("report", str(tmp_path / "run"), pythonpath=[hidden])
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "matplotlib" in lines[0] and "pip install 'megatron-mech[viz]'" in lines[0], lines
+    assert not (tmp_path / "run" / "report.md").exists()
+    # `train` ends with the same report: it refuses before launching anything, not after the training
+    out = cli_env("train", "--nproc", "1", "--steps", "20", "--out", str(tmp_path / "t"), pythonpath=[hidden])
+    assert out.returncode == 2 and "pip install 'megatron-mech[viz]'" in out.stderr, out.stderr[-3000:]
+    assert "torch.distributed.run" not in out.stdout
+
+
+def test_report_refuses_a_file_that_is_not_a_log_in_one_line(tmp_path):
+    """``report`` on a text or binary file used to print one warning per line (hundreds) before "holds no
+    records". A user who points it at the wrong file expects to be told so once: a file whose first lines are not
+    JSON records is refused with one line naming it (exit code 2). A real log damaged further on is still drawn
+    from its good records, with a bounded number of warnings and a count of the rest."""
+    import os
+
+    text = tmp_path / "notes.txt"
+    text.write_text("".join(f"line {i} of some notes\n" for i in range(350)))
+    binary = tmp_path / "blob.bin"
+    binary.write_bytes(os.urandom(64) + b"".join(bytes([i % 256]) * 20 + b"\n" for i in range(350)))
+    for path in (text, binary):
+        out = cli_env("report", str(path), "--out-dir", str(tmp_path / "out"))
+        assert out.returncode == 2, out.stderr[-3000:]
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and str(path) in lines[0] and "not a megatron-mech log" in lines[0], lines[:5]
+    log = small_log(tmp_path / "run")
+    good = log.read_text().splitlines()
+    log.write_text("\n".join(good[:2] + [f"garbage {i}" for i in range(300)] + good[2:]) + "\n")
+    out = cli_env("report", str(tmp_path / "run"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    warned = [line for line in out.stderr.splitlines() if "skipping corrupt line" in line]
+    assert len(warned) == 10, out.stderr[-3000:]
+    assert "290 more lines were not JSON records" in out.stderr
+
+
+def test_train_shorter_than_the_evaluation_interval_is_refused_before_training(tmp_path):
+    """``train --steps 1`` used to train and then fail on an empty log ("holds no records"): no evaluation
+    happens before the first multiple of --mech-interval. A user running the product's train-then-report command
+    wants the report, so a run too short for one evaluation is refused before anything launches, naming both flags
+    and both ways out (nothing trains here)."""
+    out = cli("train", "--nproc", "1", "--steps", "1", "--out", str(tmp_path / "a"))
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "--steps 1 is shorter than --mech-interval 10" in out.stderr
+    assert "torch.distributed.run" not in out.stdout
+    out = cli("train", "--nproc", "1", "--steps", "4", "--out", str(tmp_path / "b"), "--", "--mech-interval", "5")
+    assert out.returncode == 2 and "--steps 4 is shorter than --mech-interval 5" in out.stderr, out.stderr[-2000:]
+    assert "torch.distributed.run" not in out.stdout
+
+
+def test_train_into_a_directory_holding_a_run_exits_2_before_launching(tmp_path):
+    """The README: a fresh run into a directory that already holds a run is refused with one line, exit code 2.
+    ``megatron-mech train --out DIR`` on such a DIR used to launch torchrun, whose workers refused it, and exit
+    with torchrun's 1."""
+    small_log(tmp_path / "run")
+    out = cli("train", "--nproc", "1", "--steps", "10", "--out", str(tmp_path / "run"))
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert f"{tmp_path / 'run'} already holds a run" in out.stderr and "--overwrite-run" in out.stderr
+    assert "torch.distributed.run" not in out.stdout
+
+
+def test_misspelt_mech_flag_gets_the_closest_name(tmp_path):
+    """A misspelt ``--mech-*`` flag is refused naming the closest valid flag (Python 3.11's argparse suggests
+    nothing for options), with either spelling of a value."""
+    for flag in (["--mech-intervall", "5"], ["--mech-intervall=5"]):
+        out = cli("train", "--nproc", "1", "--steps", "10", "--out", str(tmp_path / "run"), "--", *flag)
+        assert out.returncode == 2, out.stderr[-2000:]
+        assert "unrecognized arguments: " in out.stderr and "did you mean --mech-interval?" in out.stderr, \
+            out.stderr[-2000:]
+        assert "torch.distributed.run" not in out.stdout

@@ -73,6 +73,27 @@ def test_dict_round_trip_and_unknown_keys_are_named():
         MechConfig.from_dict({"mols": 3})
 
 
+def test_misspelt_key_of_a_deepspeed_config_gets_the_closest_name(tmp_path):
+    """A misspelt key in a DeepSpeed config file's "mech" section is refused naming its path and the closest
+    valid key at its level, the DeepSpeed-only "deepspeed" subsection included; a key like none gets no guess."""
+    import json
+
+    from megatron_mech.deepspeed.config import parse_section, read_section
+
+    for section, message in (({"monitors": {"intervall": 5}}, "mech.monitors: unknown key(s) 'intervall' "
+                                                              "(did you mean 'interval'?)"),
+                             ({"mols": {"windw": 20}}, "mech.mols: unknown key(s) 'windw' (did you mean 'window'?)"),
+                             ({"deepsped": {}}, "mech: unknown key(s) 'deepsped' (did you mean 'deepspeed'?)"),
+                             ({"deepspeed": {"attention_layot": "auto"}},
+                              "mech.deepspeed: unknown key(s) 'attention_layot' (did you mean 'attention_layout'?)"),
+                             ({"monitors": {"zzz": 1}}, "mech.monitors: unknown key(s) 'zzz'; known keys:")):
+        path = tmp_path / "ds_config.json"
+        path.write_text(json.dumps({"train_batch_size": 8, "mech": section}))
+        with pytest.raises(ValueError) as info:
+            parse_section(read_section(str(path)))
+        assert message in str(info.value), str(info.value)
+
+
 def test_dict_round_trip_of_a_config_with_every_kind_of_field_set():
     """bool, int, float (given as an int), str, Optional, nargs lists of str/int/float, nested sections."""
     c = MechConfig(monitors=MonitorConfig(families=(), interval=3, dw_scope="slice", qk_terms=("delta1", "delta3"),

@@ -68,7 +68,7 @@ def parse_section(section: Optional[Mapping[str, Any]]) -> tuple[MechConfig, Dee
     if ds is not _ABSENT:
         check_mapping(ds, f"{SECTION}.deepspeed")  # null too: like every nested section, an object when present
         options = section_from_dict(DeepSpeedOptions, ds, f"{SECTION}.deepspeed")
-    config = MechConfig.from_dict(section, SECTION)
+    config = MechConfig.from_dict(section, SECTION, other_keys=("deepspeed",))
     if config.monitors.all_linears:
         raise ValueError("mech.monitors.all_linears is not available in the DeepSpeed adapter (attention Q/K and "
                          "routers only)")

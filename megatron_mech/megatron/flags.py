@@ -6,8 +6,10 @@ import argparse
 from typing import Optional, Sequence
 
 from megatron_mech.config import MechConfig
+from megatron_mech.options import closest_name
 
-__all__ = ["add_arguments", "build_parser", "check_args", "extensions_from_args", "lr_warmup_steps", "train_steps", "validate_parallel_sizes"]
+__all__ = ["FlagParser", "add_arguments", "build_parser", "check_args", "extensions_from_args",
+           "lr_warmup_steps", "train_steps", "validate_parallel_sizes"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -40,10 +42,24 @@ def lr_warmup_steps(args) -> Optional[int]:
     return 0
 
 
+class FlagParser(argparse.ArgumentParser):
+    """argparse, refusing each unrecognized flag with the closest valid one (``--mech-intervall``: did you mean
+    ``--mech-interval``?): argparse itself suggests only among a subcommand's choices, and not before Python 3.12."""
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            flags = [flag for flag in self._option_string_actions if flag.startswith("--")]
+            hints = [f"{extra.split('=', 1)[0]}: did you mean {closest}?" for extra in extras
+                     if extra.startswith("--") and (closest := closest_name(extra.split("=", 1)[0], flags))]
+            self.error(f"unrecognized arguments: {' '.join(extras)}" + (f" ({'; '.join(hints)})" if hints else ""))
+        return parsed
+
+
 def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
     """The entry point's flags: Megatron-LM's names for the model, training, data and checkpoints, plus every
     ``--mech-*`` flag."""
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = FlagParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model")
     m.add_argument("--num-layers", type=int, default=4)
     m.add_argument("--hidden-size", type=int, default=128)

@@ -34,7 +34,8 @@ from megatron_mech.core.detect import FAMILIES, Alert
 from megatron_mech.records.sinks import JSONL_NAME, read_jsonl, record_alerts
 
 __all__ = ["REPORT_PNG", "REPORT_MD", "FAMILY_COLORS", "resolve_jsonl", "run_name", "collect_series",
-           "collect_alerts", "build_figure", "plot_run", "summarize_run", "add_report_arguments", "run_report"]
+           "collect_alerts", "build_figure", "plot_run", "summarize_run", "add_report_arguments",
+           "missing_plot_package", "run_report"]
 
 REPORT_PNG = "report.png"
 REPORT_MD = "report.md"
@@ -42,6 +43,8 @@ REPORT_MD = "report.md"
 FAMILY_COLORS = {"attention": "#d62728", "router": "#ff7f0e", "symptom": "#222222"}
 _FAMILY_STYLE = {"attention": "--", "router": "-.", "symptom": ":"}
 MAX_GENERIC_PANELS = 8
+#: A file none of whose first lines is a record is refused as not a log (a wrong path), not warned line by line.
+REFUSE_AFTER_LINES = 5
 
 Series = tuple[list[int], list[float]]
 
@@ -495,13 +498,28 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
                              "'attn/layer1/*' (the loss panel is always drawn)")
 
 
+def missing_plot_package() -> str | None:
+    """Why no report can be drawn here, as one line with the install command (matplotlib cannot be imported), or
+    None. The ``report`` and ``train`` commands check it first: a bare ImportError would end ``train`` only after
+    the whole run."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        return f"the report is drawn with matplotlib, which cannot be imported ({e}): pip install 'megatron-mech[viz]'"
+    return None
+
+
 def run_report(args: argparse.Namespace) -> int:
-    """Write the PNG and ``report.md``, print their paths. Returns 0, or 2 (message on stderr) when the log is
-    missing, empty or has nothing to draw."""
+    """Write the PNG and ``report.md``, print their paths. Returns 0, or 2 (message on stderr) when matplotlib is
+    missing, or the log is missing, empty, not a log or has nothing to draw."""
     out_dir = getattr(args, "out_dir", None)
+    missing = missing_plot_package()
+    if missing:
+        print(f"error: {missing}", file=sys.stderr)
+        return 2
     try:
         jsonl = resolve_jsonl(args.run_dir)
-        records = read_jsonl(jsonl)
+        records = read_jsonl(jsonl, first_lines=REFUSE_AFTER_LINES)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -248,38 +248,68 @@ def _parse_line(raw: bytes) -> Any:
     return json.loads(raw.decode("utf-8"), parse_float=_finite_float, parse_int=_double_sized_int)
 
 
-def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+#: Unusable lines of one log warned about one by one; the rest are counted in one more warning (a file that is
+#: not a log at all would otherwise bury the output under a warning per line).
+MAX_LINE_WARNINGS = 10
+
+
+def read_jsonl(path: str | os.PathLike, *, first_lines: int = 0) -> list[dict[str, Any]]:
     """All records of a JSONL log, decoded (non-finite strings back to floats).
 
     A line that cannot be used — truncated (normally the last one, left by a crash mid-write), not UTF-8, not
     JSON, nested too deep to parse, holding a number beyond the largest double, or not a record (``step`` not an
     int, ``metrics`` not an object, an alert without its fields or with a step that is not a finite integer) —
-    is skipped with a :class:`RuntimeWarning` naming the file and line; blank lines are ignored.
+    is skipped with a :class:`RuntimeWarning` naming the file and line; blank lines are ignored. After
+    :data:`MAX_LINE_WARNINGS` such warnings, one more counts the lines skipped without one.
+
+    ``first_lines``: when > 0, a file none of whose first ``first_lines`` non-blank lines is a record, or that holds
+    no record and more than a truncated last line, raises ``ValueError`` naming it, before any warning: it is not
+    a log (a text or binary file given by mistake), while a log damaged further on keeps its good records.
     """
     path = Path(path)
     lines = path.read_bytes().split(b"\n")
     last = max((i for i, ln in enumerate(lines) if ln.strip()), default=-1)
-    records = []
+    records, problems = [], []
     for i, raw in enumerate(lines):
         if not raw.strip():
             continue
         try:
-            try:
-                obj = _parse_line(raw)
-                if not isinstance(obj, dict):
-                    raise ValueError(f"not a JSON object: {type(obj).__name__}")
-                obj = decode_record(obj)
-            except RecursionError:
-                raise ValueError("nested too deeply") from None
-            problem = _record_problem(obj)
-            if problem:
-                raise ValueError(problem)
+            records.append(_line_record(raw))
         except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-            where = "truncated last line (crash mid-write?)" if i == last else "corrupt line"
-            warnings.warn(f"{path}:{i + 1}: skipping {where}: {e}", RuntimeWarning, stacklevel=2)
-            continue
-        records.append(obj)
+            problems.append((i, e))
+            if first_lines and not records and i != last and len(problems) == first_lines:
+                raise _not_a_log(path, problems, f"first {first_lines} lines") from None
+    if first_lines and not records and any(i != last for i, _ in problems):
+        raise _not_a_log(path, problems, f"{len(problems)} non-blank lines")
+    for i, e in problems[:MAX_LINE_WARNINGS]:
+        where = "truncated last line (crash mid-write?)" if i == last else "corrupt line"
+        warnings.warn(f"{path}:{i + 1}: skipping {where}: {e}", RuntimeWarning, stacklevel=2)
+    if len(problems) > MAX_LINE_WARNINGS:
+        warnings.warn(f"{path}: {len(problems) - MAX_LINE_WARNINGS} more lines were not JSON records (skipped, "
+                      f"lines {problems[MAX_LINE_WARNINGS][0] + 1}–{problems[-1][0] + 1})", RuntimeWarning,
+                      stacklevel=2)
     return records
+
+
+def _not_a_log(path: Path, problems: list, which: str) -> ValueError:
+    line, first = problems[0]
+    return ValueError(f"{path} is not a megatron-mech log: none of its {which} is a JSON record (line {line + 1}: "
+                      f"{first})")
+
+
+def _line_record(raw: bytes) -> dict[str, Any]:
+    """One line of a log as a decoded record; ``ValueError`` saying why it is not one."""
+    try:
+        obj = _parse_line(raw)
+        if not isinstance(obj, dict):
+            raise ValueError(f"not a JSON object: {type(obj).__name__}")
+        obj = decode_record(obj)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    problem = _record_problem(obj)
+    if problem:
+        raise ValueError(problem)
+    return obj
 
 
 def read_alerts(path: str | os.PathLike) -> list[Alert]:
