@@ -70,3 +70,27 @@ def test_launcher_refuses_a_fresh_run_into_a_previous_run(tmp_path):
     over = launch("--steps", "4", "--output-dir", str(out), "--save", str(ckpt), "--overwrite-run")
     assert over.returncode == 0, over.stderr[-3000:]
     assert steps(out / "mech.jsonl") == [2, 4]
+
+
+@pytest.mark.timeout(600)
+def test_latest_tag_outside_the_load_directory_is_refused_and_the_loaded_checkpoint_is_named(tmp_path):
+    """DeepSpeed joins whatever ``latest`` holds to --load: a tag ``../../ds1/ckpt/global_step4`` loaded another
+    run's checkpoint, silently. It is refused (one line naming the ``latest`` file and the tag) before anything is
+    loaded, and a genuine resume logs the checkpoint directory it loaded."""
+    ds1 = tmp_path / "ds1"
+    first = launch("--steps", "4", "--output-dir", str(ds1 / "out"), "--save", str(ds1 / "ckpt"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    other = tmp_path / "ds2" / "ckpt"
+    other.mkdir(parents=True)
+    (other / "latest").write_text("../../ds1/ckpt/global_step4")
+    out2 = tmp_path / "ds2" / "out"
+    refused = launch("--steps", "6", "--output-dir", str(out2), "--load", str(other))
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    error = [line for line in refused.stderr.splitlines() if line.startswith("deepspeed_train: error: ")]
+    assert len(error) == 1, refused.stderr[-3000:]
+    assert str(other / "latest") in error[0] and "'../../ds1/ckpt/global_step4'" in error[0], error
+    assert "outside the checkpoint directory" in error[0], error
+    assert not (out2 / "mech.jsonl").exists()  # nothing trained
+    resumed = launch("--steps", "6", "--output-dir", str(ds1 / "out"), "--load", str(ds1 / "ckpt"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"loaded DeepSpeed checkpoint {ds1 / 'ckpt' / 'global_step4'}" in resumed.stderr, resumed.stderr[-3000:]
