@@ -218,3 +218,36 @@ def test_a_detector_state_saved_with_a_longer_warm_up_resumes_monitoring(tmp_pat
     det = hook.registry.detectors["symptom/loss"]
     assert det.phase == "monitoring" and det.baseline_median == saved.registry.detectors["symptom/loss"].baseline_median
     assert hook.registry.update(61, {"symptom/loss": 2.01}) == []
+
+
+# ------------------------------------------------------------- the distributed optimizer's parameter state file
+TINY_GPT = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
+            "--micro-batch-size", "2", "--global-batch-size", "2", "--lr-warmup-iters", "1", "--log-interval", "1",
+            "--eval-iters", "1", "--mech-interval", "2", "--use-distributed-optimizer"]
+
+
+@pytest.mark.timeout(400)
+def test_planted_distributed_optimizer_state_does_not_run_even_when_torch_is_told_to_unpickle(tmp_path):
+    """``distopt_rank0000.pt`` is read weights-only by us: with ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` (which makes
+    a plain ``torch.load`` unpickle anything) a planted pickle that would create a marker file is refused naming
+    the file, before training, and the marker never appears; the genuine file still resumes under the variable."""
+    from dist_utils import REPO_ROOT, run_torchrun
+
+    launcher = REPO_ROOT / "launch_scripts" / "pretrain_gpt_mech.py"
+    run = tmp_path / "run"
+    run_torchrun(launcher, *TINY_GPT, "--train-iters", "4", "--save", str(run), nproc=1, timeout=120)
+    target = run / "iter_0000004" / "distopt_rank0000.pt"
+    genuine = target.read_bytes()
+    marker = tmp_path / "pwned"
+    torch.save({"buckets": _Payload(marker)}, target)
+    unsafe = {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}
+    resume = [*TINY_GPT, "--train-iters", "6", "--save", str(run), "--load", str(run)]
+    with pytest.raises(AssertionError) as failure:
+        run_torchrun(launcher, *resume, nproc=1, timeout=120, extra_env=unsafe)
+    text = str(failure.value)
+    assert not marker.exists(), text[-3000:]  # the payload never ran
+    assert f"cannot read checkpoint file {target}" in text and "weights_only=True" in text, text[-3000:]
+    assert "[train] step" not in text, text[-3000:]  # refused before training resumed
+    target.write_bytes(genuine)
+    resumed = run_torchrun(launcher, *resume, nproc=1, timeout=120, extra_env=unsafe)
+    assert "[train] step     6/6" in resumed.stdout, resumed.stdout[-3000:]

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from dist_utils import REPO_ROOT, run_torchrun
 
@@ -70,3 +71,145 @@ def test_launcher_refuses_a_fresh_run_into_a_previous_run(tmp_path):
     over = launch("--steps", "4", "--output-dir", str(out), "--save", str(ckpt), "--overwrite-run")
     assert over.returncode == 0, over.stderr[-3000:]
     assert steps(out / "mech.jsonl") == [2, 4]
+
+
+@pytest.mark.timeout(600)
+def test_latest_tag_outside_the_load_directory_is_refused_and_the_loaded_checkpoint_is_named(tmp_path):
+    """DeepSpeed joins whatever ``latest`` holds to --load: a tag ``../../ds1/ckpt/global_step4`` loaded another
+    run's checkpoint, silently. It is refused (one line naming the ``latest`` file and the tag) before anything is
+    loaded, and a genuine resume logs the checkpoint directory it loaded."""
+    ds1 = tmp_path / "ds1"
+    first = launch("--steps", "4", "--output-dir", str(ds1 / "out"), "--save", str(ds1 / "ckpt"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    other = tmp_path / "ds2" / "ckpt"
+    other.mkdir(parents=True)
+    (other / "latest").write_text("../../ds1/ckpt/global_step4")
+    out2 = tmp_path / "ds2" / "out"
+    refused = launch("--steps", "6", "--output-dir", str(out2), "--load", str(other))
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    error = [line for line in refused.stderr.splitlines() if line.startswith("deepspeed_train: error: ")]
+    assert len(error) == 1, refused.stderr[-3000:]
+    assert str(other / "latest") in error[0] and "'../../ds1/ckpt/global_step4'" in error[0], error
+    assert "outside the checkpoint directory" in error[0], error
+    assert not (out2 / "mech.jsonl").exists()  # nothing trained
+    resumed = launch("--steps", "6", "--output-dir", str(ds1 / "out"), "--load", str(ds1 / "ckpt"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"loaded DeepSpeed checkpoint {ds1 / 'ckpt' / 'global_step4'}" in resumed.stderr, resumed.stderr[-3000:]
+
+
+# ------------------------------------------------------------------ what the allowed DeepSpeed types receive
+class _Crafted:
+    """Pickles as ``func(*args)`` (then ``state`` written into the result, when given): what a crafted file holds."""
+
+    def __init__(self, func, args, state=None):
+        self.func, self.args, self.state = func, args, state
+
+    def __reduce__(self):
+        return (self.func, self.args) if self.state is None else (self.func, self.args, self.state)
+
+
+def _crafted_states():
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    def dynamic(**changes):
+        scaler = DynamicLossScaler(init_scale=2 ** 16, scale_window=1000, min_scale=1, delayed_shift=2,
+                                   consecutive_hysteresis=False, dtype=torch.float16)
+        scaler.__dict__.update(changes)
+        return scaler
+
+    return {
+        "nan scale": (LossScaler(scale=float("nan")), "LossScaler with cur_scale=nan"),
+        "zero scale": (LossScaler(scale=0.0), "LossScaler with cur_scale=0.0"),
+        "inf dynamic scale": (dynamic(cur_scale=float("inf")), "DynamicLossScaler with cur_scale=inf"),
+        "zero scale window": (dynamic(scale_window=0), "scale_window=0"),
+        "attribute shadowing a method": (_Crafted(LossScaler, (2.0,), {"backward": None}), "'backward'"),
+        "stage out of range": (_Crafted(ZeroStageEnum, (99,)), "ZeroStageEnum(99)"),
+        "stage of another type": (_Crafted(ZeroStageEnum, ("1",)), "ZeroStageEnum('1')"),
+        "fragment arguments": (_Crafted(fragment_address, ("a", "b", "c")), "TypeError"),
+        "fragment of strings": (fragment_address(numel="4", start=0), "numel='4'"),
+        "negative fragment": (fragment_address(numel=4, start=-1), "start=-1"),
+        "a type for a value": (LossScaler, "type LossScaler itself"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_crafted_states()))
+def test_allowed_deepspeed_types_take_only_what_deepspeed_writes(tmp_path, case):
+    """The reference is DeepSpeed's own constructors: each state below is one they never produce (a non-finite or
+    zero loss scale, an unknown attribute, a ZeRO stage that does not exist, fragment bounds that are not
+    non-negative ints, wrong constructor arguments, a bare type). Each is refused as a ``ValueError`` naming the
+    file (the launcher reports those in one line); a genuine state of every allowed type still loads."""
+    from megatron_mech.deepspeed.safe_load import _weights_only_load
+
+    obj, named = _crafted_states()[case]
+    path = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer_state_dict": {"loss_scaler": obj, "param_slice_mappings": [{}]}}, path)
+    with pytest.raises(ValueError) as info:
+        _weights_only_load(str(path))
+    assert str(path) in str(info.value) and named in str(info.value), str(info.value)
+
+
+def test_genuine_states_of_the_allowed_deepspeed_types_load(tmp_path):
+    from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    from megatron_mech.deepspeed.safe_load import _weights_only_load
+
+    dynamic_args = dict(init_scale=2 ** 16, scale_window=1000, min_scale=1, delayed_shift=2,
+                        consecutive_hysteresis=False)
+    state = {"zero_stage": ZeroStageEnum.gradients, "static": CreateLossScaler(torch.float32, 0, False, None),
+             "dynamic": CreateLossScaler(torch.float16, 0, True, dynamic_args),
+             "param_slice_mappings": [{"w": fragment_address(numel=4, start=0)}], "w": torch.arange(4.0)}
+    torch.save(state, tmp_path / "optim_states.pt")
+    loaded = _weights_only_load(str(tmp_path / "optim_states.pt"))
+    assert loaded["zero_stage"] is ZeroStageEnum.gradients
+    assert vars(loaded["dynamic"]) == vars(state["dynamic"]) and vars(loaded["static"]) == vars(state["static"])
+    assert loaded["param_slice_mappings"] == state["param_slice_mappings"]
+
+
+def test_a_crafted_state_is_never_written_into_a_shared_zero_stage_member(tmp_path):
+    """``ZeroStageEnum(1)`` followed by a state ``{"_value_": 99}``: the unpickler wrote it into the process-wide
+    enum member (every ``ZeroStageEnum.optimizer_states`` then read 99). Refused naming the file; the member is
+    untouched."""
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    from megatron_mech.deepspeed.safe_load import _weights_only_load
+
+    path = tmp_path / "optim_states.pt"
+    torch.save({"zero_stage": _Crafted(ZeroStageEnum, (1,), {"_value_": 99})}, path)
+    member = ZeroStageEnum.optimizer_states
+    try:
+        with pytest.raises(ValueError, match=str(path).replace(".", r"\.")):
+            _weights_only_load(str(path))
+        assert member.value == 1
+    finally:
+        member._value_ = 1  # what the unpickler may have overwritten: later tests use the enum
+
+
+@pytest.mark.timeout(600)
+def test_launcher_reports_a_damaged_fragment_address_in_one_line(tmp_path):
+    """A ZeRO 1 optimizer file whose ``fragment_address`` gets wrong constructor arguments: DeepSpeed's TypeError
+    escaped the launcher's handler as a traceback; it is one line naming the file, rc 2."""
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    from megatron_mech.deepspeed.safe_load import DEEPSPEED_CHECKPOINT_GLOBALS
+
+    ckpt = tmp_path / "ckpt"
+    first = launch("--steps", "2", "--zero-stage", "1", "--output-dir", str(tmp_path / "out"), "--save", str(ckpt))
+    assert first.returncode == 0, first.stderr[-3000:]
+    target = next((ckpt / "global_step2").glob("*optim_states.pt"))
+    allowed = [getattr(__import__(m, fromlist=[n]), n) for m, n in DEEPSPEED_CHECKPOINT_GLOBALS]
+    with torch.serialization.safe_globals(allowed):
+        state = torch.load(target, weights_only=True)
+    mappings = state["optimizer_state_dict"]["param_slice_mappings"][0]
+    name = next(iter(mappings))
+    assert isinstance(mappings[name], fragment_address)  # the genuine file holds one
+    mappings[name] = _Crafted(fragment_address, ("a", "b", "c"))
+    torch.save(state, target)
+    resumed = launch("--steps", "4", "--zero-stage", "1", "--output-dir", str(tmp_path / "out"), "--load", str(ckpt))
+    assert resumed.returncode == 2, resumed.stderr[-3000:]
+    assert "Traceback" not in resumed.stderr, resumed.stderr[-3000:]
+    error = [line for line in resumed.stderr.splitlines() if line.startswith("deepspeed_train: error: ")]
+    assert len(error) == 1 and str(target) in error[0] and "fragment_address" in error[0], resumed.stderr[-3000:]

@@ -255,6 +255,33 @@ def _rank_state_file(tag_dir, rank: int):
     return Path(tag_dir) / f"mech_rank{rank:05d}.pt"
 
 
+def _confined_tag(load_dir, tag, universal: bool) -> tuple[Optional[str], Optional[Path]]:
+    """The tag to load from ``load_dir`` and the tracker file it was read from (None for a given tag).
+
+    Without a tag DeepSpeed reads ``<load_dir>/latest`` (``latest_universal``) and joins whatever it holds to
+    ``load_dir``: ``../../other/ckpt/global_step4`` or an absolute path loads another run's checkpoint, without a
+    word. Here the tag is read the same way and must name a directory inside ``load_dir`` once resolved (symbolic
+    links followed), else ``ValueError`` names the tracker file and the tag. A missing tracker is left to
+    DeepSpeed (nothing to load)."""
+    source = None
+    if tag is None:
+        source = Path(load_dir) / ("latest_universal" if universal else "latest")
+        if not source.is_file():
+            return None, source
+        tag = source.read_text(encoding="utf-8", errors="replace").strip()
+    tag = str(tag)
+    where = f"DeepSpeed tracker {source} names tag {tag!r}" if source is not None else f"tag {tag!r}"
+    if not tag or "\0" in tag:
+        raise ValueError(f"{where}, which is not a checkpoint directory name")
+    root = Path(load_dir).resolve()
+    target = (Path(load_dir) / tag).resolve()
+    if root not in target.parents:
+        raise ValueError(f"{where}, which resolves to {target}, outside the checkpoint directory {load_dir} "
+                         f"({root}): a tag names a checkpoint inside it, so another directory's checkpoint is "
+                         f"not loaded; pass that directory itself to load it")
+    return tag, source
+
+
 def save_checkpoint(engine, mech: DeepSpeedMech, save_dir, tag=None, client_state: Optional[dict] = None, **kwargs):
     """``engine.save_checkpoint`` plus the hook's per-rank state file (every rank calls it); tells the hook
     (``first_alert.json`` next to the alert's checkpoint)."""
@@ -278,12 +305,19 @@ def load_checkpoint(engine, mech: DeepSpeedMech, load_dir, tag=None, *, trust_ch
     DeepSpeed's files are read weights-only, admitting only the types DeepSpeed's own checkpoints hold
     (:mod:`megatron_mech.deepspeed.safe_load`); a file needing anything else raises ``UnsafeCheckpointError``
     (a ``ValueError``) naming the file and the type, and nothing of it runs. ``trust_checkpoint=True`` hands
-    the files to DeepSpeed's own loader, which unpickles anything: only for checkpoints you trust."""
+    the files to DeepSpeed's own loader, which unpickles anything: only for checkpoints you trust.
+
+    The tag (given, or read from ``load_dir``'s ``latest`` file) must name a directory inside ``load_dir``
+    (``ValueError`` naming the file and the tag otherwise, trusted or not); the directory loaded is logged."""
+    tag, source = _confined_tag(load_dir, tag, engine.load_universal_checkpoint())
     loads = contextlib.nullcontext() if trust_checkpoint else weights_only_loads(engine)
     with loads:
         path, client_state = engine.load_checkpoint(load_dir, tag=tag, **kwargs)
     if path is None:
         raise ValueError(f"no DeepSpeed checkpoint found in {load_dir} (tag {tag})")
+    if _rank_and_world()[0] == 0:
+        logger.info("loaded DeepSpeed checkpoint %s (tag %r%s)", Path(load_dir) / tag, tag,
+                    f", from {source}" if source is not None else "")
     client_state = dict(client_state or {})
     marker = client_state.pop(CLIENT_STATE_KEY, None)
     if not isinstance(marker, dict) or not marker.get("per_rank_files"):

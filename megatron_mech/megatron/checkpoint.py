@@ -109,6 +109,10 @@ def load_distributed_optimizer_state(optimizer, filename: str) -> None:
       per parameter, because megatron's non-TE ``DistributedOptimizer.load_state_dict`` gives every parameter
       the *same* step tensor, which torch AdamW's foreach path then increments once per parameter per step
       (a wrong bias correction after a resume).
+
+    The file is read by us with ``weights_only=True`` (:func:`_read_parameter_state`), not by megatron-core's
+    ``load_parameter_state``, whose plain ``torch.load`` unpickles anything when ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``
+    is set; the state is then handed to the same per-optimizer ``load_parameter_state_from_dp_zero``.
     """
     stash = []
     for leaf in leaf_optimizers(optimizer):
@@ -118,10 +122,57 @@ def load_distributed_optimizer_state(optimizer, filename: str) -> None:
                 stash.append((state, state.pop("step")))
     try:
         with torch.no_grad():
-            optimizer.load_parameter_state(filename)
+            _load_parameter_state(optimizer, filename)
     finally:
         for state, step in stash:
             state["step"] = step.detach().clone()
+
+
+def _load_weights_only(path):
+    """``torch.load(path, weights_only=True)`` onto the CPU, any failure a ``RuntimeError`` naming the file.
+
+    ``weights_only=True`` is passed explicitly: torch's default alone is not enough, since
+    ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` (set to load old checkpoints) turns the default into a full unpickler,
+    while an explicit ``weights_only=True`` is kept whatever the environment says."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise RuntimeError(f"cannot read checkpoint file {path} (loaded with weights_only=True: only tensors and "
+                           f"plain Python data are accepted): {exc}") from exc
+
+
+def _read_parameter_state(filename: str, entries: int):
+    """The distributed optimizer's parameter state in ``filename``, read weights-only: one dict (``entries`` 0),
+    or the list ``ChainedOptimizer.save_parameter_state`` writes, which must reach index ``entries - 1``."""
+    state = _load_weights_only(filename)
+    if not entries and not isinstance(state, dict):
+        raise RuntimeError(f"checkpoint file {filename} does not hold a distributed optimizer state (got "
+                           f"{type(state).__name__})")
+    if entries and not (isinstance(state, list) and len(state) >= entries):
+        got = f"a list of {len(state)}" if isinstance(state, list) else type(state).__name__
+        raise RuntimeError(f"checkpoint file {filename} does not hold the states of this run's chained "
+                           f"distributed optimizers ({entries} expected, got {got})")
+    return state
+
+
+def _load_parameter_state(optimizer, filename: str) -> None:
+    """What megatron-core 0.16.1's ``load_parameter_state`` (of ``DistributedOptimizer`` and
+    ``ChainedOptimizer``) does, except that the file is read by :func:`_read_parameter_state`: DP rank 0 of each
+    optimizer reads it, and every rank takes its shards through ``load_parameter_state_from_dp_zero``."""
+    chained = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+    single = len(chained) == 1
+    entries = 0 if single else 1 + max((i for i, leaf in enumerate(chained)
+                                        if hasattr(leaf, "load_parameter_state_from_dp_zero")), default=-1)
+    states = None
+    for index, leaf in enumerate(chained):
+        if not hasattr(leaf, "load_parameter_state_from_dp_zero"):
+            continue
+        if single and getattr(leaf, "is_stub_optimizer", False):
+            return
+        if leaf.data_parallel_group.rank() == 0 and states is None:
+            states = _read_parameter_state(filename, entries)
+        state = None if states is None else states if single else states[index]
+        leaf.load_parameter_state_from_dp_zero(state)
 
 
 def read_checkpoint_file(path) -> dict:
@@ -131,11 +182,7 @@ def read_checkpoint_file(path) -> dict:
     file whose pickle would construct anything else (e.g. call ``os.system``) is refused before any of its code
     runs. Any failure becomes a ``RuntimeError`` naming the file; the file is left untouched.
     """
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise RuntimeError(f"cannot read checkpoint file {path} (loaded with weights_only=True: only tensors and "
-                           f"plain Python data are accepted): {exc}") from exc
+    state = _load_weights_only(path)
     if not isinstance(state, dict):
         raise RuntimeError(f"checkpoint file {path} does not hold a state dict (got {type(state).__name__})")
     return state
