@@ -255,6 +255,7 @@ class MechHook:
         self._late_action = Action.CONTINUE  # the action of an alert judged outside after_optimizer_step
         self._current_step = 0  # the step of the latest after_optimizer_step
         self._first_alert_acted_step: Optional[int] = None  # the step whose Action carried out the first alert
+        self._stage_counts = {"attention": 0, "router": 0, "experts": 0}  # layers per family, all stages
         for extension in extensions:
             self.add_extension(extension)
 
@@ -346,7 +347,9 @@ class MechHook:
                 capture(self.max_logit)  # callable; its ``capturing`` tells the capture when to skip all work
         if self._sinks is None and view.logging_rank:
             self.open_sinks(start_step)
+        self._stage_counts = self._count_layers(view)
         if view.logging_rank:
+            logger.info(self.start_line())
             for message in self.unarmed_settings():
                 logger.warning(f"[mech] WARNING: {message}")
         self._is_setup = True
@@ -697,11 +700,7 @@ class MechHook:
                     f"steps: nothing will be evaluated (no monitor record, no baseline-relative alert; only a "
                     f"non-finite loss or grad norm can alert). Use an interval of at most {steps}"]
         evaluations = steps // interval
-        # A detector scores nothing during its warm-up and baseline evaluations, and fires after `persistence`
-        # out-of-band ones; the earliest rule of all decides whether anything but a non-finite value can alert.
-        rules = [rule.config(self.registry.base_config) for rule in self.registry.rules]
-        first = min(rules, key=lambda c: c.warmup + c.baseline + c.persistence)
-        needed = first.warmup + first.baseline + first.persistence
+        first, needed = self._earliest_rule()
         if evaluations >= needed:
             return []
         return [f"the detectors cannot reach a baseline in this run: its {steps} training steps at --mech-interval "
@@ -710,6 +709,52 @@ class MechHook:
                 f"mech.detector.warmup) + {first.baseline} baseline (--mech-detector-baseline) + "
                 f"{first.persistence} out-of-band (--mech-detector-persistence). Only non-finite values can alert; "
                 f"lower them or the interval"]
+
+    def _earliest_rule(self) -> tuple:
+        """The detector settings of the rule that can alert first on a baseline-relative change, and the number of
+        evaluations it needs before that alert (its warm-up + baseline + persistence)."""
+        # A detector scores nothing during its warm-up and baseline evaluations, and fires after `persistence`
+        # out-of-band ones; the earliest rule of all decides whether anything but a non-finite value can alert.
+        rules = [rule.config(self.registry.base_config) for rule in self.registry.rules]
+        first = min(rules, key=lambda c: c.warmup + c.baseline + c.persistence)
+        return first, first.warmup + first.baseline + first.persistence
+
+    @property
+    def armed_from_step(self) -> int:
+        """The earliest step at which a baseline-relative alert can fire (counted from step 1, across resumes):
+        the evaluations the earliest rule needs, times the interval. Before it only non-finite values alert."""
+        return self._earliest_rule()[1] * self.config.monitors.interval
+
+    def start_line(self) -> str:
+        """The one line :meth:`setup` logs on the logging rank: what is monitored (from the model view), how
+        often, and from which step the detectors can alert."""
+        counts = self._stage_counts
+        parts = []
+        if "attention" in self.families:
+            parts.append(_count(counts["attention"], "attention layer"))
+        if "router" in self.families:
+            parts.append(_count(counts["router"], "router"))
+        if self.experts is not None:
+            parts.append(_count(counts["experts"], "expert layer"))
+        if self.max_logit is not None:
+            parts.append("max attention logit")
+        first, needed = self._earliest_rule()
+        interval = self.config.monitors.interval
+        return (f"[mech] monitors on: {', '.join(parts) or 'none (loss and grad norm only)'}, every "
+                f"{_count(interval, 'step')}; detectors armed from step {needed * interval} (warm-up "
+                f"{first.warmup} + baseline {first.baseline} + persistence {first.persistence} evaluations)")
+
+    def _count_layers(self, view: ModelView) -> dict:
+        """Layers per monitor family over the whole model: each pipeline stage holds its own (collective over
+        the pipeline group, every rank calls it)."""
+        counts = {"attention": len(view.attention_layers), "router": len(view.routers), "experts": len(view.experts)}
+        if view.pp_group is not None:
+            from megatron_mech.core.sharded import collective_device
+
+            t = torch.tensor(list(counts.values()), dtype=torch.float64, device=collective_device(view.pp_group))
+            torch.distributed.all_reduce(t, group=view.pp_group)
+            counts = dict(zip(counts, (int(v) for v in t.tolist())))
+        return counts
 
     def is_evaluation_step(self, step: int) -> bool:
         """Whether the monitors evaluate after optimizer step ``step`` (the one rule: multiples of the interval);
@@ -756,6 +801,10 @@ class MechHook:
         self.first_alert_step = step
         self._first_alert_acted_step = self._current_step
         return {"log": Action.CONTINUE, "checkpoint": Action.CHECKPOINT, "stop": Action.STOP}[self.config.on_alert]
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _host_values(values: list) -> list:
