@@ -57,6 +57,11 @@ line passes its class: :meth:`Extension.add_arguments` adds its flags, :meth:`Ex
 **Collectives.** Every rank must call every lifecycle method at every step: the monitors reduce on evaluation
 steps, and the alert decision is one tiny all-reduce there, so the returned :class:`Action` is identical on every
 rank. A rank without MoE layers still joins the router reduction. Only the logging rank writes output.
+
+**Console.** The hook logs to the ``megatron_mech`` logger: one start line at ``setup`` (what is monitored, how
+often, the step the detectors are armed from) and one line per alert. When nothing would show those INFO lines (a
+user's own script with no logging set up), the hook adds one stderr handler
+(:func:`~megatron_mech.logs.ensure_visible`); logging the user or the entry point set up is used as it is.
 """
 from __future__ import annotations
 
@@ -75,6 +80,7 @@ import torch
 from megatron_mech.config import DEFAULT_OUTPUT_DIR, MechConfig
 from megatron_mech.core.attribution import alert_lines
 from megatron_mech.core.detect import Alert, DetectorRegistry, default_rules
+from megatron_mech.logs import ensure_visible
 from megatron_mech.model_view import ModelView
 
 __all__ = ["Action", "Extension", "MechHook", "STATE_VERSION", "StateError", "any_rank", "naming_damaged_state"]
@@ -256,6 +262,8 @@ class MechHook:
         self._current_step = 0  # the step of the latest after_optimizer_step
         self._first_alert_acted_step: Optional[int] = None  # the step whose Action carried out the first alert
         self._stage_counts = {"attention": 0, "router": 0, "experts": 0}  # layers per family, all stages
+        # a user's own script may set up no logging: the start line and the alerts must still reach the console
+        ensure_visible()
         for extension in extensions:
             self.add_extension(extension)
 
@@ -348,6 +356,7 @@ class MechHook:
         if self._sinks is None and view.logging_rank:
             self.open_sinks(start_step)
         self._stage_counts = self._count_layers(view)
+        ensure_visible(view.logging_rank)  # now the logging rank is known (and any logging the user set up since)
         if view.logging_rank:
             logger.info(self.start_line())
             for message in self.unarmed_settings():
