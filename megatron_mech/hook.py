@@ -260,6 +260,7 @@ class MechHook:
         self._unread: List[tuple] = []  # (step, loss, grad_norm, lr, extra) still on the device, oldest first
         self._late_action = Action.CONTINUE  # the action of an alert judged outside after_optimizer_step
         self._current_step = 0  # the step of the latest after_optimizer_step
+        self._start_step = 0  # the optimizer steps done before this process (setup's start_step)
         self._first_alert_acted_step: Optional[int] = None  # the step whose Action carried out the first alert
         self._stage_counts = {"attention": 0, "router": 0, "experts": 0}  # layers per family, all stages
         # a user's own script may set up no logging: the start line and the alerts must still reach the console
@@ -324,6 +325,7 @@ class MechHook:
         if self._is_setup:
             raise RuntimeError("MechHook.setup was called twice")
         self._view = view
+        self._start_step = int(start_step)
         if optimizer is not None:
             self._optimizer = optimizer
         self._scheduler = scheduler
@@ -570,9 +572,12 @@ class MechHook:
                     + (f"; roll back to iter_{max(earlier):07d} (before the alert)" if earlier else ""))
 
     def close(self) -> None:
-        """Read back the values still waiting (their alerts and records), flush and close the output (logging
-        rank), then close the extensions."""
+        """Read back the values still waiting (their alerts and records), log the end-of-run line (the last step
+        and the armed-from step, see :meth:`arming`), flush and close the output (logging rank), then close the
+        extensions."""
         self._read_back()
+        if self._view is not None and self._view.logging_rank:
+            logger.info(f"[mech] {self.arming()['note']}")
         if self._sinks is not None:
             self._sinks.close()
         for extension in self.extensions:
@@ -733,6 +738,17 @@ class MechHook:
         """The earliest step at which a baseline-relative alert can fire (counted from step 1, across resumes):
         the evaluations the earliest rule needs, times the interval. Before it only non-finite values alert."""
         return self._earliest_rule()[1] * self.config.monitors.interval
+
+    def arming(self) -> dict:
+        """For the run's summary and end-of-run line: :attr:`armed_from_step`, the last step taken (across
+        resumes), whether the run reached the armed-from step, and a sentence saying so (a run that ended before
+        it could alert on non-finite values only)."""
+        armed_from, last = self.armed_from_step, max(self._current_step, self._start_step)
+        armed = last >= armed_from
+        note = (f"run ended at step {last}; detectors armed from step {armed_from}" if armed else
+                f"run ended at step {last}, before the detectors were armed (step {armed_from}): only non-finite "
+                f"values could alert")
+        return {"armed_from_step": armed_from, "last_step": last, "armed": armed, "note": note}
 
     def start_line(self) -> str:
         """The one line :meth:`setup` logs on the logging rank: what is monitored (from the model view), how

@@ -305,3 +305,27 @@ def test_a_script_with_its_own_logging_gets_the_lines_there_and_nothing_added(tm
     lines = log.read_text().splitlines()
     assert [line for line in lines if "[mech] monitors on:" in line] == [f"INFO:megatron_mech:{START_LINE}"]
     assert [line for line in lines if "[mech] ALERT step 3:" in line], lines
+
+
+@pytest.mark.timeout(400)
+def test_summary_and_end_of_run_line_state_the_armed_from_step_of_a_short_run(tmp_path):
+    """A run that ends before the detectors are armed says so: summary.json holds the armed-from step
+    ((30 warm-up + 20 baseline + 3 persistence) evaluations × interval 2 = 106) and that only non-finite values
+    could alert, and the hook's end-of-run line on the console says the same."""
+    import os
+    import subprocess
+    import sys
+
+    from dist_utils import free_port
+
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               MASTER_PORT=str(free_port()))
+    run = subprocess.run([sys.executable, str(REPO_ROOT / "launch_scripts" / "deepspeed_train.py"), "--steps", "4",
+                          "--mech-interval", "2", "--hidden", "16", "--layers", "1", "--heads", "2", "--kv-heads", "1",
+                          "--seq-len", "16", "--micro-batch", "2", "--warmup", "0", "--output-dir", str(tmp_path)],
+                         env=env, cwd=REPO_ROOT, text=True, capture_output=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    note = "run ended at step 4, before the detectors were armed (step 106): only non-finite values could alert"
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["detectors"] == {"armed_from_step": 106, "last_step": 4, "armed": False, "note": note}
+    assert [line for line in run.stderr.splitlines() if line.endswith(f"[mech] {note}")], run.stderr[-4000:]

@@ -347,3 +347,16 @@ def test_setup_logs_one_start_line_with_the_monitored_layers_interval_and_armed_
                      "265 (warm-up 30 + baseline 20 + persistence 3 evaluations)"]
     assert hook.armed_from_step == 265
     assert start_lines(False)[0] == []
+
+
+def test_arming_of_a_run_that_reaches_the_armed_from_step():
+    """warm-up 0 + baseline 3 + persistence 1 = 4 evaluations at interval 2: armed from step 8; a run of 8 steps
+    gets there, one of 6 does not (only non-finite values could alert)."""
+    assert _Run(_config(interval=2)).hook.armed_from_step == 8
+    run = _Run(_config(interval=2))
+    run.steps(1, 8)
+    assert run.hook.arming() == {"armed_from_step": 8, "last_step": 8, "armed": True,
+                                 "note": "run ended at step 8; detectors armed from step 8"}
+    run = _Run(_config(interval=2))
+    run.steps(1, 6)
+    assert run.hook.arming()["armed"] is False and "only non-finite values could alert" in run.hook.arming()["note"]
