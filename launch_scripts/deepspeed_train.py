@@ -9,9 +9,9 @@ flags, or read from ``--deepspeed-config`` (its ``"mech"`` section configures th
     deepspeed --num_accelerators 2 launch_scripts/deepspeed_train.py --model ds-moe --ep-size 2 --zero-stage 1
 
 On CPU machines set ``OMP_NUM_THREADS=1`` under the ``deepspeed`` launcher. Writes ``<output-dir>/mech.jsonl``
-(one record per evaluation) and ``<output-dir>/summary.json`` (step time and monitor cost), from rank 0. A fresh
-run into an ``--output-dir`` (or ``--save``) that already holds a run is refused before anything is built:
-resume it with ``--load``, or pass ``--overwrite-run`` to start over.
+(one record per evaluation) and ``<output-dir>/summary.json`` (step time, monitor cost, the step the detectors are
+armed from), from rank 0. A fresh run into an ``--output-dir`` (or ``--save``) that already holds a run is refused
+before anything is built: resume it with ``--load``, or pass ``--overwrite-run`` to start over.
 """
 from __future__ import annotations
 
@@ -224,7 +224,8 @@ def main(argv=None) -> int:
                "steps": len(step_seconds), "step_seconds_total": sum(step_seconds),
                "monitor_seconds": mech.monitor_seconds, "monitor_parts": mech.seconds,
                "monitor_share": mech.monitor_seconds / max(sum(step_seconds), 1e-12),
-               "alerts": sorted({a.metric for a in mech.hook.alerts})}
+               "alerts": sorted({a.metric for a in mech.hook.alerts}),
+               "detectors": mech.hook.arming()}  # the armed-from step, and whether the run got there
     if rank == 0:
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         (Path(args.output_dir) / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -57,6 +57,11 @@ line passes its class: :meth:`Extension.add_arguments` adds its flags, :meth:`Ex
 **Collectives.** Every rank must call every lifecycle method at every step: the monitors reduce on evaluation
 steps, and the alert decision is one tiny all-reduce there, so the returned :class:`Action` is identical on every
 rank. A rank without MoE layers still joins the router reduction. Only the logging rank writes output.
+
+**Console.** The hook logs to the ``megatron_mech`` logger: one start line at ``setup`` (what is monitored, how
+often, the step the detectors are armed from) and one line per alert. When nothing would show those INFO lines (a
+user's own script with no logging set up), the hook adds one stderr handler
+(:func:`~megatron_mech.logs.ensure_visible`); logging the user or the entry point set up is used as it is.
 """
 from __future__ import annotations
 
@@ -75,6 +80,7 @@ import torch
 from megatron_mech.config import DEFAULT_OUTPUT_DIR, MechConfig
 from megatron_mech.core.attribution import alert_lines
 from megatron_mech.core.detect import Alert, DetectorRegistry, default_rules
+from megatron_mech.logs import ensure_visible
 from megatron_mech.model_view import ModelView
 
 __all__ = ["Action", "Extension", "MechHook", "STATE_VERSION", "StateError", "any_rank", "naming_damaged_state"]
@@ -254,7 +260,11 @@ class MechHook:
         self._unread: List[tuple] = []  # (step, loss, grad_norm, lr, extra) still on the device, oldest first
         self._late_action = Action.CONTINUE  # the action of an alert judged outside after_optimizer_step
         self._current_step = 0  # the step of the latest after_optimizer_step
+        self._start_step = 0  # the optimizer steps done before this process (setup's start_step)
         self._first_alert_acted_step: Optional[int] = None  # the step whose Action carried out the first alert
+        self._stage_counts = {"attention": 0, "router": 0, "experts": 0}  # layers per family, all stages
+        # a user's own script may set up no logging: the start line and the alerts must still reach the console
+        ensure_visible()
         for extension in extensions:
             self.add_extension(extension)
 
@@ -315,6 +325,7 @@ class MechHook:
         if self._is_setup:
             raise RuntimeError("MechHook.setup was called twice")
         self._view = view
+        self._start_step = int(start_step)
         if optimizer is not None:
             self._optimizer = optimizer
         self._scheduler = scheduler
@@ -346,7 +357,10 @@ class MechHook:
                 capture(self.max_logit)  # callable; its ``capturing`` tells the capture when to skip all work
         if self._sinks is None and view.logging_rank:
             self.open_sinks(start_step)
+        self._stage_counts = self._count_layers(view)
+        ensure_visible(view.logging_rank)  # now the logging rank is known (and any logging the user set up since)
         if view.logging_rank:
+            logger.info(self.start_line())
             for message in self.unarmed_settings():
                 logger.warning(f"[mech] WARNING: {message}")
         self._is_setup = True
@@ -558,9 +572,12 @@ class MechHook:
                     + (f"; roll back to iter_{max(earlier):07d} (before the alert)" if earlier else ""))
 
     def close(self) -> None:
-        """Read back the values still waiting (their alerts and records), flush and close the output (logging
-        rank), then close the extensions."""
+        """Read back the values still waiting (their alerts and records), log the end-of-run line (the last step
+        and the armed-from step, see :meth:`arming`), flush and close the output (logging rank), then close the
+        extensions."""
         self._read_back()
+        if self._view is not None and self._view.logging_rank:
+            logger.info(f"[mech] {self.arming()['note']}")
         if self._sinks is not None:
             self._sinks.close()
         for extension in self.extensions:
@@ -697,11 +714,7 @@ class MechHook:
                     f"steps: nothing will be evaluated (no monitor record, no baseline-relative alert; only a "
                     f"non-finite loss or grad norm can alert). Use an interval of at most {steps}"]
         evaluations = steps // interval
-        # A detector scores nothing during its warm-up and baseline evaluations, and fires after `persistence`
-        # out-of-band ones; the earliest rule of all decides whether anything but a non-finite value can alert.
-        rules = [rule.config(self.registry.base_config) for rule in self.registry.rules]
-        first = min(rules, key=lambda c: c.warmup + c.baseline + c.persistence)
-        needed = first.warmup + first.baseline + first.persistence
+        first, needed = self._earliest_rule()
         if evaluations >= needed:
             return []
         return [f"the detectors cannot reach a baseline in this run: its {steps} training steps at --mech-interval "
@@ -710,6 +723,63 @@ class MechHook:
                 f"mech.detector.warmup) + {first.baseline} baseline (--mech-detector-baseline) + "
                 f"{first.persistence} out-of-band (--mech-detector-persistence). Only non-finite values can alert; "
                 f"lower them or the interval"]
+
+    def _earliest_rule(self) -> tuple:
+        """The detector settings of the rule that can alert first on a baseline-relative change, and the number of
+        evaluations it needs before that alert (its warm-up + baseline + persistence)."""
+        # A detector scores nothing during its warm-up and baseline evaluations, and fires after `persistence`
+        # out-of-band ones; the earliest rule of all decides whether anything but a non-finite value can alert.
+        rules = [rule.config(self.registry.base_config) for rule in self.registry.rules]
+        first = min(rules, key=lambda c: c.warmup + c.baseline + c.persistence)
+        return first, first.warmup + first.baseline + first.persistence
+
+    @property
+    def armed_from_step(self) -> int:
+        """The earliest step at which a baseline-relative alert can fire (counted from step 1, across resumes):
+        the evaluations the earliest rule needs, times the interval. Before it only non-finite values alert."""
+        return self._earliest_rule()[1] * self.config.monitors.interval
+
+    def arming(self) -> dict:
+        """For the run's summary and end-of-run line: :attr:`armed_from_step`, the last step taken (across
+        resumes), whether the run reached the armed-from step, and a sentence saying so (a run that ended before
+        it could alert on non-finite values only)."""
+        armed_from, last = self.armed_from_step, max(self._current_step, self._start_step)
+        armed = last >= armed_from
+        note = (f"run ended at step {last}; detectors armed from step {armed_from}" if armed else
+                f"run ended at step {last}, before the detectors were armed (step {armed_from}): only non-finite "
+                f"values could alert")
+        return {"armed_from_step": armed_from, "last_step": last, "armed": armed, "note": note}
+
+    def start_line(self) -> str:
+        """The one line :meth:`setup` logs on the logging rank: what is monitored (from the model view), how
+        often, and from which step the detectors can alert."""
+        counts = self._stage_counts
+        parts = []
+        if "attention" in self.families:
+            parts.append(_count(counts["attention"], "attention layer"))
+        if "router" in self.families:
+            parts.append(_count(counts["router"], "router"))
+        if self.experts is not None:
+            parts.append(_count(counts["experts"], "expert layer"))
+        if self.max_logit is not None:
+            parts.append("max attention logit")
+        first, needed = self._earliest_rule()
+        interval = self.config.monitors.interval
+        return (f"[mech] monitors on: {', '.join(parts) or 'none (loss and grad norm only)'}, every "
+                f"{_count(interval, 'step')}; detectors armed from step {needed * interval} (warm-up "
+                f"{first.warmup} + baseline {first.baseline} + persistence {first.persistence} evaluations)")
+
+    def _count_layers(self, view: ModelView) -> dict:
+        """Layers per monitor family over the whole model: each pipeline stage holds its own (collective over
+        the pipeline group, every rank calls it)."""
+        counts = {"attention": len(view.attention_layers), "router": len(view.routers), "experts": len(view.experts)}
+        if view.pp_group is not None:
+            from megatron_mech.core.sharded import collective_device
+
+            t = torch.tensor(list(counts.values()), dtype=torch.float64, device=collective_device(view.pp_group))
+            torch.distributed.all_reduce(t, group=view.pp_group)
+            counts = dict(zip(counts, (int(v) for v in t.tolist())))
+        return counts
 
     def is_evaluation_step(self, step: int) -> bool:
         """Whether the monitors evaluate after optimizer step ``step`` (the one rule: multiples of the interval);
@@ -756,6 +826,10 @@ class MechHook:
         self.first_alert_step = step
         self._first_alert_acted_step = self._current_step
         return {"log": Action.CONTINUE, "checkpoint": Action.CHECKPOINT, "stop": Action.STOP}[self.config.on_alert]
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _host_values(values: list) -> list:

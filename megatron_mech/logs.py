@@ -3,6 +3,11 @@
 Every module logs to ``logging.getLogger("megatron_mech…")`` on every rank; :func:`configure_logging` attaches one
 handler whose :class:`RankFilter` lets the records through on the logging rank only, so a message is printed
 once per run without each caller checking its rank.
+
+A script of the user's own (the DeepSpeed adapter) calls no :func:`configure_logging`; with no logging set up,
+Python's last-resort handler shows WARNING and above only, so the hook's start line and its alerts (INFO) would
+reach nobody. :func:`ensure_visible` gives the logger a stderr handler in that case, and only in that case: logging
+the user configured is left as it is.
 """
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ import logging
 import sys
 from typing import Optional, TextIO
 
-__all__ = ["RankFilter", "configure_logging"]
+__all__ = ["RankFilter", "configure_logging", "ensure_visible"]
 
 LOGGER_NAME = "megatron_mech"
 
@@ -41,3 +46,55 @@ def configure_logging(logging_rank: bool, stream: Optional[TextIO] = None, level
     logger.setLevel(level)
     logger.propagate = False
     return logger
+
+
+def _reached_by_others(logger: logging.Logger, ours: logging.Handler) -> bool:
+    """Whether a record of ``logger`` reaches a handler other than ``ours`` (its own or, while propagating, its
+    ancestors')."""
+    current: Optional[logging.Logger] = logger
+    while current is not None:
+        if any(h is not ours for h in current.handlers):
+            return True
+        if not current.propagate:
+            return False
+        current = current.parent
+    return False
+
+
+def ensure_visible(logging_rank: Optional[bool] = None) -> Optional[logging.Handler]:
+    """Make the ``megatron_mech`` logger's INFO records visible when no handler would show them: with no handler
+    on the logger or its ancestors, attach one bare-line handler to stderr at INFO (once; later calls find it).
+    Logging configured by the user or by :func:`configure_logging` is respected: nothing is added, and a handler
+    added here earlier is taken away again once another handler has appeared (no line printed twice).
+
+    ``logging_rank``: the records pass on this rank only (as with :func:`configure_logging`); ``None`` before
+    the rank is known: global rank 0, or the only process. Returns the handler added here, if any."""
+    logger = logging.getLogger(LOGGER_NAME)
+    ours = next((h for h in logger.handlers if getattr(h, "_megatron_mech_default", False)), None)
+    if ours is not None and _reached_by_others(logger, ours):
+        logger.removeHandler(ours)
+        if getattr(ours, "_megatron_mech_set_level", False):
+            logger.setLevel(logging.NOTSET)
+        return None
+    if ours is None:
+        if logger.hasHandlers():
+            return None
+        ours = logging.StreamHandler(sys.stderr)
+        ours.setFormatter(logging.Formatter("%(message)s"))
+        ours.addFilter(RankFilter(True))
+        ours._megatron_mech = True  # configure_logging replaces it like its own
+        ours._megatron_mech_default = True
+        # the logger inherits the root's WARNING otherwise, and INFO records would never reach the handler
+        ours._megatron_mech_set_level = logger.level == logging.NOTSET
+        if ours._megatron_mech_set_level:
+            logger.setLevel(logging.INFO)
+    if logging_rank is None:
+        import torch.distributed as dist
+
+        logging_rank = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    for f in ours.filters:
+        if isinstance(f, RankFilter):
+            f.logging_rank = bool(logging_rank)
+    if ours not in logger.handlers:
+        logger.addHandler(ours)
+    return ours

@@ -226,3 +226,106 @@ def test_readme_deepspeed_script_runs_as_written(tmp_path):
     assert [r["step"] for r in records] == [5, 10, 15, 20]
     assert any(r.get("mols") for r in records)  # MoLS measured (gradient accumulation 2 on one rank)
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step20"
+
+
+# ------------------------------------------------------------------------------------------------ a user's console
+USER_SCRIPT = '''
+import logging
+import sys
+
+import deepspeed
+import torch
+
+from megatron_mech.deepspeed.cpu import single_process_env, skip_shm_comm_build
+from megatron_mech.deepspeed.engine import DeepSpeedMech
+from megatron_mech.deepspeed.models import dense_llama
+
+if len(sys.argv) > 1:  # a script that sets up its own logging
+    logging.basicConfig(filename=sys.argv[1], level=logging.INFO)
+T, NAN_AT = 6, 3
+ds_config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+             "zero_optimization": {"stage": 0},
+             "mech": {"monitors": {"interval": 2}, "output": {"dir": "runs/ds"}}}
+single_process_env()
+skip_shm_comm_build()
+deepspeed.init_distributed(dist_backend="gloo")
+model = dense_llama(vocab_size=256, hidden=16, layers=2, heads=2, kv_heads=1, ffn=32, seq_len=17)
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+mech = DeepSpeedMech.from_engine(engine, train_steps=T)
+for step in range(T):
+    mech.before_step()
+    batch = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(step))
+    loss = engine(input_ids=batch, labels=batch).loss
+    engine.backward(loss)
+    engine.step()
+    mech.after_step(torch.full_like(loss, float("nan")) if engine.global_steps == NAN_AT else loss)
+mech.close()
+'''
+START_LINE = ("[mech] monitors on: 2 attention layers, every 2 steps; detectors armed from step 106 (warm-up 30 + "
+              "baseline 20 + persistence 3 evaluations)")
+
+
+def _run_user_script(tmp_path, *args):
+    import os
+    import subprocess
+    import sys
+
+    from dist_utils import free_port
+
+    (tmp_path / "train.py").write_text(USER_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               MASTER_PORT=str(free_port()))
+    run = subprocess.run([sys.executable, "train.py", *args], cwd=tmp_path, env=env, text=True, capture_output=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    records = [json.loads(line) for line in (tmp_path / "runs" / "ds" / "mech.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["alerts"]] == [3]  # the NaN loss, recorded at its own step
+    return run
+
+
+@pytest.mark.timeout(400)
+def test_a_script_without_logging_set_up_shows_the_start_line_and_alerts(tmp_path):
+    """A user's own DeepSpeed script that sets up no logging: the start line (once, with the model's attention
+    layers, the interval and the armed-from step) and the NaN loss's alert reach the console (stderr)."""
+    run = _run_user_script(tmp_path)
+    lines = (run.stdout + run.stderr).splitlines()
+    assert [line for line in lines if line.startswith("[mech] monitors on:")] == [START_LINE], run.stderr[-4000:]
+    assert [line for line in lines if line.startswith("[mech] ALERT step 3:")], run.stderr[-4000:]
+    assert not [line for line in lines if line.startswith("[mech] ALERT") and "step 3:" not in line]
+
+
+@pytest.mark.timeout(400)
+def test_a_script_with_its_own_logging_gets_the_lines_there_and_nothing_added(tmp_path):
+    """A script that configured logging itself (``logging.basicConfig`` to a file) gets the start line and the
+    alert in its file, and nothing of megatron-mech's on the console: no handler is added next to its own."""
+    log = tmp_path / "train.log"
+    run = _run_user_script(tmp_path, str(log))
+    assert "[mech]" not in run.stdout + run.stderr, run.stderr[-4000:]
+    lines = log.read_text().splitlines()
+    assert [line for line in lines if "[mech] monitors on:" in line] == [f"INFO:megatron_mech:{START_LINE}"]
+    assert [line for line in lines if "[mech] ALERT step 3:" in line], lines
+
+
+@pytest.mark.timeout(400)
+def test_summary_and_end_of_run_line_state_the_armed_from_step_of_a_short_run(tmp_path):
+    """A run that ends before the detectors are armed says so: summary.json holds the armed-from step
+    ((30 warm-up + 20 baseline + 3 persistence) evaluations × interval 2 = 106) and that only non-finite values
+    could alert, and the hook's end-of-run line on the console says the same."""
+    import os
+    import subprocess
+    import sys
+
+    from dist_utils import free_port
+
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               MASTER_PORT=str(free_port()))
+    run = subprocess.run([sys.executable, str(REPO_ROOT / "launch_scripts" / "deepspeed_train.py"), "--steps", "4",
+                          "--mech-interval", "2", "--hidden", "16", "--layers", "1", "--heads", "2", "--kv-heads", "1",
+                          "--seq-len", "16", "--micro-batch", "2", "--warmup", "0", "--output-dir", str(tmp_path)],
+                         env=env, cwd=REPO_ROOT, text=True, capture_output=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    note = "run ended at step 4, before the detectors were armed (step 106): only non-finite values could alert"
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["detectors"] == {"armed_from_step": 106, "last_step": 4, "armed": False, "note": note}
+    assert [line for line in run.stderr.splitlines() if line.endswith(f"[mech] {note}")], run.stderr[-4000:]

@@ -305,3 +305,58 @@ def test_settings_that_can_arm_nothing_are_warned_at_setup_naming_the_flag_and_t
     assert not any(r["alerts"] for r in records) and len(warnings) == 1 and "needs 4" in warnings[0]
     records, warnings = _short_run(_config(interval=2), 8, spike_at=8)
     assert warnings == [] and [a["family"] for a in records[-1]["alerts"]] == ["symptom"] and records[-1]["step"] == 8
+
+
+def test_setup_logs_one_start_line_with_the_monitored_layers_interval_and_armed_from_step():
+    """The logging rank says once, at setup, what the monitors watch (layer counts from the model view), how
+    often, and the first step a baseline-relative alert can fire: (warm-up + baseline + persistence) of the
+    earliest rule, times the interval. Other ranks say nothing."""
+    import logging
+
+    from megatron_mech.model_view import RouterView
+
+    def start_lines(logging_rank):
+        lines = []
+
+        class _Collect(logging.Handler):
+            def emit(self, record):
+                if record.getMessage().startswith("[mech] monitors on:"):
+                    lines.append(record.getMessage())
+
+        weights = [torch.randn((HEADS + 2 * GROUPS) * HEAD_DIM, D_MODEL, generator=torch.Generator().manual_seed(i))
+                   for i in range(3)]
+        routers = [RouterView(layer, torch.randn(4, D_MODEL), 2, lambda observe: None) for layer in range(3)]
+        config = MechConfig(monitors=MonitorConfig(families=("attention", "router"), interval=5))
+        hook = MechHook(config, train_steps=1000, sinks=CallbackSink(lambda record: None))
+        handler, mech_logger = _Collect(), logging.getLogger("megatron_mech")
+        level = mech_logger.level
+        mech_logger.addHandler(handler)
+        mech_logger.setLevel(logging.INFO)
+        try:
+            hook.setup(ModelView(attention_layers=[AttentionLayer(i, w, HEADS, GROUPS, HEAD_DIM)
+                                                   for i, w in enumerate(weights)],
+                                 routers=routers, logging_rank=logging_rank))
+        finally:
+            mech_logger.removeHandler(handler)
+            mech_logger.setLevel(level)
+        return lines, hook
+
+    lines, hook = start_lines(True)
+    # the default detectors: warm-up 30 + baseline 20 + persistence 3 = 53 evaluations, every 5 steps
+    assert lines == ["[mech] monitors on: 3 attention layers, 3 routers, every 5 steps; detectors armed from step "
+                     "265 (warm-up 30 + baseline 20 + persistence 3 evaluations)"]
+    assert hook.armed_from_step == 265
+    assert start_lines(False)[0] == []
+
+
+def test_arming_of_a_run_that_reaches_the_armed_from_step():
+    """warm-up 0 + baseline 3 + persistence 1 = 4 evaluations at interval 2: armed from step 8; a run of 8 steps
+    gets there, one of 6 does not (only non-finite values could alert)."""
+    assert _Run(_config(interval=2)).hook.armed_from_step == 8
+    run = _Run(_config(interval=2))
+    run.steps(1, 8)
+    assert run.hook.arming() == {"armed_from_step": 8, "last_step": 8, "armed": True,
+                                 "note": "run ended at step 8; detectors armed from step 8"}
+    run = _Run(_config(interval=2))
+    run.steps(1, 6)
+    assert run.hook.arming()["armed"] is False and "only non-finite values could alert" in run.hook.arming()["note"]

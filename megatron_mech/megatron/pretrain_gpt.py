@@ -466,7 +466,7 @@ def finish(args, t: Training, runtime: Runtime, run: dict, output_dir: str) -> N
                    "params_per_rank": t.n_params,
                    **{e.name: e.summary() for e in hook.extensions if e.summary() is not None},
                    "stopped_on_alert": run["stopped_on_alert"], "stopped_by_signal": run["stopped_by_signal"],
-                   "attribution": alert_lines(alerts),
+                   "attribution": alert_lines(alerts), "detectors": hook.arming(),
                    "monitor_seconds": hook.evaluation_seconds, "mols_seconds": hook.mols_seconds,
                    "final_mols": hook.mols_metrics(final_step),
                    "mols_diagnostics": hook.mols_diagnostics(),
