@@ -11,7 +11,8 @@ flags, or read from ``--deepspeed-config`` (its ``"mech"`` section configures th
 On CPU machines set ``OMP_NUM_THREADS=1`` under the ``deepspeed`` launcher. Writes ``<output-dir>/mech.jsonl``
 (one record per evaluation) and ``<output-dir>/summary.json`` (step time and monitor cost), from rank 0. A fresh
 run into an ``--output-dir`` (or ``--save``) that already holds a run is refused before anything is built:
-resume it with ``--load``, or pass ``--overwrite-run`` to start over.
+resume it with ``--load``, or pass ``--overwrite-run`` to start over. So is one into a directory another run
+is writing (the run holds its directories until its process ends).
 """
 from __future__ import annotations
 
@@ -106,15 +107,23 @@ def mech_output_dir(config: dict) -> str:
 
 def check_run_directories(args, config: dict, rank: int) -> bool:
     """Before anything is built, on every rank: the directories are writable, ``--load`` holds a checkpoint, and a
-    fresh run does not go into a directory holding another run (unless ``--overwrite-run``). Returns whether
-    the previous run there is to be cleared. Raises ``ValueError`` naming the flag or directory."""
-    from megatron_mech.records.run_directory import previous_run, probe_writable, refuse_mixing_runs
+    fresh run does not go into a directory holding another run (unless ``--overwrite-run``). Rank 0 first claims
+    them for the run's life, so a second run started at the same time is refused instead of passing the same
+    checks. Returns whether the previous run there is to be cleared. Raises ``ValueError`` naming the flag or
+    directory."""
+    from megatron_mech.records.run_directory import claim_run_directory, previous_run, probe_writable
+    from megatron_mech.records.run_directory import refuse_mixing_runs
 
     directories = dict.fromkeys([args.output_dir, mech_output_dir(config)])  # summary.json, mech.jsonl
-    for directory in directories:
-        probe_writable(directory, "--output-dir" if directory == args.output_dir else "mech.output.dir", rank)
+    flags = {directory: "--output-dir" if directory == args.output_dir else "mech.output.dir"
+             for directory in directories}
     if args.save:
-        probe_writable(args.save, "--save", rank)
+        flags.setdefault(args.save, "--save")
+    for directory, flag in flags.items():
+        probe_writable(directory, flag, rank)
+    if rank == 0:  # one rank: the ranks of this run would refuse each other
+        for directory, flag in flags.items():
+            claim_run_directory(directory, flag)
     if args.load:
         if not (Path(args.load) / LATEST).is_file():
             raise ValueError(f"--load {args.load} holds no DeepSpeed checkpoint (no {LATEST} file there)")
@@ -233,6 +242,9 @@ def main(argv=None) -> int:
     mech.close()
     dist.barrier()
     dist.destroy_process_group()
+    from megatron_mech.records.run_directory import release_run_directories
+
+    release_run_directories()  # the claim ends with the run, also when the process calling main() goes on
     return 0
 
 

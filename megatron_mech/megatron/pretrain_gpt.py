@@ -44,6 +44,7 @@ from megatron_mech.megatron.data_checks import check_token_ids
 from megatron_mech.megatron.data_path import parse_data_path
 from megatron_mech.megatron.flags import build_parser, check_args, extensions_from_args, lr_warmup_steps, train_steps
 from megatron_mech.megatron.run_directory import check_run_directories, clear_previous_run, record_run_id
+from megatron_mech.records.run_directory import release_run_directories
 from megatron_mech.megatron.stop_signals import StopOnSignal
 from megatron_mech.optim import base_lr
 
@@ -509,7 +510,7 @@ def preflight(args, world: int, rank: int, extension_types: Sequence[type] = ())
         config.output.dir = args.mech_output_dir or args.save or DEFAULT_OUTPUT_DIR
         extensions = extensions_from_args(args, extension_types)
         check_sink_packages(args, config)
-        plan = check_run_directories(args, rank)
+        plan = check_run_directories(args, rank, claim=rank == 0)
     except ValueError as exc:
         print(f"pretrain_gpt: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
@@ -575,6 +576,7 @@ def main(argv=None, extension_types: Sequence[type] = ()):
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     stop_signal.uninstall()
+    release_run_directories()  # the claim ends with the run, also when the process calling main() goes on
 
 
 if __name__ == "__main__":

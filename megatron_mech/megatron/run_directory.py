@@ -5,6 +5,10 @@ Rules (checked on every rank before any data, model or process group is built; e
 
 * ``--save``, ``--mech-output-dir`` (default ``--save``) and ``--tensorboard-dir`` must be writable: each rank
   writes and removes a probe file.
+* The entry point's rank 0 claims ``--save`` and the output directory for the run's life (a ``flock`` on
+  ``.mech_run.lock`` there, released when the process ends, a crash included) before the checks below: a second
+  run started into one of them while the first runs is refused naming the directory, instead of both finding it
+  empty and appending to one ``mech.jsonl``.
 * A fresh start — no ``--load``, or a ``--load`` directory without a checkpoint — into an output directory that
   already holds a run (``mech.jsonl`` with records, ``summary.json``, or a checkpoint tracker under ``--save``)
   is refused: appending would mix two runs, and starting over would truncate records no checkpoint explains.
@@ -26,7 +30,8 @@ from typing import Optional
 
 from megatron_mech.config import DEFAULT_OUTPUT_DIR
 from megatron_mech.megatron.checkpoint import RUN_ID_FILE, TRACKER, read_run_id, read_tracker, write_run_id
-from megatron_mech.records.run_directory import FIRST_ALERT, previous_run, probe_writable, refuse_mixing_runs
+from megatron_mech.records.run_directory import (FIRST_ALERT, claim_run_directory, previous_run, probe_writable,
+                                                 refuse_mixing_runs)
 from megatron_mech.records.run_directory import clear_previous_run as clear_run_files
 
 __all__ = ["RunDirectoryPlan", "check_run_directories", "clear_previous_run", "record_run_id"]
@@ -53,8 +58,10 @@ class RunDirectoryPlan:
     run_id: Optional[str] = None
 
 
-def check_run_directories(args, rank: int = 0) -> RunDirectoryPlan:
-    """Apply the module's rules to parsed entry-point flags; raise ``ValueError`` naming the flag."""
+def check_run_directories(args, rank: int = 0, claim: bool = False) -> RunDirectoryPlan:
+    """Apply the module's rules to parsed entry-point flags; raise ``ValueError`` naming the flag. ``claim``: hold
+    ``--save`` and the output directory for this process's run (the entry point's rank 0; a check made only to
+    report, like ``megatron-mech train``'s before it launches, must not hold them)."""
     output_dir = args.mech_output_dir or args.save or DEFAULT_OUTPUT_DIR
     output_flag = ("--mech-output-dir" if args.mech_output_dir else "--save" if args.save
                    else f"--mech-output-dir (default {DEFAULT_OUTPUT_DIR})")
@@ -62,6 +69,10 @@ def check_run_directories(args, rank: int = 0) -> RunDirectoryPlan:
                             ("--tensorboard-dir", args.tensorboard_dir)):
         if directory:
             probe_writable(directory, flag, rank)
+    if claim:  # before looking at what the directories hold: what is found there stays true while the run lasts
+        for flag, directory in (("--save", args.save), (output_flag, output_dir)):
+            if directory:
+                claim_run_directory(directory, flag)
     overwrite = bool(getattr(args, "overwrite_run", False))
     checkpoint_step = read_tracker(args.load) if args.load else None
     resume = checkpoint_step is not None
