@@ -111,8 +111,9 @@ def check_run_directories(args, config: dict, rank: int) -> bool:
     them for the run's life, so a second run started at the same time is refused instead of passing the same
     checks. Returns whether the previous run there is to be cleared. Raises ``ValueError`` naming the flag or
     directory."""
-    from megatron_mech.records.run_directory import claim_run_directory, previous_run, probe_writable
-    from megatron_mech.records.run_directory import refuse_mixing_runs
+    from megatron_mech.records.run_directory import (FIRST_ALERT, JSONL, SUMMARY, claim_run_directory,
+                                                     previous_run, probe_writable, refuse_mixing_runs,
+                                                     refuse_symlinks_in)
 
     directories = dict.fromkeys([args.output_dir, mech_output_dir(config)])  # summary.json, mech.jsonl
     flags = {directory: "--output-dir" if directory == args.output_dir else "mech.output.dir"
@@ -124,6 +125,10 @@ def check_run_directories(args, config: dict, rank: int) -> bool:
     if rank == 0:  # one rank: the ranks of this run would refuse each other
         for directory, flag in flags.items():
             claim_run_directory(directory, flag)
+    for directory in directories:  # what the run writes must not lead out of its directories
+        refuse_symlinks_in(directory, (JSONL, SUMMARY))
+    if args.save:
+        refuse_symlinks_in(args.save, (LATEST, FIRST_ALERT))
     if args.load:
         if not (Path(args.load) / LATEST).is_file():
             raise ValueError(f"--load {args.load} holds no DeepSpeed checkpoint (no {LATEST} file there)")
@@ -235,8 +240,11 @@ def main(argv=None) -> int:
                "monitor_share": mech.monitor_seconds / max(sum(step_seconds), 1e-12),
                "alerts": sorted({a.metric for a in mech.hook.alerts})}
     if rank == 0:
+        from megatron_mech.records.run_directory import open_no_follow
+
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-        (Path(args.output_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
+        with open_no_follow(Path(args.output_dir) / "summary.json") as f:  # never through a link out of the run
+            f.write(json.dumps(summary, indent=1))
         logger.info("monitor cost: %.3f s of %.3f s (%.2f%% of step time)", summary["monitor_seconds"],
                     summary["step_seconds_total"], 100 * summary["monitor_share"])
     mech.close()

@@ -95,6 +95,26 @@ def test_launcher_refuses_a_directory_another_run_holds(tmp_path):
 
 
 @pytest.mark.timeout(600)
+def test_launcher_refuses_links_out_of_its_directories(tmp_path):
+    """A mech.jsonl link in --output-dir got the records appended to the file it points to, and a (dangling)
+    ``latest`` link in --save got DeepSpeed's tag written outside the directory. Both are refused before anything
+    is built: exit code 2, one line naming the link, nothing written where they point."""
+    out, ckpt, outside = tmp_path / "out", tmp_path / "ckpt", tmp_path / "outside"
+    outside.mkdir()
+    (outside / "records.jsonl").write_text("")
+    for link, target in ((out / "mech.jsonl", outside / "records.jsonl"), (ckpt / "latest", outside / "latest")):
+        link.parent.mkdir(exist_ok=True)
+        link.symlink_to(target)
+        run = launch("--steps", "4", "--output-dir", str(out), "--save", str(ckpt))
+        assert run.returncode == 2, run.stderr[-3000:]
+        error = [line for line in run.stderr.splitlines() if line.startswith("deepspeed_train: error: ")]
+        assert len(error) == 1 and f"{link} is a symbolic link (to {target})" in error[0], run.stderr[-3000:]
+        assert sorted(p.name for p in outside.iterdir()) == ["records.jsonl"]
+        assert (outside / "records.jsonl").read_text() == ""
+        link.unlink()
+
+
+@pytest.mark.timeout(600)
 def test_latest_tag_outside_the_load_directory_is_refused_and_the_loaded_checkpoint_is_named(tmp_path):
     """DeepSpeed joins whatever ``latest`` holds to --load: a tag ``../../ds1/ckpt/global_step4`` loaded another
     run's checkpoint, silently. It is refused (one line naming the ``latest`` file and the tag) before anything is

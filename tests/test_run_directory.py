@@ -240,6 +240,65 @@ def test_claim_is_released_when_its_run_ends_even_by_a_crash(tmp_path):
     os.close(hold_run_claim(run))  # released: another process can claim it
 
 
+@pytest.mark.parametrize("name", [RUN_ID_FILE, ".run_id.txt.tmp", "mech.jsonl", "summary.json", TRACKER,
+                                  "first_alert.json", "iter_0000002"])
+def test_symlinks_where_a_run_writes_are_refused_at_start(tmp_path, name):
+    """A run writes these names in its directory; a planted link there led the writes outside it (the tracker,
+    mech.jsonl, an iteration directory; the run id's temporary file) or was silently replaced. Each is refused
+    at start naming the link, the file it points to unchanged; an iteration directory up to the resumed
+    checkpoint is only read, so a link there is fine."""
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    run.mkdir()
+    target = outside / "dir" if name.startswith("iter_") else outside / "file"
+    target.parent.mkdir(parents=True)
+    target.mkdir() if name.startswith("iter_") else target.write_text("")
+    (run / name).symlink_to(target)
+    with pytest.raises(ValueError, match=f"{run / name} is a symbolic link \\(to {target}\\)"):
+        check_run_directories(parse("--save", str(run)))
+    assert [p.name for p in outside.rglob("*")] == [target.name] and (target.is_dir() or target.read_text() == "")
+    if name.startswith("iter_"):
+        checkpoint(run, 4, run_id="run-a")
+        (run / RUN_ID_FILE).write_text("run-a")
+        assert check_run_directories(parse("--save", str(run), "--load", str(run))).resume
+
+
+def test_writes_in_a_run_directory_never_follow_a_link(tmp_path):
+    """The writes themselves refuse a link planted after the start-up checks (opened without following links)."""
+    from megatron_mech.megatron.checkpoint import write_run_id
+    from megatron_mech.megatron.pretrain_gpt import write_summary
+
+    outside = tmp_path / "outside"
+    outside.write_text("keep")
+    for name in (RUN_ID_FILE, ".run_id.txt.tmp"):
+        run = tmp_path / name
+        run.mkdir()
+        (run / name).symlink_to(outside)
+        with pytest.raises(ValueError, match=f"{run / name} is a symbolic link"):
+            write_run_id(run, "run-a")
+        assert (run / name).is_symlink() and outside.read_text() == "keep"
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / ".summary.json.tmp").symlink_to(outside)
+    assert write_summary(tmp_path / "s" / "summary.json", {"final_step": 3}) is False
+    assert outside.read_text() == "keep" and not (tmp_path / "s" / "summary.json").exists()
+
+
+@pytest.mark.timeout(300)
+def test_entry_point_refuses_a_symlinked_log_before_training(tmp_path):
+    """A mech.jsonl link to a file outside the run directory got the run's records appended to that file. The
+    entry point refuses it at start (exit code 2, one line naming the link) and the file is left as it was."""
+    run, outside = tmp_path / "r", tmp_path / "elsewhere.jsonl"
+    run.mkdir()
+    outside.write_text("")
+    (run / "mech.jsonl").symlink_to(outside)
+    with pytest.raises(AssertionError) as failure:
+        run_torchrun(LAUNCHER, *TINY, "--train-iters", "4", "--save", str(run), "--save-interval", "2", nproc=1,
+                     timeout=240)
+    text = str(failure.value)
+    assert f"pretrain_gpt: error: {run / 'mech.jsonl'} is a symbolic link (to {outside})" in text, text[-3000:]
+    assert "exitcode  : 2" in text and "[train] world=" not in text, text[-3000:]
+    assert outside.read_text() == "" and not (run / RUN_ID_FILE).exists()
+
+
 def test_summary_write_failure_is_reported_not_fatal(tmp_path, caplog):
     """One policy for monitor output: a failed write (here a file where the directory should be; disk full
     behaves the same) is said loudly and the run goes on to its normal end."""

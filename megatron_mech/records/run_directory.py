@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 __all__ = ["FIRST_ALERT", "JSONL", "LOCK_FILE", "SUMMARY", "claim_run_directory", "clear_previous_run",
-           "previous_run", "probe_writable", "refuse_mixing_runs", "release_run_directories"]
+           "open_no_follow", "previous_run", "probe_writable", "refuse_mixing_runs", "refuse_symlink",
+           "refuse_symlinks_in", "release_run_directories"]
 
 logger = logging.getLogger(__name__)
 
@@ -84,12 +85,52 @@ def release_run_directories() -> None:
         os.close(_claims.popitem()[1])
 
 
+_OPEN_FLAGS = {"w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+               "r+": os.O_RDWR}
+
+
+def refuse_symlink(path) -> None:
+    """``ValueError`` naming ``path`` when it is a symbolic link. A run writes only regular files inside its
+    directories: writing through a link would change a file anywhere else (another run's records, a user's
+    file), and replacing the link would silently drop what the user put there."""
+    path = Path(path)
+    if path.is_symlink():
+        try:
+            target = f" (to {os.readlink(path)})"
+        except OSError:
+            target = ""
+        raise ValueError(f"{path} is a symbolic link{target}: a run writes this file itself and does not follow "
+                         f"links out of its directory. Remove the link, or choose another directory")
+
+
+def refuse_symlinks_in(directory, names: Iterable[str]) -> None:
+    """:func:`refuse_symlink` for each of the files ``names`` in ``directory`` (those a run will write there)."""
+    for name in names:
+        refuse_symlink(Path(directory) / name)
+
+
+def open_no_follow(path, mode: str = "w", encoding: Optional[str] = None):
+    """``open(path, mode)`` for writing (``mode``: ``w``, ``a`` or ``r+``, with ``b`` for bytes) that never writes
+    through a symbolic link: the file is opened with ``O_NOFOLLOW``, so a link planted after any earlier check is
+    refused as well (``ValueError`` naming it, see :func:`refuse_symlink`)."""
+    binary = "b" in mode
+    flags = _OPEN_FLAGS[mode.replace("b", "")] | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            refuse_symlink(path)
+        raise
+    return os.fdopen(fd, mode.replace("b", "") + "b" if binary else mode, encoding=None if binary else encoding)
+
+
 def probe_writable(directory, flag: str, rank: int) -> None:
     """Write and remove a probe file in ``directory`` (created if needed); ``ValueError`` naming ``flag`` if not."""
     probe = Path(directory) / f".mech_write_probe.rank{rank}"
     try:
         Path(directory).mkdir(parents=True, exist_ok=True)
-        probe.write_text("ok")
+        with open_no_follow(probe) as f:
+            f.write("ok")
         probe.unlink()
     except OSError as exc:
         raise ValueError(f"{flag} {directory} is not writable ({exc.strerror or exc}); training would only find "
