@@ -11,7 +11,8 @@ flags, or read from ``--deepspeed-config`` (its ``"mech"`` section configures th
 On CPU machines set ``OMP_NUM_THREADS=1`` under the ``deepspeed`` launcher. Writes ``<output-dir>/mech.jsonl``
 (one record per evaluation) and ``<output-dir>/summary.json`` (step time, monitor cost, the step the detectors are
 armed from), from rank 0. A fresh run into an ``--output-dir`` (or ``--save``) that already holds a run is refused
-before anything is built: resume it with ``--load``, or pass ``--overwrite-run`` to start over.
+before anything is built: resume it with ``--load``, or pass ``--overwrite-run`` to start over. So is one into a
+directory another run is writing (the run holds its directories until its process ends).
 """
 from __future__ import annotations
 
@@ -106,15 +107,28 @@ def mech_output_dir(config: dict) -> str:
 
 def check_run_directories(args, config: dict, rank: int) -> bool:
     """Before anything is built, on every rank: the directories are writable, ``--load`` holds a checkpoint, and a
-    fresh run does not go into a directory holding another run (unless ``--overwrite-run``). Returns whether
-    the previous run there is to be cleared. Raises ``ValueError`` naming the flag or directory."""
-    from megatron_mech.records.run_directory import previous_run, probe_writable, refuse_mixing_runs
+    fresh run does not go into a directory holding another run (unless ``--overwrite-run``). Rank 0 first claims
+    them for the run's life, so a second run started at the same time is refused instead of passing the same
+    checks. Returns whether the previous run there is to be cleared. Raises ``ValueError`` naming the flag or
+    directory."""
+    from megatron_mech.records.run_directory import (FIRST_ALERT, JSONL, SUMMARY, claim_run_directory,
+                                                     previous_run, probe_writable, refuse_mixing_runs,
+                                                     refuse_symlinks_in)
 
     directories = dict.fromkeys([args.output_dir, mech_output_dir(config)])  # summary.json, mech.jsonl
-    for directory in directories:
-        probe_writable(directory, "--output-dir" if directory == args.output_dir else "mech.output.dir", rank)
+    flags = {directory: "--output-dir" if directory == args.output_dir else "mech.output.dir"
+             for directory in directories}
     if args.save:
-        probe_writable(args.save, "--save", rank)
+        flags.setdefault(args.save, "--save")
+    for directory, flag in flags.items():
+        probe_writable(directory, flag, rank)
+    if rank == 0:  # one rank: the ranks of this run would refuse each other
+        for directory, flag in flags.items():
+            claim_run_directory(directory, flag)
+    for directory in directories:  # what the run writes must not lead out of its directories
+        refuse_symlinks_in(directory, (JSONL, SUMMARY))
+    if args.save:
+        refuse_symlinks_in(args.save, (LATEST, FIRST_ALERT))
     if args.load:
         if not (Path(args.load) / LATEST).is_file():
             raise ValueError(f"--load {args.load} holds no DeepSpeed checkpoint (no {LATEST} file there)")
@@ -227,13 +241,19 @@ def main(argv=None) -> int:
                "alerts": sorted({a.metric for a in mech.hook.alerts}),
                "detectors": mech.hook.arming()}  # the armed-from step, and whether the run got there
     if rank == 0:
+        from megatron_mech.records.run_directory import open_no_follow
+
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-        (Path(args.output_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
+        with open_no_follow(Path(args.output_dir) / "summary.json") as f:  # never through a link out of the run
+            f.write(json.dumps(summary, indent=1))
         logger.info("monitor cost: %.3f s of %.3f s (%.2f%% of step time)", summary["monitor_seconds"],
                     summary["step_seconds_total"], 100 * summary["monitor_share"])
     mech.close()
     dist.barrier()
     dist.destroy_process_group()
+    from megatron_mech.records.run_directory import release_run_directories
+
+    release_run_directories()  # the claim ends with the run, also when the process calling main() goes on
     return 0
 
 

@@ -567,7 +567,10 @@ class MechHook:
         directory = Path(directory)
         record = {"step": int(alert_step), "checkpoint": str(directory),
                   "last_checkpoint_before_alert": max(earlier) if earlier else None}
-        (directory.parent / "first_alert.json").write_text(json.dumps(record, indent=1))
+        from megatron_mech.records.run_directory import open_no_follow
+
+        with open_no_follow(directory.parent / "first_alert.json") as f:  # never through a link out of the run
+            f.write(json.dumps(record, indent=1))
         logger.info(f"[mech] first alert at step {alert_step}: checkpoint {directory}"
                     + (f"; roll back to iter_{max(earlier):07d} (before the alert)" if earlier else ""))
 

@@ -117,3 +117,16 @@ def job_ranks(results: dict[str, dict], job_id: str) -> list:
     job = results[job_id]
     assert job["ok"], json.dumps(job, indent=1)[-6000:]
     return job["ranks"]
+
+
+def hold_run_claim(directory) -> int:
+    """Claim ``directory`` the way a running run does (an exclusive ``flock`` on its ``.mech_run.lock``) and
+    return the descriptor: the claim lasts until it is closed. Written against the lock file itself, so a run
+    started meanwhile meets a claimed directory however it checks for one."""
+    import fcntl
+
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    fd = os.open(Path(directory) / ".mech_run.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.write(fd, f"pid {os.getpid()} on the test\n".encode())
+    return fd

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from dist_utils import REPO_ROOT, run_torchrun
+from dist_utils import REPO_ROOT, hold_run_claim, run_torchrun
 
 deepspeed = pytest.importorskip("deepspeed")
 transformers = pytest.importorskip("transformers")
@@ -71,6 +71,47 @@ def test_launcher_refuses_a_fresh_run_into_a_previous_run(tmp_path):
     over = launch("--steps", "4", "--output-dir", str(out), "--save", str(ckpt), "--overwrite-run")
     assert over.returncode == 0, over.stderr[-3000:]
     assert steps(out / "mech.jsonl") == [2, 4]
+
+
+@pytest.mark.timeout(300)
+def test_launcher_refuses_a_directory_another_run_holds(tmp_path):
+    """Two runs started into one --output-dir at once both passed the one-run rule and appended to one
+    mech.jsonl. With the first run's claim held here, the second stops before building anything: exit code 2,
+    one line naming the directory and saying another run holds it, nothing written."""
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    for claimed, flag in ((out, "--output-dir"), (ckpt, "--save")):
+        fd = hold_run_claim(claimed)
+        try:
+            second = launch("--steps", "4", "--output-dir", str(out), "--save", str(ckpt))
+        finally:
+            os.close(fd)
+        assert second.returncode == 2, second.stderr[-3000:]
+        error = [line for line in second.stderr.splitlines() if line.startswith("deepspeed_train: error: ")]
+        assert error == [f"deepspeed_train: error: {flag} {claimed} is in use: another run (pid {os.getpid()} on "
+                         f"the test) holds it (lock {claimed / '.mech_run.lock'}). Two runs writing one directory "
+                         f"would mix their records and checkpoints; wait for that run to end or use another "
+                         f"{flag}"], second.stderr[-3000:]
+        assert not (out / "mech.jsonl").exists() and not (ckpt / "latest").exists()
+
+
+@pytest.mark.timeout(600)
+def test_launcher_refuses_links_out_of_its_directories(tmp_path):
+    """A mech.jsonl link in --output-dir got the records appended to the file it points to, and a (dangling)
+    ``latest`` link in --save got DeepSpeed's tag written outside the directory. Both are refused before anything
+    is built: exit code 2, one line naming the link, nothing written where they point."""
+    out, ckpt, outside = tmp_path / "out", tmp_path / "ckpt", tmp_path / "outside"
+    outside.mkdir()
+    (outside / "records.jsonl").write_text("")
+    for link, target in ((out / "mech.jsonl", outside / "records.jsonl"), (ckpt / "latest", outside / "latest")):
+        link.parent.mkdir(exist_ok=True)
+        link.symlink_to(target)
+        run = launch("--steps", "4", "--output-dir", str(out), "--save", str(ckpt))
+        assert run.returncode == 2, run.stderr[-3000:]
+        error = [line for line in run.stderr.splitlines() if line.startswith("deepspeed_train: error: ")]
+        assert len(error) == 1 and f"{link} is a symbolic link (to {target})" in error[0], run.stderr[-3000:]
+        assert sorted(p.name for p in outside.iterdir()) == ["records.jsonl"]
+        assert (outside / "records.jsonl").read_text() == ""
+        link.unlink()
 
 
 @pytest.mark.timeout(600)

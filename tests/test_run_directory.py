@@ -7,10 +7,12 @@ the previous run's records untouched).
 import json
 import os
 import stat
+import subprocess
+import sys
 
 import pytest
 
-from dist_utils import REPO_ROOT, run_torchrun
+from dist_utils import REPO_ROOT, hold_run_claim, run_torchrun
 from megatron_mech.megatron.checkpoint import RUN_ID_FILE, TRACKER
 from megatron_mech.megatron.pretrain_gpt import build_parser, check_args
 from megatron_mech.megatron.run_directory import check_run_directories, clear_previous_run
@@ -182,6 +184,119 @@ def test_entry_point_refuses_before_building_anything(tmp_path):
     assert text.count("already holds a run") >= 2 and "[train] world=" not in text  # every rank, before training
     assert "pretrain_gpt: error:" in text and "in check_run_directories" not in text  # one line, no worker traceback
     assert len((tmp_path / "run" / "mech.jsonl").read_text().splitlines()) == 15
+
+
+TINY = ("--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
+        "--micro-batch-size", "2", "--global-batch-size", "2", "--lr-warmup-iters", "1", "--log-interval", "1",
+        "--eval-iters", "1", "--mech-interval", "2")
+
+
+@pytest.mark.timeout(300)
+def test_run_started_into_a_directory_another_run_holds_is_refused(tmp_path):
+    """Two runs started into one directory at once both found it empty and appended to one mech.jsonl (steps
+    2, 4, 2, 4). The first run's claim is held here (deterministically, instead of racing two launches): the
+    second stops before training with exit code 2 and one line naming the directory, writing nothing there."""
+    run = tmp_path / "r"
+    fd = hold_run_claim(run)
+    try:
+        with pytest.raises(AssertionError) as failure:
+            run_torchrun(LAUNCHER, *TINY, "--train-iters", "4", "--save", str(run), "--save-interval", "2",
+                         nproc=1, timeout=240)
+    finally:
+        os.close(fd)
+    text = str(failure.value)
+    assert f"pretrain_gpt: error: --save {run} is in use: another run (pid {os.getpid()} on the test) holds it" \
+        in text, text[-3000:]
+    assert "exitcode  : 2" in text and "[train] world=" not in text, text[-3000:]
+    assert not (run / "mech.jsonl").exists() and not (run / RUN_ID_FILE).exists() and not (run / TRACKER).exists()
+
+
+@pytest.mark.timeout(120)
+def test_claim_is_released_when_its_run_ends_even_by_a_crash(tmp_path):
+    """A run holds its directories while its process lives: another process is refused (naming the holder), the
+    same process claims again freely (a run resuming its own directory), and a killed run's claim goes with it,
+    so it never blocks the resume that follows a crash."""
+    from megatron_mech.records.run_directory import release_run_directories
+
+    run = tmp_path / "r"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from megatron_mech.records.run_directory import "
+         "claim_run_directory as claim; claim(sys.argv[1], '--save'); print('claimed', flush=True); time.sleep(300)",
+         str(run)], stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT,
+        env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    try:
+        assert holder.stdout.readline().strip() == "claimed"
+        with pytest.raises(ValueError, match=f"--save {run} is in use: another run \\(pid {holder.pid} on "):
+            check_run_directories(parse("--save", str(run)), claim=True)
+        assert check_run_directories(parse("--save", str(run))).warning is None  # a check alone claims nothing
+    finally:
+        holder.kill()
+        holder.wait(timeout=60)
+    try:
+        check_run_directories(parse("--save", str(run)), claim=True)  # the killed run's claim went with it
+        check_run_directories(parse("--save", str(run), "--mech-output-dir", str(run)), claim=True)  # ours again
+    finally:
+        release_run_directories()
+    os.close(hold_run_claim(run))  # released: another process can claim it
+
+
+@pytest.mark.parametrize("name", [RUN_ID_FILE, ".run_id.txt.tmp", "mech.jsonl", "summary.json", TRACKER,
+                                  "first_alert.json", "iter_0000002"])
+def test_symlinks_where_a_run_writes_are_refused_at_start(tmp_path, name):
+    """A run writes these names in its directory; a planted link there led the writes outside it (the tracker,
+    mech.jsonl, an iteration directory; the run id's temporary file) or was silently replaced. Each is refused
+    at start naming the link, the file it points to unchanged; an iteration directory up to the resumed
+    checkpoint is only read, so a link there is fine."""
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    run.mkdir()
+    target = outside / "dir" if name.startswith("iter_") else outside / "file"
+    target.parent.mkdir(parents=True)
+    target.mkdir() if name.startswith("iter_") else target.write_text("")
+    (run / name).symlink_to(target)
+    with pytest.raises(ValueError, match=f"{run / name} is a symbolic link \\(to {target}\\)"):
+        check_run_directories(parse("--save", str(run)))
+    assert [p.name for p in outside.rglob("*")] == [target.name] and (target.is_dir() or target.read_text() == "")
+    if name.startswith("iter_"):
+        checkpoint(run, 4, run_id="run-a")
+        (run / RUN_ID_FILE).write_text("run-a")
+        assert check_run_directories(parse("--save", str(run), "--load", str(run))).resume
+
+
+def test_writes_in_a_run_directory_never_follow_a_link(tmp_path):
+    """The writes themselves refuse a link planted after the start-up checks (opened without following links)."""
+    from megatron_mech.megatron.checkpoint import write_run_id
+    from megatron_mech.megatron.pretrain_gpt import write_summary
+
+    outside = tmp_path / "outside"
+    outside.write_text("keep")
+    for name in (RUN_ID_FILE, ".run_id.txt.tmp"):
+        run = tmp_path / name
+        run.mkdir()
+        (run / name).symlink_to(outside)
+        with pytest.raises(ValueError, match=f"{run / name} is a symbolic link"):
+            write_run_id(run, "run-a")
+        assert (run / name).is_symlink() and outside.read_text() == "keep"
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / ".summary.json.tmp").symlink_to(outside)
+    assert write_summary(tmp_path / "s" / "summary.json", {"final_step": 3}) is False
+    assert outside.read_text() == "keep" and not (tmp_path / "s" / "summary.json").exists()
+
+
+@pytest.mark.timeout(300)
+def test_entry_point_refuses_a_symlinked_log_before_training(tmp_path):
+    """A mech.jsonl link to a file outside the run directory got the run's records appended to that file. The
+    entry point refuses it at start (exit code 2, one line naming the link) and the file is left as it was."""
+    run, outside = tmp_path / "r", tmp_path / "elsewhere.jsonl"
+    run.mkdir()
+    outside.write_text("")
+    (run / "mech.jsonl").symlink_to(outside)
+    with pytest.raises(AssertionError) as failure:
+        run_torchrun(LAUNCHER, *TINY, "--train-iters", "4", "--save", str(run), "--save-interval", "2", nproc=1,
+                     timeout=240)
+    text = str(failure.value)
+    assert f"pretrain_gpt: error: {run / 'mech.jsonl'} is a symbolic link (to {outside})" in text, text[-3000:]
+    assert "exitcode  : 2" in text and "[train] world=" not in text, text[-3000:]
+    assert outside.read_text() == "" and not (run / RUN_ID_FILE).exists()
 
 
 def test_summary_write_failure_is_reported_not_fatal(tmp_path, caplog):

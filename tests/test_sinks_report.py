@@ -103,6 +103,33 @@ def test_append_resume_and_truncate_after_step(tmp_path):
     assert len(read_jsonl(tmp_path / "new.jsonl")) == 1
 
 
+def test_resume_truncation_keeps_the_mode_and_refuses_a_link(tmp_path):
+    """Cutting a log back on resume replaces it by a new file: it keeps the log's permission bits (the temporary
+    file is 0600), and a symbolic link is refused by name, not turned into a regular file; a link is never
+    appended through either, and the file it points to is left as it was."""
+    import os
+    import stat
+
+    path = tmp_path / JSONL_NAME
+    path.write_text("".join(encode_record(make_record(step)) + "\n" for step in (2, 4, 6)))
+    for mode in (0o644, 0o640):
+        os.chmod(path, mode)
+        with JsonlSink(path, truncate_after_step=4 if mode == 0o644 else 2):
+            pass
+        assert stat.S_IMODE(path.stat().st_mode) == mode
+    assert [r["step"] for r in read_jsonl(path)] == [2]
+    outside = tmp_path / "outside.jsonl"
+    outside.write_text("".join(encode_record(make_record(step)) + "\n" for step in (2, 4, 6)))
+    link = tmp_path / "run" / JSONL_NAME
+    link.parent.mkdir()
+    link.symlink_to(outside)
+    before = outside.read_text()
+    for truncate in (4, None):
+        with pytest.raises(ValueError, match=f"{link} is a symbolic link \\(to {outside}\\)"):
+            JsonlSink(link, truncate_after_step=truncate)
+        assert link.is_symlink() and outside.read_text() == before
+
+
 def test_truncated_last_line_tolerated_and_repaired(tmp_path):
     path = tmp_path / JSONL_NAME
     with JsonlSink(path) as s:

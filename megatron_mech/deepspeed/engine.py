@@ -48,6 +48,7 @@ from megatron_mech.deepspeed.router import find_gates, gate_capture, token_group
 from megatron_mech.deepspeed.safe_load import weights_only_loads
 from megatron_mech.hook import Action, Extension, MechHook
 from megatron_mech.model_view import ModelView, RouterView
+from megatron_mech.records.run_directory import refuse_symlink
 
 __all__ = ["CLIENT_STATE_KEY", "DeepSpeedMech", "load_checkpoint", "save_checkpoint"]
 
@@ -287,6 +288,9 @@ def save_checkpoint(engine, mech: DeepSpeedMech, save_dir, tag=None, client_stat
     (``first_alert.json`` next to the alert's checkpoint)."""
     rank, world = _rank_and_world()
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
+    # DeepSpeed writes through links: the "latest" file, and every file of a tag directory that links elsewhere
+    refuse_symlink(Path(save_dir) / "latest")
+    refuse_symlink(Path(save_dir) / tag)
     state = dict(client_state or {})
     state[CLIENT_STATE_KEY] = {"per_rank_files": True, "world_size": world}
     result = engine.save_checkpoint(save_dir, tag=tag, client_state=state, **kwargs)

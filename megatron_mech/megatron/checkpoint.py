@@ -21,6 +21,7 @@ import torch
 
 from megatron_mech.hook import naming_damaged_state
 from megatron_mech.optim import inner_optimizer, leaf_optimizers
+from megatron_mech.records.run_directory import open_no_follow, refuse_symlink
 
 __all__ = ["RUN_ID_FILE", "check_model_shapes", "check_mols_match", "load_checkpoint",
            "load_distributed_optimizer_state", "read_checkpoint_file", "read_run_id", "read_tracker", "save_checkpoint",
@@ -71,10 +72,13 @@ def read_run_id(directory) -> Optional[str]:
 
 def write_run_id(directory, run_id: str) -> None:
     """Record ``run_id`` in ``directory`` atomically: a crash mid-write leaves the old file or none, never an
-    empty one (which :func:`read_run_id` refuses)."""
+    empty one (which :func:`read_run_id` refuses). A symbolic link at either name is refused (``ValueError``
+    naming it): the temporary file would be written through it, and the replace would drop it."""
     path = Path(directory) / RUN_ID_FILE
     tmp = path.with_name(f".{RUN_ID_FILE}.tmp")
-    tmp.write_text(run_id, encoding="utf-8")
+    refuse_symlink(path)
+    with open_no_follow(tmp, "w", encoding="utf-8") as f:
+        f.write(run_id)
     os.replace(tmp, path)
 
 
@@ -233,6 +237,7 @@ def save_checkpoint(save_dir, step: int, model, optimizer, scheduler, layout: di
     Returns the iteration directory."""
     rank = torch.distributed.get_rank()
     directory = Path(save_dir) / f"iter_{step:07d}"
+    refuse_symlink(directory)  # mkdir accepts a link to a directory elsewhere, and every file would go there
     directory.mkdir(parents=True, exist_ok=True)
     if _uses_distributed_optimizer(optimizer):  # sharded optimizer state: written by DP rank 0 of each group
         optimizer.save_parameter_state(str(directory / f"distopt_rank{rank:04d}.pt"))
@@ -240,13 +245,15 @@ def save_checkpoint(save_dir, step: int, model, optimizer, scheduler, layout: di
              "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state(),
              "mech": hook.state_dict() if hook is not None else None, "mols_enabled": _mols_enabled(hook)}
     tmp = directory / f".rank{rank:04d}.pt.tmp"
-    torch.save(state, tmp)
+    with open_no_follow(tmp, "wb") as f:
+        torch.save(state, f)
     os.replace(tmp, directory / f"rank{rank:04d}.pt")  # atomic: a file that exists is complete
     if run_id is not None and rank == 0:
         write_run_id(directory, run_id)
     torch.distributed.barrier()
     if rank == 0:
-        (Path(save_dir) / TRACKER).write_text(str(step))
+        with open_no_follow(Path(save_dir) / TRACKER) as f:
+            f.write(str(step))
     torch.distributed.barrier()
     return directory
 

@@ -44,6 +44,7 @@ from megatron_mech.megatron.data_checks import check_token_ids
 from megatron_mech.megatron.data_path import parse_data_path
 from megatron_mech.megatron.flags import build_parser, check_args, extensions_from_args, lr_warmup_steps, train_steps
 from megatron_mech.megatron.run_directory import check_run_directories, clear_previous_run, record_run_id
+from megatron_mech.records.run_directory import open_no_follow, refuse_symlink, release_run_directories
 from megatron_mech.megatron.stop_signals import StopOnSignal
 from megatron_mech.optim import base_lr
 
@@ -482,15 +483,18 @@ def finish(args, t: Training, runtime: Runtime, run: dict, output_dir: str) -> N
 
 
 def write_summary(path: Path, summary: dict) -> bool:
-    """Write ``summary.json`` atomically. Monitor output never kills a run: a failure (disk full, permissions)
-    is reported loudly and the run ends normally, its checkpoints intact."""
+    """Write ``summary.json`` atomically. Monitor output never kills a run: a failure (disk full, permissions, a
+    symbolic link planted at either name after the start-up checks) is reported loudly and the run ends
+    normally, its checkpoints intact."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(summary))
+        refuse_symlink(path)
+        with open_no_follow(tmp) as f:
+            f.write(json.dumps(summary))
         os.replace(tmp, path)
         return True
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         logger.error(f"[mech] ERROR: could not write {path}: {exc}; the run's checkpoints are not affected")
         return False
 
@@ -509,7 +513,7 @@ def preflight(args, world: int, rank: int, extension_types: Sequence[type] = ())
         config.output.dir = args.mech_output_dir or args.save or DEFAULT_OUTPUT_DIR
         extensions = extensions_from_args(args, extension_types)
         check_sink_packages(args, config)
-        plan = check_run_directories(args, rank)
+        plan = check_run_directories(args, rank, claim=rank == 0)
     except ValueError as exc:
         print(f"pretrain_gpt: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
@@ -575,6 +579,7 @@ def main(argv=None, extension_types: Sequence[type] = ()):
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     stop_signal.uninstall()
+    release_run_directories()  # the claim ends with the run, also when the process calling main() goes on
 
 
 if __name__ == "__main__":

@@ -4,18 +4,124 @@ A fresh start into a directory that already holds a run (``mech.jsonl`` with rec
 checkpoint marker) is refused: appending would mix two runs' records (steps ``2, 4, 2, 4``), and starting over
 would truncate records no checkpoint explains. Resuming from a checkpoint is the legitimate way to continue a
 run; an explicit overwrite starts over (the previous run's records, summary and markers are removed).
+
+The check and the run's first writes are only safe together if no other run starts into the same directory in
+between: the entry points first claim each directory they write (:func:`claim_run_directory`, an exclusive
+``flock`` on a lock file held for the process's life), so of two runs started at once the second is refused by
+name instead of both passing the check and appending to one ``mech.jsonl``.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
+import logging
+import os
+import socket
 from pathlib import Path
 from typing import Iterable, Optional
 
-__all__ = ["FIRST_ALERT", "JSONL", "SUMMARY", "clear_previous_run", "previous_run", "probe_writable",
-           "refuse_mixing_runs"]
+__all__ = ["FIRST_ALERT", "JSONL", "LOCK_FILE", "SUMMARY", "claim_run_directory", "clear_previous_run",
+           "open_no_follow", "previous_run", "probe_writable", "refuse_mixing_runs", "refuse_symlink",
+           "refuse_symlinks_in", "release_run_directories"]
+
+logger = logging.getLogger(__name__)
 
 JSONL = "mech.jsonl"
 SUMMARY = "summary.json"
 FIRST_ALERT = "first_alert.json"
+LOCK_FILE = ".mech_run.lock"  # flock'ed by the run writing the directory; its text says who (pid, host)
+
+# directory (resolved) -> the open lock file's descriptor: the flock lives as long as the descriptor, so it is
+# kept open until the process ends (the kernel then releases it, also after a crash or SIGKILL, so a dead run's
+# claim never blocks the resume that follows it)
+_claims: dict = {}
+
+
+def claim_run_directory(directory, flag: str) -> None:
+    """Claim ``directory`` (created if needed) for this process's run until it ends: ``ValueError`` naming the
+    directory and ``flag`` when another run holds it. Claiming a directory this process already holds is a no-op
+    (one process, one run). Call on one rank only: the ranks of one run would otherwise refuse each other."""
+    key = os.path.realpath(directory)
+    if key in _claims:
+        return
+    lock = Path(directory) / LOCK_FILE
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        why = "it is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror or str(exc)
+        raise ValueError(f"{flag} {directory}: cannot open the run's lock file {lock} ({why})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _lock_holder(fd)
+        os.close(fd)
+        raise ValueError(f"{flag} {directory} is in use: another run{holder} holds it (lock {lock}). Two runs "
+                         f"writing one directory would mix their records and checkpoints; wait for that run to end "
+                         f"or use another {flag}") from None
+    except OSError as exc:  # a file system without flock (some network mounts): run unguarded, but say so
+        os.close(fd)
+        logger.warning(f"{flag} {directory}: cannot lock {lock} ({exc.strerror or exc}); a second run started "
+                       f"into this directory at the same time would not be detected")
+        return
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+    _claims[key] = fd
+
+
+def _lock_holder(fd: int) -> str:
+    """`` (pid N on HOST)`` from a held lock file's text, or "" when it cannot be read (written just now)."""
+    try:
+        text = os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
+    except OSError:
+        return ""
+    return f" ({text})" if text else ""
+
+
+def release_run_directories() -> None:
+    """Give up this process's claims (a process that ends releases them anyway; this is for one that goes on,
+    e.g. an entry point's ``main`` called in a test)."""
+    while _claims:
+        os.close(_claims.popitem()[1])
+
+
+_OPEN_FLAGS = {"w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+               "r+": os.O_RDWR}
+
+
+def refuse_symlink(path) -> None:
+    """``ValueError`` naming ``path`` when it is a symbolic link. A run writes only regular files inside its
+    directories: writing through a link would change a file anywhere else (another run's records, a user's
+    file), and replacing the link would silently drop what the user put there."""
+    path = Path(path)
+    if path.is_symlink():
+        try:
+            target = f" (to {os.readlink(path)})"
+        except OSError:
+            target = ""
+        raise ValueError(f"{path} is a symbolic link{target}: a run writes this file itself and does not follow "
+                         f"links out of its directory. Remove the link, or choose another directory")
+
+
+def refuse_symlinks_in(directory, names: Iterable[str]) -> None:
+    """:func:`refuse_symlink` for each of the files ``names`` in ``directory`` (those a run will write there)."""
+    for name in names:
+        refuse_symlink(Path(directory) / name)
+
+
+def open_no_follow(path, mode: str = "w", encoding: Optional[str] = None):
+    """``open(path, mode)`` for writing (``mode``: ``w``, ``a`` or ``r+``, with ``b`` for bytes) that never writes
+    through a symbolic link: the file is opened with ``O_NOFOLLOW``, so a link planted after any earlier check is
+    refused as well (``ValueError`` naming it, see :func:`refuse_symlink`)."""
+    binary = "b" in mode
+    flags = _OPEN_FLAGS[mode.replace("b", "")] | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            refuse_symlink(path)
+        raise
+    return os.fdopen(fd, mode.replace("b", "") + "b" if binary else mode, encoding=None if binary else encoding)
 
 
 def probe_writable(directory, flag: str, rank: int) -> None:
@@ -23,7 +129,8 @@ def probe_writable(directory, flag: str, rank: int) -> None:
     probe = Path(directory) / f".mech_write_probe.rank{rank}"
     try:
         Path(directory).mkdir(parents=True, exist_ok=True)
-        probe.write_text("ok")
+        with open_no_follow(probe) as f:
+            f.write("ok")
         probe.unlink()
     except OSError as exc:
         raise ValueError(f"{flag} {directory} is not writable ({exc.strerror or exc}); training would only find "

@@ -38,6 +38,7 @@ import json
 import logging
 import math
 import os
+import stat
 import sys
 import tempfile
 import warnings
@@ -45,6 +46,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 from megatron_mech.core.detect import Alert
+from megatron_mech.records.run_directory import open_no_follow, refuse_symlink
 
 __all__ = ["JSONL_NAME", "RESERVED_KEYS", "make_record", "encode_record", "decode_record", "record_alerts",
            "record_scalars", "read_alerts", "read_jsonl", "truncate_jsonl", "Sink", "JsonlSink", "TensorBoardSink", "WandbSink",
@@ -379,10 +381,13 @@ def truncate_jsonl(path: str | os.PathLike, after_step: int) -> int:
     """Atomically drop the records with ``step > after_step`` (and unparsable lines) from a JSONL log.
 
     Kept lines are copied byte for byte into a temporary file in the same directory, which then replaces the
-    original with :func:`os.replace` (readers see the old or the new file, never a mix). Lines without an int
-    step are kept. Returns the number of lines dropped; a missing file is left missing (returns 0).
+    original with :func:`os.replace` (readers see the old or the new file, never a mix); the file keeps its
+    permission bits (the temporary file is created 0600). Lines without an int step are kept. Returns the number
+    of lines dropped; a missing file is left missing (returns 0). A symbolic link is refused (``ValueError``
+    naming it): the replace would turn it into a regular file and cut the records of the file it points to.
     """
     path = Path(path)
+    refuse_symlink(path)
     if not path.exists():
         return 0
     kept, dropped = [], 0
@@ -397,8 +402,10 @@ def truncate_jsonl(path: str | os.PathLike, after_step: int) -> int:
             kept.append(raw if raw.endswith(b"\n") else raw + b"\n")
     if dropped == 0:
         return 0
+    mode = stat.S_IMODE(path.stat().st_mode)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
             f.writelines(kept)
             f.flush()
@@ -424,7 +431,7 @@ def _repair_partial_tail(path: Path) -> None:
         return
     if size == 0:
         return
-    with open(path, "rb+") as f:
+    with open_no_follow(path, "rb+") as f:
         f.seek(size - 1)
         if f.read(1) == b"\n":
             return
@@ -455,7 +462,8 @@ def _repair_partial_tail(path: Path) -> None:
 class JsonlSink(_SinkBase):
     """Appends one strict-JSON line per record to ``path`` (parents created), flushed after every record.
 
-    Append mode, so a resumed run continues the same file. On resume pass ``truncate_after_step=s`` (the step
+    Append mode, so a resumed run continues the same file; a symbolic link at ``path`` is refused
+    (``ValueError`` naming it), never appended through. On resume pass ``truncate_after_step=s`` (the step
     of the checkpoint being loaded) to first drop, atomically, the records with ``step > s`` written after that
     checkpoint by the crashed run, so the log matches the restored state. A partial last line left by a crash
     is removed before appending. ``fsync=True`` also fsyncs every record (slower; survives power loss).
@@ -469,7 +477,7 @@ class JsonlSink(_SinkBase):
         if truncate_after_step is not None:
             truncate_jsonl(self.path, int(truncate_after_step))
         _repair_partial_tail(self.path)
-        self._f = open(self.path, "a", encoding="utf-8")
+        self._f = open_no_follow(self.path, "a", encoding="utf-8")
 
     def write(self, record: Mapping[str, Any]) -> None:
         line = encode_record(record) + "\n"  # encode fully before writing: no partial line on a bad record
