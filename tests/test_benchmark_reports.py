@@ -35,9 +35,15 @@ def test_false_alarm_summary_and_report():
     assert summary["alarms"] == [{"run": "dense_h256_s21", "metric": "attn/layer0/head0/delta2_entropy",
                                   "steps": [5 * (100 + 3)]}]
     args = argparse.Namespace(tuning_run=False, steps=600, seeds=[21], widths=[64, 256], models=["dense"],
-                              scale_evaluations=1e4, scale_series=1e3, plan=None)
+                              scale_evaluations=1e4, scale_series=1e3, plan=None, from_corpus=False)
     text = false_alarms.report(args, runs, summary)
     assert "| all | 1 | 420 |" in text and "dense_h256_s21: `attn/layer0/head0/delta2_entropy`" in text
+    # replayed from the corpus: the report names each run's model:width:steps:seed and where the series came from
+    for run, width in zip(runs, (64, 256)):
+        run.update(model="dense", width=width, steps=600, seed=21)
+    text = false_alarms.report(argparse.Namespace(**{**vars(args), "from_corpus": True}), runs, summary)
+    assert "every run of the clean corpus (`dense:64:600:21`, `dense:256:600:21`" in text
+    assert "replayed from the committed clean corpus" in text
 
 
 def test_false_alarm_plan():
