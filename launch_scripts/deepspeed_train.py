@@ -12,7 +12,9 @@ On CPU machines set ``OMP_NUM_THREADS=1`` under the ``deepspeed`` launcher. Writ
 (one record per evaluation) and ``<output-dir>/summary.json`` (step time, monitor cost, the step the detectors are
 armed from), from rank 0. A fresh run into an ``--output-dir`` (or ``--save``) that already holds a run is refused
 before anything is built: resume it with ``--load``, or pass ``--overwrite-run`` to start over. So is one into a
-directory another run is writing (the run holds its directories until its process ends).
+directory another run is writing (the run holds its directories until its process ends). Each run has an id
+(``run_id.txt`` in ``--output-dir`` and in each checkpoint it saves): a resume into an ``--output-dir`` holding
+another run's records is refused too; resume into the checkpoint's own output directory, or into a new one.
 """
 from __future__ import annotations
 
@@ -22,7 +24,9 @@ import logging
 import os
 import sys
 import time
+import uuid
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -105,15 +109,17 @@ def mech_output_dir(config: dict) -> str:
     return parse_section(section)[0].output.dir or DEFAULT_OUTPUT_DIR
 
 
-def check_run_directories(args, config: dict, rank: int) -> bool:
-    """Before anything is built, on every rank: the directories are writable, ``--load`` holds a checkpoint, and a
-    fresh run does not go into a directory holding another run (unless ``--overwrite-run``). Rank 0 first claims
-    them for the run's life, so a second run started at the same time is refused instead of passing the same
-    checks. Returns whether the previous run there is to be cleared. Raises ``ValueError`` naming the flag or
+def check_run_directories(args, config: dict, rank: int) -> tuple[bool, Optional[str]]:
+    """Before anything is built, on every rank: the directories are writable, ``--load`` holds a checkpoint, a
+    fresh run does not go into a directory holding another run (unless ``--overwrite-run``), and a resume does not
+    go into an output directory of another run (its ``run_id.txt`` differs from the checkpoint's, or it holds
+    records and no id). Rank 0 first claims them for the run's life, so a second run started at the same time is
+    refused instead of passing the same checks. Returns whether the previous run there is to be cleared, and the
+    id of the run a resume continues (None: the run needs a new id). Raises ``ValueError`` naming the flag or
     directory."""
-    from megatron_mech.records.run_directory import (FIRST_ALERT, JSONL, SUMMARY, claim_run_directory,
+    from megatron_mech.records.run_directory import (FIRST_ALERT, JSONL, RUN_ID_FILE, SUMMARY, claim_run_directory,
                                                      previous_run, probe_writable, refuse_mixing_runs,
-                                                     refuse_symlinks_in)
+                                                     refuse_symlinks_in, resumed_run_id)
 
     directories = dict.fromkeys([args.output_dir, mech_output_dir(config)])  # summary.json, mech.jsonl
     flags = {directory: "--output-dir" if directory == args.output_dir else "mech.output.dir"
@@ -126,30 +132,46 @@ def check_run_directories(args, config: dict, rank: int) -> bool:
         for directory, flag in flags.items():
             claim_run_directory(directory, flag)
     for directory in directories:  # what the run writes must not lead out of its directories
-        refuse_symlinks_in(directory, (JSONL, SUMMARY))
+        refuse_symlinks_in(directory, (JSONL, SUMMARY, RUN_ID_FILE, f".{RUN_ID_FILE}.tmp"))
     if args.save:
         refuse_symlinks_in(args.save, (LATEST, FIRST_ALERT))
     if args.load:
-        if not (Path(args.load) / LATEST).is_file():
+        tracker = Path(args.load) / LATEST
+        if not tracker.is_file():
             raise ValueError(f"--load {args.load} holds no DeepSpeed checkpoint (no {LATEST} file there)")
-        return False  # resuming: the records after the checkpoint's step are cut back when the hook starts
+        # the records after the checkpoint's step are cut back when the hook starts: only safe in its own run's
+        # directories (a tag leading out of --load is refused by the load itself)
+        checkpoint = Path(args.load) / tracker.read_text(encoding="utf-8", errors="replace").strip()
+        run_ids = [resumed_run_id(checkpoint, directory, load_dir=args.load, output_flag=flags[directory],
+                                  other_checkpoints="*") for directory in directories]
+        return False, next((run_id for run_id in run_ids if run_id is not None), None)
     if args.overwrite_run:
-        return True
+        return True, None
     markers = [Path(args.save) / LATEST] if args.save else []
     previous = [found for directory in directories for found in previous_run(directory, markers)]
     refuse_mixing_runs(" and ".join(directories), sorted(set(previous)), load=None,
                        other_dir_flags="--output-dir/--save")
-    return False
+    return False, None
 
 
 def clear_previous_run(args, config: dict) -> None:
     """``--overwrite-run``: remove the previous run's records, summary and alert marker, and make its checkpoints
     no longer "latest" (their directories stay until overwritten)."""
-    from megatron_mech.records.run_directory import FIRST_ALERT, clear_previous_run as clear_run_files
+    from megatron_mech.records.run_directory import FIRST_ALERT, RUN_ID_FILE, clear_previous_run as clear_run_files
 
     save_markers = [Path(args.save) / LATEST, Path(args.save) / FIRST_ALERT] if args.save else []
     for directory in dict.fromkeys([args.output_dir, mech_output_dir(config)]):
-        clear_run_files(directory, save_markers)
+        clear_run_files(directory, [*save_markers, Path(directory) / RUN_ID_FILE])
+
+
+def record_run_id(args, config: dict, run_id: str) -> None:
+    """Write the run's id into its output directories (rank 0): a later resume checks them against its
+    checkpoint's id."""
+    from megatron_mech.records.run_directory import write_run_id
+
+    for directory in dict.fromkeys([args.output_dir, mech_output_dir(config)]):
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        write_run_id(directory, run_id)
 
 
 def build_model(args):
@@ -169,7 +191,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     config = build_config(args)
     try:
-        overwrite = check_run_directories(args, config, int(os.environ.get("RANK", "0")))
+        overwrite, run_id = check_run_directories(args, config, int(os.environ.get("RANK", "0")))
     except ValueError as exc:
         sys.stderr.write(f"deepspeed_train: error: {exc}\n")
         return 2
@@ -191,8 +213,13 @@ def main(argv=None) -> int:
         skip_shm_comm_build()
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if overwrite and rank == 0:
-        clear_previous_run(args, config)
+    if rank == 0:
+        if overwrite:
+            clear_previous_run(args, config)
+        # a fresh run (or one resumed from a checkpoint written before run ids) gets a new id; only rank 0 writes
+        # it, here and into each checkpoint, so the other ranks need not agree on it
+        run_id = run_id or uuid.uuid4().hex
+        record_run_id(args, config, run_id)
     dist.barrier()
     model = build_model(args)
     groups = param_groups(model, weight_decay=0.01)
@@ -226,14 +253,14 @@ def main(argv=None) -> int:
         action = mech.after_step(out.loss)
         step_seconds.append(time.perf_counter() - started)
         if action is not Action.CONTINUE and args.save:  # mech.on_alert: checkpoint (or stop) on the first alert
-            save_checkpoint(engine, mech, args.save)
+            save_checkpoint(engine, mech, args.save, run_id=run_id)
         if action is Action.STOP:
             break
         if rank == 0 and (engine.global_steps % args.mech_interval == 0 or step == args.steps - 1):
             logger.info("step %d loss %.4f lr %.3g (%.3f s/step)", engine.global_steps, float(out.loss.detach()),
                         engine.get_lr()[0], step_seconds[-1])
     if args.save:
-        save_checkpoint(engine, mech, args.save)
+        save_checkpoint(engine, mech, args.save, run_id=run_id)
     summary = {"model": args.model, "zero_stage": engine.zero_optimization_stage(), "world": world,
                "steps": len(step_seconds), "step_seconds_total": sum(step_seconds),
                "monitor_seconds": mech.monitor_seconds, "monitor_parts": mech.seconds,

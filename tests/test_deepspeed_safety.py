@@ -254,3 +254,43 @@ def test_launcher_reports_a_damaged_fragment_address_in_one_line(tmp_path):
     assert "Traceback" not in resumed.stderr, resumed.stderr[-3000:]
     error = [line for line in resumed.stderr.splitlines() if line.startswith("deepspeed_train: error: ")]
     assert len(error) == 1 and str(target) in error[0] and "fragment_address" in error[0], resumed.stderr[-3000:]
+
+
+@pytest.mark.timeout(900)
+def test_launcher_refuses_to_resume_into_another_runs_output_directory(tmp_path):
+    """A resume appends to --output-dir's mech.jsonl and replaces its summary.json, so it must be the checkpoint's
+    run's own: each run writes its id (run_id.txt) into --output-dir and into each checkpoint it saves, and a
+    resume into an output directory of another run (another id, or records and no id) stops before writing
+    anything, naming both directories. Its own directory, or an empty new one (which adopts the id), still
+    resumes, and so does a checkpoint saved before run ids existed."""
+    ds1, ds2 = tmp_path / "ds1", tmp_path / "ds2"
+    first = launch("--steps", "4", "--output-dir", str(ds1), "--save", str(ds1 / "ckpt"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    run_id = (ds1 / "run_id.txt").read_text()
+    assert run_id and (ds1 / "ckpt" / "global_step4" / "run_id.txt").read_text() == run_id
+    other = launch("--steps", "8", "--seed", "99", "--output-dir", str(ds2))
+    assert other.returncode == 0, other.stderr[-3000:]
+    assert (ds2 / "run_id.txt").read_text() != run_id
+    kept = {name: (ds2 / name).read_bytes() for name in ("mech.jsonl", "summary.json")}
+    assert steps(ds2 / "mech.jsonl") == [2, 4, 6, 8]
+    for without_id in (False, True):  # records of a run from before run ids are not this checkpoint's either
+        if without_id:
+            (ds2 / "run_id.txt").unlink()
+        refused = launch("--steps", "6", "--output-dir", str(ds2), "--load", str(ds1 / "ckpt"))
+        assert refused.returncode == 2, refused.stderr[-3000:]
+        error = refused.stderr.strip().splitlines()
+        assert len(error) == 1 and error[0].startswith("deepspeed_train: error: "), error
+        assert str(ds2) in error[0] and str(ds1 / "ckpt") in error[0], error
+        assert "checkpoint's own output directory or at a new one" in error[0], error
+        assert {name: (ds2 / name).read_bytes() for name in kept} == kept
+    resumed = launch("--steps", "6", "--output-dir", str(ds1), "--load", str(ds1 / "ckpt"), "--save",
+                     str(ds1 / "ckpt"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert steps(ds1 / "mech.jsonl") == [2, 4, 6]
+    assert (ds1 / "run_id.txt").read_text() == run_id
+    assert (ds1 / "ckpt" / "global_step6" / "run_id.txt").read_text() == run_id
+    (ds1 / "ckpt" / "global_step6" / "run_id.txt").unlink()  # as saved before run ids existed
+    new = tmp_path / "new"
+    legacy = launch("--steps", "8", "--output-dir", str(new), "--load", str(ds1 / "ckpt"))
+    assert legacy.returncode == 0, legacy.stderr[-3000:]
+    assert steps(new / "mech.jsonl") == [8] and (new / "run_id.txt").read_text()

@@ -48,7 +48,7 @@ from megatron_mech.deepspeed.router import find_gates, gate_capture, token_group
 from megatron_mech.deepspeed.safe_load import weights_only_loads
 from megatron_mech.hook import Action, Extension, MechHook
 from megatron_mech.model_view import ModelView, RouterView
-from megatron_mech.records.run_directory import refuse_symlink
+from megatron_mech.records.run_directory import refuse_symlink, write_run_id
 
 __all__ = ["CLIENT_STATE_KEY", "DeepSpeedMech", "load_checkpoint", "save_checkpoint"]
 
@@ -283,9 +283,11 @@ def _confined_tag(load_dir, tag, universal: bool) -> tuple[Optional[str], Option
     return tag, source
 
 
-def save_checkpoint(engine, mech: DeepSpeedMech, save_dir, tag=None, client_state: Optional[dict] = None, **kwargs):
+def save_checkpoint(engine, mech: DeepSpeedMech, save_dir, tag=None, client_state: Optional[dict] = None, *,
+                    run_id: Optional[str] = None, **kwargs):
     """``engine.save_checkpoint`` plus the hook's per-rank state file (every rank calls it); tells the hook
-    (``first_alert.json`` next to the alert's checkpoint)."""
+    (``first_alert.json`` next to the alert's checkpoint). ``run_id``: the run's id, written by rank 0 into the tag
+    directory (``run_id.txt``) so that a resume can tell whether an output directory holds this run's records."""
     rank, world = _rank_and_world()
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
     # DeepSpeed writes through links: the "latest" file, and every file of a tag directory that links elsewhere
@@ -293,6 +295,9 @@ def save_checkpoint(engine, mech: DeepSpeedMech, save_dir, tag=None, client_stat
     refuse_symlink(Path(save_dir) / tag)
     state = dict(client_state or {})
     state[CLIENT_STATE_KEY] = {"per_rank_files": True, "world_size": world}
+    if run_id is not None and rank == 0:  # before DeepSpeed moves "latest" to this tag: the newest always has it
+        (Path(save_dir) / tag).mkdir(parents=True, exist_ok=True)
+        write_run_id(Path(save_dir) / tag, run_id)
     result = engine.save_checkpoint(save_dir, tag=tag, client_state=state, **kwargs)
     tag_dir = Path(save_dir) / tag
     tag_dir.mkdir(parents=True, exist_ok=True)

@@ -21,14 +21,14 @@ import torch
 
 from megatron_mech.hook import naming_damaged_state
 from megatron_mech.optim import inner_optimizer, leaf_optimizers
-from megatron_mech.records.run_directory import open_no_follow, refuse_symlink
+from megatron_mech.records.run_directory import (  # noqa: F401 (the run id helpers are re-exported)
+    RUN_ID_FILE, open_no_follow, read_run_id, refuse_symlink, write_run_id)
 
 __all__ = ["RUN_ID_FILE", "check_model_shapes", "check_mols_match", "load_checkpoint",
            "load_distributed_optimizer_state", "read_checkpoint_file", "read_run_id", "read_tracker", "save_checkpoint",
            "write_run_id"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
-RUN_ID_FILE = "run_id.txt"  # in each iteration directory and in the run's output directory: which run wrote it
 
 
 def read_tracker(load_dir) -> Optional[int]:
@@ -50,36 +50,6 @@ def read_tracker(load_dir) -> Optional[int]:
     if not directory.is_dir():
         raise ValueError(f"checkpoint tracker {tracker} names iteration {step}, but {directory} does not exist")
     return step
-
-
-def read_run_id(directory) -> Optional[str]:
-    """The run id recorded in ``directory`` (a checkpoint's iteration directory or an output directory), or
-    None when none is recorded (no ``run_id.txt``: a directory written before run ids existed, or a new one).
-
-    A ``run_id.txt`` that is there but holds no id (empty, or unreadable) raises ``ValueError`` naming the file:
-    it is not the same as no id, since the directory did belong to a run, and the caller must not guess which."""
-    path = Path(directory) / RUN_ID_FILE
-    if not path.is_file():
-        return None
-    try:
-        text = path.read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path} cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
-    if not text:
-        raise ValueError(f"{path} is empty (it holds the id of the run that wrote this directory)")
-    return text
-
-
-def write_run_id(directory, run_id: str) -> None:
-    """Record ``run_id`` in ``directory`` atomically: a crash mid-write leaves the old file or none, never an
-    empty one (which :func:`read_run_id` refuses). A symbolic link at either name is refused (``ValueError``
-    naming it): the temporary file would be written through it, and the replace would drop it."""
-    path = Path(directory) / RUN_ID_FILE
-    tmp = path.with_name(f".{RUN_ID_FILE}.tmp")
-    refuse_symlink(path)
-    with open_no_follow(tmp, "w", encoding="utf-8") as f:
-        f.write(run_id)
-    os.replace(tmp, path)
 
 
 def _rng_state() -> dict:

@@ -33,10 +33,10 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_mech.config import DEFAULT_OUTPUT_DIR
-from megatron_mech.megatron.checkpoint import RUN_ID_FILE, TRACKER, read_run_id, read_tracker, write_run_id
-from megatron_mech.records.run_directory import (FIRST_ALERT, JSONL, SUMMARY, claim_run_directory, previous_run,
-                                                 probe_writable, refuse_mixing_runs, refuse_symlink,
-                                                 refuse_symlinks_in)
+from megatron_mech.megatron.checkpoint import TRACKER, read_tracker
+from megatron_mech.records.run_directory import (FIRST_ALERT, JSONL, RUN_ID_FILE, SUMMARY, claim_run_directory,
+                                                 previous_run, probe_writable, refuse_mixing_runs, refuse_symlink,
+                                                 refuse_symlinks_in, resumed_run_id, write_run_id)
 from megatron_mech.records.run_directory import clear_previous_run as clear_run_files
 
 __all__ = ["RunDirectoryPlan", "check_run_directories", "clear_previous_run", "record_run_id"]
@@ -113,37 +113,8 @@ def _refuse_symlinks(output_dir: str, save_dir: Optional[str], checkpoint_step: 
 
 def _resumed_run_id(load_dir: str, step: int, output_dir: str, output_flag: str) -> Optional[str]:
     """The id of the run ``--load`` continues; refuses an output directory that belongs to another run."""
-    checkpoint = Path(load_dir) / f"iter_{step:07d}"
-    try:
-        saved = read_run_id(checkpoint)
-    except ValueError as exc:
-        raise ValueError(f"--load {load_dir}: {exc}, so the checkpoint cannot say which run it continues. Restore "
-                         f"it: the same id is in {Path(load_dir) / 'iter_*' / RUN_ID_FILE} of that run's other "
-                         f"checkpoints and in {Path(output_dir) / RUN_ID_FILE} when {output_flag} {output_dir} is "
-                         f"its output directory; copy one to {checkpoint / RUN_ID_FILE}") from None
-    try:
-        recorded = read_run_id(output_dir)
-    except ValueError as exc:
-        restore = (f"if the records there are of run {saved}, which the checkpoint --load {load_dir} resumes, "
-                   f"copy {checkpoint / RUN_ID_FILE} to {Path(output_dir) / RUN_ID_FILE}; if not, point "
-                   f"{output_flag} at the checkpoint's own output directory or at a new one" if saved is not None
-                   else f"copy the {RUN_ID_FILE} of one of that run's checkpoints there, or remove it to give the "
-                        f"resumed run a new id")
-        raise ValueError(f"{output_flag} {output_dir}: {exc}, so the records there cannot be matched to the run "
-                         f"being resumed. Restore it: {restore}") from None
-    if saved is not None and recorded is not None and saved != recorded:
-        raise ValueError(f"{output_flag} {output_dir} belongs to run {recorded} ({Path(output_dir) / RUN_ID_FILE}), "
-                         f"but the checkpoint --load {load_dir} resumes ({checkpoint}) is of run {saved}: resuming "
-                         f"would append to that run's records and replace its summary. Point {output_flag} at the "
-                         f"checkpoint's own output directory or at a new one")
-    if saved is not None and recorded is None:
-        records = previous_run(output_dir)
-        if records:
-            raise ValueError(f"{output_flag} {output_dir} holds records of another run ({', '.join(records)}; no "
-                             f"{RUN_ID_FILE}), but the checkpoint --load {load_dir} resumes ({checkpoint}) is of run "
-                             f"{saved}: resuming would mix them. Point {output_flag} at the checkpoint's own output "
-                             f"directory or at a new one")
-    return saved or recorded
+    return resumed_run_id(Path(load_dir) / f"iter_{step:07d}", output_dir, load_dir=load_dir,
+                          output_flag=output_flag, other_checkpoints="iter_*")
 
 
 def record_run_id(output_dir: str, run_id: str) -> None:

@@ -5,6 +5,11 @@ checkpoint marker) is refused: appending would mix two runs' records (steps ``2,
 would truncate records no checkpoint explains. Resuming from a checkpoint is the legitimate way to continue a
 run; an explicit overwrite starts over (the previous run's records, summary and markers are removed).
 
+Every run has an id (``run_id.txt``), written into its output directory at start and into each checkpoint it
+saves. A resume whose output directory holds another run — another id, or records without any id while the
+checkpoint has one — is refused (:func:`resumed_run_id`): it would append to that run's ``mech.jsonl`` and replace
+its ``summary.json``.
+
 The check and the run's first writes are only safe together if no other run starts into the same directory in
 between: the entry points first claim each directory they write (:func:`claim_run_directory`, an exclusive
 ``flock`` on a lock file held for the process's life), so of two runs started at once the second is refused by
@@ -20,15 +25,17 @@ import socket
 from pathlib import Path
 from typing import Iterable, Optional
 
-__all__ = ["FIRST_ALERT", "JSONL", "LOCK_FILE", "SUMMARY", "claim_run_directory", "clear_previous_run",
-           "open_no_follow", "previous_run", "probe_writable", "refuse_mixing_runs", "refuse_symlink",
-           "refuse_symlinks_in", "release_run_directories"]
+__all__ = ["FIRST_ALERT", "JSONL", "LOCK_FILE", "RUN_ID_FILE", "SUMMARY", "claim_run_directory",
+           "clear_previous_run", "open_no_follow", "previous_run", "probe_writable", "read_run_id",
+           "refuse_mixing_runs", "refuse_symlink", "refuse_symlinks_in", "release_run_directories", "resumed_run_id",
+           "write_run_id"]
 
 logger = logging.getLogger(__name__)
 
 JSONL = "mech.jsonl"
 SUMMARY = "summary.json"
 FIRST_ALERT = "first_alert.json"
+RUN_ID_FILE = "run_id.txt"  # in each checkpoint and in the run's output directory: which run wrote it
 LOCK_FILE = ".mech_run.lock"  # flock'ed by the run writing the directory; its text says who (pid, host)
 
 # directory (resolved) -> the open lock file's descriptor: the flock lives as long as the descriptor, so it is
@@ -147,6 +154,75 @@ def previous_run(output_dir, checkpoint_markers: Iterable = ()) -> list:
         found.append(str(Path(output_dir) / SUMMARY))
     found += [str(m) for m in checkpoint_markers if m is not None and Path(m).is_file()]
     return found
+
+
+def read_run_id(directory) -> Optional[str]:
+    """The run id recorded in ``directory`` (a checkpoint's iteration directory or an output directory), or
+    None when none is recorded (no ``run_id.txt``: a directory written before run ids existed, or a new one).
+
+    A ``run_id.txt`` that is there but holds no id (empty, or unreadable) raises ``ValueError`` naming the file:
+    it is not the same as no id, since the directory did belong to a run, and the caller must not guess which."""
+    path = Path(directory) / RUN_ID_FILE
+    if not path.is_file():
+        return None
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
+    if not text:
+        raise ValueError(f"{path} is empty (it holds the id of the run that wrote this directory)")
+    return text
+
+
+def write_run_id(directory, run_id: str) -> None:
+    """Record ``run_id`` in ``directory`` atomically: a crash mid-write leaves the old file or none, never an
+    empty one (which :func:`read_run_id` refuses). A symbolic link at either name is refused (``ValueError``
+    naming it): the temporary file would be written through it, and the replace would drop it."""
+    path = Path(directory) / RUN_ID_FILE
+    tmp = path.with_name(f".{RUN_ID_FILE}.tmp")
+    refuse_symlink(path)
+    with open_no_follow(tmp, "w", encoding="utf-8") as f:
+        f.write(run_id)
+    os.replace(tmp, path)
+
+
+def resumed_run_id(checkpoint, output_dir, *, load_dir, output_flag: str, other_checkpoints: str) -> Optional[str]:
+    """The id of the run a resume from ``checkpoint`` (the directory holding its ``run_id.txt``, inside
+    ``load_dir``) continues: the checkpoint's, else the output directory's, else None (a run from before ids; the
+    caller gives it a new one). ``ValueError`` naming both directories when ``output_dir`` belongs to another run
+    (another id, or records without an id while the checkpoint has one), or when an id file there is unusable.
+    ``other_checkpoints``: the pattern of that run's other checkpoints inside ``load_dir`` (for the message)."""
+    checkpoint = Path(checkpoint)
+    try:
+        saved = read_run_id(checkpoint)
+    except ValueError as exc:
+        raise ValueError(f"--load {load_dir}: {exc}, so the checkpoint cannot say which run it continues. Restore "
+                         f"it: the same id is in {Path(load_dir) / other_checkpoints / RUN_ID_FILE} of that run's "
+                         f"other checkpoints and in {Path(output_dir) / RUN_ID_FILE} when {output_flag} {output_dir} "
+                         f"is its output directory; copy one to {checkpoint / RUN_ID_FILE}") from None
+    try:
+        recorded = read_run_id(output_dir)
+    except ValueError as exc:
+        restore = (f"if the records there are of run {saved}, which the checkpoint --load {load_dir} resumes, "
+                   f"copy {checkpoint / RUN_ID_FILE} to {Path(output_dir) / RUN_ID_FILE}; if not, point "
+                   f"{output_flag} at the checkpoint's own output directory or at a new one" if saved is not None
+                   else f"copy the {RUN_ID_FILE} of one of that run's checkpoints there, or remove it to give the "
+                        f"resumed run a new id")
+        raise ValueError(f"{output_flag} {output_dir}: {exc}, so the records there cannot be matched to the run "
+                         f"being resumed. Restore it: {restore}") from None
+    if saved is not None and recorded is not None and saved != recorded:
+        raise ValueError(f"{output_flag} {output_dir} belongs to run {recorded} ({Path(output_dir) / RUN_ID_FILE}), "
+                         f"but the checkpoint --load {load_dir} resumes ({checkpoint}) is of run {saved}: resuming "
+                         f"would append to that run's records and replace its summary. Point {output_flag} at the "
+                         f"checkpoint's own output directory or at a new one")
+    if saved is not None and recorded is None:
+        records = previous_run(output_dir)
+        if records:
+            raise ValueError(f"{output_flag} {output_dir} holds records of another run ({', '.join(records)}; no "
+                             f"{RUN_ID_FILE}), but the checkpoint --load {load_dir} resumes ({checkpoint}) is of run "
+                             f"{saved}: resuming would mix them. Point {output_flag} at the checkpoint's own output "
+                             f"directory or at a new one")
+    return saved or recorded
 
 
 def refuse_mixing_runs(output_dir, previous: list, *, load: Optional[str], other_dir_flags: str,
