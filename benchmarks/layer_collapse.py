@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import re
 import sys
 import tempfile
 from pathlib import Path
@@ -35,7 +34,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks._results import write_results  # noqa: E402
 from benchmarks._train_runs import train_run  # noqa: E402
-from megatron_mech.core.detect import ATTENTION_COLLAPSE, DetectorRegistry, default_rules  # noqa: E402
+from megatron_mech.core.detect import ATTENTION_COLLAPSE, DetectorRegistry, default_rules, layer_of  # noqa: E402
 from megatron_mech.studies.leadtime import (FAULT_FLAGS, LEAD_MODEL, REPORTING_SEEDS, TUNING_SEEDS,  # noqa: E402
                                             check_reporting_seeds, parse_study_args)
 
@@ -45,7 +44,6 @@ FAULT_LAYER, FAULT_START, STEPS = 1, 90, 150
 DETECTOR = {"warmup": 10, "baseline": 6}  # the tests' --mech-detector-warmup / --mech-detector-baseline
 FLAGS = [*LEAD_MODEL, "--mech-detector-warmup", str(DETECTOR["warmup"]), "--mech-detector-baseline",
          str(DETECTOR["baseline"]), *FAULT_FLAGS["attention"], "--mech-fault-start", str(FAULT_START)]
-_LAYER = re.compile(r"^attn/layer(\d+)/")
 
 
 def rules(collapse: bool) -> list:
@@ -65,13 +63,11 @@ def replay_run(records: list) -> dict:
             registry.update(int(record["step"]), metrics)
             by_layer = {}
             for name, det in registry.detectors.items():
-                m = _LAYER.match(name)
-                if m and name.endswith("delta2_entropy") and name in metrics and det.last_layer_ratio is not None:
-                    by_layer[int(m.group(1))] = det.last_layer_ratio
+                if name.endswith("delta2_entropy") and name in metrics and det.last_layer_ratio is not None:
+                    by_layer[layer_of(name)] = det.last_layer_ratio
             if by_layer:
                 ratios[int(record["step"])] = by_layer
-        attention = [(a.step, int(_LAYER.match(a.metric).group(1))) for a in registry.alerts
-                     if a.family == "attention"]
+        attention = [(a.step, layer_of(a.metric)) for a in registry.alerts if a.family == "attention"]
         first = min((step for step, _ in attention), default=None)
         result[label] = {"first": first, "layers": sorted({layer for step, layer in attention if step == first}),
                          "alerted_layers": sorted({layer for _, layer in attention})}

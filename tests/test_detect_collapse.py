@@ -17,7 +17,7 @@ import random
 import pytest
 
 from megatron_mech.core.detect import (ATTENTION_COLLAPSE, ATTENTION_LEVELS, Detector, DetectorConfig,
-                                       DetectorRegistry, SeriesRule, default_rules)
+                                       DetectorRegistry, SeriesRule, default_rules, layer_of)
 
 HEADS = [f"attn/layer1/head{h}/delta2_entropy" for h in range(4)]
 PEERS = [f"attn/layer0/head{h}/delta2_entropy" for h in range(4)]
@@ -158,3 +158,8 @@ def test_collapse_is_a_rule_override():
         reg.update(t, {"x/layer3/h0": 1.0, "x/layer3/h1": 1.0, "x/layer3/h2": 1.0})
     fired = [a for t in range(5, 8) for a in reg.update(t, {f"x/layer3/h{h}": 0.4 for h in range(3)})]
     assert sorted((a.step, a.metric) for a in fired) == [(7, f"x/layer3/h{h}") for h in range(3)]
+
+
+def test_layer_of_reads_the_layer_part_of_a_name_only():
+    assert [layer_of(n) for n in (HEADS[0], DW[1], "router/layer12/entropy_mean", "attn/layer3/tp1/dwq_entropy",
+                                  "symptom/loss", "attn/mylayer2/x", "attn/layer/x")] == [1, 1, 12, 3, None, None, None]

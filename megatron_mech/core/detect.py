@@ -87,7 +87,7 @@ from megatron_mech.core.checks import is_finite_real, is_int
 from megatron_mech.core.settings import option
 
 __all__ = ["ATTENTION_COLLAPSE", "ATTENTION_LEVELS", "FAMILIES", "DIRECTIONS", "Alert", "DetectorConfig", "Detector",
-           "SeriesRule", "DetectorRegistry", "default_rules"]
+           "SeriesRule", "DetectorRegistry", "default_rules", "layer_of"]
 
 FAMILIES = ("attention", "router", "symptom")
 DIRECTIONS = ("down", "up", "both")
@@ -100,6 +100,13 @@ ATTENTION_LEVELS = {"delta2_entropy": 0.01, "dw_entropy": 0.02}
 # counts as beyond the level (module docstring, "Layer collapse"); see default_rules for the measurements.
 ATTENTION_COLLAPSE = 0.15
 _LAYER = re.compile(r"(?:^|/)layer(\d+)(?:/|$)")
+
+
+def layer_of(name: str) -> int | None:
+    """The layer a series belongs to, from the ``layer{L}`` part of its name (``attn/layer1/head0/...`` → 1), or
+    None for a series of no layer (``symptom/loss``)."""
+    match = _LAYER.search(name)
+    return int(match.group(1)) if match is not None else None
 
 
 def _check_family(family: str) -> None:
@@ -628,7 +635,9 @@ class DetectorRegistry:
         for r in self.rules:  # validate every rule's overrides now, not at the first matching series
             r.config(self.base_config)
         self.detectors: dict[str, Detector] = {}
-        self._rule_of: dict[str, int] = {}  # series name -> index of the rule it matched (groups layer collapses)
+        # series name -> (index of the rule it matched, its layer) when the rule judges layer collapses: the group
+        # whose median ratio the series is judged with, fixed once the series is first seen
+        self._collapse_group: dict[str, tuple[int, int]] = {}
         self._unmonitored: set[str] = set()
         self.alerts: list[Alert] = []
 
@@ -641,7 +650,9 @@ class DetectorRegistry:
                 return None
             rule = self.rules[index]
             det = self.detectors[name] = Detector(rule.config(self.base_config), name, rule.family)
-            self._rule_of[name] = index
+            layer = layer_of(name)
+            if det.config.collapse is not None and layer is not None:
+                self._collapse_group[name] = (index, layer)
         return det
 
     def _layer_ratios(self, values: Mapping[str, float]) -> dict[str, float]:
@@ -650,10 +661,8 @@ class DetectorRegistry:
         Series without a baseline yet, or without a usable ratio, take no part."""
         groups: dict[tuple, list[str]] = {}
         for name in values:
-            det = self.detectors[name]
-            match = _LAYER.search(name)
-            if det.config.collapse is not None and match is not None:
-                groups.setdefault((self._rule_of[name], int(match.group(1))), []).append(name)
+            if name in self._collapse_group:
+                groups.setdefault(self._collapse_group[name], []).append(name)
         ratios: dict[str, float] = {}
         for names in groups.values():
             members = [r for r in (self.detectors[n].ratio(values[n]) for n in names) if r is not None]
@@ -697,7 +706,7 @@ class DetectorRegistry:
             raise ValueError(f"unsupported DetectorRegistry state version {state.get('version')!r}")
         # Saved unmatched names stay listed unless a current rule now matches them (then they are monitored
         # from scratch the next time they are seen).
-        self.detectors, self._rule_of = {}, {}
+        self.detectors, self._collapse_group = {}, {}
         self._unmonitored = {n for n in state["unmonitored"] if not any(r.matches(n) for r in self.rules)}
         for name, dstate in state["detectors"].items():
             det = self._detector(name)
