@@ -766,10 +766,10 @@ class MechHook:
             parts.append(_count(counts["experts"], "expert layer"))
         if self.max_logit is not None:
             parts.append("max attention logit")
-        first, needed = self._earliest_rule()
-        interval = self.config.monitors.interval
+        first, _ = self._earliest_rule()
         return (f"[mech] monitors on: {', '.join(parts) or 'none (loss and grad norm only)'}, every "
-                f"{_count(interval, 'step')}; detectors armed from step {needed * interval} (warm-up "
+                f"{_count(self.config.monitors.interval, 'step')}; detectors armed from step "
+                f"{self.armed_from_step} (warm-up "
                 f"{first.warmup} + baseline {first.baseline} + persistence {first.persistence} evaluations)")
 
     def _count_layers(self, view: ModelView) -> dict:

@@ -38,14 +38,20 @@ def configure_logging(logging_rank: bool, stream: Optional[TextIO] = None, level
     for handler in list(logger.handlers):
         if getattr(handler, "_megatron_mech", False):
             logger.removeHandler(handler)
-    handler = logging.StreamHandler(stream if stream is not None else sys.stdout)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    handler.addFilter(RankFilter(logging_rank))
-    handler._megatron_mech = True
-    logger.addHandler(handler)
+    logger.addHandler(_bare_handler(stream if stream is not None else sys.stdout, logging_rank))
     logger.setLevel(level)
     logger.propagate = False
     return logger
+
+
+def _bare_handler(stream: TextIO, logging_rank: bool) -> logging.Handler:
+    """A handler writing bare lines to ``stream`` on the logging rank only, marked as ours (``configure_logging``
+    replaces any handler so marked)."""
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.addFilter(RankFilter(logging_rank))
+    handler._megatron_mech = True
+    return handler
 
 
 def _reached_by_others(logger: logging.Logger, ours: logging.Handler) -> bool:
@@ -79,10 +85,7 @@ def ensure_visible(logging_rank: Optional[bool] = None) -> Optional[logging.Hand
     if ours is None:
         if logger.hasHandlers():
             return None
-        ours = logging.StreamHandler(sys.stderr)
-        ours.setFormatter(logging.Formatter("%(message)s"))
-        ours.addFilter(RankFilter(True))
-        ours._megatron_mech = True  # configure_logging replaces it like its own
+        ours = _bare_handler(sys.stderr, True)  # configure_logging replaces it like its own
         ours._megatron_mech_default = True
         # the logger inherits the root's WARNING otherwise, and INFO records would never reach the handler
         ours._megatron_mech_set_level = logger.level == logging.NOTSET
