@@ -109,6 +109,12 @@ def mech_output_dir(config: dict) -> str:
     return parse_section(section)[0].output.dir or DEFAULT_OUTPUT_DIR
 
 
+def output_dirs(args, config: dict) -> list:
+    """The directories the run's records go to: ``--output-dir`` (summary.json) and ``mech.output.dir``
+    (mech.jsonl), once each when they are one."""
+    return list(dict.fromkeys([args.output_dir, mech_output_dir(config)]))
+
+
 def check_run_directories(args, config: dict, rank: int) -> tuple[bool, Optional[str]]:
     """Before anything is built, on every rank: the directories are writable, ``--load`` holds a checkpoint, a
     fresh run does not go into a directory holding another run (unless ``--overwrite-run``), and a resume does not
@@ -121,7 +127,7 @@ def check_run_directories(args, config: dict, rank: int) -> tuple[bool, Optional
                                                      previous_run, probe_writable, refuse_mixing_runs,
                                                      refuse_symlinks_in, resumed_run_id)
 
-    directories = dict.fromkeys([args.output_dir, mech_output_dir(config)])  # summary.json, mech.jsonl
+    directories = output_dirs(args, config)
     flags = {directory: "--output-dir" if directory == args.output_dir else "mech.output.dir"
              for directory in directories}
     if args.save:
@@ -160,7 +166,7 @@ def clear_previous_run(args, config: dict) -> None:
     from megatron_mech.records.run_directory import FIRST_ALERT, RUN_ID_FILE, clear_previous_run as clear_run_files
 
     save_markers = [Path(args.save) / LATEST, Path(args.save) / FIRST_ALERT] if args.save else []
-    for directory in dict.fromkeys([args.output_dir, mech_output_dir(config)]):
+    for directory in output_dirs(args, config):
         clear_run_files(directory, [*save_markers, Path(directory) / RUN_ID_FILE])
 
 
@@ -169,7 +175,7 @@ def record_run_id(args, config: dict, run_id: str) -> None:
     checkpoint's id."""
     from megatron_mech.records.run_directory import write_run_id
 
-    for directory in dict.fromkeys([args.output_dir, mech_output_dir(config)]):
+    for directory in output_dirs(args, config):
         Path(directory).mkdir(parents=True, exist_ok=True)
         write_run_id(directory, run_id)
 

@@ -290,16 +290,16 @@ def save_checkpoint(engine, mech: DeepSpeedMech, save_dir, tag=None, client_stat
     directory (``run_id.txt``) so that a resume can tell whether an output directory holds this run's records."""
     rank, world = _rank_and_world()
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
+    tag_dir = Path(save_dir) / tag
     # DeepSpeed writes through links: the "latest" file, and every file of a tag directory that links elsewhere
     refuse_symlink(Path(save_dir) / "latest")
-    refuse_symlink(Path(save_dir) / tag)
+    refuse_symlink(tag_dir)
     state = dict(client_state or {})
     state[CLIENT_STATE_KEY] = {"per_rank_files": True, "world_size": world}
     if run_id is not None and rank == 0:  # before DeepSpeed moves "latest" to this tag: the newest always has it
-        (Path(save_dir) / tag).mkdir(parents=True, exist_ok=True)
-        write_run_id(Path(save_dir) / tag, run_id)
+        tag_dir.mkdir(parents=True, exist_ok=True)
+        write_run_id(tag_dir, run_id)
     result = engine.save_checkpoint(save_dir, tag=tag, client_state=state, **kwargs)
-    tag_dir = Path(save_dir) / tag
     tag_dir.mkdir(parents=True, exist_ok=True)
     torch.save(mech.state_dict(), _rank_state_file(tag_dir, rank))
     mech.hook.checkpoint_saved(mech.step, tag_dir)
