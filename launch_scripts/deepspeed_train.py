@@ -267,27 +267,37 @@ def main(argv=None) -> int:
                         engine.get_lr()[0], step_seconds[-1])
     if args.save:
         save_checkpoint(engine, mech, args.save, run_id=run_id)
+    mech.close()  # reads back the last values: their records and alerts belong in the summary
     summary = {"model": args.model, "zero_stage": engine.zero_optimization_stage(), "world": world,
                "steps": len(step_seconds), "step_seconds_total": sum(step_seconds),
                "monitor_seconds": mech.monitor_seconds, "monitor_parts": mech.seconds,
                "monitor_share": mech.monitor_seconds / max(sum(step_seconds), 1e-12),
                "alerts": sorted({a.metric for a in mech.hook.alerts}),
-               "detectors": mech.hook.arming()}  # the armed-from step, and whether the run got there
+               "detectors": mech.hook.arming(),  # the armed-from step, and whether the run got there
+               "records_lost_steps": mech.hook.lost_record_steps}
+    incomplete = None
     if rank == 0:
-        from megatron_mech.records.run_directory import open_no_follow
+        from megatron_mech.records.run_directory import records_incomplete, write_file_atomically
 
-        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-        with open_no_follow(Path(args.output_dir) / "summary.json") as f:  # never through a link out of the run
-            f.write(json.dumps(summary, indent=1))
+        summary_path = Path(args.output_dir) / "summary.json"
+        try:
+            summary_path.parent.mkdir(parents=True, exist_ok=True)
+            write_file_atomically(summary_path, json.dumps(summary, indent=1))  # never through a link
+            summary_written = True
+        except OSError as exc:  # monitor output never kills a run: said here and in the exit code
+            logger.error("could not write %s: %s; the run's checkpoints are not affected", summary_path, exc)
+            summary_written = False
         logger.info("monitor cost: %.3f s of %.3f s (%.2f%% of step time)", summary["monitor_seconds"],
                     summary["step_seconds_total"], 100 * summary["monitor_share"])
-    mech.close()
+        incomplete = records_incomplete(summary["records_lost_steps"], summary_written)
+        if incomplete:
+            sys.stderr.write(f"deepspeed_train: {incomplete}\n")
     dist.barrier()
     dist.destroy_process_group()
-    from megatron_mech.records.run_directory import release_run_directories
+    from megatron_mech.records.run_directory import RECORDS_INCOMPLETE_EXIT, release_run_directories
 
     release_run_directories()  # the claim ends with the run, also when the process calling main() goes on
-    return 0
+    return RECORDS_INCOMPLETE_EXIT if incomplete else 0
 
 
 if __name__ == "__main__":

@@ -17,4 +17,4 @@ if (CHECKOUT / "megatron_mech" / "__init__.py").is_file():  # runnable from a ch
 from megatron_mech.studies.pretrain_gpt_fault import main  # noqa: E402
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -11,6 +11,7 @@ import sys
 from typing import Callable, Dict, List, NamedTuple, Optional
 
 from megatron_mech.megatron.launch import check_training_flags, run_training, train_command
+from megatron_mech.records.run_directory import RECORDS_INCOMPLETE_EXIT
 
 
 class Subcommand(NamedTuple):
@@ -116,11 +117,14 @@ def _run_train(args: argparse.Namespace) -> int:
     env.setdefault("OMP_NUM_THREADS", "1")
     print("+ " + " ".join(cmd), flush=True)
     code, reason = run_training(cmd, env)
-    if code != 0:
+    incomplete = code != 0 and bool(reason) and reason.startswith("pretrain_gpt: records incomplete:")
+    if code != 0 and not incomplete:
         # torchrun exits 1 whatever its workers' code; a refusal of the entry point's start-up checks is a usage
         # error (2, as documented) should one get past the checks above
         return 2 if reason and reason.startswith("pretrain_gpt: error:") else code
-    return run_report(argparse.Namespace(run_dir=args.out, out=None, metrics=None))
+    # a run whose records are incomplete trained to the end: report what was recorded, and exit as the run did
+    reported = run_report(argparse.Namespace(run_dir=args.out, out=None, metrics=None))
+    return RECORDS_INCOMPLETE_EXIT if incomplete else reported
 
 
 # ---------------------------------------------------------------------------------------------------

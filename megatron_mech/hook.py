@@ -586,6 +586,12 @@ class MechHook:
         for extension in self.extensions:
             extension.close()
 
+    @property
+    def lost_record_steps(self) -> list:
+        """Steps whose record the logging rank's ``mech.jsonl`` could not take (a full disk): training went on
+        without them. Empty on other ranks, and for sinks that do not keep account of losses."""
+        return list(getattr(self._sinks, "lost_steps", ()))
+
     # ------------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         """One versioned entry per rank: monitors, detectors, MoLS, the first-alert step and the extensions' states

@@ -48,8 +48,9 @@ def check_training_flags(cmd: List[str], nproc: int, entry_module: str = "megatr
     return None
 
 
-# what a failed worker's reason looks like: our entry point's one-line refusal, or an exception's last line
-_REASON = re.compile(r"^(?:\[rank\d+\]: ?)?(pretrain_gpt: error: .*|(?:[A-Za-z_][\w.]*)?(?:Error|Exception): \S.*)$")
+# what a failed worker's reason looks like: our entry point's one-line refusal or its records-incomplete line, or an
+# exception's last line
+_REASON = re.compile(r"^(?:\[rank\d+\]: ?)?(pretrain_gpt: (?:error|records incomplete): .*|(?:[A-Za-z_][\w.]*)?(?:Error|Exception): \S.*)$")
 
 
 def worker_reason(lines: List[str]) -> Optional[str]:

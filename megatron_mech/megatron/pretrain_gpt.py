@@ -44,7 +44,8 @@ from megatron_mech.megatron.data_checks import check_token_ids
 from megatron_mech.megatron.data_path import parse_data_path
 from megatron_mech.megatron.flags import build_parser, check_args, extensions_from_args, lr_warmup_steps, train_steps
 from megatron_mech.megatron.run_directory import check_run_directories, clear_previous_run, record_run_id
-from megatron_mech.records.run_directory import open_no_follow, refuse_symlink, release_run_directories
+from megatron_mech.records.run_directory import (RECORDS_INCOMPLETE_EXIT, records_incomplete, release_run_directories,
+                                                 write_file_atomically)
 from megatron_mech.megatron.stop_signals import StopOnSignal
 from megatron_mech.optim import base_lr
 
@@ -443,8 +444,10 @@ def train(args, t: Training, runtime: Runtime, stop_signal: StopOnSignal) -> dic
             "stopped_on_alert": action is Action.STOP, "stopped_by_signal": stop_signal.stopped_by}
 
 
-def finish(args, t: Training, runtime: Runtime, run: dict, output_dir: str) -> None:
-    """Final validation, the last checkpoint, the hook's close, and ``summary.json`` (logging rank)."""
+def finish(args, t: Training, runtime: Runtime, run: dict, output_dir: str) -> bool:
+    """Final validation, the last checkpoint, the hook's close, and ``summary.json`` (logging rank). Returns
+    False when the logging rank's records are incomplete: a record of ``mech.jsonl`` or ``summary.json`` could
+    not be written (a full disk); True otherwise and on the other ranks."""
     from megatron_mech.core.attribution import alert_lines
     from megatron_mech.records.sinks import read_alerts
 
@@ -475,24 +478,25 @@ def finish(args, t: Training, runtime: Runtime, run: dict, output_dir: str) -> N
                    "valid_history": run["valid_history"] + [[final_step, val]],
                    "monitor_breakdown": {**hook.seconds, "router_capture": hook.router_capture_seconds,
                                          "max_logit_capture": hook.max_logit.seconds if hook.max_logit else 0.0},
-                   "alerts": [a.to_dict() for a in alerts]}
-        write_summary(Path(output_dir) / "summary.json", summary)
+                   "alerts": [a.to_dict() for a in alerts], "records_lost_steps": hook.lost_record_steps}
+        summary_written = write_summary(Path(output_dir) / "summary.json", summary)
         logger.info(f"[train] done: {final_step} steps in {elapsed:.0f}s, monitors {hook.evaluation_seconds:.1f}s "
                     f"({100 * hook.evaluation_seconds / max(elapsed, 1e-9):.1f}%), {len(hook.alerts)} alerts; "
                     f"output in {output_dir}")
+        incomplete = records_incomplete(hook.lost_record_steps, summary_written)
+        if incomplete:
+            print(f"pretrain_gpt: {incomplete}", file=sys.stderr, flush=True)
+            return False
+    return True
 
 
 def write_summary(path: Path, summary: dict) -> bool:
     """Write ``summary.json`` atomically. Monitor output never kills a run: a failure (disk full, permissions, a
     symbolic link planted at either name after the start-up checks) is reported loudly and the run ends
     normally, its checkpoints intact."""
-    tmp = path.with_name(f".{path.name}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        refuse_symlink(path)
-        with open_no_follow(tmp) as f:
-            f.write(json.dumps(summary))
-        os.replace(tmp, path)
+        write_file_atomically(path, json.dumps(summary))
         return True
     except (OSError, ValueError) as exc:
         logger.error(f"[mech] ERROR: could not write {path}: {exc}; the run's checkpoints are not affected")
@@ -541,9 +545,11 @@ def agree_run_id(proposed: Optional[str], rank: int) -> str:
     return chosen[0]
 
 
-def main(argv=None, extension_types: Sequence[type] = ()):
-    """Train. ``extension_types``: :class:`~megatron_mech.hook.Extension` classes an entry point offers (their
-    flags are added to the parser; those the flags ask for are registered on the hook)."""
+def main(argv=None, extension_types: Sequence[type] = ()) -> int:
+    """Train; returns the process's exit code: 0, or :data:`RECORDS_INCOMPLETE_EXIT` on the logging rank when a
+    record or the summary could not be written. ``extension_types``: :class:`~megatron_mech.hook.Extension`
+    classes an entry point offers (their flags are added to the parser; those the flags ask for are registered on
+    the hook)."""
     parser = build_parser(__doc__)
     for kind in extension_types:
         kind.add_arguments(parser)
@@ -555,7 +561,7 @@ def main(argv=None, extension_types: Sequence[type] = ()):
         configure_logging(rank == world - 1)
         logger.info(f"[train] --load {args.load} holds iteration {plan.checkpoint_step} and --train-iters is "
                     f"{args.train_iters}: the run is already complete; nothing to do ({output_dir} left as it is)")
-        return
+        return 0
     stop_signal = StopOnSignal().install()  # SIGTERM/SIGINT: finish the step, save, write output, exit
     runtime = init_runtime()
     configure_logging(runtime.logging_rank)
@@ -575,12 +581,13 @@ def main(argv=None, extension_types: Sequence[type] = ()):
                 f"monitors={','.join(t.hook.families) or 'none'} every {args.mech_interval}"
                 + ("" if runtime.cuda else f" cpu-threads/rank={torch.get_num_threads()}"))
     run = train(args, t, runtime, stop_signal)  # a checkpoint at or past --train-iters ended main() above
-    finish(args, t, runtime, run, output_dir)
+    records_whole = finish(args, t, runtime, run, output_dir)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     stop_signal.uninstall()
     release_run_directories()  # the claim ends with the run, also when the process calling main() goes on
+    return 0 if records_whole else RECORDS_INCOMPLETE_EXIT
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -23,12 +23,12 @@ import logging
 import os
 import socket
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 __all__ = ["FIRST_ALERT", "JSONL", "LOCK_FILE", "RUN_ID_FILE", "SUMMARY", "claim_run_directory",
            "clear_previous_run", "open_no_follow", "previous_run", "probe_writable", "read_run_id",
            "refuse_mixing_runs", "refuse_symlink", "refuse_symlinks_in", "release_run_directories", "resumed_run_id",
-           "write_run_id"]
+           "write_file_atomically", "write_run_id", "RECORDS_INCOMPLETE_EXIT", "records_incomplete", "steps_text"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,10 @@ SUMMARY = "summary.json"
 FIRST_ALERT = "first_alert.json"
 RUN_ID_FILE = "run_id.txt"  # in each checkpoint and in the run's output directory: which run wrote it
 LOCK_FILE = ".mech_run.lock"  # flock'ed by the run writing the directory; its text says who (pid, host)
+#: Exit code of an entry point whose training finished (checkpoints saved as asked) but whose records did not all
+#: reach the disk: a record of ``mech.jsonl`` or the ``summary.json`` was lost (a full disk). Not 0, so a job
+#: scheduler shows it; not 1 or 2, so it is not read as a crash or a refused start.
+RECORDS_INCOMPLETE_EXIT = 3
 
 # directory (resolved) -> the open lock file's descriptor: the flock lives as long as the descriptor, so it is
 # kept open until the process ends (the kernel then releases it, also after a crash or SIGKILL, so a dead run's
@@ -116,10 +120,10 @@ def refuse_symlinks_in(directory, names: Iterable[str]) -> None:
         refuse_symlink(Path(directory) / name)
 
 
-def open_no_follow(path, mode: str = "w", encoding: Optional[str] = None):
-    """``open(path, mode)`` for writing (``mode``: ``w``, ``a`` or ``r+``, with ``b`` for bytes) that never writes
-    through a symbolic link: the file is opened with ``O_NOFOLLOW``, so a link planted after any earlier check is
-    refused as well (``ValueError`` naming it, see :func:`refuse_symlink`)."""
+def open_no_follow(path, mode: str = "w", encoding: Optional[str] = None, buffering: int = -1):
+    """``open(path, mode, buffering)`` for writing (``mode``: ``w``, ``a`` or ``r+``, with ``b`` for bytes) that
+    never writes through a symbolic link: the file is opened with ``O_NOFOLLOW``, so a link planted after any
+    earlier check is refused as well (``ValueError`` naming it, see :func:`refuse_symlink`)."""
     binary = "b" in mode
     flags = _OPEN_FLAGS[mode.replace("b", "")] | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
@@ -128,7 +132,8 @@ def open_no_follow(path, mode: str = "w", encoding: Optional[str] = None):
         if exc.errno == errno.ELOOP:
             refuse_symlink(path)
         raise
-    return os.fdopen(fd, mode.replace("b", "") + "b" if binary else mode, encoding=None if binary else encoding)
+    return os.fdopen(fd, mode.replace("b", "") + "b" if binary else mode, buffering,
+                     encoding=None if binary else encoding)
 
 
 def probe_writable(directory, flag: str, rank: int) -> None:
@@ -178,12 +183,49 @@ def write_run_id(directory, run_id: str) -> None:
     """Record ``run_id`` in ``directory`` atomically: a crash mid-write leaves the old file or none, never an
     empty one (which :func:`read_run_id` refuses). A symbolic link at either name is refused (``ValueError``
     naming it): the temporary file would be written through it, and the replace would drop it."""
-    path = Path(directory) / RUN_ID_FILE
-    tmp = path.with_name(f".{RUN_ID_FILE}.tmp")
+    write_file_atomically(Path(directory) / RUN_ID_FILE, run_id)
+
+
+def steps_text(steps: Sequence[Any], limit: int = 20) -> str:
+    """``"2, 4, 6"``; beyond ``limit`` steps the first ``limit`` and how many more (a log line stays short)."""
+    shown = ", ".join(str(s) for s in steps[:limit])
+    return shown + (f" and {len(steps) - limit} more (last {steps[-1]})" if len(steps) > limit else "")
+
+
+def records_incomplete(lost_steps, summary_written: bool) -> Optional[str]:
+    """The one line an entry point ends with when its records are incomplete, or None when they are whole:
+    ``lost_steps`` are the steps whose ``mech.jsonl`` record could not be written, ``summary_written`` whether
+    ``summary.json`` was. The process then exits with :data:`RECORDS_INCOMPLETE_EXIT`."""
+    lost = []
+    if lost_steps:
+        lost.append(f"{len(lost_steps)} record(s) of {JSONL} (steps {steps_text(list(lost_steps))})")
+    if not summary_written:
+        lost.append(SUMMARY)
+    if not lost:
+        return None
+    return (f"records incomplete: {' and '.join(lost)} could not be written (see the errors above; a full disk?). "
+            f"Training itself finished and its checkpoints are not affected; exit code {RECORDS_INCOMPLETE_EXIT}")
+
+
+def write_file_atomically(path, text: str) -> None:
+    """Replace ``path`` with ``text`` (UTF-8) atomically, through ``.<name>.tmp`` beside it: readers see the old
+    file or the new one, never a part. A symbolic link at either name is refused (``ValueError`` naming it): the
+    temporary file would be written through it, and the replace would drop it. When the write fails (a full disk,
+    a file-size limit) the temporary file is removed and the error raised: a failed write leaves the old file
+    and nothing else."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
     refuse_symlink(path)
-    with open_no_follow(tmp, "w", encoding="utf-8") as f:
-        f.write(run_id)
-    os.replace(tmp, path)
+    try:
+        with open_no_follow(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError:
+        try:
+            tmp.unlink()  # ours: a link at this name was refused by name (ValueError) before anything was written
+        except OSError:
+            pass
+        raise
 
 
 def resumed_run_id(checkpoint, output_dir, *, load_dir, output_flag: str, other_checkpoints: str) -> Optional[str]:

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 from megatron_mech.core.detect import Alert
-from megatron_mech.records.run_directory import open_no_follow, refuse_symlink
+from megatron_mech.records.run_directory import open_no_follow, refuse_symlink, steps_text
 
 __all__ = ["JSONL_NAME", "RESERVED_KEYS", "make_record", "encode_record", "decode_record", "record_alerts",
            "record_scalars", "read_alerts", "read_jsonl", "truncate_jsonl", "Sink", "JsonlSink", "TensorBoardSink", "WandbSink",
@@ -460,13 +460,19 @@ def _repair_partial_tail(path: Path) -> None:
 
 
 class JsonlSink(_SinkBase):
-    """Appends one strict-JSON line per record to ``path`` (parents created), flushed after every record.
+    """Appends one strict-JSON line per record to ``path`` (parents created), written through to the file at every
+    record.
 
     Append mode, so a resumed run continues the same file; a symbolic link at ``path`` is refused
     (``ValueError`` naming it), never appended through. On resume pass ``truncate_after_step=s`` (the step
     of the checkpoint being loaded) to first drop, atomically, the records with ``step > s`` written after that
     checkpoint by the crashed run, so the log matches the restored state. A partial last line left by a crash
     is removed before appending. ``fsync=True`` also fsyncs every record (slower; survives power loss).
+
+    A record that cannot be written (a full disk, a file-size limit, an I/O error) never stops training: the
+    part of its line that reached the file is cut off again, so the log holds whole records only, its step is
+    added to :attr:`lost_steps`, the first loss is logged as an error naming the file and the reason, and
+    :meth:`close` logs every lost step. Later records are still tried (space may come back).
     """
 
     def __init__(self, path: str | os.PathLike, *, truncate_after_step: int | None = None,
@@ -477,22 +483,46 @@ class JsonlSink(_SinkBase):
         if truncate_after_step is not None:
             truncate_jsonl(self.path, int(truncate_after_step))
         _repair_partial_tail(self.path)
-        self._f = open_no_follow(self.path, "a", encoding="utf-8")
+        # unbuffered: a failed write is known at once, and no bytes of it wait in a buffer to be written later
+        self._f = open_no_follow(self.path, "ab", buffering=0)
+        #: steps of the records that could not be written, in order
+        self.lost_steps: list[int] = []
+        self._loss_reason: str | None = None
 
     def write(self, record: Mapping[str, Any]) -> None:
-        line = encode_record(record) + "\n"  # encode fully before writing: no partial line on a bad record
-        self._f.write(line)
-        self._f.flush()
-        if self.fsync:
-            os.fsync(self._f.fileno())
+        line = (encode_record(record) + "\n").encode("utf-8")  # encoded fully first: a bad record writes nothing
+        fd = self._f.fileno()
+        start = os.fstat(fd).st_size
+        try:
+            written = 0
+            while written < len(line):  # a write may be short (the disk fills mid-line); the next one then fails
+                written += os.write(fd, line[written:])
+            if self.fsync:
+                os.fsync(fd)
+        except OSError as exc:
+            self._lose(record.get("step"), start, exc)
+
+    def _lose(self, step: Any, start: int, exc: OSError) -> None:
+        try:
+            os.ftruncate(self._f.fileno(), start)  # frees space: succeeds on a full disk
+        except OSError:
+            pass  # the partial line stays; a reader skips it with a warning, a resume repairs it
+        self.lost_steps.append(step)
+        if self._loss_reason is None:
+            self._loss_reason = exc.strerror or str(exc)
+            logger.error("[mech] ERROR: could not write the record of step %s to %s (%s): it is lost. Training "
+                         "goes on; later records are still tried, and the run's end lists every lost step",
+                         step, self.path, self._loss_reason)
 
     def flush(self) -> None:
-        if not self._f.closed:
-            self._f.flush()
+        pass  # every record is written through at once
 
     def close(self) -> None:
         if not self._f.closed:
             self._f.close()
+            if self.lost_steps:
+                logger.error("[mech] ERROR: %d record(s) could not be written to %s (%s) and are lost: steps %s",
+                             len(self.lost_steps), self.path, self._loss_reason, steps_text(self.lost_steps))
 
 
 class TensorBoardSink(_SinkBase):
@@ -641,6 +671,11 @@ class MultiSink(_SinkBase):
 
     def write(self, record: Mapping[str, Any]) -> None:
         self._each("write", record)
+
+    @property
+    def lost_steps(self) -> list:
+        """Steps whose record a sink that keeps account of losses (:class:`JsonlSink`) could not write."""
+        return sorted({s for sink in self.sinks for s in getattr(sink, "lost_steps", ())})
 
     def flush(self) -> None:
         self._each("flush")

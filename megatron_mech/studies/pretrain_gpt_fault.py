@@ -9,6 +9,7 @@ are added to its parser, and a ``--mech-fault`` other than ``none`` registers a
 batch, the lr of each step from the start step on, the routers' updates); ``--mech-record-routing DIR`` registers a
 :class:`~megatron_mech.studies.router_outcome.RoutingRecorder`.
 """
+import sys
 from typing import List, Optional
 
 from megatron_mech.megatron.launch import check_training_flags
@@ -30,9 +31,10 @@ def check_flags(cmd: List[str], nproc: int) -> Optional[str]:
     return check_training_flags(cmd, nproc, ENTRY_MODULE, EXTENSION_TYPES)
 
 
-def main(argv=None):
-    train(argv, extension_types=EXTENSION_TYPES)
+def main(argv=None) -> int:
+    """Train with the fault flags offered; returns the entry point's exit code (see ``pretrain_gpt.main``)."""
+    return train(argv, extension_types=EXTENSION_TYPES)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
