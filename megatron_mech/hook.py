@@ -567,10 +567,13 @@ class MechHook:
         directory = Path(directory)
         record = {"step": int(alert_step), "checkpoint": str(directory),
                   "last_checkpoint_before_alert": max(earlier) if earlier else None}
-        from megatron_mech.records.run_directory import open_no_follow
+        from megatron_mech.records.run_directory import FIRST_ALERT, write_file_atomically
 
-        with open_no_follow(directory.parent / "first_alert.json") as f:  # never through a link out of the run
-            f.write(json.dumps(record, indent=1))
+        marker = directory.parent / FIRST_ALERT
+        try:
+            write_file_atomically(marker, json.dumps(record, indent=1))  # never through a link out of the run
+        except OSError as exc:  # monitor output never stops training (a full disk): said, and training goes on
+            logger.error(f"[mech] ERROR: could not write {marker}: {exc}")
         logger.info(f"[mech] first alert at step {alert_step}: checkpoint {directory}"
                     + (f"; roll back to iter_{max(earlier):07d} (before the alert)" if earlier else ""))
 

@@ -109,26 +109,34 @@ def test_a_summary_that_does_not_fit_leaves_the_old_file_and_no_temporary(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
 
 
+@pytest.fixture(scope="module")
+def megatron_reference(tmp_path_factory) -> Path:
+    """An unlimited run of the entry point. Its sample-index cache (600 KB, far above the limits below) is copied
+    into each limited run's directory, where megatron-core reuses it instead of writing it; its line sizes set
+    the limits."""
+    reference = tmp_path_factory.mktemp("disk_full") / "reference"
+    code, out = _run(["-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
+                      LAUNCHER, *TINY, "--train-iters", "12", "--mech-output-dir", reference], limit=None)
+    assert code == 0, out[-3000:]
+    assert [r["step"] for r in read_jsonl(reference / "mech.jsonl")] == EVALUATION_STEPS
+    return reference
+
+
+def _limited_megatron_run(reference: Path, run: Path, limit: int, *flags: str) -> tuple[int, str]:
+    shutil.copytree(reference / "gpt_index_cache", run / "gpt_index_cache")
+    return _run(["-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
+                 LAUNCHER, *TINY, "--train-iters", "12", "--mech-output-dir", run, *flags], limit=limit)
+
+
 @pytest.mark.timeout(300)
-def test_megatron_entry_point_on_a_full_disk_finishes_and_exits_records_incomplete(tmp_path):
+def test_megatron_entry_point_on_a_full_disk_finishes_and_exits_records_incomplete(tmp_path, megatron_reference):
     """The entry point's run fills its disk after two records: it trains to the end, ``mech.jsonl`` holds whole
     records only, ``summary.json`` lists the lost steps, the console names them and the worker exits 3."""
-    flags = [*TINY, "--train-iters", "12"]
-    # An unlimited run first: its sample-index cache (600 KB, far above the limit) is copied into the limited
-    # run's directory, where megatron-core reuses it instead of writing it; and its line sizes set the limit.
-    reference = tmp_path / "reference"
-    code, out = _run(["-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
-                      LAUNCHER, *flags, "--mech-output-dir", reference], limit=None)
-    assert code == 0, out[-3000:]
-    sizes = _line_sizes(reference / "mech.jsonl")
-    assert [r["step"] for r in read_jsonl(reference / "mech.jsonl")] == EVALUATION_STEPS
+    sizes = _line_sizes(megatron_reference / "mech.jsonl")
+    limit = sum(sizes[:2]) + sizes[2] // 2  # two records fit; the summary (smaller than a record) too
+    assert (megatron_reference / "summary.json").stat().st_size + 200 < limit  # room for its list of lost steps
     run = tmp_path / "run"
-    shutil.copytree(reference / "gpt_index_cache", run / "gpt_index_cache")
-    limit = sum(sizes[:2]) + sizes[2] // 2  # two records fit; the summary (a third of a record's size) too
-    assert (reference / "summary.json").stat().st_size + 200 < limit  # room for the summary's list of lost steps
-
-    code, out = _run(["-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
-                      LAUNCHER, *flags, "--mech-output-dir", run], limit=limit)
+    code, out = _limited_megatron_run(megatron_reference, run, limit)
     assert code != 0 and f"exitcode  : {RECORDS_INCOMPLETE_EXIT}" in out, out[-3000:]
     assert "[train] done: 12 steps" in out  # training went to the end
     assert _records_read_cleanly(run / "mech.jsonl") == [2, 4]
@@ -136,6 +144,18 @@ def test_megatron_entry_point_on_a_full_disk_finishes_and_exits_records_incomple
     assert summary["records_lost_steps"] == [6, 8, 10, 12] and summary["final_step"] == 12
     assert "pretrain_gpt: records incomplete: 4 record(s) of mech.jsonl (steps 6, 8, 10, 12)" in out
     assert not list(run.glob(".*.tmp"))
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_that_does_not_fit_fails_the_run_without_a_partial_file(tmp_path, megatron_reference):
+    """A checkpoint is training state, not monitor output: when it cannot be written the run fails (as it would
+    without the monitors), leaving no partial rank file and no tracker naming a checkpoint that is not there."""
+    run = tmp_path / "run"
+    code, out = _limited_megatron_run(megatron_reference, run, 200_000, "--save", str(run), "--save-interval", "4")
+    assert code != 0 and "File too large" in out, out[-3000:]
+    assert (run / "iter_0000004").is_dir()  # the save began: the model's state (> 1 MB) did not fit
+    assert not [p.name for p in run.rglob("*") if p.name.endswith(".tmp")]
+    assert not (run / "latest_checkpointed_iteration.txt").exists()
 
 
 @pytest.mark.timeout(300)

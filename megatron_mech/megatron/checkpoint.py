@@ -22,7 +22,7 @@ import torch
 from megatron_mech.hook import naming_damaged_state
 from megatron_mech.optim import inner_optimizer, leaf_optimizers
 from megatron_mech.records.run_directory import (  # noqa: F401 (the run id helpers are re-exported)
-    RUN_ID_FILE, open_no_follow, read_run_id, refuse_symlink, write_run_id)
+    RUN_ID_FILE, open_no_follow, read_run_id, refuse_symlink, write_file_atomically, write_run_id)
 
 __all__ = ["RUN_ID_FILE", "check_model_shapes", "check_mols_match", "load_checkpoint",
            "load_distributed_optimizer_state", "read_checkpoint_file", "read_run_id", "read_tracker", "save_checkpoint",
@@ -215,15 +215,18 @@ def save_checkpoint(save_dir, step: int, model, optimizer, scheduler, layout: di
              "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state(),
              "mech": hook.state_dict() if hook is not None else None, "mols_enabled": _mols_enabled(hook)}
     tmp = directory / f".rank{rank:04d}.pt.tmp"
-    with open_no_follow(tmp, "wb") as f:
-        torch.save(state, f)
-    os.replace(tmp, directory / f"rank{rank:04d}.pt")  # atomic: a file that exists is complete
+    try:
+        with open_no_follow(tmp, "wb") as f:
+            torch.save(state, f)
+        os.replace(tmp, directory / f"rank{rank:04d}.pt")  # atomic: a file that exists is complete
+    except BaseException:  # a full disk (torch.save raises RuntimeError then): fail without a partial file left
+        tmp.unlink(missing_ok=True)
+        raise
     if run_id is not None and rank == 0:
         write_run_id(directory, run_id)
     torch.distributed.barrier()
-    if rank == 0:
-        with open_no_follow(Path(save_dir) / TRACKER) as f:
-            f.write(str(step))
+    if rank == 0:  # atomic too: a tracker cut by a full disk would name no checkpoint at all
+        write_file_atomically(Path(save_dir) / TRACKER, str(step))
     torch.distributed.barrier()
     return directory
 
