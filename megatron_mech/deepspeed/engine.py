@@ -48,7 +48,7 @@ from megatron_mech.deepspeed.router import find_gates, gate_capture, token_group
 from megatron_mech.deepspeed.safe_load import weights_only_loads
 from megatron_mech.hook import Action, Extension, MechHook
 from megatron_mech.model_view import ModelView, RouterView
-from megatron_mech.records.run_directory import refuse_symlink, write_run_id
+from megatron_mech.records.run_directory import refuse_symlink, write_file_atomically, write_run_id
 
 __all__ = ["CLIENT_STATE_KEY", "DeepSpeedMech", "load_checkpoint", "save_checkpoint"]
 
@@ -301,7 +301,8 @@ def save_checkpoint(engine, mech: DeepSpeedMech, save_dir, tag=None, client_stat
         write_run_id(tag_dir, run_id)
     result = engine.save_checkpoint(save_dir, tag=tag, client_state=state, **kwargs)
     tag_dir.mkdir(parents=True, exist_ok=True)
-    torch.save(mech.state_dict(), _rank_state_file(tag_dir, rank))
+    state = mech.state_dict()  # atomic, never through a link; a full disk leaves no partial file
+    write_file_atomically(_rank_state_file(tag_dir, rank), lambda f: torch.save(state, f))
     mech.hook.checkpoint_saved(mech.step, tag_dir)
     return result
 

@@ -13,7 +13,6 @@ TE/apex (see there).
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -22,7 +21,7 @@ import torch
 from megatron_mech.hook import naming_damaged_state
 from megatron_mech.optim import inner_optimizer, leaf_optimizers
 from megatron_mech.records.run_directory import (  # noqa: F401 (the run id helpers are re-exported)
-    RUN_ID_FILE, open_no_follow, read_run_id, refuse_symlink, write_file_atomically, write_run_id)
+    RUN_ID_FILE, read_run_id, refuse_symlink, write_file_atomically, write_run_id)
 
 __all__ = ["RUN_ID_FILE", "check_model_shapes", "check_mols_match", "load_checkpoint",
            "load_distributed_optimizer_state", "read_checkpoint_file", "read_run_id", "read_tracker", "save_checkpoint",
@@ -214,14 +213,8 @@ def save_checkpoint(save_dir, step: int, model, optimizer, scheduler, layout: di
     state = {"iteration": step, "layout": layout, "model": model.state_dict(),
              "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state(),
              "mech": hook.state_dict() if hook is not None else None, "mols_enabled": _mols_enabled(hook)}
-    tmp = directory / f".rank{rank:04d}.pt.tmp"
-    try:
-        with open_no_follow(tmp, "wb") as f:
-            torch.save(state, f)
-        os.replace(tmp, directory / f"rank{rank:04d}.pt")  # atomic: a file that exists is complete
-    except BaseException:  # a full disk (torch.save raises RuntimeError then): fail without a partial file left
-        tmp.unlink(missing_ok=True)
-        raise
+    # atomic: a rank file that exists is complete; a full disk fails the save and leaves no partial file
+    write_file_atomically(directory / f"rank{rank:04d}.pt", lambda f: torch.save(state, f))
     if run_id is not None and rank == 0:
         write_run_id(directory, run_id)
     torch.distributed.barrier()

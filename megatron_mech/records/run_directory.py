@@ -207,24 +207,26 @@ def records_incomplete(lost_steps, summary_written: bool) -> Optional[str]:
             f"Training itself finished and its checkpoints are not affected; exit code {RECORDS_INCOMPLETE_EXIT}")
 
 
-def write_file_atomically(path, text: str) -> None:
-    """Replace ``path`` with ``text`` (UTF-8) atomically, through ``.<name>.tmp`` beside it: readers see the old
-    file or the new one, never a part. A symbolic link at either name is refused (``ValueError`` naming it): the
-    temporary file would be written through it, and the replace would drop it. When the write fails (a full disk,
-    a file-size limit) the temporary file is removed and the error raised: a failed write leaves the old file
-    and nothing else."""
+def write_file_atomically(path, content) -> None:
+    """Replace ``path`` with ``content`` atomically, through ``.<name>.tmp`` beside it: readers see the old file
+    or the new one, never a part. ``content``: a ``str`` (written as UTF-8), or a function that writes into the
+    binary file it is given (e.g. ``lambda f: torch.save(state, f)``). A symbolic link at either name is refused
+    (``ValueError`` naming it): the temporary file would be written through it, and the replace would drop it.
+    When the write fails (a full disk, a file-size limit; ``torch.save`` then raises ``RuntimeError``) the
+    temporary file is removed and the error raised: a failed write leaves the old file and nothing else."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     refuse_symlink(path)
     try:
-        with open_no_follow(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
+        with open_no_follow(tmp, "wb") as f:
+            if isinstance(content, str):
+                f.write(content.encode("utf-8"))
+            else:
+                content(f)
         os.replace(tmp, path)
-    except OSError:
-        try:
-            tmp.unlink()  # ours: a link at this name was refused by name (ValueError) before anything was written
-        except OSError:
-            pass
+    except BaseException:
+        if not tmp.is_symlink():  # a link there was refused by name before anything was written: leave it
+            tmp.unlink(missing_ok=True)
         raise
 
 
