@@ -393,7 +393,8 @@ class MechHook:
         self._sinks = default_sinks(output.dir or fallback_dir or DEFAULT_OUTPUT_DIR,
                                     tensorboard=output.tensorboard_dir or False,
                                     wandb_kwargs={"project": output.wandb_project} if output.wandb_project else None,
-                                    extra=extra, truncate_after_step=start_step if start_step else None)
+                                    extra=extra, truncate_after_step=start_step if start_step else None,
+                                    writer_level=output.writer_level)
 
     def before_step(self, step: int) -> None:
         """Before the forward/backward of optimizer step ``step``: arm router capture on evaluation steps, run the
