@@ -383,7 +383,7 @@ class MechHook:
         """Open the run's output; on the logging rank only, once, before :meth:`setup` (which opens it with the
         defaults otherwise): ``mech.jsonl`` in ``config.output.dir`` (else ``fallback_dir``, e.g. the framework's
         checkpoint directory, else :data:`~megatron_mech.config.DEFAULT_OUTPUT_DIR`), TensorBoard and W&B when
-        configured, then the adapter's ``extra`` sinks. A resumed run (``start_step`` > 0) cuts ``mech.jsonl``
+        configured (at ``config.output.writer_level``), then the adapter's ``extra`` sinks. A resumed run (``start_step`` > 0) cuts ``mech.jsonl``
         back to ``start_step`` (records a crashed run wrote after its checkpoint are dropped)."""
         from megatron_mech.records.sinks import default_sinks
 
