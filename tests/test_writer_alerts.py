@@ -6,7 +6,8 @@ the reference.
 
 W&B: the ``wandb`` package is not installed where these tests run, so the W&B sink writes to a minimal real run
 object that records its ``log``/``alert`` calls (the interface the sink uses, which Megatron's own
-``get_wandb_writer()`` module also offers); the real ``wandb`` client cannot run here."""
+``get_wandb_writer()`` module also offers); the real ``wandb`` client cannot run here. Where ``wandb`` is installed,
+a real offline run (``WANDB_MODE=offline``) is checked too."""
 from __future__ import annotations
 
 import collections
@@ -114,3 +115,21 @@ def test_wandb_gets_the_markers_text_and_loss_of_a_hook_run(tmp_path):
             assert "mech/alerts" not in data
     # notify=True: one W&B notification per alert
     assert len(run.alerts) == sum(len(r["alerts"]) for r in records) == 1
+
+
+def test_real_wandb_offline_run_gets_the_markers(tmp_path, monkeypatch):
+    """With the ``wandb`` package installed: a real offline run (``WANDB_MODE=offline``, nothing sent) fed the
+    hook run's records holds the marker and the loss in its summary (the last value logged for each key)."""
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    records = run_hook(tmp_path / "run")
+    run = wandb.init(project="megatron-mech-test", dir=str(tmp_path))
+    try:
+        with WandbSink(run) as sink:
+            for record in records:
+                sink.write(record)
+        assert run.summary["mech/alerts/symptom"] == 1.0
+        assert run.summary["mech/symptom/loss"] == pytest.approx(records[-1]["loss"])
+    finally:
+        run.finish()
