@@ -105,6 +105,6 @@ class WriterLevel:
         if self.level == "auto" and not self.summarizing and len(metrics) > self.auto_limit:
             self.summarizing = True
             logger.info("megatron-mech: an evaluation records %d series (more than %d): TensorBoard/W&B get the "
-                        "per-layer summary from now on (mech.jsonl keeps every series; --mech-writer-level full "
-                        "writes them all)", len(metrics), self.auto_limit)
+                        "per-layer summary from now on (mech.jsonl keeps every series; --mech-writer-level full, "
+                        "mech.output.writer_level \"full\" in a DeepSpeed config, writes them all)", len(metrics), self.auto_limit)
         return summary_metrics(metrics, alert_metrics) if self.summarizing else metrics
