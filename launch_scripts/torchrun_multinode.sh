@@ -14,6 +14,7 @@
 #   GPUS_PER_NODE   processes per node (one per GPU; on CPU-only machines, processes per node)  (default 8)
 #   MEGATRON_LM_DIR the patched fork (TARGET=fork)
 #   TORCHRUN        the launcher command                           (default: python3 -m torch.distributed.run)
+#   PYTHON          the python that checks the flags' packages first (default: python3)
 #
 # Every other argument is passed to the training script (model, data, --mech-* flags), e.g.
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 GPUS_PER_NODE=8 TARGET=fork MEGATRON_LM_DIR=~/Megatron-LM \
@@ -39,6 +40,21 @@ case "$TARGET" in
 esac
 if ! [[ "$NODE_RANK" =~ ^[0-9]+$ && "$NNODES" =~ ^[0-9]+$ && "$NODE_RANK" -lt "$NNODES" ]]; then
   echo "error: NODE_RANK=$NODE_RANK must be an integer in 0..NNODES-1 (NNODES=$NNODES)" >&2; exit 2
+fi
+
+# The Python packages the flags ask for (tensorboard for --tensorboard-dir, wandb for --mech-wandb-project), checked
+# before torchrun starts: a missing one would end every worker, its reason under torchrun's ChildFailedError report.
+# Exit 2 is a missing package; any other failure of the check (e.g. a PYTHON without megatron_mech, when TORCHRUN
+# names another environment) leaves the verdict to the workers' own start-up checks.
+check_path=${PYTHONPATH:-}
+if [[ -f "$here/../megatron_mech/__init__.py" ]]; then  # a checkout (installed, the package is importable already)
+  check_path="$here/..${check_path:+:$check_path}"
+fi
+check_status=0
+# shellcheck disable=SC2086  # PYTHON may be a command with arguments
+reason=$(PYTHONPATH="$check_path" ${PYTHON:-python3} -m megatron_mech.megatron.sink_packages "$@" 2>&1) || check_status=$?
+if [[ "$check_status" -eq 2 ]]; then
+  echo "$reason" >&2; exit 2
 fi
 
 # Megatron's tensor-parallel communication overlap expects one CUDA connection per device.

@@ -85,12 +85,17 @@ def _check_counts(**counts: int) -> Optional[str]:
 
 def _train_run_error(cmd: List[str], steps: int) -> Optional[str]:
     """What would end a ``train`` run with no report, or be refused by every worker, found before launching: a run
-    shorter than the evaluation interval (nothing recorded), or an output directory the entry point refuses (its
-    own rule, so the command exits 2 as documented instead of with torchrun's 1)."""
+    shorter than the evaluation interval (nothing recorded), a package the sinks the flags ask for need
+    (``tensorboard`` for the preset's ``--tensorboard-dir``), or an output directory the entry point refuses (its
+    own rules, so the command exits 2 with one line instead of torchrun's 1 under every worker's output)."""
     from megatron_mech.megatron.flags import build_parser
     from megatron_mech.megatron.run_directory import check_run_directories
+    from megatron_mech.megatron.sink_packages import sink_package_problem
 
     flags = build_parser().parse_args(cmd[cmd.index("megatron_mech.megatron.pretrain_gpt") + 1:])
+    problem = sink_package_problem(flags.tensorboard_dir, flags.mech_wandb_project)
+    if problem:
+        return problem
     if steps < flags.mech_interval:
         return (f"--steps {steps} is shorter than --mech-interval {flags.mech_interval}: the monitors first evaluate "
                 f"at step {flags.mech_interval}, so the run would record nothing to report. Use --steps "

@@ -17,7 +17,7 @@ JSON / dict shape (every key optional)::
     {"monitors": {"families": ["auto"], "interval": 10, "dw_scope": "global", ...},
      "detector": {"warmup": null, "baseline": null, "threshold": null, "persistence": null},
      "mols": {"enabled": false, "window": null, "base": "vo", "clamp": [0.5, 2.0], ...},
-     "output": {"dir": null, "wandb_project": null, "tensorboard_dir": null},
+     "output": {"dir": null, "wandb_project": null, "tensorboard_dir": null, "writer_level": "auto"},
      "on_alert": "log"}
 
 The studies bring their own settings (the fault: ``--mech-fault*``, a ``"fault"`` key in a DeepSpeed ``"mech"``
@@ -38,6 +38,7 @@ from megatron_mech.core.settings import BadSetting
 from megatron_mech.monitors.attention import AttentionMonitorConfig
 from megatron_mech.options import (add_section_flags, field_flag, file_path, option, section_from_dict,
                                    section_from_flags, section_to_dict, settings_of, settings_values)
+from megatron_mech.records.writer_level import AUTO_SUMMARY_SERIES, WRITER_LEVELS
 
 __all__ = ["DEFAULT_OUTPUT_DIR", "MONITOR_FAMILIES", "ON_ALERT", "DetectorOverrides", "MechConfig", "MoLSOptions",
            "MonitorConfig", "OutputConfig"]
@@ -191,6 +192,15 @@ class OutputConfig:
     wandb_project: Optional[str] = option(None, "also log to this W&B project", flag="--mech-wandb-project")
     tensorboard_dir: Optional[str] = option(None, "also write TensorBoard events here (the framework's own "
                                             "TensorBoard directory; no --mech flag)", type=file_path)
+    # auto, not full: at the shapes that need a summary (a 70B model records ~17,000 series per evaluation) a full
+    # writer exceeds W&B's recommended 10,000 metrics of a project in one run, and small models stay full
+    writer_level: str = option("auto", "which series TensorBoard, W&B and DeepSpeed's monitor get (mech.jsonl "
+                               "always keeps every series): 'full' every series; 'summary' each per-head/per-expert "
+                               "family reduced to its per-layer min and mean, every series of an alerting head, "
+                               "expert or layer at the steps it alerts, and loss, grad norm, symptoms and alert "
+                               f"markers; 'auto' (default) summary once an evaluation records more than "
+                               f"{AUTO_SUMMARY_SERIES} series, full below", flag="--mech-writer-level",
+                               choices=WRITER_LEVELS)
 
     def __post_init__(self):
         # Flags and dict sections are checked as they are read (file_path); a section built in Python is not, and
@@ -201,6 +211,9 @@ class OutputConfig:
                 flag = field_flag(OutputConfig, name)
                 raise ValueError(f"mech.output.{name}{f' ({flag})' if flag else ''}: a path cannot hold a NUL byte, "
                                  f"got {value!r}")
+        if self.writer_level not in WRITER_LEVELS:  # flags and dicts check their choices; a section built in Python
+            raise ValueError(f"mech.output.writer_level (--mech-writer-level): expected one of "
+                             f"{', '.join(WRITER_LEVELS)}, got {self.writer_level!r}")
 
 
 @dataclass

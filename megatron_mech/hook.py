@@ -383,7 +383,7 @@ class MechHook:
         """Open the run's output; on the logging rank only, once, before :meth:`setup` (which opens it with the
         defaults otherwise): ``mech.jsonl`` in ``config.output.dir`` (else ``fallback_dir``, e.g. the framework's
         checkpoint directory, else :data:`~megatron_mech.config.DEFAULT_OUTPUT_DIR`), TensorBoard and W&B when
-        configured, then the adapter's ``extra`` sinks. A resumed run (``start_step`` > 0) cuts ``mech.jsonl``
+        configured (at ``config.output.writer_level``), then the adapter's ``extra`` sinks. A resumed run (``start_step`` > 0) cuts ``mech.jsonl``
         back to ``start_step`` (records a crashed run wrote after its checkpoint are dropped)."""
         from megatron_mech.records.sinks import default_sinks
 
@@ -393,7 +393,8 @@ class MechHook:
         self._sinks = default_sinks(output.dir or fallback_dir or DEFAULT_OUTPUT_DIR,
                                     tensorboard=output.tensorboard_dir or False,
                                     wandb_kwargs={"project": output.wandb_project} if output.wandb_project else None,
-                                    extra=extra, truncate_after_step=start_step if start_step else None)
+                                    extra=extra, truncate_after_step=start_step if start_step else None,
+                                    writer_level=output.writer_level)
 
     def before_step(self, step: int) -> None:
         """Before the forward/backward of optimizer step ``step``: arm router capture on evaluation steps, run the

@@ -27,7 +27,7 @@ ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 def _env(**extra) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               TORCHRUN=f"{sys.executable} -m torch.distributed.run")
+               TORCHRUN=f"{sys.executable} -m torch.distributed.run", PYTHON=sys.executable)
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

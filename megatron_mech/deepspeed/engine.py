@@ -152,7 +152,8 @@ class DeepSpeedMech:
         if self.logging_rank:  # opened now, after a checkpoint load: mech.jsonl is cut back to the loaded step
             from megatron_mech.records.sinks import DeepSpeedMonitorSink
 
-            extra = [DeepSpeedMonitorSink(self._engine_monitor)] if self._engine_monitor is not None else []
+            extra = ([DeepSpeedMonitorSink(self._engine_monitor, level=self.hook.config.output.writer_level)]
+                     if self._engine_monitor is not None else [])
             self.hook.open_sinks(start, extra=extra)
         self._refresh_all()
         self.hook.setup(self.view, self.engine.optimizer, start_step=start)

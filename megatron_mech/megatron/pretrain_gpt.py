@@ -527,13 +527,11 @@ def preflight(args, world: int, rank: int, extension_types: Sequence[type] = ())
 def check_sink_packages(args, config: MechConfig) -> None:
     """The optional record sinks the flags ask for must be able to start; they start on one rank after the model
     is built, where a missing package would end that rank alone (the others then fail on a closed connection)."""
-    from megatron_mech.records.sinks import missing_sink_package
+    from megatron_mech.megatron.sink_packages import sink_package_problem
 
-    for flag, value, kind in (("--tensorboard-dir", config.output.tensorboard_dir, "tensorboard"),
-                              ("--mech-wandb-project", config.output.wandb_project, "wandb")):
-        reason = missing_sink_package(kind) if value else None
-        if reason:
-            raise ValueError(f"{flag} {value}: {reason}")
+    problem = sink_package_problem(config.output.tensorboard_dir, config.output.wandb_project)
+    if problem:
+        raise ValueError(problem)
 
 
 def agree_run_id(proposed: Optional[str], rank: int) -> str:

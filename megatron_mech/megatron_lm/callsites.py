@@ -493,7 +493,8 @@ _WRITER_SINKS: Dict[int, Any] = {}
 def log_to_writers(iteration: int, writer=None, wandb_writer=None) -> int:
     """``training_log``: hand the records of the steps since the last call to Megatron's TensorBoard and W&B
     writers (which exist on rank ``world_size - 1`` only; elsewhere the list is just cleared). Tags:
-    ``mech/<metric>`` and ``mech/alerts``. Returns the number of records written."""
+    ``mech/<metric>``, ``mech/alerts/<family>`` and ``mech/alerts``, at the hook's writer level
+    (``--mech-writer-level``). Returns the number of records written."""
     from megatron_mech.records.sinks import TensorBoardSink, WandbSink
 
     records, RUN.pending[:] = list(RUN.pending), []
@@ -503,7 +504,8 @@ def log_to_writers(iteration: int, writer=None, wandb_writer=None) -> int:
     for target, cls, kw in ((writer, TensorBoardSink, "writer"), (wandb_writer, WandbSink, "run")):
         if target is not None:
             if id(target) not in _WRITER_SINKS:
-                _WRITER_SINKS[id(target)] = cls(**{kw: target})
+                level = RUN.hook.config.output.writer_level if RUN.hook is not None else "full"
+                _WRITER_SINKS[id(target)] = cls(**{kw: target}, level=level)
             sinks.append(_WRITER_SINKS[id(target)])
     for record in records:
         for sink in sinks:

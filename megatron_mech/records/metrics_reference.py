@@ -300,7 +300,8 @@ RECORD_FIELDS: tuple = (
     RecordField("metrics", "the monitor series of the tables above; null = not measured this step", "every record",
                 "`mech/<name>`"),
     RecordField("alerts", "the alerts fired at this step (metric, family, step, value, baseline, score, detail)",
-                "every record", "text `mech/alerts`"),
+                "every record", "text `mech/alerts`; scalars `mech/alerts/<family>` = the family's alerts at this "
+                "step (only at steps where one fired)"),
     RecordField("mols", "the `mols/...` series above", "`--mech-mols`", "`mech/<name>` (e.g. "
                 "`mech/mols/snr/qk`)"),
     RecordField("tokens", "training tokens consumed up to this step", "megatron-core entry point",
@@ -382,7 +383,11 @@ def render_markdown() -> str:
         "",
         "Every series megatron-mech records, by name as it appears in a run's `mech.jsonl` (each record's `metrics` "
         "object, and its `mols` object for MoLS). TensorBoard, W&B and DeepSpeed's monitor get the same values as "
-        "`mech/<name>`; the record fields table below gives the other tags.",
+        "`mech/<name>`; the record fields table below gives the other tags. Under `--mech-writer-level summary` (and "
+        "`auto`, the default, once an evaluation records more series than it allows) they get each per-head or "
+        "per-expert series only at the steps its head or expert alerts, and otherwise its per-layer min and mean, "
+        "`mech/<family>/layer{L}/<unit>_min/<metric>` and `..._mean/...` (`mech/attn/layer3/head_min/delta2_entropy`); "
+        "`mech.jsonl` always holds every series.",
         "",
         "**Alert columns** come from the detector's default rules (`megatron_mech.core.detect.default_rules`), the "
         "first rule whose pattern matches the name (`fnmatch`, `*` also matches `/`) — \"logged only\" where none "

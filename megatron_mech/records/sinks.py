@@ -47,11 +47,12 @@ from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, runtime
 
 from megatron_mech.core.detect import Alert
 from megatron_mech.records.run_directory import open_no_follow, refuse_symlink, steps_text
+from megatron_mech.records.writer_level import WriterLevel
 
 __all__ = ["JSONL_NAME", "RESERVED_KEYS", "make_record", "encode_record", "decode_record", "record_alerts",
            "record_scalars", "read_alerts", "read_jsonl", "truncate_jsonl", "Sink", "JsonlSink", "TensorBoardSink", "WandbSink",
            "DeepSpeedMonitorSink", "CallbackSink", "MultiSink", "default_sinks",
-           "missing_sink_package"]
+           "missing_sink_package", "alert_markers", "loss_and_alerts_layout"]
 
 logger = logging.getLogger(__name__)
 
@@ -206,6 +207,33 @@ def record_scalars(record: Mapping[str, Any], prefix: str = "mech") -> dict[str,
 
 def _alerts_text(alerts: Sequence[Alert]) -> str:
     return "\n".join(f"- {a.describe()}" for a in alerts)
+
+
+def alert_markers(alerts: Sequence[Alert], prefix: str = "mech") -> dict[str, float]:
+    """``{prefix}/alerts/<family>`` = number of the family's alerts at this step, for the families that fired (none
+    at a step without alerts): markers on the scalar charts, where the loss (``{prefix}/symptom/loss``) is."""
+    counts: dict[str, float] = {}
+    for a in alerts:
+        tag = f"{prefix}/alerts/{a.family}"
+        counts[tag] = counts.get(tag, 0.0) + 1.0
+    return counts
+
+
+def _writer_scalars(record: Mapping[str, Any], alerts: Sequence[Alert], level: WriterLevel,
+                    prefix: str) -> dict[str, float]:
+    """What a writer (TensorBoard, W&B, DeepSpeed's monitor) gets of a record: :func:`record_scalars` of the
+    record with its metrics at the writer's level, then the alert markers."""
+    metrics = level.metrics(record.get("metrics") or {}, [a.metric for a in alerts])
+    return {**record_scalars({**record, "metrics": metrics}, prefix), **alert_markers(alerts, prefix)}
+
+
+def loss_and_alerts_layout(prefix: str = "mech") -> dict:
+    """TensorBoard's custom-scalars layout (``SummaryWriter.add_custom_scalars``): one chart of the loss with
+    the alert markers, one of the grad norm with them (TensorBoard draws separate tags on separate charts
+    otherwise; the Multiline entries are regular expressions)."""
+    alerts = f"{prefix}/alerts/.*"
+    return {prefix: {"loss and alerts": ["Multiline", [f"{prefix}/symptom/loss", alerts]],
+                     "grad norm and alerts": ["Multiline", [f"{prefix}/symptom/grad_norm", alerts]]}}
 
 
 # ------------------------------------------------------------------------------------------------ reading
@@ -526,20 +554,28 @@ class JsonlSink(_SinkBase):
 
 
 class TensorBoardSink(_SinkBase):
-    """Scalars (tags from :func:`record_scalars`: ``mech/<metric name>``, ``mech/symptom/...``) and alert text
-    (``mech/alerts``, markdown, one line per alert via :meth:`Alert.describe`).
+    """Scalars (tags from :func:`record_scalars`: ``mech/<metric name>``, ``mech/symptom/loss``,
+    ``mech/symptom/grad_norm``, ...), alert markers (``mech/alerts/<family>`` = number of the family's alerts, at
+    the steps where one fired: :func:`alert_markers`) and alert text (``mech/alerts``, markdown, one line per alert
+    via :meth:`Alert.describe`). With the first record it also writes a custom-scalars layout
+    (:func:`loss_and_alerts_layout`: TensorBoard's "Custom Scalars" tab shows the loss and the grad norm each on
+    one chart with the markers).
 
     Give either ``log_dir`` (a new ``torch.utils.tensorboard.SummaryWriter``, closed by :meth:`close`) or
     ``writer``, an existing SummaryWriter-like object with ``add_scalar``/``add_text`` — e.g. Megatron's
-    ``get_tensorboard_writer()`` — which is only flushed, never closed (its owner closes it).
+    ``get_tensorboard_writer()`` — which is only flushed, never closed (its owner closes it). ``level``: which
+    series it writes (:class:`~megatron_mech.records.writer_level.WriterLevel`: ``"full"``, ``"summary"`` or
+    ``"auto"``).
     """
 
     def __init__(self, log_dir: str | os.PathLike | None = None, *, writer: Any = None, prefix: str = "mech",
-                 **writer_kwargs: Any) -> None:
+                 level: str = "full", **writer_kwargs: Any) -> None:
         if (log_dir is None) == (writer is None):
             raise ValueError("TensorBoardSink needs exactly one of log_dir or writer")
         self.prefix = prefix
+        self.level = WriterLevel(level)
         self._owns = writer is None
+        self._layout_written = False
         if writer is None:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -551,9 +587,12 @@ class TensorBoardSink(_SinkBase):
 
     def write(self, record: Mapping[str, Any]) -> None:
         step = int(record["step"])
-        for tag, v in record_scalars(record, self.prefix).items():
-            self.writer.add_scalar(tag, v, step)
+        if not self._layout_written and hasattr(self.writer, "add_custom_scalars"):
+            self.writer.add_custom_scalars(loss_and_alerts_layout(self.prefix))
+        self._layout_written = True
         alerts = record_alerts(record)
+        for tag, v in _writer_scalars(record, alerts, self.level, self.prefix).items():
+            self.writer.add_scalar(tag, v, step)
         if alerts:
             self.writer.add_text(f"{self.prefix}/alerts", _alerts_text(alerts), step)
 
@@ -568,18 +607,23 @@ class TensorBoardSink(_SinkBase):
 
 
 class WandbSink(_SinkBase):
-    """Weights & Biases: ``run.log({tag: value, ..., "mech/alerts": text}, step=step)`` with the tags of
-    :func:`record_scalars`.
+    """Weights & Biases: ``run.log({tag: value, ..., "mech/alerts/<family>": n, "mech/alerts": text}, step=step)``
+    with the tags of :func:`record_scalars` (loss and grad norm as ``mech/symptom/loss``,
+    ``mech/symptom/grad_norm``), the alert markers of :func:`alert_markers` (at the steps where an alert fired; put
+    them on the loss chart to read one against the other) and the alerts' text.
 
     Pass ``run`` (a ``wandb`` run, or the ``wandb`` module itself — Megatron's ``get_wandb_writer()`` returns
     the module) or nothing, in which case ``wandb`` is imported lazily and ``wandb.init(**init_kwargs)`` starts
     a run that :meth:`close` finishes. ``notify=True`` also sends each alert with ``run.alert`` (W&B
-    notifications; alerts are rare because detectors latch).
+    notifications; alerts are rare because detectors latch). ``level``: which series it writes
+    (:class:`~megatron_mech.records.writer_level.WriterLevel`).
     """
 
-    def __init__(self, run: Any = None, *, prefix: str = "mech", notify: bool = False, **init_kwargs: Any) -> None:
+    def __init__(self, run: Any = None, *, prefix: str = "mech", notify: bool = False, level: str = "full",
+                 **init_kwargs: Any) -> None:
         self.prefix = prefix
         self.notify = notify
+        self.level = WriterLevel(level)
         self._owns = run is None
         if run is None:
             try:
@@ -594,8 +638,8 @@ class WandbSink(_SinkBase):
 
     def write(self, record: Mapping[str, Any]) -> None:
         step = int(record["step"])
-        data: dict[str, Any] = dict(record_scalars(record, self.prefix))
         alerts = record_alerts(record)
+        data: dict[str, Any] = dict(_writer_scalars(record, alerts, self.level, self.prefix))
         if alerts:
             data[f"{self.prefix}/alerts"] = _alerts_text(alerts)
         if data:
@@ -612,19 +656,18 @@ class WandbSink(_SinkBase):
 class DeepSpeedMonitorSink(_SinkBase):
     """DeepSpeed's ``engine.monitor`` (fans out to its TensorBoard/W&B/CSV/Comet backends on rank 0):
     ``monitor.write_events([(tag, value, step), ...])`` with the tags of :func:`record_scalars`. The monitor
-    has no text channel, so alerts become scalars ``mech/alerts/<family>`` = number fired at that step."""
+    has no text channel: alerts are only the markers ``mech/alerts/<family>`` (:func:`alert_markers`). ``level``:
+    which series it writes (:class:`~megatron_mech.records.writer_level.WriterLevel`)."""
 
-    def __init__(self, monitor: Any, *, prefix: str = "mech") -> None:
+    def __init__(self, monitor: Any, *, prefix: str = "mech", level: str = "full") -> None:
         self.monitor = monitor
         self.prefix = prefix
+        self.level = WriterLevel(level)
 
     def write(self, record: Mapping[str, Any]) -> None:
         step = int(record["step"])
-        events = [(tag, v, step) for tag, v in record_scalars(record, self.prefix).items()]
-        counts: dict[str, int] = {}
-        for a in record_alerts(record):
-            counts[a.family] = counts.get(a.family, 0) + 1
-        events += [(f"{self.prefix}/alerts/{fam}", float(n), step) for fam, n in counts.items()]
+        scalars = _writer_scalars(record, record_alerts(record), self.level, self.prefix)
+        events = [(tag, v, step) for tag, v in scalars.items()]
         if events:
             self.monitor.write_events(events)
 
@@ -704,16 +747,19 @@ def missing_sink_package(kind: str) -> str | None:
 
 def default_sinks(run_dir: str | os.PathLike, *, tensorboard: bool | str | os.PathLike = False,
                   wandb_kwargs: Mapping[str, Any] | None = None, extra: Iterable[Sink] = (),
-                  truncate_after_step: int | None = None) -> MultiSink:
-    """The usual sinks for a run (call on the logging rank only): ``RUN_DIR/mech.jsonl`` always; TensorBoard
-    under ``RUN_DIR/tensorboard`` if ``tensorboard`` is True (or under the given directory); W&B if
-    ``wandb_kwargs`` is given (passed to ``wandb.init``); then ``extra``. Optional sinks that cannot start
+                  truncate_after_step: int | None = None, writer_level: str = "full") -> MultiSink:
+    """The usual sinks for a run (call on the logging rank only): ``RUN_DIR/mech.jsonl`` always (every series);
+    TensorBoard under ``RUN_DIR/tensorboard`` if ``tensorboard`` is True (or under the given directory); W&B if
+    ``wandb_kwargs`` is given (passed to ``wandb.init``); then ``extra``. TensorBoard and W&B write at
+    ``writer_level`` (:class:`~megatron_mech.records.writer_level.WriterLevel`). Optional sinks that cannot start
     (package missing) raise here, at start-up, rather than being skipped silently."""
     run_dir = Path(run_dir)
+    WriterLevel(writer_level)  # a bad level fails before any file is opened
     sinks: list[Sink] = [JsonlSink(run_dir / JSONL_NAME, truncate_after_step=truncate_after_step)]
     if tensorboard:
-        sinks.append(TensorBoardSink(run_dir / "tensorboard" if tensorboard is True else tensorboard))
+        sinks.append(TensorBoardSink(run_dir / "tensorboard" if tensorboard is True else tensorboard,
+                                     level=writer_level))
     if wandb_kwargs is not None:
-        sinks.append(WandbSink(**wandb_kwargs))
+        sinks.append(WandbSink(level=writer_level, **wandb_kwargs))
     sinks.extend(extra)
     return MultiSink(sinks)
