@@ -1,4 +1,4 @@
-"""`megatron-mech demo --quick`: the CI smoke version of the README's demo, end to end, run by the command installed
+"""`megatron-mech demo --quick`: the CI smoke version of the demo (docs/guides/entry-point.md), end to end, run by the command installed
 from the wheel (tests/installed_package.py) in a directory outside the checkout — so it also proves that the demo
 needs nothing but the installed package and its dependencies."""
 import subprocess
