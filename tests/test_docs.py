@@ -22,8 +22,11 @@ MAX_README_LINES = 300  # a landing page: the details live in docs/
 
 @pytest.mark.timeout(600)
 def test_docs_site_builds_without_warnings(tmp_path):
-    pytest.importorskip("sphinx", reason="the docs extra (pip install -e '.[docs]'; scripts/setup.sh installs it)")
-    pytest.importorskip("myst_parser", reason="the docs extra (pip install -e '.[docs]')")
+    import importlib.util
+
+    # not a skip: CI must build the site; scripts/setup.sh installs the docs extra
+    missing = [m for m in ("sphinx", "myst_parser") if importlib.util.find_spec(m) is None]
+    assert not missing, f"{missing} not installed: run scripts/setup.sh (or pip install -e '.[docs]')"
     build = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-b", "html", "-q",
                             str(REPO_ROOT / "docs"), str(tmp_path / "html")],
                            capture_output=True, text=True, timeout=540)
