@@ -13,8 +13,15 @@ import json
 
 import pytest
 
+from dist_utils import free_port
 from megatron_lm_trees import CPU_TRAINING_FLAGS, RUNNABLE_TAG, SMALL_MOE_FLAGS, require, unpack
 from readme_blocks import run_quickstart
+
+
+def free_rendezvous_port() -> dict:
+    """torchrun's ``--master-port`` through its environment variable, so the verbatim command meets no other run's
+    rendezvous on this machine (torchrun's default port is fixed)."""
+    return {"PET_MASTER_PORT": str(free_port())}
 
 
 def steps_recorded(path) -> list:
@@ -37,7 +44,7 @@ def test_megatron_lm_quickstart(installed_package, tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     out = run_quickstart("megatron-lm", installed_package, work,
-                         {"MEGATRON_LM": str(fork), "FLAGS": " ".join(flags)}, timeout=840)
+                         {"MEGATRON_LM": str(fork), "FLAGS": " ".join(flags), **free_rendezvous_port()}, timeout=840)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert patcher.check(fork).state == "applied"
     assert steps_recorded(work / "runs" / "fork" / "mech.jsonl") == [5, 10, 15, 20]
@@ -46,7 +53,7 @@ def test_megatron_lm_quickstart(installed_package, tmp_path):
 @pytest.mark.timeout(900)
 def test_deepspeed_quickstart(installed_package, tmp_path):
     pytest.importorskip("deepspeed")
-    out = run_quickstart("deepspeed", installed_package, tmp_path, timeout=840)
+    out = run_quickstart("deepspeed", installed_package, tmp_path, free_rendezvous_port(), timeout=840)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     run = tmp_path / "runs" / "ds"
     assert steps_recorded(run / "mech.jsonl") == [10, 20]
