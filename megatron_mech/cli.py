@@ -137,7 +137,7 @@ def _run_train(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------------
 def _add_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/demo", help="demo directory (clean/, one folder per fault, demo.md, demo*.png)")
-    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--steps", type=int, default=500, help="training steps of each run (--train-iters)")
     p.add_argument("--fault-start", type=int, default=260,
                    help="after the detectors' 250-step baseline; early enough for the attention fault's max logit to "
                         "explode within 500 steps")

@@ -194,7 +194,7 @@ def test_train_shorter_than_the_evaluation_interval_is_refused_before_training(t
 
 
 def test_train_into_a_directory_holding_a_run_exits_2_before_launching(tmp_path):
-    """The README: a fresh run into a directory that already holds a run is refused with one line, exit code 2.
+    """docs/reliability.md: a fresh run into a directory that already holds a run is refused with one line, exit code 2.
     ``megatron-mech train --out DIR`` on such a DIR used to launch torchrun, whose workers refused it, and exit
     with torchrun's 1."""
     small_log(tmp_path / "run")

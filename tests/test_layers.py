@@ -1,4 +1,4 @@
-"""The package's layers, in the order of the README's layout table: a module may import from its own layer and
+"""The package's layers, in the order of the layout table of docs/architecture.md: a module may import from its own layer and
 the layers above it (earlier rows), never from a layer below.
 
 Every module's imports are read from its source with ``ast`` (module-level and function-level ``import`` and
@@ -15,7 +15,7 @@ from dist_utils import REPO_ROOT
 
 PACKAGE = REPO_ROOT / "megatron_mech"
 
-# The README's "Layout" rows, top to bottom; each entry names a sub-package or a top-level module.
+# The "Layout" rows of docs/architecture.md, top to bottom; each entry names a sub-package or a top-level module.
 LAYERS = [
     ("core",),
     ("monitors",),
@@ -24,7 +24,7 @@ LAYERS = [
     ("hook", "model_view", "logit_symptom", "optim", "logs"),
     ("megatron", "deepspeed", "megatron_lm"),
     ("studies",),
-    ("cli",),
+    ("cli", "references"),
 ]
 LAYER_OF = {name: index for index, names in enumerate(LAYERS) for name in names}
 
@@ -48,7 +48,7 @@ def layer(module: str):
     if len(parts) == 1:
         return LAYER_OF["core"]
     if parts[1] not in LAYER_OF:
-        raise AssertionError(f"{module}: not in any layer; add it to LAYERS in the README's order")
+        raise AssertionError(f"{module}: not in any layer; add it to LAYERS in the order of docs/architecture.md")
     return LAYER_OF[parts[1]]
 
 
@@ -97,7 +97,7 @@ def test_every_module_is_in_a_layer_and_the_scan_sees_function_level_imports():
 
 def test_no_module_imports_from_a_layer_below_it():
     violations = sorted(layer_violations())
-    assert not violations, "imports from a lower layer of the README's layout table:\n" + "\n".join(
+    assert not violations, "imports from a lower layer of the layout table (docs/architecture.md):\n" + "\n".join(
         f"  {module} imports {target}" for module, target in violations)
 
 

@@ -203,8 +203,8 @@ def test_state_config_keeps_the_core_field_names_and_iterations():
                                "fixed_multipliers": {"qk": 0.5}, "diagnostic_interval": 0, "diagnostic_steps": None}
 
 
-def test_two_batch_variance_formula_of_the_readme():
-    """The per-step variance of the two-batch ‖G‖² estimate that the README's window rule comes from,
+def test_two_batch_variance_formula_of_the_window_rule():
+    """The per-step variance of the two-batch ‖G‖² estimate that the window rule of docs/mols.md comes from,
     Var = 2·tr(Σ²)/(k(k−1)·b²) + 4·GᵀΣG/B (k small batches of b examples partition the big batch B = k·b),
     against a simulation with Gaussian per-example gradients."""
     import torch
