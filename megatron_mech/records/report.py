@@ -1,6 +1,12 @@
 """Post-hoc report of a run from its JSONL log (``RUN_DIR/mech.jsonl``, written by
 :class:`~megatron_mech.records.sinks.JsonlSink`).
 
+The log is streamed (:func:`~megatron_mech.records.sinks.iter_jsonl`) into a bounded reduction
+(:func:`reduce_run`, :mod:`~megatron_mech.records.series_reduction`): memory grows with the number of series, not
+with the number of records. Each series is drawn from at most ``MAX_BUCKETS`` step buckets keeping their minimum,
+maximum, first and last points (exact while a series has no more steps than that); the summary's numbers are
+computed exactly while streaming.
+
 * :func:`plot_run` — one PNG, stacked panels on a shared step axis (only those with data): loss; grad norm (log
   scale when it spans more than a decade); attention ΔW spectral entropy per layer (Q solid, K dashed, other
   matrices dotted); Δ2 entropy, min over heads, per layer; router entropy mean, expert-load entropy and mean
@@ -9,11 +15,17 @@
   symptom; legend at the bottom) in every panel, with a triangle at its value in the panel that shows its series
   (a per-head Δ2 alert in the min-over-heads panel); the first alert of each family is labelled in the top
   panel. Non-finite values (NaN/inf) are marked with an ``x`` at the bottom of their panel. With more than 4
-  layers, the layers named by alerts are drawn bold and the others faded.
+  layers, the layers named by alerts are drawn bold and the others faded. The detector's view, from its default
+  rules (:mod:`~megatron_mech.records.report_guides`): a dash-dot line at a rule's absolute alert level (ΔW,
+  Δ2 panels); the baseline band, median ± threshold × scale of a series' frozen baseline from the step it froze,
+  for the alerting series of a panel (else for each series of a panel of at most four); the detectors' warm-up
+  shaded from step 0 to the armed-from step (the run's ``summary.json`` when present, else derived from the rules
+  and the log's interval; the legend says which).
 * :func:`summarize_run` — markdown: steps covered, final loss, alert counts, first alert per family with its
   attribution (:meth:`Alert.describe`) and its lead over the first symptom alert.
 * ``megatron-mech report RUN_DIR [--out PNG] [--metrics GLOB ...]`` (:func:`add_report_arguments` /
-  :func:`run_report`) writes both (``report.png`` and ``report.md`` next to the JSONL by default).
+  :func:`run_report`) writes both (``report.png`` and ``report.md`` next to the JSONL by default), from one pass
+  over the log.
 
 matplotlib is imported lazily and only through :class:`matplotlib.figure.Figure` (the Agg canvas, no pyplot and
 no display), so importing this module is cheap and the global backend of an interactive session is untouched.
@@ -32,7 +44,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from megatron_mech.core.detect import FAMILIES, Alert, layer_of
 from megatron_mech.records.report_guides import Arming, panel_bands, panel_levels, resolve_arming
-from megatron_mech.records.series_reduction import RunReduction, reduce_records
+from megatron_mech.records.series_reduction import RunReduction, record_values, reduce_records
 from megatron_mech.records.sinks import JSONL_NAME, iter_jsonl, record_alerts
 
 __all__ = ["REPORT_PNG", "REPORT_MD", "FAMILY_COLORS", "resolve_jsonl", "run_name", "collect_series",
@@ -69,26 +81,18 @@ def run_name(jsonl: Path) -> str:
 
 
 def collect_series(records: Iterable[Mapping[str, Any]]) -> dict[str, Series]:
-    """``{metric name: (steps, values)}`` sorted by step. The top-level ``loss``/``grad_norm`` appear as
-    ``symptom/loss``/``symptom/grad_norm`` unless the metrics carry those names. None (not measured) is skipped;
-    for a step logged twice (a resume without truncation) the last value wins."""
+    """Every value of every series, ``{metric name: (steps, values)}`` sorted by step, held in memory (the report
+    itself draws from the bounded :func:`reduce_run`). The series of a record are
+    :func:`~megatron_mech.records.series_reduction.record_values` (``loss``/``grad_norm`` as
+    ``symptom/loss``/``symptom/grad_norm``); for a step logged twice (a resume without truncation) the last value
+    wins."""
     table: dict[str, dict[int, float]] = {}
     for rec in records:
         step = rec.get("step")
         if not isinstance(step, int):
             continue
-        metrics = rec.get("metrics") or {}
-        items = list(metrics.items())
-        for key in ("loss", "grad_norm"):
-            if f"symptom/{key}" not in metrics and rec.get(key) is not None:
-                items.append((f"symptom/{key}", rec[key]))
-        for name, v in items:
-            if v is None:
-                continue
-            try:
-                table.setdefault(name, {})[step] = float(v)
-            except (TypeError, ValueError):
-                continue
+        for name, v in record_values(rec).items():
+            table.setdefault(name, {})[step] = v
     out = {}
     for name, by_step in table.items():
         steps = sorted(by_step)

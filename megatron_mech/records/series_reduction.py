@@ -36,7 +36,7 @@ from megatron_mech.core.detect import FAMILIES, Alert, Detector, DetectorRegistr
 from megatron_mech.records.sinks import record_alerts
 
 __all__ = ["MAX_BUCKETS", "EXACT_RECENT_RECORDS", "MAX_ALERTS_PER_FAMILY", "StepBuckets", "Baseline", "LossSummary",
-           "RunReduction", "reduce_records", "derived_min_name"]
+           "RunReduction", "reduce_records", "record_values", "derived_min_name"]
 
 #: Buckets per series: with at most 4 finite points each, a few thousand points, about three per pixel column of
 #: the report's plot.
@@ -194,7 +194,7 @@ class LossSummary:
                 self.first_nonfinite = step
 
 
-def _record_values(rec: Mapping[str, Any]) -> dict[str, float]:
+def record_values(rec: Mapping[str, Any]) -> dict[str, float]:
     """The series values of one record: its metrics, and the top-level ``loss``/``grad_norm`` as
     ``symptom/loss``/``symptom/grad_norm`` unless the metrics carry those names. None (not measured) and values
     that are not numbers are left out."""
@@ -274,7 +274,7 @@ class RunReduction:
         if rec.get("metrics"):
             self.interval = math.gcd(self.interval, step)
         self._all_steps_gcd = math.gcd(self._all_steps_gcd, step)
-        values = _record_values(rec)
+        values = record_values(rec)
         held = self._recent.get(step)
         if held is not None:
             self.n_repeated += 1
