@@ -191,6 +191,24 @@ def test_a_repeated_step_takes_its_last_value():
     assert reduction.loss.min_finite == 1.0 and reduction.loss.final == (1200, 2.0)
 
 
+def test_a_rewind_past_the_exact_window_keeps_both_values_as_documented():
+    """With 10 steps held exactly, a rewind of 30 steps cannot replace the folded values: both stay in the series
+    (each step its own bucket here, holding the earlier and the later value as its min and max, the later as its
+    last), the loss minimum includes both, and the steps count as repeated (they are below the largest folded)."""
+    from megatron_mech.records.series_reduction import reduce_records
+
+    first = [make_record(s, {"loss": 1.0}, {"m": 1.0}) for s in range(1, 101)]
+    second = [make_record(s, {"loss": 2.0}, {"m": 2.0}) for s in range(71, 121)]
+    reduction = reduce_records(first + second, exact_recent=10)
+    assert reduction.n_steps == 120 and reduction.n_repeated == 30
+    by_bucket = {lo: (mn, mx) for lo, _, mn, mx in reduction.series["m"].buckets()}
+    assert all(by_bucket[s] == (1.0, 2.0) for s in range(71, 101))
+    assert all(by_bucket[s] == (1.0, 1.0) for s in range(1, 71)) and by_bucket[110] == (2.0, 2.0)
+    steps, values = reduction.series["m"].points()
+    assert dict(zip(steps, values))[80] == 2.0  # the bucket's last value is the later one
+    assert reduction.loss.min_finite == 1.0 and reduction.loss.final == (120, 2.0)
+
+
 def test_memory_is_bounded_by_the_buckets_not_the_lines(tmp_path):
     """200k small records (and an alert in every one): each series keeps at most MAX_BUCKETS buckets, the exact
     window at most EXACT_RECENT_RECORDS steps, the alerts at most MAX_ALERTS_PER_FAMILY, and the counts stay exact.
@@ -210,7 +228,7 @@ def test_memory_is_bounded_by_the_buckets_not_the_lines(tmp_path):
     peak_recent = 0
     for rec in iter_jsonl(path):
         reduction.add(rec)
-        peak_recent = max(peak_recent, len(reduction._recent))
+        peak_recent = max(peak_recent, reduction.held_steps)
     reduction.finish()
     assert peak_recent <= EXACT_RECENT_RECORDS
     assert set(reduction.series) == {"a", "b", "symptom/loss"}

@@ -18,8 +18,9 @@ summarises, computed while the log streams past, in memory that does not grow wi
 logged again while held replaces the earlier values of the series it carries — the last value of a step wins, as
 when the whole log was read at once. A resume rewinds to its checkpoint, normally far fewer evaluations back. A
 step logged again after it was folded (a rewind further back than that) cannot replace the folded value: both
-values stay in its bucket (the plot shows both, the loss minimum and non-finite count include both) and the step
-counts as repeated when it is at or below the largest step folded so far.
+values enter its bucket's minimum and maximum (the later one is the bucket's last value when the step is the
+bucket's largest), the loss minimum and non-finite count include both, and the step counts as repeated when it is
+at or below the largest step folded so far.
 
 **Alerts** are all kept (de-duplicated on (metric, step), the last record wins) up to
 :data:`MAX_ALERTS_PER_FAMILY` per family, the earliest logged; beyond that they are only counted
@@ -366,6 +367,11 @@ class RunReduction:
     def alerts(self) -> list[Alert]:
         """The kept alerts, sorted by step (then family, metric)."""
         return sorted(self._alerts.values(), key=lambda a: (a.step, FAMILIES.index(a.family), a.metric))
+
+    @property
+    def held_steps(self) -> int:
+        """Steps held exactly, not yet folded (at most ``exact_recent``)."""
+        return len(self._recent)
 
     @property
     def names(self) -> list[str]:
