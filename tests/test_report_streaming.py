@@ -329,7 +329,7 @@ def test_plot_shows_levels_bands_and_the_warm_up_of_a_real_run(tmp_path):
         span = guides(ax)["warmup"]
         assert span_x(span) == (0, derived)
     labels = [t.get_text() for leg in fig.legends for t in leg.get_texts()]
-    assert any(f"armed from step {derived}; default rules" in t for t in labels), labels
+    assert any(f"armed from step {derived} (default rules" in t for t in labels), labels
 
     # with the run's summary.json next to the log, its armed-from step is used and named
     (run / "summary.json").write_text(json.dumps({"detectors": {"armed_from_step": 400, "last_step": 2000}}))

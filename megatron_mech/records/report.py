@@ -400,7 +400,7 @@ def _figure_legends(fig, axes, alerts: Sequence[Alert], counts: Mapping[str, int
     if arming is not None:
         fam_handles.append(Patch(color="0.6", alpha=0.3, label=arming.label))
     if fam_handles:
-        fig.legend(handles=fam_handles, loc="outside lower center", ncols=len(fam_handles), fontsize=9,
+        fig.legend(handles=fam_handles, loc="outside lower center", ncols=min(len(fam_handles), 3), fontsize=9,
                    frameon=False)
     if not layers:
         return

@@ -44,7 +44,7 @@ class Arming:
 
     @property
     def label(self) -> str:
-        return f"detector warm-up (armed from step {self.step}; {self.source})"
+        return f"detector warm-up: armed from step {self.step} ({self.source})"
 
 
 def resolve_arming(jsonl: Path | None, reduction: RunReduction) -> Arming | None:
@@ -71,8 +71,7 @@ def resolve_arming(jsonl: Path | None, reduction: RunReduction) -> Arming | None
         return None
     config, evaluations = reduction.registry.earliest_alert()
     return Arming(evaluations * reduction.interval,
-                  f"default rules: {config.warmup} warm-up + {config.baseline} baseline + {config.persistence} "
-                  f"persistence evaluations × interval {reduction.interval}")
+                  f"default rules: {evaluations} evaluations × interval {reduction.interval}")
 
 
 def panel_levels(names: Iterable[str], registry: DetectorRegistry) -> list[tuple[float, str]]:
