@@ -23,11 +23,9 @@ import json
 import logging
 import os
 import random
-import resource
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]

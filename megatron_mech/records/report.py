@@ -307,8 +307,8 @@ def _draw_guides(ax, panel: _Panel, reduction: RunReduction, alerts: Sequence[Al
         color = colors.get(layer_of(baseline.metric), "0.4")
         ax.fill_between([baseline.frozen_step, last], [lo, lo], [hi, hi], color=color, alpha=0.13, lw=0,
                         zorder=1, gid=f"band:{baseline.metric}")
-        handles.append(Patch(color=color, alpha=0.3,
-                             label=f"band {baseline.metric.split('/', 1)[-1]}: median ± {baseline.threshold:g}×scale"))
+        series = baseline.metric.split("/", 1)[-1]
+        handles.append(Patch(color=color, alpha=0.3, label=f"band {series}: median ± {baseline.threshold:g}×scale"))
         ylo = min(ylo, lo) if baseline.direction != "up" else ylo
         yhi = max(yhi, hi) if baseline.direction != "down" else yhi
     for level, pattern in panel_levels(panel.names, reduction.registry):
