@@ -525,8 +525,8 @@ def summarize_run(records: Iterable[Mapping[str, Any]] | RunReduction, title: st
     counts = reduction.alert_counts
     lines.append(f"- **Alerts:** {reduction.n_alerts} (" + ", ".join(f"{f} {counts[f]}" for f in FAMILIES) + ")")
     if len(alerts) < reduction.n_alerts:
-        lines.append(f"- **Note:** alerts beyond the first {reduction.max_alerts_per_family} of a family are only "
-                     f"counted; {len(alerts)} are listed and drawn.")
+        lines.append(f"- **Alerts kept:** the first {reduction.max_alerts_per_family} of each family; the rest are "
+                     f"only counted ({len(alerts)} listed and drawn).")
     lines.append("")
 
     first = {}
