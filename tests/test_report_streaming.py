@@ -238,6 +238,11 @@ def test_memory_is_bounded_by_the_buckets_not_the_lines(tmp_path):
     assert len(reduction.alerts()) == MAX_ALERTS_PER_FAMILY and reduction.alert_counts["symptom"] == n
     assert reduction.n_steps == n and reduction.loss.n == n and reduction.loss.min_finite == 1.0
     assert reduction.series["b"].buckets()[0][2:] == (0.0, 4.0)
+    from megatron_mech.records.report import summarize_run
+
+    md = summarize_run(reduction)
+    assert f"**Alerts:** {n} (attention 0, router 0, symptom {n})" in md
+    assert f"the first {MAX_ALERTS_PER_FAMILY} of each family" in md and f"… and {n - 50} more" in md
 
 
 # ------------------------------------------------------------------------------------------------ plot guides

@@ -558,8 +558,8 @@ def summarize_run(records: Iterable[Mapping[str, Any]] | RunReduction, title: st
             detail = ", ".join(f"{k}={v}" for k, v in a.detail.items())
             lines.append(f"| {a.step} | {a.family} | `{a.metric}` | {_fmt(a.value)} | {_fmt(a.baseline)} | "
                          f"{_fmt(a.score)} | {detail} |")
-        if len(alerts) > limit:
-            lines.append(f"\n… and {len(alerts) - limit} more.")
+        if reduction.n_alerts > limit:
+            lines.append(f"\n… and {reduction.n_alerts - limit} more.")
     else:
         lines.append("No alerts fired.")
     lines.append("")
