@@ -739,12 +739,8 @@ class MechHook:
 
     def _earliest_rule(self) -> tuple:
         """The detector settings of the rule that can alert first on a baseline-relative change, and the number of
-        evaluations it needs before that alert (its warm-up + baseline + persistence)."""
-        # A detector scores nothing during its warm-up and baseline evaluations, and fires after `persistence`
-        # out-of-band ones; the earliest rule of all decides whether anything but a non-finite value can alert.
-        rules = [rule.config(self.registry.base_config) for rule in self.registry.rules]
-        first = min(rules, key=lambda c: c.warmup + c.baseline + c.persistence)
-        return first, first.warmup + first.baseline + first.persistence
+        evaluations it needs before that alert (:meth:`DetectorRegistry.earliest_alert`)."""
+        return self.registry.earliest_alert()
 
     @property
     def armed_from_step(self) -> int:

@@ -641,10 +641,23 @@ class DetectorRegistry:
         self._unmonitored: set[str] = set()
         self.alerts: list[Alert] = []
 
+    def rule_index(self, name: str) -> int | None:
+        """Index in :attr:`rules` of the rule that monitors the series ``name`` (the first that matches), or None."""
+        return next((i for i, r in enumerate(self.rules) if r.matches(name)), None)
+
+    def earliest_alert(self) -> tuple[DetectorConfig, int]:
+        """The settings of the rule that can alert first on a baseline-relative change, and the number of
+        evaluations it needs before that alert: its warm-up + baseline + persistence (a detector scores nothing
+        during its warm-up and baseline evaluations, and fires after ``persistence`` out-of-band ones). Before
+        that many evaluations only non-finite values alert."""
+        configs = [rule.config(self.base_config) for rule in self.rules]
+        first = min(configs, key=lambda c: c.warmup + c.baseline + c.persistence)
+        return first, first.warmup + first.baseline + first.persistence
+
     def _detector(self, name: str) -> Detector | None:
         det = self.detectors.get(name)
         if det is None and name not in self._unmonitored:
-            index = next((i for i, r in enumerate(self.rules) if r.matches(name)), None)
+            index = self.rule_index(name)
             if index is None:
                 self._unmonitored.add(name)
                 return None

@@ -1,6 +1,12 @@
 """Post-hoc report of a run from its JSONL log (``RUN_DIR/mech.jsonl``, written by
 :class:`~megatron_mech.records.sinks.JsonlSink`).
 
+The log is streamed (:func:`~megatron_mech.records.sinks.iter_jsonl`) into a bounded reduction
+(:func:`reduce_run`, :mod:`~megatron_mech.records.series_reduction`): memory grows with the number of series, not
+with the number of records. Each series is drawn from at most ``MAX_BUCKETS`` step buckets keeping their minimum,
+maximum, first and last points (exact while a series has no more steps than that); the summary's numbers are
+computed exactly while streaming.
+
 * :func:`plot_run` — one PNG, stacked panels on a shared step axis (only those with data): loss; grad norm (log
   scale when it spans more than a decade); attention ΔW spectral entropy per layer (Q solid, K dashed, other
   matrices dotted); Δ2 entropy, min over heads, per layer; router entropy mean, expert-load entropy and mean
@@ -9,11 +15,17 @@
   symptom; legend at the bottom) in every panel, with a triangle at its value in the panel that shows its series
   (a per-head Δ2 alert in the min-over-heads panel); the first alert of each family is labelled in the top
   panel. Non-finite values (NaN/inf) are marked with an ``x`` at the bottom of their panel. With more than 4
-  layers, the layers named by alerts are drawn bold and the others faded.
+  layers, the layers named by alerts are drawn bold and the others faded. The detector's view, from its default
+  rules (:mod:`~megatron_mech.records.report_guides`): a dash-dot line at a rule's absolute alert level (ΔW,
+  Δ2 panels); the baseline band, median ± threshold × scale of a series' frozen baseline from the step it froze,
+  for the alerting series of a panel (else for each series of a panel of at most four); the detectors' warm-up
+  shaded from step 0 to the armed-from step (the run's ``summary.json`` when present, else derived from the rules
+  and the log's interval; the legend says which).
 * :func:`summarize_run` — markdown: steps covered, final loss, alert counts, first alert per family with its
   attribution (:meth:`Alert.describe`) and its lead over the first symptom alert.
 * ``megatron-mech report RUN_DIR [--out PNG] [--metrics GLOB ...]`` (:func:`add_report_arguments` /
-  :func:`run_report`) writes both (``report.png`` and ``report.md`` next to the JSONL by default).
+  :func:`run_report`) writes both (``report.png`` and ``report.md`` next to the JSONL by default), from one pass
+  over the log.
 
 matplotlib is imported lazily and only through :class:`matplotlib.figure.Figure` (the Agg canvas, no pyplot and
 no display), so importing this module is cheap and the global backend of an interactive session is untouched.
@@ -30,11 +42,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from megatron_mech.core.detect import FAMILIES, Alert
-from megatron_mech.records.sinks import JSONL_NAME, read_jsonl, record_alerts
+from megatron_mech.core.detect import FAMILIES, Alert, layer_of
+from megatron_mech.records.report_guides import Arming, panel_bands, panel_levels, resolve_arming
+from megatron_mech.records.series_reduction import RunReduction, record_values, reduce_records
+from megatron_mech.records.sinks import JSONL_NAME, iter_jsonl, record_alerts
 
 __all__ = ["REPORT_PNG", "REPORT_MD", "FAMILY_COLORS", "resolve_jsonl", "run_name", "collect_series",
-           "collect_alerts", "build_figure", "plot_run", "summarize_run", "add_report_arguments",
+           "collect_alerts", "reduce_run", "build_figure", "plot_run", "summarize_run", "add_report_arguments",
            "missing_plot_package", "run_report"]
 
 REPORT_PNG = "report.png"
@@ -67,26 +81,18 @@ def run_name(jsonl: Path) -> str:
 
 
 def collect_series(records: Iterable[Mapping[str, Any]]) -> dict[str, Series]:
-    """``{metric name: (steps, values)}`` sorted by step. The top-level ``loss``/``grad_norm`` appear as
-    ``symptom/loss``/``symptom/grad_norm`` unless the metrics carry those names. None (not measured) is skipped;
-    for a step logged twice (a resume without truncation) the last value wins."""
+    """Every value of every series, ``{metric name: (steps, values)}`` sorted by step, held in memory (the report
+    itself draws from the bounded :func:`reduce_run`). The series of a record are
+    :func:`~megatron_mech.records.series_reduction.record_values` (``loss``/``grad_norm`` as
+    ``symptom/loss``/``symptom/grad_norm``); for a step logged twice (a resume without truncation) the last value
+    wins."""
     table: dict[str, dict[int, float]] = {}
     for rec in records:
         step = rec.get("step")
         if not isinstance(step, int):
             continue
-        metrics = rec.get("metrics") or {}
-        items = list(metrics.items())
-        for key in ("loss", "grad_norm"):
-            if f"symptom/{key}" not in metrics and rec.get(key) is not None:
-                items.append((f"symptom/{key}", rec[key]))
-        for name, v in items:
-            if v is None:
-                continue
-            try:
-                table.setdefault(name, {})[step] = float(v)
-            except (TypeError, ValueError):
-                continue
+        for name, v in record_values(rec).items():
+            table.setdefault(name, {})[step] = v
     out = {}
     for name, by_step in table.items():
         steps = sorted(by_step)
@@ -134,16 +140,6 @@ class _Panel:
     style_legend: list[tuple[str, str]] = field(default_factory=list)  # (line style, label) panel legend
 
 
-def _min_over_heads(heads: list[Series]) -> Series:
-    by_step: dict[int, list[float]] = {}
-    for steps, values in heads:
-        for s, v in zip(steps, values):
-            by_step.setdefault(s, []).append(v)
-    steps = sorted(by_step)
-    # A NaN head makes the minimum NaN (it is a fault sign, not something to hide).
-    return steps, [math.nan if any(math.isnan(v) for v in by_step[s]) else min(by_step[s]) for s in steps]
-
-
 def _layer_panel(key: str, ylabel: str, series: Mapping[str, Series], pattern: re.Pattern,
                  keep: Callable[[str], bool]) -> _Panel:
     panel = _Panel(key, ylabel)
@@ -159,9 +155,39 @@ def _natural(name: str) -> list:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
-def _build_panels(series: Mapping[str, Series], metrics: Sequence[str] | None) -> list[_Panel]:
+def _keeper(metrics: Sequence[str] | None) -> Callable[[str], bool]:
     def keep(name: str) -> bool:
         return metrics is None or any(fnmatch.fnmatchcase(name, g) for g in metrics)
+    return keep
+
+
+_FIXED_PANELS = (re.compile(r"^symptom/(loss|grad_norm)$"), _DW, _D2_MIN, _router("entropy_mean"),
+                 _router("load_entropy"), _router("mean_cosine"))
+
+
+def _drawable(metrics: Sequence[str] | None) -> Callable[[str], bool]:
+    """Which series the plot may draw (the ones a reduction keeps buckets of): the fixed panels' series, or with
+    ``metrics`` globs the loss and whatever they select."""
+    if metrics is None:
+        return lambda name: any(p.match(name) for p in _FIXED_PANELS)
+    keep = _keeper(metrics)
+    return lambda name: name == "symptom/loss" or keep(name)
+
+
+def reduce_run(records: Iterable[Mapping[str, Any]], metrics: Sequence[str] | None = None) -> RunReduction:
+    """The bounded reduction (:class:`~megatron_mech.records.series_reduction.RunReduction`) the plot and the
+    summary are drawn from, of the series the plot may show with these ``metrics`` globs; ``records`` may be a
+    stream (:func:`~megatron_mech.records.sinks.iter_jsonl`), consumed once."""
+    return reduce_records(records, _drawable(metrics), min_over_heads=_keeper(metrics))
+
+
+def _reduction(records: Iterable[Mapping[str, Any]] | RunReduction, metrics: Sequence[str] | None) -> RunReduction:
+    return records if isinstance(records, RunReduction) else reduce_run(records, metrics)
+
+
+def _build_panels(reduction: RunReduction, metrics: Sequence[str] | None) -> list[_Panel]:
+    keep = _keeper(metrics)
+    series = {name: buckets.points() for name, buckets in reduction.series.items()}
 
     panels: list[_Panel] = []
     if "symptom/loss" in series:  # always shown: the reference every lead time is measured against
@@ -193,19 +219,19 @@ def _build_panels(series: Mapping[str, Series], metrics: Sequence[str] | None) -
 
     # Δ2 entropy, min over heads: the logged _min series, else computed from the per-head series.
     d2 = _Panel("attn_delta2", "Δ2 entropy\n(min over heads)")
-    heads: dict[int, list[tuple[str, Series]]] = {}
-    for name in series:
+    heads: dict[int, list[str]] = {}
+    for name in reduction.names:
         if (m := _D2_HEAD.match(name)) and keep(name):
-            heads.setdefault(int(m.group(1)), []).append((name, series[name]))
+            heads.setdefault(int(m.group(1)), []).append(name)
     logged = {int(m.group(1)): n for n in series if (m := _D2_MIN.match(n)) and keep(n)}
-    for layer in sorted(set(logged) | set(heads)):
+    for layer in sorted(set(logged) | (set(heads) & set(reduction.derived_min))):
         if layer in logged:
             d2.lines.append(_Line(logged[layer], *series[logged[layer]], layer=layer))
             d2.names.add(logged[layer])
         else:
             d2.lines.append(_Line(f"attn/layer{layer}/delta2_entropy_min",
-                                  *_min_over_heads([s for _, s in heads[layer]]), layer=layer))
-        d2.names.update(n for n, _ in heads.get(layer, ()))
+                                  *reduction.derived_min[layer].points(), layer=layer))
+        d2.names.update(heads.get(layer, ()))
     panels.append(d2)
 
     panels.append(_layer_panel("router_entropy", "routing entropy\n(mean over tokens, nats)", series,
@@ -257,9 +283,52 @@ def _layer_colors(layers: Sequence[int]):
     return {layer: cmap(0.8 * i / max(n - 1, 1)) for i, layer in enumerate(layers)}
 
 
+GUIDE_COLOR = "#1f77b4"  # alert levels (blue: not a layer colour, not an alert family's)
+
+
+def _draw_guides(ax, panel: _Panel, reduction: RunReduction, alerts: Sequence[Alert], colors: Mapping[int, Any],
+                 arming: Arming | None) -> list:
+    """The detector's view in one panel (:mod:`~megatron_mech.records.report_guides`): the rules' alert levels,
+    the baseline bands, the warm-up span. Returns the panel-legend handles of the levels and bands."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    handles = []
+    # The y range is the series' own, widened to the edges that can alert (the bad side of a band, a level), not
+    # to the harmless side of a band (a grad-norm band would reach far below zero).
+    y0, y1 = ylo, yhi = ax.get_ylim()
+    if arming is not None:
+        ax.axvspan(0, arming.step, color="0.6", alpha=0.15, lw=0, zorder=0.2, gid="warmup")
+    last = reduction.last_step
+    for baseline in panel_bands(panel.names, [ln.name for ln in panel.lines], alerts, reduction):
+        if last is None or last < baseline.frozen_step:
+            continue
+        lo, hi = baseline.band
+        color = colors.get(layer_of(baseline.metric), "0.4")
+        ax.fill_between([baseline.frozen_step, last], [lo, lo], [hi, hi], color=color, alpha=0.13, lw=0,
+                        zorder=1, gid=f"band:{baseline.metric}")
+        series = baseline.metric.split("/", 1)[-1]
+        handles.append(Patch(color=color, alpha=0.3, label=f"band {series}: median ± {baseline.threshold:g}×scale"))
+        ylo = min(ylo, lo) if baseline.direction != "up" else ylo
+        yhi = max(yhi, hi) if baseline.direction != "down" else yhi
+    for level, pattern in panel_levels(panel.names, reduction.registry):
+        style = dict(color=GUIDE_COLOR, ls=(0, (4, 2, 1, 2)), lw=1.1)
+        ax.axhline(level, zorder=1.5, gid=f"level:{pattern}", **style)
+        # a legend proxy: the panel's own labelled lines are its series
+        handles.append(Line2D([], [], label=f"alert level {level:g} ({pattern.split('/')[-1]})", **style))
+        ylo, yhi = min(ylo, level), max(yhi, level)
+    if ax.get_yscale() == "log":
+        ax.set_ylim(ylo if 0 < ylo < y0 else y0, max(yhi, y1))
+    else:
+        pad = 0.03 * (yhi - ylo)  # the margin matplotlib would leave
+        ax.set_ylim(ylo - pad if ylo < y0 else y0, yhi + pad if yhi > y1 else y1)
+    return handles
+
+
 def _draw_panel(ax, panel: _Panel, colors: Mapping[int, Any], alerts: Sequence[Alert], highlight: bool,
-                alerted_layers: set) -> None:
-    """One panel: its series (NaN/inf as gaps, inf marked), the alert lines and markers, its legend."""
+                alerted_layers: set, draw_guides: Callable[[], list]) -> None:
+    """One panel: its series (NaN/inf as gaps, inf marked), the detector's guides (``draw_guides()``, after the
+    series so the y range is theirs), the alert lines and markers, its legend."""
     from matplotlib.lines import Line2D
 
     ax.set_ylabel(panel.ylabel, fontsize=9)
@@ -283,6 +352,7 @@ def _draw_panel(ax, panel: _Panel, colors: Mapping[int, Any], alerts: Sequence[A
                     transform=ax.get_xaxis_transform(), clip_on=False)
     if panel.logy:
         ax.set_yscale("log")
+    guides = draw_guides()
     for a in alerts:
         ax.axvline(a.step, color=FAMILY_COLORS[a.family], ls=_FAMILY_STYLE[a.family], lw=1.1, alpha=0.75,
                    zorder=0.5)
@@ -292,6 +362,7 @@ def _draw_panel(ax, panel: _Panel, colors: Mapping[int, Any], alerts: Sequence[A
     handles = []
     if labelled:
         handles += ax.get_legend_handles_labels()[0]
+    handles += guides
     for style, label in panel.style_legend:
         handles.append(Line2D([], [], color="0.3", ls=style, label=label))
     if handles:
@@ -313,18 +384,23 @@ def _annotate_first_alerts(top, alerts: Sequence[Alert]) -> None:
                      bbox=dict(boxstyle="round,pad=0.2", fc="white", ec=FAMILY_COLORS[fam], lw=0.6, alpha=0.85))
 
 
-def _figure_legends(fig, axes, alerts: Sequence[Alert], layers: Sequence[int], colors: Mapping[int, Any]) -> None:
-    """Alert families (bottom) and layers (right; the same colour in every panel; a colour bar when many)."""
+def _figure_legends(fig, axes, alerts: Sequence[Alert], counts: Mapping[str, int], layers: Sequence[int],
+                    colors: Mapping[int, Any], arming: Arming | None) -> None:
+    """Alert families and the warm-up span (bottom) and layers (right; the same colour in every panel; a colour
+    bar when many)."""
     from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
     fam_handles = []
     for fam in FAMILIES:
         fa = [a for a in alerts if a.family == fam]
         if fa:
             fam_handles.append(Line2D([], [], color=FAMILY_COLORS[fam], ls=_FAMILY_STYLE[fam], lw=1.5,
-                                      label=f"{fam} alert ×{len(fa)} (first @ step {fa[0].step})"))
+                                      label=f"{fam} alert ×{counts[fam]} (first @ step {fa[0].step})"))
+    if arming is not None:
+        fam_handles.append(Patch(color="0.6", alpha=0.3, label=arming.label))
     if fam_handles:
-        fig.legend(handles=fam_handles, loc="outside lower center", ncols=len(fam_handles), fontsize=9,
+        fig.legend(handles=fam_handles, loc="outside lower center", ncols=min(len(fam_handles), 3), fontsize=9,
                    frameon=False)
     if not layers:
         return
@@ -344,20 +420,24 @@ def _figure_legends(fig, axes, alerts: Sequence[Alert], layers: Sequence[int], c
     cb.set_label("layer")
 
 
-def build_figure(records: Sequence[Mapping[str, Any]], metrics: Sequence[str] | None = None,
-                 title: str | None = None):
+def build_figure(records: Iterable[Mapping[str, Any]] | RunReduction, metrics: Sequence[str] | None = None,
+                 title: str | None = None, arming: Arming | None = None):
     """Build (do not save) the report figure. Returns ``(figure, panels)`` with ``panels`` an ordered dict
     ``{panel key: Axes}``; keys among ``loss``, ``grad_norm``, ``attn_dw``, ``attn_delta2``, ``router_entropy``,
     ``router_load``, ``router_cosine`` and, for ``metrics`` globs outside those, ``metric:<name template>``.
 
+    ``records``: the records (a list or a stream), or their :func:`reduce_run` made with the same ``metrics``.
     ``metrics``: fnmatch globs on metric names restricting what is drawn (the loss panel is always drawn).
-    Raises ValueError when there is nothing to draw.
+    ``arming``: the warm-up span to shade (default: derived from the default rules and the records' interval,
+    :func:`~megatron_mech.records.report_guides.resolve_arming`). Raises ValueError when there is nothing to draw.
     """
     from matplotlib.figure import Figure
 
-    series = collect_series(records)
-    alerts = collect_alerts(records)
-    panels = _build_panels(series, metrics)
+    reduction = _reduction(records, metrics)
+    if arming is None:
+        arming = resolve_arming(None, reduction)
+    alerts = reduction.alerts()
+    panels = _build_panels(reduction, metrics)
     if not panels:
         what = f" matching {list(metrics)}" if metrics is not None else ""
         raise ValueError(f"nothing to plot: the records hold no series{what}")
@@ -372,15 +452,15 @@ def build_figure(records: Sequence[Mapping[str, Any]], metrics: Sequence[str] | 
     out: dict[str, Any] = {}
     for ax, panel in zip(axes, panels):
         out[panel.key] = ax
-        _draw_panel(ax, panel, colors, alerts, highlight, alerted_layers)
+        _draw_panel(ax, panel, colors, alerts, highlight, alerted_layers,
+                    lambda: _draw_guides(ax, panel, reduction, alerts, colors, arming))
     _annotate_first_alerts(axes[0], alerts)
     axes[-1].set_xlabel("step")
-    _figure_legends(fig, axes, alerts, layers, colors)
+    _figure_legends(fig, axes, alerts, reduction.alert_counts, layers, colors, arming)
 
-    steps = sorted({r["step"] for r in records if isinstance(r.get("step"), int)})
-    n_alerts = len(alerts)
-    sub = (f"steps {steps[0]}–{steps[-1]} · {len(steps)} logged steps · "
-           f"{n_alerts} alert{'s' if n_alerts != 1 else ''}") if steps else ""
+    n_alerts = reduction.n_alerts
+    sub = (f"steps {reduction.first_step}–{reduction.last_step} · {reduction.n_steps} logged steps · "
+           f"{n_alerts} alert{'s' if n_alerts != 1 else ''}") if reduction.n_steps else ""
     fig.suptitle(f"{title or 'megatron-mech run'}\n{sub}", fontsize=12)
     return fig, out
 
@@ -395,14 +475,15 @@ def plot_run(run_dir_or_jsonl: str | Path, out_png: str | Path | None = None,
         metrics: fnmatch globs restricting the drawn series (loss always drawn), e.g. ``["router/*"]``.
     """
     jsonl = resolve_jsonl(run_dir_or_jsonl)
-    return _save_plot(jsonl, read_jsonl(jsonl), out_png, metrics)
+    return _save_plot(jsonl, reduce_run(iter_jsonl(jsonl), metrics), out_png, metrics)
 
 
-def _save_plot(jsonl: Path, records: Sequence[Mapping[str, Any]], out_png: str | Path | None,
+def _save_plot(jsonl: Path, reduction: RunReduction, out_png: str | Path | None,
                metrics: Sequence[str] | None) -> Path:
-    if not records:
+    if not reduction.n_records:
         raise ValueError(f"{jsonl} holds no records (empty log, or the run has not logged yet)")
-    fig, _ = build_figure(records, metrics=metrics, title=run_name(jsonl))
+    fig, _ = build_figure(reduction, metrics=metrics, title=run_name(jsonl),
+                          arming=resolve_arming(jsonl, reduction))
     out = Path(out_png) if out_png is not None else jsonl.with_name(REPORT_PNG)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
@@ -414,37 +495,38 @@ def _fmt(x: float | None) -> str:
     return "n/a" if x is None else (f"{x:.4g}" if math.isfinite(x) else str(x))
 
 
-def summarize_run(records: Sequence[Mapping[str, Any]], title: str | None = None) -> str:
+def summarize_run(records: Iterable[Mapping[str, Any]] | RunReduction, title: str | None = None) -> str:
     """Markdown summary: steps covered, final loss, alert counts per family, the first alert of each family
-    with its attribution and its lead over the first symptom alert, then the alert list."""
-    steps = [r["step"] for r in records if isinstance(r.get("step"), int)]
-    uniq = sorted(set(steps))
-    series = collect_series(records)
-    alerts = collect_alerts(records)
+    with its attribution and its lead over the first symptom alert, then the alert list. ``records``: the
+    records (a list or a stream) or their :func:`reduce_run`; the numbers are exact (see
+    :mod:`~megatron_mech.records.series_reduction` for a resume that rewinds further than it holds exactly)."""
+    reduction = _reduction(records, None)
+    alerts = reduction.alerts()
     lines = [f"# megatron-mech report: {title}" if title else "# megatron-mech report", ""]
-    if not uniq:
+    if not reduction.n_steps:
         return "\n".join(lines + ["No records.", ""])
-    lines.append(f"- **Steps covered:** {uniq[0]} – {uniq[-1]} ({len(uniq)} logged steps)")
-    if len(steps) != len(uniq):
-        lines.append(f"- **Note:** {len(steps) - len(uniq)} step(s) logged more than once (a resume without "
+    lines.append(f"- **Steps covered:** {reduction.first_step} – {reduction.last_step} "
+                 f"({reduction.n_steps} logged steps)")
+    if reduction.n_repeated:
+        lines.append(f"- **Note:** {reduction.n_repeated} step(s) logged more than once (a resume without "
                      "`truncate_after_step`?); the last record of each step is used.")
-    loss = series.get("symptom/loss")
-    if loss:
-        finite = [v for v in loss[1] if math.isfinite(v)]
-        last_ok = "" if math.isfinite(loss[1][-1]) or not finite else next(
-            f"; last finite {_fmt(v)} at step {s}" for s, v in zip(reversed(loss[0]), reversed(loss[1]))
-            if math.isfinite(v))
-        lines.append(f"- **Final loss:** {_fmt(loss[1][-1])} (step {loss[0][-1]}{last_ok})")
-        n_bad = len(loss[1]) - len(finite)
-        if finite:
-            lines.append(f"- **Loss range:** first {_fmt(loss[1][0])}, min {_fmt(min(finite))}")
-        if n_bad:
-            first_bad = next(s for s, v in zip(*loss) if not math.isfinite(v))
-            lines.append(f"- **Non-finite loss** at {n_bad} step(s), first at step {first_bad}")
+    loss = reduction.loss
+    if loss is not None:
+        (final_step, final), last_finite = loss.final, loss.last_finite
+        last_ok = "" if math.isfinite(final) or last_finite is None else (
+            f"; last finite {_fmt(last_finite[1])} at step {last_finite[0]}")
+        lines.append(f"- **Final loss:** {_fmt(final)} (step {final_step}{last_ok})")
+        if loss.min_finite is not None:
+            lines.append(f"- **Loss range:** first {_fmt(loss.first[1])}, min {_fmt(loss.min_finite)}")
+        if loss.n_nonfinite:
+            lines.append(f"- **Non-finite loss** at {loss.n_nonfinite} step(s), first at step {loss.first_nonfinite}")
     else:
         lines.append("- **Final loss:** not logged")
-    counts = {f: sum(a.family == f for a in alerts) for f in FAMILIES}
-    lines.append(f"- **Alerts:** {len(alerts)} (" + ", ".join(f"{f} {counts[f]}" for f in FAMILIES) + ")")
+    counts = reduction.alert_counts
+    lines.append(f"- **Alerts:** {reduction.n_alerts} (" + ", ".join(f"{f} {counts[f]}" for f in FAMILIES) + ")")
+    if len(alerts) < reduction.n_alerts:
+        lines.append(f"- **Alerts kept:** the first {reduction.max_alerts_per_family} of each family; the rest are "
+                     f"only counted ({len(alerts)} listed and drawn).")
     lines.append("")
 
     first = {}
@@ -476,8 +558,8 @@ def summarize_run(records: Sequence[Mapping[str, Any]], title: str | None = None
             detail = ", ".join(f"{k}={v}" for k, v in a.detail.items())
             lines.append(f"| {a.step} | {a.family} | `{a.metric}` | {_fmt(a.value)} | {_fmt(a.baseline)} | "
                          f"{_fmt(a.score)} | {detail} |")
-        if len(alerts) > limit:
-            lines.append(f"\n… and {len(alerts) - limit} more.")
+        if reduction.n_alerts > limit:
+            lines.append(f"\n… and {reduction.n_alerts - limit} more.")
     else:
         lines.append("No alerts fired.")
     lines.append("")
@@ -519,15 +601,16 @@ def run_report(args: argparse.Namespace) -> int:
         return 2
     try:
         jsonl = resolve_jsonl(args.run_dir)
-        records = read_jsonl(jsonl, first_lines=REFUSE_AFTER_LINES)
+        metrics = getattr(args, "metrics", None)
+        reduction = reduce_run(iter_jsonl(jsonl, first_lines=REFUSE_AFTER_LINES), metrics)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out_png = getattr(args, "out", None) or (Path(out_dir) / REPORT_PNG if out_dir else None)
     md_path = Path(out_dir) / REPORT_MD if out_dir else jsonl.with_name(REPORT_MD)
     try:
-        png = _save_plot(jsonl, records, out_png, getattr(args, "metrics", None))
-        md = summarize_run(records, title=run_name(jsonl))
+        png = _save_plot(jsonl, reduction, out_png, metrics)
+        md = summarize_run(reduction, title=run_name(jsonl))
         try:
             rel = png.resolve().relative_to(md_path.resolve().parent)
         except ValueError:

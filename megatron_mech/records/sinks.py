@@ -43,14 +43,15 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 from megatron_mech.core.detect import Alert
 from megatron_mech.records.run_directory import open_no_follow, refuse_symlink, steps_text
 from megatron_mech.records.writer_level import WriterLevel
 
-__all__ = ["JSONL_NAME", "RESERVED_KEYS", "make_record", "encode_record", "decode_record", "record_alerts",
-           "record_scalars", "read_alerts", "read_jsonl", "truncate_jsonl", "Sink", "JsonlSink", "TensorBoardSink", "WandbSink",
+__all__ = ["JSONL_NAME", "RESERVED_KEYS", "MAX_LINE_BYTES", "make_record", "encode_record", "decode_record",
+           "record_alerts", "record_scalars", "read_alerts", "read_jsonl", "iter_jsonl", "truncate_jsonl", "Sink",
+           "JsonlSink", "TensorBoardSink", "WandbSink",
            "DeepSpeedMonitorSink", "CallbackSink", "MultiSink", "default_sinks",
            "missing_sink_package", "alert_markers", "loss_and_alerts_layout"]
 
@@ -283,42 +284,85 @@ def _parse_line(raw: bytes) -> Any:
 MAX_LINE_WARNINGS = 10
 
 
+#: A line longer than this is not read (a log's lines are kilobytes): it is skipped like any unusable line, without
+#: holding it in memory, so one damaged or foreign giant line cannot exhaust the reader's memory.
+MAX_LINE_BYTES = 64 * 2**20
+
+
 def read_jsonl(path: str | os.PathLike, *, first_lines: int = 0) -> list[dict[str, Any]]:
-    """All records of a JSONL log, decoded (non-finite strings back to floats).
+    """All records of a JSONL log, decoded (non-finite strings back to floats): :func:`iter_jsonl` as a list (same
+    per-line checks, warnings and ``first_lines`` refusal)."""
+    return list(iter_jsonl(path, first_lines=first_lines))
+
+
+def _nonblank_lines(f, max_line_bytes: int):
+    """``(index, bytes or None)`` for each non-blank line of the binary file ``f`` (index counted over all lines,
+    blank ones included); None for a line longer than ``max_line_bytes``, which is skipped unread."""
+    i = -1
+    while True:
+        raw = f.readline(max_line_bytes + 1)
+        if not raw:
+            return
+        i += 1
+        if len(raw) > max_line_bytes:
+            while raw and not raw.endswith(b"\n"):  # drop the rest of the line in bounded chunks
+                raw = f.readline(1 << 20)
+            yield i, None
+        elif raw.strip():
+            yield i, raw[:-1] if raw.endswith(b"\n") else raw
+
+
+def iter_jsonl(path: str | os.PathLike, *, first_lines: int = 0,
+               max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[dict[str, Any]]:
+    """The records of a JSONL log one by one, decoded (non-finite strings back to floats), reading the file line by
+    line: memory does not grow with the file (one line, and the first :data:`MAX_LINE_WARNINGS` problems, at a time).
 
     A line that cannot be used — truncated (normally the last one, left by a crash mid-write), not UTF-8, not
-    JSON, nested too deep to parse, holding a number beyond the largest double, or not a record (``step`` not an
-    int, ``metrics`` not an object, an alert without its fields or with a step that is not a finite integer) —
-    is skipped with a :class:`RuntimeWarning` naming the file and line; blank lines are ignored. After
-    :data:`MAX_LINE_WARNINGS` such warnings, one more counts the lines skipped without one.
+    JSON, nested too deep to parse, holding a number beyond the largest double, not a record (``step`` not an
+    int, ``metrics`` not an object, an alert without its fields or with a step that is not a finite integer), or
+    longer than ``max_line_bytes`` (:data:`MAX_LINE_BYTES`, not read) — is skipped with a :class:`RuntimeWarning`
+    naming the file and line; blank lines are ignored. After :data:`MAX_LINE_WARNINGS` such warnings, one more
+    counts the lines skipped without one. The warnings come once the file has been read through (only then is the
+    last line known).
 
     ``first_lines``: when > 0, a file none of whose first ``first_lines`` non-blank lines is a record, or that holds
-    no record and more than a truncated last line, raises ``ValueError`` naming it, before any warning: it is not
-    a log (a text or binary file given by mistake), while a log damaged further on keeps its good records.
+    no record and more than a truncated last line, raises ``ValueError`` naming it, before any warning and before
+    any record is yielded: it is not a log (a text or binary file given by mistake), while a log damaged further on
+    keeps its good records.
     """
     path = Path(path)
-    lines = path.read_bytes().split(b"\n")
-    last = max((i for i, ln in enumerate(lines) if ln.strip()), default=-1)
-    records, problems = [], []
-    for i, raw in enumerate(lines):
-        if not raw.strip():
-            continue
-        try:
-            records.append(_line_record(raw))
-        except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-            problems.append((i, e))
-            if first_lines and not records and i != last and len(problems) == first_lines:
-                raise _not_a_log(path, problems, f"first {first_lines} lines") from None
-    if first_lines and not records and any(i != last for i, _ in problems):
-        raise _not_a_log(path, problems, f"{len(problems)} non-blank lines")
-    for i, e in problems[:MAX_LINE_WARNINGS]:
+    kept: list[tuple[int, Exception]] = []  # the problems warned about one by one
+    n_problems, last_problem, n_records = 0, -1, 0
+    last = -1  # index of the last non-blank line, known once the file is read through
+    with open(path, "rb") as f:
+        lines = _nonblank_lines(f, max_line_bytes)
+        ahead = next(lines, None)
+        while ahead is not None:
+            i, raw = ahead
+            ahead = next(lines, None)  # one line of look-ahead: whether this line is the last one
+            if ahead is None:
+                last = i
+            try:
+                if raw is None:
+                    raise ValueError(f"line longer than {max_line_bytes} bytes, not read")
+                record = _line_record(raw)
+            except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+                n_problems, last_problem = n_problems + 1, i
+                if len(kept) < MAX_LINE_WARNINGS + 1:  # +1: where the unwarned ones start
+                    kept.append((i, e))
+                if first_lines and not n_records and ahead is not None and n_problems == first_lines:
+                    raise _not_a_log(path, kept, f"first {first_lines} lines") from None
+                continue
+            n_records += 1
+            yield record
+    if first_lines and not n_records and n_problems and (n_problems > 1 or last_problem != last):
+        raise _not_a_log(path, kept, f"{n_problems} non-blank lines")
+    for i, e in kept[:MAX_LINE_WARNINGS]:
         where = "truncated last line (crash mid-write?)" if i == last else "corrupt line"
         warnings.warn(f"{path}:{i + 1}: skipping {where}: {e}", RuntimeWarning, stacklevel=2)
-    if len(problems) > MAX_LINE_WARNINGS:
-        warnings.warn(f"{path}: {len(problems) - MAX_LINE_WARNINGS} more lines were not JSON records (skipped, "
-                      f"lines {problems[MAX_LINE_WARNINGS][0] + 1}–{problems[-1][0] + 1})", RuntimeWarning,
-                      stacklevel=2)
-    return records
+    if n_problems > MAX_LINE_WARNINGS:
+        warnings.warn(f"{path}: {n_problems - MAX_LINE_WARNINGS} more lines were not JSON records (skipped, "
+                      f"lines {kept[MAX_LINE_WARNINGS][0] + 1}–{last_problem + 1})", RuntimeWarning, stacklevel=2)
 
 
 def _not_a_log(path: Path, problems: list, which: str) -> ValueError:

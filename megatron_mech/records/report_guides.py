@@ -1,0 +1,100 @@
+"""The detector's view drawn on the report plot, so a reader sees how close a series is to alerting. Everything
+comes from the detector rules in :mod:`megatron_mech.core.detect` (the default rules and settings), none of it
+is a number of its own:
+
+* **alert level** — a horizontal line at a rule's absolute ``level`` (e.g. 0.01 for the per-head Δ2 entropy, 0.02
+  for ΔW) in the panel showing that rule's series: an evaluation above it (for a falling series) cannot alert,
+  whatever its score (unless its layer collapsed; see the detector's module docstring).
+* **baseline band** — ``median ± threshold × scale`` of a series' frozen baseline (:class:`Baseline`, computed by
+  the series' own :class:`~megatron_mech.core.detect.Detector` from its first evaluations), from the step the
+  baseline froze to the end of the run: an evaluation outside the band on the rule's bad side scores at least
+  the threshold. Drawn for every alerting series of the panel, else for each series drawn when the panel has
+  at most :data:`BANDED_LINES` of them. Rules whose baseline tracks (routers) move their band as the run goes,
+  so theirs is not drawn.
+* **warm-up** — the span from step 0 to the step from which the detectors can alert (before it only non-finite
+  values alert): ``detectors.armed_from_step`` of the run's ``summary.json`` when it is next to the log, else the
+  earliest rule's warm-up + baseline + persistence evaluations times the log's evaluation interval; the legend
+  says which.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from megatron_mech.core.checks import is_int
+from megatron_mech.core.detect import Alert, DetectorRegistry
+from megatron_mech.records.run_directory import SUMMARY
+from megatron_mech.records.series_reduction import Baseline, RunReduction
+
+__all__ = ["BANDED_LINES", "Arming", "resolve_arming", "panel_levels", "panel_bands"]
+
+#: A panel with at most this many series gets the band of each (more would hide the lines); otherwise only the
+#: alerting series get theirs.
+BANDED_LINES = 4
+
+
+@dataclass(frozen=True)
+class Arming:
+    """From which step the detectors can alert, and where that number comes from (for the legend)."""
+
+    step: int
+    source: str
+
+    @property
+    def label(self) -> str:
+        return f"detector warm-up: armed from step {self.step} ({self.source})"
+
+
+def resolve_arming(jsonl: Path | None, reduction: RunReduction) -> Arming | None:
+    """The run's armed-from step: ``summary.json``'s ``detectors.armed_from_step`` next to ``jsonl`` when the file
+    has it, else derived from the default rules and ``reduction.interval`` (None when the log gives no interval).
+    A ``summary.json`` that is not a JSON object, or whose ``detectors.armed_from_step`` is not an int ≥ 0, is a
+    ``ValueError`` naming the file and the key."""
+    if jsonl is not None:
+        path = Path(jsonl).with_name(SUMMARY)
+        if path.is_file():
+            try:
+                summary = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as e:
+                raise ValueError(f"{path}: cannot read the run's summary ({e})") from None
+            if not isinstance(summary, dict):
+                raise ValueError(f"{path}: the run's summary is not a JSON object")
+            detectors = summary.get("detectors")
+            if detectors is not None:
+                step = detectors.get("armed_from_step") if isinstance(detectors, dict) else None
+                if not is_int(step) or step < 0:
+                    raise ValueError(f"{path}: 'detectors.armed_from_step' must be an int >= 0, got {step!r}")
+                return Arming(int(step), SUMMARY)
+    if not reduction.interval:
+        return None
+    config, evaluations = reduction.registry.earliest_alert()
+    return Arming(evaluations * reduction.interval,
+                  f"default rules: {evaluations} evaluations × interval {reduction.interval}")
+
+
+def panel_levels(names: Iterable[str], registry: DetectorRegistry) -> list[tuple[float, str]]:
+    """``[(level, rule pattern), ...]`` of the rules with an absolute level that monitor any of ``names``."""
+    out: dict[tuple[float, str], None] = {}
+    for name in sorted(names):
+        index = registry.rule_index(name)
+        if index is None:
+            continue
+        rule = registry.rules[index]
+        level = rule.config(registry.base_config).level
+        if level is not None:
+            out[(level, rule.pattern)] = None
+    return list(out)
+
+
+def panel_bands(names: Iterable[str], drawn: Sequence[str], alerts: Sequence[Alert],
+                reduction: RunReduction) -> list[Baseline]:
+    """The baselines whose bands a panel shows (module docstring): of its alerting series among ``names`` (every
+    series the panel stands for), else of the ``drawn`` series when they are at most :data:`BANDED_LINES`; frozen
+    baselines only."""
+    names = set(names)
+    alerting = sorted({a.metric for a in alerts} & names)
+    chosen = alerting if alerting else (list(drawn) if len(drawn) <= BANDED_LINES else [])
+    bands = [reduction.baselines[n] for n in chosen if n in reduction.baselines]
+    return [b for b in bands if not b.track]
