@@ -14,3 +14,4 @@ exclude_patterns = ["_build"]
 myst_enable_extensions = []
 html_theme = "alabaster"
 html_title = "megatron-mech"
+myst_heading_anchors = 3  # "page.md#a-heading" links, as GitHub renders them
