@@ -687,7 +687,10 @@ class WandbSink(_SinkBase):
         if alerts:
             data[f"{self.prefix}/alerts"] = _alerts_text(alerts)
         if data:
-            self.run.log(data, step=step)
+            # A row logged with step= is held until a later step is logged: on a run of its own the sink commits it
+            # at once, or the latest evaluation (and its alert markers) would reach the dashboard one interval late.
+            # A run shared with the trainer (Megatron logs several times per step) is left to the trainer's commits.
+            self.run.log(data, step=step, **({"commit": True} if self._owns else {}))
         if self.notify:
             for a in alerts:
                 self.run.alert(title=f"megatron-mech {a.family} alert: {a.metric}", text=a.describe())
