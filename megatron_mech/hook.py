@@ -66,7 +66,6 @@ user's own script with no logging set up), the hook adds one stderr handler
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import enum
 import json
 import logging
@@ -79,7 +78,7 @@ import torch
 
 from megatron_mech.config import DEFAULT_OUTPUT_DIR, MechConfig
 from megatron_mech.core.attribution import alert_lines
-from megatron_mech.core.detect import Alert, DetectorRegistry, default_rules
+from megatron_mech.core.detect import Alert, DetectorRegistry
 from megatron_mech.logs import ensure_visible
 from megatron_mech.model_view import ModelView
 
@@ -226,8 +225,7 @@ class MechHook:
         self.config = config
         self.train_steps = train_steps
         self.lr_warmup_steps = lr_warmup_steps
-        self.registry = DetectorRegistry(rules=[dataclasses.replace(rule, **config.detector.as_rule_fields())
-                                                for rule in default_rules()])
+        self.registry = DetectorRegistry.with_overrides(config.detector.as_rule_fields())
         self.extensions: List[Extension] = []
         """The registered :class:`Extension` objects, in registration order."""
         self.attention = None
@@ -757,7 +755,8 @@ class MechHook:
         note = (f"run ended at step {last}; detectors armed from step {armed_from}" if armed else
                 f"run ended at step {last}, before the detectors were armed (step {armed_from}): only non-finite "
                 f"values could alert")
-        return {"armed_from_step": armed_from, "last_step": last, "armed": armed, "note": note}
+        return {"armed_from_step": armed_from, "last_step": last, "armed": armed, "note": note,
+                "rule_overrides": self.config.detector.as_rule_fields()}  # the report rebuilds the rules from it
 
     def start_line(self) -> str:
         """The one line :meth:`setup` logs on the logging rank: what is monitored (from the model view), how

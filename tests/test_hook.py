@@ -356,7 +356,8 @@ def test_arming_of_a_run_that_reaches_the_armed_from_step():
     run = _Run(_config(interval=2))
     run.steps(1, 8)
     assert run.hook.arming() == {"armed_from_step": 8, "last_step": 8, "armed": True,
-                                 "note": "run ended at step 8; detectors armed from step 8"}
+                                 "note": "run ended at step 8; detectors armed from step 8",
+                                 "rule_overrides": {"warmup": 0, "baseline": 3, "persistence": 1}}
     run = _Run(_config(interval=2))
     run.steps(1, 6)
     assert run.hook.arming()["armed"] is False and "only non-finite values could alert" in run.hook.arming()["note"]

@@ -341,12 +341,54 @@ def test_plot_shows_levels_bands_and_the_warm_up_of_a_real_run(tmp_path):
     png = plot_run(run)
     assert png.is_file()
     from megatron_mech.records.report import reduce_run
-    from megatron_mech.records.report_guides import resolve_arming
+    from megatron_mech.records.report_guides import resolve_arming, run_settings
 
-    arming = resolve_arming(run / JSONL_NAME, reduce_run(read_jsonl(run / JSONL_NAME)))
+    arming = resolve_arming(run_settings(run / JSONL_NAME), reduce_run(read_jsonl(run / JSONL_NAME)))
     assert arming.step == 400 and "summary.json" in arming.label
     fig, panels = build_figure(read_jsonl(run / JSONL_NAME), arming=arming)
     assert span_x(guides(panels["loss"])["warmup"]) == (0, 400)
+
+
+def test_plot_uses_the_runs_own_detector_settings_from_its_summary(tmp_path):
+    """A run started with other detector settings (here warm-up 2, baseline 5, as short runs use) is drawn with
+    them: summary.json's ``detectors.rule_overrides`` rebuild its rules, so the band is the baseline of those
+    evaluations (computed here from the values) and not of the default ones, and it starts where that baseline
+    froze."""
+    from megatron_mech.records.report import build_figure, reduce_run
+    from megatron_mech.records.report_guides import resolve_arming, run_settings
+
+    records = corpus_records()[:120]
+    head = "attn/layer1/head2/delta2_entropy"
+    alert_rec = records[60]
+    alert_rec["alerts"] = [Alert(head, "attention", alert_rec["step"], alert_rec["metrics"][head], 0.3, 8.0,
+                                 {"layer": 1, "head": 2}).to_dict()]
+    run = tmp_path / "run"
+    write_log(run / JSONL_NAME, [make_record(r["step"], metrics=r["metrics"], alerts=r.get("alerts", ()))
+                                 for r in records])
+    overrides = {"warmup": 2, "baseline": 5}
+    (run / "summary.json").write_text(json.dumps({"detectors": {"armed_from_step": 40, "last_step": 600,
+                                                                "rule_overrides": overrides}}))
+    settings = run_settings(run / JSONL_NAME)
+    reduction = reduce_run(read_jsonl(run / JSONL_NAME), registry=settings.registry)
+    fig, panels = build_figure(reduction, arming=resolve_arming(settings, reduction))
+
+    values = [r["metrics"][head] for r in records if r["metrics"].get(head) is not None]
+    steps = [r["step"] for r in records if r["metrics"].get(head) is not None]
+    m, scale, n_eval = reference_baseline(values, {**rule_settings(head), **overrides})
+    default_m, _, _ = reference_baseline(values, rule_settings(head))
+    assert m != pytest.approx(default_m, rel=1e-3)  # the two settings give visibly different bands here
+    threshold = rule_settings(head)["threshold"]
+    xy = guides(panels["attn_delta2"])[f"band:{head}"].get_paths()[0].vertices
+    # float32-rounded path vertices: 1e-6 relative is far below a pixel
+    assert min(xy[:, 1]) == pytest.approx(m - threshold * scale, rel=1e-6, abs=1e-9)
+    assert max(xy[:, 1]) == pytest.approx(m + threshold * scale, rel=1e-6)
+    assert min(xy[:, 0]) == steps[n_eval - 1]
+    assert span_x(guides(panels["loss"])["warmup"]) == (0, 40)
+
+    (run / "summary.json").write_text(json.dumps({"detectors": {"armed_from_step": 40, "rule_overrides":
+                                                                {"warmpu": 2}}}))
+    with pytest.raises(ValueError, match=r"rule_overrides.*warmpu"):
+        run_settings(run / JSONL_NAME)
 
 
 def test_a_bad_summary_json_is_named_by_the_report(tmp_path, capsys):

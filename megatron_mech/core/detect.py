@@ -641,6 +641,18 @@ class DetectorRegistry:
         self._unmonitored: set[str] = set()
         self.alerts: list[Alert] = []
 
+    @classmethod
+    def with_overrides(cls, overrides: Mapping[str, Any] | None = None) -> "DetectorRegistry":
+        """The default rules with the same ``overrides`` (``{"warmup": 5, "baseline": 10, ...}``: rule fields,
+        e.g. a run's ``--mech-detector-*`` settings) applied to every rule: how a run builds its registry, and how
+        its report rebuilds it from ``summary.json``. An unknown field is a ``ValueError`` naming it."""
+        overrides = dict(overrides or {})
+        known = {f.name for f in dataclasses.fields(SeriesRule)} - {"pattern", "family"}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ValueError(f"unknown detector setting(s) {unknown}; expected some of {sorted(known)}")
+        return cls(rules=[dataclasses.replace(rule, **overrides) for rule in default_rules()])
+
     def rule_index(self, name: str) -> int | None:
         """Index in :attr:`rules` of the rule that monitors the series ``name`` (the first that matches), or None."""
         return next((i for i, r in enumerate(self.rules) if r.matches(name)), None)

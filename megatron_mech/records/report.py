@@ -42,8 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from megatron_mech.core.detect import FAMILIES, Alert, layer_of
-from megatron_mech.records.report_guides import Arming, panel_bands, panel_levels, resolve_arming
+from megatron_mech.core.detect import FAMILIES, Alert, DetectorRegistry, layer_of
+from megatron_mech.records.report_guides import (Arming, RunSettings, panel_bands, panel_levels, resolve_arming,
+                                                 run_settings)
 from megatron_mech.records.series_reduction import RunReduction, record_values, reduce_records
 from megatron_mech.records.sinks import JSONL_NAME, iter_jsonl, record_alerts
 
@@ -174,11 +175,14 @@ def _drawable(metrics: Sequence[str] | None) -> Callable[[str], bool]:
     return lambda name: name == "symptom/loss" or keep(name)
 
 
-def reduce_run(records: Iterable[Mapping[str, Any]], metrics: Sequence[str] | None = None) -> RunReduction:
+def reduce_run(records: Iterable[Mapping[str, Any]], metrics: Sequence[str] | None = None,
+               registry: DetectorRegistry | None = None) -> RunReduction:
     """The bounded reduction (:class:`~megatron_mech.records.series_reduction.RunReduction`) the plot and the
     summary are drawn from, of the series the plot may show with these ``metrics`` globs; ``records`` may be a
-    stream (:func:`~megatron_mech.records.sinks.iter_jsonl`), consumed once."""
-    return reduce_records(records, _drawable(metrics), min_over_heads=_keeper(metrics))
+    stream (:func:`~megatron_mech.records.sinks.iter_jsonl`), consumed once. ``registry``: the run's detector
+    rules, whose baselines the plot draws (default: the default rules; see
+    :func:`~megatron_mech.records.report_guides.run_settings`)."""
+    return reduce_records(records, _drawable(metrics), min_over_heads=_keeper(metrics), registry=registry)
 
 
 def _reduction(records: Iterable[Mapping[str, Any]] | RunReduction, metrics: Sequence[str] | None) -> RunReduction:
@@ -435,7 +439,7 @@ def build_figure(records: Iterable[Mapping[str, Any]] | RunReduction, metrics: S
 
     reduction = _reduction(records, metrics)
     if arming is None:
-        arming = resolve_arming(None, reduction)
+        arming = resolve_arming(run_settings(None), reduction)
     alerts = reduction.alerts()
     panels = _build_panels(reduction, metrics)
     if not panels:
@@ -475,15 +479,16 @@ def plot_run(run_dir_or_jsonl: str | Path, out_png: str | Path | None = None,
         metrics: fnmatch globs restricting the drawn series (loss always drawn), e.g. ``["router/*"]``.
     """
     jsonl = resolve_jsonl(run_dir_or_jsonl)
-    return _save_plot(jsonl, reduce_run(iter_jsonl(jsonl), metrics), out_png, metrics)
+    settings = run_settings(jsonl)
+    return _save_plot(jsonl, reduce_run(iter_jsonl(jsonl), metrics, settings.registry), settings, out_png, metrics)
 
 
-def _save_plot(jsonl: Path, reduction: RunReduction, out_png: str | Path | None,
+def _save_plot(jsonl: Path, reduction: RunReduction, settings: RunSettings, out_png: str | Path | None,
                metrics: Sequence[str] | None) -> Path:
     if not reduction.n_records:
         raise ValueError(f"{jsonl} holds no records (empty log, or the run has not logged yet)")
     fig, _ = build_figure(reduction, metrics=metrics, title=run_name(jsonl),
-                          arming=resolve_arming(jsonl, reduction))
+                          arming=resolve_arming(settings, reduction))
     out = Path(out_png) if out_png is not None else jsonl.with_name(REPORT_PNG)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
@@ -602,14 +607,15 @@ def run_report(args: argparse.Namespace) -> int:
     try:
         jsonl = resolve_jsonl(args.run_dir)
         metrics = getattr(args, "metrics", None)
-        reduction = reduce_run(iter_jsonl(jsonl, first_lines=REFUSE_AFTER_LINES), metrics)
+        settings = run_settings(jsonl)
+        reduction = reduce_run(iter_jsonl(jsonl, first_lines=REFUSE_AFTER_LINES), metrics, settings.registry)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out_png = getattr(args, "out", None) or (Path(out_dir) / REPORT_PNG if out_dir else None)
     md_path = Path(out_dir) / REPORT_MD if out_dir else jsonl.with_name(REPORT_MD)
     try:
-        png = _save_plot(jsonl, reduction, out_png, metrics)
+        png = _save_plot(jsonl, reduction, settings, out_png, metrics)
         md = summarize_run(reduction, title=run_name(jsonl))
         try:
             rel = png.resolve().relative_to(md_path.resolve().parent)

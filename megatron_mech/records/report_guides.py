@@ -1,6 +1,7 @@
 """The detector's view drawn on the report plot, so a reader sees how close a series is to alerting. Everything
-comes from the detector rules in :mod:`megatron_mech.core.detect` (the default rules and settings), none of it
-is a number of its own:
+comes from the detector rules in :mod:`megatron_mech.core.detect`, none of it is a number of its own. The rules
+are the run's own: the default rules with the run's detector settings (``detectors.rule_overrides`` of its
+``summary.json``, :func:`run_settings`), or the defaults while a run has no summary yet (the legend says which):
 
 * **alert level** — a horizontal line at a rule's absolute ``level`` (e.g. 0.01 for the per-head Δ2 entropy, 0.02
   for ΔW) in the panel showing that rule's series: an evaluation above it (for a falling series) cannot alert,
@@ -28,7 +29,7 @@ from megatron_mech.core.detect import Alert, DetectorRegistry
 from megatron_mech.records.run_directory import SUMMARY
 from megatron_mech.records.series_reduction import Baseline, RunReduction
 
-__all__ = ["BANDED_LINES", "Arming", "resolve_arming", "panel_levels", "panel_bands"]
+__all__ = ["BANDED_LINES", "Arming", "RunSettings", "run_settings", "resolve_arming", "panel_levels", "panel_bands"]
 
 #: A panel with at most this many series gets the band of each (more would hide the lines); otherwise only the
 #: alerting series get theirs.
@@ -47,31 +48,56 @@ class Arming:
         return f"detector warm-up: armed from step {self.step} ({self.source})"
 
 
-def resolve_arming(jsonl: Path | None, reduction: RunReduction) -> Arming | None:
-    """The run's armed-from step: ``summary.json``'s ``detectors.armed_from_step`` next to ``jsonl`` when the file
-    has it, else derived from the default rules and ``reduction.interval`` (None when the log gives no interval).
-    A ``summary.json`` that is not a JSON object, or whose ``detectors.armed_from_step`` is not an int ≥ 0, is a
-    ``ValueError`` naming the file and the key."""
-    if jsonl is not None:
-        path = Path(jsonl).with_name(SUMMARY)
-        if path.is_file():
-            try:
-                summary = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, ValueError) as e:
-                raise ValueError(f"{path}: cannot read the run's summary ({e})") from None
-            if not isinstance(summary, dict):
-                raise ValueError(f"{path}: the run's summary is not a JSON object")
-            detectors = summary.get("detectors")
-            if detectors is not None:
-                step = detectors.get("armed_from_step") if isinstance(detectors, dict) else None
-                if not is_int(step) or step < 0:
-                    raise ValueError(f"{path}: 'detectors.armed_from_step' must be an int >= 0, got {step!r}")
-                return Arming(int(step), SUMMARY)
+@dataclass(frozen=True)
+class RunSettings:
+    """What a run's ``summary.json`` says about its detectors: the registry of its rules (the defaults with its
+    settings applied) and its armed-from step; the defaults and None when there is no summary."""
+
+    registry: DetectorRegistry
+    armed_from_step: int | None
+    source: str
+
+
+def run_settings(jsonl: Path | None) -> RunSettings:
+    """The detector settings of the run whose log is ``jsonl``, from ``summary.json`` next to it when present
+    (``detectors.armed_from_step``, ``detectors.rule_overrides``). A summary that is not a JSON object, an
+    armed-from step that is not an int ≥ 0, or overrides that are not detector settings are a ``ValueError``
+    naming the file and the key."""
+    path = Path(jsonl).with_name(SUMMARY) if jsonl is not None else None
+    if path is None or not path.is_file():
+        return RunSettings(DetectorRegistry(), None, "default rules")
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: cannot read the run's summary ({e})") from None
+    if not isinstance(summary, dict):
+        raise ValueError(f"{path}: the run's summary is not a JSON object")
+    detectors = summary.get("detectors")
+    if detectors is None:
+        return RunSettings(DetectorRegistry(), None, "default rules")
+    step = detectors.get("armed_from_step") if isinstance(detectors, dict) else None
+    if not is_int(step) or step < 0:
+        raise ValueError(f"{path}: 'detectors.armed_from_step' must be an int >= 0, got {step!r}")
+    overrides = detectors.get("rule_overrides") or {}
+    try:
+        if not isinstance(overrides, dict):
+            raise ValueError(f"expected an object, got {type(overrides).__name__}")
+        registry = DetectorRegistry.with_overrides(overrides)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: 'detectors.rule_overrides': {e}") from None
+    return RunSettings(registry, int(step), SUMMARY)
+
+
+def resolve_arming(settings: RunSettings, reduction: RunReduction) -> Arming | None:
+    """The run's armed-from step: from its summary (``settings``) when it has one, else derived from the rules and
+    ``reduction.interval`` (None when the log gives no interval)."""
+    if settings.armed_from_step is not None:
+        return Arming(settings.armed_from_step, settings.source)
     if not reduction.interval:
         return None
     config, evaluations = reduction.registry.earliest_alert()
     return Arming(evaluations * reduction.interval,
-                  f"default rules: {evaluations} evaluations × interval {reduction.interval}")
+                  f"{settings.source}: {evaluations} evaluations × interval {reduction.interval}")
 
 
 def panel_levels(names: Iterable[str], registry: DetectorRegistry) -> list[tuple[float, str]]:
