@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from megatron_mech.studies.demo import demo_report, incumbents_line, load_demo_run
+from megatron_mech.studies.demo import demo_report, incumbents_line, load_demo_run, verdict
 
 STEPS, START = 200, 100
 RECORD_EVERY = 5
@@ -62,6 +62,25 @@ def test_attention_act_reports_the_logit_crossings_and_the_incumbents(tmp_path):
         "norm > 20 at 150; silent: Megatron spiky loss, OLMo loss spike, OLMo grad-norm spike — ours 10 steps "
         "before the first of them")
     assert "first attention alert: 110" in report
+    # the loss gap ends at 0.181 nats, under the 0.2 of a divergence; the first incumbent fires at 120
+    assert _line(report, "- attention-precision fault:").endswith(
+        "**early**: first monitor alert at 110, the loss did not diverge within the run, 10 steps before the first "
+        "incumbent alarm (max logit > 100 (QK-clip))")
+    assert report.startswith("# megatron-mech demo: injected faults, the monitors' alerts and the alarms you already")
+
+
+@pytest.mark.parametrize("ours, divergence, incumbent, expected", [
+    (110, 140, (120, "QK-clip"), "**early**: first monitor alert at 110, 30 steps before the loss diverged, 10 steps "
+                                 "before the first incumbent alarm (QK-clip)"),
+    # the demo on an unseen seed: the loss diverged at 299, OLMo's grad-norm spike fired at 285, ours at 305
+    (305, 299, (285, "OLMo grad-norm spike"), "**late**: first monitor alert at 305, 6 steps after the loss diverged, "
+                                              "20 steps after the first incumbent alarm (OLMo grad-norm spike)"),
+    (120, None, None, "**early**: first monitor alert at 120, the loss did not diverge within the run, no incumbent "
+                      "alarm fired"),
+    (None, 299, (285, "QK-clip"), "**missed**: no monitor alert; first incumbent alarm: QK-clip at 285"),
+])
+def test_the_verdict_is_computed_from_the_steps(ours, divergence, incumbent, expected):
+    assert verdict(ours, divergence, incumbent) == expected
 
 
 def test_an_explosion_cut_short_by_the_end_of_the_run_is_not_met(tmp_path):

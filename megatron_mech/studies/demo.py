@@ -138,6 +138,39 @@ def _fired_text(firings: dict) -> str:
     return "; ".join(parts)
 
 
+def _first_incumbent(run: dict):
+    """``(step, rule)`` of the first incumbent alarm on ``run``, or None when none fired."""
+    fired = [(step, rule) for rule, step in _incumbents(run).items() if step is not None]
+    return min(fired) if fired else None
+
+
+def verdict(first_ours, divergence, first_incumbent) -> str:
+    """One fault run's outcome in a line, computed from the steps (never a fixed claim): ``early`` when the
+    monitors alerted before the loss diverged (or it never did) and before every incumbent alarm; ``late`` when
+    they alerted after either; ``missed`` when they did not alert. ``first_incumbent``: ``(step, rule)`` or None."""
+    if not first_ours:
+        return "**missed**: no monitor alert" + ("" if first_incumbent is None else
+                                                 f"; first incumbent alarm: {first_incumbent[1]} at "
+                                                 f"{first_incumbent[0]}")
+    if divergence is None:
+        loss = "the loss did not diverge within the run"
+    elif first_ours < divergence:
+        loss = f"{divergence - first_ours} steps before the loss diverged"
+    else:
+        loss = (f"{first_ours - divergence} steps after the loss diverged" if first_ours > divergence else
+                "at the step the loss diverged")
+    if first_incumbent is None:
+        incumbents = "no incumbent alarm fired"
+    else:
+        step, rule = first_incumbent
+        incumbents = (f"{step - first_ours} steps before the first incumbent alarm ({rule})" if first_ours < step
+                      else f"{first_ours - step} steps after the first incumbent alarm ({rule})" if first_ours > step
+                      else f"at the same step as the first incumbent alarm ({rule})")
+    early = (divergence is None or first_ours < divergence) and (first_incumbent is None or
+                                                                 first_ours < first_incumbent[0])
+    return f"**{'early' if early else 'late'}**: first monitor alert at {first_ours}, {loss}, {incumbents}"
+
+
 def incumbents_line(run: dict, first_ours) -> str:
     """Our first alert against the alarms users already have (each incumbent rule's first firing), on one run."""
     firings = _incumbents(run)
@@ -204,7 +237,7 @@ def demo_report(out, names, *, seed: int, steps: int, start: int, plots: bool = 
     faults = [name for name in names if name != "clean"]
     clean = runs["clean"]
     clean_firings = _incumbents(clean)
-    lines = ["# megatron-mech demo: faults caught before the loss moves", "",
+    lines = ["# megatron-mech demo: injected faults, the monitors' alerts and the alarms you already have", "",
              f"Runs of the small MoE GPT (seed {seed}, {steps} steps), identical except for one injected fault "
              f"from step {start}. Loss divergence: the 20-step moving-average loss stays > 0.2 nats above the "
              f"clean run until the end. Incumbent alarms: Megatron-LM's spiky-loss check, OLMo-core's 6σ loss and "
@@ -212,10 +245,17 @@ def demo_report(out, names, *, seed: int, steps: int, start: int, plots: bool = 
              f"(megatron_mech.studies.incumbents), applied to each run's own records.", "",
              f"- clean run: {len(clean['alerts'])} alerts (false alarms); incumbent alarms on it: "
              + ("none fired" if all(step is None for step in clean_firings.values()) else _fired_text(clean_firings))]
+    outcomes = {}  # fault -> (loss divergence step, first alert per family, our first alert)
+    for name in faults:
+        firsts = {f: first_alert(runs[name]["alerts"], f) for f in ("attention", "router", "symptom")}
+        outcomes[name] = (divergence_step(runs[name]["losses"], clean["losses"], 0.2), firsts,
+                          min((s for s in (firsts["attention"], firsts["router"]) if s), default=None))
+    lines += ["", "## Verdict", ""]
+    lines += [f"- {_fault_text(name)[0]}: {verdict(first, divergence, _first_incumbent(runs[name]))}"
+              for name, (divergence, _, first) in outcomes.items()]
     for name in faults:
         faulty = runs[name]
-        divergence = divergence_step(faulty["losses"], clean["losses"], 0.2)
-        firsts = {f: first_alert(faulty["alerts"], f) for f in ("attention", "router", "symptom")}
+        divergence, firsts, first = outcomes[name]
         plot = "demo.png" if name == "attention" else f"demo_{name}.png"
         if plots:
             plot_fault(out / plot, name, clean, faulty, start, divergence, firsts)
@@ -228,17 +268,21 @@ def demo_report(out, names, *, seed: int, steps: int, start: int, plots: bool = 
             lines.append(f"- {collapse_line(out / name)}")
         if name == "attention":
             lines.append(f"- {attention_outcome_line(faulty, clean, start)}")
-        first = min((s for s in (firsts["attention"], firsts["router"]) if s), default=None)
         lines.append(f"- {incumbents_line(faulty, first)}")
-        if first and firsts["symptom"]:
+        if first and firsts["symptom"] and first < firsts["symptom"]:
             lines.append(f"- **the monitors fired {firsts['symptom'] - first} steps before the loss/grad-norm "
                          f"alarm**")
+        elif first and firsts["symptom"]:
+            lines.append(f"- the monitors fired {first - firsts['symptom']} steps after the loss/grad-norm alarm"
+                         if first > firsts["symptom"] else "- the monitors fired with the loss/grad-norm alarm")
         elif first:
             lines.append("- **the monitors fired; the loss/grad-norm alarm never did**")
-        if divergence and first:
+        if divergence and first and first <= divergence:
             lines.append(f"- **lead time of the monitors: {divergence - first} steps** "
                          f"({100 * (first - start) / max(1, divergence - start):.0f}% of the way from fault onset "
                          f"to divergence)")
+        elif divergence and first:
+            lines.append(f"- **no lead: the monitors alerted {first - divergence} steps after the loss diverged**")
         lines += ["", "Alert timeline:", ""]
         lines += [f"- {line}" for line in alert_lines(faulty["alerts"])] or ["- no alerts"]
         lines += ["", f"![monitors vs loss]({plot})"]
