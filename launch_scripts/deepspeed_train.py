@@ -124,8 +124,8 @@ def check_run_directories(args, config: dict, rank: int) -> tuple[bool, Optional
     id of the run a resume continues (None: the run needs a new id). Raises ``ValueError`` naming the flag or
     directory."""
     from megatron_mech.records.run_directory import (FIRST_ALERT, JSONL, RUN_ID_FILE, SUMMARY, claim_run_directory,
-                                                     previous_run, probe_writable, refuse_mixing_runs,
-                                                     refuse_symlinks_in, resumed_run_id)
+                                                     previous_run, probe_writable, refuse_linked_checkpoints,
+                                                     refuse_mixing_runs, refuse_symlinks_in, resumed_run_id)
 
     directories = output_dirs(args, config)
     flags = {directory: "--output-dir" if directory == args.output_dir else "mech.output.dir"
@@ -139,15 +139,23 @@ def check_run_directories(args, config: dict, rank: int) -> tuple[bool, Optional
             claim_run_directory(directory, flag)
     for directory in directories:  # what the run writes must not lead out of its directories
         refuse_symlinks_in(directory, (JSONL, SUMMARY, RUN_ID_FILE, f".{RUN_ID_FILE}.tmp"))
-    if args.save:
-        refuse_symlinks_in(args.save, (LATEST, FIRST_ALERT))
+    tag = None
     if args.load:
         tracker = Path(args.load) / LATEST
         if not tracker.is_file():
             raise ValueError(f"--load {args.load} holds no DeepSpeed checkpoint (no {LATEST} file there)")
+        tag = tracker.read_text(encoding="utf-8", errors="replace").strip()
+    if args.save:
+        refuse_symlinks_in(args.save, (LATEST, FIRST_ALERT))
+        # the tag directories this run will save into (global_step<N> past the resumed step) must not lead out
+        from megatron_mech.deepspeed.engine import TAG_PREFIX
+
+        resumed = tag[len(TAG_PREFIX):] if tag and tag.startswith(TAG_PREFIX) else ""
+        refuse_linked_checkpoints(args.save, TAG_PREFIX, int(resumed) if resumed.isdigit() else 0)
+    if args.load:
         # the records after the checkpoint's step are cut back when the hook starts: only safe in its own run's
         # directories (a tag leading out of --load is refused by the load itself)
-        checkpoint = Path(args.load) / tracker.read_text(encoding="utf-8", errors="replace").strip()
+        checkpoint = Path(args.load) / tag
         run_ids = [resumed_run_id(checkpoint, directory, load_dir=args.load, output_flag=flags[directory],
                                   other_checkpoints="*") for directory in directories]
         return False, next((run_id for run_id in run_ids if run_id is not None), None)

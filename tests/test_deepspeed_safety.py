@@ -115,6 +115,22 @@ def test_launcher_refuses_links_out_of_its_directories(tmp_path):
 
 
 @pytest.mark.timeout(600)
+def test_launcher_refuses_a_linked_tag_directory_it_would_save_into(tmp_path):
+    """A ``global_step4`` link in --save, where a fresh 4-step run saves its checkpoint, was found only when the
+    save wrote through it, after training. It is refused before anything is built, naming the link; a link at
+    a tag the run only reads (at or before the resumed step) is left alone."""
+    out, ckpt, outside = tmp_path / "out", tmp_path / "ckpt", tmp_path / "outside"
+    outside.mkdir()
+    ckpt.mkdir()
+    (ckpt / "global_step4").symlink_to(outside, target_is_directory=True)
+    run = launch("--steps", "4", "--output-dir", str(out), "--save", str(ckpt))
+    assert run.returncode == 2, run.stderr[-3000:]
+    error = [line for line in run.stderr.splitlines() if line.startswith("deepspeed_train: error: ")]
+    assert len(error) == 1 and f"{ckpt / 'global_step4'} is a symbolic link (to {outside})" in error[0], error
+    assert list(outside.iterdir()) == [] and not (out / "mech.jsonl").exists()
+
+
+@pytest.mark.timeout(600)
 def test_latest_tag_outside_the_load_directory_is_refused_and_the_loaded_checkpoint_is_named(tmp_path):
     """DeepSpeed joins whatever ``latest`` holds to --load: a tag ``../../ds1/ckpt/global_step4`` loaded another
     run's checkpoint, silently. It is refused (one line naming the ``latest`` file and the tag) before anything is

@@ -50,10 +50,12 @@ from megatron_mech.hook import Action, Extension, MechHook
 from megatron_mech.model_view import ModelView, RouterView
 from megatron_mech.records.run_directory import refuse_symlink, write_file_atomically, write_run_id
 
-__all__ = ["CLIENT_STATE_KEY", "DeepSpeedMech", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CLIENT_STATE_KEY", "TAG_PREFIX", "DeepSpeedMech", "load_checkpoint", "save_checkpoint"]
 
 logger = logging.getLogger(__name__)
 CLIENT_STATE_KEY = "megatron_mech"
+#: DeepSpeed's default checkpoint tag is this prefix and the number of optimizer steps taken
+TAG_PREFIX = "global_step"
 
 _SOLO: dict = {}
 
@@ -290,7 +292,7 @@ def save_checkpoint(engine, mech: DeepSpeedMech, save_dir, tag=None, client_stat
     (``first_alert.json`` next to the alert's checkpoint). ``run_id``: the run's id, written by rank 0 into the tag
     directory (``run_id.txt``) so that a resume can tell whether an output directory holds this run's records."""
     rank, world = _rank_and_world()
-    tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
+    tag = str(tag if tag is not None else f"{TAG_PREFIX}{engine.global_steps}")
     tag_dir = Path(save_dir) / tag
     # DeepSpeed writes through links: the "latest" file, and every file of a tag directory that links elsewhere
     refuse_symlink(Path(save_dir) / "latest")

@@ -35,8 +35,8 @@ from typing import Optional
 from megatron_mech.config import DEFAULT_OUTPUT_DIR
 from megatron_mech.megatron.checkpoint import TRACKER, read_tracker
 from megatron_mech.records.run_directory import (FIRST_ALERT, JSONL, RUN_ID_FILE, SUMMARY, claim_run_directory,
-                                                 previous_run, probe_writable, refuse_mixing_runs, refuse_symlink,
-                                                 refuse_symlinks_in, resumed_run_id, write_run_id)
+                                                 previous_run, probe_writable, refuse_linked_checkpoints,
+                                                 refuse_mixing_runs, refuse_symlinks_in, resumed_run_id, write_run_id)
 from megatron_mech.records.run_directory import clear_previous_run as clear_run_files
 
 __all__ = ["RunDirectoryPlan", "check_run_directories", "clear_previous_run", "record_run_id"]
@@ -105,10 +105,7 @@ def _refuse_symlinks(output_dir: str, save_dir: Optional[str], checkpoint_step: 
     if not save_dir:
         return
     refuse_symlinks_in(save_dir, (TRACKER, FIRST_ALERT))
-    for directory in sorted(Path(save_dir).glob("iter_*")):
-        step = directory.name[len("iter_"):]
-        if step.isdigit() and int(step) > (checkpoint_step if checkpoint_step is not None else -1):
-            refuse_symlink(directory)
+    refuse_linked_checkpoints(save_dir, "iter_", checkpoint_step if checkpoint_step is not None else -1)
 
 
 def _resumed_run_id(load_dir: str, step: int, output_dir: str, output_flag: str) -> Optional[str]:

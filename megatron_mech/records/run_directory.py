@@ -25,10 +25,11 @@ import socket
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-__all__ = ["FIRST_ALERT", "JSONL", "LOCK_FILE", "RUN_ID_FILE", "SUMMARY", "claim_run_directory",
-           "clear_previous_run", "open_no_follow", "previous_run", "probe_writable", "read_run_id",
-           "refuse_mixing_runs", "refuse_symlink", "refuse_symlinks_in", "release_run_directories", "resumed_run_id",
-           "write_file_atomically", "write_run_id", "RECORDS_INCOMPLETE_EXIT", "records_incomplete", "steps_text"]
+__all__ = ["FIRST_ALERT", "JSONL", "LOCK_FILE", "RECORDS_INCOMPLETE_EXIT", "RUN_ID_FILE", "SUMMARY",
+           "claim_run_directory", "clear_previous_run", "open_no_follow", "previous_run", "probe_writable",
+           "read_run_id", "records_incomplete", "refuse_linked_checkpoints", "refuse_mixing_runs", "refuse_symlink",
+           "refuse_symlinks_in", "release_run_directories", "resumed_run_id", "steps_text", "write_file_atomically",
+           "write_run_id"]
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,16 @@ def refuse_symlinks_in(directory, names: Iterable[str]) -> None:
     """:func:`refuse_symlink` for each of the files ``names`` in ``directory`` (those a run will write there)."""
     for name in names:
         refuse_symlink(Path(directory) / name)
+
+
+def refuse_linked_checkpoints(save_dir, prefix: str, after_step: int) -> None:
+    """:func:`refuse_symlink` for each checkpoint directory ``<prefix><step>`` in ``save_dir`` with ``step >
+    after_step``: those a run resumed at ``after_step`` (0 for a fresh run) will write into. Earlier ones are only
+    read, so links there (e.g. old checkpoints moved to other storage) are left alone."""
+    for directory in sorted(Path(save_dir).glob(f"{prefix}*")):
+        step = directory.name[len(prefix):]
+        if step.isdigit() and int(step) > after_step:
+            refuse_symlink(directory)
 
 
 def open_no_follow(path, mode: str = "w", encoding: Optional[str] = None, buffering: int = -1):
