@@ -44,8 +44,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks._results import write_results  # noqa: E402
-from megatron_mech.megatron.launch import torchrun_prefix  # noqa: E402
 from megatron_mech.core.mols import default_window, parse_fixed_multipliers  # noqa: E402
+from megatron_mech.megatron.launch import torchrun_prefix  # noqa: E402
 from megatron_mech.studies.leadtime import check_reporting_seeds  # noqa: E402
 from megatron_mech.studies.paired import paired_ci  # noqa: E402
 
@@ -183,7 +183,8 @@ def measure_scale(a, env) -> None:
         f"LoRA study), against a budget of about half an hour for all MoLS runs."])
     logger.info(text)
     if not a.no_write:
-        logger.info(f"wrote {write_results('bench_mols_scale', text, {'measured': data, 'projected_hours': hours, 'protocol': fp})}")
+        written = write_results('bench_mols_scale', text, {'measured': data, 'projected_hours': hours, 'protocol': fp})
+        logger.info(f"wrote {written}")
 
 
 def train_seconds(run: dict) -> float:

@@ -14,7 +14,8 @@ Reported: the fine-tuned validation loss per arm (mean ± sd, per seed), the pai
 diagnostic blocks). Reporting seeds only (the same seed sets as ``bench_mols.py``).
 
     python benchmarks/bench_mols_lora.py                 # 3 seeds × 2 arms, a few minutes on 2 cores
-    python benchmarks/bench_mols_lora.py --seeds 21 --hidden 64 --layers 2 --ffn 176 --pretrain-steps 10 --steps 12 --eval-interval 4 --eval-batches 2 --no-write
+    python benchmarks/bench_mols_lora.py --seeds 21 --hidden 64 --layers 2 --ffn 176 --pretrain-steps 10 \
+        --steps 12 --eval-interval 4 --eval-batches 2 --no-write
 """
 from __future__ import annotations
 
@@ -34,11 +35,11 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks._results import write_results  # noqa: E402
 from benchmarks.bench_mols import REPORTING_SEEDS, TUNING_SEEDS, steps_to_reach  # noqa: E402
-from megatron_mech.studies.leadtime import check_reporting_seeds  # noqa: E402
 from megatron_mech.core.mols import MoLSConfig, default_window  # noqa: E402
 from megatron_mech.deepspeed.batches import global_batch  # noqa: E402
 from megatron_mech.deepspeed.models import dense_llama  # noqa: E402
 from megatron_mech.megatron.data import DEFAULT_VALID_FRACTION, is_validation_document, load_corpus  # noqa: E402
+from megatron_mech.studies.leadtime import check_reporting_seeds  # noqa: E402
 from megatron_mech.studies.paired import paired_ci  # noqa: E402
 from megatron_mech.studies.torch_mols import TorchMoLS  # noqa: E402
 
@@ -150,7 +151,8 @@ def main(argv=None):
     p.add_argument("--window", type=int, default=None)
     p.add_argument("--eval-interval", type=int, default=20)
     p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--threads", type=int, default=1, help="torch threads (more than 1 is much slower on a shared machine)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (more than 1 is much slower on a shared machine)")
     p.add_argument("--no-write", action="store_true")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -226,7 +228,8 @@ def main(argv=None):
     text = "\n".join(lines)
     logger.info(text)
     if not a.no_write:
-        logger.info(f"wrote {write_results('bench_mols_lora', text, {'summary': summary, 'runs': results, 'loss_before': before})}")
+        written = write_results('bench_mols_lora', text, {'summary': summary, 'runs': results, 'loss_before': before})
+        logger.info(f"wrote {written}")
 
 
 if __name__ == "__main__":

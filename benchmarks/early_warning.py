@@ -40,12 +40,21 @@ from megatron_mech.logit_symptom import MAX_LOGIT_METRIC  # noqa: E402
 from megatron_mech.megatron.presets import small_moe  # noqa: E402
 from megatron_mech.records.sinks import read_jsonl  # noqa: E402
 from megatron_mech.studies.clean_scores import replay_alerts  # noqa: E402
-from megatron_mech.studies.incumbents import (GRAD_NORM_LEVEL, GRAD_NORM_METRIC,  # noqa: E402
-                                              MEGATRON_SPIKY_LOSS_SAMPLES, incumbent_firings, metric_series,
-                                              microbatches_per_rank)
+from megatron_mech.studies.incumbents import (  # noqa: E402
+    GRAD_NORM_LEVEL,
+    GRAD_NORM_METRIC,
+    MEGATRON_SPIKY_LOSS_SAMPLES,
+    incumbent_firings,
+    metric_series,
+    microbatches_per_rank,
+)
 from megatron_mech.studies.leadtime import TUNING_SEEDS, first_alert, parse_study_args  # noqa: E402
-from megatron_mech.studies.outcomes import (LOGIT_EXPLOSION_HOLD, LOGIT_EXPLOSION_LEVEL,  # noqa: E402
-                                            max_logit_explosion_step, run_outcome)
+from megatron_mech.studies.outcomes import (  # noqa: E402
+    LOGIT_EXPLOSION_HOLD,
+    LOGIT_EXPLOSION_LEVEL,
+    max_logit_explosion_step,
+    run_outcome,
+)
 
 logger = logging.getLogger("benchmarks.early_warning")
 

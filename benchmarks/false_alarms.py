@@ -46,10 +46,13 @@ sys.path.insert(0, str(REPO))
 from benchmarks._results import write_results  # noqa: E402
 from benchmarks._train_runs import model_flags, train_run  # noqa: E402
 from megatron_mech.studies import clean_corpus  # noqa: E402
-from megatron_mech.studies.clean_scores import (binomial_upper_bound, expected_alarms, kind_of,  # noqa: E402
-                                                replay)
-from megatron_mech.studies.leadtime import (REPORTING_SEEDS, TUNING_SEEDS, check_reporting_seeds,  # noqa: E402
-                                            parse_study_args)  # noqa: E402
+from megatron_mech.studies.clean_scores import binomial_upper_bound, expected_alarms, kind_of, replay  # noqa: E402
+from megatron_mech.studies.leadtime import (  # noqa: E402
+    REPORTING_SEEDS,
+    TUNING_SEEDS,
+    check_reporting_seeds,
+    parse_study_args,
+)
 
 logger = logging.getLogger("benchmarks.false_alarms")
 CORPUS = REPO / "benchmarks" / "data" / "clean_corpus"
@@ -127,7 +130,7 @@ def parse_plan(entries, seeds, widths, models, steps) -> list:
                 raise ValueError(f"model must be moe or dense, got {model!r}")
             plan += [(model, int(width), int(n), int(s)) for s in seed_list.split(",")]
         except ValueError as err:
-            raise SystemExit(f"--plan entry {entry!r}: expected model:width:steps:seed,seed,... ({err})")
+            raise SystemExit(f"--plan entry {entry!r}: expected model:width:steps:seed,seed,... ({err})") from err
     return plan
 
 

@@ -77,8 +77,7 @@ import torch.distributed as dist
 from megatron_mech.core.router import RoutingStats
 from megatron_mech.core.sharded import share_by_cost
 from megatron_mech.core.slq import gram_operator
-from megatron_mech.core.spectral import (qk_increment_cores, spectra_from_qk_cores,
-                                        spectral_entropy)
+from megatron_mech.core.spectral import qk_increment_cores, spectra_from_qk_cores, spectral_entropy
 from megatron_mech.monitors.attention import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
 from megatron_mech.monitors.attention.evaluation import UnitEvaluation
 from megatron_mech.monitors.attention.layout import BufferLayout

@@ -35,8 +35,14 @@ sys.path.insert(0, str(REPO))
 from benchmarks._results import write_results  # noqa: E402
 from benchmarks._train_runs import train_run  # noqa: E402
 from megatron_mech.core.detect import ATTENTION_COLLAPSE, DetectorRegistry, default_rules, layer_of  # noqa: E402
-from megatron_mech.studies.leadtime import (FAULT_FLAGS, LEAD_MODEL, REPORTING_SEEDS, TUNING_SEEDS,  # noqa: E402
-                                            check_reporting_seeds, parse_study_args)
+from megatron_mech.studies.leadtime import (  # noqa: E402
+    FAULT_FLAGS,
+    LEAD_MODEL,
+    REPORTING_SEEDS,
+    TUNING_SEEDS,
+    check_reporting_seeds,
+    parse_study_args,
+)
 
 logger = logging.getLogger("benchmarks.layer_collapse")
 

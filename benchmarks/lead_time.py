@@ -38,11 +38,22 @@ sys.path.insert(0, str(REPO))
 
 from megatron_mech.core.attribution import alert_lines  # noqa: E402
 from megatron_mech.megatron.launch import torchrun_prefix  # noqa: E402
-from megatron_mech.studies.demo import step_losses  # noqa: E402
-from megatron_mech.studies.leadtime import (DIVERGENCE_HOLD, FAULT_FLAGS, LEAD_MODEL,  # noqa: E402
-                                    REPORTING_SEEDS, TUNING_SEEDS, parse_study_args, divergence_step, first_alert, loss_gap, peak_score, plot_fault)
 from megatron_mech.records.sinks import read_jsonl  # noqa: E402
 from megatron_mech.studies.clean_scores import replay_alerts  # noqa: E402
+from megatron_mech.studies.demo import step_losses  # noqa: E402
+from megatron_mech.studies.leadtime import (  # noqa: E402
+    DIVERGENCE_HOLD,
+    FAULT_FLAGS,
+    LEAD_MODEL,
+    REPORTING_SEEDS,
+    TUNING_SEEDS,
+    divergence_step,
+    first_alert,
+    loss_gap,
+    parse_study_args,
+    peak_score,
+    plot_fault,
+)
 
 MODEL = LEAD_MODEL
 FAULTS = FAULT_FLAGS
@@ -160,11 +171,13 @@ def write_report(args, rows, out_dir):
              f"= that moving-average difference at the last step; small_batch is compared at equal tokens seen "
              f"(its step s against the clean run's step s/4, its average over 80 steps).", "",
              "Lead = divergence − first alert. 'Monitors ahead of symptom' = first symptom-level (loss/grad-norm) "
-             "alert − first monitor alert, in steps. 'Δ2 at' = where the first Δ2 alert falls on the way to divergence, "
+             "alert − first monitor alert, in steps. 'Δ2 at' = where the first Δ2 alert falls on the way to "
+             "divergence, "
              "counted from step 0 and from the fault's onset. 'Lead / (divergence − onset)' = the attention lead as a "
              "fraction of the onset → divergence interval (for a slowly growing fault: how much of the run's way down "
              "is left when the monitors fire).", "",
-             "| seed | fault | divergence | loss gap at end | first Δ2 | first ΔW | first router | first symptom | lead (attention) | "
+             "| seed | fault | divergence | loss gap at end | first Δ2 | first ΔW | first router | first symptom | "
+             "lead (attention) | "
              "lead (router) | lead (symptom) | monitors ahead of symptom | Δ2 at (from 0 / onset) | "
              "lead / (divergence − onset) | pre-onset / clean alerts |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

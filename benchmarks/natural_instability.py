@@ -50,9 +50,8 @@ sys.path.insert(0, str(REPO))
 from benchmarks._results import write_results  # noqa: E402
 from benchmarks._train_runs import model_flags, train_run  # noqa: E402
 from megatron_mech.logit_symptom import MAX_LOGIT_METRIC  # noqa: E402
-from megatron_mech.studies.leadtime import REPORTING_SEEDS, TUNING_SEEDS, parse_study_args, first_alert  # noqa: E402
-from megatron_mech.studies.natural import (loss_spike_step, max_logit_signal_step,  # noqa: E402
-                                           self_divergence_step)
+from megatron_mech.studies.leadtime import REPORTING_SEEDS, TUNING_SEEDS, first_alert, parse_study_args  # noqa: E402
+from megatron_mech.studies.natural import loss_spike_step, max_logit_signal_step, self_divergence_step  # noqa: E402
 
 logger = logging.getLogger("benchmarks.natural_instability")
 DEFAULT_MECH_INTERVAL = 5  # evaluations every 5 steps: the detectors' warm-up + baseline (50) end at step 250
@@ -139,12 +138,14 @@ def report(args, rows: list) -> str:
              f"{list(TUNING_SEEDS)} never reported). Divergence: non-finite loss, or the 20-step moving-average "
              f"loss > {args.margin} nats above its own best until the end (≥ 50 steps). Lead = divergence − first "
              f"alert (steps); lead fraction = lead / divergence step.", "",
-             "| lr | qk-ln | seed | divergence | first monitor alert | first family | lead (monitors) | lead fraction | "
+             "| lr | qk-ln | seed | divergence | first monitor alert | first family | lead (monitors) | "
+             "lead fraction | "
              + " | ".join(f"{n}" for n in names) + " | monitor alerts |",
              "|---|---|---|---|---|---|---|---|" + "---|" * len(names) + "---|"]
     for r in rows:
         s = r["score"]
-        lines.append(f"| {r['lr']:g} | {'yes' if r['qk_layernorm'] else 'no'} | {r['seed']} | {_fmt(s['divergence'])} | "
+        lines.append(f"| {r['lr']:g} | {'yes' if r['qk_layernorm'] else 'no'} | {r['seed']} | "
+                     f"{_fmt(s['divergence'])} | "
                      f"{_fmt(s['first_monitor_alert'])} | {s['first_family'] or '–'} | {_fmt(s['lead']['monitors'])} | "
                      f"{_fmt(s['lead_fraction'])} | " + " | ".join(_fmt(s['signals'][n]) for n in names)
                      + f" | {s['alerts_total']} |")

@@ -28,12 +28,24 @@ from megatron_mech.monitors.attention.parts import part_cost, rows_needed
 
 try:
     from _results import check_idle, write_results
-    from frontier_shards import (LAYOUTS, apply_updates, evaluate_and_snapshot, rank_monitor, replica_shares,
-                                 stage_layers)
+    from frontier_shards import (
+        LAYOUTS,
+        apply_updates,
+        evaluate_and_snapshot,
+        rank_monitor,
+        replica_shares,
+        stage_layers,
+    )
 except ImportError:  # run as a module
     from benchmarks._results import check_idle, write_results
-    from benchmarks.frontier_shards import (LAYOUTS, apply_updates, evaluate_and_snapshot, rank_monitor,
-                                            replica_shares, stage_layers)
+    from benchmarks.frontier_shards import (
+        LAYOUTS,
+        apply_updates,
+        evaluate_and_snapshot,
+        rank_monitor,
+        replica_shares,
+        stage_layers,
+    )
 
 log = logging.getLogger("part_costs")
 

@@ -41,8 +41,14 @@ import torch
 
 from megatron_mech.core.router import routing_entropy
 from megatron_mech.core.sharded import shard_gram, spectrum_from_shard_grams
-from megatron_mech.core.spectral import (QK_TERMS, matrix_spectrum, qk_increment_cores, qk_increment_spectra,
-                                         spectra_from_qk_cores, spectral_entropy)
+from megatron_mech.core.spectral import (
+    QK_TERMS,
+    matrix_spectrum,
+    qk_increment_cores,
+    qk_increment_spectra,
+    spectra_from_qk_cores,
+    spectral_entropy,
+)
 
 try:
     from _results import check_idle, write_results
@@ -169,14 +175,15 @@ def main(argv=None) -> int:
         args.layers, args.layer_d_model = 3, 128
     load = check_idle(force=args.force)
     rows = []
+    # B023 below: interleaved() calls its lambdas before returning, so they see the current iteration's tensors.
 
     # ΔW entropy
     for low_rank in (False, True):
         delta = make_delta(args.dw_size, low_rank)
         ref_sv = matrix_spectrum(delta.double())
         ref = {p: float(spectral_entropy(ref_sv, power=p)) for p in (1.0, 2.0)}
-        t = interleaved({"peer": lambda: peer_dw_entropy(delta, 2.0), "ours": lambda: our_dw_entropy(delta)},
-                        args.repeats)
+        t = interleaved({"peer": lambda: peer_dw_entropy(delta, 2.0),  # noqa: B023
+                         "ours": lambda: our_dw_entropy(delta)}, args.repeats)  # noqa: B023
         rows.append({"computation": f"ΔW entropy, d={args.dw_size}, {'low-rank' if low_rank else 'full-rank'}",
                      "peer_s": t["peer"], "ours_s": t["ours"], "ratio": t["peer"] / t["ours"],
                      "err_ours": abs(float(our_dw_entropy(delta)) - ref[2.0]),
@@ -190,7 +197,8 @@ def main(argv=None) -> int:
         dense = ((w64[2][:1] - w64[0][:1]) @ w64[1][:1].transpose(1, 2)
                  + w64[0][:1] @ (w64[3][:1] - w64[1][:1]).transpose(1, 2))
         ref = float(spectral_entropy(matrix_spectrum(dense)[:, : 2 * args.head_dim])[0])
-        t = interleaved({"peer": lambda: peer_delta2_spectra(*w), "ours": lambda: our_delta2(*w)}, args.repeats)
+        t = interleaved({"peer": lambda: peer_delta2_spectra(*w), "ours": lambda: our_delta2(*w)},  # noqa: B023
+                        args.repeats)
         rows.append({"computation": f"Δ2, {args.heads} heads, d={args.d_model}, {'rank-2' if low_rank else 'full-rank'}"
                                     " step", "peer_s": t["peer"], "ours_s": t["ours"], "ratio": t["peer"] / t["ours"],
                      "err_ours": abs(float(spectral_entropy(our_delta2(*[x[:1] for x in w]))[0]) - ref),
@@ -202,8 +210,8 @@ def main(argv=None) -> int:
         logits = spread * torch.randn(args.tokens, args.experts, generator=g)
         z = logits.double()
         ref = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)
-        t = interleaved({"peer": lambda: peer_routing_entropy(logits), "ours": lambda: routing_entropy(logits)},
-                        args.repeats)
+        t = interleaved({"peer": lambda: peer_routing_entropy(logits),  # noqa: B023
+                         "ours": lambda: routing_entropy(logits)}, args.repeats)  # noqa: B023
         rows.append({"computation": f"routing entropy, {args.tokens}×{args.experts}, {spread:g}·randn",
                      "peer_s": t["peer"], "ours_s": t["ours"], "ratio": t["peer"] / t["ours"],
                      "err_ours": float((routing_entropy(logits).double() - ref).abs().max()),

@@ -35,14 +35,31 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks._results import write_results  # noqa: E402
-from benchmarks.early_warning import (GRAD_NORM_LEVEL, MEGATRON_SAMPLES_IN_STEPS, MICROBATCHES, judge,  # noqa: E402
-                                      load_run, rule_firings)
+from benchmarks.early_warning import (  # noqa: E402
+    GRAD_NORM_LEVEL,
+    MEGATRON_SAMPLES_IN_STEPS,
+    MICROBATCHES,
+    judge,
+    load_run,
+    rule_firings,
+)
 from megatron_mech.records.sinks import read_alerts  # noqa: E402
 from megatron_mech.studies.demo import demo_commands, step_losses  # noqa: E402
-from megatron_mech.studies.leadtime import (FAULT_FLAGS, REPORTING_SEEDS, TUNING_SEEDS, divergence_step,  # noqa: E402
-                                            first_alert, parse_study_args)
-from megatron_mech.studies.router_outcome import (ROUTING_FILE, STARVED_HOLD, STARVED_SHARE,  # noqa: E402
-                                                  find_collapse, read_routing_counts)
+from megatron_mech.studies.leadtime import (  # noqa: E402
+    FAULT_FLAGS,
+    REPORTING_SEEDS,
+    TUNING_SEEDS,
+    divergence_step,
+    first_alert,
+    parse_study_args,
+)
+from megatron_mech.studies.router_outcome import (  # noqa: E402
+    ROUTING_FILE,
+    STARVED_HOLD,
+    STARVED_SHARE,
+    find_collapse,
+    read_routing_counts,
+)
 
 MARGIN = 0.2  # nats: the demo's divergence margin
 

@@ -48,8 +48,7 @@ from megatron_mech.core.detect import default_rules  # noqa: E402
 from megatron_mech.studies.clean_scores import binomial_upper_bound, replay, replay_alerts  # noqa: E402
 from megatron_mech.studies.leadtime import TUNING_SEEDS, first_alert, parse_study_args  # noqa: E402
 from megatron_mech.studies.natural import self_divergence_step  # noqa: E402
-from megatron_mech.studies.trend_rules import (CusumRule, SlopeRule, replay_trend,  # noqa: E402
-                                               shortened_default_rules)
+from megatron_mech.studies.trend_rules import CusumRule, SlopeRule, replay_trend, shortened_default_rules  # noqa: E402
 
 logger = logging.getLogger("benchmarks.trend_detectors")
 

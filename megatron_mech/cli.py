@@ -136,7 +136,8 @@ def _run_train(args: argparse.Namespace) -> int:
 # demo: a clean run and an attention-fault run, the alert timeline, a lead-time report
 # ---------------------------------------------------------------------------------------------------
 def _add_demo(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="runs/demo", help="demo directory (clean/, one folder per fault, demo.md, demo*.png)")
+    p.add_argument("--out", default="runs/demo",
+                   help="demo directory (clean/, one folder per fault, demo.md, demo*.png)")
     p.add_argument("--steps", type=int, default=500, help="training steps of each run (--train-iters)")
     p.add_argument("--fault-start", type=int, default=260,
                    help="after the detectors' 250-step baseline; early enough for the attention fault's max logit to "
@@ -165,6 +166,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 from megatron_mech.records.report import add_report_arguments, missing_plot_package, run_report  # noqa: E402  (cheap)
+
 
 # ---------------------------------------------------------------------------------------------------
 # patch: the Megatron-LM patch set

@@ -154,7 +154,7 @@ class Alert:
                 "baseline": self.baseline, "score": self.score, "detail": dict(self.detail)}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Alert":
+    def from_dict(cls, d: Mapping[str, Any]) -> Alert:
         return cls(metric=str(d["metric"]), family=str(d["family"]), step=int(d["step"]),
                    value=float(d["value"]), baseline=float(d["baseline"]), score=float(d["score"]),
                    detail=dict(d.get("detail", {})))
@@ -453,7 +453,6 @@ class Detector:
             raise ValueError(f"unsupported Detector state version {state.get('version')!r}")
         if state["metric"] != self.metric:
             raise ValueError(f"state is for metric {state['metric']!r}, this detector is {self.metric!r}")
-        c = self.config
         where = f"detector state of {self.metric!r}"
 
         def count(key: str, default: Any = None) -> int:

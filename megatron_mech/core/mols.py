@@ -301,7 +301,7 @@ class MoLSConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "MoLSConfig":
+    def from_dict(cls, d: Mapping[str, Any]) -> MoLSConfig:
         names = {f.name for f in fields(cls)}
         kw = {k: v for k, v in d.items() if k in names}
         if kw.get("clamp") is not None:

@@ -48,11 +48,10 @@ buffer all-reduces in a single collective.
 """
 from __future__ import annotations
 
-from typing import Sequence
-
 import math
 import operator
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -281,7 +280,7 @@ class RoutingStats:
         batch_min = torch.where(usable, entropy, torch.full((), math.inf, dtype=f64, device=z.device)).amin()
         torch.minimum(self._entropy_min, batch_min, out=self._entropy_min)
 
-    def _check_compatible(self, other: "RoutingStats") -> None:
+    def _check_compatible(self, other: RoutingStats) -> None:
         if not isinstance(other, RoutingStats):
             raise ValueError(f"can only merge RoutingStats, got {type(other).__name__}")
         if (other.num_experts, other.num_bins) != (self.num_experts, self.num_bins):
@@ -289,14 +288,14 @@ class RoutingStats:
                 f"incompatible RoutingStats: (num_experts, num_bins) = {(self.num_experts, self.num_bins)} "
                 f"vs {(other.num_experts, other.num_bins)}")
 
-    def merge(self, other: "RoutingStats") -> "RoutingStats":
+    def merge(self, other: RoutingStats) -> RoutingStats:
         """Add ``other``'s tokens into ``self`` (in place) and return ``self``."""
         self._check_compatible(other)
         self._buffer += other._buffer.to(self._buffer.device)
         torch.minimum(self._entropy_min, other._entropy_min.to(self._buffer.device), out=self._entropy_min)
         return self
 
-    def all_reduce(self, group=None) -> "RoutingStats":
+    def all_reduce(self, group=None) -> RoutingStats:
         """Replace the local state by the sum (min for the min entropy) over the ranks of ``group``.
 
         Two collectives: one SUM of the packed float64 buffer and one MIN of the min entropy, issued in that
@@ -444,7 +443,7 @@ class RoutingStats:
             "load_cv": stats.load_cv,
         }
 
-    def _to_cpu(self) -> "RoutingStats":
+    def _to_cpu(self) -> RoutingStats:
         copy = RoutingStats(self.num_experts, self.num_bins, low_entropy_threshold=self.low_entropy_threshold)
         copy._buffer = self._buffer.cpu()
         copy._entropy_min = self._entropy_min.cpu()
@@ -478,7 +477,7 @@ class RoutingStats:
                 f"nonfinite_tokens={self.nonfinite_tokens})")
 
 
-def all_reduce_many(stats: Sequence["RoutingStats"], group=None) -> None:
+def all_reduce_many(stats: Sequence[RoutingStats], group=None) -> None:
     """:meth:`RoutingStats.all_reduce` for many summaries (e.g. one per MoE layer) in two collectives total.
 
     The packed buffers are concatenated into one SUM and the minima into one MIN, in the order of ``stats``

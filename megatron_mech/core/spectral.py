@@ -612,8 +612,8 @@ def qk_increment_cores(
     two rank-1 increments whose d_head sides are nearly orthogonal, s ≫ σ_max), where the relative accuracy
     drops with it; the QR route keeps ~eps·s there. float64 Grams (the default for float64 input, or
     ``gram_dtype=torch.float64``) give ~sqrt(eps64)·s and ~1e-12, at twice the GEMM time. A float32 core
-    (the default with float32 Grams) adds an error of the same order as the Grams' own; ``core_dtype=torch.float64`` keeps the r × r work in
-    float64 at about 1.6× its cost.
+    (the default with float32 Grams) adds an error of the same order as the Grams' own;
+    ``core_dtype=torch.float64`` keeps the r × r work in float64 at about 1.6× its cost.
     """
     num_heads, num_groups, d_model, d_head, terms, group_of_head = _prepare_qk(wq_prev, wk_prev, wq, wk, terms)
     dtype = _gram_dtype(wq, gram_dtype)

@@ -71,8 +71,8 @@ from __future__ import annotations
 import math
 import re
 import warnings
-from dataclasses import dataclass, field
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -304,7 +304,7 @@ class ModuleTaxonomy(Mapping):
     parameters: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
-        for name, cls in self.classes.items():
+        for cls in self.classes.values():
             _check_class(cls)
         for alias, target in self.aliases.items():
             if target not in self.classes:
@@ -360,7 +360,7 @@ class ModuleTaxonomy(Mapping):
         return {c: len(self.params_of(c)) for c in self.classes_present()}
 
 
-def classify_parameters(named_parameters: "Iterable[tuple[str, torch.Tensor]] | torch.nn.Module",
+def classify_parameters(named_parameters: Iterable[tuple[str, torch.Tensor]] | torch.nn.Module,
                         tied_embedding: bool | None = None,
                         extra_rules: _ExtraRules | None = None) -> ModuleTaxonomy:
     """Classify every unique parameter of a model once; see the module docstring for the tied-embedding rule.

@@ -304,7 +304,7 @@ class DeepSpeedMoLS:
         self.scheduler: Optional[MoLSLRScheduler] = None
         self.seconds = 0.0
 
-    def attach(self, optimizer) -> "DeepSpeedMoLS":
+    def attach(self, optimizer) -> DeepSpeedMoLS:
         # present = what is measured: DeepSpeed-MoE experts are not (they stay at 1), HF experts are
         measured = MeasuredParameters(self.engine.module)
         fused = measured.heads[:2] if measured.heads is not None else None

@@ -7,9 +7,9 @@ same parallel layout (it is recorded and checked); resharding is Megatron-LM's d
 user's fork.
 
 The hook's state is one entry, ``"mech"`` (monitors, detectors, MoLS, first-alert step). Load order matters:
-optimizer → hook (MoLS rewrites each group's ``max_lr``/``min_lr``) → scheduler (recomputes the lrs from them). The distributed optimizer's parameter state is loaded through
-:func:`load_distributed_optimizer_state`, which works around two megatron-core 0.16.1 problems seen without
-TE/apex (see there).
+optimizer → hook (MoLS rewrites each group's ``max_lr``/``min_lr``) → scheduler (recomputes the lrs from them).
+The distributed optimizer's parameter state is loaded through :func:`load_distributed_optimizer_state`, which works
+around two megatron-core 0.16.1 problems seen without TE/apex (see there).
 """
 from __future__ import annotations
 
@@ -21,7 +21,12 @@ import torch
 from megatron_mech.hook import naming_damaged_state
 from megatron_mech.optim import inner_optimizer, leaf_optimizers
 from megatron_mech.records.run_directory import (  # noqa: F401 (the run id helpers are re-exported)
-    RUN_ID_FILE, read_run_id, refuse_symlink, write_file_atomically, write_run_id)
+    RUN_ID_FILE,
+    read_run_id,
+    refuse_symlink,
+    write_file_atomically,
+    write_run_id,
+)
 
 __all__ = ["RUN_ID_FILE", "check_model_shapes", "check_mols_match", "load_checkpoint",
            "load_distributed_optimizer_state", "read_checkpoint_file", "read_run_id", "read_tracker", "save_checkpoint",

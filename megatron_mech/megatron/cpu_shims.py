@@ -129,7 +129,7 @@ class Shim:
 
 SHIMS: Dict[str, Shim] = {}
 _APPLIED: List[str] = []
-_MODE: Optional["_CudaToCpuMode"] = None
+_MODE: Optional[_CudaToCpuMode] = None
 
 
 def _shim(name: str, needed_from: str = "0.16"):
@@ -290,10 +290,10 @@ def _make_cpu_tracker_class():
         def add(self, name, seed):
             self._is_initialized = True
             if seed in self.seeds_:
-                raise Exception("seed {} already exists".format(seed))
+                raise Exception(f"seed {seed} already exists")
             self.seeds_.add(seed)
             if name in self.states_:
-                raise Exception("cpu rng state {} already exists".format(name))
+                raise Exception(f"cpu rng state {name} already exists")
             gen = torch.default_generator
             orig = gen.get_state()
             gen.manual_seed(seed)
@@ -303,7 +303,7 @@ def _make_cpu_tracker_class():
         @contextlib.contextmanager
         def fork(self, name=model_parallel_name):
             if name not in self.states_:
-                raise Exception("cpu rng state {} is not added".format(name))
+                raise Exception(f"cpu rng state {name} is not added")
             gen = torch.default_generator
             orig_state = gen.get_state()
             orig_name = self._current_state_name

@@ -50,7 +50,9 @@ def check_training_flags(cmd: List[str], nproc: int, entry_module: str = "megatr
 
 # what a failed worker's reason looks like: our entry point's one-line refusal or its records-incomplete line, or an
 # exception's last line
-_REASON = re.compile(r"^(?:\[rank\d+\]: ?)?(pretrain_gpt: (?:error|records incomplete): .*|(?:[A-Za-z_][\w.]*)?(?:Error|Exception): \S.*)$")
+_REASON = re.compile(r"^(?:\[rank\d+\]: ?)?"  # torchrun's rank prefix
+                     r"(pretrain_gpt: (?:error|records incomplete): .*"  # our entry point's own lines
+                     r"|(?:[A-Za-z_][\w.]*)?(?:Error|Exception): \S.*)$")  # an exception's last line
 
 
 def worker_reason(lines: List[str]) -> Optional[str]:

@@ -46,7 +46,7 @@ class StopOnSignal:
         self.stopped_by: Optional[str] = None
         self._previous = {}
 
-    def install(self) -> "StopOnSignal":
+    def install(self) -> StopOnSignal:
         """Install the handlers (main thread only) and ask for SIGTERM when the launcher dies (Linux)."""
         for sig in self.SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)

@@ -335,7 +335,7 @@ class _Snapshot:
                 os.chmod(path, saved[1] & 0o7777)
 
 
-def _run_series(report: "SeriesReport", patches: Sequence[PatchState], verb: str, *flags: str) -> None:
+def _run_series(report: SeriesReport, patches: Sequence[PatchState], verb: str, *flags: str) -> None:
     """``git apply [flags]`` each patch in order, all or nothing: on any failure every file the patches touch is
     restored byte for byte and :class:`PatchError` names the patch, its files and git's own reason. On success
     every patched file keeps its permission bits (:meth:`_Snapshot.keep_modes`)."""

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import functools
 import math
 import re
 import sys
@@ -240,8 +241,8 @@ def _build_panels(reduction: RunReduction, metrics: Sequence[str] | None) -> lis
 
     panels.append(_layer_panel("router_entropy", "routing entropy\n(mean over tokens, nats)", series,
                                _router("entropy_mean"), keep))
-    panels.append(_layer_panel("router_load", "expert-load entropy\n(normalised, 1 = balanced)", series, _router("load_entropy"),
-                               keep))
+    panels.append(_layer_panel("router_load", "expert-load entropy\n(normalised, 1 = balanced)", series,
+                               _router("load_entropy"), keep))
     panels.append(_layer_panel("router_cosine", "mean cosine of\nexpert rows", series, _router("mean_cosine"),
                                keep))
 
@@ -457,7 +458,7 @@ def build_figure(records: Iterable[Mapping[str, Any]] | RunReduction, metrics: S
     for ax, panel in zip(axes, panels):
         out[panel.key] = ax
         _draw_panel(ax, panel, colors, alerts, highlight, alerted_layers,
-                    lambda: _draw_guides(ax, panel, reduction, alerts, colors, arming))
+                    functools.partial(_draw_guides, ax, panel, reduction, alerts, colors, arming))
     _annotate_first_alerts(axes[0], alerts)
     axes[-1].set_xlabel("step")
     _figure_legends(fig, axes, alerts, reduction.alert_counts, layers, colors, arming)

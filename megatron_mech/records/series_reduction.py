@@ -292,7 +292,7 @@ class RunReduction:
             oldest = next(iter(self._recent))
             self._fold_step(oldest, self._recent.pop(oldest))
 
-    def finish(self) -> "RunReduction":
+    def finish(self) -> RunReduction:
         """Fold the steps still held exactly; returns self."""
         for step in sorted(self._recent):
             self._fold_step(step, self._recent[step])

@@ -106,5 +106,6 @@ class WriterLevel:
             self.summarizing = True
             logger.info("megatron-mech: an evaluation records %d series (more than %d): TensorBoard/W&B get the "
                         "per-layer summary from now on (mech.jsonl keeps every series; --mech-writer-level full, "
-                        "mech.output.writer_level \"full\" in a DeepSpeed config, writes them all)", len(metrics), self.auto_limit)
+                        "mech.output.writer_level \"full\" in a DeepSpeed config, writes them all)",
+                        len(metrics), self.auto_limit)
         return summary_metrics(metrics, alert_metrics) if self.summarizing else metrics

@@ -192,8 +192,7 @@ def attention_outcome_line(faulty: dict, clean: dict, start: int) -> str:
     from megatron_mech.logit_symptom import MAX_LOGIT_METRIC
     from megatron_mech.studies.incumbents import QK_CLIP_THRESHOLD, metric_series, qk_clip_step
     from megatron_mech.studies.leadtime import moving_average
-    from megatron_mech.studies.outcomes import (LOGIT_EXPLOSION_HOLD, LOGIT_EXPLOSION_LEVEL,
-                                                max_logit_explosion_step)
+    from megatron_mech.studies.outcomes import LOGIT_EXPLOSION_HOLD, LOGIT_EXPLOSION_LEVEL, max_logit_explosion_step
 
     steps, values = metric_series(faulty["records"], MAX_LOGIT_METRIC)
     if not steps:

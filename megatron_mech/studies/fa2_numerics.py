@@ -18,8 +18,9 @@ to bf16 before the P̄V product, which is accumulated in fp32; ``O_lp = bf16(acc
 the backward's δ is computed from); dO rounded to bf16; P and dS rounded to bf16 before their products (dV, dQ,
 dK), every product accumulated in fp32; dQ, dK, dV rounded to bf16 (FA2 writes them in the input dtype) and
 returned in the input dtype. With GQA the kernel writes one dK/dV per *query* head (rounded to bf16) and sums
-the heads of a group afterwards; that group sum is rounded to bf16 again, as the kernel's output is. Products of bf16 values are exact in fp32, so "fp32 matmul of bf16-valued
-tensors" is the tensor-core product with fp32 accumulation.
+the heads of a group afterwards; that group sum is rounded to bf16 again, as the kernel's output is. Products of
+bf16 values are exact in fp32, so "fp32 matmul of bf16-valued tensors" is the tensor-core product with fp32
+accumulation.
 Not emulated: tiling and the per-tile rescaling of O (it does not cause the rounding bias), the order of fp32
 accumulation inside a product, dropout (construction raises if ``attention_dropout > 0``), sliding windows,
 softmax offsets, packed sequences, attention bias, context parallelism, KV caches with ``sq ≠ sk`` masks.

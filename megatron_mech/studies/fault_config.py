@@ -240,7 +240,7 @@ class FaultConfig:
         return d
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "FaultConfig":
+    def from_args(cls, args: argparse.Namespace) -> FaultConfig:
         """From the ``--mech-fault*`` flags (:func:`add_fault_arguments`)."""
         return section_from_flags(cls, args)
 

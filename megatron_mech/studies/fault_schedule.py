@@ -11,7 +11,8 @@ class FaultSchedule:
     """The current optimizer step, shared by every injected module (one object, read at forward time).
 
     The trainer (through :meth:`FaultInjector.before_step`) sets ``schedule.step = step`` before the
-    forward/backward of optimizer step ``step``; the attention fault is on in that step's backward iff ``step >= start``.
+    forward/backward of optimizer step ``step``; the attention fault is on in that step's backward iff
+    ``step >= start``.
     ``step`` starts as ``None`` (= never told): a fault with ``start > 0`` then stays off, with one warning
     (``start == 0`` means "from the beginning" and is on whatever the step).
     """

@@ -205,7 +205,7 @@ class FaultInjector(Extension):
         add_fault_arguments(parser)
 
     @classmethod
-    def from_args(cls, args) -> Optional["FaultInjector"]:
+    def from_args(cls, args) -> Optional[FaultInjector]:
         """The injector of the ``--mech-fault*`` flags; ``None`` for ``--mech-fault none`` (the default)."""
         config = FaultConfig.from_args(args)
         return cls(config) if config.kind != "none" else None

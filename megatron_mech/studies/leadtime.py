@@ -11,7 +11,8 @@ import math
 
 from megatron_mech.megatron.presets import small_moe
 
-__all__ = ["REPORTING_SEEDS", "SLOW_RAMP", "TUNING_SEEDS", "check_reporting_seeds", "parse_study_args", "DIVERGENCE_HOLD", "FAULT_FLAGS", "LEAD_MODEL", "divergence_step", "first_alert", "loss_gap",
+__all__ = ["REPORTING_SEEDS", "SLOW_RAMP", "TUNING_SEEDS", "check_reporting_seeds", "parse_study_args",
+           "DIVERGENCE_HOLD", "FAULT_FLAGS", "LEAD_MODEL", "divergence_step", "first_alert", "loss_gap",
            "moving_average", "peak_score", "plot_fault"]
 
 # The fault studies' runs: the project's small MoE GPT (EP=2 on 2 processes), evaluated every 5 steps.

@@ -68,7 +68,7 @@ class RoutingRecorder(Extension):
         add_section_flags(parser.add_argument_group("megatron-mech routing record (studies)"), RoutingRecordConfig)
 
     @classmethod
-    def from_args(cls, args) -> Optional["RoutingRecorder"]:
+    def from_args(cls, args) -> Optional[RoutingRecorder]:
         config = section_from_flags(RoutingRecordConfig, args)
         return cls(config.dir) if config.dir else None
 

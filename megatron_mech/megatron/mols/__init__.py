@@ -52,8 +52,13 @@ the per-step multipliers) and :mod:`~megatron_mech.megatron.mols.versions` (mega
 """
 from megatron_mech.core.mols import default_window
 from megatron_mech.megatron.mols.estimator import ROUTES, MegatronMoLS, add_mols_arguments
-from megatron_mech.megatron.mols.param_groups import (TAG, apply_multipliers, build_taxonomy, mols_config_overrides,
-                                                      protect_param_group_identity)
+from megatron_mech.megatron.mols.param_groups import (
+    TAG,
+    apply_multipliers,
+    build_taxonomy,
+    mols_config_overrides,
+    protect_param_group_identity,
+)
 from megatron_mech.megatron.mols.versions import megatron_core_version, multiplier_mode
 
 __all__ = ["ROUTES", "TAG", "MegatronMoLS", "add_mols_arguments", "apply_multipliers", "build_taxonomy",

@@ -25,9 +25,14 @@ from megatron_mech.core.mols import MoLSConfig, MoLSController
 from megatron_mech.core.snr import sample_snr
 from megatron_mech.core.taxonomy import MODULE_CLASSES, ModuleTaxonomy
 from megatron_mech.megatron.mols.grad_norms import KEY_INDEX, KEYS, NUM_KEYS, GradNormReader
-from megatron_mech.megatron.mols.param_groups import (TAG, apply_multipliers,
-                                                      build_taxonomy, mols_config_overrides,
-                                                      protect_param_group_identity, record_bases)
+from megatron_mech.megatron.mols.param_groups import (
+    TAG,
+    apply_multipliers,
+    build_taxonomy,
+    mols_config_overrides,
+    protect_param_group_identity,
+    record_bases,
+)
 from megatron_mech.optim import param_groups
 
 __all__ = ["MegatronMoLS", "ROUTES", "add_mols_arguments"]
@@ -239,11 +244,11 @@ class MegatronMoLS:
             setattr(self.model_config, _SAMPLE_PASSES, getattr(self.model_config, _SAMPLE_PASSES) - 1)
 
     # -- installation
-    def attach(self, optimizer) -> "MegatronMoLS":
+    def attach(self, optimizer) -> MegatronMoLS:
         """:meth:`install` into the model's own config (the one ``forward_backward_func`` reads)."""
         return self.install(self.model_config, optimizer)
 
-    def install(self, model_config, optimizer, iteration: Optional[int] = None) -> "MegatronMoLS":
+    def install(self, model_config, optimizer, iteration: Optional[int] = None) -> MegatronMoLS:
         """Attach to the optimizer and the model config: protect the param-group identity for checkpoint loads,
         wrap ``model_config.finalize_model_grads_func`` (two_batch; megatron's ``finalize_model_grads`` if unset)
         and write the multipliers of ``iteration`` (default: the controller's next iteration, 0 for a fresh run).

@@ -1,0 +1,88 @@
+"""The version policy page (docs/versions.md) and the changelog cannot go stale: the patch series the page lists
+are the folders shipped in megatron_mech/megatron_lm/patches/, the ranges it quotes are the ones pyproject.toml
+declares, the torch it names is the one scripts/setup.sh pins, and CHANGELOG.md has an entry for the package's
+version."""
+from __future__ import annotations
+
+import re
+import tomllib
+
+import pytest
+from packaging.requirements import InvalidRequirement, Requirement
+
+from dist_utils import REPO_ROOT
+
+pytestmark = pytest.mark.timeout(60)
+
+PAGE = (REPO_ROOT / "docs" / "versions.md").read_text(encoding="utf-8")
+PATCHES = REPO_ROOT / "megatron_mech" / "megatron_lm" / "patches"
+PYPROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+CHANGELOG = (REPO_ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+SERIES = re.compile(r"core_v\d+\.\d+\.\d+")
+
+
+def _section(text: str, heading: str) -> str:
+    """The body of the ``## heading`` section of a Markdown page."""
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end != -1 else len(text)]
+
+
+def _shipped_series() -> set[str]:
+    # the reference: the package's own folders (a series is a folder holding patches), not the patcher's reading
+    return {d.name for d in PATCHES.iterdir() if d.is_dir() and any(d.glob("*.patch"))}
+
+
+def test_the_patch_series_table_lists_exactly_the_shipped_series():
+    table = _section(PAGE, "Megatron-LM patch series")
+    listed = re.findall(r"^\| `(core_v[\d.]+)` \|", table, flags=re.MULTILINE)
+    assert len(listed) == len(set(listed)), f"a series listed twice: {listed}"
+    assert set(listed) == _shipped_series(), (f"docs/versions.md lists {sorted(listed)}, the package ships "
+                                             f"{sorted(_shipped_series())}")
+
+
+def test_the_supported_versions_table_names_the_shipped_series_for_forks():
+    table = _section(PAGE, "Supported framework versions")
+    (row,) = [line for line in table.splitlines() if line.startswith("| Megatron-LM forks |")]
+    supported_cell = row.split("|")[2]
+    assert set(SERIES.findall(supported_cell)) == _shipped_series(), row
+
+
+def _key(requirement: Requirement) -> str:
+    """One spelling per range: the name and the specifiers sorted (">=0.16.1,<0.20" and "<0.20,>=0.16.1" agree)."""
+    return requirement.name + ",".join(sorted(str(s) for s in requirement.specifier))
+
+
+def test_the_ranges_the_page_quotes_are_the_ones_pyproject_declares():
+    project = PYPROJECT["project"]
+    declared = {_key(Requirement(r)) for r in project["dependencies"]}
+    for extra in project["optional-dependencies"].values():
+        declared |= {_key(Requirement(r)) for r in extra}
+    quoted = []
+    for code in re.findall(r"`([^`]+)`", PAGE):
+        try:
+            requirement = Requirement(code)
+        except InvalidRequirement:
+            continue
+        if requirement.specifier:  # a bare word in backticks is not a quoted range
+            quoted.append(_key(requirement))
+    expected = {_key(Requirement(r)) for r in ("megatron-core>=0.16.1,<0.20", "deepspeed>=0.19.8", "torch>=2.1")}
+    assert expected <= set(quoted), quoted
+    assert set(quoted) <= declared, f"quoted on the page but not in pyproject.toml: {sorted(set(quoted) - declared)}"
+    assert f'`requires-python = "{project["requires-python"]}"`' in PAGE
+
+
+def test_the_page_names_the_package_version_and_the_torch_setup_pins():
+    assert f"(today {PYPROJECT['project']['version']})" in PAGE
+    pinned = re.search(r"torch==([\d.]+)", (REPO_ROOT / "scripts" / "setup.sh").read_text(encoding="utf-8"))
+    torch_row = next(line for line in PAGE.splitlines() if line.startswith("| torch |"))
+    assert pinned and f"| {pinned.group(1)} " in torch_row, torch_row
+
+
+def test_the_changelog_has_an_unreleased_section_and_an_entry_for_the_package_version():
+    versions = re.findall(r"^## \[([^\]]+)\](?: - (\d{4}-\d{2}-\d{2}))?$", CHANGELOG, flags=re.MULTILINE)
+    assert versions and versions[0] == ("Unreleased", ""), versions
+    assert any(v == PYPROJECT["project"]["version"] and date for v, date in versions), versions
+    # Keep a Changelog's section kinds only
+    kinds = set(re.findall(r"^### (.+)$", CHANGELOG, flags=re.MULTILINE))
+    assert kinds <= {"Added", "Changed", "Deprecated", "Removed", "Fixed", "Security"}, kinds
