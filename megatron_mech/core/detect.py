@@ -641,7 +641,7 @@ class DetectorRegistry:
         self.alerts: list[Alert] = []
 
     @classmethod
-    def with_overrides(cls, overrides: Mapping[str, Any] | None = None) -> "DetectorRegistry":
+    def with_overrides(cls, overrides: Mapping[str, Any] | None = None) -> DetectorRegistry:
         """The default rules with the same ``overrides`` (``{"warmup": 5, "baseline": 10, ...}``: rule fields,
         e.g. a run's ``--mech-detector-*`` settings) applied to every rule: how a run builds its registry, and how
         its report rebuilds it from ``summary.json``. An unknown field is a ``ValueError`` naming it."""

@@ -34,11 +34,6 @@ from typing import Optional
 
 from megatron_mech.config import DEFAULT_OUTPUT_DIR
 from megatron_mech.megatron.checkpoint import TRACKER, read_tracker
-<<<<<<< HEAD
-from megatron_mech.records.run_directory import (FIRST_ALERT, JSONL, RUN_ID_FILE, SUMMARY, claim_run_directory,
-                                                 previous_run, probe_writable, refuse_linked_checkpoints,
-                                                 refuse_mixing_runs, refuse_symlinks_in, resumed_run_id, write_run_id)
-=======
 from megatron_mech.records.run_directory import (
     FIRST_ALERT,
     JSONL,
@@ -47,13 +42,12 @@ from megatron_mech.records.run_directory import (
     claim_run_directory,
     previous_run,
     probe_writable,
+    refuse_linked_checkpoints,
     refuse_mixing_runs,
-    refuse_symlink,
     refuse_symlinks_in,
     resumed_run_id,
     write_run_id,
 )
->>>>>>> lint-s43
 from megatron_mech.records.run_directory import clear_previous_run as clear_run_files
 
 __all__ = ["RunDirectoryPlan", "check_run_directories", "clear_previous_run", "record_run_id"]

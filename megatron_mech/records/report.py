@@ -44,8 +44,14 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from megatron_mech.core.detect import FAMILIES, Alert, DetectorRegistry, layer_of
-from megatron_mech.records.report_guides import (Arming, RunSettings, panel_bands, panel_levels, resolve_arming,
-                                                 run_settings)
+from megatron_mech.records.report_guides import (
+    Arming,
+    RunSettings,
+    panel_bands,
+    panel_levels,
+    resolve_arming,
+    run_settings,
+)
 from megatron_mech.records.series_reduction import RunReduction, record_values, reduce_records
 from megatron_mech.records.sinks import JSONL_NAME, iter_jsonl, record_alerts
 
