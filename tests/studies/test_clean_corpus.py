@@ -11,7 +11,7 @@ import pytest
 from megatron_mech.studies import clean_corpus
 from megatron_mech.studies.clean_scores import replay
 
-CORPUS = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "clean_corpus"
+CORPUS = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "clean_corpus"
 
 
 def records_with_gaps():

@@ -20,7 +20,7 @@ import pytest
 
 from megatron_mech.megatron import data as D
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 GENESIS = "In the beginning God created the heaven and the earth."
 HAMLET = "To be, or not to be: that is the question"
 DREAM = "Now, fair Hippolyta, our nuptial hour"

@@ -2,11 +2,10 @@
 all-reduce, checked against the union computed directly, under torchrun with 3 gloo ranks."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
-from dist_utils import run_torchrun
+from dist_utils import WORKERS, run_torchrun
 from megatron_mech.core.metric_exchange import MetricExchange
 
 
@@ -17,5 +16,5 @@ def test_single_process_is_identity():
 
 @pytest.mark.timeout(200)
 def test_three_ranks_merge_exactly():
-    result = run_torchrun(Path(__file__).parent / "workers" / "metric_exchange_worker.py", nproc=3, timeout=180)
+    result = run_torchrun(WORKERS / "metric_exchange_worker.py", nproc=3, timeout=180)
     assert "METRIC_EXCHANGE PASS" in result.stdout, result.stdout[-4000:]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dist_utils import run_torchrun
+from dist_utils import WORKERS, run_torchrun
 from megatron_mech.core.router import RouterGeometry, RoutingStats, router_weight_geometry, routing_entropy
 
 FAST = settings(max_examples=25, deadline=None)
@@ -401,7 +400,7 @@ def test_stats_all_reduce_without_process_group_is_noop():
 
 
 def test_stats_all_reduce_under_torchrun_gloo():
-    worker = Path(__file__).parent / "workers" / "router_allreduce_worker.py"
+    worker = WORKERS / "router_allreduce_worker.py"
     result = run_torchrun(worker, nproc=2, timeout=120)
     assert "ROUTER_ALLREDUCE PASS" in result.stdout, result.stdout[-4000:]
 

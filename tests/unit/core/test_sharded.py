@@ -11,21 +11,20 @@ to ~1e-14 relative, and the tiny ones of a graded or rank-deficient spectrum to 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dist_utils import run_torchrun
+from dist_utils import WORKERS, run_torchrun
 from megatron_mech.core.sharded import (all_reduce_packed, bucket_plan, frobenius_from_shard_grams, gram_size,
                                    shard_gram, sharded_matrix_spectra, sharded_matrix_spectrum,
                                    spectrum_from_shard_grams, squared_norm)
 from megatron_mech.core.spectral import matrix_spectrum
 
 EPS64 = torch.finfo(torch.float64).eps
-WORKER = Path(__file__).parent / "workers" / "sharded_worker.py"
+WORKER = WORKERS / "sharded_worker.py"
 
 
 def assert_spectrum_close(got, want, m, n):

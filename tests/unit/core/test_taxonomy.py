@@ -29,7 +29,7 @@ from megatron_mech.core.taxonomy import (
     is_fused_qkv,
 )
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 # ------------------------------------------------------------------------------------ real megatron-core names
 _BUILD = r"""

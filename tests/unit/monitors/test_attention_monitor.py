@@ -11,19 +11,18 @@ from __future__ import annotations
 
 import io
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from dist_utils import run_torchrun
+from dist_utils import WORKERS, run_torchrun
 from megatron_mech.core.detect import DetectorRegistry
 from megatron_mech.monitors import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
 from megatron_mech.monitors.attention import BadSetting
 from megatron_mech.core.spectral import qk_increment_spectra_dense
 
-WORKER = Path(__file__).parent / "workers" / "attention_monitor_worker.py"
+WORKER = WORKERS / "attention_monitor_worker.py"
 
 
 def exact_config(**kwargs) -> AttentionMonitorConfig:
@@ -445,7 +444,7 @@ def test_float32_gram_default_agrees_with_float64_route(dtype):
 @pytest.mark.timeout(300)
 def test_data_parallel_split_equals_unsplit_under_torchrun():
     """DP=2 and DP=2×TP=2 (4 ranks): split evaluation == unsplit, bit for bit; disjoint shares and snapshots."""
-    result = run_torchrun(Path(__file__).parent / "workers" / "dp_split_worker.py", nproc=4, timeout=260)
+    result = run_torchrun(WORKERS / "dp_split_worker.py", nproc=4, timeout=260)
     assert "DP_SPLIT PASS" in result.stdout, result.stdout[-4000:]
 
 
@@ -453,7 +452,7 @@ def test_data_parallel_split_equals_unsplit_under_torchrun():
 def test_data_parallel_split_shares_parts_of_layers_under_torchrun():
     """DP=4 over two layers and DP=2×TP=2 (4 ranks): ΔW_q, ΔW_k and head chunks go to different replicas (none
     idle, each head and ΔW evaluated once), and the metrics equal the single-rank evaluation bit for bit."""
-    result = run_torchrun(Path(__file__).parent / "workers" / "dp_parts_worker.py", nproc=4, timeout=260)
+    result = run_torchrun(WORKERS / "dp_parts_worker.py", nproc=4, timeout=260)
     assert "DP_PARTS PASS" in result.stdout, result.stdout[-4000:]
 
 
@@ -461,7 +460,7 @@ def test_data_parallel_split_shares_a_krylov_spectrum_by_rows_under_torchrun():
     """DP=4 and DP=2×TP=2 (4 ranks): a Krylov-route ΔW larger than a replica's share is split by rows over the
     replicas (each row snapshotted once), its products summed over them: the metrics equal the unsplit evaluation
     (to float64 summation order), and a NaN in one replica's chunk makes them NaN on every rank."""
-    result = run_torchrun(Path(__file__).parent / "workers" / "dp_row_split_worker.py", nproc=4, timeout=260)
+    result = run_torchrun(WORKERS / "dp_row_split_worker.py", nproc=4, timeout=260)
     assert "DP_ROW_SPLIT PASS" in result.stdout, result.stdout[-4000:]
 
 

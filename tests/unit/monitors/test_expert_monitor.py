@@ -69,11 +69,9 @@ def test_nonfinite_expert_is_flagged_and_bad_layout_raises():
 
 @pytest.mark.timeout(200)
 def test_experts_split_over_two_ranks_equal_one_process():
-    from pathlib import Path
+    from dist_utils import WORKERS, run_torchrun
 
-    from dist_utils import run_torchrun
-
-    result = run_torchrun(Path(__file__).parent / "workers" / "expert_monitor_worker.py", nproc=2, timeout=180)
+    result = run_torchrun(WORKERS / "expert_monitor_worker.py", nproc=2, timeout=180)
     assert "EXPERT_MONITOR PASS" in result.stdout, result.stdout[-4000:]
 
 

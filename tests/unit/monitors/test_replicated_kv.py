@@ -12,17 +12,16 @@ megatron-core discovery against TP=1.
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
 
-from dist_utils import run_torchrun
+from dist_utils import WORKERS, run_torchrun
 from megatron_mech.core.layouts import ReplicatedKVShard, fuse_qkv
 from megatron_mech.core.sharded import shard_gram, spectrum_from_shard_grams
 from megatron_mech.core.spectral import QK_TERMS, matrix_spectrum, qk_increment_spectra, qk_increment_spectra_dense
 
-WORKER = Path(__file__).parent / "workers" / "replicated_kv_worker.py"
+WORKER = WORKERS / "replicated_kv_worker.py"
 EPS64 = torch.finfo(torch.float64).eps
 
 # (H, G, TP, d_head): shard boundaries on head boundaries, and (TP=8, d_head=4: 5 rows per rank) inside heads,

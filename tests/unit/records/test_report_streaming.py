@@ -17,7 +17,7 @@ from megatron_mech.records.sinks import JSONL_NAME, JsonlSink, encode_record, it
 
 pytestmark = pytest.mark.timeout(300)
 
-CORPUS = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "clean_corpus" / "moe_h64_s21.json.gz"
+CORPUS = Path(__file__).resolve().parents[3] / "benchmarks" / "data" / "clean_corpus" / "moe_h64_s21.json.gz"
 
 
 # ------------------------------------------------------------------------------------------------ references
