@@ -3,6 +3,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import megatron_mech
 from megatron_mech.core import detect, layouts, router, snr, spectral
 
@@ -64,6 +66,7 @@ def _shipped_from_checkout() -> set:
     return files
 
 
+@pytest.mark.slow
 def test_wheel_and_sdist_hold_the_modules_patch_series_and_launchers(installed_package):
     import re
     import tarfile
@@ -95,6 +98,7 @@ def test_wheel_and_sdist_hold_the_modules_patch_series_and_launchers(installed_p
     assert "megatron-mech = megatron_mech.cli:main" in entry_points
 
 
+@pytest.mark.slow
 def test_installed_wheel_patches_a_megatron_lm_tree_without_a_checkout(installed_package, tmp_path):
     """``megatron-mech patch check/apply/revert`` from the installed wheel, run outside the checkout, on a copy
     of an unmodified Megatron-LM tree: it finds the series shipped in the wheel, and revert restores every byte."""

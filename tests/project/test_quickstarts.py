@@ -28,6 +28,8 @@ def steps_recorded(path) -> list:
     return [json.loads(line)["step"] for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(900)
 def test_megatron_lm_quickstart(installed_package, tmp_path):
     require(RUNNABLE_TAG)
@@ -50,6 +52,8 @@ def test_megatron_lm_quickstart(installed_package, tmp_path):
     assert steps_recorded(work / "runs" / "fork" / "mech.jsonl") == [5, 10, 15, 20]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(900)
 def test_deepspeed_quickstart(installed_package, tmp_path):
     pytest.importorskip("deepspeed")

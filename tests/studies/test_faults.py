@@ -332,6 +332,8 @@ def _result(results, name):
     return job["result"]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_fp32_equals_megatron_dot_product_attention(megatron_results):
     r = _result(megatron_results, "core_match")
     cases = [key for key in r if "/" in key]
@@ -346,6 +348,8 @@ def test_fp32_equals_megatron_dot_product_attention(megatron_results):
     assert "layers" in r["errors"]["layers"] and "heads" in r["errors"]["heads"]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_gpt_with_fault_spec_changes_exactly_the_faulty_place(megatron_results):
     r = _result(megatron_results, "gpt_selectivity")
     assert r["same_weights"] and r["core_types"] == ["EmulatedFlashAttention"] * 3 and r["faulty_layers"] == [1]
@@ -371,6 +375,8 @@ def test_gpt_with_fault_spec_changes_exactly_the_faulty_place(megatron_results):
     assert not r["bf16_grads_equal_fp32"]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_lr_fault_with_megatron_scheduler(megatron_results):
     r = _result(megatron_results, "lr_scheduler")
     k, start = r["k"], r["start"]
@@ -380,6 +386,8 @@ def test_lr_fault_with_megatron_scheduler(megatron_results):
     assert r["scheduler_state_equal"]  # the scheduler itself is untouched (checkpoints unaffected)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_router_fault_is_the_router_lr_times_k_from_the_start_step(megatron_results):
     r = _result(megatron_results, "router_fault")
     assert r["routers"] == ["decoder.layers.0.mlp.router.weight", "decoder.layers.1.mlp.router.weight"]
@@ -396,6 +404,8 @@ def test_router_fault_is_the_router_lr_times_k_from_the_start_step(megatron_resu
     assert r["megatron_others_equal_at_start"]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_routing_recorder_counts_the_routers_top_k_choices_of_training_steps(megatron_results):
     r = _result(megatron_results, "router_fault")["recorder"]
     # the router's own routing decisions, per step and layer, equal top-2 of logits recomputed from its input;
@@ -407,6 +417,8 @@ def test_routing_recorder_counts_the_routers_top_k_choices_of_training_steps(meg
         assert all(sum(counts) == 2 * r["tokens_per_step"] for counts in per_layer.values())  # top-2
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_router_input_fault_routes_on_shifted_logits_from_the_start_step(megatron_results):
     r = _result(megatron_results, "router_input_fault")
     rows = r["rows"]
@@ -436,6 +448,8 @@ def test_router_fault_refuses_an_optimizer_that_steps_copies():
     assert F.FaultConfig(kind="router", strength=10).lr_multiplier == 1.0  # the global lr is not touched
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_short_training_fault_makes_faulty_layer_updates_coherent(megatron_results):
     r = _result(megatron_results, "train")
     clean, faulty = r["clean"]["series"], r["faulty"]["series"]
@@ -453,6 +467,8 @@ def test_short_training_fault_makes_faulty_layer_updates_coherent(megatron_resul
     assert ratio("layer1_entropy", 1) < 0.95 and ratio("layer0_entropy", 1) > 0.98
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_tensor_parallel_head_mapping_torchrun():
     """TP=2 (dense, and MoE with sequence parallel): global head 3 of layer 1 is rank 1's local head 1; only
     that rank injects, and the emulated fp32 model still equals the stock one."""

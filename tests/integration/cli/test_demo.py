@@ -10,6 +10,8 @@ import pytest
 from readme_blocks import quickstart, run_quickstart
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(1200)
 def test_entry_point_quickstart_demo_and_train(installed_package, tmp_path):
     block = quickstart("entry-point")
@@ -36,6 +38,7 @@ def test_entry_point_quickstart_demo_and_train(installed_package, tmp_path):
     assert (first / "report.md").is_file() and (first / "report.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_installed_entry_point_launcher_runs_as_a_module(installed_package, tmp_path):
     """The README's launcher for an installed package, ``-m megatron_mech.launch_scripts.pretrain_gpt_mech``,
     exists in the wheel and takes the --mech-* flags (its --help lists them)."""

@@ -42,6 +42,8 @@ def _records(run_dir) -> list:
     return [json.loads(line) for line in (run_dir / "mech.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_two_torchrun_agents_on_loopback_train_like_one_node(tmp_path):
     port = free_port()
     multi = tmp_path / "two_nodes"

@@ -14,7 +14,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from dist_utils import REPO_ROOT, free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 LAUNCHER = REPO_ROOT / "launch_scripts" / "pretrain_gpt_mech.py"
 TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",

@@ -26,6 +26,8 @@ def run_worker(scenario: str, stages: str, *extra: str, timeout: float = 400) ->
 
 
 # ------------------------------------------------------------------------------------------------ torchrun
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(500)
 def test_attention_metrics_equal_full_weight_reference_zero_1_2_3():
     """ZeRO 1 and 2 read the replicated weights, ZeRO 3 gathers them: all equal the dense computation from
@@ -34,6 +36,8 @@ def test_attention_metrics_equal_full_weight_reference_zero_1_2_3():
     assert all(result[s]["checked"] > 0 for s in ("1", "2", "3"))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(400)
 def test_router_stats_equal_single_process_moe_ep2_zero_1_2_and_mixtral_zero_3():
     result = run_worker("router", "1,2,3")
@@ -45,6 +49,8 @@ def _mols(stages: str) -> dict:
     return run_worker("mols", stages, timeout=600)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(700)
 def test_mols_lr_is_base_times_multiplier_every_scheduler_zero_0_to_3():
     """Every group's lr = the scheduler's own lr × multiplier at every step (checked in the worker), for none,
@@ -59,6 +65,8 @@ def test_mols_lr_is_base_times_multiplier_every_scheduler_zero_0_to_3():
                                                                                  reference[kind][cls])
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(400)
 def test_mols_gradient_statistics_equal_autograd_reference_with_accumulation():
     """Gradient accumulation 2 at ZeRO 0, 2 and 3: MoLS's small-batch (micro-batch) and big-batch (reduced)
@@ -69,6 +77,8 @@ def test_mols_gradient_statistics_equal_autograd_reference_with_accumulation():
     assert run_worker("mols_stats", "2", "--precision", "bf16", "--rtol", "0.05")["2"]["classes"] >= 5
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(500)
 def test_save_and_load_continue_identically_zero_2_3(tmp_path):
     run_worker("resume", "2,3", "--tmp", str(tmp_path))
@@ -76,6 +86,8 @@ def test_save_and_load_continue_identically_zero_2_3(tmp_path):
     assert [json.loads(x)["step"] for x in lines] == [4, 6]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(500)
 def test_attention_fault_in_hf_model_raises_attention_alert():
     result = run_worker("fault", "1")
@@ -204,6 +216,7 @@ def test_hf_router_capture_equals_the_logits_mixtral_uses():
 
 
 # ------------------------------------------------------------------------------------------------ the guide
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_guide_deepspeed_script_runs_as_written(tmp_path):
     """The DeepSpeed guide's own-script example (docs/guides/deepspeed.md) is complete: extracted verbatim and run as ``python train.py`` (one CPU
@@ -284,6 +297,7 @@ def _run_user_script(tmp_path, *args):
     return run
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_script_without_logging_set_up_shows_the_start_line_and_alerts(tmp_path):
     """A user's own DeepSpeed script that sets up no logging: the start line (once, with the model's attention
@@ -295,6 +309,7 @@ def test_a_script_without_logging_set_up_shows_the_start_line_and_alerts(tmp_pat
     assert not [line for line in lines if line.startswith("[mech] ALERT") and "step 3:" not in line]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_script_with_its_own_logging_gets_the_lines_there_and_nothing_added(tmp_path):
     """A script that configured logging itself (``logging.basicConfig`` to a file) gets the start line and the
@@ -307,6 +322,7 @@ def test_a_script_with_its_own_logging_gets_the_lines_there_and_nothing_added(tm
     assert [line for line in lines if "[mech] ALERT step 3:" in line], lines
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_summary_and_end_of_run_line_state_the_armed_from_step_of_a_short_run(tmp_path):
     """A run that ends before the detectors are armed says so: summary.json holds the armed-from step

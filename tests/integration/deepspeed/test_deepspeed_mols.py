@@ -30,6 +30,8 @@ def results(tmp_path_factory) -> dict:
     return _results(str(tmp_path_factory.mktemp("deepspeed_mols")))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(1000)
 @pytest.mark.parametrize("scenario", ["fused_phi3", "fused_gpt2", "fused_phi3_zero3"])
 def test_fused_qkv_is_measured_by_rows_and_scaled_by_the_rule(results, scenario):
@@ -39,6 +41,8 @@ def test_fused_qkv_is_measured_by_rows_and_scaled_by_the_rule(results, scenario)
     assert results[scenario]["errors"] == []
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(1000)
 def test_hf_experts_get_their_multiplier_and_records_use_the_update_step(results):
     """Qwen2-MoE: the experts group's lr after the ramp = base · alpha/experts (≠ 1); at every step each group
@@ -46,11 +50,15 @@ def test_hf_experts_get_their_multiplier_and_records_use_the_update_step(results
     assert results["hf_experts"]["errors"] == []
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(1000)
 def test_deepspeed_moe_experts_stay_at_the_base_lr(results):
     assert results["ds_moe"]["errors"] == []
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(1000)
 def test_window_without_signal_is_reported_not_estimated_and_logged(results):
     assert results["no_signal"]["errors"] == []

@@ -19,6 +19,8 @@ transformers = pytest.importorskip("transformers")
 WORKER = REPO_ROOT / "tests" / "workers" / "deepspeed_worker.py"
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(500)
 def test_checkpoint_loads_weights_only_zero_0_to_3(tmp_path):
     """Real ZeRO 0-3 checkpoints pass the allow-list and resume exactly; planted model/optimizer pickles are
@@ -48,6 +50,7 @@ def steps(jsonl) -> list:
     return [json.loads(line)["step"] for line in jsonl.read_text().splitlines()]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_launcher_refuses_a_fresh_run_into_a_previous_run(tmp_path):
     """The example launcher follows the one-run-per-directory rule: a second fresh run into the same --output-dir
@@ -73,6 +76,7 @@ def test_launcher_refuses_a_fresh_run_into_a_previous_run(tmp_path):
     assert steps(out / "mech.jsonl") == [2, 4]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_launcher_refuses_a_directory_another_run_holds(tmp_path):
     """Two runs started into one --output-dir at once both passed the one-run rule and appended to one
@@ -94,6 +98,7 @@ def test_launcher_refuses_a_directory_another_run_holds(tmp_path):
         assert not (out / "mech.jsonl").exists() and not (ckpt / "latest").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_launcher_refuses_links_out_of_its_directories(tmp_path):
     """A mech.jsonl link in --output-dir got the records appended to the file it points to, and a (dangling)
@@ -114,6 +119,7 @@ def test_launcher_refuses_links_out_of_its_directories(tmp_path):
         link.unlink()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_latest_tag_outside_the_load_directory_is_refused_and_the_loaded_checkpoint_is_named(tmp_path):
     """DeepSpeed joins whatever ``latest`` holds to --load: a tag ``../../ds1/ckpt/global_step4`` loaded another
@@ -229,6 +235,7 @@ def test_a_crafted_state_is_never_written_into_a_shared_zero_stage_member(tmp_pa
         member._value_ = 1  # what the unpickler may have overwritten: later tests use the enum
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_launcher_reports_a_damaged_fragment_address_in_one_line(tmp_path):
     """A ZeRO 1 optimizer file whose ``fragment_address`` gets wrong constructor arguments: DeepSpeed's TypeError
@@ -256,6 +263,7 @@ def test_launcher_reports_a_damaged_fragment_address_in_one_line(tmp_path):
     assert len(error) == 1 and str(target) in error[0] and "fragment_address" in error[0], resumed.stderr[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_launcher_refuses_to_resume_into_another_runs_output_directory(tmp_path):
     """A resume appends to --output-dir's mech.jsonl and replaces its summary.json, so it must be the checkpoint's

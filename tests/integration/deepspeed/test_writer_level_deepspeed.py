@@ -45,6 +45,7 @@ mech.close()
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_deepspeed_monitor_gets_the_summary_and_mech_jsonl_everything(tmp_path):
     (tmp_path / "train.py").write_text(SCRIPT)

@@ -226,6 +226,8 @@ TINY_GPT = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads",
             "--eval-iters", "1", "--mech-interval", "2", "--use-distributed-optimizer"]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(400)
 def test_planted_distributed_optimizer_state_does_not_run_even_when_torch_is_told_to_unpickle(tmp_path):
     """``distopt_rank0000.pt`` is read weights-only by us: with ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` (which makes

@@ -355,6 +355,8 @@ def test_gpt_datasets_draw_windows_from_the_indexed_data(small_data, tmp_path):
     assert not all(np.array_equal(other[i]["tokens"], train[i]["tokens"]) for i in range(5))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_gpt_datasets_under_torchrun(tmp_path):
     from dist_utils import run_torchrun
 

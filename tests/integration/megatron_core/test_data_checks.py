@@ -125,6 +125,8 @@ def test_missing_sink_package_is_named_at_start(tmp_path, monkeypatch, capsys, f
     assert message.replace("TB", str(tmp_path / "TB")) in capsys.readouterr().err
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_entry_point_refuses_foreign_token_ids_before_building_the_model(corpus, tmp_path):
     """Two real ranks: each refuses with the file named, before any process group or model (no gloo error)."""
     write_indexed_dataset(tmp_path / "big", [[1, 2, 3] * 40, [4, 5000, 5] * 40])
@@ -139,6 +141,8 @@ def test_entry_point_refuses_foreign_token_ids_before_building_the_model(corpus,
     assert "Connection closed" not in text
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_entry_point_refuses_a_missing_wandb_on_every_rank(tmp_path):
     """Two real ranks, ``wandb`` blocked (tests/workers/blocked_import_worker.py): the refusal names the flag on
     every rank before any process group exists, instead of one rank's ImportError after the model is built and

@@ -56,6 +56,8 @@ def test_malformed_forms_are_named(tmp_path, values, message):
     assert message in str(info.value)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_training_on_a_weighted_blend_of_own_prefixes(tmp_path):
     from megatron_mech.megatron.data import load_tokenizer, prepare_data
 

@@ -128,6 +128,8 @@ def _limited_megatron_run(reference: Path, run: Path, limit: int, *flags: str) -
                  LAUNCHER, *TINY, "--train-iters", "12", "--mech-output-dir", run, *flags], limit=limit)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_megatron_entry_point_on_a_full_disk_finishes_and_exits_records_incomplete(tmp_path, megatron_reference):
     """The entry point's run fills its disk after two records: it trains to the end, ``mech.jsonl`` holds whole
@@ -146,6 +148,8 @@ def test_megatron_entry_point_on_a_full_disk_finishes_and_exits_records_incomple
     assert not list(run.glob(".*.tmp"))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_a_checkpoint_that_does_not_fit_fails_the_run_without_a_partial_file(tmp_path, megatron_reference):
     """A checkpoint is training state, not monitor output: when it cannot be written the run fails (as it would
@@ -158,6 +162,7 @@ def test_a_checkpoint_that_does_not_fit_fails_the_run_without_a_partial_file(tmp
     assert not (run / "latest_checkpointed_iteration.txt").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_deepspeed_launcher_on_a_full_disk_exits_records_incomplete(tmp_path):
     """The same on the DeepSpeed launcher: exit code 3, whole records only, the lost steps in its summary."""

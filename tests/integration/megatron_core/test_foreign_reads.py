@@ -58,6 +58,8 @@ def _run(output_dir) -> tuple[int, str]:
     return proc.returncode, out
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_a_pickle_planted_in_the_sample_index_cache_does_not_run(tmp_path):
     """A run whose ``gpt_index_cache`` holds a pickled object array in place of the sample index: megatron-core's

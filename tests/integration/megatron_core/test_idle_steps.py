@@ -16,6 +16,8 @@ import pytest
 
 from dist_utils import REPO_ROOT, run_torchrun
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 WORKER = REPO_ROOT / "tests" / "workers" / "idle_step_ops_worker.py"
 DEEPSPEED_WORKER = REPO_ROOT / "tests" / "workers" / "deepspeed_idle_ops_worker.py"
 TINY_MOE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",

@@ -100,6 +100,8 @@ def test_registry_is_documented_and_fully_covered():
         assert shim.doc and shim.apply.__doc__
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(RUNNER_TIMEOUT + 60)
 @pytest.mark.parametrize("name", list(NEEDED))
 def test_shim_is_needed(results, name):
@@ -117,6 +119,8 @@ def test_shim_is_needed(results, name):
     assert _ok(results[baseline])[0]["applied"] == list(mcpu.SHIMS)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(RUNNER_TIMEOUT + 60)
 def test_dense_training_tp2_and_dp2_match_tp1(results):
     tp1 = _losses(results["dense_tp1"])
@@ -134,6 +138,8 @@ def test_dense_training_tp2_and_dp2_match_tp1(results):
     assert _ok(results["dense_tp2"])[0]["params_local"] < 0.6 * p1
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(RUNNER_TIMEOUT + 60)
 def test_moe_alltoall_training(results):
     tp1 = _losses(results["moe_tp1"])
@@ -147,6 +153,8 @@ def test_moe_alltoall_training(results):
     assert max(abs(a - b) for a, b in zip(ep2, tp2ep2)) < 1e-5, (ep2, tp2ep2)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(RUNNER_TIMEOUT + 60)
 def test_apply_is_idempotent(results):
     r = _ok(results["idempotence"])[0]
@@ -190,6 +198,8 @@ def test_nothing_patched_when_cuda_is_available(monkeypatch):
             assert torch._C._is_torch_function_enabled()
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_real_torchrun_moe_ep2_matches_fork_runner(results):
     """The ordinary launcher path (torchrun, env:// rendezvous) gives the same losses as the forked ranks."""

@@ -13,8 +13,12 @@ on seeds 11, 12 and 13 (steps 95, 105, 110; seed 13 together with layer 2).
 """
 import json
 
+import pytest
+
 from dist_utils import REPO_ROOT, run_torchrun
 from megatron_mech.studies.leadtime import FAULT_FLAGS, LEAD_MODEL
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 LAUNCHER = REPO_ROOT / "launch_scripts" / "pretrain_gpt_mech.py"
 QUICK = [*LEAD_MODEL, "--seed", "11", "--mech-detector-warmup", "10", "--mech-detector-baseline", "6",

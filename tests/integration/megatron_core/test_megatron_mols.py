@@ -34,6 +34,8 @@ pytest.importorskip("megatron.core")
 
 from dist_utils import REPO_ROOT, job_ranks, run_worker_jobs  # noqa: E402
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 WORKER = REPO_ROOT / "tests" / "workers" / "mols_worker.py"
 RUNNER_TIMEOUT = 420
 SEEDS = range(4)

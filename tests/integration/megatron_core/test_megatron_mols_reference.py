@@ -16,6 +16,8 @@ from dist_utils import REPO_ROOT, job_ranks, run_worker_jobs  # noqa: E402
 
 from megatron_mech.core.taxonomy import fused_qkv_multiplier  # noqa: E402
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 WORKER = REPO_ROOT / "tests" / "workers" / "mols_worker.py"
 RUNNER_TIMEOUT = 300
 COMMON = dict(kind="train", nproc=2, dist_opt=True, steps=14, window_steps=3, warmup=6, seed=11, data_seed=3,

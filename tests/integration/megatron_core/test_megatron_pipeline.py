@@ -16,6 +16,8 @@ import pytest
 from dist_utils import REPO_ROOT, run_torchrun
 from test_megatron_training import MOE, TINY, TRAINING_TOL, assert_same_series, series, train
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 PP_STEPS = 10
 
 

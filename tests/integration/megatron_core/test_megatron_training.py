@@ -15,6 +15,8 @@ import torch
 from dist_utils import REPO_ROOT, run_torchrun
 from megatron_mech.core.router import RoutingStats
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 LAUNCHER = REPO_ROOT / "launch_scripts" / "pretrain_gpt_mech.py"
 CAPTURE_WORKER = REPO_ROOT / "tests" / "workers" / "routing_capture_worker.py"
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",

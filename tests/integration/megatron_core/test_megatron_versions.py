@@ -91,6 +91,8 @@ def assert_trained_and_monitored(run: dict) -> None:
     assert mols["mols/done"] == 1.0 and any(v != 1.0 for k, v in mols.items() if k.startswith("mols/mult/"))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("release", RELEASES)
 def test_release_trains_exactly_as_the_reference(release, reference, tmp_path):
     python = venv_python(release)
@@ -135,6 +137,8 @@ def fork_data(tmp_path_factory):
     return get
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("tag", FORK_RELEASES)
 def test_patched_fork_trains_with_monitors_and_mols(tag, fork_data, tmp_path):
     from megatron_mech.megatron_lm import patcher
@@ -175,6 +179,8 @@ def test_every_later_shim_has_a_case():
         assert release in RELEASES and release.startswith(mcpu.SHIMS[name].needed_from + "."), name
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", list(NEEDED_BY_LATER_RELEASES))
 def test_later_shim_is_needed(name):
     # megatron-core's own training step (tests/workers/megatron_cpu_worker.py: GPTModel, DDP, optimizer, the

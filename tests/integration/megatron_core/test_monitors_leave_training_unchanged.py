@@ -18,6 +18,8 @@ import torch
 
 from dist_utils import REPO_ROOT, run_torchrun
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 LAUNCHER = REPO_ROOT / "launch_scripts" / "pretrain_gpt_mech.py"
 DEEPSPEED_WORKER = REPO_ROOT / "tests" / "workers" / "deepspeed_monitors_off_worker.py"
 STEPS = 6

@@ -7,7 +7,11 @@ and the diagnosis must say "training went non-finite", never a layer's fault or 
 """
 import json
 
+import pytest
+
 from dist_utils import REPO_ROOT, run_torchrun
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 LAUNCHER = REPO_ROOT / "launch_scripts" / "pretrain_gpt_mech.py"
 TINY_MOE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",

@@ -14,6 +14,8 @@ import pytest
 from dist_utils import REPO_ROOT, run_torchrun
 from megatron_mech.megatron.checkpoint import RUN_ID_FILE
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 LAUNCHER = REPO_ROOT / "launch_scripts" / "pretrain_gpt_mech.py"
 TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--lr-warmup-iters", "1", "--log-interval", "1",

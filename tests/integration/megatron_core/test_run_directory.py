@@ -176,6 +176,8 @@ def test_replicated_kv_is_accepted_with_every_monitor():
                      "--num-experts", "4"), 2)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_entry_point_refuses_before_building_anything(tmp_path):
     previous_run(tmp_path / "run")
     with pytest.raises(AssertionError) as failure:
@@ -191,6 +193,8 @@ TINY = ("--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2"
         "--eval-iters", "1", "--mech-interval", "2")
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_run_started_into_a_directory_another_run_holds_is_refused(tmp_path):
     """Two runs started into one directory at once both found it empty and appended to one mech.jsonl (steps
@@ -282,6 +286,8 @@ def test_writes_in_a_run_directory_never_follow_a_link(tmp_path):
     assert outside.read_text() == "keep" and not (tmp_path / "s" / "summary.json").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_entry_point_refuses_a_symlinked_log_before_training(tmp_path):
     """A mech.jsonl link to a file outside the run directory got the run's records appended to that file. The

@@ -28,6 +28,8 @@ def _installed(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_patched_fork_bf16_one_gpu(tmp_path):
     require(RUNNABLE_TAG)
     from megatron_mech.megatron.data import prepare_data

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from dist_utils import REPO_ROOT, run_worker_jobs
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 WORKER = REPO_ROOT / "tests" / "workers" / "lm_param_groups_worker.py"
 

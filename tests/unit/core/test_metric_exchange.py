@@ -14,6 +14,8 @@ def test_single_process_is_identity():
     assert metrics == {"a": 1.0} and details == {"a": {"layer": 0}}
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(200)
 def test_three_ranks_merge_exactly():
     result = run_torchrun(WORKERS / "metric_exchange_worker.py", nproc=3, timeout=180)

@@ -399,6 +399,8 @@ def test_stats_all_reduce_without_process_group_is_noop():
         assert torch.equal(after[key], value) if isinstance(value, torch.Tensor) else after[key] == value, key
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_stats_all_reduce_under_torchrun_gloo():
     worker = WORKERS / "router_allreduce_worker.py"
     result = run_torchrun(worker, nproc=2, timeout=120)

@@ -121,6 +121,8 @@ def test_bucket_plan_and_no_dist_packing():
     assert all(a is b for a, b in zip(out, ts))   # nothing to reduce without torch.distributed
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_sharded_spectra_under_torchrun_gloo(nproc):

@@ -120,6 +120,7 @@ EXPECTED = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", sorted(EXPECTED))
 def test_real_megatron_names(megatron_params, variant):
     params = megatron_params[variant]
@@ -138,6 +139,7 @@ def test_real_megatron_names(megatron_params, variant):
     assert tax.tied_embedding is False
 
 
+@pytest.mark.slow
 def test_real_megatron_fused_qkv_blocks(megatron_params):
     """The real linear_qkv shape (H=4, G=2, d_head=8) splits into Q/K/V rows as layouts says."""
     shapes = {n: s for n, s, _ in megatron_params["dense"]}

@@ -419,6 +419,8 @@ def test_monitor_without_layers_is_harmless():
     assert monitor.observe(2) == ({}, {})
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_tensor_parallel_two_ranks_under_torchrun():
     result = run_torchrun(WORKER, nproc=2, timeout=200)
@@ -441,6 +443,8 @@ def test_float32_gram_default_agrees_with_float64_route(dtype):
     assert fast[6][0] != exact[6][0]        # really a different route
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_data_parallel_split_equals_unsplit_under_torchrun():
     """DP=2 and DP=2×TP=2 (4 ranks): split evaluation == unsplit, bit for bit; disjoint shares and snapshots."""
@@ -448,6 +452,8 @@ def test_data_parallel_split_equals_unsplit_under_torchrun():
     assert "DP_SPLIT PASS" in result.stdout, result.stdout[-4000:]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_data_parallel_split_shares_parts_of_layers_under_torchrun():
     """DP=4 over two layers and DP=2×TP=2 (4 ranks): ΔW_q, ΔW_k and head chunks go to different replicas (none
@@ -456,6 +462,8 @@ def test_data_parallel_split_shares_parts_of_layers_under_torchrun():
     assert "DP_PARTS PASS" in result.stdout, result.stdout[-4000:]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_data_parallel_split_shares_a_krylov_spectrum_by_rows_under_torchrun():
     """DP=4 and DP=2×TP=2 (4 ranks): a Krylov-route ΔW larger than a replica's share is split by rows over the
     replicas (each row snapshotted once), its products summed over them: the metrics equal the unsplit evaluation

@@ -67,6 +67,8 @@ def test_nonfinite_expert_is_flagged_and_bad_layout_raises():
         ExpertLayer(0, make_experts(2), 3, 4)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(200)
 def test_experts_split_over_two_ranks_equal_one_process():
     from dist_utils import WORKERS, run_torchrun

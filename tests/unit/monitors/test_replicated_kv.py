@@ -154,11 +154,15 @@ def test_replicated_layer_and_monitor_refuse_inconsistent_input_by_name():
         AttentionMonitor([layer])
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_monitor_under_torchrun_tp2_one_query_group_equals_tp1():
     result = run_torchrun(WORKER, nproc=2, timeout=240)
     assert "REPLICATED_KV PASS" in result.stdout, result.stdout[-4000:]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_training_tp2_one_query_group_matches_tp1(tmp_path):
     """The whole stack (flags, megatron-core model, discovery, hook, monitor) on a real CPU training run: the
     attention metrics of TP=2 with one query group follow the TP=1 run of the same model."""
@@ -173,6 +177,8 @@ def test_training_tp2_one_query_group_matches_tp1(tmp_path):
         assert_same_series(tp1, tp2, pattern, TRAINING_TOL)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_mols_per_class_norms_tp2_one_query_group_equal_tp1():
     """MoLS splits the fused linear_qkv gradient into its Q, K and V rows; with one query group at TP=2 a rank's
     rows are a plain range of the whole weight, and the per-class norms must still equal TP=1's."""

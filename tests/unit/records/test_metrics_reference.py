@@ -69,6 +69,8 @@ def _sections(recorded: dict) -> dict:
     return {"metrics": recorded["metrics"] | recorded["slice"], "mols": recorded["mols"]}
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_every_recorded_name_matches_exactly_one_documented_pattern(recorded):
     assert any(n.startswith("attn/layer0/tp0/") for n in recorded["slice"])  # the slice scope was exercised
     for section, names in _sections(recorded).items():
@@ -79,6 +81,8 @@ def test_every_recorded_name_matches_exactly_one_documented_pattern(recorded):
             assert matches[0].section == section, (name, matches[0].name)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_every_documented_pattern_is_recorded_or_needs_a_flag_not_run(recorded):
     sections = _sections(recorded)
     unrecorded = []
@@ -93,6 +97,8 @@ def test_every_documented_pattern_is_recorded_or_needs_a_flag_not_run(recorded):
     assert all(set(flags) - EXERCISED_FLAGS or name in only_on_failure for name, _, flags in unrecorded), unrecorded
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_alert_columns_are_what_the_registry_does_with_each_name(recorded):
     names = sorted(recorded["metrics"] | recorded["slice"])
     registry = DetectorRegistry()  # the hook's rules: default_rules(), no --mech-detector-* overrides
@@ -119,6 +125,8 @@ def test_an_entry_split_by_the_rules_is_refused():
         alert_rule(entry, rules=[SeriesRule("attn/layer1/*", "attention")])
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_record_fields_are_documented(recorded):
     assert recorded["fields"] <= {f.key for f in RECORD_FIELDS}, recorded["fields"]
 
