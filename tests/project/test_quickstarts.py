@@ -1,5 +1,5 @@
 """The README's quick starts of the Megatron-LM fork and DeepSpeed paths, run verbatim from the installed wheel
-(tests/installed_package.py) in a directory outside the checkout; the entry point's is tests/test_demo.py.
+(tests/installed_package.py) in a directory outside the checkout; the entry point's is tests/integration/cli/test_demo.py.
 
 * Megatron-LM fork (``<!-- quickstart:megatron-lm -->``): on an unmodified core_v0.16.1 tree (skipped, saying why,
   without one: tests/megatron_lm_trees.py), ``patch check`` / ``patch apply`` then 20 steps of the fork's own

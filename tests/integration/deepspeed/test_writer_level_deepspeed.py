@@ -1,6 +1,6 @@
 """DeepSpeed's own monitor (its CSV backend, real files) under ``"mech": {"output": {"writer_level": "summary"}}``:
 a real one-process DeepSpeed run (CPU, gloo) of a two-layer model; what the monitor files hold is compared with the
-summary recomputed from the run's full ``mech.jsonl`` (tests/test_writer_level.py's reference)."""
+summary recomputed from the run's full ``mech.jsonl`` (tests/unit/records/test_writer_level.py's reference)."""
 from __future__ import annotations
 
 import csv

@@ -93,7 +93,7 @@ def _assert_trains(losses):
 
 
 def test_registry_is_documented_and_fully_covered():
-    # the shims later releases need have their case in tests/test_megatron_versions.py, on such a release
+    # the shims later releases need have their case in tests/integration/megatron_core/test_megatron_versions.py, on such a release
     assert sorted(n for n, s in mcpu.SHIMS.items() if s.needed_from == "0.16") == sorted(NEEDED), \
         "every shim needs a 'fails without it' case in NEEDED"
     for shim in mcpu.SHIMS.values():

@@ -2,7 +2,7 @@
 per-class multipliers reach the param groups on MoLS's schedule, and the post-window SNR diagnostic measures
 through the same finalize wrapper without changing any lr.
 
-Same fork runner as tests/test_megatron_mols.py (tests/workers/mols_worker.py), three small jobs.
+Same fork runner as tests/integration/megatron_core/test_megatron_mols.py (tests/workers/mols_worker.py), three small jobs.
 """
 from __future__ import annotations
 

@@ -84,7 +84,7 @@ def test_expert_monitor_in_training_ep2(tmp_path, moe_plain):
     ranks (the replicas share the experts' evaluation): every expert of every MoE layer is reported once,
     with a finite update ratio in (0, 1) and a stable rank ≥ 1. (EP=2 initialises its experts from another
     random stream, so its values are not compared with EP=1's; the cross-rank combines are checked exactly in
-    tests/test_expert_monitor.py.)"""
+    tests/unit/monitors/test_expert_monitor.py.)"""
     run = train(tmp_path, "ep2", 2, *MOE, "--mech-experts", "--expert-model-parallel-size", "2", steps=10)
     # EP=1 on 2 ranks: two expert-data-parallel replicas, each evaluating half of the experts
     replicas = train(tmp_path, "edp2", 2, *MOE, "--mech-experts", steps=10)

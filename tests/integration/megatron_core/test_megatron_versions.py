@@ -114,7 +114,7 @@ def test_release_trains_exactly_as_the_reference(release, reference, tmp_path):
 
 
 # Megatron-LM forks: each tree ships its own megatron-core, so this environment runs them; core_v0.16.1 is trained
-# at length by tests/test_megatron_lm_e2e.py. From core_v0.18 the fork needs Python 3.12 for one name, backported
+# at length by tests/integration/megatron_lm/test_megatron_lm_e2e.py. From core_v0.18 the fork needs Python 3.12 for one name, backported
 # by the launcher below.
 FORK_RELEASES = ("core_v0.17.1", "core_v0.18.2", "core_v0.19.0")
 FORK_LAUNCHER = REPO_ROOT / "tests" / "workers" / "fork_on_py311.py"
@@ -165,7 +165,7 @@ def test_patched_fork_trains_with_monitors_and_mols(tag, fork_data, tmp_path):
 
 
 # shim -> (release that needs it, message fragment, traceback fragment naming the failing call); the shims that
-# megatron-core 0.16.1 needs are shown needed in tests/test_megatron_cpu.py
+# megatron-core 0.16.1 needs are shown needed in tests/integration/megatron_core/test_megatron_cpu.py
 NEEDED_BY_LATER_RELEASES = {
     "current_stream": ("0.19.2", "Torch not compiled with CUDA enabled",
                        "current_stream = torch.cuda.current_stream()"),

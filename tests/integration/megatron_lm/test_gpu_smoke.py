@@ -4,7 +4,7 @@ bf16 with the monitors on, using Transformer Engine (``--transformer-impl transf
 
 Asserts: nothing of the CPU shims is applied (CUDA is there), the monitor records appear on every evaluation
 step with finite attention entropies, router metrics are there (MoE), and a clean run raises no alert. Skipped,
-with the reason, without CUDA or without the fork. Run it with ``pytest -m gpu tests/test_gpu_smoke.py``.
+with the reason, without CUDA or without the fork. Run it with ``pytest -m gpu tests/integration/megatron_lm/test_gpu_smoke.py``.
 """
 from __future__ import annotations
 

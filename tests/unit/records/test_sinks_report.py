@@ -254,7 +254,7 @@ def test_tensorboard_sink_scalars_and_alert_text_read_back(tmp_path):
     tags = ea.Tags()
     assert set(tags["scalars"]) == {"mech/attn/layer1/dwq_entropy", "mech/router/layer0/load_entropy",
                                     "mech/symptom/loss", "mech/symptom/grad_norm", "mech/train/lr",
-                                    "mech/alerts/attention"}  # the alert's marker (tests/test_writer_alerts.py)
+                                    "mech/alerts/attention"}  # the alert's marker (tests/unit/records/test_writer_alerts.py)
     dwq = [(e.step, e.value) for e in ea.Scalars("mech/attn/layer1/dwq_entropy")]
     assert dwq == [(10, pytest.approx(0.81)), (20, pytest.approx(0.82))]
     assert [(e.step, e.value) for e in ea.Scalars("mech/symptom/loss")] == [(10, 2.0), (20, 1.0)]

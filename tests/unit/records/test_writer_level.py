@@ -4,7 +4,7 @@ alerting unit's series at its alert steps, the loss/grad norm/lr and the alert m
 every series. The reductions are recomputed here, independently, from the full records of ``mech.jsonl``.
 
 W&B runs through a minimal real run object recording its ``log`` calls (``wandb`` is not installed where these
-tests run; see tests/test_writer_alerts.py), DeepSpeed's monitor through a minimal object recording
+tests run; see tests/unit/records/test_writer_alerts.py), DeepSpeed's monitor through a minimal object recording
 ``write_events`` (the one method the sink calls)."""
 from __future__ import annotations
 
