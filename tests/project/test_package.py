@@ -25,6 +25,7 @@ def test_import_is_light():
 FRAMEWORKS = ("megatron", "deepspeed", "transformers")
 
 
+@pytest.mark.slow
 def test_core_imports_no_framework():
     """The framework-free core stays framework-free: no module in megatron_mech/core/ imports megatron,
     deepspeed or transformers, neither in its source (any import statement, also inside functions) nor when

@@ -310,6 +310,7 @@ def test_effective_global_batch():
     assert F.effective_global_batch(F.FaultConfig(kind="lr"), 32) == 32
 
 
+@pytest.mark.slow
 def test_importing_faults_does_not_import_megatron():
     code = "import sys, megatron_mech.studies.faults; print('megatron.core' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,

@@ -72,6 +72,7 @@ def test_short_demo_runs_pass_the_entry_points_checks(tmp_path):
         assert flags.mech_record_routing == str(tmp_path / name)  # every run records its routing
 
 
+@pytest.mark.slow
 def test_bad_training_flags_are_refused_before_launching():
     """The entry point's flag checks run in the ``train`` command itself: nothing is launched (no '+ torchrun'
     line), and the reason is the one line the entry point would give."""
@@ -179,6 +180,7 @@ def test_report_refuses_a_file_that_is_not_a_log_in_one_line(tmp_path):
     assert "290 more lines were not JSON records" in out.stderr
 
 
+@pytest.mark.slow
 def test_train_shorter_than_the_evaluation_interval_is_refused_before_training(tmp_path):
     """``train --steps 1`` used to train and then fail on an empty log ("holds no records"): no evaluation
     happens before the first multiple of --mech-interval. A user running the product's train-then-report command
@@ -193,6 +195,7 @@ def test_train_shorter_than_the_evaluation_interval_is_refused_before_training(t
     assert "torch.distributed.run" not in out.stdout
 
 
+@pytest.mark.slow
 def test_train_into_a_directory_holding_a_run_exits_2_before_launching(tmp_path):
     """docs/reliability.md: a fresh run into a directory that already holds a run is refused with one line, exit code 2.
     ``megatron-mech train --out DIR`` on such a DIR used to launch torchrun, whose workers refused it, and exit
@@ -204,6 +207,7 @@ def test_train_into_a_directory_holding_a_run_exits_2_before_launching(tmp_path)
     assert "torch.distributed.run" not in out.stdout
 
 
+@pytest.mark.slow
 def test_misspelt_mech_flag_gets_the_closest_name(tmp_path):
     """A misspelt ``--mech-*`` flag is refused naming the closest valid flag (Python 3.11's argparse suggests
     nothing for options), with either spelling of a value."""

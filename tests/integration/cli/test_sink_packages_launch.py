@@ -34,6 +34,7 @@ def _lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
+@pytest.mark.slow
 def test_train_names_a_missing_tensorboard_in_one_line_before_launching(tmp_path):
     out = tmp_path / "run"
     done = subprocess.run([sys.executable, "-m", "megatron_mech.cli", "train", "--steps", "20", "--out", str(out)],
@@ -43,6 +44,7 @@ def test_train_names_a_missing_tensorboard_in_one_line_before_launching(tmp_path
     assert "+ " not in done.stdout and not out.exists()  # torchrun never started
 
 
+@pytest.mark.slow
 def test_train_names_a_missing_matplotlib_in_one_line_before_launching(tmp_path):
     done = subprocess.run([sys.executable, "-m", "megatron_mech.cli", "train", "--steps", "20", "--out",
                            str(tmp_path / "run")], env=_env(tmp_path, "matplotlib"), cwd=tmp_path,

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from dist_utils import REPO_ROOT, run_torchrun
+from optional_packages import requires
 
-deepspeed = pytest.importorskip("deepspeed")
-transformers = pytest.importorskip("transformers")
+pytestmark = requires("deepspeed", "transformers")
 
 WORKER = REPO_ROOT / "tests" / "workers" / "deepspeed_worker.py"
 

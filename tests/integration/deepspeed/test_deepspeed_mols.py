@@ -10,9 +10,9 @@ import json
 import pytest
 
 from dist_utils import REPO_ROOT, run_torchrun
+from optional_packages import requires
 
-pytest.importorskip("deepspeed")
-pytest.importorskip("transformers")
+pytestmark = requires("deepspeed", "transformers")
 
 WORKER = REPO_ROOT / "tests" / "workers" / "deepspeed_mols_worker.py"
 

@@ -13,14 +13,15 @@ import re
 import pytest
 import torch
 
-peft = pytest.importorskip("peft")
+from megatron_mech.core.mols import MoLSConfig
+from megatron_mech.deepspeed.batches import global_batch
+from megatron_mech.deepspeed.models import dense_llama
+from megatron_mech.deepspeed.mols import GROUP_KEY
+from megatron_mech.megatron.data import load_corpus
+from megatron_mech.studies.torch_mols import TorchMoLS
+from optional_packages import requires
 
-from megatron_mech.core.mols import MoLSConfig  # noqa: E402
-from megatron_mech.deepspeed.batches import global_batch  # noqa: E402
-from megatron_mech.deepspeed.models import dense_llama  # noqa: E402
-from megatron_mech.deepspeed.mols import GROUP_KEY  # noqa: E402
-from megatron_mech.megatron.data import load_corpus  # noqa: E402
-from megatron_mech.studies.torch_mols import TorchMoLS  # noqa: E402
+pytestmark = requires("peft")
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -31,6 +32,8 @@ def _expected_class(name: str) -> str:
 
 
 def _lora_model(seed: int = 0):
+    import peft
+
     model = dense_llama(vocab_size=256, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, seq_len=32, seed=seed)
     torch.manual_seed(seed + 1)
     cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0, init_lora_weights=True)

@@ -101,6 +101,7 @@ def test_split_rule_is_deterministic_and_about_two_percent():
 # ---------------------------------------------------------------------------------------------------
 # full default corpus
 # ---------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_full_corpus_decodes_to_source_text(full_data):
     meta = full_data.meta
     assert meta["params"] == {"vocab_size": 8192, "valid_fraction": 0.02, "max_docs_per_source": None}
@@ -134,6 +135,7 @@ def test_full_corpus_decodes_to_source_text(full_data):
     assert 2_000_000 < meta["splits"]["train"]["tokens"] < 3_000_000
 
 
+@pytest.mark.slow
 def test_full_corpus_second_call_is_a_cache_hit(full_data, monkeypatch):
     monkeypatch.setattr(D, "_build", lambda *a, **k: pytest.fail("rebuilt a valid cache"))
     mtime = os.stat(full_data.train_prefix + ".bin").st_mtime_ns
@@ -406,6 +408,7 @@ def _torchrun_worker(root: str) -> None:
 # ---------------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_cli_prepare_data_subprocess(tmp_path):
     out = tmp_path / "cli"
     cmd = [sys.executable, "-m", "megatron_mech.cli", "prepare-data", "--out-dir", str(out),

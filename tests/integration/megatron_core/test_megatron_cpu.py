@@ -14,10 +14,11 @@ import math
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
+from megatron_mech.megatron import cpu_shims as mcpu
+from dist_utils import REPO_ROOT, run_torchrun, run_worker_jobs
+from optional_packages import requires
 
-from megatron_mech.megatron import cpu_shims as mcpu  # noqa: E402
-from dist_utils import REPO_ROOT, run_torchrun, run_worker_jobs  # noqa: E402
+pytestmark = requires("megatron.core")
 
 WORKER = REPO_ROOT / "tests" / "workers" / "megatron_cpu_worker.py"
 RUNNER_TIMEOUT = 300

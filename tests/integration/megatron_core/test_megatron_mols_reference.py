@@ -10,13 +10,12 @@ import math
 
 import pytest
 
-pytest.importorskip("megatron.core")
+from dist_utils import REPO_ROOT, job_ranks, run_worker_jobs
+from optional_packages import requires
 
-from dist_utils import REPO_ROOT, job_ranks, run_worker_jobs  # noqa: E402
+from megatron_mech.core.taxonomy import fused_qkv_multiplier
 
-from megatron_mech.core.taxonomy import fused_qkv_multiplier  # noqa: E402
-
-pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, requires("megatron.core")]
 
 WORKER = REPO_ROOT / "tests" / "workers" / "mols_worker.py"
 RUNNER_TIMEOUT = 300

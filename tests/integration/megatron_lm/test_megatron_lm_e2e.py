@@ -33,11 +33,10 @@ import shutil
 import pytest
 
 from dist_utils import REPO_ROOT, run_torchrun
+from optional_packages import requires
 from megatron_lm_trees import CPU_TRAINING_FLAGS, RUNNABLE_TAG, SMALL_MOE_FLAGS, require, unpack
 
-pytestmark = [pytest.mark.slow, pytest.mark.distributed]
-
-pytest.importorskip("tensorboard")
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, requires("tensorboard")]
 GLOBAL_BATCH, WARMUP_ITERS, LR, MIN_LR = 8, 2, 1e-3, 1e-4  # as in SMALL_MOE_FLAGS
 FAULT_LAUNCHER = REPO_ROOT / "launch_scripts" / "megatron_lm_fault.py"
 LOSS_PROBE = REPO_ROOT / "tests" / "lm_loss_probe.py"
