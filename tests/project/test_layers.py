@@ -11,6 +11,8 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 from dist_utils import REPO_ROOT
 
 PACKAGE = REPO_ROOT / "megatron_mech"
@@ -158,6 +160,7 @@ def calls_and_strings(root: Path):
                 yield path.relative_to(root.parent).as_posix(), "string", node.value
 
 
+@pytest.mark.slow
 def test_the_output_evaluation_and_int_rules_have_one_home():
     """The default output directory is one constant (``config.DEFAULT_OUTPUT_DIR``); the run's sinks are built
     in one place (``MechHook.open_sinks``), the evaluation steps decided in one (``MechHook.is_evaluation_step``)

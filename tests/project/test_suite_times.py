@@ -45,6 +45,7 @@ def test_table_sums_seconds_and_counts_per_folder(tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_a_junit_file_pytest_writes_is_read(tmp_path):
     """The classnames pytest really writes for a test file in a sub-folder (not only the hand-written form)."""
     folder = tmp_path / "tests" / "unit" / "core"

@@ -511,6 +511,7 @@ def test_bad_mols_and_detector_values_name_their_flag_from_flags_and_from_a_dict
     assert str(info.value) == message
 
 
+@pytest.mark.slow
 def test_a_path_with_a_nul_byte_is_refused_where_it_is_set_naming_it(tmp_path):
     """No path may hold a NUL byte (the OS call fails with "embedded null byte", naming nothing): a DeepSpeed
     config file's ``mech.output.dir`` is refused by the example launcher before anything is built, naming the key;

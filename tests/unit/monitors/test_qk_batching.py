@@ -53,6 +53,7 @@ LAYERS = [
 ]
 
 
+@pytest.mark.slow
 def test_batched_equals_per_layer_and_per_head_and_dense():
     weights = [layer_weights(**spec) for spec in LAYERS]
     weights[2][2][1, 3, 5] = math.nan                                        # one non-finite head

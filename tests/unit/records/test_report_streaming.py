@@ -209,6 +209,7 @@ def test_a_rewind_past_the_exact_window_keeps_both_values_as_documented():
     assert reduction.loss.min_finite == 1.0 and reduction.loss.final == (120, 2.0)
 
 
+@pytest.mark.slow
 def test_memory_is_bounded_by_the_buckets_not_the_lines(tmp_path):
     """200k small records (and an alert in every one): each series keeps at most MAX_BUCKETS buckets, the exact
     window at most EXACT_RECENT_RECORDS steps, the alerts at most MAX_ALERTS_PER_FAMILY, and the counts stay exact.

@@ -117,6 +117,7 @@ def test_wandb_gets_the_markers_text_and_loss_of_a_hook_run(tmp_path):
     assert len(run.alerts) == sum(len(r["alerts"]) for r in records) == 1
 
 
+@pytest.mark.slow
 def test_real_wandb_offline_run_gets_the_markers(tmp_path, monkeypatch):
     """With the ``wandb`` package installed: a real offline run (``WANDB_MODE=offline``, nothing sent) fed the
     hook run's records holds the marker and the loss in its summary (the last value logged for each key)."""
