@@ -20,7 +20,6 @@ SETUP_COMMANDS = [
 MAX_README_LINES = 300  # a landing page: the details live in docs/
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_docs_site_builds_without_warnings(tmp_path):
     import importlib.util
