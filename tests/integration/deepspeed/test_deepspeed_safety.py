@@ -181,7 +181,13 @@ def _crafted_states():
     }
 
 
-@pytest.mark.parametrize("case", list(_crafted_states()))
+# The names of _crafted_states' cases, listed here so that collecting this module imports no DeepSpeed.
+CRAFTED_CASES = ("nan scale", "zero scale", "inf dynamic scale", "zero scale window", "attribute shadowing a method",
+                 "stage out of range", "stage of another type", "fragment arguments", "fragment of strings",
+                 "negative fragment", "a type for a value")
+
+
+@pytest.mark.parametrize("case", CRAFTED_CASES)
 def test_allowed_deepspeed_types_take_only_what_deepspeed_writes(tmp_path, case):
     """The reference is DeepSpeed's own constructors: each state below is one they never produce (a non-finite or
     zero loss scale, an unknown attribute, a ZeRO stage that does not exist, fragment bounds that are not
@@ -189,7 +195,9 @@ def test_allowed_deepspeed_types_take_only_what_deepspeed_writes(tmp_path, case)
     file (the launcher reports those in one line); a genuine state of every allowed type still loads."""
     from megatron_mech.deepspeed.safe_load import _weights_only_load
 
-    obj, named = _crafted_states()[case]
+    states = _crafted_states()
+    assert list(states) == list(CRAFTED_CASES)  # every crafted state is a case
+    obj, named = states[case]
     path = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     torch.save({"optimizer_state_dict": {"loss_scaler": obj, "param_slice_mappings": [{}]}}, path)
     with pytest.raises(ValueError) as info:
