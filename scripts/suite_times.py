@@ -53,8 +53,8 @@ def markdown_table(rows: dict[str, tuple[int, float]]) -> str:
     lines = ["| Folder | Tests | Seconds |", "|---|---:|---:|"]
     for folder in sorted(rows):
         count, seconds = rows[folder]
-        lines.append(f"| `{folder}` | {count} | {seconds:.0f} |")
-    lines.append(f"| **total** | {sum(c for c, _ in rows.values())} | {sum(s for _, s in rows.values()):.0f} |")
+        lines.append(f"| `{folder}` | {count} | {seconds:.1f} |")
+    lines.append(f"| **total** | {sum(c for c, _ in rows.values())} | {sum(s for _, s in rows.values()):.1f} |")
     return "\n".join(lines)
 
 

@@ -37,11 +37,11 @@ def test_table_sums_seconds_and_counts_per_folder(tmp_path):
     assert out.stdout.splitlines() == [
         "| Folder | Tests | Seconds |",
         "|---|---:|---:|",
-        "| `.` | 1 | 2 |",
-        "| `integration/deepspeed` | 1 | 100 |",
-        "| `studies` | 1 | 3 |",  # a test class is not a folder
-        "| `unit/core` | 2 | 2 |",  # 1.25 + 0.75
-        "| **total** | 5 | 107 |",  # 1.25 + 0.75 + 100.4 + 3.0 + 2.0 = 107.4
+        "| `.` | 1 | 2.0 |",
+        "| `integration/deepspeed` | 1 | 100.4 |",
+        "| `studies` | 1 | 3.0 |",  # a test class is not a folder
+        "| `unit/core` | 2 | 2.0 |",  # 1.25 + 0.75
+        "| **total** | 5 | 107.4 |",  # 1.25 + 0.75 + 100.4 + 3.0 + 2.0 = 107.4
     ]
 
 
