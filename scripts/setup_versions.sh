@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Extra environments for the newer megatron-core releases that tests/test_megatron_versions.py trains on:
+# Extra environments for the newer megatron-core releases that tests/integration/megatron_core/test_megatron_versions.py trains on:
 # .venv-mcore-<X>/ for each X in MCORE_VERSIONS (default below). Run after scripts/setup.sh (it needs .venv).
 #
 # Each is a venv layered on .venv: a .pth file puts .venv's site-packages *after* its own, so it shares .venv's

@@ -1,6 +1,18 @@
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+# The shared helpers (dist_utils, hook_runs, readme_blocks, ...) live in tests/ while the test files sit in
+# sub-folders mirroring the package: tests/ goes on sys.path so ``from dist_utils import ...`` works from any of
+# them. A few test modules reuse another's helpers by module name (``from test_writer_level import ...``) across
+# folders, so every folder holding test files goes there too, before any test module is imported (test file
+# names are unique across the tree, which pytest's default import mode requires anyway).
+TESTS_DIR = Path(__file__).resolve().parent
+for folder in [TESTS_DIR, *sorted({test.parent for test in TESTS_DIR.rglob("test_*.py")} - {TESTS_DIR})]:
+    if str(folder) not in sys.path:
+        sys.path.append(str(folder))
 
 # Distributed tests spawn their own processes; keep each one from oversubscribing the 2 CI cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# The scripts that tests launch by path (torchrun workers, fork runners), wherever the test file sits in the tree.
+WORKERS = REPO_ROOT / "tests" / "workers"
 
 
 def free_port() -> int:

@@ -1,4 +1,4 @@
-"""torchrun worker (2 gloo ranks) for tests/test_idle_steps.py: a real DeepSpeed engine trains under
+"""torchrun worker (2 gloo ranks) for tests/integration/megatron_core/test_idle_steps.py: a real DeepSpeed engine trains under
 :class:`op_attribution.OpsPerStep`, which attributes every torch op (collectives and host syncs included) to the code
 that issued it; every op of megatron-mech's code (the adapter included; not the model helpers this script builds its
 model and loss with) is counted, per optimizer step, from

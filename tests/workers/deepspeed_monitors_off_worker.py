@@ -1,4 +1,4 @@
-"""torchrun worker (2 gloo ranks) for tests/test_monitors_leave_training_unchanged.py: one real DeepSpeed engine
+"""torchrun worker (2 gloo ranks) for tests/integration/megatron_core/test_monitors_leave_training_unchanged.py: one real DeepSpeed engine
 (Llama with DeepSpeed MoE layers, ``ep_size=2``, top-2, ZeRO 2) trains 6 steps with the adapter's monitors
 (attention and router, every 2 steps), then a fresh engine from the same seed trains the same 6 steps without the
 adapter. Each run seeds the global random stream the same way right before its first step (DeepSpeed's top-2

@@ -1,4 +1,4 @@
-"""Real megatron-core checks of megatron_mech.studies.faults, for tests/test_faults.py (single process, CPU/gloo).
+"""Real megatron-core checks of megatron_mech.studies.faults, for tests/studies/test_faults.py (single process, CPU/gloo).
 
     python tests/workers/faults_worker.py --jobs JOBS.json   # JOBS.json: ["core_match", "lr_scheduler", ...]
     torchrun --nproc_per_node=2 tests/workers/faults_worker.py --tp2      # TP=2 head mapping, "@@RANK {json}"

@@ -1,6 +1,6 @@
 """Train with the megatron-core entry point under :class:`op_attribution.OpsPerStep`, which attributes every torch
 op (collectives and host syncs included: ``c10d.*``, ``aten._local_scalar_dense``) to the code that issued it, for
-tests/test_idle_steps.py.
+tests/integration/megatron_core/test_idle_steps.py.
 
 Usage (under torchrun): ``idle_step_ops_worker.py OUT.json <pretrain_gpt flags>``. An op belongs to the monitoring
 code when the innermost frame that is megatron-mech, megatron-core or this script (torch, the standard library and

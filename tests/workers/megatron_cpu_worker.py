@@ -1,4 +1,4 @@
-"""Tiny real megatron-core training on CPU/gloo, for tests/test_megatron_cpu.py.
+"""Tiny real megatron-core training on CPU/gloo, for tests/integration/megatron_core/test_megatron_cpu.py.
 
 Two ways to run it:
 

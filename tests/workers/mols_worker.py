@@ -1,4 +1,4 @@
-"""Real megatron-core training with MoLS on CPU/gloo, for tests/test_megatron_mols.py.
+"""Real megatron-core training with MoLS on CPU/gloo, for tests/integration/megatron_core/test_megatron_mols.py.
 
 A fork runner (``fork_runner.py``, shared with ``megatron_cpu_worker.py``): ``--jobs FILE`` imports torch +
 megatron-core once, then for every job forks ``nproc`` gloo ranks that run it; one ``@@JOB {json}`` line per job

@@ -1,0 +1,88 @@
+"""A missing package for a sink the flags ask for (``tensorboard`` for ``--tensorboard-dir``, ``wandb`` for
+``--mech-wandb-project``) is named in one line, exit code 2, before torchrun starts: by ``megatron-mech train`` and by
+``launch_scripts/torchrun_multinode.sh`` — not under torchrun's report of every failed worker.
+
+The package is made unimportable in the real subprocess by a ``sitecustomize`` on its ``PYTHONPATH`` that sets
+``sys.modules[name] = None``, what ``import name`` reads as "not installed" (and what
+:func:`~megatron_mech.records.sinks.missing_sink_package` checks besides ``find_spec``)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dist_utils import REPO_ROOT
+
+pytestmark = pytest.mark.timeout(300)
+SCRIPT = REPO_ROOT / "launch_scripts" / "torchrun_multinode.sh"
+TENSORBOARD_MISSING = "the 'tensorboard' package is not installed (pip install tensorboard, or megatron-mech[viz])"
+
+
+def _env(tmp_path, *blocked: str, **extra) -> dict:
+    """This interpreter's environment with ``blocked`` packages unimportable in every process it starts."""
+    site = tmp_path / "blocked_site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text("import sys\n" + "".join(f"sys.modules[{name!r}] = None\n"
+                                                                    for name in blocked))
+    path = os.pathsep.join([str(site), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])
+    return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **extra)
+
+
+def _lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_train_names_a_missing_tensorboard_in_one_line_before_launching(tmp_path):
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "megatron_mech.cli", "train", "--steps", "20", "--out", str(out)],
+                          env=_env(tmp_path, "tensorboard"), cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 2
+    assert _lines(done.stderr) == [f"megatron-mech train: error: --tensorboard-dir {out}/tb: {TENSORBOARD_MISSING}"]
+    assert "+ " not in done.stdout and not out.exists()  # torchrun never started
+
+
+@pytest.mark.slow
+def test_train_names_a_missing_matplotlib_in_one_line_before_launching(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "megatron_mech.cli", "train", "--steps", "20", "--out",
+                           str(tmp_path / "run")], env=_env(tmp_path, "matplotlib"), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 2 and "+ " not in done.stdout
+    (line,) = _lines(done.stderr)
+    assert line.startswith("megatron-mech train: error: the report is drawn with matplotlib, which cannot be imported")
+
+
+def _launch_script(tmp_path, *flags, blocked=()):
+    """The multi-node launcher with a torchrun stand-in that only says it was started."""
+    env = _env(tmp_path, *blocked, PYTHON=sys.executable, TORCHRUN="echo torchrun-started", GPUS_PER_NODE="1")
+    return subprocess.run(["bash", str(SCRIPT), "--num-layers", "2", *flags], env=env, cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=240)
+
+
+def test_launch_script_checks_the_flags_packages_before_torchrun(tmp_path):
+    tb = tmp_path / "tb"
+    refused = _launch_script(tmp_path, "--tensorboard-dir", str(tb), blocked=("tensorboard",))
+    assert refused.returncode == 2 and "torchrun-started" not in refused.stdout
+    assert _lines(refused.stderr) == [f"error: --tensorboard-dir {tb}: {TENSORBOARD_MISSING}"]
+    # the same flags with the package importable: torchrun is started with them
+    started = _launch_script(tmp_path, "--tensorboard-dir", str(tb))
+    assert started.returncode == 0 and started.stdout.startswith("torchrun-started")
+    assert f"--tensorboard-dir {tb}" in started.stdout
+
+
+def test_launch_script_names_a_missing_wandb(tmp_path):
+    refused = _launch_script(tmp_path, "--mech-wandb-project", "proj", blocked=("wandb",))
+    assert refused.returncode == 2 and "torchrun-started" not in refused.stdout
+    assert _lines(refused.stderr) == ["error: --mech-wandb-project proj: the 'wandb' package is not installed "
+                                      "(pip install wandb)"]
+
+
+def test_flags_are_read_in_both_spellings_and_other_flags_ignored(monkeypatch):
+    from megatron_mech.megatron.sink_packages import flags_problem
+
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    assert flags_problem(["--tensorboard-dir=/x/tb", "--lr", "1e-3"]) == f"--tensorboard-dir /x/tb: {TENSORBOARD_MISSING}"
+    assert flags_problem(["--tensorboard-log-interval", "5", "--save", "x"]) is None  # not an abbreviation
+    assert flags_problem([]) is None

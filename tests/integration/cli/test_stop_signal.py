@@ -1,0 +1,101 @@
+"""Stopping a run: SIGTERM to the torchrun launcher stops every worker cleanly, the run directory consistent.
+
+A real torchrun (2 gloo workers) trains a tiny GPT for far more steps than the test waits; once a few steps are
+logged the test sends SIGTERM to the launcher only (as a scheduler or ``kill`` would). Every worker must exit,
+and the run directory must describe one step S on every count: the tracker names S, both ranks' files of
+``iter_S`` exist, ``summary.json`` ends at S and says why, and ``mech.jsonl`` holds whole records up to S only.
+Killing the launcher with SIGKILL must not leave workers running either.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dist_utils import REPO_ROOT, free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+LAUNCHER = REPO_ROOT / "launch_scripts" / "pretrain_gpt_mech.py"
+TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "100000", "--lr-warmup-iters", "5",
+        "--log-interval", "1", "--eval-iters", "1", "--mech-interval", "2"]
+
+
+def children(pid: int) -> list:
+    """Direct child pids (Linux /proc), i.e. torchrun's workers."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def start(run_dir: Path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", str(LAUNCHER), *TINY, "--save", str(run_dir)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=REPO_ROOT, start_new_session=True)
+    lines, deadline = [], time.monotonic() + 240
+    for line in proc.stdout:  # wait until training is under way (steps logged after the first evaluation)
+        lines.append(line)
+        if line.startswith("[train] step     4/"):
+            break
+        assert time.monotonic() < deadline, "".join(lines[-50:])
+    workers = children(proc.pid)
+    assert len(workers) == 2, "".join(lines[-50:])
+    return proc, workers, lines
+
+
+def finish(proc, workers, lines, timeout=120):
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+    lines.append(out or "")
+    deadline = time.monotonic() + 60
+    while any(alive(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    leftover = [w for w in workers if alive(w)]
+    for w in leftover:
+        os.kill(w, signal.SIGKILL)
+    assert not leftover, "workers still running:\n" + "".join(lines[-60:])
+    return "".join(lines)
+
+
+def test_sigterm_to_the_launcher_stops_every_worker_cleanly(tmp_path):
+    run_dir = tmp_path / "run"
+    proc, workers, lines = start(run_dir)
+    os.kill(proc.pid, signal.SIGTERM)
+    log = finish(proc, workers, lines)
+    assert "SIGTERM received: stopping cleanly after step" in log, log[-3000:]
+    step = int((run_dir / "latest_checkpointed_iteration.txt").read_text())
+    assert 4 <= step < 100000
+    assert sorted(p.name for p in (run_dir / f"iter_{step:07d}").glob("rank*.pt")) == ["rank0000.pt", "rank0001.pt"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final_step"] == step and summary["stopped_by_signal"] == "SIGTERM"
+    assert len(summary["losses"]) == step
+    records = [json.loads(line) for line in (run_dir / "mech.jsonl").read_text().splitlines()]
+    assert records and max(r["step"] for r in records) <= step
+
+
+def test_sigkill_to_the_launcher_leaves_no_worker_running(tmp_path):
+    proc, workers, lines = start(tmp_path / "run")
+    os.kill(proc.pid, signal.SIGKILL)
+    finish(proc, workers, lines)
