@@ -50,6 +50,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_mech.core.schedule import is_evaluation_step
 from megatron_mech.core.sharded import all_reduce_flat, collective_device, distributed_active, share_by_cost
 
 __all__ = ["ExpertLayer", "ExpertMonitor"]
@@ -151,7 +152,7 @@ class ExpertMonitor:
 
     def observe(self, step: int):
         """Snapshot on multiples of ``interval``; on those that close an interval return ``(metrics, details)``."""
-        if step % self.interval:
+        if not is_evaluation_step(step, self.interval):
             return None
         if self._snap_step is not None and step - self._snap_step == self.interval:
             try:
