@@ -581,7 +581,7 @@ class MechHook:
         it carry it in the attention monitor's config."""
         if "interval" in state:
             return state["interval"]
-        attention = state.get("attention")
+        attention = (_monitor_entries(state).get("attention") or {}).get("state")
         return (attention.get("config") or {}).get("interval") if isinstance(attention, dict) else None
 
     def _load_monitor_state(self, state: dict) -> None:
