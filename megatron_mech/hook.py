@@ -92,6 +92,7 @@ from megatron_mech.extension import Extension
 from megatron_mech.first_alert import FirstAlertMarker
 from megatron_mech.logs import ensure_visible
 from megatron_mech.model_view import ModelView
+from megatron_mech.monitors.metric_names import SYMPTOM_GRAD_NORM, SYMPTOM_LOSS
 from megatron_mech.monitors.protocol import Monitor, MonitorContext
 from megatron_mech.monitors.registry import BUILTIN_MONITORS
 
@@ -390,9 +391,9 @@ class MechHook:
                 self.last_alerts = late_alerts + self.last_alerts
             return self._acting(action)
         metrics, details = self._observe(step)
-        metrics["symptom/loss"] = float(loss)
+        metrics[SYMPTOM_LOSS] = float(loss)
         if grad_norm is not None:
-            metrics["symptom/grad_norm"] = float(grad_norm)
+            metrics[SYMPTOM_GRAD_NORM] = float(grad_norm)
         # Every rank runs the detectors on identical metrics, so every rank knows the alerts without a broadcast.
         with self.timed("detectors"):
             alerts = self.registry.update(step, metrics, details)
@@ -471,9 +472,9 @@ class MechHook:
         on evaluation steps, so there a loss that is non-finite on one rank alone, with a finite grad norm, is
         judged by that rank alone.
         """
-        symptoms = {"symptom/loss": float(loss)}  # floats here (read back when they came as tensors)
+        symptoms = {SYMPTOM_LOSS: float(loss)}  # floats here (read back when they came as tensors)
         if grad_norm is not None:
-            symptoms["symptom/grad_norm"] = float(grad_norm)
+            symptoms[SYMPTOM_GRAD_NORM] = float(grad_norm)
         if all(math.isfinite(v) for v in symptoms.values()):
             return Action.CONTINUE
         with self.timed("detectors"):
@@ -485,7 +486,7 @@ class MechHook:
                     logger.info(f"[mech] ALERT step {step}: {line}")
                 from megatron_mech.records.sinks import make_record
 
-                scalars = {"loss": float(loss), "lr": float(lr), "grad_norm": symptoms.get("symptom/grad_norm")}
+                scalars = {"loss": float(loss), "lr": float(lr), "grad_norm": symptoms.get(SYMPTOM_GRAD_NORM)}
                 self._sinks.write(make_record(step, scalars, {}, alerts, extra=dict(extra or {})))
         return self._alert_action(step, alerts, collective=False)
 
