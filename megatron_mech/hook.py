@@ -1,6 +1,6 @@
 """One object per rank that a trainer calls: :class:`MechHook`.
 
-The hook owns everything megatron-mech does in a run: the attention and router monitors, MoLS, the detector
+The hook owns everything megatron-mech does in a run: the monitors (a list, see "Monitors" below), MoLS, the detector
 registry, the output sinks and the alert policy (``log | checkpoint | stop``). Anything else that must follow the
 run's lifecycle (e.g. the studies' fault injection) is an :class:`Extension`, registered from outside. A framework
 adapter is a translation onto its lifecycle::
@@ -46,11 +46,11 @@ them in ``setup`` (a monitor decides there whether it runs), arms them in ``befo
 evaluation steps (:meth:`MechHook.is_evaluation_step`, the one rule), times them, merges their metrics over the
 pipeline stages, and checkpoints each under its name (``"monitors"`` in :meth:`MechHook.state_dict`).
 
-**Extensions.** The one public seam for code that is not the product and changes training (the studies' fault injector is one): an
-:class:`Extension` subclass, given to the constructor (``MechHook(config, extensions=[ext])``) or registered with
-:meth:`MechHook.add_extension` before ``setup``. The hook calls, in registration order: ``setup(hook, view,
-optimizer)`` at the end of :meth:`MechHook.setup`; ``before_step(step)`` at the end of :meth:`MechHook.before_step`,
-then ``before_optimizer_step(optimizer, step)`` there when the hook knows the optimizer (the lr is untouched by the
+**Extensions.** The one public seam for code that is not the product and changes training (the studies' fault
+injector is one): an :class:`Extension` subclass, given to the constructor (``MechHook(config, extensions=[ext])``)
+or registered with :meth:`MechHook.add_extension` before ``setup``. The hook calls, in registration order:
+``setup(hook, view, optimizer)`` at the end of :meth:`MechHook.setup`; ``before_step(step)`` at the end of
+:meth:`MechHook.before_step`, then ``before_optimizer_step(optimizer, step)`` there when the hook knows the optimizer (the lr is untouched by the
 forward/backward, so this is the place to change this step's lr); ``after_optimizer_step(step, loss=, grad_norm=,
 lr=)`` at the start of :meth:`MechHook.after_optimizer_step`; ``state_dict()`` / ``load_state_dict(state)`` inside
 the hook's state (under ``"extensions"``, keyed by :attr:`Extension.name`, only when non-empty); ``close()`` from

@@ -142,8 +142,8 @@ def _attention_dw(matrix_name: str, template: str, subject: str, flags: tuple = 
         MetricEntry(name("stable_rank"), "Stable rank ‖ΔW‖_F² / ‖ΔW‖₂² of that ΔW. Null while frozen.",
                     "count, [1, rank ΔW]", producer, flags),
         MetricEntry(name("fro"), "Frobenius norm ‖ΔW‖_F of that ΔW.", "weight units, ≥ 0", producer, flags),
-        MetricEntry(name("update_ratio"), "‖ΔW‖_F / ‖W_(t−δ)‖_F: the update relative to the weights (NaN when "
-                    "W_(t−δ) = 0).", "dimensionless, ≥ 0", producer, flags),
+        MetricEntry(name("update_ratio"), "‖ΔW‖_F / ‖W_(t−δ)‖_F: the update relative to the weights (NaN "
+                    "when W_(t−δ) = 0).", "dimensionless, ≥ 0", producer, flags),
         MetricEntry(name("frozen"), "1 when that ΔW is exactly zero (a frozen matrix, or lr 0): its entropy and "
                     "ranks are then null instead of NaN, so it never looks like a fault; else 0.", "flag, 0 or 1",
                     producer, flags),
@@ -164,6 +164,14 @@ _MOLS = "MoLS, every record"
 
 def _router(statistic: str) -> str:
     return fill(ROUTER_NAME, statistic=statistic)
+
+
+def _expert(quantity: str) -> str:
+    return fill(EXPERT_NAME, quantity=quantity)
+
+
+def _expert_layer(summary: str) -> str:
+    return fill(EXPERT_LAYER_NAME, summary=summary)
 
 
 METRICS: tuple = (
@@ -221,21 +229,21 @@ METRICS: tuple = (
     MetricEntry(_router("mean_deviation"), "mean_i ‖w_i − w̄‖ / ‖w̄‖ (as `conditioning`, the mean instead of "
                 "the max).", "dimensionless, ≥ 0", _ROUTER),
     # ------------------------------------------------------------------ experts
-    MetricEntry(fill(EXPERT_NAME, quantity="update_ratio"), "‖ΔW‖_F / ‖W_(t−δ)‖_F of expert E over all its matrices "
+    MetricEntry(_expert("update_ratio"), "‖ΔW‖_F / ‖W_(t−δ)‖_F of expert E over all its matrices "
                 "(fc1 and fc2), ΔW over the last δ steps.", "dimensionless, ≥ 0", _EXPERT, ("--mech-experts",)),
-    MetricEntry(fill(EXPERT_NAME, quantity="stable_rank"), "Stable rank ‖ΔW‖_F² / ‖ΔW‖₂² of expert E's fc1 update "
+    MetricEntry(_expert("stable_rank"), "Stable rank ‖ΔW‖_F² / ‖ΔW‖₂² of expert E's fc1 update "
                 "(‖ΔW‖₂ from 8 power iterations: an upper bound, tight for a dominant direction; NaN when ΔW = 0).",
                 "count, [1, rank ΔW]", _EXPERT, ("--mech-experts",)),
-    MetricEntry(fill(EXPERT_LAYER_NAME, summary="update_ratio_mean"), "Mean of `e{E}/update_ratio` over the layer's experts.",
+    MetricEntry(_expert_layer("update_ratio_mean"), "Mean of `e{E}/update_ratio` over the layer's experts.",
                 "dimensionless, ≥ 0", _EXPERT, ("--mech-experts",)),
-    MetricEntry(fill(EXPERT_LAYER_NAME, summary="update_ratio_spread"), "Standard deviation / mean of `e{E}/update_ratio` across "
+    MetricEntry(_expert_layer("update_ratio_spread"), "Standard deviation / mean of `e{E}/update_ratio` across "
                 "the layer's experts.", "dimensionless, ≥ 0", _EXPERT, ("--mech-experts",)),
-    MetricEntry(fill(EXPERT_LAYER_NAME, summary="update_ratio_zmax"), "Largest |z-score| of `e{E}/update_ratio` across the layer's "
+    MetricEntry(_expert_layer("update_ratio_zmax"), "Largest |z-score| of `e{E}/update_ratio` across the layer's "
                 "experts (its expert is in the alert details).", "dimensionless, [0, √(E − 1)]", _EXPERT,
                 ("--mech-experts",)),
-    MetricEntry(fill(EXPERT_LAYER_NAME, summary="stable_rank_min"), "Smallest `e{E}/stable_rank` of the layer.",
+    MetricEntry(_expert_layer("stable_rank_min"), "Smallest `e{E}/stable_rank` of the layer.",
                 "count, ≥ 1", _EXPERT, ("--mech-experts",)),
-    MetricEntry(fill(EXPERT_LAYER_NAME, summary="stable_rank_mean"), "Mean `e{E}/stable_rank` of the layer.", "count, ≥ 1",
+    MetricEntry(_expert_layer("stable_rank_mean"), "Mean `e{E}/stable_rank` of the layer.", "count, ≥ 1",
                 _EXPERT, ("--mech-experts",)),
     # ------------------------------------------------------------------ symptoms
     MetricEntry(SYMPTOM_LOSS, "The training loss the trainer reports for the step (LM cross-entropy averaged over "
