@@ -39,6 +39,9 @@ LATEST = "latest"  # DeepSpeed's tracker file: the tag of the newest checkpoint 
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from megatron_mech.config import MonitorConfig
+    from megatron_mech.options import add_section_flags
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=("llama", "mixtral", "ds-moe"), default="llama")
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=2)
@@ -54,7 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ep-size", type=int, default=1)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=10, help="WarmupLR steps (0: no scheduler)")
-    p.add_argument("--mech-interval", type=int, default=10)
+    add_section_flags(p, MonitorConfig, only=("interval",))  # --mech-interval, as the config declares it
     p.add_argument("--mols", action="store_true", help="module-wise lr scaling from gradient SNR")
     p.add_argument("--fault-start", type=int, default=None,
                    help="study only: inject the attention fault (emulated FA2 backward, γ=0.3) in layer 1 "
@@ -270,7 +273,7 @@ def main(argv=None) -> int:
             save_checkpoint(engine, mech, args.save, run_id=run_id)
         if action is Action.STOP:
             break
-        if rank == 0 and (engine.global_steps % args.mech_interval == 0 or step == args.steps - 1):
+        if rank == 0 and (mech.is_evaluation_step(engine.global_steps) or step == args.steps - 1):
             logger.info("step %d loss %.4f lr %.3g (%.3f s/step)", engine.global_steps, float(out.loss.detach()),
                         engine.get_lr()[0], step_seconds[-1])
     if args.save:

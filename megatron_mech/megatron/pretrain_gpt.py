@@ -477,7 +477,7 @@ def finish(args, t: Training, runtime: Runtime, run: dict, output_dir: str) -> b
                    "mols_diagnostic_seconds": hook.mols_diagnostic_seconds,
                    "valid_history": run["valid_history"] + [[final_step, val]],
                    "monitor_breakdown": {**hook.seconds, "router_capture": hook.router_capture_seconds,
-                                         "max_logit_capture": hook.max_logit.seconds if hook.max_logit else 0.0},
+                                         "max_logit_capture": hook.capture_seconds("max_logit")},
                    "alerts": [a.to_dict() for a in alerts], "records_lost_steps": hook.lost_record_steps}
         summary_written = write_summary(Path(output_dir) / "summary.json", summary)
         logger.info(f"[train] done: {final_step} steps in {elapsed:.0f}s, monitors {hook.evaluation_seconds:.1f}s "
@@ -576,7 +576,7 @@ def main(argv=None, extension_types: Sequence[type] = ()) -> int:
                 f"EP={args.expert_model_parallel_size} PP={args.pipeline_model_parallel_size} "
                 f"DP={torch.distributed.get_world_size(t.dp_group)} "
                 f"params/rank={t.n_params/1e6:.2f}M vocab={t.vocab_size} steps {t.start_step}->{args.train_iters} "
-                f"monitors={','.join(t.hook.families) or 'none'} every {args.mech_interval}"
+                f"monitors={','.join(t.hook.families) or 'none'} every {t.hook.interval}"
                 + ("" if runtime.cuda else f" cpu-threads/rank={torch.get_num_threads()}"))
     run = train(args, t, runtime, stop_signal)  # a checkpoint at or past --train-iters ended main() above
     records_whole = finish(args, t, runtime, run, output_dir)

@@ -463,8 +463,7 @@ def after_optimizer_step(model, optimizer, iteration: int, losses_reduced, updat
 
     hook = get_hook()
     step = int(iteration) + 1
-    attention = hook.attention
-    if hook.is_evaluation_step(step) or (attention is not None and attention.should_observe(step)):
+    if hook.is_evaluation_step(step):  # the monitors read the weights
         _sync_params_if_gather_overlaps(model)
     extra: Dict[str, Any] = {"update_successful": bool(update_successful)}
     if hook.mols is not None:

@@ -50,9 +50,19 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_mech.core.schedule import is_evaluation_step
 from megatron_mech.core.sharded import all_reduce_flat, collective_device, distributed_active, share_by_cost
+from megatron_mech.monitors.metric_names import render
 
-__all__ = ["ExpertLayer", "ExpertMonitor"]
+__all__ = ["EXPERT_LAYER_NAME", "EXPERT_NAME", "EXPERT_QUANTITIES", "EXPERT_SUMMARIES", "ExpertLayer", "ExpertMonitor"]
+
+# The names, each written once (:mod:`megatron_mech.monitors.metric_names` syntax; docs/metrics.md is rendered from
+# these): per expert ``E`` of layer ``L``, and per layer.
+EXPERT_NAME = "expert/layer{L}/e{E}/{quantity}"
+EXPERT_QUANTITIES = ("update_ratio", "stable_rank")
+EXPERT_LAYER_NAME = "expert/layer{L}/{summary}"
+EXPERT_SUMMARIES = ("update_ratio_mean", "update_ratio_spread", "update_ratio_zmax", "stable_rank_min",
+                    "stable_rank_mean")
 
 _F64 = torch.float64
 # Increments of one matrix over a chunk of experts formed at once (bounds the evaluation's extra memory).
@@ -151,7 +161,7 @@ class ExpertMonitor:
 
     def observe(self, step: int):
         """Snapshot on multiples of ``interval``; on those that close an interval return ``(metrics, details)``."""
-        if step % self.interval:
+        if not is_evaluation_step(step, self.interval):
             return None
         if self._snap_step is not None and step - self._snap_step == self.interval:
             try:
@@ -236,11 +246,11 @@ class ExpertMonitor:
             offset += size
             ratio = (block[0].sqrt() / block[1].sqrt()).where(block[1] > 0, torch.full_like(block[0], math.nan))
             stable = block[2]
-            prefix = f"expert/layer{lay.layer}"
             for e in range(lay.num_experts):
-                for what, values in (("update_ratio", ratio), ("stable_rank", stable)):
-                    metrics[f"{prefix}/e{e}/{what}"] = float(values[e])
-                    details[f"{prefix}/e{e}/{what}"] = {"layer": lay.layer, "expert": e}
+                for what, values in zip(EXPERT_QUANTITIES, (ratio, stable)):
+                    name = render(EXPERT_NAME, L=lay.layer, E=e, quantity=what)
+                    metrics[name] = float(values[e])
+                    details[name] = {"layer": lay.layer, "expert": e}
             mean = float(ratio.mean())
             std = float(ratio.std(correction=0))
             z = (ratio - mean) / std if std > 0 else torch.zeros_like(ratio)
@@ -249,7 +259,9 @@ class ExpertMonitor:
                          "update_ratio_zmax": (float(z.abs().max()), {"expert": worst}),
                          "stable_rank_min": (float(stable.min()), {"expert": int(stable.nan_to_num(math.inf).argmin())}),
                          "stable_rank_mean": (float(stable.mean()), {})}
-            for name, (value, extra) in summaries.items():
-                metrics[f"{prefix}/{name}"] = value
-                details[f"{prefix}/{name}"] = {"layer": lay.layer, **extra}
+            assert tuple(summaries) == EXPERT_SUMMARIES  # the documented table, in its order
+            for summary, (value, extra) in summaries.items():
+                name = render(EXPERT_LAYER_NAME, L=lay.layer, summary=summary)
+                metrics[name] = value
+                details[name] = {"layer": lay.layer, **extra}
         return metrics, details

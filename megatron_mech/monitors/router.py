@@ -25,8 +25,14 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_mech.core.router import RoutingStats, all_reduce_many, router_weight_geometry
+from megatron_mech.monitors.metric_names import render
 
-__all__ = ["RouterLayer", "RouterMonitor"]
+__all__ = ["ROUTER_NAME", "RouterLayer", "RouterMonitor"]
+
+ROUTER_NAME = "router/layer{L}/{statistic}"
+"""Every router series' name (:mod:`megatron_mech.monitors.metric_names` syntax): ``statistic`` is a key of
+:meth:`RoutingStats.summary <megatron_mech.core.router.RoutingStats.summary>` or of the router weight's geometry
+(``mean_cosine``, ``conditioning``, ``mean_deviation``)."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +89,7 @@ class RouterMonitor:
         metrics: dict[str, float] = {}
         details: dict[str, dict] = {}
         for layer in sorted(self.stats):
-            stats, prefix = self.stats[layer], f"router/layer{layer}"
+            stats = self.stats[layer]
             summary = stats.summary()
             geometry = router_weight_geometry(self.layers[layer].weight)
             summary.update(mean_cosine=geometry.mean_cosine, conditioning=geometry.conditioning,
@@ -94,8 +100,9 @@ class RouterMonitor:
                 busiest = int(torch.argmax(load))
                 detail.update(expert=busiest, expert_load=float(load[busiest]))
             for key, value in summary.items():
-                metrics[f"{prefix}/{key}"] = float(value)
-                details[f"{prefix}/{key}"] = detail
+                name = render(ROUTER_NAME, L=layer, statistic=key)
+                metrics[name] = float(value)
+                details[name] = detail
             stats.reset()
         return metrics, details
 

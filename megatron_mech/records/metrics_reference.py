@@ -1,7 +1,9 @@
 """The metrics reference: every series name a run records, what it means, its unit, what produces it, and the
 detector rule that alerts on it — one table, rendered as ``docs/metrics.md``.
 
-The names, meanings, units and producers are written here (:data:`METRICS`, :data:`RECORD_FIELDS`); the alert
+The names come from the monitors' own templates (:mod:`megatron_mech.monitors.metric_names`: the attention
+monitor's :mod:`~megatron_mech.monitors.attention.names`, ``ROUTER_NAME``, ``EXPERT_NAME``, ...), filled here with
+each quantity; the meanings, units and producers are written here (:data:`METRICS`, :data:`RECORD_FIELDS`); the alert
 columns are never written by hand: :func:`alert_rule` finds, like :class:`~megatron_mech.core.detect.DetectorRegistry`
 does, the first of :func:`~megatron_mech.core.detect.default_rules` whose ``fnmatch`` pattern matches the name, so
 the page follows the rules. ``tests/test_metrics_reference.py`` checks the table against the names a real run
@@ -24,6 +26,11 @@ from typing import Optional, Sequence
 from megatron_mech.core.detect import DetectorConfig, SeriesRule, default_rules
 from megatron_mech.core.mols import MEASURED_KEYS
 from megatron_mech.core.taxonomy import MODULE_CLASSES
+from megatron_mech.monitors.attention.names import AGGREGATE_NAME, DW_NAME, HEAD_NAME, LINEAR_NAME
+from megatron_mech.monitors.experts import EXPERT_LAYER_NAME, EXPERT_NAME
+from megatron_mech.monitors.max_logit import MAX_LOGIT_METRIC
+from megatron_mech.monitors.metric_names import SYMPTOM_GRAD_NORM, SYMPTOM_LOSS, fill
+from megatron_mech.monitors.router import ROUTER_NAME
 
 __all__ = ["METRICS", "PLACEHOLDERS", "RECORD_FIELDS", "SLICE_SCOPE_FLAG", "MetricEntry", "RecordField", "alert_rule",
            "entry_for", "render_markdown"]
@@ -121,21 +128,23 @@ class MetricEntry:
         return out
 
 
-def _attention_dw(matrix_name: str, prefix: str, subject: str, flags: tuple = ()) -> list[MetricEntry]:
-    """The six ΔW series of one matrix kind (attention Q/K rows, or a dense linear)."""
+def _attention_dw(matrix_name: str, template: str, subject: str, flags: tuple = ()) -> list[MetricEntry]:
+    """The six ΔW series of one matrix kind (attention Q/K rows, or a dense linear), named by the monitor's
+    ``template`` (its ``{quantity}`` filled)."""
     producer = "attention monitor, every evaluation"
+    name = lambda quantity: fill(template, quantity=quantity)  # noqa: E731
     return [
-        MetricEntry(f"{prefix}_entropy", f"Normalised spectral entropy of ΔW of {subject} (p_i ∝ σ_i², divided by "
+        MetricEntry(name("entropy"), f"Normalised spectral entropy of ΔW of {subject} (p_i ∝ σ_i², divided by "
                     f"log min(rows, cols)): 1 = a flat update spectrum, 0 = a single mode. Null "
                     f"(not measured) while `{matrix_name}_frozen` is 1.", "dimensionless, [0, 1]", producer, flags),
-        MetricEntry(f"{prefix}_effective_rank", "Effective rank exp(H) of that ΔW (H: the unnormalised entropy, "
+        MetricEntry(name("effective_rank"), "Effective rank exp(H) of that ΔW (H: the unnormalised entropy, "
                     "nats). Null while frozen.", "count, [1, min(rows, cols)]", producer, flags),
-        MetricEntry(f"{prefix}_stable_rank", "Stable rank ‖ΔW‖_F² / ‖ΔW‖₂² of that ΔW. Null while frozen.",
+        MetricEntry(name("stable_rank"), "Stable rank ‖ΔW‖_F² / ‖ΔW‖₂² of that ΔW. Null while frozen.",
                     "count, [1, rank ΔW]", producer, flags),
-        MetricEntry(f"{prefix}_fro", "Frobenius norm ‖ΔW‖_F of that ΔW.", "weight units, ≥ 0", producer, flags),
-        MetricEntry(f"{prefix}_update_ratio", "‖ΔW‖_F / ‖W_(t−δ)‖_F: the update relative to the weights (NaN when "
-                    "W_(t−δ) = 0).", "dimensionless, ≥ 0", producer, flags),
-        MetricEntry(f"{prefix}_frozen", "1 when that ΔW is exactly zero (a frozen matrix, or lr 0): its entropy and "
+        MetricEntry(name("fro"), "Frobenius norm ‖ΔW‖_F of that ΔW.", "weight units, ≥ 0", producer, flags),
+        MetricEntry(name("update_ratio"), "‖ΔW‖_F / ‖W_(t−δ)‖_F: the update relative to the weights (NaN "
+                    "when W_(t−δ) = 0).", "dimensionless, ≥ 0", producer, flags),
+        MetricEntry(name("frozen"), "1 when that ΔW is exactly zero (a frozen matrix, or lr 0): its entropy and "
                     "ranks are then null instead of NaN, so it never looks like a fault; else 0.", "flag, 0 or 1",
                     producer, flags),
     ]
@@ -152,87 +161,100 @@ _ROUTER = "router monitor (MoE models), every evaluation"
 _EXPERT = "expert monitor (megatron-core MoE layers), every evaluation"
 _MOLS = "MoLS, every record"
 
+
+def _router(statistic: str) -> str:
+    return fill(ROUTER_NAME, statistic=statistic)
+
+
+def _expert(quantity: str) -> str:
+    return fill(EXPERT_NAME, quantity=quantity)
+
+
+def _expert_layer(summary: str) -> str:
+    return fill(EXPERT_LAYER_NAME, summary=summary)
+
+
 METRICS: tuple = (
     # ------------------------------------------------------------------ attention: ΔW of the Q and K rows
-    *_attention_dw("dw{m}", "attn/layer{L}[/tp{r}]/dw{m}", _QKV),
+    *_attention_dw("dw{m}", DW_NAME, _QKV),
     # ------------------------------------------------------------------ attention: per-head QK increments
-    *(MetricEntry(f"attn/layer{{L}}/head{{H}}/{term}_entropy", _HEAD.format(what=what), "dimensionless, [0, 1]",
+    *(MetricEntry(fill(HEAD_NAME, term=term), _HEAD.format(what=what), "dimensionless, [0, 1]",
                   _QK_PRODUCER) for term, what in _TERM.items()),
-    MetricEntry("attn/layer{L}[/tp{r}]/{term}_entropy_mean", "Mean over layer L's heads of "
+    MetricEntry(fill(AGGREGATE_NAME, aggregate="mean"), "Mean over layer L's heads of "
                 "`attn/layer{L}/head{H}/{term}_entropy` (NaN if any head is NaN: a NaN is a fault flag).",
                 "dimensionless, [0, 1]", _QK_PRODUCER),
-    MetricEntry("attn/layer{L}[/tp{r}]/{term}_entropy_min", "Minimum over layer L's heads of "
+    MetricEntry(fill(AGGREGATE_NAME, aggregate="min"), "Minimum over layer L's heads of "
                 "`attn/layer{L}/head{H}/{term}_entropy` (NaN if any head is NaN).", "dimensionless, [0, 1]",
                 _QK_PRODUCER),
     # ------------------------------------------------------------------ dense linears
-    *_attention_dw("dw", "linear/layer{L}/{module}[/tp{r}]/dw",
+    *_attention_dw("dw", fill(LINEAR_NAME, linear="layer{L}/{module}"),
                    "the dense linear {module} of layer L",
                    flags=("--mech-all-linears",)),
     # ------------------------------------------------------------------ router
-    MetricEntry("router/layer{L}/tokens", "Tokens in this evaluation's routing statistics: every token of the "
+    MetricEntry(_router("tokens"), "Tokens in this evaluation's routing statistics: every token of the "
                 "evaluation step over all ranks, counted once (every n-th of each micro-batch with "
                 "`--mech-router-token-stride n`); non-finite ones excluded (see `nonfinite_tokens`).",
                 "count, ≥ 0", _ROUTER),
-    MetricEntry("router/layer{L}/nonfinite_tokens", "Tokens skipped because a router logit was NaN or +inf (or "
+    MetricEntry(_router("nonfinite_tokens"), "Tokens skipped because a router logit was NaN or +inf (or "
                 "every logit −inf).", "count, ≥ 0", _ROUTER),
-    MetricEntry("router/layer{L}/entropy_mean", f"Mean per-token routing entropy H = −Σ_e p_e log p_e of "
+    MetricEntry(_router("entropy_mean"), f"Mean per-token routing entropy H = −Σ_e p_e log p_e of "
                 f"p = softmax(router logits) over all E experts, over the step's tokens.", "nats, [0, log E]", _ROUTER),
-    MetricEntry("router/layer{L}/entropy_norm_mean", "`entropy_mean` / log E.", "dimensionless, [0, 1]", _ROUTER),
-    MetricEntry("router/layer{L}/entropy_std", "Population standard deviation of the per-token routing entropy.",
+    MetricEntry(_router("entropy_norm_mean"), "`entropy_mean` / log E.", "dimensionless, [0, 1]", _ROUTER),
+    MetricEntry(_router("entropy_std"), "Population standard deviation of the per-token routing entropy.",
                 "nats, ≥ 0", _ROUTER),
-    MetricEntry("router/layer{L}/entropy_min", "Smallest per-token routing entropy (one extreme token).",
+    MetricEntry(_router("entropy_min"), "Smallest per-token routing entropy (one extreme token).",
                 "nats, [0, log E]", _ROUTER),
-    MetricEntry("router/layer{L}/entropy_p05", "5th percentile of the per-token routing entropy, from a 20-bin "
+    MetricEntry(_router("entropy_p05"), "5th percentile of the per-token routing entropy, from a 20-bin "
                 "histogram of H / log E (error about one bin, log E / 20).", "nats, [0, log E]", _ROUTER),
-    MetricEntry("router/layer{L}/entropy_p50", "Median per-token routing entropy (same histogram).",
+    MetricEntry(_router("entropy_p50"), "Median per-token routing entropy (same histogram).",
                 "nats, [0, log E]", _ROUTER),
-    MetricEntry("router/layer{L}/low_entropy_frac", "Fraction of tokens whose normalised routing entropy H / log E "
+    MetricEntry(_router("low_entropy_frac"), "Fraction of tokens whose normalised routing entropy H / log E "
                 "is below 0.5 (sharply routed tokens).", "fraction, [0, 1]", _ROUTER),
-    MetricEntry("router/layer{L}/margin_mean", "Mean top-1 minus top-2 router logit per token.",
+    MetricEntry(_router("margin_mean"), "Mean top-1 minus top-2 router logit per token.",
                 "logit units, ≥ 0", _ROUTER),
-    MetricEntry("router/layer{L}/margin_std", "Population standard deviation of that margin.", "logit units, ≥ 0",
+    MetricEntry(_router("margin_std"), "Population standard deviation of that margin.", "logit units, ≥ 0",
                 _ROUTER),
-    MetricEntry("router/layer{L}/load_entropy", "Entropy of the experts' shares of all top-k assignments, / log E: "
+    MetricEntry(_router("load_entropy"), "Entropy of the experts' shares of all top-k assignments, / log E: "
                 "1 = perfectly balanced, 0 = one expert takes everything.", "dimensionless, [0, 1]", _ROUTER),
-    MetricEntry("router/layer{L}/effective_experts", "exp(entropy of the load shares): the number of equally "
+    MetricEntry(_router("effective_experts"), "exp(entropy of the load shares): the number of equally "
                 "loaded experts with the same entropy.", "count, [1, E]", _ROUTER),
-    MetricEntry("router/layer{L}/load_cv", "Coefficient of variation (std / mean) of the per-expert top-k counts.",
+    MetricEntry(_router("load_cv"), "Coefficient of variation (std / mean) of the per-expert top-k counts.",
                 "dimensionless, [0, √(E − 1)]", _ROUTER),
-    MetricEntry("router/layer{L}/mean_cosine", "Mean cosine similarity over pairs of distinct expert rows of the "
+    MetricEntry(_router("mean_cosine"), "Mean cosine similarity over pairs of distinct expert rows of the "
                 "router weight [E, d] (rows becoming alike: a router that cannot discriminate).",
                 "dimensionless, [−1/(E − 1), 1]", _ROUTER),
-    MetricEntry("router/layer{L}/conditioning", "max_i ‖w_i − w̄‖ / ‖w̄‖ over the router weight's expert rows w_i "
+    MetricEntry(_router("conditioning"), "max_i ‖w_i − w̄‖ / ‖w̄‖ over the router weight's expert rows w_i "
                 "(w̄: the mean row); small = rows nearly identical. inf when ‖w̄‖ = 0.", "dimensionless, ≥ 0",
                 _ROUTER),
-    MetricEntry("router/layer{L}/mean_deviation", "mean_i ‖w_i − w̄‖ / ‖w̄‖ (as `conditioning`, the mean instead of "
+    MetricEntry(_router("mean_deviation"), "mean_i ‖w_i − w̄‖ / ‖w̄‖ (as `conditioning`, the mean instead of "
                 "the max).", "dimensionless, ≥ 0", _ROUTER),
     # ------------------------------------------------------------------ experts
-    MetricEntry("expert/layer{L}/e{E}/update_ratio", "‖ΔW‖_F / ‖W_(t−δ)‖_F of expert E over all its matrices "
+    MetricEntry(_expert("update_ratio"), "‖ΔW‖_F / ‖W_(t−δ)‖_F of expert E over all its matrices "
                 "(fc1 and fc2), ΔW over the last δ steps.", "dimensionless, ≥ 0", _EXPERT, ("--mech-experts",)),
-    MetricEntry("expert/layer{L}/e{E}/stable_rank", "Stable rank ‖ΔW‖_F² / ‖ΔW‖₂² of expert E's fc1 update "
+    MetricEntry(_expert("stable_rank"), "Stable rank ‖ΔW‖_F² / ‖ΔW‖₂² of expert E's fc1 update "
                 "(‖ΔW‖₂ from 8 power iterations: an upper bound, tight for a dominant direction; NaN when ΔW = 0).",
                 "count, [1, rank ΔW]", _EXPERT, ("--mech-experts",)),
-    MetricEntry("expert/layer{L}/update_ratio_mean", "Mean of `e{E}/update_ratio` over the layer's experts.",
+    MetricEntry(_expert_layer("update_ratio_mean"), "Mean of `e{E}/update_ratio` over the layer's experts.",
                 "dimensionless, ≥ 0", _EXPERT, ("--mech-experts",)),
-    MetricEntry("expert/layer{L}/update_ratio_spread", "Standard deviation / mean of `e{E}/update_ratio` across "
+    MetricEntry(_expert_layer("update_ratio_spread"), "Standard deviation / mean of `e{E}/update_ratio` across "
                 "the layer's experts.", "dimensionless, ≥ 0", _EXPERT, ("--mech-experts",)),
-    MetricEntry("expert/layer{L}/update_ratio_zmax", "Largest |z-score| of `e{E}/update_ratio` across the layer's "
+    MetricEntry(_expert_layer("update_ratio_zmax"), "Largest |z-score| of `e{E}/update_ratio` across the layer's "
                 "experts (its expert is in the alert details).", "dimensionless, [0, √(E − 1)]", _EXPERT,
                 ("--mech-experts",)),
-    MetricEntry("expert/layer{L}/stable_rank_min", "Smallest `e{E}/stable_rank` of the layer.",
+    MetricEntry(_expert_layer("stable_rank_min"), "Smallest `e{E}/stable_rank` of the layer.",
                 "count, ≥ 1", _EXPERT, ("--mech-experts",)),
-    MetricEntry("expert/layer{L}/stable_rank_mean", "Mean `e{E}/stable_rank` of the layer.", "count, ≥ 1",
+    MetricEntry(_expert_layer("stable_rank_mean"), "Mean `e{E}/stable_rank` of the layer.", "count, ≥ 1",
                 _EXPERT, ("--mech-experts",)),
     # ------------------------------------------------------------------ symptoms
-    MetricEntry("symptom/loss", "The training loss the trainer reports for the step (LM cross-entropy averaged over "
+    MetricEntry(SYMPTOM_LOSS, "The training loss the trainer reports for the step (LM cross-entropy averaged over "
                 "micro-batches and data-parallel ranks). Also judged on any step where it is non-finite: at once, or "
                 "at the next evaluation when the trainer hands it over on the device (DeepSpeed), with its own step.",
                 "nats per token", "hook, every evaluation"),
-    MetricEntry("symptom/grad_norm", "The optimizer's global gradient L2 norm for the step, as the trainer reports "
+    MetricEntry(SYMPTOM_GRAD_NORM, "The optimizer's global gradient L2 norm for the step, as the trainer reports "
                 "it. Also judged on any step where it is non-finite: at once, or at the next evaluation when the "
                 "trainer hands it over on the device (DeepSpeed), with its own step.", "gradient units, ≥ 0",
                 "hook, every evaluation where the trainer reports a grad norm"),
-    MetricEntry("symptom/max_attn_logit", "Largest pre-softmax attention logit scale·q·k over every layer, head, "
+    MetricEntry(MAX_LOGIT_METRIC, "Largest pre-softmax attention logit scale·q·k over every layer, head, "
                 "unmasked query/key pair, micro-batch and rank of the evaluation step.", "logit units",
                 "hook (max-logit recorder), every evaluation, where the adapter captures attention inputs "
                 "(megatron-core entry point, Megatron-LM forks; not DeepSpeed)"),

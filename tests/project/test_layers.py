@@ -23,7 +23,7 @@ LAYERS = [
     ("monitors",),
     ("records",),
     ("config", "options"),
-    ("hook", "model_view", "logit_symptom", "optim", "logs"),
+    ("hook", "model_view", "logit_symptom", "optim", "logs", "extension", "deferred_values", "first_alert"),
     ("megatron", "deepspeed", "megatron_lm"),
     ("studies",),
     ("cli", "references"),
@@ -90,9 +90,9 @@ def layer_violations():
 
 
 def test_every_module_is_in_a_layer_and_the_scan_sees_function_level_imports():
-    # the scan must see what it polices: MechHook.setup imports the attention monitor inside the function
+    # the scan must see what it polices: the hook imports the pipeline-stage exchange inside a method
     hook = PACKAGE / "hook.py"
-    assert "megatron_mech.monitors.attention" in set(imported_modules(hook, "megatron_mech.hook"))
+    assert "megatron_mech.core.metric_exchange" in set(imported_modules(hook, "megatron_mech.hook"))
     for path in PACKAGE.rglob("*.py"):
         layer(module_name(path))  # raises for a module outside every layer
 
@@ -160,19 +160,37 @@ def calls_and_strings(root: Path):
                 yield path.relative_to(root.parent).as_posix(), "string", node.value
 
 
+def evaluation_rule_homes(root: Path = REPO_ROOT) -> set:
+    """The files under ``root`` (the package and the launchers) computing ``<step> % <the monitors' interval>``:
+    a right operand named ``interval`` or ``mech_interval`` (Megatron's own ``log_interval``, ``save_interval``,
+    ... are other rules)."""
+    paths = [*(root / "megatron_mech").rglob("*.py"), *(root / "launch_scripts").rglob("*.py")]
+    return {path.relative_to(root).as_posix() for path in paths
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod)
+            and re.search(r"(^|\.)(mech_)?interval$", ast.unparse(node.right))}
+
+
+def test_the_evaluation_rule_scan_finds_a_second_home(tmp_path):
+    # the reference: the launcher's own rule as it was, and the attention monitor's
+    (tmp_path / "launch_scripts").mkdir()
+    (tmp_path / "megatron_mech" / "monitors").mkdir(parents=True)
+    (tmp_path / "launch_scripts" / "train.py").write_text("ok = engine.global_steps % args.mech_interval == 0\n")
+    (tmp_path / "megatron_mech" / "monitors" / "m.py").write_text(
+        "if step % self.config.interval:\n    pass\nlog = step % args.log_interval\n")
+    assert evaluation_rule_homes(tmp_path) == {"launch_scripts/train.py", "megatron_mech/monitors/m.py"}
+
+
 @pytest.mark.slow
 def test_the_output_evaluation_and_int_rules_have_one_home():
     """The default output directory is one constant (``config.DEFAULT_OUTPUT_DIR``); the run's sinks are built
-    in one place (``MechHook.open_sinks``), the evaluation steps decided in one (``MechHook.is_evaluation_step``)
-    and "an int, not a bool" checked by one function (``core.checks.is_int``)."""
+    in one place (``MechHook.open_sinks``), the evaluation steps decided in one (``core.schedule.is_evaluation_step``:
+    no ``step % interval`` anywhere else in the package or the launchers) and "an int, not a bool" checked by one
+    function (``core.checks.is_int``)."""
     found = [*calls_and_strings(PACKAGE), *calls_and_strings(REPO_ROOT / "launch_scripts")]
     assert {f for f, kind, value in found if kind == "string" and "runs/mech" in value} == {"megatron_mech/config.py"}
     assert {f for f, kind, value in found if kind == "call" and value == "default_sinks"} == {"megatron_mech/hook.py"}
-    evaluation_rule = {path.relative_to(REPO_ROOT).as_posix() for path in PACKAGE.rglob("*.py")
-                       for node in ast.walk(ast.parse(path.read_text()))
-                       if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod)
-                       and ast.unparse(node.right).endswith("monitors.interval")}
-    assert evaluation_rule == {"megatron_mech/hook.py"}
+    assert evaluation_rule_homes() == {"megatron_mech/core/schedule.py"}
     int_checks = {path.relative_to(REPO_ROOT).as_posix() for path in PACKAGE.rglob("*.py")
                   for node in ast.walk(ast.parse(path.read_text()))
                   if isinstance(node, ast.FunctionDef) and node.name.lstrip("_") == "is_int"}

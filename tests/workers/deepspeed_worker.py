@@ -216,7 +216,7 @@ def scenario_router(args, stage, rank, world, errors):
         if engine.global_steps % 2:
             continue
         got = seen["metrics"]
-        if mech.hook.router is None:
+        if mech.hook.monitor("router") is None:
             errors.append("the router monitor is off on a DeepSpeed-MoE model")
             break
         for i, gate in enumerate(mech.gates):

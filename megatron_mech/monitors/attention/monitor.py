@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_mech.core.checks import is_int
+from megatron_mech.core.schedule import is_evaluation_step
 from megatron_mech.core.sharded import collective_device, distributed_active
 from megatron_mech.monitors.attention.agreement import agree_across_replicas, agree_across_tensor_parallel, \
     agree_on_snapshot_step
@@ -125,13 +126,14 @@ class AttentionMonitor:
 
     # ------------------------------------------------------------------ schedule
     def should_observe(self, step: int) -> bool:
-        """True when ``observe(step)`` does any work (snapshot and/or evaluation): ``step % interval == 0``."""
-        return step % self.config.interval == 0
+        """True when ``observe(step)`` does any work (snapshot and/or evaluation): an evaluation step
+        (:func:`~megatron_mech.core.schedule.is_evaluation_step`)."""
+        return is_evaluation_step(step, self.config.interval)
 
     def should_evaluate(self, step: int) -> bool:
         """True when ``observe(step)`` will return metrics: an aligned step whose snapshot is ``interval`` old."""
         snap_step = self._snapshots.step
-        return (step % self.config.interval == 0 and snap_step is not None
+        return (is_evaluation_step(step, self.config.interval) and snap_step is not None
                 and step - snap_step == self.config.interval)
 
     @property
@@ -145,7 +147,7 @@ class AttentionMonitor:
         multiple of ``interval``. Every rank of the TP group must call it at the same steps."""
         if not is_int(step) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
-        if step % self.config.interval:
+        if not is_evaluation_step(step, self.config.interval):
             return None
         result = self._evaluate(step) if self.should_evaluate(step) else None
         self._snapshots.take(step, self.layers, self.extras, self._rows, self._mine)

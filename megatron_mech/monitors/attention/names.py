@@ -35,12 +35,22 @@ from __future__ import annotations
 
 from typing import Hashable, Optional, Sequence
 
-__all__ = ["DW_QUANTITIES", "HEAD_AGGREGATES", "unit_entries"]
+from megatron_mech.monitors.metric_names import render
+
+__all__ = ["AGGREGATE_NAME", "DW_NAME", "DW_QUANTITIES", "HEAD_AGGREGATES", "HEAD_NAME", "LINEAR_NAME",
+           "unit_entries"]
 
 DW_QUANTITIES = ("entropy", "effective_rank", "stable_rank", "fro", "frozen", "update_ratio")
 """What each ΔW reports, in this order; a ΔW's values are keyed by these."""
 HEAD_AGGREGATES = ("mean", "min")
 """The aggregates over a layer's heads of each QK term."""
+
+# The names, each written once (:mod:`megatron_mech.monitors.metric_names` syntax; docs/metrics.md is rendered from
+# these): ``m`` is ``q`` or ``k``, ``quantity`` one of DW_QUANTITIES, ``aggregate`` one of HEAD_AGGREGATES.
+DW_NAME = "attn/layer{L}[/tp{r}]/dw{m}_{quantity}"
+HEAD_NAME = "attn/layer{L}/head{H}/{term}_entropy"
+AGGREGATE_NAME = "attn/layer{L}[/tp{r}]/{term}_entropy_{aggregate}"
+LINEAR_NAME = "linear/{linear}[/tp{r}]/dw_{quantity}"
 
 
 def unit_entries(kind: str, ident, *, terms: Sequence[str] = (), heads: range = range(0),
@@ -56,15 +66,16 @@ def unit_entries(kind: str, ident, *, terms: Sequence[str] = (), heads: range = 
     Keys: an extra linear's values are keyed by quantity (``"entropy"``); a layer's by ``(matrix, quantity)``,
     ``(term, aggregate)`` and ``(term, head)``.
     """
-    tag, scope = ("", {}) if tp_rank is None else (f"/tp{tp_rank}", {"tp_rank": tp_rank})
+    tag, scope = ({}, {}) if tp_rank is None else ({"r": tp_rank}, {"tp_rank": tp_rank})
     if kind == "extra":
-        return [(f"linear/{ident}{tag}/dw_{what}", {"linear": ident, **scope}, what) for what in DW_QUANTITIES]
+        return [(render(LINEAR_NAME, linear=ident, quantity=what, **tag), {"linear": ident, **scope}, what)
+                for what in DW_QUANTITIES]
     L = ident
-    out = [(f"attn/layer{L}{tag}/dw{m}_{what}", {"layer": L, "matrix": m, **scope}, (m, what))
+    out = [(render(DW_NAME, L=L, m=m, quantity=what, **tag), {"layer": L, "matrix": m, **scope}, (m, what))
            for m in ("q", "k") for what in DW_QUANTITIES]
     for term in terms:
-        out += [(f"attn/layer{L}{tag}/{term}_entropy_{agg}", {"layer": L, "term": term, **scope}, (term, agg))
-                for agg in HEAD_AGGREGATES]
-        out += [(f"attn/layer{L}/head{h}/{term}_entropy", {"layer": L, "head": h, "term": term, **scope}, (term, h))
+        out += [(render(AGGREGATE_NAME, L=L, term=term, aggregate=agg, **tag), {"layer": L, "term": term, **scope},
+                 (term, agg)) for agg in HEAD_AGGREGATES]
+        out += [(render(HEAD_NAME, L=L, H=h, term=term), {"layer": L, "head": h, "term": term, **scope}, (term, h))
                 for h in heads]
     return out

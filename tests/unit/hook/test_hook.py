@@ -145,7 +145,8 @@ def test_resume_from_one_state_entry_continues_the_series_exactly():
     first = _Run(_config())
     first.steps(1, 7)
     state = first.hook.state_dict()
-    assert state["version"] == 2 and set(state) >= {"attention", "detectors", "mols", "first_alert_step"}
+    assert state["version"] == 3 and set(state) >= {"monitors", "detectors", "mols", "first_alert_step"}
+    assert set(state["monitors"]) == {"attention"} and state["monitors"]["attention"]["version"] == 1
     resumed = _Run(_config(), weight=first.weight.clone(), start_step=7, state=state)
     resumed.steps(8, 16)
     expected = [r for r in full.records if r["step"] > 7]

@@ -1,0 +1,51 @@
+"""The attention monitor as a :class:`~megatron_mech.monitors.protocol.Monitor` family: ΔW spectra of every
+attention layer (and, with ``--mech-all-linears``, of every dense linear), evaluated every interval from a snapshot
+taken one interval before; the snapshots are checkpointed (``--mech-no-checkpoint-snapshots``: only the step)."""
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron_mech.monitors.attention.monitor import AttentionMonitor
+from megatron_mech.monitors.protocol import Monitor, MonitorContext, Observation
+
+__all__ = ["AttentionFamily"]
+
+
+class AttentionFamily(Monitor):
+    """Runs when ``--mech-monitors`` selects ``attention`` (the default); :attr:`monitor` is the
+    :class:`~megatron_mech.monitors.attention.AttentionMonitor` it drives."""
+
+    name = "attention"
+    selectable = True
+
+    def __init__(self) -> None:
+        self.monitor: Optional[AttentionMonitor] = None
+
+    def layer_count(self, view) -> int:
+        return len(view.attention_layers)
+
+    def setup(self, view, context: MonitorContext) -> bool:
+        if self.name not in context.families:
+            return False
+        settings = context.settings
+        self.monitor = AttentionMonitor(list(view.attention_layers), settings, tp_group=view.tp_group,
+                                        extra_linears=dict(view.dense_linears) if settings.all_linears else None,
+                                        dp_group=view.dp_group)
+        return True
+
+    def describe(self, total_layers: int) -> str:
+        return f"{total_layers} attention layer{'' if total_layers == 1 else 's'}"
+
+    def start(self, step: int) -> None:
+        # the weights the first interval starts from, unless a loaded checkpoint brought that snapshot
+        if self.monitor.snapshot_step is None and self.monitor.should_observe(step):
+            self.monitor.observe(step)
+
+    def observe(self, step: int) -> Observation:
+        return self.monitor.observe(step)
+
+    def state_dict(self) -> dict:
+        return self.monitor.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.monitor.load_state_dict(state)

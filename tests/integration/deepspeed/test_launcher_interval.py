@@ -1,0 +1,54 @@
+"""The DeepSpeed launcher offers ``--mech-interval`` as the config declares it (one declaration: its default, type
+and help come from ``MonitorConfig.interval``), and reports on the steps the hook evaluates."""
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import sys
+
+import pytest
+
+from dist_utils import REPO_ROOT
+from megatron_mech.config import MonitorConfig
+from megatron_mech.options import add_section_flags
+
+pytestmark = pytest.mark.timeout(120)
+LAUNCHER = REPO_ROOT / "launch_scripts" / "deepspeed_train.py"
+
+
+def _launcher():
+    sys.path.insert(0, str(LAUNCHER.parent))
+    try:
+        import deepspeed_train
+    finally:
+        sys.path.remove(str(LAUNCHER.parent))
+    return deepspeed_train
+
+
+def test_the_launcher_declares_no_interval_flag_of_its_own():
+    strings = {node.value for node in ast.walk(ast.parse(LAUNCHER.read_text(encoding="utf-8")))
+               if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+    assert "--mech-interval" not in strings
+
+
+def test_the_launcher_flag_is_the_configs_declaration():
+    field = {f.name: f for f in dataclasses.fields(MonitorConfig)}["interval"]
+    launcher = _launcher()
+    assert launcher.parse_args([]).mech_interval == MonitorConfig().interval == field.default
+    assert launcher.parse_args(["--mech-interval", "3"]).mech_interval == 3
+    with pytest.raises(SystemExit):
+        launcher.parse_args(["--mech-interval", "three"])
+    reference = argparse.ArgumentParser()
+    add_section_flags(reference, MonitorConfig)
+    ours = argparse.ArgumentParser()
+    add_section_flags(ours, MonitorConfig, only=("interval",))
+    (action,) = [a for a in ours._actions if "--mech-interval" in a.option_strings]
+    (expected,) = [a for a in reference._actions if "--mech-interval" in a.option_strings]
+    assert (action.default, action.type, action.help) == (expected.default, expected.type, expected.help)
+    assert [a.dest for a in ours._actions if a.dest != "help"] == ["mech_interval"]
+
+
+def test_only_names_a_field_the_section_has():
+    with pytest.raises(ValueError, match=r"MonitorConfig has no field \['intervall'\]"):
+        add_section_flags(argparse.ArgumentParser(), MonitorConfig, only=("intervall",))

@@ -1,0 +1,180 @@
+"""The hook's monitor list: every family (the built-in ones and a user's) goes through the same ``Monitor`` methods,
+on the evaluation steps the hook decides, checkpointed as one versioned entry per monitor; states in the layout
+written before that (the monitors' states as top-level keys, versions 1 and 2) still resume exactly.
+
+Real parts throughout: a real AttentionMonitor and ExpertMonitor on weights the test updates like an optimizer
+would, the real detectors, the hook's own record layout (through a CallbackSink). The reference for a resume is the
+same run without the interruption (same process, same computation: bit-equal)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import megatron_mech.hook as hook_module
+from megatron_mech.config import DetectorOverrides, MechConfig, MonitorConfig
+from megatron_mech.hook import MechHook, StateError
+from megatron_mech.model_view import ModelView
+from megatron_mech.monitors.attention import AttentionLayer
+from megatron_mech.monitors.experts import ExpertLayer
+from megatron_mech.monitors.protocol import Monitor
+from megatron_mech.records.sinks import CallbackSink
+
+pytestmark = pytest.mark.timeout(300)
+
+HEADS, GROUPS, HEAD_DIM, D_MODEL = 2, 2, 8, 16
+EXPERTS, FFN = 3, 12
+
+
+class Toy(Monitor):
+    """A toy family: counts its evaluations, records the count and which steps it was told about."""
+
+    name = "toy"
+
+    def __init__(self):
+        self.count, self.observed, self.armed = 0, [], {}
+
+    def before_step(self, step, evaluating):
+        self.armed[step] = evaluating
+
+    def observe(self, step):
+        self.count += 1
+        self.observed.append(step)
+        return {"toy/count": float(self.count)}, {"toy/count": {"step": step}}
+
+    def state_dict(self):
+        return {"count": self.count}
+
+    def load_state_dict(self, state):
+        self.count = state["count"]
+
+
+class _Run:
+    """A hook over one attention layer (and, with ``experts``, one MoE layer of three experts)."""
+
+    def __init__(self, *, experts=False, monitors=(), start_step=0, state=None, weights=None, interval=2):
+        gen = torch.Generator().manual_seed(0)
+        self.weights = weights or {
+            "qkv": torch.randn((HEADS + 2 * GROUPS) * HEAD_DIM, D_MODEL, generator=gen),
+            **{f"e{e}": torch.randn(FFN, D_MODEL, generator=gen) for e in range(EXPERTS)}}
+        config = MechConfig(monitors=MonitorConfig(families=("attention",), interval=interval, qk_terms=("delta2",),
+                                                   experts=experts),
+                            detector=DetectorOverrides(warmup=0, baseline=3, persistence=1))
+        self.records = []
+        self.hook = MechHook(config, sinks=CallbackSink(self.records.append))
+        for monitor in monitors:
+            self.hook.add_monitor(monitor)
+        view = ModelView(attention_layers=[AttentionLayer(0, self.weights["qkv"], HEADS, GROUPS, HEAD_DIM)],
+                         experts=[ExpertLayer(1, [[self.weights[f"e{e}"]] for e in range(EXPERTS)], 0, EXPERTS)]
+                         if experts else ())
+        if state is not None:
+            self.hook.load_state_dict(state, source="checkpoint iter_7")
+        self.hook.setup(view, None, start_step=start_step)
+
+    def steps(self, first, last):
+        for step in range(first, last + 1):
+            self.hook.before_step(step)
+            gen = torch.Generator().manual_seed(1000 + step)
+            with torch.no_grad():
+                for w in self.weights.values():
+                    w.add_(1e-2 * torch.randn(w.shape, generator=gen))
+            self.hook.after_optimizer_step(step, loss=5.0 - 0.01 * step, grad_norm=1.0, lr=1e-3)
+
+
+def test_a_user_monitor_registered_with_one_call_runs_on_the_evaluation_steps_and_is_checkpointed():
+    toy = Toy()
+    run = _Run(monitors=[toy])
+    run.steps(1, 8)
+    assert toy.observed == [2, 4, 6, 8]  # the hook's rule (multiples of the interval), not the monitor's
+    assert toy.armed == {s: s % 2 == 0 for s in range(1, 9)}
+    assert [r["metrics"]["toy/count"] for r in run.records] == [1.0, 2.0, 3.0, 4.0]
+    # its series follow the built-in families' in every record (then the loss and grad norm symptoms)
+    names = list(run.records[-1]["metrics"])
+    assert names[-3:] == ["toy/count", "symptom/loss", "symptom/grad_norm"]
+    assert "attn/layer0/head1/delta2_entropy" in run.records[-1]["metrics"]
+    state = run.hook.state_dict()
+    assert state["monitors"]["toy"] == {"version": 1, "state": {"count": 4}}
+
+    resumed_toy = Toy()
+    _Run(monitors=[resumed_toy], start_step=8, state=state, weights=run.weights)
+    assert resumed_toy.count == 4
+
+
+def test_a_builtin_family_is_one_class_and_one_registry_line(monkeypatch):
+    # the registry line: the hook builds every family of the registry, in its order, with no branch of its own
+    monkeypatch.setattr(hook_module, "BUILTIN_MONITORS", (*hook_module.BUILTIN_MONITORS, Toy))
+    run = _Run()
+    toy = run.hook.monitor("toy")
+    assert isinstance(toy, Toy) and [m.name for m in run.hook.monitors] == ["attention", "toy"]
+    run.steps(1, 4)
+    assert toy.observed == [2, 4]
+    assert run.hook.state_dict()["monitors"]["toy"] == {"version": 1, "state": {"count": 2}}
+
+
+def test_add_monitor_refuses_a_second_name_a_non_monitor_and_a_late_registration():
+    run = _Run(monitors=[Toy()])
+    with pytest.raises(RuntimeError, match="before MechHook.setup"):
+        run.hook.add_monitor(type("Other", (Toy,), {"name": "other"})())
+    hook = MechHook(MechConfig(), monitors=[Toy()])
+    with pytest.raises(ValueError, match="'toy' is already registered"):
+        hook.add_monitor(Toy())
+    with pytest.raises(ValueError, match="'attention' is already registered"):
+        hook.add_monitor(type("Clash", (Toy,), {"name": "attention"})())
+    with pytest.raises(TypeError, match="expected a Monitor"):
+        hook.add_monitor(object())
+
+
+def _version_2_layout(state: dict) -> dict:
+    """The state as the hook wrote it before the monitor list (hook-state version 2): the attention and router
+    monitors' own states at the top level, no "monitors" entry, every other key as it was."""
+    old = {key: value for key, value in state.items() if key != "monitors"}
+    old.update(version=2, attention=state["monitors"]["attention"]["state"], router=None)
+    return old
+
+
+def test_a_state_in_the_version_2_layout_resumes_exactly():
+    full = _Run()
+    full.steps(1, 16)
+    first = _Run()
+    first.steps(1, 7)
+    old = _version_2_layout(first.hook.state_dict())
+    assert old["attention"]["snapshots"] is not None  # the snapshot of step 6 travels in the old layout
+    resumed = _Run(start_step=7, state=old, weights={k: w.clone() for k, w in first.weights.items()})
+    resumed.steps(8, 16)
+    expected = [r for r in full.records if r["step"] > 7]
+    assert [r["step"] for r in resumed.records] == [r["step"] for r in expected] == [8, 10, 12, 14, 16]
+    for got, want in zip(resumed.records, expected):
+        assert got["metrics"] == want["metrics"] and got["alerts"] == want["alerts"]
+    # version 1 (no "interval" key: the attention monitor's config tells it) loads the same way
+    older = {k: v for k, v in old.items() if k != "interval"}
+    older["version"] = 1
+    again = _Run(start_step=7, state=older, weights={k: w.clone() for k, w in first.weights.items()})
+    again.steps(8, 8)
+    assert again.records[0]["metrics"] == expected[0]["metrics"]
+
+
+def test_a_monitor_entry_of_another_version_is_refused_naming_the_monitor_and_the_checkpoint():
+    first = _Run()
+    first.steps(1, 4)
+    state = first.hook.state_dict()
+    state["monitors"]["attention"]["version"] = 7
+    with pytest.raises(StateError, match=r"checkpoint iter_7.*'attention' monitor's state has version 7"):
+        _Run(start_step=4, state=state, weights=first.weights)
+
+
+def test_the_expert_monitor_is_checkpointed_with_an_explicit_empty_state():
+    full = _Run(experts=True)
+    full.steps(1, 12)
+    first = _Run(experts=True)
+    first.steps(1, 8)
+    state = first.hook.state_dict()
+    assert state["monitors"]["experts"] == {"version": 1, "state": {}}
+    resumed = _Run(experts=True, start_step=8, state=state,
+                   weights={k: w.clone() for k, w in first.weights.items()})
+    resumed.steps(9, 12)
+    # no snapshot is saved: the resume snapshots at its start step (aligned), so step 10 is evaluated as in the
+    # uninterrupted run
+    expert_series = lambda record: {k: v for k, v in record["metrics"].items() if k.startswith("expert/")}  # noqa
+    by_step = {r["step"]: r for r in full.records}
+    assert [r["step"] for r in resumed.records] == [10, 12]
+    for record in resumed.records:
+        assert expert_series(record) and expert_series(record) == expert_series(by_step[record["step"]])
