@@ -210,8 +210,8 @@ def overhead_lines(overhead, steps, rounds) -> tuple:
               "every step but evaluates nothing (no symptom record, no capture), so it is the trainer alone. The "
               "accounted share counts the evaluations, the captures inside the forward passes of evaluation steps, "
               "the detectors and the JSONL; between evaluations the monitors issue no torch op, no host sync and "
-              "no collective (tests/integration/megatron_core/test_idle_steps.py), so an end-to-end ratio above the accounted share by more "
-              "than its interval would be a cost nothing accounts for."]
+              "no collective (tests/integration/megatron_core/test_idle_steps.py), so an end-to-end ratio above the "
+              "accounted share by more than its interval would be a cost nothing accounts for."]
     return lines, summary
 
 

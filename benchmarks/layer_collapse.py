@@ -1,11 +1,11 @@
 """The attention rules' layer collapse against the level alone, on the fault runs of the end-to-end fault tests.
 
-The run is the one ``tests/integration/megatron_core/test_megatron_faults_training.py`` trains: the small MoE GPT (4 layers, EP=2, 2 CPU
-processes), the attention-precision fault (γ = 0.1) in layer 1 from step 90, a short detector baseline
-(``--mech-detector-warmup 10 --mech-detector-baseline 6``: evaluations 11–16, steps 55–80), 150 steps. How deep
-layer 1's Δ2 entropy falls by step 150 differs between seeds, and between CPUs for one seed (floating-point
-rounding differs, and the trajectory with it): on one machine the absolute level (Δ2 ≤ 0.01) is crossed by step
-130, on another not by step 150. Each run's records are replayed through
+The run is the one ``tests/integration/megatron_core/test_megatron_faults_training.py`` trains: the small MoE GPT
+(4 layers, EP=2, 2 CPU processes), the attention-precision fault (γ = 0.1) in layer 1 from step 90, a short
+detector baseline (``--mech-detector-warmup 10 --mech-detector-baseline 6``: evaluations 11–16, steps 55–80), 150
+steps. How deep layer 1's Δ2 entropy falls by step 150 differs between seeds, and between CPUs for one seed
+(floating-point rounding differs, and the trajectory with it): on one machine the absolute level (Δ2 ≤ 0.01) is crossed
+by step 130, on another not by step 150. Each run's records are replayed through
 
 * ``level``: the attention rules with the level alone (the layer collapse switched off), and
 * ``default``: today's default rules (the level, or the layer's median ratio value / baseline median ≤ 0.15),

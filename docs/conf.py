@@ -1,7 +1,7 @@
 """Sphinx configuration of the megatron-mech documentation (MyST Markdown pages).
 
-Build: ``sphinx-build -W --keep-going -b html docs docs/_build/html`` (``tests/project/test_docs.py`` builds it so in CI,
-every warning an error). The reference pages (configuration.md, cli.md, metrics.md) are generated from the code:
+Build: ``sphinx-build -W --keep-going -b html docs docs/_build/html`` (``tests/project/test_docs.py`` builds it so
+in CI, every warning an error). The reference pages (configuration.md, cli.md, metrics.md) are generated from the code:
 see ``megatron_mech/references/`` and ``megatron_mech/records/metrics_reference.py``.
 """
 project = "megatron-mech"

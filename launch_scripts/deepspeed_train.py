@@ -126,9 +126,19 @@ def check_run_directories(args, config: dict, rank: int) -> tuple[bool, Optional
     refused instead of passing the same checks. Returns whether the previous run there is to be cleared, and the
     id of the run a resume continues (None: the run needs a new id). Raises ``ValueError`` naming the flag or
     directory."""
-    from megatron_mech.records.run_directory import (FIRST_ALERT, JSONL, RUN_ID_FILE, SUMMARY, claim_run_directory,
-                                                     previous_run, probe_writable, refuse_linked_checkpoints,
-                                                     refuse_mixing_runs, refuse_symlinks_in, resumed_run_id)
+    from megatron_mech.records.run_directory import (
+        FIRST_ALERT,
+        JSONL,
+        RUN_ID_FILE,
+        SUMMARY,
+        claim_run_directory,
+        previous_run,
+        probe_writable,
+        refuse_linked_checkpoints,
+        refuse_mixing_runs,
+        refuse_symlinks_in,
+        resumed_run_id,
+    )
 
     directories = output_dirs(args, config)
     flags = {directory: "--output-dir" if directory == args.output_dir else "mech.output.dir"
@@ -174,7 +184,8 @@ def check_run_directories(args, config: dict, rank: int) -> tuple[bool, Optional
 def clear_previous_run(args, config: dict) -> None:
     """``--overwrite-run``: remove the previous run's records, summary and alert marker, and make its checkpoints
     no longer "latest" (their directories stay until overwritten)."""
-    from megatron_mech.records.run_directory import FIRST_ALERT, RUN_ID_FILE, clear_previous_run as clear_run_files
+    from megatron_mech.records.run_directory import FIRST_ALERT, RUN_ID_FILE
+    from megatron_mech.records.run_directory import clear_previous_run as clear_run_files
 
     save_markers = [Path(args.save) / LATEST, Path(args.save) / FIRST_ALERT] if args.save else []
     for directory in output_dirs(args, config):

@@ -37,8 +37,17 @@ from megatron_mech.core.mols import MoLSConfig, default_window, parse_fixed_mult
 from megatron_mech.core.settings import BadSetting
 from megatron_mech.monitors.attention import AttentionMonitorConfig
 from megatron_mech.monitors.registry import SELECTABLE_FAMILIES
-from megatron_mech.options import (add_section_flags, field_flag, file_path, option, section_from_dict,
-                                   section_from_flags, section_to_dict, settings_of, settings_values)
+from megatron_mech.options import (
+    add_section_flags,
+    field_flag,
+    file_path,
+    option,
+    section_from_dict,
+    section_from_flags,
+    section_to_dict,
+    settings_of,
+    settings_values,
+)
 from megatron_mech.records.writer_level import AUTO_SUMMARY_SERIES, WRITER_LEVELS
 
 __all__ = ["DEFAULT_OUTPUT_DIR", "MONITOR_FAMILIES", "ON_ALERT", "DetectorOverrides", "MechConfig", "MoLSOptions",
@@ -252,7 +261,7 @@ class MechConfig:
         return parser
 
     @classmethod
-    def from_flags(cls, args: argparse.Namespace, *, tensorboard_dir: Optional[str] = None) -> "MechConfig":
+    def from_flags(cls, args: argparse.Namespace, *, tensorboard_dir: Optional[str] = None) -> MechConfig:
         """From parsed flags; a section whose flags the parser lacks keeps its defaults."""
         return cls(monitors=section_from_flags(MonitorConfig, args),
                    detector=section_from_flags(DetectorOverrides, args),
@@ -263,7 +272,7 @@ class MechConfig:
     # ---------------------------------------------------------------------------------------- dicts
     @classmethod
     def from_dict(cls, data: Optional[Mapping[str, Any]], where: str = "mech",
-                  other_keys: Sequence[str] = ()) -> "MechConfig":
+                  other_keys: Sequence[str] = ()) -> MechConfig:
         """From a plain dict (e.g. the ``"mech"`` section of a DeepSpeed config); unknown keys and values of the
         wrong type raise ``ValueError`` naming their path and the closest known key (``mech.monitors: unknown
         key(s) 'intervall' (did you mean 'interval'?)``, ``mech.mols.enabled: expected a boolean, got the string

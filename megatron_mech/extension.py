@@ -42,7 +42,7 @@ class Extension:
         """Add this extension's flags to an entry point's ``argparse`` parser."""
 
     @classmethod
-    def from_args(cls, args) -> Optional["Extension"]:
+    def from_args(cls, args) -> Optional[Extension]:
         """The extension the parsed flags ask for, or ``None`` when they ask for none."""
         return None
 

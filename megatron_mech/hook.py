@@ -50,17 +50,18 @@ pipeline stages, and checkpoints each under its name (``"monitors"`` in :meth:`M
 injector is one): an :class:`Extension` subclass, given to the constructor (``MechHook(config, extensions=[ext])``)
 or registered with :meth:`MechHook.add_extension` before ``setup``. The hook calls, in registration order:
 ``setup(hook, view, optimizer)`` at the end of :meth:`MechHook.setup`; ``before_step(step)`` at the end of
-:meth:`MechHook.before_step`, then ``before_optimizer_step(optimizer, step)`` there when the hook knows the optimizer (the lr is untouched by the
-forward/backward, so this is the place to change this step's lr); ``after_optimizer_step(step, loss=, grad_norm=,
-lr=)`` at the start of :meth:`MechHook.after_optimizer_step`; ``state_dict()`` / ``load_state_dict(state)`` inside
-the hook's state (under ``"extensions"``, keyed by :attr:`Extension.name`, only when non-empty); ``close()`` from
-:meth:`MechHook.close`. The model-building points are the adapters' to call, through :attr:`MechHook.extensions`:
-``global_batch`` (once, before the data), ``check_model`` (the model's size, before anything is built),
-``layer_spec`` (megatron-core: a transformer layer spec replacing the local one) and ``prepare_model`` (a model the
-adapter did not build, e.g. an HF model under DeepSpeed). An entry point that offers an extension on its command
-line passes its class: :meth:`Extension.add_arguments` adds its flags, :meth:`Extension.from_args` builds it
-(``None``: not asked for). Every method of the base class does nothing. An extension changes training and is
-judged by nothing; a monitor only observes and is judged by the detectors (:mod:`megatron_mech.extension`).
+:meth:`MechHook.before_step`, then ``before_optimizer_step(optimizer, step)`` there when the hook knows the optimizer
+(the lr is untouched by the forward/backward, so this is the place to change this step's lr);
+``after_optimizer_step(step, loss=, grad_norm=, lr=)`` at the start of :meth:`MechHook.after_optimizer_step`;
+``state_dict()`` / ``load_state_dict(state)`` inside the hook's state (under ``"extensions"``, keyed by
+:attr:`Extension.name`, only when non-empty); ``close()`` from :meth:`MechHook.close`. The model-building points are
+the adapters' to call, through :attr:`MechHook.extensions`: ``global_batch`` (once, before the data), ``check_model``
+(the model's size, before anything is built), ``layer_spec`` (megatron-core: a transformer layer spec replacing the
+local one) and ``prepare_model`` (a model the adapter did not build, e.g. an HF model under DeepSpeed). An entry point
+that offers an extension on its command line passes its class: :meth:`Extension.add_arguments` adds its flags,
+:meth:`Extension.from_args` builds it (``None``: not asked for). Every method of the base class does nothing. An
+extension changes training and is judged by nothing; a monitor only observes and is judged by the detectors
+(:mod:`megatron_mech.extension`).
 
 **Collectives.** Every rank must call every lifecycle method at every step: the monitors reduce on evaluation
 steps, and the alert decision is one tiny all-reduce there, so the returned :class:`Action` is identical on every
@@ -326,8 +327,9 @@ class MechHook:
         """Open the run's output; on the logging rank only, once, before :meth:`setup` (which opens it with the
         defaults otherwise): ``mech.jsonl`` in ``config.output.dir`` (else ``fallback_dir``, e.g. the framework's
         checkpoint directory, else :data:`~megatron_mech.config.DEFAULT_OUTPUT_DIR`), TensorBoard and W&B when
-        configured (at ``config.output.writer_level``), then the adapter's ``extra`` sinks. A resumed run (``start_step`` > 0) cuts ``mech.jsonl``
-        back to ``start_step`` (records a crashed run wrote after its checkpoint are dropped)."""
+        configured (at ``config.output.writer_level``), then the adapter's ``extra`` sinks. A resumed run
+        (``start_step`` > 0) cuts ``mech.jsonl`` back to ``start_step`` (records a crashed run wrote after its
+        checkpoint are dropped)."""
         from megatron_mech.records.sinks import default_sinks
 
         if self._sinks is not None:

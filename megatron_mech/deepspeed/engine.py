@@ -78,7 +78,7 @@ def _solo_group():
 class DeepSpeedMech:
     """The hook plus what DeepSpeed needs around it. Build with :meth:`from_engine`."""
 
-    def __init__(self, engine, config: MechConfig, options: DeepSpeedOptions = DeepSpeedOptions(), *,
+    def __init__(self, engine, config: MechConfig, options: DeepSpeedOptions = DeepSpeedOptions(), *,  # noqa: B008 (frozen)
                  train_steps: Optional[int] = None, lr_warmup_steps: Optional[int] = None,
                  extensions: Iterable[Extension] = ()):
         self.engine, self.config, self.options = engine, config, options
@@ -116,7 +116,7 @@ class DeepSpeedMech:
         self.last_action = Action.CONTINUE
 
     @classmethod
-    def from_engine(cls, engine, config: Any = None, **kwargs) -> "DeepSpeedMech":
+    def from_engine(cls, engine, config: Any = None, **kwargs) -> DeepSpeedMech:
         """Build from the engine's own config (its ``"mech"`` section) or from ``config`` (a section dict, or a
         ``(MechConfig, DeepSpeedOptions)`` pair). Raises ``ValueError`` naming any unknown or bad ``mech`` key,
         before any training step. ``kwargs``: ``train_steps`` (needed by MoLS to size its window),

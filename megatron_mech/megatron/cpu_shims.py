@@ -625,8 +625,9 @@ def _apply_clip_grads():
 
 
 # --------------------------------------------------------------------------------------------------------
-# The releases the shims are tested on (tests/integration/megatron_core/test_megatron_cpu.py and the rest of the suite on the first,
-# tests/integration/megatron_core/test_megatron_versions.py trains on the others); other patch releases of these minors are expected to work.
+# The releases the shims are tested on (tests/integration/megatron_core/test_megatron_cpu.py and the rest of the
+# suite on the first, tests/integration/megatron_core/test_megatron_versions.py trains on the others); other patch
+# releases of these minors are expected to work.
 TESTED_MEGATRON_CORE = ("0.16.1", "0.17.1", "0.18.2", "0.19.2")
 
 

@@ -47,12 +47,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
 
-from megatron_mech.megatron.corpus import (_SOURCES, Document, MissingDataPackageError, _package_version,
-                                           _sha256_of_files, _source_files, _split, clean_play_markdown,
-                                           is_validation_document, load_corpus)
+from megatron_mech.megatron.corpus import (
+    _SOURCES,
+    Document,
+    MissingDataPackageError,
+    _package_version,
+    _sha256_of_files,
+    _source_files,
+    _split,
+    clean_play_markdown,
+    is_validation_document,
+    load_corpus,
+)
 from megatron_mech.megatron.gpt_datasets import build_gpt_datasets
-from megatron_mech.megatron.tokenizer import (DEFAULT_VOCAB_SIZE, EOD_TOKEN, PAD_TOKEN, CorpusTokenizer,
-                                              load_tokenizer, train_tokenizer)
+from megatron_mech.megatron.tokenizer import (
+    DEFAULT_VOCAB_SIZE,
+    EOD_TOKEN,
+    PAD_TOKEN,
+    CorpusTokenizer,
+    load_tokenizer,
+    train_tokenizer,
+)
 
 __all__ = [
     "FORMAT_VERSION", "DEFAULT_VOCAB_SIZE", "DEFAULT_VALID_FRACTION", "EOD_TOKEN", "PAD_TOKEN",
@@ -185,7 +200,7 @@ def _log(msg: str, quiet: bool) -> None:
         print(f"[megatron_mech.megatron.data] {msg}", file=sys.stderr, flush=True)
 
 
-def prepare_data(out_dir: "os.PathLike[str] | str | None" = None, vocab_size: int = DEFAULT_VOCAB_SIZE,
+def prepare_data(out_dir: os.PathLike[str] | str | None = None, vocab_size: int = DEFAULT_VOCAB_SIZE,
                  valid_fraction: float = DEFAULT_VALID_FRACTION, force: bool = False,
                  max_docs_per_source: Optional[int] = None, quiet: bool = True) -> DataPaths:
     """Build (or reuse) the embedded corpus as Megatron ``.bin/.idx`` + tokenizer; return its paths.

@@ -11,7 +11,7 @@ __all__ = ["build_gpt_datasets"]
 
 def build_gpt_datasets(paths: Any, seq_length: int, seed: int = 1234,
                        train_samples: Optional[int] = None, valid_samples: Optional[int] = None,
-                       tokenizer: Optional[CorpusTokenizer] = None, cache_dir: "os.PathLike[str] | str | None" = None,
+                       tokenizer: Optional[CorpusTokenizer] = None, cache_dir: os.PathLike[str] | str | None = None,
                        is_built_on_rank: Optional[Callable[[], bool]] = None, **config_overrides: Any):
     """(train, valid) megatron-core ``GPTDataset`` s over a prepared corpus (``paths``: its
     :class:`~megatron_mech.megatron.data.DataPaths`).

@@ -44,10 +44,14 @@ from megatron_mech.megatron.data_checks import check_token_ids
 from megatron_mech.megatron.data_path import parse_data_path
 from megatron_mech.megatron.flags import build_parser, check_args, extensions_from_args, lr_warmup_steps, train_steps
 from megatron_mech.megatron.run_directory import check_run_directories, clear_previous_run, record_run_id
-from megatron_mech.records.run_directory import (RECORDS_INCOMPLETE_EXIT, records_incomplete, release_run_directories,
-                                                 write_file_atomically)
 from megatron_mech.megatron.stop_signals import StopOnSignal
 from megatron_mech.optim import base_lr
+from megatron_mech.records.run_directory import (
+    RECORDS_INCOMPLETE_EXIT,
+    records_incomplete,
+    release_run_directories,
+    write_file_atomically,
+)
 
 # megatron-core announces every missing GPU-only package (TE, apex) on every rank; the run's own log matters more.
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|apex|TE ).*")
@@ -377,8 +381,8 @@ def build_training(args, runtime: Runtime, config: MechConfig, run_id: Optional[
     forward_step = hook.wrap_forward_step(make_forward_step(runtime.fast_forward))
 
     def sample_passes(mols, iteration):  # the extra-sample MoLS reference: micro-batches past the training range
-        return mols.sample_step(iteration, forward_backward, forward_step,
-                                (b for k in range(1_000_000) for b in train_sampler.micro_batches(args.train_iters + k)),
+        batches = (b for k in range(1_000_000) for b in train_sampler.micro_batches(args.train_iters + k))
+        return mols.sample_step(iteration, forward_backward, forward_step, batches,
                                 seq_length=args.seq_length, micro_batch_size=args.micro_batch_size)
 
     hook.setup(view, optimizer, start_step=start_step, scheduler=scheduler, sample_passes=sample_passes)

@@ -54,7 +54,7 @@ class CorpusTokenizer:
     if megatron is already imported), so ``isinstance(tok, MegatronTokenizerBase)`` holds there. Picklable.
     """
 
-    def __init__(self, tokenizer_path: "os.PathLike[str] | str") -> None:
+    def __init__(self, tokenizer_path: os.PathLike[str] | str) -> None:
         from tokenizers import Tokenizer
 
         raw = Path(tokenizer_path).read_bytes()
@@ -112,7 +112,7 @@ class CorpusTokenizer:
         return None
 
     @property
-    def unique_identifiers(self) -> "OrderedDict[str, Any]":
+    def unique_identifiers(self) -> OrderedDict[str, Any]:
         ids = OrderedDict()
         ids["class"] = f"{type(self).__module__}.{type(self).__qualname__}"
         ids["tokenizer_sha256"] = self._sha256
@@ -135,7 +135,7 @@ def _register_megatron_base(import_megatron: bool) -> None:
     MegatronTokenizerBase.register(CorpusTokenizer)
 
 
-def load_tokenizer(paths: "Any | os.PathLike[str] | str") -> CorpusTokenizer:
+def load_tokenizer(paths: Any | os.PathLike[str] | str) -> CorpusTokenizer:
     """The :class:`CorpusTokenizer` of a prepared data dir (``DataPaths``) or of a ``tokenizer.json``."""
     path = getattr(paths, "tokenizer_path", paths)  # a DataPaths, or the file itself
     return CorpusTokenizer(path)

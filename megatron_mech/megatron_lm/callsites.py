@@ -38,10 +38,11 @@ attention through ``--spec megatron_mech.megatron_lm.fault_spec layer_spec``).
 ``--mech-on-alert checkpoint|stop`` goes through Megatron-LM's own end-of-iteration path, so the checkpoint holds
 the finished iteration (scheduler stepped, iteration counted). :func:`on_start` (or, with that flag, the first
 :func:`get_hook`) wraps two functions of the fork's ``megatron.training.training`` (the ``train`` loop looks them
-up there at each call): ``checkpoint_and_decide_exit`` — after Megatron's own decision for the alert step it saves with ``save_checkpoint_and_time`` (with ``--save``;
-unless Megatron just saved that iteration) and, for ``stop``, returns True, so ``train`` leaves its loop and exits
-as on ``--exit-interval``; and ``save_checkpoint_and_time``, which tells the hook of every persistent save
-(``first_alert.json`` next to the alert's checkpoint names the last one before it).
+up there at each call): ``checkpoint_and_decide_exit`` — after Megatron's own decision for the alert step it saves
+with ``save_checkpoint_and_time`` (with ``--save``; unless Megatron just saved that iteration) and, for ``stop``,
+returns True, so ``train`` leaves its loop and exits as on ``--exit-interval``; and ``save_checkpoint_and_time``, which
+tells the hook of every persistent save (``first_alert.json`` next to the alert's checkpoint names the last one before
+it).
 
 Ranks and writers. The monitors reduce their statistics over the model-parallel groups, so every rank holds
 the same metrics; rank ``world_size - 1`` — where Megatron creates its TensorBoard and W&B writers — writes

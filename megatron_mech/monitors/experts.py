@@ -257,7 +257,8 @@ class ExpertMonitor:
             worst = int(z.abs().nan_to_num(math.inf).argmax())
             summaries = {"update_ratio_mean": (mean, {}), "update_ratio_spread": (std / mean if mean else math.nan, {}),
                          "update_ratio_zmax": (float(z.abs().max()), {"expert": worst}),
-                         "stable_rank_min": (float(stable.min()), {"expert": int(stable.nan_to_num(math.inf).argmin())}),
+                         "stable_rank_min": (float(stable.min()),
+                                             {"expert": int(stable.nan_to_num(math.inf).argmin())}),
                          "stable_rank_mean": (float(stable.mean()), {})}
             assert tuple(summaries) == EXPERT_SUMMARIES  # the documented table, in its order
             for summary, (value, extra) in summaries.items():

@@ -24,7 +24,7 @@ _OPTIONAL = re.compile(r"\[([^\]]*)\]")
 _FIELD = re.compile(r"\{(\w+)\}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _format(template: str, with_optional: frozenset) -> str:
     """``template`` as a ``str.format`` pattern: each ``[...]`` part kept (brackets dropped) when its placeholders
     are all in ``with_optional``, removed otherwise."""

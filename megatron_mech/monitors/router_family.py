@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Optional
 
 from megatron_mech.monitors.protocol import Monitor, MonitorContext, Observation
-from megatron_mech.monitors.router_recorder import RouterLayerRecorder
 from megatron_mech.monitors.router import RouterLayer, RouterMonitor
+from megatron_mech.monitors.router_recorder import RouterLayerRecorder
 
 __all__ = ["RouterFamily"]
 

@@ -197,8 +197,8 @@ METRICS: tuple = (
                 "count, ≥ 0", _ROUTER),
     MetricEntry(_router("nonfinite_tokens"), "Tokens skipped because a router logit was NaN or +inf (or "
                 "every logit −inf).", "count, ≥ 0", _ROUTER),
-    MetricEntry(_router("entropy_mean"), f"Mean per-token routing entropy H = −Σ_e p_e log p_e of "
-                f"p = softmax(router logits) over all E experts, over the step's tokens.", "nats, [0, log E]", _ROUTER),
+    MetricEntry(_router("entropy_mean"), "Mean per-token routing entropy H = −Σ_e p_e log p_e of "
+                "p = softmax(router logits) over all E experts, over the step's tokens.", "nats, [0, log E]", _ROUTER),
     MetricEntry(_router("entropy_norm_mean"), "`entropy_mean` / log E.", "dimensionless, [0, 1]", _ROUTER),
     MetricEntry(_router("entropy_std"), "Population standard deviation of the per-token routing entropy.",
                 "nats, ≥ 0", _ROUTER),

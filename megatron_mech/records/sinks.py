@@ -43,11 +43,27 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Protocol, runtime_checkable
 
-from megatron_mech.records.jsonl_file import (JSONL_NAME, MAX_LINE_BYTES, _repair_partial_tail, iter_jsonl,
-                                              read_alerts, read_jsonl, truncate_jsonl)
-from megatron_mech.records.record_format import (RESERVED_KEYS, _alerts_text, _writer_scalars, alert_markers,
-                                                 decode_record, encode_record, make_record, record_alerts,
-                                                 loss_and_alerts_layout, record_scalars)
+from megatron_mech.records.jsonl_file import (
+    JSONL_NAME,
+    MAX_LINE_BYTES,
+    _repair_partial_tail,
+    iter_jsonl,
+    read_alerts,
+    read_jsonl,
+    truncate_jsonl,
+)
+from megatron_mech.records.record_format import (
+    RESERVED_KEYS,
+    _alerts_text,
+    _writer_scalars,
+    alert_markers,
+    decode_record,
+    encode_record,
+    loss_and_alerts_layout,
+    make_record,
+    record_alerts,
+    record_scalars,
+)
 from megatron_mech.records.run_directory import open_no_follow, steps_text
 from megatron_mech.records.writer_level import WriterLevel
 

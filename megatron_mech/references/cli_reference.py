@@ -2,8 +2,8 @@
 argparse parsers of :mod:`megatron_mech.cli` as ``docs/cli.md``.
 
 Nothing on the page is written by hand: each subcommand's help line, and each argument's name(s), value, default
-and help come from :func:`megatron_mech.cli.build_parser`. ``tests/unit/references/test_cli_reference.py`` checks that every
-argument of every subcommand is on the page, that each has a help text, and that the committed page is the
+and help come from :func:`megatron_mech.cli.build_parser`. ``tests/unit/references/test_cli_reference.py`` checks
+that every argument of every subcommand is on the page, that each has a help text, and that the committed page is the
 rendered one.
 
 Regenerate the page: ``python -m megatron_mech.references.cli_reference > docs/cli.md``.

@@ -6,8 +6,8 @@ so is this page: nothing in it is written by hand. One row per setting, grouped 
 ``--mech-*`` flag (entry point and Megatron-LM forks), the dict key (``MechConfig.from_dict``, the DeepSpeed
 config's ``"mech"`` section), the type, the default and the doc.
 
-``tests/unit/references/test_config_reference.py`` checks that every flag the parsers add is on the page, that every setting has a
-doc, and that the committed page is the rendered one.
+``tests/unit/references/test_config_reference.py`` checks that every flag the parsers add is on the page, that every
+setting has a doc, and that the committed page is the rendered one.
 
 Regenerate the page: ``python -m megatron_mech.references.config_reference > docs/configuration.md``.
 """

@@ -38,8 +38,15 @@ The package, one concept a module:
 """
 from megatron_mech.monitors.attention.layer import AttentionLayer
 from megatron_mech.monitors.attention.monitor import AttentionMonitor
-from megatron_mech.monitors.attention.settings import (DW_ROUTES, DW_SCOPES, EVAL_DEVICES, GRAM_DTYPES,
-                                                       SNAPSHOT_DEVICES, AttentionMonitorConfig, BadSetting)
+from megatron_mech.monitors.attention.settings import (
+                                                       DW_ROUTES,
+                                                       DW_SCOPES,
+                                                       EVAL_DEVICES,
+                                                       GRAM_DTYPES,
+                                                       SNAPSHOT_DEVICES,
+                                                       AttentionMonitorConfig,
+                                                       BadSetting,
+)
 
 __all__ = ["DW_ROUTES", "DW_SCOPES", "EVAL_DEVICES", "GRAM_DTYPES", "SNAPSHOT_DEVICES", "AttentionLayer",
            "AttentionMonitorConfig", "AttentionMonitor", "BadSetting"]

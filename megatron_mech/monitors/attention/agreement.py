@@ -159,5 +159,5 @@ def agree_on_snapshot_step(step: Optional[int], rounds: Sequence[tuple], fallbac
         lo, hi = -int(both[1]), int(both[0])
         if lo != hi:
             warnings.warn(f"AttentionMonitor: {what} loaded different snapshot steps ({lo}..{hi}); "
-                          f"dropping snapshots on every rank (the next interval is skipped)")
+                          f"dropping snapshots on every rank (the next interval is skipped)", stacklevel=2)
     return lo == hi

@@ -93,7 +93,8 @@ def run_krylov(step: int, jobs: dict[Hashable, KrylovJob], reduced: dict[Hashabl
         x, shard_dim, k = jobs[key]
         packed = reduced[key]
         matvecs.append(None if x is None else
-                       lambda v, x=x, op=gram_operator(x, shard_dim): op(v.to(x.device, x.dtype)).to(v.dtype))
+                       # the default binds this slot's operator, built once here (not at each call)
+                       lambda v, x=x, op=gram_operator(x, shard_dim): op(v.to(x.device, x.dtype)).to(v.dtype))  # noqa: B008
         ns.append(k)
         zs.append(_squared_norm(packed))
         bounds.append(max(1, min(int(round(float(packed[1]))), k)))

@@ -23,8 +23,11 @@ import torch.distributed as dist
 from megatron_mech.core.checks import is_int
 from megatron_mech.core.schedule import is_evaluation_step
 from megatron_mech.core.sharded import collective_device, distributed_active
-from megatron_mech.monitors.attention.agreement import agree_across_replicas, agree_across_tensor_parallel, \
-    agree_on_snapshot_step
+from megatron_mech.monitors.attention.agreement import (
+    agree_across_replicas,
+    agree_across_tensor_parallel,
+    agree_on_snapshot_step,
+)
 from megatron_mech.monitors.attention.dp_split import assign_units, combine_replicas
 from megatron_mech.monitors.attention.evaluation import UnitEvaluation, complete_layer_values
 from megatron_mech.monitors.attention.inputs import check_extras, check_layers, check_replicated_kv
@@ -226,7 +229,7 @@ class AttentionMonitor:
             restored = self._snapshots.restored(state["snapshots"], self.layers, self.extras, self._rows, self._mine)
             if restored is None:
                 warnings.warn("AttentionMonitor: the saved state lacks snapshot rows this replica evaluates "
-                              "(saved under another data-parallel split?); the next interval is skipped")
+                              "(saved under another data-parallel split?); the next interval is skipped", stacklevel=2)
         step = None if restored is None else int(step)
         rounds = [(group, what) for group, active, what in ((self.tp_group, self._collective, "tensor-parallel ranks"),
                                                              (self.dp_group, self._dp, "data-parallel replicas"))

@@ -15,8 +15,12 @@ import torch
 
 from megatron_mech.core.layouts import split_fused_qkv
 from megatron_mech.core.sharded import all_to_all_rows
-from megatron_mech.core.spectral import qk_increment_cores, qk_increment_spectra, spectra_from_qk_cores, \
-    spectral_entropy
+from megatron_mech.core.spectral import (
+    qk_increment_cores,
+    qk_increment_spectra,
+    spectra_from_qk_cores,
+    spectral_entropy,
+)
 from megatron_mech.monitors.attention.layer import AttentionLayer
 from megatron_mech.monitors.attention.settings import AttentionMonitorConfig
 

@@ -21,8 +21,7 @@ from typing import Callable
 
 import torch
 
-from megatron_mech.monitors.attention.dw_slots import F64, compute_dtype, fill_slot, increment, run_krylov, \
-    slot_values
+from megatron_mech.monitors.attention.dw_slots import F64, compute_dtype, fill_slot, increment, run_krylov, slot_values
 from megatron_mech.monitors.attention.layout import BufferLayout
 from megatron_mech.monitors.attention.parts import chunk_rows
 from megatron_mech.monitors.attention.settings import AttentionMonitorConfig

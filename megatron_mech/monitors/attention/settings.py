@@ -133,7 +133,7 @@ class AttentionMonitorConfig:
             raise BadSetting("entropy_power",
                              f"dw_route 'krylov' computes p ∝ σ² only; power must be 2, got {self.entropy_power!r}")
 
-    def attention_settings(self) -> "AttentionMonitorConfig":
+    def attention_settings(self) -> AttentionMonitorConfig:
         """These settings as an :class:`AttentionMonitorConfig` of their own (a subclass, such as the
         configuration layer's ``MonitorConfig``, carries settings of other monitors too)."""
         if type(self) is AttentionMonitorConfig:
