@@ -343,5 +343,7 @@ def test_summary_and_end_of_run_line_state_the_armed_from_step_of_a_short_run(tm
     assert run.returncode == 0, run.stderr[-4000:]
     note = "run ended at step 4, before the detectors were armed (step 106): only non-finite values could alert"
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["detectors"] == {"armed_from_step": 106, "last_step": 4, "armed": False, "note": note}
+    # no --mech-detector-* setting: the default rules, nothing to override (the report rebuilds the rules from it)
+    assert summary["detectors"] == {"armed_from_step": 106, "last_step": 4, "armed": False, "note": note,
+                                    "rule_overrides": {}}
     assert [line for line in run.stderr.splitlines() if line.endswith(f"[mech] {note}")], run.stderr[-4000:]
