@@ -138,9 +138,10 @@ def _fired_text(firings: dict) -> str:
     return "; ".join(parts)
 
 
-def _first_incumbent(run: dict):
-    """``(step, rule)`` of the first incumbent alarm on ``run``, or None when none fired."""
-    fired = [(step, rule) for rule, step in _incumbents(run).items() if step is not None]
+def _first_incumbent(firings: dict):
+    """``(step, rule)`` of the first incumbent alarm among ``firings`` (``{rule: first step or None}``, see
+    ``_incumbents``), or None when none fired."""
+    fired = [(step, rule) for rule, step in firings.items() if step is not None]
     return min(fired) if fired else None
 
 
@@ -174,11 +175,11 @@ def verdict(first_ours, divergence, first_incumbent) -> str:
 def incumbents_line(run: dict, first_ours) -> str:
     """Our first alert against the alarms users already have (each incumbent rule's first firing), on one run."""
     firings = _incumbents(run)
-    fired = [(step, rule) for rule, step in firings.items() if step is not None]
     ours = f"our first monitor alert: {first_ours if first_ours else 'none'}"
-    if not fired:
+    first = _first_incumbent(firings)
+    if first is None:
         return f"{ours}; no incumbent alarm fired ({_fired_text(firings)})"
-    step, rule = min(fired)
+    step, rule = first
     verdict = ("" if not first_ours else f" — ours {step - first_ours} steps before the first of them" if
                first_ours < step else f" — ours {first_ours - step} steps after the first of them" if
                first_ours > step else " — ours at the same step as the first of them")
@@ -250,7 +251,7 @@ def demo_report(out, names, *, seed: int, steps: int, start: int, plots: bool = 
         outcomes[name] = (divergence_step(runs[name]["losses"], clean["losses"], 0.2), firsts,
                           min((s for s in (firsts["attention"], firsts["router"]) if s), default=None))
     lines += ["", "## Verdict", ""]
-    lines += [f"- {_fault_text(name)[0]}: {verdict(first, divergence, _first_incumbent(runs[name]))}"
+    lines += [f"- {_fault_text(name)[0]}: {verdict(first, divergence, _first_incumbent(_incumbents(runs[name])))}"
               for name, (divergence, _, first) in outcomes.items()]
     for name in faults:
         faulty = runs[name]
