@@ -128,9 +128,7 @@ def check_run_directories(args, config: dict, rank: int) -> tuple[bool, Optional
     directory."""
     from megatron_mech.records.run_directory import (
         FIRST_ALERT,
-        JSONL,
-        RUN_ID_FILE,
-        SUMMARY,
+        RUN_FILES,
         claim_run_directory,
         previous_run,
         probe_writable,
@@ -151,7 +149,7 @@ def check_run_directories(args, config: dict, rank: int) -> tuple[bool, Optional
         for directory, flag in flags.items():
             claim_run_directory(directory, flag)
     for directory in directories:  # what the run writes must not lead out of its directories
-        refuse_symlinks_in(directory, (JSONL, SUMMARY, RUN_ID_FILE, f".{RUN_ID_FILE}.tmp"))
+        refuse_symlinks_in(directory, RUN_FILES)
     tag = None
     if args.load:
         tracker = Path(args.load) / LATEST
@@ -299,16 +297,9 @@ def main(argv=None) -> int:
                "records_lost_steps": mech.hook.lost_record_steps}
     incomplete = None
     if rank == 0:
-        from megatron_mech.records.run_directory import records_incomplete, write_file_atomically
+        from megatron_mech.records.run_directory import SUMMARY, records_incomplete, write_summary
 
-        summary_path = Path(args.output_dir) / "summary.json"
-        try:
-            summary_path.parent.mkdir(parents=True, exist_ok=True)
-            write_file_atomically(summary_path, json.dumps(summary, indent=1))  # never through a link
-            summary_written = True
-        except OSError as exc:  # monitor output never kills a run: said here and in the exit code
-            logger.error("could not write %s: %s; the run's checkpoints are not affected", summary_path, exc)
-            summary_written = False
+        summary_written = write_summary(Path(args.output_dir) / SUMMARY, summary, indent=1)
         logger.info("monitor cost: %.3f s of %.3f s (%.2f%% of step time)", summary["monitor_seconds"],
                     summary["step_seconds_total"], 100 * summary["monitor_share"])
         incomplete = records_incomplete(summary["records_lost_steps"], summary_written)

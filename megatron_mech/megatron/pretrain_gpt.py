@@ -20,7 +20,6 @@ resume needs the same parallel layout.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -50,7 +49,7 @@ from megatron_mech.records.run_directory import (
     RECORDS_INCOMPLETE_EXIT,
     records_incomplete,
     release_run_directories,
-    write_file_atomically,
+    write_summary,
 )
 
 # megatron-core announces every missing GPU-only package (TE, apex) on every rank; the run's own log matters more.
@@ -492,19 +491,6 @@ def finish(args, t: Training, runtime: Runtime, run: dict, output_dir: str) -> b
             print(f"pretrain_gpt: {incomplete}", file=sys.stderr, flush=True)
             return False
     return True
-
-
-def write_summary(path: Path, summary: dict) -> bool:
-    """Write ``summary.json`` atomically. Monitor output never kills a run: a failure (disk full, permissions, a
-    symbolic link planted at either name after the start-up checks) is reported loudly and the run ends
-    normally, its checkpoints intact."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_file_atomically(path, json.dumps(summary))
-        return True
-    except (OSError, ValueError) as exc:
-        logger.error(f"[mech] ERROR: could not write {path}: {exc}; the run's checkpoints are not affected")
-        return False
 
 
 def preflight(args, world: int, rank: int, extension_types: Sequence[type] = ()):

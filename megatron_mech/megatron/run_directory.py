@@ -36,9 +36,8 @@ from megatron_mech.config import DEFAULT_OUTPUT_DIR
 from megatron_mech.megatron.checkpoint import TRACKER, read_tracker
 from megatron_mech.records.run_directory import (
     FIRST_ALERT,
-    JSONL,
+    RUN_FILES,
     RUN_ID_FILE,
-    SUMMARY,
     claim_run_directory,
     previous_run,
     probe_writable,
@@ -112,7 +111,7 @@ def _refuse_symlinks(output_dir: str, save_dir: Optional[str], checkpoint_step: 
     """The files and checkpoint directories this run will write must not be symbolic links (``ValueError``
     naming the first one). ``iter_*`` directories up to the resumed checkpoint are only read, so links there
     (e.g. old checkpoints moved to other storage) are left alone."""
-    refuse_symlinks_in(output_dir, (RUN_ID_FILE, f".{RUN_ID_FILE}.tmp", JSONL, SUMMARY, f".{SUMMARY}.tmp"))
+    refuse_symlinks_in(output_dir, RUN_FILES)
     if not save_dir:
         return
     refuse_symlinks_in(save_dir, (TRACKER, FIRST_ALERT))

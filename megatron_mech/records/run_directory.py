@@ -19,17 +19,18 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import logging
 import os
 import socket
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-__all__ = ["FIRST_ALERT", "JSONL", "LOCK_FILE", "RECORDS_INCOMPLETE_EXIT", "RUN_ID_FILE", "SUMMARY",
+__all__ = ["FIRST_ALERT", "JSONL", "LOCK_FILE", "RECORDS_INCOMPLETE_EXIT", "RUN_FILES", "RUN_ID_FILE", "SUMMARY",
            "claim_run_directory", "clear_previous_run", "open_no_follow", "previous_run", "probe_writable",
            "read_run_id", "records_incomplete", "refuse_linked_checkpoints", "refuse_mixing_runs", "refuse_symlink",
            "refuse_symlinks_in", "release_run_directories", "resumed_run_id", "steps_text", "write_file_atomically",
-           "write_run_id"]
+           "write_run_id", "write_summary"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,9 @@ SUMMARY = "summary.json"
 FIRST_ALERT = "first_alert.json"
 RUN_ID_FILE = "run_id.txt"  # in each checkpoint and in the run's output directory: which run wrote it
 LOCK_FILE = ".mech_run.lock"  # flock'ed by the run writing the directory; its text says who (pid, host)
+#: The files a run writes in its output directory (and the temporary files they are written through): none of them
+#: may be a symbolic link when the run starts (:func:`refuse_symlinks_in`).
+RUN_FILES = (RUN_ID_FILE, f".{RUN_ID_FILE}.tmp", JSONL, SUMMARY, f".{SUMMARY}.tmp")
 #: Exit code of an entry point whose training finished (checkpoints saved as asked) but whose records did not all
 #: reach the disk: a record of ``mech.jsonl`` or the ``summary.json`` was lost (a full disk). Not 0, so a job
 #: scheduler shows it; not 1 or 2, so it is not read as a crash or a refused start.
@@ -216,6 +220,21 @@ def records_incomplete(lost_steps, summary_written: bool) -> Optional[str]:
         return None
     return (f"records incomplete: {' and '.join(lost)} could not be written (see the errors above; a full disk?). "
             f"Training itself finished and its checkpoints are not affected; exit code {RECORDS_INCOMPLETE_EXIT}")
+
+
+def write_summary(path, summary: dict, indent: Optional[int] = None) -> bool:
+    """Write a run's ``summary.json`` atomically (:func:`write_file_atomically`); returns whether it was written.
+    Monitor output never kills a run: a failure (disk full, permissions, a symbolic link planted at either name
+    after the start-up checks) is logged as an error naming the file, and the run ends normally, its checkpoints
+    intact (the entry point's exit code then says its records are incomplete, :func:`records_incomplete`)."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_file_atomically(path, json.dumps(summary, indent=indent))
+        return True
+    except (OSError, ValueError) as exc:
+        logger.error(f"[mech] ERROR: could not write {path}: {exc}; the run's checkpoints are not affected")
+        return False
 
 
 def write_file_atomically(path, content) -> None:
