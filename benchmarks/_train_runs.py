@@ -20,9 +20,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from megatron_mech.megatron.checkpoint import TRACKER  # noqa: E402
-from megatron_mech.megatron.launch import torchrun_prefix  # noqa: E402
-from megatron_mech.megatron.presets import small_moe  # noqa: E402
+from megatron_mech.adapters.megatron_core.checkpoint import TRACKER  # noqa: E402
+from megatron_mech.adapters.megatron_core.launch import torchrun_prefix  # noqa: E402
+from megatron_mech.adapters.megatron_core.presets import small_moe  # noqa: E402
 from megatron_mech.records.sinks import read_jsonl, record_alerts  # noqa: E402
 from megatron_mech.studies.clean_scores import replay_alerts  # noqa: E402
 

@@ -74,7 +74,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_mech.core.router import RoutingStats
+from megatron_mech.core.router_statistics import RoutingStats
 from megatron_mech.core.sharded import share_by_cost
 from megatron_mech.core.slq import gram_operator
 from megatron_mech.core.spectral import qk_increment_cores, spectra_from_qk_cores, spectral_entropy

@@ -36,8 +36,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from megatron_mech.adapters.megatron_core.launch import torchrun_prefix  # noqa: E402
 from megatron_mech.core.attribution import alert_lines  # noqa: E402
-from megatron_mech.megatron.launch import torchrun_prefix  # noqa: E402
 from megatron_mech.records.sinks import read_jsonl  # noqa: E402
 from megatron_mech.studies.clean_scores import replay_alerts  # noqa: E402
 from megatron_mech.studies.demo import step_losses  # noqa: E402

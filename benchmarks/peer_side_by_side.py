@@ -13,7 +13,7 @@ Ours: :func:`megatron_mech.core.sharded.shard_gram` (lower triangle only) + ``sp
 monitor's ΔW route, through its float64 reduce buffer: float32 Gram and eigenproblem for float32 weights),
 :func:`megatron_mech.core.spectral.qk_increment_spectra` (Δ2 only: three float32 d_head-wide block Grams —
 the symmetric two by their lower block rows — balanced, unit-scaled float32 r×r cores) and
-:func:`megatron_mech.core.router.routing_entropy` (one softmax pass on floored shifted logits). Batched rows:
+:func:`megatron_mech.core.router_statistics.routing_entropy` (one softmax pass on floored shifted logits). Batched rows:
 the per-head r×r eigenproblems of several layers through
 :func:`megatron_mech.core.spectral.spectra_from_qk_cores` — one call per head, one per layer, one for all — and a
 multi-layer Δ2 evaluation, the peer head by head against ours grouped as the monitor's default groups it (per
@@ -39,7 +39,7 @@ import time
 
 import torch
 
-from megatron_mech.core.router import routing_entropy
+from megatron_mech.core.router_statistics import routing_entropy
 from megatron_mech.core.sharded import shard_gram, spectrum_from_shard_grams
 from megatron_mech.core.spectral import (
     QK_TERMS,

@@ -76,7 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def corpus_tokens() -> torch.Tensor:
     """The embedded corpus as UTF-8 bytes (vocabulary 256): real English text, no tokenizer to build."""
-    from megatron_mech.megatron.data import load_corpus
+    from megatron_mech.adapters.megatron_core.data import load_corpus
 
     text = "\n".join(d.text for d in load_corpus())
     return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
@@ -104,8 +104,8 @@ def build_config(args) -> dict:
 def mech_output_dir(config: dict) -> str:
     """Where the hook writes ``mech.jsonl``: the config's ``mech.output.dir`` (validates the section, the studies'
     ``mech.fault`` included)."""
+    from megatron_mech.adapters.deepspeed.ds_config_section import parse_section
     from megatron_mech.config import DEFAULT_OUTPUT_DIR
-    from megatron_mech.deepspeed.config import parse_section
     from megatron_mech.studies.fault_config import split_fault_section
 
     section, _ = split_fault_section(config.get("mech"))
@@ -159,7 +159,7 @@ def check_run_directories(args, config: dict, rank: int) -> tuple[bool, Optional
     if args.save:
         refuse_symlinks_in(args.save, (LATEST, FIRST_ALERT))
         # the tag directories this run will save into (global_step<N> past the resumed step) must not lead out
-        from megatron_mech.deepspeed.engine import TAG_PREFIX
+        from megatron_mech.adapters.deepspeed.engine import TAG_PREFIX
 
         resumed = tag[len(TAG_PREFIX):] if tag and tag.startswith(TAG_PREFIX) else ""
         refuse_linked_checkpoints(args.save, TAG_PREFIX, int(resumed) if resumed.isdigit() else 0)
@@ -201,7 +201,7 @@ def record_run_id(args, config: dict, run_id: str) -> None:
 
 
 def build_model(args):
-    from megatron_mech.deepspeed import models
+    from megatron_mech.adapters.deepspeed import models
 
     common = dict(vocab_size=256, hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
                   ffn=4 * args.hidden, seq_len=args.seq_len + 1, seed=args.seed)
@@ -225,15 +225,15 @@ def main(argv=None) -> int:
     import deepspeed
     import torch.distributed as dist
 
-    from megatron_mech.deepspeed.batches import rank_batch
-    from megatron_mech.deepspeed.engine import load_checkpoint, save_checkpoint
-    from megatron_mech.deepspeed.models import moe_aux_loss
-    from megatron_mech.deepspeed.mols import param_groups
+    from megatron_mech.adapters.deepspeed.batches import rank_batch
+    from megatron_mech.adapters.deepspeed.engine import load_checkpoint, save_checkpoint
+    from megatron_mech.adapters.deepspeed.models import moe_aux_loss
+    from megatron_mech.adapters.deepspeed.mols_backend import param_groups
     from megatron_mech.hook import Action
     from megatron_mech.studies.deepspeed_faults import mech_with_fault  # the "fault" key of a study's config
 
     if not torch.cuda.is_available():
-        from megatron_mech.deepspeed.cpu import single_process_env, skip_shm_comm_build
+        from megatron_mech.adapters.deepspeed.cpu import single_process_env, skip_shm_comm_build
 
         single_process_env()
         skip_shm_comm_build()

@@ -4,8 +4,8 @@
         --expert-model-parallel-size 2 --train-iters 300 --save runs/demo
 
 See ``python launch_scripts/pretrain_gpt_mech.py --help`` for every flag; the code is
-``megatron_mech/megatron/pretrain_gpt.py`` (installed with the package, so this file is only a launcher). This
-launcher also offers the studies' ``--mech-fault*`` flags (``megatron_mech/studies/pretrain_gpt_fault.py``).
+``megatron_mech/adapters/megatron_core/pretrain_gpt.py`` (installed with the package, so this file is only a launcher).
+This launcher also offers the studies' ``--mech-fault*`` flags (``megatron_mech/studies/pretrain_gpt_fault.py``).
 """
 import sys
 from pathlib import Path

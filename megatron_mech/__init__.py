@@ -2,9 +2,10 @@
 
 Layers: the framework-free math in ``megatron_mech.core``; the monitors (``monitors``) and records (``records``)
 on top of it; the one object a trainer calls, ``megatron_mech.hook.MechHook``, configured by
-``megatron_mech.config.MechConfig``; one adapter package per framework (``megatron``); studies outside the product
-API (``studies``). The names below are the core's small public API. They are loaded lazily so that
-``import megatron_mech`` (and the ``megatron-mech`` CLI) does not pay for torch until a name is used.
+``megatron_mech.config.MechConfig``; one adapter package per framework (``adapters.megatron_core``,
+``adapters.megatron_lm_fork``, ``adapters.deepspeed``); studies outside the product API (``studies``). The names below
+are the core's small public API. They are loaded lazily so that ``import megatron_mech`` (and the ``megatron-mech`` CLI)
+does not pay for torch until a name is used.
 """
 import importlib
 
@@ -13,7 +14,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "detect": ("Alert", "DetectorConfig", "DetectorRegistry", "SeriesRule", "default_rules"),
     "layouts": ("fuse_qkv", "split_fused_qkv"),
-    "router": ("RoutingStats", "router_weight_geometry", "routing_entropy"),
+    "router_statistics": ("RoutingStats", "router_weight_geometry", "routing_entropy"),
     "snr": ("TwoBatchSNR", "sample_snr"),
     "spectral": ("effective_rank", "matrix_spectrum", "qk_increment_spectra", "qk_increment_spectra_dense",
                  "spectral_entropy", "stable_rank"),

@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import Callable, Dict, List, NamedTuple, Optional
 
-from megatron_mech.megatron.launch import check_training_flags, run_training, train_command
+from megatron_mech.adapters.megatron_core.launch import check_training_flags, run_training, train_command
 from megatron_mech.records.run_directory import RECORDS_INCOMPLETE_EXIT
 
 
@@ -38,7 +38,7 @@ def _add_prepare_data(p: argparse.ArgumentParser) -> None:
 def _run_prepare_data(args: argparse.Namespace) -> int:
     import time
 
-    from megatron_mech.megatron.data import MissingDataPackageError, prepare_data
+    from megatron_mech.adapters.megatron_core.data import MissingDataPackageError, prepare_data
 
     t0 = time.perf_counter()
     try:
@@ -88,11 +88,11 @@ def _train_run_error(cmd: List[str], steps: int) -> Optional[str]:
     shorter than the evaluation interval (nothing recorded), a package the sinks the flags ask for need
     (``tensorboard`` for the preset's ``--tensorboard-dir``), or an output directory the entry point refuses (its
     own rules, so the command exits 2 with one line instead of torchrun's 1 under every worker's output)."""
-    from megatron_mech.megatron.flags import build_parser
-    from megatron_mech.megatron.run_directory import check_run_directories
-    from megatron_mech.megatron.sink_packages import sink_package_problem
+    from megatron_mech.adapters.megatron_core.directory_checks import check_run_directories
+    from megatron_mech.adapters.megatron_core.flags import build_parser
+    from megatron_mech.adapters.megatron_core.sink_packages import sink_package_problem
 
-    flags = build_parser().parse_args(cmd[cmd.index("megatron_mech.megatron.pretrain_gpt") + 1:])
+    flags = build_parser().parse_args(cmd[cmd.index("megatron_mech.adapters.megatron_core.pretrain_gpt") + 1:])
     problem = sink_package_problem(flags.tensorboard_dir, flags.mech_wandb_project)
     if problem:
         return problem
@@ -180,11 +180,11 @@ def _add_patch(p: argparse.ArgumentParser) -> None:
                    help="series to use, e.g. core_v0.17.1 (default: from megatron/core/package_info.py)")
     p.add_argument("--patches-dir", default=None,
                    help="where the core_v* series live (default: $MEGATRON_MECH_PATCHES, else the series "
-                        "shipped inside the package, megatron_mech/megatron_lm/patches)")
+                        "shipped inside the package, megatron_mech/adapters/megatron_lm_fork/patches)")
 
 
 def _run_patch(args: argparse.Namespace) -> int:
-    from megatron_mech.megatron_lm import patcher
+    from megatron_mech.adapters.megatron_lm_fork import patcher
 
     action = {"check": patcher.check, "apply": patcher.apply, "revert": patcher.revert}[args.action]
     try:
@@ -258,7 +258,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         hint = ""
         if args.command == "train" and any(u.startswith("--") for u in unknown):
             hint = ("; training flags go after '--', e.g. megatron-mech train --steps 100 -- --mech-interval 5 "
-                    "(all of them: python -m megatron_mech.megatron.pretrain_gpt --help)")
+                    "(all of them: python -m megatron_mech.adapters.megatron_core.pretrain_gpt --help)")
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     return int(args._run(args) or 0)
 

@@ -34,7 +34,7 @@ from typing import Any, Mapping, Optional, Sequence
 from megatron_mech.core.checks import is_int
 from megatron_mech.core.detect import DetectorConfig
 from megatron_mech.core.mols import MoLSConfig, default_window, parse_fixed_multipliers
-from megatron_mech.core.settings import BadSetting
+from megatron_mech.core.option_fields import BadSetting
 from megatron_mech.monitors.attention import AttentionMonitorConfig
 from megatron_mech.monitors.registry import SELECTABLE_FAMILIES
 from megatron_mech.options import (

@@ -1,8 +1,8 @@
 """What a framework adapter tells the hook about the model: a framework-neutral description.
 
-A framework adapter (:mod:`megatron_mech.megatron.discovery` for megatron-core; the DeepSpeed and Megatron-LM
-adapters alike) finds the attention layers, the MoE routers, the dense linears and the process groups and hands
-them over as one :class:`ModelView`. The hook (:class:`megatron_mech.hook.MechHook`) never looks inside the
+A framework adapter (:mod:`megatron_mech.adapters.megatron_core.discovery` for megatron-core; the DeepSpeed and
+Megatron-LM adapters alike) finds the attention layers, the MoE routers, the dense linears and the process groups and
+hands them over as one :class:`ModelView`. The hook (:class:`megatron_mech.hook.MechHook`) never looks inside the
 model itself.
 """
 from __future__ import annotations
@@ -74,4 +74,4 @@ class ModelView:
     """MoLS factory of this framework, ``mols(core_config, log=...) -> backend`` (``None``: MoLS unavailable).
     The backend offers ``config_overrides``, ``attach(optimizer)``, ``wrap_forward_step(fn)``,
     ``before_scheduler_step(iteration)``, ``metrics(iteration)``, ``seconds``, ``state_dict``/``load_state_dict``
-    (see :class:`megatron_mech.megatron.mols.MegatronMoLS`)."""
+    (see :class:`megatron_mech.adapters.megatron_core.mols.MegatronMoLS`)."""

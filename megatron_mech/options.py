@@ -22,7 +22,7 @@ import difflib
 import typing
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
-from megatron_mech.core.settings import field_doc, field_flag, field_key, option  # noqa: F401  (re-exported)
+from megatron_mech.core.option_fields import field_doc, field_flag, field_key, option  # noqa: F401  (re-exported)
 
 __all__ = ["option", "add_section_flags", "check_mapping", "closest_name", "file_path", "section_from_flags",
            "section_from_dict", "section_to_dict", "settings_of", "settings_values", "field_doc", "field_flag",

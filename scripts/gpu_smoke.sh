@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Single-GPU smoke test (not part of CI, which has no GPU): the monitors' math on CUDA equals CPU, and the
 # training entry point trains a small MoE GPT on one GPU over nccl with the monitors on. The CPU shims stay off
-# on a GPU machine; only the megatron-core fixes of megatron_mech.megatron.fixes apply (as on every machine).
+# on a GPU machine; only the megatron-core fixes of megatron_mech.adapters.megatron_core.fixes apply (as on every machine).
 # Usage: bash scripts/gpu_smoke.sh OUT_DIR
 set -euo pipefail
 out=${1:-runs/gpu_smoke}
@@ -10,8 +10,8 @@ export MEGATRON_MECH_DATA=${MEGATRON_MECH_DATA:-/tmp/megatron_mech_data}
 python3 - <<'PY'
 import torch
 from megatron_mech.core.spectral import qk_increment_spectra, spectral_entropy
-from megatron_mech.core.router import RoutingStats
-from megatron_mech.megatron import cpu_shims as megatron_cpu
+from megatron_mech.core.router_statistics import RoutingStats
+from megatron_mech.adapters.megatron_core import cpu_shims as megatron_cpu
 assert torch.cuda.is_available(), "no CUDA device"
 assert megatron_cpu.apply_cpu_shims() == [], "CPU shims must not patch anything on a GPU machine"
 g = torch.Generator().manual_seed(0)
@@ -45,14 +45,14 @@ a.update(logits, 2); b.update(logits.cuda(), 2)
 assert all(abs(a.summary()[k] - b.summary()[k]) <= 1e-6 * max(1.0, abs(a.summary()[k])) for k in a.summary())
 print("RoutingStats CUDA == CPU")
 PY
-python3 -m torch.distributed.run --standalone --nproc_per_node=1 -m megatron_mech.megatron.pretrain_gpt \
+python3 -m torch.distributed.run --standalone --nproc_per_node=1 -m megatron_mech.adapters.megatron_core.pretrain_gpt \
     --num-layers 4 --hidden-size 256 --num-attention-heads 8 --num-query-groups 4 --num-experts 4 \
     --moe-router-topk 2 --seq-length 256 --micro-batch-size 8 --global-batch-size 32 --train-iters 200 \
     --lr 1e-3 --lr-warmup-iters 20 --log-interval 20 --mech-interval 10 --save "$out/run" \
     --tensorboard-dir "$out/run/tb"
 python3 -m megatron_mech.cli report "$out/run"
 # the same run evaluating on the host (snapshots and arithmetic in CPU memory), to compare the monitor cost
-python3 -m torch.distributed.run --standalone --nproc_per_node=1 -m megatron_mech.megatron.pretrain_gpt \
+python3 -m torch.distributed.run --standalone --nproc_per_node=1 -m megatron_mech.adapters.megatron_core.pretrain_gpt \
     --num-layers 4 --hidden-size 256 --num-attention-heads 8 --num-query-groups 4 --num-experts 4 \
     --moe-router-topk 2 --seq-length 256 --micro-batch-size 8 --global-batch-size 32 --train-iters 200 \
     --lr 1e-3 --lr-warmup-iters 20 --log-interval 20 --mech-interval 10 --mech-eval-device host \

@@ -9,7 +9,7 @@ that blew up there would; the training itself is unchanged.
 
 Each ``rank<r>.json``: ``losses`` (the hook's loss of every step), ``loss_kinds`` (per step: ``tensor`` or
 ``float``, as :meth:`MechHook.after_optimizer_step` received it), ``callsite_all_reduces`` (per step: the
-``torch.distributed.all_reduce`` calls made from ``megatron_mech.megatron_lm.callsites``), ``actions`` (per
+``torch.distributed.all_reduce`` calls made from ``megatron_mech.adapters.megatron_lm_fork.callsites``), ``actions`` (per
 step: the :class:`~megatron_mech.hook.Action` the call site returned), ``first_alert_step`` and
 ``alert_steps`` (the steps of the alerts the hook raised).
 """
@@ -27,7 +27,7 @@ if (CHECKOUT / "megatron_mech" / "__init__.py").is_file():
 import torch  # noqa: E402
 
 from megatron_mech import hook as hook_module  # noqa: E402
-from megatron_mech.megatron_lm import callsites  # noqa: E402
+from megatron_mech.adapters.megatron_lm_fork import callsites  # noqa: E402
 
 OUT = Path(os.environ["MECH_PROBE_OUT"])
 NAN_STEP = int(os.environ.get("MECH_PROBE_NAN_STEP", "0"))

@@ -21,8 +21,8 @@ TAGS = ("core_v0.16.1", "core_v0.17.1", "core_v0.18.2", "core_v0.19.0")
 RUNNABLE_TAG = "core_v0.16.1"  # trained at length by test_megatron_lm_e2e.py (the others: test_megatron_versions.py)
 ENV = "MEGATRON_MECH_LM_FIXTURES"
 
-# Megatron-LM flags of a CPU run (the fork's own flags; see megatron_mech.megatron_lm.cpu).
-from megatron_mech.megatron_lm.cpu import CPU_TRAINING_FLAGS  # noqa: E402
+# Megatron-LM flags of a CPU run (the fork's own flags; see megatron_mech.adapters.megatron_lm_fork.training_cpu_shims).
+from megatron_mech.adapters.megatron_lm_fork.training_cpu_shims import CPU_TRAINING_FLAGS  # noqa: E402
 
 # A small MoE GPT, EP=2 on 2 processes: 2 layers, hidden 64, 4 heads, 4 experts top-2, 2 micro-batches per step.
 SMALL_MOE_FLAGS = (

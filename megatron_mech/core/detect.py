@@ -84,7 +84,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from megatron_mech.core.checks import is_finite_real, is_int
-from megatron_mech.core.settings import option
+from megatron_mech.core.option_fields import option
 
 __all__ = ["ATTENTION_COLLAPSE", "ATTENTION_LEVELS", "FAMILIES", "DIRECTIONS", "Alert", "DetectorConfig", "Detector",
            "SeriesRule", "DetectorRegistry", "default_rules", "layer_of"]

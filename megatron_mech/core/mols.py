@@ -9,7 +9,7 @@ clamped to ``MoLSConfig.clamp``, ramped linearly from 1 to α_m over the rest of
 
 This module holds the controller (estimates → α → multiplier schedule → state) and knows nothing about any
 framework: it takes per-module squared gradient norms (or per-module SNR components) as plain floats. The
-megatron-core adapter (:mod:`megatron_mech.megatron.mols`) measures those numbers and writes the
+megatron-core adapter (:mod:`megatron_mech.adapters.megatron_core.mols`) measures those numbers and writes the
 multipliers into the optimizer's param groups.
 
 Step convention
@@ -80,7 +80,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Dict, Iterable, Mapping, Optional, Tuple, Union
 
 from megatron_mech.core.checks import is_whole
-from megatron_mech.core.settings import BadSetting, option
+from megatron_mech.core.option_fields import BadSetting, option
 from megatron_mech.core.snr import SNREstimate, TwoBatchSNR, snr_ratio
 from megatron_mech.core.taxonomy import FUSED_QKV_RULES, MODULE_CLASSES, fused_qkv_multiplier
 

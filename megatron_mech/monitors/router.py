@@ -6,8 +6,8 @@ A framework adapter hands over, per MoE layer, the live router weight ``[E, d]``
 on only for the steps that will be evaluated (``capturing``), so a monitor at interval δ pays for the extra
 softmax on 1/δ of the steps, and with ``token_stride`` n on every n-th token of those steps' micro-batches.
 
-At an evaluation the per-layer :class:`~megatron_mech.core.router.RoutingStats` are reduced over ``token_group``
-— exactly the ranks that together hold every token of the step (data × expert parallel, plus tensor
+At an evaluation the per-layer :class:`~megatron_mech.core.router_statistics.RoutingStats` are reduced over
+``token_group`` — exactly the ranks that together hold every token of the step (data × expert parallel, plus tensor
 parallel when sequence parallelism splits tokens) — in two collectives for all layers together, so the
 result equals one process seeing every token. The router weight is replicated on those ranks, so its
 geometry needs no communication.
@@ -24,15 +24,15 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_mech.core.router import RoutingStats, all_reduce_many, router_weight_geometry
+from megatron_mech.core.router_statistics import RoutingStats, all_reduce_many, router_weight_geometry
 from megatron_mech.monitors.metric_names import render
 
 __all__ = ["ROUTER_NAME", "RouterLayer", "RouterMonitor"]
 
 ROUTER_NAME = "router/layer{L}/{statistic}"
 """Every router series' name (:mod:`megatron_mech.monitors.metric_names` syntax): ``statistic`` is a key of
-:meth:`RoutingStats.summary <megatron_mech.core.router.RoutingStats.summary>` or of the router weight's geometry
-(``mean_cosine``, ``conditioning``, ``mean_deviation``)."""
+:meth:`RoutingStats.summary <megatron_mech.core.router_statistics.RoutingStats.summary>` or of the router weight's
+geometry (``mean_cosine``, ``conditioning``, ``mean_deviation``)."""
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ import sys
 import typing
 from typing import Any, Iterator, NamedTuple, Optional
 
+from megatron_mech.adapters.deepspeed.ds_config_section import SECTION, DeepSpeedOptions
 from megatron_mech.config import MechConfig
-from megatron_mech.deepspeed.config import SECTION, DeepSpeedOptions
 from megatron_mech.options import file_path
 from megatron_mech.studies.fault_config import FAULT_KEY, FaultConfig
 
@@ -126,10 +126,10 @@ def render_markdown() -> str:
         "megatron_mech.references.config_reference > docs/configuration.md`; do not edit by hand -->",
         "",
         "Every setting, from its one declaration in the code. The same setting is a `--mech-*` flag of our entry "
-        "point (`megatron-mech train -- ...`, `python -m megatron_mech.megatron.pretrain_gpt`) and of a patched "
-        "Megatron-LM fork's `pretrain_gpt.py`, and a key of the dict form (`MechConfig.from_dict`, the `\"mech\"` "
-        "section of a DeepSpeed JSON config), where every key is optional. Unknown keys and values of the wrong "
-        "type are refused naming their key path, with the closest known key.",
+        "point (`megatron-mech train -- ...`, `python -m megatron_mech.adapters.megatron_core.pretrain_gpt`) and of a "
+        "patched Megatron-LM fork's `pretrain_gpt.py`, and a key of the dict form (`MechConfig.from_dict`, the "
+        "`\"mech\"` section of a DeepSpeed JSON config), where every key is optional. Unknown keys and values of "
+        "the wrong type are refused naming their key path, with the closest known key.",
         "",
     ]
     for section in SECTIONS:

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_mech.deepspeed.config import parse_section, read_section
-from megatron_mech.deepspeed.engine import DeepSpeedMech
+from megatron_mech.adapters.deepspeed.ds_config_section import parse_section, read_section
+from megatron_mech.adapters.deepspeed.engine import DeepSpeedMech
 from megatron_mech.studies.injectors import injector_from_section
 
 __all__ = ["mech_with_fault"]
 
 
 def mech_with_fault(engine, config: Any = None, **kwargs) -> DeepSpeedMech:
-    """:meth:`DeepSpeedMech.from_engine <megatron_mech.deepspeed.engine.DeepSpeedMech.from_engine>` for a
+    """:meth:`DeepSpeedMech.from_engine <megatron_mech.adapters.deepspeed.engine.DeepSpeedMech.from_engine>` for a
     ``"mech"`` section (the engine's own, or ``config``: a section dict) that may hold a ``"fault"`` key.
     Raises ``ValueError`` naming the key for a bad fault, and for an LR fault without an lr scheduler (the fault
     multiplies each step's scheduled lr; without a scheduler it would compound every step)."""

@@ -1,12 +1,13 @@
 """Run a patched Megatron-LM fork's ``pretrain_gpt.py`` with the studies' ``--mech-fault*`` flags::
 
     torchrun --nproc_per_node=2 launch_scripts/megatron_lm_fault.py <fork>/pretrain_gpt.py <its flags> \\
-        --spec megatron_mech.megatron_lm.fault_spec layer_spec --mech-fault attention --mech-fault-start 100
+        --spec megatron_mech.adapters.megatron_lm_fork.fault_spec layer_spec \\
+        --mech-fault attention --mech-fault-start 100
 
 :func:`main` offers the :class:`~megatron_mech.studies.injectors.FaultInjector` to the fork's call sites
-(:func:`megatron_mech.megatron_lm.callsites.register_extension`), then runs the fork's script as ``__main__``
-with the rest of the command line, as if it had been started itself: the patch's ``extra_args_provider`` adds the
-fault flags, the hook registers the injector they ask for, and ``--spec ...fault_spec layer_spec`` builds its
+(:func:`megatron_mech.adapters.megatron_lm_fork.callsites.register_extension`), then runs the fork's script as
+``__main__`` with the rest of the command line, as if it had been started itself: the patch's ``extra_args_provider``
+adds the fault flags, the hook registers the injector they ask for, and ``--spec ...fault_spec layer_spec`` builds its
 attention into the model.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from megatron_mech.megatron_lm.callsites import register_extension
+from megatron_mech.adapters.megatron_lm_fork.callsites import register_extension
 from megatron_mech.studies.injectors import FaultInjector
 
 __all__ = ["main"]

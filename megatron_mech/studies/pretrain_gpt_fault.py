@@ -3,8 +3,8 @@
     torchrun --nproc_per_node=2 -m megatron_mech.studies.pretrain_gpt_fault --num-experts 4 \\
         --expert-model-parallel-size 2 --train-iters 300 --mech-fault attention --mech-fault-start 100
 
-:func:`megatron_mech.megatron.pretrain_gpt.main` with the fault injector offered as a hook extension: the flags
-are added to its parser, and a ``--mech-fault`` other than ``none`` registers a
+:func:`megatron_mech.adapters.megatron_core.pretrain_gpt.main` with the fault injector offered as a hook extension: the
+flags are added to its parser, and a ``--mech-fault`` other than ``none`` registers a
 :class:`~megatron_mech.studies.injectors.FaultInjector` on the run's hook (the model's attention, the global
 batch, the lr of each step from the start step on, the routers' updates); ``--mech-record-routing DIR`` registers a
 :class:`~megatron_mech.studies.router_outcome.RoutingRecorder`.
@@ -12,8 +12,8 @@ batch, the lr of each step from the start step on, the routers' updates); ``--me
 import sys
 from typing import List, Optional
 
-from megatron_mech.megatron.launch import check_training_flags
-from megatron_mech.megatron.pretrain_gpt import main as train
+from megatron_mech.adapters.megatron_core.launch import check_training_flags
+from megatron_mech.adapters.megatron_core.pretrain_gpt import main as train
 from megatron_mech.studies.injectors import FaultInjector
 from megatron_mech.studies.router_outcome import RoutingRecorder
 

@@ -1,13 +1,14 @@
 """MoLS in a plain single-process torch training loop (e.g. LoRA fine-tuning of a Hugging Face model with peft).
 
-The pieces are the DeepSpeed adapter's framework-free ones: :func:`megatron_mech.deepspeed.mols.param_groups`
-(one optimizer param group per module class, trainable parameters only — a LoRA model's frozen base weights
-get no group) and :class:`megatron_mech.deepspeed.mols.MoLSLRScheduler` (the inner scheduler's lr times each
-group's multiplier). What this module adds is the two-batch statistic without data parallelism: a step is
-``K ≥ 2`` micro-batches; the small batch is one micro-batch (``‖G_small‖²`` = the mean over the K micro-batch
-gradients of their squared norm), the big batch is the step's mean gradient. The per-micro-batch gradients of
-the trainable parameters are summed into the step's gradient as they come, so the only extra memory is one
-gradient-sized buffer (for LoRA: the adapters' size).
+The pieces are the DeepSpeed adapter's framework-free ones:
+:func:`megatron_mech.adapters.deepspeed.mols_backend.param_groups` (one optimizer param group per module class,
+trainable parameters only — a LoRA model's frozen base weights get no group) and
+:class:`megatron_mech.adapters.deepspeed.mols_backend.MoLSLRScheduler` (the inner scheduler's lr times each group's
+multiplier). What this module adds is the two-batch statistic without data parallelism: a step is ``K ≥ 2``
+micro-batches; the small batch is one micro-batch (``‖G_small‖²`` = the mean over the K micro-batch gradients of their
+squared norm), the big batch is the step's mean gradient. The per-micro-batch gradients of the trainable parameters are
+summed into the step's gradient as they come, so the only extra memory is one gradient-sized buffer (for LoRA: the
+adapters' size).
 
     mols = TorchMoLS(model, MoLSConfig(window_steps=5, ramp_end=warmup), lr=1e-3, weight_decay=0.0)
     opt = torch.optim.AdamW(mols.groups, lr=1e-3)
@@ -22,9 +23,9 @@ from typing import Callable, Dict, Optional, Sequence
 
 import torch
 
+from megatron_mech.adapters.deepspeed.mols_backend import GROUP_KEY, MoLSLRScheduler, param_groups
 from megatron_mech.core.mols import MoLSConfig, MoLSController
 from megatron_mech.core.taxonomy import is_fused_qkv
-from megatron_mech.deepspeed.mols import GROUP_KEY, MoLSLRScheduler, param_groups
 
 __all__ = ["TorchMoLS"]
 

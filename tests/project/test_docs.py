@@ -71,5 +71,5 @@ def test_readme_install_commands_name_extras_that_exist():
     named = set(re.findall(r'pip install "?\.\[([\w-]+)\]', text))
     assert named == {"megatron", "megatron-lm", "deepspeed"}, named
     assert named <= set(extras)
-    patches_readme = (REPO_ROOT / "megatron_mech" / "megatron_lm" / "patches" / "README.md").read_text()
+    patches_readme = (REPO_ROOT / "megatron_mech" / "adapters" / "megatron_lm_fork" / "patches" / "README.md").read_text()
     assert set(re.findall(r'\[(megatron[\w-]*)\]', patches_readme)) == {"megatron-lm"}

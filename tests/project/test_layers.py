@@ -24,7 +24,7 @@ LAYERS = [
     ("records",),
     ("config", "options"),
     ("hook", "model_view", "logit_symptom", "optim", "logs", "extension", "deferred_values", "first_alert"),
-    ("megatron", "deepspeed", "megatron_lm"),
+    ("adapters",),
     ("studies",),
     ("cli", "references"),
 ]
@@ -112,7 +112,7 @@ def test_the_scan_finds_an_import_from_a_lower_layer(tmp_path):
     assert layer("megatron_mech.studies.injectors") > layer("megatron_mech.hook")
 
 
-ADAPTERS = ("megatron", "deepspeed", "megatron_lm")
+ADAPTERS = ("adapters",)
 
 
 def private_hook_accesses(root: Path):
@@ -139,9 +139,9 @@ def test_adapters_use_only_the_hooks_public_surface():
 
 def test_the_patch_set_calls_only_the_call_sites_public_functions():
     """Every ``mech_callsites.<name>`` a Megatron-LM patch adds is a public, exported call site."""
-    from megatron_mech.megatron_lm import callsites
+    from megatron_mech.adapters.megatron_lm_fork import callsites
 
-    patches = PACKAGE / "megatron_lm" / "patches"
+    patches = PACKAGE / "adapters" / "megatron_lm_fork" / "patches"
     called = {name for path in patches.rglob("*.patch")
               for name in re.findall(r"mech_callsites\.(\w+)", path.read_text())}
     assert len(called) >= 10  # the scan found the call sites (13 in every series today)

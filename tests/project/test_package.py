@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 
 import megatron_mech
-from megatron_mech.core import detect, layouts, router, snr, spectral
+from megatron_mech.core import detect, layouts, router_statistics, snr, spectral
 
 
 def test_public_names_resolve_to_their_modules():
-    modules = {"detect": detect, "layouts": layouts, "router": router, "snr": snr, "spectral": spectral}
+    modules = {"detect": detect, "layouts": layouts, "router_statistics": router_statistics, "snr": snr, "spectral": spectral}
     for name in megatron_mech.__all__:
         obj = getattr(megatron_mech, name)
         assert any(getattr(m, name, None) is obj for m in modules.values()), name
@@ -35,7 +35,7 @@ def test_core_imports_no_framework():
 
     core = Path(megatron_mech.__file__).parent / "core"
     modules = sorted(p for p in core.glob("*.py"))
-    assert len(modules) >= 10  # spectral, layouts, sharded, slq, router, snr, detect, taxonomy, attribution, mols
+    assert len(modules) >= 10  # spectral, layouts, sharded, slq, router_statistics, snr, detect, taxonomy, attribution, mols
     offenders = []
     for path in modules:
         for node in ast.walk(ast.parse(path.read_text())):
@@ -59,7 +59,7 @@ def _shipped_from_checkout() -> set:
 
     package = REPO_ROOT / "megatron_mech"
     files = {p.relative_to(REPO_ROOT).as_posix() for p in package.rglob("*.py") if "__pycache__" not in p.parts}
-    files |= {p.relative_to(REPO_ROOT).as_posix() for p in (package / "megatron_lm" / "patches").rglob("*")
+    files |= {p.relative_to(REPO_ROOT).as_posix() for p in (package / "adapters" / "megatron_lm_fork" / "patches").rglob("*")
               if p.is_file()}
     files |= {f"megatron_mech/launch_scripts/{p.name}" for p in (REPO_ROOT / "launch_scripts").iterdir()
               if p.is_file() and p.suffix in (".py", ".sh", ".sbatch", ".md")}

@@ -33,8 +33,8 @@ def steps_recorded(path) -> list:
 @pytest.mark.timeout(900)
 def test_megatron_lm_quickstart(installed_package, tmp_path):
     require(RUNNABLE_TAG)
-    from megatron_mech.megatron.data import prepare_data
-    from megatron_mech.megatron_lm import patcher
+    from megatron_mech.adapters.megatron_core.data import prepare_data
+    from megatron_mech.adapters.megatron_lm_fork import patcher
 
     fork = unpack(RUNNABLE_TAG, tmp_path / "fork")
     assert patcher.check(fork).state != "applied"  # the quick start is what patches it

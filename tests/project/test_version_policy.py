@@ -1,5 +1,5 @@
 """The version policy page (docs/versions.md) and the changelog cannot go stale: the patch series the page lists
-are the folders shipped in megatron_mech/megatron_lm/patches/, the ranges it quotes are the ones pyproject.toml
+are the folders shipped in megatron_mech/adapters/megatron_lm_fork/patches/, the ranges it quotes are the ones pyproject.toml
 declares, the torch it names is the one scripts/setup.sh pins, and CHANGELOG.md has an entry for the package's
 version."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dist_utils import REPO_ROOT
 pytestmark = pytest.mark.timeout(60)
 
 PAGE = (REPO_ROOT / "docs" / "versions.md").read_text(encoding="utf-8")
-PATCHES = REPO_ROOT / "megatron_mech" / "megatron_lm" / "patches"
+PATCHES = REPO_ROOT / "megatron_mech" / "adapters" / "megatron_lm_fork" / "patches"
 PYPROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8"))
 CHANGELOG = (REPO_ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
 SERIES = re.compile(r"core_v\d+\.\d+\.\d+")

@@ -11,8 +11,8 @@ import dataclasses
 
 import pytest
 
-from megatron_mech.megatron.flags import build_parser
-from megatron_mech.megatron_lm import callsites
+from megatron_mech.adapters.megatron_core.flags import build_parser
+from megatron_mech.adapters.megatron_lm_fork import callsites
 from megatron_mech.studies.fault_config import FaultConfig
 from megatron_mech.studies.injectors import FaultInjector
 from megatron_mech.studies.pretrain_gpt_fault import ENTRY_MODULE, check_flags

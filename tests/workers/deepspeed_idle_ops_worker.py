@@ -30,7 +30,7 @@ from deepspeed_worker import MICRO, SEQ, VOCAB, build_engine, corpus_tokens, ds_
 from verdict import exit_without_destructors  # noqa: E402
 from op_attribution import OpsPerStep  # noqa: E402  (tests/workers/, the script's directory)
 
-from megatron_mech.deepspeed.engine import DeepSpeedMech  # noqa: E402
+from megatron_mech.adapters.deepspeed.engine import DeepSpeedMech  # noqa: E402
 from megatron_mech.hook import Extension  # noqa: E402
 
 STEPS, INTERVAL, BLOW_UP_STEP = 6, 3, 4
@@ -76,9 +76,9 @@ class LrBlowUp(Extension):
 def main(out_file: str, output_dir: str) -> None:
     import deepspeed
 
-    from megatron_mech.deepspeed.batches import rank_batch
-    from megatron_mech.deepspeed.cpu import skip_shm_comm_build
-    from megatron_mech.deepspeed.models import deepspeed_moe_llama, moe_aux_loss
+    from megatron_mech.adapters.deepspeed.batches import rank_batch
+    from megatron_mech.adapters.deepspeed.cpu import skip_shm_comm_build
+    from megatron_mech.adapters.deepspeed.models import deepspeed_moe_llama, moe_aux_loss
 
     skip_shm_comm_build()
     deepspeed.init_distributed(dist_backend="gloo")

@@ -40,14 +40,14 @@ BASE_LR = 3e-3
 
 
 def corpus_tokens() -> torch.Tensor:
-    from megatron_mech.megatron.data import load_corpus
+    from megatron_mech.adapters.megatron_core.data import load_corpus
 
     text = "\n".join(d.text for d in load_corpus(max_docs_per_source=2))
     return torch.tensor(list(text.encode("utf-8")), dtype=torch.int64)
 
 
 def micro_batch(tokens, step: int, m: int) -> torch.Tensor:
-    from megatron_mech.deepspeed.batches import rank_batch
+    from megatron_mech.adapters.deepspeed.batches import rank_batch
 
     return rank_batch(tokens, GAS * step + m, MICRO, 0, 1, SEQ)
 
@@ -81,8 +81,8 @@ def tiny(kind: str) -> torch.nn.Module:
 
 def build(model, mols: dict, out: str | None = None, scheduler: dict | None = None, moe: bool = False, stage: int = 0):
     import deepspeed
-    from megatron_mech.deepspeed.engine import DeepSpeedMech
-    from megatron_mech.deepspeed.mols import param_groups
+    from megatron_mech.adapters.deepspeed.engine import DeepSpeedMech
+    from megatron_mech.adapters.deepspeed.mols_backend import param_groups
 
     groups = param_groups(model, weight_decay=0.01)
     if moe:
@@ -105,7 +105,7 @@ def build(model, mols: dict, out: str | None = None, scheduler: dict | None = No
 def train_step(engine, mech, tokens, step: int, negate_second: bool = False, aux: bool = False) -> list[float]:
     """One optimizer step of GAS micro-batches; returns the group lrs the update ran at (read right before
     ``engine.step()`` of the last micro-batch, where DeepSpeed steps the optimizer and then the scheduler)."""
-    from megatron_mech.deepspeed.models import moe_aux_loss
+    from megatron_mech.adapters.deepspeed.models import moe_aux_loss
 
     mech.before_step()
     applied = None
@@ -254,7 +254,7 @@ def scenario_hf_experts(out: str, errors: list) -> dict:
 
 
 def scenario_ds_moe(out: str, errors: list) -> dict:
-    from megatron_mech.deepspeed.models import deepspeed_moe_llama
+    from megatron_mech.adapters.deepspeed.models import deepspeed_moe_llama
 
     tokens = corpus_tokens()
     model = deepspeed_moe_llama(vocab_size=VOCAB, seq_len=SEQ + 1, num_experts=2, ep_size=1, k=1)
@@ -283,7 +283,7 @@ def scenario_ds_moe(out: str, errors: list) -> dict:
 # ------------------------------------------------------------------------------------------------ no signal
 def scenario_no_signal(out: str, errors: list) -> dict:
     from megatron_mech.core.mols import MoLSWarning
-    from megatron_mech.deepspeed.models import dense_llama
+    from megatron_mech.adapters.deepspeed.models import dense_llama
 
     tokens = corpus_tokens()
     warned = []
@@ -326,7 +326,7 @@ def main() -> int:
     args = parser.parse_args()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     import deepspeed
-    from megatron_mech.deepspeed.cpu import skip_shm_comm_build
+    from megatron_mech.adapters.deepspeed.cpu import skip_shm_comm_build
 
     skip_shm_comm_build()
     deepspeed.init_distributed(dist_backend="gloo")

@@ -25,7 +25,7 @@ import torch.distributed as dist  # noqa: E402
 from deepspeed_worker import MICRO, SEQ, VOCAB, build_engine, corpus_tokens, ds_config  # noqa: E402
 from verdict import exit_without_destructors  # noqa: E402
 
-from megatron_mech.deepspeed.engine import DeepSpeedMech  # noqa: E402
+from megatron_mech.adapters.deepspeed.engine import DeepSpeedMech  # noqa: E402
 
 STEPS, INTERVAL, TRAINING_SEED = 6, 2, 1234
 
@@ -40,8 +40,8 @@ def weights_digest(engine) -> str:
 
 
 def run(tokens, rank: int, world: int, output_dir: str | None) -> dict:
-    from megatron_mech.deepspeed.batches import rank_batch
-    from megatron_mech.deepspeed.models import deepspeed_moe_llama, moe_aux_loss
+    from megatron_mech.adapters.deepspeed.batches import rank_batch
+    from megatron_mech.adapters.deepspeed.models import deepspeed_moe_llama, moe_aux_loss
 
     model = deepspeed_moe_llama(vocab_size=VOCAB, seq_len=SEQ, num_experts=4, ep_size=2, k=2)
     section = {"monitors": {"interval": INTERVAL, "families": ["attention", "router"]},
@@ -72,7 +72,7 @@ def run(tokens, rank: int, world: int, output_dir: str | None) -> dict:
 def main(out_file: str, output_dir: str) -> None:
     import deepspeed
 
-    from megatron_mech.deepspeed.cpu import skip_shm_comm_build
+    from megatron_mech.adapters.deepspeed.cpu import skip_shm_comm_build
 
     skip_shm_comm_build()
     deepspeed.init_distributed(dist_backend="gloo")

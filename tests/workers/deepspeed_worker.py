@@ -45,7 +45,7 @@ SEQ, MICRO, VOCAB = 32, 2, 256
 
 def corpus_tokens() -> torch.Tensor:
     """The embedded corpus as UTF-8 bytes (vocabulary 256): real text without a tokenizer build."""
-    from megatron_mech.megatron.data import load_corpus
+    from megatron_mech.adapters.megatron_core.data import load_corpus
 
     text = "\n".join(d.text for d in load_corpus(max_docs_per_source=3))
     return torch.tensor(list(text.encode("utf-8")), dtype=torch.int64)
@@ -63,7 +63,7 @@ def ds_config(stage: int, mech: dict, scheduler: dict | None = None, **extra) ->
 
 def build_engine(model, config: dict, lr: float = 3e-3, client_scheduler=None, moe: bool = False):
     import deepspeed
-    from megatron_mech.deepspeed.mols import param_groups
+    from megatron_mech.adapters.deepspeed.mols_backend import param_groups
 
     groups = param_groups(model, weight_decay=0.01)
     if moe:
@@ -77,8 +77,8 @@ def build_engine(model, config: dict, lr: float = 3e-3, client_scheduler=None, m
 
 
 def train_step(engine, mech, tokens, step: int, rank: int, world: int, aux=False):
-    from megatron_mech.deepspeed.batches import rank_batch
-    from megatron_mech.deepspeed.models import moe_aux_loss
+    from megatron_mech.adapters.deepspeed.batches import rank_batch
+    from megatron_mech.adapters.deepspeed.models import moe_aux_loss
 
     batch = rank_batch(tokens, step, MICRO, rank, world, SEQ)
     mech.before_step()
@@ -134,8 +134,8 @@ def reference_attention(prev: dict, cur: dict, H: int, G: int, dh: int) -> dict:
 
 
 def scenario_attention(args, stage, rank, world, errors):
-    from megatron_mech.deepspeed.engine import DeepSpeedMech
-    from megatron_mech.deepspeed.models import dense_llama
+    from megatron_mech.adapters.deepspeed.engine import DeepSpeedMech
+    from megatron_mech.adapters.deepspeed.models import dense_llama
 
     tokens = corpus_tokens()
     model = dense_llama(vocab_size=VOCAB, seq_len=SEQ)
@@ -187,9 +187,9 @@ def scenario_attention(args, stage, rank, world, errors):
 # ------------------------------------------------------------------------------------------------ router
 def scenario_router(args, stage, rank, world, errors):
     import deepspeed.moe.sharded_moe as sharded_moe
-    from megatron_mech.core.router import RoutingStats, router_weight_geometry
-    from megatron_mech.deepspeed.engine import DeepSpeedMech
-    from megatron_mech.deepspeed.models import deepspeed_moe_llama
+    from megatron_mech.core.router_statistics import RoutingStats, router_weight_geometry
+    from megatron_mech.adapters.deepspeed.engine import DeepSpeedMech
+    from megatron_mech.adapters.deepspeed.models import deepspeed_moe_llama
 
     tokens = corpus_tokens()
     if stage == 3:  # DeepSpeed refuses its own MoE at ZeRO-3; HF Mixtral's gates are partitioned and gathered
@@ -249,9 +249,9 @@ def check_hf_mixtral(stage, rank, world, errors, tokens) -> int:
     """HF Mixtral under DeepSpeed (experts replicated, no EP): the reduced router metrics equal one process's
     statistics of the logits every rank's gates returned (gathered), and the router geometry equals that of the
     full fp32 gate weight (at ZeRO-3 the adapter gathers the partitioned gate)."""
-    from megatron_mech.core.router import RoutingStats, router_weight_geometry
-    from megatron_mech.deepspeed.engine import DeepSpeedMech
-    from megatron_mech.deepspeed.models import mixtral
+    from megatron_mech.core.router_statistics import RoutingStats, router_weight_geometry
+    from megatron_mech.adapters.deepspeed.engine import DeepSpeedMech
+    from megatron_mech.adapters.deepspeed.models import mixtral
 
     model = mixtral(vocab_size=VOCAB, seq_len=SEQ + 1, num_experts=4, top_k=2)
     engine = build_engine(model, ds_config(stage, {"monitors": {"interval": 2, "families": ["router"]}}))
@@ -311,8 +311,8 @@ def reference_scheduler(kind: str, group_lrs: list[float]):
 
 
 def scenario_mols(args, stage, rank, world, errors):
-    from megatron_mech.deepspeed.engine import DeepSpeedMech
-    from megatron_mech.deepspeed.models import dense_llama
+    from megatron_mech.adapters.deepspeed.engine import DeepSpeedMech
+    from megatron_mech.adapters.deepspeed.models import dense_llama
 
     tokens = corpus_tokens()
     mech_cfg = {"monitors": {"families": []}, "mols": {"enabled": True, "window": 2, "clamp": [0.2, 5.0]}}
@@ -359,9 +359,9 @@ def scenario_mols_stats(args, stage, rank, world, errors):
     import copy
 
     from megatron_mech.core.taxonomy import classify_parameters
-    from megatron_mech.deepspeed.batches import rank_batch
-    from megatron_mech.deepspeed.engine import DeepSpeedMech
-    from megatron_mech.deepspeed.models import dense_llama
+    from megatron_mech.adapters.deepspeed.batches import rank_batch
+    from megatron_mech.adapters.deepspeed.engine import DeepSpeedMech
+    from megatron_mech.adapters.deepspeed.models import dense_llama
 
     tokens = corpus_tokens()
     model = dense_llama(vocab_size=VOCAB, seq_len=SEQ)
@@ -420,8 +420,8 @@ def scenario_mols_stats(args, stage, rank, world, errors):
 
 # ------------------------------------------------------------------------------------------------ resume
 def scenario_resume(args, stage, rank, world, errors):
-    from megatron_mech.deepspeed.engine import DeepSpeedMech, load_checkpoint, save_checkpoint
-    from megatron_mech.deepspeed.models import dense_llama
+    from megatron_mech.adapters.deepspeed.engine import DeepSpeedMech, load_checkpoint, save_checkpoint
+    from megatron_mech.adapters.deepspeed.models import dense_llama
 
     tokens = corpus_tokens()
     root = os.path.join(args.tmp, f"zero{stage}")
@@ -498,9 +498,9 @@ def scenario_safe_load(args, stage, rank, world, errors):
     import glob
     import shutil
 
-    from megatron_mech.deepspeed.engine import DeepSpeedMech, load_checkpoint, save_checkpoint
-    from megatron_mech.deepspeed.models import dense_llama
-    from megatron_mech.deepspeed.safe_load import UnsafeCheckpointError
+    from megatron_mech.adapters.deepspeed.engine import DeepSpeedMech, load_checkpoint, save_checkpoint
+    from megatron_mech.adapters.deepspeed.models import dense_llama
+    from megatron_mech.adapters.deepspeed.safe_load import UnsafeCheckpointError
 
     tokens = corpus_tokens()
     root = os.path.join(args.tmp, f"zero{stage}")
@@ -566,7 +566,7 @@ def scenario_safe_load(args, stage, rank, world, errors):
 
 # ------------------------------------------------------------------------------------------------ fault
 def scenario_fault(args, stage, rank, world, errors):
-    from megatron_mech.deepspeed.models import dense_llama
+    from megatron_mech.adapters.deepspeed.models import dense_llama
     from megatron_mech.studies.deepspeed_faults import mech_with_fault
 
     tokens = corpus_tokens()
@@ -624,7 +624,7 @@ def main() -> int:
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     import deepspeed
-    from megatron_mech.deepspeed.cpu import skip_shm_comm_build
+    from megatron_mech.adapters.deepspeed.cpu import skip_shm_comm_build
 
     skip_shm_comm_build()
     deepspeed.init_distributed(dist_backend="gloo")

@@ -25,7 +25,7 @@ if REPO_ROOT not in sys.path:
 
 import torch  # noqa: E402
 from fork_runner import free_port  # noqa: E402  (tests/workers/, the script's directory)
-from megatron_mech.megatron.cpu_shims import omp_num_threads  # noqa: E402
+from megatron_mech.adapters.megatron_core.cpu_shims import omp_num_threads  # noqa: E402
 
 SEQ, VOCAB, MBS = 32, 128, 4
 
@@ -34,7 +34,7 @@ def _setup():
     import warnings
 
     warnings.filterwarnings("ignore")
-    from megatron_mech.megatron import cpu_shims as mcpu
+    from megatron_mech.adapters.megatron_core import cpu_shims as mcpu
 
     mcpu.apply_cpu_shims()
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
@@ -48,7 +48,7 @@ def _setup():
 def _config(num_layers=3, heads=4, groups=2, hidden=64, **kw):
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_mech.megatron import cpu_shims as mcpu
+    from megatron_mech.adapters.megatron_core import cpu_shims as mcpu
 
     return TransformerConfig(num_layers=num_layers, hidden_size=hidden, num_attention_heads=heads,
                              num_query_groups=groups, ffn_hidden_size=2 * hidden, hidden_dropout=0.0,
@@ -71,7 +71,7 @@ def job_core_match(opts):
     from megatron.core.transformer.enums import AttnMaskType
 
     from megatron_mech.studies import faults
-    from megatron_mech.megatron import cpu_shims as mcpu
+    from megatron_mech.adapters.megatron_core import cpu_shims as mcpu
 
     out = {}
     for name, layer_number, extra in (("gqa_layer1", 1, {}), ("gqa_layer2_qk_scaling", 2,
@@ -128,7 +128,7 @@ def job_core_match(opts):
 def _gpt(config, spec, seed=11, untie=True):
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_mech.megatron import cpu_shims as mcpu
+    from megatron_mech.adapters.megatron_core import cpu_shims as mcpu
 
     mcpu.model_parallel_seed(seed)
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
@@ -144,7 +144,7 @@ def _progression_batch(generator, batch=MBS):
 
 
 def _loss_and_grads(model, tokens, labels):
-    from megatron_mech.megatron import cpu_shims as mcpu
+    from megatron_mech.adapters.megatron_core import cpu_shims as mcpu
 
     model.zero_grad(set_to_none=True)
     positions = torch.arange(SEQ).unsqueeze(0).expand(tokens.shape[0], SEQ)
@@ -266,7 +266,7 @@ def _train(fault, steps, seed, lr, window, precision="fp32"):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_mech.studies import faults
-    from megatron_mech.megatron import cpu_shims as mcpu
+    from megatron_mech.adapters.megatron_core import cpu_shims as mcpu
     from megatron_mech.core.layouts import qkv_row_blocks
     from megatron_mech.core.spectral import spectral_entropy, stable_rank
 
@@ -389,7 +389,7 @@ def _moe_gpt(seed):
 
 
 def _router_injector(model, optimizer, k, start):
-    from megatron_mech.megatron.discovery import megatron_model_view
+    from megatron_mech.adapters.megatron_core.discovery import megatron_model_view
     from megatron_mech.studies import faults
 
     injector = faults.FaultInjector(faults.FaultConfig(kind="router", strength=k, start=start))
@@ -405,7 +405,7 @@ def job_router_fault(opts):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_mech.megatron import cpu_shims as mcpu
+    from megatron_mech.adapters.megatron_core import cpu_shims as mcpu
 
     k, start, steps, lr = 5.0, 4, 6, 1e-2
     out = {"k": k, "start": start}
@@ -493,7 +493,7 @@ def job_router_fault(opts):
 def _recorder_check(record_dir):
     """RoutingRecorder's counts of two training steps vs top-k of the routers' logits recomputed from each router's
     input and weight (captured by a separate forward hook); evaluation forwards must not be counted."""
-    from megatron_mech.megatron.discovery import find_routers, megatron_model_view
+    from megatron_mech.adapters.megatron_core.discovery import find_routers, megatron_model_view
     from megatron_mech.studies.router_outcome import RoutingRecorder, read_routing_counts
 
     _, model = _moe_gpt(seed=4)
@@ -537,7 +537,7 @@ def _recorder_check(record_dir):
 def job_router_input_fault(opts):
     """The router_input fault on a real megatron-core MoE GPT: the routers route on logits x·Wᵀ + β·b, b = 1 for
     experts 0 and 1 (closed form from the MoE layer's own input, captured apart), from the start step only."""
-    from megatron_mech.megatron.discovery import find_routers, megatron_model_view
+    from megatron_mech.adapters.megatron_core.discovery import find_routers, megatron_model_view
     from megatron_mech.studies import faults
 
     _, model = _moe_gpt(seed=6)
@@ -590,7 +590,7 @@ def torchrun_tp2():
     import warnings
 
     warnings.filterwarnings("ignore")
-    from megatron_mech.megatron import cpu_shims as mcpu
+    from megatron_mech.adapters.megatron_core import cpu_shims as mcpu
 
     mcpu.apply_cpu_shims()
     torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=120))

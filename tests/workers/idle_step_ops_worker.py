@@ -23,13 +23,13 @@ if REPO_ROOT not in sys.path:
 from op_attribution import OpsPerStep  # noqa: E402  (tests/workers/, the script's directory)
 
 from megatron_mech import hook as hook_module  # noqa: E402
-from megatron_mech.megatron.pretrain_gpt import main  # noqa: E402
+from megatron_mech.adapters.megatron_core.pretrain_gpt import main  # noqa: E402
 
 MONITOR_CODE = tuple(os.path.join(REPO_ROOT, "megatron_mech", part) for part in (
     "hook.py", "deferred_values.py", "extension.py", "first_alert.py", "logit_symptom.py", "model_view.py",
     "monitors" + os.sep, "core" + os.sep, "records" + os.sep,
-    os.path.join("megatron", "discovery.py"), os.path.join("megatron", "mols") + os.sep))
-PASS_THROUGH = os.path.join(REPO_ROOT, "megatron_mech", "megatron", "cpu_shims.py")
+    os.path.join("adapters", "megatron_core", "discovery.py"), os.path.join("adapters", "megatron_core", "mols") + os.sep))
+PASS_THROUGH = os.path.join(REPO_ROOT, "megatron_mech", "adapters", "megatron_core", "cpu_shims.py")
 
 ops = OpsPerStep(MONITOR_CODE, other=(os.path.join(REPO_ROOT, "megatron_mech") + os.sep, os.path.abspath(__file__)),
                  contains=(os.sep + os.path.join("megatron", "core") + os.sep,), pass_through=(PASS_THROUGH,))

@@ -34,9 +34,9 @@ def _groups(optimizer):
 def run_spec(spec: dict) -> dict:
     from megatron.core.optimizer import optimizer as moptimizer
 
-    from megatron_mech.megatron import cpu_shims as mcpu
-    from megatron_mech.megatron.mols import apply_multipliers
-    from megatron_mech.megatron_lm.param_groups import override_keys_identify_groups, protect_for_this_version
+    from megatron_mech.adapters.megatron_core import cpu_shims as mcpu
+    from megatron_mech.adapters.megatron_core.mols import apply_multipliers
+    from megatron_mech.adapters.megatron_lm_fork.param_group_loading import override_keys_identify_groups, protect_for_this_version
 
     mcpu.apply_cpu_shims()
     warnings.simplefilter("ignore")
@@ -67,5 +67,5 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--jobs", required=True, help="JSON file with a list of job specs")
     fork_runner(parser.parse_args().jobs, run_spec,
-                import_once=partial(import_megatron_core, "megatron_mech.megatron.mols"),
+                import_once=partial(import_megatron_core, "megatron_mech.adapters.megatron_core.mols"),
                 tmp_prefix="lm_groups_jobs_", json_default=float)

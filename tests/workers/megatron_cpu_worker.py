@@ -47,7 +47,7 @@ def _batches(num_micro: int, seed: int = 1234):
 
 def run_training(spec: dict) -> dict:
     """Build a tiny GPTModel with real megatron-core parts and train it; needs an initialised world group."""
-    from megatron_mech.megatron import cpu_shims as mcpu
+    from megatron_mech.adapters.megatron_core import cpu_shims as mcpu
 
     applied = mcpu.apply_cpu_shims(exclude=spec.get("exclude", ()))
 
@@ -136,7 +136,7 @@ def run_training(spec: dict) -> dict:
 
 
 def run_idempotence(spec: dict) -> dict:
-    from megatron_mech.megatron import cpu_shims as mcpu
+    from megatron_mech.adapters.megatron_core import cpu_shims as mcpu
 
     import megatron.core.tensor_parallel.random as mrandom
     from megatron.core.tensor_parallel import mappings

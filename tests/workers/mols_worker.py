@@ -81,8 +81,8 @@ def build(spec: dict, mols_config=None, protect: bool = True):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_mech.megatron import cpu_shims as mcpu
-    from megatron_mech.megatron.mols import MegatronMoLS
+    from megatron_mech.adapters.megatron_core import cpu_shims as mcpu
+    from megatron_mech.adapters.megatron_core.mols import MegatronMoLS
     from megatron_mech.core.mols import MoLSConfig
 
     moe = spec.get("scenario") == "moe"
@@ -125,7 +125,7 @@ def build(spec: dict, mols_config=None, protect: bool = True):
         if protect:
             mols.install(config, optimizer)
         else:  # for the identity job: install without the load_state_dict protection
-            import megatron_mech.megatron.mols.estimator as mm  # where install() looks the name up
+            import megatron_mech.adapters.megatron_core.mols.estimator as mm  # where install() looks the name up
             saved = mm.protect_param_group_identity
             mm.protect_param_group_identity = lambda opt: None
             try:
@@ -264,7 +264,7 @@ def run_train(spec: dict) -> dict:
         bundle = build(spec, mols_config(spec))
         ref = None
         if spec.get("ref_samples"):
-            from megatron_mech.megatron.mols import MegatronMoLS
+            from megatron_mech.adapters.megatron_core.mols import MegatronMoLS
 
             ref = MegatronMoLS(mols_config(spec, estimator="samples", num_samples=int(spec["ref_samples"])),
                                [bundle["model"]], bundle["opt_config"], global_batch_size=bundle["num_micro"] * MBS,
@@ -289,7 +289,7 @@ def run_train(spec: dict) -> dict:
 
 def load_param_state(optimizer, filename: str) -> None:
     """The package's loader, with its megatron-core 0.16.1 workarounds (see megatron_checkpoint)."""
-    from megatron_mech.megatron.checkpoint import load_distributed_optimizer_state
+    from megatron_mech.adapters.megatron_core.checkpoint import load_distributed_optimizer_state
 
     load_distributed_optimizer_state(optimizer, filename)
 
@@ -353,7 +353,7 @@ def run_errors(spec: dict) -> dict:
     """Each bad configuration -> its error message (or 'accepted')."""
     _init_parallel(spec)
     warnings.simplefilter("ignore")
-    from megatron_mech.megatron.mols import MegatronMoLS, add_mols_arguments
+    from megatron_mech.adapters.megatron_core.mols import MegatronMoLS, add_mols_arguments
     from megatron_mech.core.mols import MoLSConfig
 
     out = {}
@@ -445,7 +445,7 @@ KINDS = {"train": run_train, "resume": run_resume, "errors": run_errors, "identi
 
 
 def run_spec(spec: dict) -> dict:
-    from megatron_mech.megatron import cpu_shims as mcpu
+    from megatron_mech.adapters.megatron_core import cpu_shims as mcpu
 
     mcpu.apply_cpu_shims()
     return KINDS[spec.get("kind", "train")](spec)
@@ -455,6 +455,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--jobs", required=True, help="JSON file with a list of job specs")
     fork_runner(parser.parse_args().jobs, run_spec,
-                import_once=partial(import_megatron_core, "megatron_mech.megatron.mols"),
+                import_once=partial(import_megatron_core, "megatron_mech.adapters.megatron_core.mols"),
                 tmp_prefix="mols_jobs_",
                 json_default=float)

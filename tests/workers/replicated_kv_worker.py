@@ -129,7 +129,7 @@ def main() -> int:
 
 
 def check_megatron_core(rank: int, singles, expect, compare) -> None:
-    from megatron_mech.megatron import cpu_shims as mcpu
+    from megatron_mech.adapters.megatron_core import cpu_shims as mcpu
 
     mcpu.apply_cpu_shims()
     from megatron.core import parallel_state as ps
@@ -137,7 +137,7 @@ def check_megatron_core(rank: int, singles, expect, compare) -> None:
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron_mech.megatron.discovery import find_attention_layers
+    from megatron_mech.adapters.megatron_core.discovery import find_attention_layers
 
     ps.initialize_model_parallel(tensor_model_parallel_size=TP)
     mcpu.model_parallel_seed(3)

@@ -16,7 +16,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_mech.core.router import RoutingStats, all_reduce_many
+from megatron_mech.core.router_statistics import RoutingStats, all_reduce_many
 from verdict import finish  # tests/workers/, the script's directory
 
 NUM_EXPERTS, TOPK, NUM_BINS = 8, 2, 16

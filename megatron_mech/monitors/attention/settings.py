@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Optional
 
 from megatron_mech.core.checks import is_int, is_real
-from megatron_mech.core.settings import BadSetting, option
+from megatron_mech.core.option_fields import BadSetting, option
 from megatron_mech.core.spectral import QK_BATCHES, QK_METHODS, QK_TERMS
 
 __all__ = ["DW_ROUTES", "DW_SCOPES", "EVAL_DEVICES", "GRAM_DTYPES", "SNAPSHOT_DEVICES", "AttentionMonitorConfig",

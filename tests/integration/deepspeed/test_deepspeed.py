@@ -96,7 +96,7 @@ def test_attention_fault_in_hf_model_raises_attention_alert():
 
 # ------------------------------------------------------------------------------------------------ single process
 def test_config_rejects_unknown_keys_by_name():
-    from megatron_mech.deepspeed.config import parse_section
+    from megatron_mech.adapters.deepspeed.ds_config_section import parse_section
 
     for section, where, key in (({"intervall": 3}, "mech", "intervall"),
                                 ({"mols": {"windw": 2}}, "mech.mols", "windw"),
@@ -114,7 +114,7 @@ def test_config_rejects_unknown_keys_by_name():
                                             ({"deepspeed": {"engine_monitor": "yes"}}, "mech.deepspeed.engine_monitor"),
                                             ({"monitors": {"all_linears": True}}, "mech.monitors.all_linears")])
 def test_config_rejects_bad_values_naming_the_field(section, field):
-    from megatron_mech.deepspeed.config import parse_section
+    from megatron_mech.adapters.deepspeed.ds_config_section import parse_section
 
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         parse_section(section)
@@ -122,7 +122,7 @@ def test_config_rejects_bad_values_naming_the_field(section, field):
 
 def test_config_is_the_hook_config_plus_deepspeed_options():
     from megatron_mech.config import MechConfig
-    from megatron_mech.deepspeed.config import parse_section, read_section
+    from megatron_mech.adapters.deepspeed.ds_config_section import parse_section, read_section
 
     config, options = parse_section({"monitors": {"interval": 5}, "mols": {"enabled": True, "window": 3},
                                      "deepspeed": {"engine_monitor": False}})
@@ -156,9 +156,9 @@ def test_hf_discovery_llama_mixtral_qwen2_and_phi3():
     from transformers import Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     from megatron_mech.core.layouts import qkv_row_blocks
-    from megatron_mech.deepspeed.attention import find_hf_attention
-    from megatron_mech.deepspeed.models import dense_llama, mixtral
-    from megatron_mech.deepspeed.router import find_gates
+    from megatron_mech.adapters.deepspeed.attention import find_hf_attention
+    from megatron_mech.adapters.deepspeed.models import dense_llama, mixtral
+    from megatron_mech.adapters.deepspeed.router_capture import find_gates
 
     small = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=16, pad_token_id=0, eos_token_id=1, bos_token_id=1)
@@ -188,9 +188,9 @@ def test_hf_discovery_llama_mixtral_qwen2_and_phi3():
 
 def test_hf_router_capture_equals_the_logits_mixtral_uses():
     """The forward hook hands the router monitor exactly the logits HF Mixtral computes (single process)."""
-    from megatron_mech.core.router import RoutingStats
-    from megatron_mech.deepspeed.models import mixtral
-    from megatron_mech.deepspeed.router import find_gates, gate_capture
+    from megatron_mech.core.router_statistics import RoutingStats
+    from megatron_mech.adapters.deepspeed.models import mixtral
+    from megatron_mech.adapters.deepspeed.router_capture import find_gates, gate_capture
     from megatron_mech.monitors.router import RouterLayer, RouterMonitor
 
     model = mixtral(vocab_size=64)
@@ -249,9 +249,9 @@ import sys
 import deepspeed
 import torch
 
-from megatron_mech.deepspeed.cpu import single_process_env, skip_shm_comm_build
-from megatron_mech.deepspeed.engine import DeepSpeedMech
-from megatron_mech.deepspeed.models import dense_llama
+from megatron_mech.adapters.deepspeed.cpu import single_process_env, skip_shm_comm_build
+from megatron_mech.adapters.deepspeed.engine import DeepSpeedMech
+from megatron_mech.adapters.deepspeed.models import dense_llama
 
 if len(sys.argv) > 1:  # a script that sets up its own logging
     logging.basicConfig(filename=sys.argv[1], level=logging.INFO)

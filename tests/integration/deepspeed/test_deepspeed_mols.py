@@ -85,7 +85,7 @@ def test_fused_qkv_beside_separate_q_k_projections_is_refused_by_name():
     import torch
     import transformers
 
-    from megatron_mech.deepspeed.mols import MeasuredParameters
+    from megatron_mech.adapters.deepspeed.mols_backend import MeasuredParameters
 
     model = transformers.Phi3ForCausalLM(transformers.Phi3Config(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,

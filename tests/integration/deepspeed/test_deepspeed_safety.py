@@ -209,7 +209,7 @@ def test_allowed_deepspeed_types_take_only_what_deepspeed_writes(tmp_path, case)
     zero loss scale, an unknown attribute, a ZeRO stage that does not exist, fragment bounds that are not
     non-negative ints, wrong constructor arguments, a bare type). Each is refused as a ``ValueError`` naming the
     file (the launcher reports those in one line); a genuine state of every allowed type still loads."""
-    from megatron_mech.deepspeed.safe_load import _weights_only_load
+    from megatron_mech.adapters.deepspeed.safe_load import _weights_only_load
 
     states = _crafted_states()
     assert list(states) == list(CRAFTED_CASES)  # every crafted state is a case
@@ -226,7 +226,7 @@ def test_genuine_states_of_the_allowed_deepspeed_types_load(tmp_path):
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    from megatron_mech.deepspeed.safe_load import _weights_only_load
+    from megatron_mech.adapters.deepspeed.safe_load import _weights_only_load
 
     dynamic_args = dict(init_scale=2 ** 16, scale_window=1000, min_scale=1, delayed_shift=2,
                         consecutive_hysteresis=False)
@@ -246,7 +246,7 @@ def test_a_crafted_state_is_never_written_into_a_shared_zero_stage_member(tmp_pa
     untouched."""
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
-    from megatron_mech.deepspeed.safe_load import _weights_only_load
+    from megatron_mech.adapters.deepspeed.safe_load import _weights_only_load
 
     path = tmp_path / "optim_states.pt"
     torch.save({"zero_stage": _Crafted(ZeroStageEnum, (1,), {"_value_": 99})}, path)
@@ -266,7 +266,7 @@ def test_launcher_reports_a_damaged_fragment_address_in_one_line(tmp_path):
     escaped the launcher's handler as a traceback; it is one line naming the file, rc 2."""
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    from megatron_mech.deepspeed.safe_load import DEEPSPEED_CHECKPOINT_GLOBALS
+    from megatron_mech.adapters.deepspeed.safe_load import DEEPSPEED_CHECKPOINT_GLOBALS
 
     ckpt = tmp_path / "ckpt"
     first = launch("--steps", "2", "--zero-stage", "1", "--output-dir", str(tmp_path / "out"), "--save", str(ckpt))

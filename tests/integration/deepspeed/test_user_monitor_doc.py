@@ -34,9 +34,9 @@ def example(name: str) -> str:
 DRIVER = '''
 import json, sys
 import deepspeed, torch
-from megatron_mech.deepspeed.cpu import single_process_env, skip_shm_comm_build
-from megatron_mech.deepspeed.engine import DeepSpeedMech, load_checkpoint, save_checkpoint
-from megatron_mech.deepspeed.models import dense_llama
+from megatron_mech.adapters.deepspeed.cpu import single_process_env, skip_shm_comm_build
+from megatron_mech.adapters.deepspeed.engine import DeepSpeedMech, load_checkpoint, save_checkpoint
+from megatron_mech.adapters.deepspeed.models import dense_llama
 from activation_norms import ActivationNorms
 
 T, RESUME = int(sys.argv[1]), sys.argv[2] == "resume"

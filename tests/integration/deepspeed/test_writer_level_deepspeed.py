@@ -18,9 +18,9 @@ SCRIPT = '''
 import deepspeed
 import torch
 
-from megatron_mech.deepspeed.cpu import single_process_env, skip_shm_comm_build
-from megatron_mech.deepspeed.engine import DeepSpeedMech
-from megatron_mech.deepspeed.models import dense_llama
+from megatron_mech.adapters.deepspeed.cpu import single_process_env, skip_shm_comm_build
+from megatron_mech.adapters.deepspeed.engine import DeepSpeedMech
+from megatron_mech.adapters.deepspeed.models import dense_llama
 
 T, NAN_AT = 6, 3
 ds_config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,

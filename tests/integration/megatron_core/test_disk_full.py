@@ -97,7 +97,7 @@ def test_a_summary_that_does_not_fit_leaves_the_old_file_and_no_temporary(tmp_pa
     script = textwrap.dedent("""
         import sys
         from pathlib import Path
-        from megatron_mech.megatron.pretrain_gpt import write_summary
+        from megatron_mech.adapters.megatron_core.pretrain_gpt import write_summary
         print("WRITTEN", write_summary(Path(sys.argv[1]), {"losses": [1.0] * 5000}))
     """)
     path = tmp_path / "summary.json"
@@ -187,7 +187,7 @@ def test_deepspeed_launcher_on_a_full_disk_exits_records_incomplete(tmp_path):
 def test_megatron_mech_train_reads_the_records_incomplete_line_as_the_runs_reason():
     """``megatron-mech train`` launches torchrun, which exits 1 whatever its worker's code: the worker's last line
     is what tells the command to still draw the report and exit 3 (see ``cli._run_train``)."""
-    from megatron_mech.megatron.launch import worker_reason
+    from megatron_mech.adapters.megatron_core.launch import worker_reason
 
     line = "pretrain_gpt: records incomplete: 4 record(s) of mech.jsonl (steps 6, 8, 10, 12) could not be written"
     noise = ["[rank0]: Traceback (most recent call last):", "torch.distributed.elastic.multiprocessing.errors."

@@ -38,12 +38,12 @@ def test_monitors_issue_no_op_between_evaluation_steps(tmp_path):
 
     for step in (3, 6):  # evaluation steps: both captures inside the forward passes, the evaluation, its collectives
         assert issued(step, "megatron_mech/core/attention_logits.py:max_attention_logit") > 0, ops[step]
-        assert issued(step, "megatron_mech/core/router.py:update") > 0, ops[step]   # router capture (per micro-batch)
+        assert issued(step, "megatron_mech/core/router_statistics.py:update") > 0, ops[step]   # router capture (per micro-batch)
         assert issued(step, "megatron_mech/monitors/attention") > 0, ops[step]   # the module or the package
         assert issued(step, "megatron_mech/monitors/experts.py") > 0, ops[step]
         assert any(key.endswith(":c10d.allreduce_.default") for key in ops[step]), ops[step]
     for step in (1, 2):  # MoLS's estimation window: its gradient statistics
-        assert issued(step, "megatron_mech/megatron/mols/") > 0, ops[step]
+        assert issued(step, "megatron_mech/adapters/megatron_core/mols/") > 0, ops[step]
     for step in (4, 5):
         assert ops[step] == {}, f"step {step} is no evaluation step, yet the monitors issued {ops[step]}"
 
@@ -74,12 +74,12 @@ def test_deepspeed_adapter_issues_no_op_between_evaluation_steps_and_records_the
         return sum(n for key, n in ops[step].items() if key.startswith(where))
 
     for step in (3, 6):  # evaluation steps: router capture in the forward, the evaluation, its all-reduces
-        assert issued(step, "megatron_mech/core/router.py:update") > 0, ops[step]
+        assert issued(step, "megatron_mech/core/router_statistics.py:update") > 0, ops[step]
         assert issued(step, "megatron_mech/monitors/attention") > 0, ops[step]
-        assert issued(step, "megatron_mech/deepspeed/engine.py") > 0, ops[step]  # the loss's data-parallel mean
+        assert issued(step, "megatron_mech/adapters/deepspeed/engine.py") > 0, ops[step]  # the loss's data-parallel mean
         assert any(key.endswith(":c10d.allreduce_.default") for key in ops[step]), ops[step]
     for step in (1, 2):  # MoLS's estimation window: its gradient statistics
-        assert issued(step, "megatron_mech/deepspeed/mols.py") > 0, ops[step]
+        assert issued(step, "megatron_mech/adapters/deepspeed/mols_backend.py") > 0, ops[step]
     for step in (4, 5):
         assert ops[step] == {}, f"step {step} is no evaluation step, yet megatron-mech issued {ops[step]}"
 

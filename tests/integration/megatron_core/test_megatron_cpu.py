@@ -1,4 +1,4 @@
-"""megatron-core 0.16.1 on CPU/gloo: every shim of megatron_mech.megatron.cpu_shims is needed, and real
+"""megatron-core 0.16.1 on CPU/gloo: every shim of megatron_mech.adapters.megatron_core.cpu_shims is needed, and real
 megatron-core training (GPTModel local spec, dense and MoE/alltoall, DDP, get_megatron_optimizer plain and
 distributed, get_forward_backward_func) works with them.
 
@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from megatron_mech.megatron import cpu_shims as mcpu
+from megatron_mech.adapters.megatron_core import cpu_shims as mcpu
 from dist_utils import REPO_ROOT, run_torchrun, run_worker_jobs
 from optional_packages import requires
 
@@ -218,7 +218,7 @@ def test_grad_norm_accumulates_in_float64():
     """The clipping grad norm (no apex): float64 accumulation agrees with an exact float64 reference to ~1e-15,
     where fp32 per-tensor norms combined in fp32 (megatron's local fallback) are off by orders of magnitude more.
     The reference is an independent float64 sum of squares."""
-    from megatron_mech.megatron.cpu_shims import float64_l2_norm
+    from megatron_mech.adapters.megatron_core.cpu_shims import float64_l2_norm
 
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(786_432, generator=gen) * 1e-3, torch.randn(64, 128, generator=gen) * 10.0,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dist_utils import REPO_ROOT, run_torchrun
-from megatron_mech.core.router import RoutingStats
+from megatron_mech.core.router_statistics import RoutingStats
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 

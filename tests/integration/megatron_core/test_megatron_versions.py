@@ -24,7 +24,7 @@ import pytest
 
 from dist_utils import REPO_ROOT, job_ranks, run_torchrun, run_worker_jobs
 from megatron_lm_trees import CPU_TRAINING_FLAGS, SMALL_MOE_FLAGS, unpack
-from megatron_mech.megatron import cpu_shims as mcpu
+from megatron_mech.adapters.megatron_core import cpu_shims as mcpu
 
 LAUNCHER = REPO_ROOT / "launch_scripts" / "pretrain_gpt_mech.py"
 SETUP_SCRIPT = REPO_ROOT / "scripts" / "setup_versions.sh"
@@ -125,7 +125,7 @@ FORK_MOLS = ("--mech-mols", "--mech-mols-window", "4", "--mech-mols-min-ramp", "
 @pytest.fixture(scope="module")
 def fork_data(tmp_path_factory):
     """The corpus in Megatron's format, built on first use (after a missing tree has skipped the test)."""
-    from megatron_mech.megatron.data import prepare_data
+    from megatron_mech.adapters.megatron_core.data import prepare_data
 
     built = {}
 
@@ -141,7 +141,7 @@ def fork_data(tmp_path_factory):
 @pytest.mark.distributed
 @pytest.mark.parametrize("tag", FORK_RELEASES)
 def test_patched_fork_trains_with_monitors_and_mols(tag, fork_data, tmp_path):
-    from megatron_mech.megatron_lm import patcher
+    from megatron_mech.adapters.megatron_lm_fork import patcher
     from megatron_mech.records.sinks import read_jsonl
     from test_megatron_lm_e2e import assert_mols_lrs  # the scheduler's lr × class multiplier, every group
 

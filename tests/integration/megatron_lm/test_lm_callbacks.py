@@ -11,7 +11,7 @@ import torch
 
 from megatron_mech.config import DetectorOverrides, MechConfig, MonitorConfig
 from megatron_mech.hook import Action, MechHook
-from megatron_mech.megatron.lm_callbacks import register_mech_callbacks
+from megatron_mech.adapters.megatron_core.lm_callbacks import register_mech_callbacks
 from megatron_mech.model_view import ModelView
 from megatron_mech.monitors.attention import AttentionLayer
 from megatron_mech.records.sinks import CallbackSink

@@ -46,7 +46,7 @@ TIMEOUT = 420
 @pytest.fixture(scope="module")
 def fork(tmp_path_factory):
     require(RUNNABLE_TAG)
-    from megatron_mech.megatron_lm import patcher
+    from megatron_mech.adapters.megatron_lm_fork import patcher
 
     root = unpack(RUNNABLE_TAG, tmp_path_factory.mktemp("fork"))
     assert patcher.apply(root).state == "applied"
@@ -55,7 +55,7 @@ def fork(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    from megatron_mech.megatron.data import prepare_data
+    from megatron_mech.adapters.megatron_core.data import prepare_data
 
     return prepare_data(tmp_path_factory.mktemp("data") / "corpus", vocab_size=1024, max_docs_per_source=40)
 
@@ -134,7 +134,7 @@ def assert_same_series(a: dict, b: dict, steps) -> None:
 
 
 MOLS = ("--mech-mols", "--mech-mols-window", "4", "--mech-mols-min-ramp", "4")
-FAULT = ("--spec", "megatron_mech.megatron_lm.fault_spec", "layer_spec", "--mech-fault", "attention",
+FAULT = ("--spec", "megatron_mech.adapters.megatron_lm_fork.fault_spec", "layer_spec", "--mech-fault", "attention",
          "--mech-fault-strength", "0.1", "--mech-fault-layers", "1", "--mech-fault-start", "16")
 DETECT = ("--mech-interval", "1", "--mech-detector-warmup", "4", "--mech-detector-baseline", "8")
 
@@ -331,7 +331,7 @@ def test_pipeline_parallel_2_nonfinite_loss_judged_alike_on_every_stage(fork, da
     assert len(re.findall(r"lm loss: ", stdout)) == 4  # Megatron stopped after iteration 4
 
 
-ALERT_FAULT = ("--spec", "megatron_mech.megatron_lm.fault_spec", "layer_spec", "--mech-fault", "attention",
+ALERT_FAULT = ("--spec", "megatron_mech.adapters.megatron_lm_fork.fault_spec", "layer_spec", "--mech-fault", "attention",
                "--mech-fault-strength", "0.1", "--mech-fault-layers", "1", "--mech-fault-start", "12")
 ALERT_DETECT = ("--mech-interval", "1", "--mech-detector-warmup", "2", "--mech-detector-baseline", "6")
 

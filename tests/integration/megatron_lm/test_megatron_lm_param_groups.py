@@ -1,5 +1,5 @@
 """Checkpoint loads of MoLS param groups under megatron-core's two matching rules (see
-``megatron_mech.megatron_lm.param_groups``): with 0.16–0.18's keys MoLS's own protection suffices and the
+``megatron_mech.adapters.megatron_lm_fork.param_group_loading``): with 0.16–0.18's keys MoLS's own protection suffices and the
 version guard adds nothing; with 0.19's keys (``max_lr``/``min_lr`` identify groups; simulated on 0.16.1 by
 setting its key tuple) scaled groups no longer match without the guard and load one-to-one with it."""
 from __future__ import annotations

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_mech.megatron_lm import patcher
+from megatron_mech.adapters.megatron_lm_fork import patcher
 from megatron_lm_trees import REPO_ROOT, TAGS, unpack
 
 PATCHED_FILES = ("pretrain_gpt.py", "megatron/training/training.py", "megatron/training/checkpointing.py")

@@ -78,7 +78,7 @@ def test_misspelt_key_of_a_deepspeed_config_gets_the_closest_name(tmp_path):
     valid key at its level, the DeepSpeed-only "deepspeed" subsection included; a key like none gets no guess."""
     import json
 
-    from megatron_mech.deepspeed.config import parse_section, read_section
+    from megatron_mech.adapters.deepspeed.ds_config_section import parse_section, read_section
 
     for section, message in (({"monitors": {"intervall": 5}}, "mech.monitors: unknown key(s) 'intervall' "
                                                               "(did you mean 'interval'?)"),
@@ -213,7 +213,7 @@ def test_fault_values_of_the_wrong_type_are_named_by_key_path(data, message):
     ({"mols": {"enabled": "false"}}, "mech.mols.enabled: expected a boolean, got the string 'false'"),
 ])
 def test_deepspeed_section_is_checked_by_the_same_declarations(section, message):
-    from megatron_mech.deepspeed.config import DeepSpeedOptions, parse_section
+    from megatron_mech.adapters.deepspeed.ds_config_section import DeepSpeedOptions, parse_section
 
     with pytest.raises(ValueError) as info:
         parse_section(section)
@@ -520,7 +520,7 @@ def test_a_path_with_a_nul_byte_is_refused_where_it_is_set_naming_it(tmp_path):
     import subprocess
     import sys
 
-    from megatron_mech.deepspeed.config import parse_section, read_section
+    from megatron_mech.adapters.deepspeed.ds_config_section import parse_section, read_section
 
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2,

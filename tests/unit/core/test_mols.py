@@ -395,7 +395,7 @@ def test_table_and_metrics():
 def test_apply_multipliers_lr_mult_branch_on_fake_param_groups():
     """megatron-core 0.13–0.15: the scheduler sets lr = schedule_lr × group['lr_mult']; only testable with a fake
     param_groups list here (no 0.13–0.15 install)."""
-    from megatron_mech.megatron.mols import apply_multipliers
+    from megatron_mech.adapters.megatron_core.mols import apply_multipliers
 
     groups = [{"params": [], "mols_module": "embedding", "lr_mult": 1.0, "wd_mult": 1.0},
               {"params": [], "mols_module": "head", "lr_mult": 0.5, "wd_mult": 0.0},  # a scale_lr_cond group
@@ -411,7 +411,7 @@ def test_apply_multipliers_lr_mult_branch_on_fake_param_groups():
 
 
 def test_apply_multipliers_max_lr_branch_keeps_per_group_bases():
-    from megatron_mech.megatron.mols import apply_multipliers
+    from megatron_mech.adapters.megatron_core.mols import apply_multipliers
 
     groups = [{"params": [], "mols_module": "embedding", "max_lr": 3e-3, "min_lr": 3e-4},  # decoupled lr
               {"params": [], "mols_module": "vo", "max_lr": 1e-3, "min_lr": 1e-4}]
@@ -427,7 +427,7 @@ def test_apply_multipliers_max_lr_branch_keeps_per_group_bases():
 
 def test_identity_protection_on_a_fake_megatron_optimizer():
     """Replays megatron-core's matching rule: groups keyed by (wd_mult, lr_mult, is_expert, is_decoupled)."""
-    from megatron_mech.megatron.mols import apply_multipliers, protect_param_group_identity
+    from megatron_mech.adapters.megatron_core.mols import apply_multipliers, protect_param_group_identity
 
     keys = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
 
@@ -472,7 +472,7 @@ def test_identity_protection_on_a_fake_megatron_optimizer():
 def test_add_mols_arguments_flags():
     import argparse
 
-    from megatron_mech.megatron.mols import add_mols_arguments, default_window
+    from megatron_mech.adapters.megatron_core.mols import add_mols_arguments, default_window
 
     p = argparse.ArgumentParser()
     add_mols_arguments(p)

@@ -1,4 +1,4 @@
-"""Tests for megatron_mech.core.router, each against an independent reference (loops, direct formulas, torch ops
+"""Tests for megatron_mech.core.router_statistics, each against an independent reference (loops, direct formulas, torch ops
 on the concatenated data), plus a real 2-process gloo all-reduce under torchrun."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dist_utils import WORKERS, run_torchrun
-from megatron_mech.core.router import RouterGeometry, RoutingStats, router_weight_geometry, routing_entropy
+from megatron_mech.core.router_statistics import RouterGeometry, RoutingStats, router_weight_geometry, routing_entropy
 
 FAST = settings(max_examples=25, deadline=None)
 

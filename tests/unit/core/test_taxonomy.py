@@ -36,7 +36,7 @@ _BUILD = r"""
 import json, socket, sys, warnings
 warnings.filterwarnings("ignore")
 import torch
-from megatron_mech.megatron import cpu_shims as mcpu
+from megatron_mech.adapters.megatron_core import cpu_shims as mcpu
 mcpu.apply_cpu_shims()
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -428,7 +428,7 @@ def test_hf_fused_qkv_models_are_classified_as_the_attention_discovery_finds_the
     """GPT-2 c_attn, Phi-3 qkv_proj and MPT Wqkv are fused QKV (class qk) for MoLS, exactly the layers the
     attention monitors' discovery reads; GPT-2's attn.c_proj / MPT's attn.out_proj are V/O and GPT-2's mlp.c_fc /
     mlp.c_proj dense MLP: no parameter of these models is left 'other'."""
-    from megatron_mech.deepspeed.attention import find_hf_attention
+    from megatron_mech.adapters.deepspeed.attention import find_hf_attention
 
     for kind, model in _tiny_hf_models().items():
         with warnings.catch_warnings():

@@ -18,7 +18,7 @@ import pytest
 from hook_runs import SPIKE, run_hook
 from megatron_mech.config import MechConfig, OutputConfig
 from megatron_mech.core.detect import Alert
-from megatron_mech.deepspeed.config import parse_section
+from megatron_mech.adapters.deepspeed.ds_config_section import parse_section
 from megatron_mech.records.sinks import DeepSpeedMonitorSink, TensorBoardSink, WandbSink, make_record
 from megatron_mech.records.writer_level import AUTO_SUMMARY_SERIES
 from test_writer_alerts import RecordingRun, _read_events
@@ -166,7 +166,7 @@ def test_megatron_lm_writers_get_the_hook_s_level(monkeypatch):
     """The Megatron-LM call sites hand the pending records to Megatron's own writers at ``--mech-writer-level``
     (the hook's config); here a TensorBoard-like writer and a W&B-like run that record their calls."""
     from megatron_mech.hook import MechHook
-    from megatron_mech.megatron_lm import callsites
+    from megatron_mech.adapters.megatron_lm_fork import callsites
 
     monkeypatch.setattr(callsites, "RUN", callsites.MechRun())
     monkeypatch.setattr(callsites, "_WRITER_SINKS", {})

@@ -12,7 +12,7 @@ import pytest
 
 from dist_utils import REPO_ROOT
 from megatron_mech.config import MechConfig
-from megatron_mech.deepspeed.config import DeepSpeedOptions
+from megatron_mech.adapters.deepspeed.ds_config_section import DeepSpeedOptions
 from megatron_mech.references.config_reference import SECTIONS, render_markdown, settings
 from megatron_mech.studies.fault_config import FaultConfig, add_fault_arguments
 
