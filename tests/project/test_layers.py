@@ -19,7 +19,7 @@ PACKAGE = REPO_ROOT / "megatron_mech"
 
 # The "Layout" rows of docs/architecture.md, top to bottom; each entry names a sub-package or a top-level module.
 LAYERS = [
-    ("core",),
+    ("core", "_moved_modules"),
     ("monitors",),
     ("records",),
     ("config", "options"),
