@@ -25,6 +25,7 @@ from megatron_mech.adapters.megatron_core.launch import torchrun_prefix  # noqa:
 from megatron_mech.adapters.megatron_core.presets import small_moe  # noqa: E402
 from megatron_mech.records.sinks import read_jsonl, record_alerts  # noqa: E402
 from megatron_mech.studies.clean_scores import replay_alerts  # noqa: E402
+from megatron_mech.studies.pretrain_gpt_fault import ENTRY_MODULE as FAULT_ENTRY_MODULE  # noqa: E402
 
 __all__ = ["model_flags", "train_run"]
 
@@ -67,11 +68,11 @@ def train_run(run_dir: Path, flags: Sequence[str], steps: int, *, reuse: bool, n
     run_dir.mkdir(parents=True, exist_ok=True)
     args = [*flags, "--train-iters", str(steps), "--save", str(run_dir), "--load", str(run_dir),
             "--save-interval", str(save_interval), *(["--exit-interval", str(stop_at)] if stop_at else [])]
-    command = " ".join(["torchrun", f"--nproc_per_node={nproc}", "launch_scripts/pretrain_gpt_mech.py", *args])
+    command = " ".join(["torchrun", f"--nproc_per_node={nproc}", "-m", FAULT_ENTRY_MODULE, *args])
     if not (reuse and _finished(run_dir, stop_at or steps)):
         resumable = reuse and (run_dir / TRACKER).exists()
         extra = [] if resumable else ["--overwrite-run"]
-        cmd = [*torchrun_prefix(nproc), str(REPO / "launch_scripts" / "pretrain_gpt_mech.py"), *args, *extra]
+        cmd = [*torchrun_prefix(nproc), "-m", FAULT_ENTRY_MODULE, *args, *extra]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
         logger.info("%s %s", "resuming" if resumable else "training", run_dir)
         done = subprocess.run(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

@@ -54,6 +54,7 @@ from megatron_mech.studies.leadtime import (  # noqa: E402
     peak_score,
     plot_fault,
 )
+from megatron_mech.studies.pretrain_gpt_fault import ENTRY_MODULE as FAULT_ENTRY_MODULE  # noqa: E402
 
 MODEL = LEAD_MODEL
 FAULTS = FAULT_FLAGS
@@ -66,13 +67,13 @@ def launch(run_dir: Path, seed: int, steps: int, fault: list, start: int, env, r
     if fault and fault[1] != "small_batch":
         args += ["--mech-fault-start", str(start)]
     if not (reuse and (run_dir / "summary.json").exists()):
-        cmd = [*torchrun_prefix(2), str(REPO / "launch_scripts" / "pretrain_gpt_mech.py"), *args]
+        cmd = [*torchrun_prefix(2), "-m", FAULT_ENTRY_MODULE, *args]
         subprocess.run(cmd, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     records = read_jsonl(run_dir / "mech.jsonl")
     # Alerts as the current default rules fire them on the recorded series: a re-scored --reuse run follows a
     # rule change.
     return {"losses": step_losses(run_dir), "alerts": replay_alerts(records), "records": records,
-            "seed": seed, "command": " ".join(["torchrun --nproc_per_node=2 launch_scripts/pretrain_gpt_mech.py",
+            "seed": seed, "command": " ".join([f"torchrun --nproc_per_node=2 -m {FAULT_ENTRY_MODULE}",
                                                 *args])}
 
 

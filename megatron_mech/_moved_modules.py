@@ -22,7 +22,7 @@ import sys
 import warnings
 from typing import Optional
 
-__all__ = ["MOVED", "REMOVED_IN", "MovedModuleFinder", "install", "new_name"]
+__all__ = ["MOVED", "MOVED_LAUNCHERS", "REMOVED_IN", "MovedModuleFinder", "install", "new_name", "warn_moved_launcher"]
 
 REMOVED_IN = "0.3.0"  # the minor release after the move (docs/versions.md, "Deprecations")
 
@@ -39,6 +39,12 @@ MOVED = {
     "megatron_mech.deepspeed.router": "megatron_mech.adapters.deepspeed.router_capture",
     "megatron_mech.core.router": "megatron_mech.core.router_statistics",
     "megatron_mech.core.settings": "megatron_mech.core.option_fields",
+}
+
+# Launcher scripts of launch_scripts/ that moved → the command that replaces them (a study's launcher is no
+# product launcher: it runs as a module of the studies).
+MOVED_LAUNCHERS = {
+    "launch_scripts/megatron_lm_fault.py": "torchrun --nproc_per_node=N -m megatron_mech.studies.megatron_lm_fault",
 }
 
 
@@ -71,6 +77,13 @@ def _warn(old: str, new: str) -> None:
         level += not _is_import_machinery(frame)
         frame = frame.f_back
     warnings.warn(_message(old, new), DeprecationWarning, stacklevel=level)
+
+
+def warn_moved_launcher(old: str) -> None:
+    """The deprecation of launcher script ``old`` (a key of :data:`MOVED_LAUNCHERS`), attributed to the script
+    itself, its run's ``__main__``."""
+    warnings.warn(f"{old} is deprecated: run {MOVED_LAUNCHERS[old]} instead (the script is removed in "
+                  f"megatron-mech {REMOVED_IN})", DeprecationWarning, stacklevel=2)
 
 
 class _MovedModuleLoader(importlib.abc.Loader):

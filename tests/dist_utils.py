@@ -30,7 +30,8 @@ def free_port() -> int:
 def run_torchrun(script: str | os.PathLike, *args: str, nproc: int = 2, timeout: float = 300,
                  nnodes: int = 1, extra_env: dict | None = None,
                  python: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
-    """Run ``torchrun --nproc_per_node=nproc script args`` on loopback and return the finished process.
+    """Run ``torchrun --nproc_per_node=nproc script args`` on loopback and return the finished process
+    (``script`` ``"-m"`` with the module as the first of ``args`` runs a module, as ``torchrun -m`` does).
 
     With ``nnodes=2`` two launchers are started (node ranks 0 and 1) against one rendezvous on 127.0.0.1,
     which exercises the multi-node code path on one machine. ``python`` runs it in another environment's

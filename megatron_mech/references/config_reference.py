@@ -50,9 +50,9 @@ SECTIONS = (*_product_sections(),
             Section(f"{SECTION}.deepspeed", DeepSpeedOptions, f"`{SECTION}.deepspeed`: DeepSpeed only",
                     "the DeepSpeed config's `\"mech\"` section only (no flags)"),
             Section(f"{SECTION}.{FAULT_KEY}", FaultConfig, f"`{SECTION}.{FAULT_KEY}`: fault injection (studies only)",
-                    "the studies' entry points (`launch_scripts/pretrain_gpt_mech.py`, "
-                    "`megatron_mech.studies.pretrain_gpt_fault`, `launch_scripts/megatron_lm_fault.py`, "
-                    "`launch_scripts/deepspeed_train.py`); not the product's"))
+                    "the studies' entry points (`megatron_mech.studies.pretrain_gpt_fault`, "
+                    "`megatron_mech.studies.megatron_lm_fault`, `launch_scripts/deepspeed_train.py`); not the "
+                    "product's"))
 """Every section documented, in page order."""
 
 

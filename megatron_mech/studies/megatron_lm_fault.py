@@ -1,6 +1,6 @@
 """Run a patched Megatron-LM fork's ``pretrain_gpt.py`` with the studies' ``--mech-fault*`` flags::
 
-    torchrun --nproc_per_node=2 launch_scripts/megatron_lm_fault.py <fork>/pretrain_gpt.py <its flags> \\
+    torchrun --nproc_per_node=2 -m megatron_mech.studies.megatron_lm_fault <fork>/pretrain_gpt.py <its flags> \\
         --spec megatron_mech.adapters.megatron_lm_fork.fault_spec layer_spec \\
         --mech-fault attention --mech-fault-start 100
 

@@ -9,15 +9,16 @@ flags are added to its parser, and a ``--mech-fault`` other than ``none`` regist
 batch, the lr of each step from the start step on, the routers' updates); ``--mech-record-routing DIR`` registers a
 :class:`~megatron_mech.studies.router_outcome.RoutingRecorder`.
 """
+import argparse
 import sys
-from typing import List, Optional
+from typing import List, Optional, Set
 
 from megatron_mech.adapters.megatron_core.launch import check_training_flags
 from megatron_mech.adapters.megatron_core.pretrain_gpt import main as train
 from megatron_mech.studies.injectors import FaultInjector
 from megatron_mech.studies.router_outcome import RoutingRecorder
 
-__all__ = ["ENTRY_MODULE", "EXTENSION_TYPES", "check_flags", "main"]
+__all__ = ["ENTRY_MODULE", "EXTENSION_TYPES", "check_flags", "main", "study_flags"]
 
 ENTRY_MODULE = "megatron_mech.studies.pretrain_gpt_fault"
 """What ``python -m`` runs for this entry point."""
@@ -29,6 +30,15 @@ def check_flags(cmd: List[str], nproc: int) -> Optional[str]:
     """This entry point's start-up flag check on the flags of a torchrun command line that runs it (after
     :data:`ENTRY_MODULE`), before anything is launched: the error message, or ``None`` if they pass."""
     return check_training_flags(cmd, nproc, ENTRY_MODULE, EXTENSION_TYPES)
+
+
+def study_flags() -> Set[str]:
+    """Every flag this entry point adds to the product's (its extensions' ``--mech-fault*`` and
+    ``--mech-record-routing``): the product's launcher refuses them by these names."""
+    parser = argparse.ArgumentParser(add_help=False)
+    for kind in EXTENSION_TYPES:
+        kind.add_arguments(parser)
+    return {flag for action in parser._actions for flag in action.option_strings}
 
 
 def main(argv=None) -> int:

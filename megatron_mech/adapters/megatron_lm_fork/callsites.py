@@ -32,7 +32,7 @@ order: the monitors and MoLS issue their collectives there.
 Extensions. A launcher that runs the fork's ``pretrain_gpt.py`` may offer hook extensions
 (:class:`megatron_mech.hook.Extension` classes) with :func:`register_extension` before it starts: their flags
 join the ``--mech-*`` ones and those the flags ask for are registered on the hook (the studies' fault launcher,
-``launch_scripts/megatron_lm_fault.py``, offers the ``--mech-fault*`` injector this way; the model gets its
+``megatron_mech.studies.megatron_lm_fault``, offers the ``--mech-fault*`` injector this way; the model gets its
 attention through ``--spec megatron_mech.adapters.megatron_lm_fork.fault_spec layer_spec``).
 
 ``--mech-on-alert checkpoint|stop`` goes through Megatron-LM's own end-of-iteration path, so the checkpoint holds

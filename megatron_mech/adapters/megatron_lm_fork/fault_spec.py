@@ -6,7 +6,7 @@ fault injector gives megatron-core's local GPT layer spec with the emulated Flas
 its ``--mech-fault*`` flags), else megatron-core's local (non-TE) GPT layer spec. Each extension first checks
 that it fits the model's size. Megatron-LM imports the module while building the model, after parsing the
 arguments, so the spec is built at import time from ``get_args()``. For benchmarks, demos and tests of the
-monitors on a real fork (launched by ``launch_scripts/megatron_lm_fault.py``, which offers the fault flags).
+monitors on a real fork (launched by ``megatron_mech.studies.megatron_lm_fault``, which offers the fault flags).
 """
 from __future__ import annotations
 

@@ -20,14 +20,15 @@ from megatron_mech.studies.leadtime import FAULT_FLAGS, LEAD_MODEL
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-LAUNCHER = REPO_ROOT / "launch_scripts" / "pretrain_gpt_mech.py"
+# the studies' launcher: the fault flags are not the product's
+LAUNCHER = ("-m", "megatron_mech.studies.pretrain_gpt_fault")
 QUICK = [*LEAD_MODEL, "--seed", "11", "--mech-detector-warmup", "10", "--mech-detector-baseline", "6",
          *FAULT_FLAGS["attention"], "--mech-fault-start", "90"]
 
 
 def run(tmp_path, name, *extra, steps=150):
     run_dir = tmp_path / name
-    out = run_torchrun(LAUNCHER, *QUICK, "--train-iters", str(steps), "--save", str(run_dir), *extra,
+    out = run_torchrun(*LAUNCHER, *QUICK, "--train-iters", str(steps), "--save", str(run_dir), *extra,
                        nproc=2, timeout=600)
     return run_dir, json.loads((run_dir / "summary.json").read_text()), out.stdout
 

@@ -13,7 +13,8 @@ from dist_utils import REPO_ROOT, run_torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-LAUNCHER = REPO_ROOT / "launch_scripts" / "pretrain_gpt_mech.py"
+# the studies' launcher: the fault flags are not the product's
+LAUNCHER = ("-m", "megatron_mech.studies.pretrain_gpt_fault")
 TINY_MOE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
             "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "2e-3",
             "--min-lr", "2e-4", "--lr-warmup-iters", "5", "--log-interval", "5", "--eval-iters", "1",
@@ -23,7 +24,7 @@ TINY_MOE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
 
 def run(tmp_path, name, *extra, steps):
     run_dir = tmp_path / name
-    out = run_torchrun(LAUNCHER, *TINY_MOE, "--train-iters", str(steps), "--save", str(run_dir), *extra,
+    out = run_torchrun(*LAUNCHER, *TINY_MOE, "--train-iters", str(steps), "--save", str(run_dir), *extra,
                        nproc=2, timeout=300)
     return run_dir, json.loads((run_dir / "summary.json").read_text()), out.stdout
 

@@ -38,7 +38,7 @@ from megatron_lm_trees import CPU_TRAINING_FLAGS, RUNNABLE_TAG, SMALL_MOE_FLAGS,
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, requires("tensorboard")]
 GLOBAL_BATCH, WARMUP_ITERS, LR, MIN_LR = 8, 2, 1e-3, 1e-4  # as in SMALL_MOE_FLAGS
-FAULT_LAUNCHER = REPO_ROOT / "launch_scripts" / "megatron_lm_fault.py"
+FAULT_LAUNCHER = ("-m", "megatron_mech.studies.megatron_lm_fault")  # the studies' launcher for a fork
 LOSS_PROBE = REPO_ROOT / "tests" / "lm_loss_probe.py"
 TIMEOUT = 420
 
@@ -83,7 +83,7 @@ def train(fork, data, out, *extra, model=SMALL_MOE_FLAGS):
             "--data-cache-path", str(out / "index_cache"), "--tensorboard-dir", str(out / "tb"),
             "--mech-output-dir", str(out / "mech"), *extra]
     if "--mech-fault" in extra:  # the studies' fault flags are offered by their own launcher
-        return run_torchrun(FAULT_LAUNCHER, fork / "pretrain_gpt.py", *args, nproc=2, timeout=TIMEOUT).stdout
+        return run_torchrun(*FAULT_LAUNCHER, fork / "pretrain_gpt.py", *args, nproc=2, timeout=TIMEOUT).stdout
     return run_torchrun(fork / "pretrain_gpt.py", *args, nproc=2, timeout=TIMEOUT).stdout
 
 
