@@ -79,7 +79,9 @@ import warnings
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Dict, Iterable, Mapping, Optional, Tuple, Union
 
+from megatron_mech.core import mols_names
 from megatron_mech.core.checks import is_whole
+from megatron_mech.core.mols_names import mols_name
 from megatron_mech.core.option_fields import BadSetting, option
 from megatron_mech.core.snr import SNREstimate, TwoBatchSNR, snr_ratio
 from megatron_mech.core.taxonomy import FUSED_QKV_RULES, MODULE_CLASSES, fused_qkv_multiplier
@@ -748,41 +750,40 @@ class MoLSController:
 
     # ------------------------------------------------------------------ reporting
     def metrics(self, step: Optional[int] = None) -> Dict[str, Union[float, str]]:
-        """Flat scalars for JSONL / TensorBoard: ``mols/snr/{key}`` (running estimate during the window, final
-        after), ``mols/grad_sq/{key}``, ``mols/trace_cov/{key}``, ``mols/alpha/{class}`` (clamped α, after the
-        window), ``mols/alpha_raw/{key}`` (before the clamp), ``mols/target/{class}`` (the group multiplier after
-        the ramp) and ``mols/mult/{class}`` (the live multiplier at ``step``), plus ``mols/window_observed``,
-        ``mols/done`` and the strings ``mols/status`` (:attr:`status`) and, when no α could be formed,
-        ``mols/status_reason``."""
+        """Flat scalars for JSONL / TensorBoard, named by :mod:`megatron_mech.core.mols_names`: per key the SNR
+        (running estimate during the window, final after), ‖G‖² and tr(Σ), the raw α (before the clamp); per class
+        the clamped α (after the window), the group target after the ramp and the live multiplier at ``step``;
+        plus the observed window steps, the done flag and the strings :attr:`status` and, when no α could be
+        formed, its reason."""
         out: Dict[str, Union[float, str]] = {}
         for k, e in self.estimates().items():
-            out[f"mols/snr/{k}"] = e.snr
-            out[f"mols/grad_sq/{k}"] = e.grad_sq
-            out[f"mols/trace_cov/{k}"] = e.trace_cov
+            out[mols_name(mols_names.SNR, k)] = e.snr
+            out[mols_name(mols_names.GRAD_SQ, k)] = e.grad_sq
+            out[mols_name(mols_names.TRACE_COV, k)] = e.trace_cov
         for c, a in self.alphas.items():
-            out[f"mols/alpha/{c}"] = a
+            out[mols_name(mols_names.ALPHA, c)] = a
         for k, a in self.raw_alphas.items():
-            out[f"mols/alpha_raw/{k}"] = a  # before the clamp: where the estimate sits against it
+            out[mols_name(mols_names.ALPHA_RAW, k)] = a  # before the clamp: where the estimate sits against it
         for c, t in self.targets.items():
-            out[f"mols/target/{c}"] = t
+            out[mols_name(mols_names.TARGET, c)] = t
         if step is not None:
             for c, m in self.multipliers(step).items():
-                out[f"mols/mult/{c}"] = m
+                out[mols_name(mols_names.MULT, c)] = m
         if self.config.fixed_multipliers is not None:
             for c, a in self.measured_alphas.items():
-                out[f"mols/alpha_measured/{c}"] = a
+                out[mols_name(mols_names.ALPHA_MEASURED, c)] = a
         if self.diagnostics:
             last = self.diagnostics[-1]
             for k, v in last["snr"].items():
-                out[f"mols/diag_snr/{k}"] = v
+                out[mols_name(mols_names.DIAG_SNR, k)] = v
             for k, v in last["alpha"].items():
-                out[f"mols/diag_alpha/{k}"] = v
-            out["mols/diag_end"] = float(last["end"])
-        out["mols/window_observed"] = float(self.observed_steps)
-        out["mols/done"] = 1.0 if self.done else 0.0
-        out["mols/status"] = self.status
+                out[mols_name(mols_names.DIAG_ALPHA, k)] = v
+            out[mols_names.DIAG_END] = float(last["end"])
+        out[mols_names.WINDOW_OBSERVED] = float(self.observed_steps)
+        out[mols_names.DONE] = 1.0 if self.done else 0.0
+        out[mols_names.STATUS] = self.status
         if self.not_estimated_reason is not None:
-            out["mols/status_reason"] = self.not_estimated_reason
+            out[mols_names.STATUS_REASON] = self.not_estimated_reason
         return out
 
     def table(self, step: Optional[int] = None) -> str:

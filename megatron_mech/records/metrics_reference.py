@@ -2,11 +2,12 @@
 detector rule that alerts on it — one table, rendered as ``docs/metrics.md``.
 
 The names come from the monitors' own templates (:mod:`megatron_mech.monitors.metric_names`: the attention
-monitor's :mod:`~megatron_mech.monitors.attention.names`, ``ROUTER_NAME``, ``EXPERT_NAME``, ...), filled here with
-each quantity; the meanings, units and producers are written here (:data:`METRICS`, :data:`RECORD_FIELDS`); the alert
-columns are never written by hand: :func:`alert_rule` finds, like :class:`~megatron_mech.core.detect.DetectorRegistry`
-does, the first of :func:`~megatron_mech.core.detect.default_rules` whose ``fnmatch`` pattern matches the name, so
-the page follows the rules. ``tests/test_metrics_reference.py`` checks the table against the names a real run
+monitor's :mod:`~megatron_mech.monitors.attention.names`, ``ROUTER_NAME``, ``EXPERT_NAME``, ...) and MoLS's
+(:mod:`megatron_mech.core.mols_names`), filled here with each quantity; the meanings, units and producers are
+written here (:data:`METRICS`, :data:`RECORD_FIELDS`); the alert columns are never written by hand:
+:func:`alert_rule` finds, like :class:`~megatron_mech.core.detect.DetectorRegistry` does, the first of
+:func:`~megatron_mech.core.detect.default_rules` whose ``fnmatch`` pattern matches the name, so the page follows the
+rules. ``tests/unit/records/test_metrics_reference.py`` checks the table against the names a real run
 records and the committed page against :func:`render_markdown`.
 
 Name syntax: ``{X}`` is a placeholder (:data:`PLACEHOLDERS`: its values and examples), ``[...]`` a part present
@@ -23,6 +24,7 @@ import sys
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from megatron_mech.core import mols_names
 from megatron_mech.core.detect import DetectorConfig, SeriesRule, default_rules
 from megatron_mech.core.mols import MEASURED_KEYS
 from megatron_mech.core.taxonomy import MODULE_CLASSES
@@ -259,44 +261,43 @@ METRICS: tuple = (
                 "hook (max-logit recorder), every evaluation, where the adapter captures attention inputs "
                 "(megatron-core entry point, Megatron-LM forks; not DeepSpeed)"),
     # ------------------------------------------------------------------ MoLS (the record's "mols" section)
-    MetricEntry("mols/snr/{key}", "Gradient SNR S = ‖G‖² / tr(Σ) of the key's parameters: the running window "
+    MetricEntry(mols_names.SNR, "Gradient SNR S = ‖G‖² / tr(Σ) of the key's parameters: the running window "
                 "estimate during the window, the final one after (0 when ‖G‖² < 0, inf when tr(Σ) ≤ 0).",
                 "dimensionless, ≥ 0", _MOLS, ("--mech-mols",), "mols"),
-    MetricEntry("mols/grad_sq/{key}", "Unbiased estimate of the squared norm ‖G‖² of the mean gradient (may be "
+    MetricEntry(mols_names.GRAD_SQ, "Unbiased estimate of the squared norm ‖G‖² of the mean gradient (may be "
                 "slightly negative from noise).", "gradient units²", _MOLS, ("--mech-mols",), "mols"),
-    MetricEntry("mols/trace_cov/{key}", "Unbiased estimate of the per-example gradient noise tr(Σ) (may be ≤ 0 "
+    MetricEntry(mols_names.TRACE_COV, "Unbiased estimate of the per-example gradient noise tr(Σ) (may be ≤ 0 "
                 "from noise).", "gradient units²", _MOLS, ("--mech-mols",), "mols"),
-    MetricEntry("mols/alpha/{class}", "Multiplier α = √(S_base / S_class) clamped to `--mech-mols-clamp` (1 for a "
+    MetricEntry(mols_names.ALPHA, "Multiplier α = √(S_base / S_class) clamped to `--mech-mols-clamp` (1 for a "
                 "degenerate SNR; the hand-set value with `--mech-mols-fixed`); after the window.",
                 "multiplier, within the clamp", _MOLS, ("--mech-mols",), "mols"),
-    MetricEntry("mols/alpha_raw/{key}", "α before the clamp (absent for a degenerate SNR); after the window.",
+    MetricEntry(mols_names.ALPHA_RAW, "α before the clamp (absent for a degenerate SNR); after the window.",
                 "multiplier, > 0", _MOLS, ("--mech-mols",), "mols"),
-    MetricEntry("mols/alpha_measured/{class}", "The clamped α measured from the SNRs, reported beside the "
+    MetricEntry(mols_names.ALPHA_MEASURED, "The clamped α measured from the SNRs, reported beside the "
                 "hand-set multipliers.", "multiplier", _MOLS,
                 ("--mech-mols", "--mech-mols-fixed"), "mols"),
-    MetricEntry("mols/target/{class}", "The param-group multiplier the ramp goes to (α, or for the fused-QKV `qk` "
+    MetricEntry(mols_names.TARGET, "The param-group multiplier the ramp goes to (α, or for the fused-QKV `qk` "
                 "group the `--mech-mols-fused-qkv-rule` mix of α_qk and α_vo; 1 for unscaled classes).",
                 "multiplier", _MOLS, ("--mech-mols",), "mols"),
-    MetricEntry("mols/mult/{class}", "The lr multiplier in force at this step (1 before the window end, ramped "
+    MetricEntry(mols_names.MULT, "The lr multiplier in force at this step (1 before the window end, ramped "
                 "to the target).", "multiplier", _MOLS, ("--mech-mols",), "mols"),
-    MetricEntry("mols/diag_snr/{key}", "SNR of the latest post-window diagnostic block (report only; the "
+    MetricEntry(mols_names.DIAG_SNR, "SNR of the latest post-window diagnostic block (report only; the "
                 "multipliers do not change).", "dimensionless, ≥ 0", _MOLS,
                 ("--mech-mols", "--mech-mols-diagnostic-interval"), "mols"),
-    MetricEntry("mols/diag_alpha/{key}", "Unclamped α that block's SNRs would give (NaN when degenerate).",
+    MetricEntry(mols_names.DIAG_ALPHA, "Unclamped α that block's SNRs would give (NaN when degenerate).",
                 "multiplier", _MOLS,
                 ("--mech-mols", "--mech-mols-diagnostic-interval"), "mols"),
-    MetricEntry("mols/diag_end", "Iteration (0-based) at which the latest diagnostic block ended.", "iteration", _MOLS,
-                ("--mech-mols", "--mech-mols-diagnostic-interval"),
-                "mols"),
-    MetricEntry("mols/window_observed", "Iterations the estimation window has observed so far.", "count, ≥ 0",
+    MetricEntry(mols_names.DIAG_END, "Iteration (0-based) at which the latest diagnostic block ended.", "iteration",
+                _MOLS, ("--mech-mols", "--mech-mols-diagnostic-interval"), "mols"),
+    MetricEntry(mols_names.WINDOW_OBSERVED, "Iterations the estimation window has observed so far.", "count, ≥ 0",
                 _MOLS, ("--mech-mols",), "mols"),
-    MetricEntry("mols/done", "1 once the window has closed and α is known, else 0.", "flag, 0 or 1", _MOLS,
+    MetricEntry(mols_names.DONE, "1 once the window has closed and α is known, else 0.", "flag, 0 or 1", _MOLS,
                 ("--mech-mols",), "mols"),
-    MetricEntry("mols/status", "Where the estimate stands: `window` (open), `estimated` (α from the SNRs), "
+    MetricEntry(mols_names.STATUS, "Where the estimate stands: `window` (open), `estimated` (α from the SNRs), "
                 "`not_estimated` (no α could be formed, every multiplier stays 1; the hook also logs a warning) or "
                 "`fixed` (hand-set multipliers).", "string (not a series: no scalar tag)", _MOLS, ("--mech-mols",),
                 "mols"),
-    MetricEntry("mols/status_reason", "Why no α could be formed (the base class, its estimate and what to change: "
+    MetricEntry(mols_names.STATUS_REASON, "Why no α could be formed (the base class, its estimate and what to change: "
                 "a longer `--mech-mols-window`, or another base); only with `not_estimated`.",
                 "string (not a series: no scalar tag)", _MOLS, ("--mech-mols",), "mols"),
 )

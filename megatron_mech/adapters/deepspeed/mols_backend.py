@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_mech.core.mols import QKV_BLOCK_KEYS, MoLSConfig, MoLSController
+from megatron_mech.core.mols_names import MULT, mols_name
 from megatron_mech.core.taxonomy import FUSED_QKV_BLOCK_CLASS, classify_parameters, fused_qkv_blocks, is_fused_qkv
 
 __all__ = ["GROUP_KEY", "DeepSpeedMoLS", "GradientStatistics", "MoLSLRScheduler", "param_groups"]
@@ -349,7 +350,7 @@ class DeepSpeedMoLS:
         it = self.iteration if iteration is None else int(iteration)
         out = self.controller.metrics(it)
         for cls, mult in zip(self.scheduler.classes, self.scheduler.group_multipliers(it)):
-            out[f"mols/mult/{cls}"] = mult
+            out[mols_name(MULT, cls)] = mult
         return out
 
     def table(self, iteration: Optional[int] = None) -> str:
