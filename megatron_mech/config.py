@@ -73,7 +73,8 @@ class MonitorConfig(AttentionMonitorConfig):
                            "z-score across experts, stable rank); snapshots every local expert weight in host "
                            "memory", flag="--mech-experts")
     # every n-th token of each micro-batch, a systematic sample: the routing summaries are means, fractions and
-    # quantiles, whose sampling error over m sampled tokens is ~1/sqrt(m) (tests/test_router.py states the bound)
+    # quantiles, whose sampling error over m sampled tokens is ~1/sqrt(m) (tests/unit/core/test_router_statistics.py
+    # states the bound)
     router_token_stride: int = option(1, "routing statistics (entropy, margin, load) of every n-th token of each "
                                       "micro-batch on evaluation steps (1: every token); the summaries' 'tokens' "
                                       "counts the sampled ones", flag="--mech-router-token-stride", type=int)
