@@ -48,9 +48,14 @@ MOVED_LAUNCHERS = {
 }
 
 
+_LONGEST_FIRST = sorted(MOVED, key=len, reverse=True)
+
+
 def new_name(old: str) -> Optional[str]:
     """The new name of module ``old``, or None when it did not move."""
-    for prefix in sorted(MOVED, key=len, reverse=True):
+    if not old.startswith("megatron_mech."):  # the finder sees every import of the process: the common case first
+        return None
+    for prefix in _LONGEST_FIRST:
         if old == prefix or old.startswith(prefix + "."):
             return MOVED[prefix] + old[len(prefix):]
     return None
