@@ -62,6 +62,11 @@ class SnapshotStore:
                        if ("extra", j) in mine else None for j, (_, w, _) in enumerate(extras)]
         self.step = step
 
+    def adopt(self, other: SnapshotStore) -> None:
+        """Hold ``other``'s snapshots and step from now on (the copy an evaluation computed from becomes the
+        snapshot of the next interval, without copying it again)."""
+        self.step, self.layers, self.extras = other.step, other.layers, other.extras
+
     def rows(self, i: int, matrix: str, lo: int, hi: int) -> torch.Tensor:
         """Rows ``lo .. hi-1`` of layer i's Q (``matrix="q"``) or K snapshot (a view of the range holding them)."""
         for start, stop, t in self.layers[i][matrix]:
