@@ -111,6 +111,7 @@ class AttentionMonitor:
                                    self.dp_rank) if self._dp else set(self._parts))
         self._rows = rows_needed(self._layout, self._mine)
         self._snapshots = SnapshotStore(self.config.snapshot_device, self._device())
+        self._spare: Optional[SnapshotStore] = None   # the snapshot an evaluation released: the next copy's buffers
         self._evaluation = UnitEvaluation(self.config, self._layout, self._snapshots, self.tp_group, self.tp_size,
                                           self._collective, self._device, dp_group=self.dp_group if self._dp else None)
 
@@ -161,7 +162,8 @@ class AttentionMonitor:
         if not is_evaluation_step(step, self.config.interval):
             return None
         current = SnapshotStore(self.config.snapshot_device, self._device())
-        current.take(step, self.layers, self.extras, self._rows, self._mine)
+        spare, self._spare = self._spare, None
+        current.take(step, self.layers, self.extras, self._rows, self._mine, into=spare)
         return current
 
     def evaluate(self, step: int, current: Optional[SnapshotStore]) -> Optional[tuple[dict, dict]]:
@@ -171,7 +173,7 @@ class AttentionMonitor:
         if current is None:
             return None
         result = self._evaluate(step, current) if self.should_evaluate(step) else None
-        self._snapshots.adopt(current)
+        self._spare = self._snapshots.adopt(current)   # its buffers take the next copy
         return result
 
     # ------------------------------------------------------------------ evaluation
