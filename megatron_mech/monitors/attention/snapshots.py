@@ -64,8 +64,7 @@ class SnapshotStore:
             w = lay.qkv_weight.detach()
             dtype = snapshot_dtype(w)
             spare = spare_layers[i] if spare_layers is not None and i < len(spare_layers) else None
-            snapped.append({m: [(lo, hi, self._copy(lay.qk_row_range(w, m, lo, hi), w, dtype,
-                                                    _spare_range(spare, m, lo, hi)))
+            snapped.append({m: [(lo, hi, self._rows(lay, w, m, lo, hi, dtype, _spare_range(spare, m, lo, hi)))
                                 for lo, hi in rows[i][m]] for m in ("q", "k")})
         self.layers = snapped
         self.extras = [self._copy(w.detach(), w, snapshot_dtype(w),
@@ -73,11 +72,22 @@ class SnapshotStore:
                        if ("extra", j) in mine else None for j, (_, w, _) in enumerate(extras)]
         self.step = step
 
+    def _fits(self, spare: Optional[torch.Tensor], shape, dtype: torch.dtype) -> bool:
+        return (spare is not None and tuple(spare.shape) == tuple(shape) and spare.dtype == dtype
+                and spare.device == self.device and spare.is_contiguous())
+
+    def _rows(self, lay: AttentionLayer, w: torch.Tensor, m: str, lo: int, hi: int, dtype: torch.dtype,
+              spare: Optional[torch.Tensor]) -> torch.Tensor:
+        """Rows ``lo .. hi`` of ``m`` copied onto the snapshot device: straight into ``spare`` when it fits (one
+        pass, however the fused layout interleaves them), else into a new tensor."""
+        if self._fits(spare, (hi - lo, lay.d_model), dtype):
+            return lay.qk_row_range(w, m, lo, hi, out=spare)
+        return unshared_copy(lay.qk_row_range(w, m, lo, hi), w, self.device, dtype)
+
     def _copy(self, rows: torch.Tensor, source: torch.Tensor, dtype: torch.dtype,
               spare: Optional[torch.Tensor]) -> torch.Tensor:
         """``rows`` on the snapshot device in ``dtype``, in ``spare`` when it has their shape, dtype and device."""
-        if (spare is not None and spare.shape == rows.shape and spare.dtype == dtype and spare.device == self.device
-                and spare.is_contiguous()):
+        if self._fits(spare, rows.shape, dtype):
             return spare.copy_(rows)
         return unshared_copy(rows, source, self.device, dtype)
 
