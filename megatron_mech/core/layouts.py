@@ -137,7 +137,7 @@ def qkv_block_rows(weight: torch.Tensor, num_heads: int, num_query_groups: int, 
     grouped = weight.view(num_query_groups, (per_group + 2) * head_dim, d_model)
     offset = offsets[block]
     if lo == hi:
-        return grouped[0, offset:offset]
+        return out if out is not None else grouped[0, offset:offset]
     pieces = [grouped[g, offset + max(lo, g * width) - g * width:offset + min(hi, (g + 1) * width) - g * width]
               for g in range(lo // width, -(-hi // width))]
     if out is not None:
