@@ -171,7 +171,14 @@ def markdown(rows: list, e2e: dict, load: dict, loadavg: str) -> str:
     worst = max(row["blocking_share_delta10"] for row in rows)
     lines += ["", f"Largest blocking share at δ = 10: {100 * worst:.4f} % (target ≤ {100 * TARGET_SHARE:.2f} %: "
                   f"{'met' if worst <= TARGET_SHARE else 'NOT met'}). CPU memcpy here; on a GPU node the copy is a "
-                  f"device-to-host transfer of the same bytes.", ""]
+                  f"device-to-host transfer of the same bytes.", "",
+              "Each attention copy, in order (ms): "
+              + "; ".join(f"{row['layout']['name']}: " + ", ".join(f"{1e3 * v:.1f}" for v in
+                                                                     row["attention_snapshot_s_all"])
+                          for row in rows)
+              + ". The first has no buffer to reuse yet (the copy allocates, as it does after a checkpoint took the "
+                "snapshot's tensors); from the second on it is written into the buffers of the snapshot two "
+                "intervals old.", ""]
     if e2e:
         lines += ["## End to end: small MoE GPT on this CPU, δ = 10", "",
                   "| configuration | mean step ms per round | ratio over monitors off (per round) | mean ratio |",
@@ -183,7 +190,9 @@ def markdown(rows: list, e2e: dict, load: dict, loadavg: str) -> str:
                          f"{e2e['mean_ratio'][name]:.3f} |" if ratios else f"| {name} | {steps_ms} | — | 1 |")
         lines += ["", f"{e2e['rounds']} rounds × {e2e['steps']} steps (the first {WARMUP_STEPS} left out), 2 "
                       f"processes on {load['cores']} cores: the worker thread competes with the training for the same "
-                      f"cores, which is why `--mech-async auto` is off on a CPU-only run.", ""]
+                      f"cores, which is why `--mech-async auto` is off on a CPU-only run."
+                      + (" On a machine shared with other work the rounds differ by more than the monitors cost: "
+                         "these ratios say nothing either way." if load["loaded"] else ""), ""]
     return "\n".join(lines)
 
 
