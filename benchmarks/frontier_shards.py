@@ -82,6 +82,7 @@ from megatron_mech.monitors.attention import AttentionLayer, AttentionMonitor, A
 from megatron_mech.monitors.attention.evaluation import UnitEvaluation
 from megatron_mech.monitors.attention.layout import BufferLayout
 from megatron_mech.monitors.attention.parts import part_cost, parts_of, rows_needed, split_row_chunks
+from megatron_mech.monitors.attention.snapshots import SnapshotStore
 from megatron_mech.monitors.experts import ExpertLayer, ExpertMonitor
 
 try:
@@ -220,8 +221,10 @@ def evaluate_and_snapshot(monitor: AttentionMonitor, step: int, mine: set, parts
     """``monitor``'s evaluation of its parts ``mine`` at ``step`` and its next snapshot of their ``rows``, as in
     training: ``(values, seconds)``."""
     t0 = time.perf_counter()
-    values = monitor._evaluation.values(step, [p for p in parts if p in mine], parts)
-    monitor._snapshots.take(step, layers, [], rows, mine)
+    current = SnapshotStore(monitor.config.snapshot_device, monitor._device())
+    current.take(step, layers, [], rows, mine)       # the copy of W_step the evaluation reads (and keeps)
+    values = monitor._evaluation.values(step, [p for p in parts if p in mine], current, parts)
+    monitor._snapshots.adopt(current)
     return values, time.perf_counter() - t0
 
 

@@ -294,7 +294,7 @@ def main(argv=None) -> int:
                "monitor_share": mech.monitor_seconds / max(sum(step_seconds), 1e-12),
                "alerts": sorted({a.metric for a in mech.hook.alerts}),
                "detectors": mech.hook.arming(),  # the armed-from step, and whether the run got there
-               "records_lost_steps": mech.hook.lost_record_steps}
+               "records_lost_steps": mech.hook.lost_record_steps, "async_evaluation": mech.hook.async_report()}
     incomplete = None
     if rank == 0:
         from megatron_mech.records.run_directory import SUMMARY, records_incomplete, write_summary
@@ -302,7 +302,8 @@ def main(argv=None) -> int:
         summary_written = write_summary(Path(args.output_dir) / SUMMARY, summary, indent=1)
         logger.info("monitor cost: %.3f s of %.3f s (%.2f%% of step time)", summary["monitor_seconds"],
                     summary["step_seconds_total"], 100 * summary["monitor_share"])
-        incomplete = records_incomplete(summary["records_lost_steps"], summary_written)
+        incomplete = records_incomplete(summary["records_lost_steps"], summary_written,
+                                        summary["async_evaluation"]["failure"])
         if incomplete:
             sys.stderr.write(f"deepspeed_train: {incomplete}\n")
     dist.barrier()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
@@ -79,6 +80,25 @@ class MonitorConfig(AttentionMonitorConfig):
                                       "micro-batch on evaluation steps (1: every token); the summaries' 'tokens' "
                                       "counts the sampled ones", flag="--mech-router-token-stride", type=int)
 
+    # the default follows where the training's work is: a GPU node's host cores idle while the GPU trains, a
+    # CPU-only run's cores are the training's
+    asynchronous: str = option("auto", "where the monitors' evaluation runs. 'on': beside training, on a worker "
+                               "thread of each rank: on an evaluation step the training thread only copies what the "
+                               "monitors read (the rows of the weights, the captured values) and goes on; the "
+                               "spectra, their collectives (on their own gloo process groups), the detectors and the "
+                               "alert agreement run on the worker. The record and the alert's action of step s "
+                               "come one step later, at the end of step s+1 (or at the next checkpoint of the "
+                               "hook's state, the next evaluation, or the end of the run): same bytes, same step "
+                               "number in the record. 'off': inline, on the training thread. 'auto' (default): "
+                               "'on' when the model is on a GPU (the host's cores are idle while it trains), "
+                               "'off' on a CPU-only run (the worker would take cores the training uses)",
+                               flag="--mech-async", choices=("auto", "on", "off"))
+    async_timeout: float = option(300.0, "seconds the training thread waits for an evaluation running beside it "
+                                  "(--mech-async), and the collective timeout of the worker's process groups: an "
+                                  "evaluation that raised or has not finished by then is reported, and the "
+                                  "monitors stop for the rest of the run on every rank while training goes on",
+                                  flag="--mech-async-timeout", type=float)
+
     def __post_init__(self):
         if isinstance(self.families, str):
             self.families = (self.families,)
@@ -92,6 +112,11 @@ class MonitorConfig(AttentionMonitorConfig):
         self.families = () if families == ("none",) else families
         if not is_int(self.router_token_stride) or self.router_token_stride < 1:
             raise ValueError(f"--mech-router-token-stride must be an int >= 1, got {self.router_token_stride!r}")
+        if self.asynchronous not in ("auto", "on", "off"):
+            raise ValueError(f"--mech-async must be one of auto, on, off, got {self.asynchronous!r}")
+        if (isinstance(self.async_timeout, bool) or not isinstance(self.async_timeout, (int, float))
+                or not math.isfinite(self.async_timeout) or self.async_timeout <= 0):
+            raise ValueError(f"--mech-async-timeout must be a number of seconds > 0, got {self.async_timeout!r}")
         if isinstance(self.qk_terms, (list, str)):
             self.qk_terms = (self.qk_terms,) if isinstance(self.qk_terms, str) else tuple(self.qk_terms)
         try:

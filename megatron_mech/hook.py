@@ -63,6 +63,16 @@ that offers an extension on its command line passes its class: :meth:`Extension.
 extension changes training and is judged by nothing; a monitor only observes and is judged by the detectors
 (:mod:`megatron_mech.extension`).
 
+**Evaluation beside training** (``--mech-async``, :mod:`megatron_mech.async_evaluation`). On an evaluation step
+``after_optimizer_step`` only takes the monitors' snapshots (each monitor's ``snapshot``: copies of what it reads)
+and hands their evaluation, the pipeline merge, the detectors and the alert agreement to a worker thread, which runs
+the same code as the inline path, on duplicates of the groups. The result of step ``s`` is collected by the
+training thread at ``after_optimizer_step(s + 1)`` (or earlier at ``state_dict``, ``close``, or the next
+evaluation), waiting there if it is not ready: the record of ``s`` is then written, byte for byte the inline
+one, and the alert's :class:`Action` returned by that call. A worker that raised, or did not finish within
+``--mech-async-timeout``, is reported (a log line naming the step and the error; :meth:`MechHook.async_report`
+for the summary) and the monitors stop for the rest of the run on every rank, training going on.
+
 **Collectives.** Every rank must call every lifecycle method at every step: the monitors reduce on evaluation
 steps, and the alert decision is one tiny all-reduce there, so the returned :class:`Action` is identical on every
 rank. A rank without MoE layers still joins the router reduction. Only the logging rank writes output.
@@ -83,6 +93,7 @@ from typing import Any, Callable, Iterable, List, Optional
 
 import torch
 
+from megatron_mech.async_evaluation import EvaluationWorker, WorkerFailure, worker_groups
 from megatron_mech.config import DEFAULT_OUTPUT_DIR, MechConfig
 from megatron_mech.core.attribution import alert_lines
 from megatron_mech.core.detect import Alert, DetectorRegistry
@@ -119,7 +130,8 @@ class Action(str, enum.Enum):
 
 
 def any_rank(flag: bool, group=None) -> bool:
-    """True if ``flag`` holds on any rank of ``group`` (one tiny all-reduce; every rank must call it)."""
+    """True if ``flag`` holds on any rank of ``group`` (one tiny all-reduce; every rank must call it; ``None``: the
+    default group)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return flag
     from megatron_mech.core.sharded import collective_device
@@ -215,6 +227,13 @@ class MechHook:
         self._start_step = 0  # the optimizer steps done before this process (setup's start_step)
         self._first_alert_acted_step: Optional[int] = None  # the step whose Action carried out the first alert
         self._stage_counts: dict = {}  # monitor name -> layers it watches, all pipeline stages
+        self._worker: Optional[EvaluationWorker] = None  # the evaluation beside training (--mech-async on)
+        self._evaluation_view: Optional[ModelView] = None  # the view the monitors were set up with
+        self._evaluation_world = None  # the group over every rank the evaluation agrees on alerts over
+        self._in_flight: Optional[dict] = None  # what the record of the evaluation on the worker needs
+        self._async_failure: Optional[dict] = None  # {"step", "error"} once the worker failed: monitors off
+        self.asynchronous = False
+        """Whether the monitors' evaluation runs beside training (``--mech-async``, resolved at :meth:`setup`)."""
         # a user's own script may set up no logging: the start line and the alerts must still reach the console
         ensure_visible()
         for extension in extensions:
@@ -302,8 +321,16 @@ class MechHook:
         self.families = settings.resolve(any_rank(bool(view.routers)))
         context = MonitorContext(settings=settings, families=self.families, any_rank=any_rank,
                                  start_step=self._start_step)
+        self.asynchronous = self._resolve_asynchronous(view)
+        self._evaluation_view, self._evaluation_world = view, None
+        if self.asynchronous:   # the monitors take their groups from the view: the worker's own
+            groups = worker_groups(view, settings.async_timeout)
+            self._evaluation_view, self._evaluation_world = groups.view, groups.world
         layer_counts = [monitor.layer_count(view) for monitor in self.registered_monitors]
-        self.monitors = [monitor for monitor in self.registered_monitors if monitor.setup(view, context)]
+        # a monitor that only implements observe runs it on the training thread: the training's groups
+        self.monitors = [monitor for monitor in self.registered_monitors
+                         if monitor.setup(self._evaluation_view if monitor.evaluates_from_snapshot else view,
+                                          context)]
         if self._sinks is None and view.logging_rank:
             self.open_sinks(start_step)
         self._stage_counts = self._count_layers(view, layer_counts)
@@ -320,6 +347,8 @@ class MechHook:
             self._pending_state = None
         for monitor in self.monitors:
             monitor.start(start_step)  # e.g. the snapshot of the weights the first interval starts from
+        if self.asynchronous:
+            self._worker = EvaluationWorker(settings.async_timeout)
         for extension in self.extensions:
             extension.setup(self, view, self._optimizer)
 
@@ -375,6 +404,7 @@ class MechHook:
         still carrying its own step. Floats are judged at once.
         """
         self._current_step = int(step)
+        self._collect()  # the evaluation of the step before, if it is still on the worker (its action: _acting)
         for extension in self.extensions:
             extension.after_optimizer_step(step, loss=loss, grad_norm=grad_norm, lr=lr)
         mols_metrics = self._mols_step(step)
@@ -390,13 +420,62 @@ class MechHook:
             if self.last_alerts is not before:  # this step's own alerts, after those of the steps read back
                 self.last_alerts = late_alerts + self.last_alerts
             return self._acting(action)
-        metrics, details = self._observe(step)
-        metrics[SYMPTOM_LOSS] = float(loss)
-        if grad_norm is not None:
-            metrics[SYMPTOM_GRAD_NORM] = float(grad_norm)
-        # Every rank runs the detectors on identical metrics, so every rank knows the alerts without a broadcast.
-        with self.timed("detectors"):
-            alerts = self.registry.update(step, metrics, details)
+        snapshots = self._take_snapshots(step)
+        judge = self._judge_function(step, snapshots, loss, grad_norm)
+        evaluation = {"step": step, "scalars": {"loss": float(loss), "lr": float(lr),
+                                                "grad_norm": float(grad_norm) if grad_norm is not None else math.nan},
+                      "extra": dict(extra or {}), "mols": mols_metrics}
+        if self._worker is not None and self._async_failure is None:
+            self._in_flight = evaluation
+            self._worker.submit(step, judge)
+            self.last_alerts = late_alerts
+            return self._acting(Action.CONTINUE)
+        action = self._conclude(evaluation, judge())
+        self.last_alerts = late_alerts + self.last_alerts
+        return self._acting(action)
+
+    def _take_snapshots(self, step: int) -> list:
+        """On the training thread: each running monitor's :meth:`~megatron_mech.monitors.protocol.Monitor.snapshot`
+        (timed under its name), or, for a monitor that only implements ``observe``, its observation itself, taken
+        here. Nothing after the worker failed (the monitors are off)."""
+        if self._async_failure is not None:
+            return []
+        taken = []
+        for monitor in self.monitors:
+            with self.timed(monitor.name):
+                taken.append(monitor.snapshot(step) if monitor.evaluates_from_snapshot
+                             else _Observed(monitor.observe(step)))
+        return taken
+
+    def _judge_function(self, step: int, snapshots: list, loss: float, grad_norm: Optional[float]) -> Callable:
+        """The evaluation of ``step`` from its snapshots, as one call (run inline, or on the worker): the monitors'
+        metrics merged over the stages, the loss and grad norm, the detectors and the agreement on whether any rank
+        alerted. Returns ``(metrics, alerts, fired, seconds)``; it touches no state the training thread uses before
+        collecting it, and keeps its wall times apart (``seconds``, added at collection)."""
+        monitors = [] if self._async_failure is not None else list(self.monitors)
+        merge = self._async_failure is None
+        world = self._evaluation_world if self._async_failure is None else None
+
+        def judge() -> tuple:
+            seconds: dict = {}
+            metrics, details = self._evaluate(step, monitors, snapshots, seconds, merge)
+            metrics[SYMPTOM_LOSS] = float(loss)
+            if grad_norm is not None:
+                metrics[SYMPTOM_GRAD_NORM] = float(grad_norm)
+            # Every rank runs the detectors on identical metrics, so every rank knows the alerts without a broadcast.
+            with _timed(seconds, "detectors"):
+                alerts = self.registry.update(step, metrics, details)
+            # whether anything fired is agreed with one tiny all-reduce, so every rank takes the same branch even
+            # if a rank's metrics differed in the last bit
+            return metrics, alerts, any_rank(bool(alerts), world), seconds
+        return judge
+
+    def _conclude(self, evaluation: dict, judged: tuple) -> Action:
+        """On the training thread: the record of an evaluation step (logging rank) and its :class:`Action`."""
+        metrics, alerts, fired, seconds = judged
+        for part, value in seconds.items():
+            self.seconds[part] = self.seconds.get(part, 0.0) + value
+        step = evaluation["step"]
         self.last_alerts = alerts
         if self._sinks is not None:
             with self.timed("output"):
@@ -404,36 +483,75 @@ class MechHook:
                     logger.info(f"[mech] ALERT step {step}: {line}")
                 from megatron_mech.records.sinks import make_record
 
-                scalars = {"loss": float(loss), "lr": float(lr),
-                           "grad_norm": float(grad_norm) if grad_norm is not None else math.nan}
-                record_extra = dict(extra or {})
-                if mols_metrics:
-                    record_extra["mols"] = mols_metrics
-                self._sinks.write(make_record(step, scalars, metrics, alerts, extra=record_extra))
-        action = self._alert_action(step, alerts)
-        self.last_alerts = late_alerts + alerts
-        return self._acting(action)
+                record_extra = dict(evaluation["extra"])
+                if evaluation["mols"]:
+                    record_extra["mols"] = evaluation["mols"]
+                self._sinks.write(make_record(step, dict(evaluation["scalars"]), metrics, alerts, extra=record_extra))
+        return self._act_on(step, alerts, fired)
 
-    def _observe(self, step: int) -> tuple:
-        """Every running monitor's metrics and details of evaluation step ``step``, each timed under its name:
-        the per-stage ones first, merged over the pipeline stages, then the global ones."""
+    def _collect(self) -> None:
+        """Take the evaluation in flight off the worker (waiting for it, at most ``--mech-async-timeout``): its
+        record, and its :class:`Action` for the next :meth:`_acting`. A worker that failed is reported and the
+        monitors are switched off for the rest of the run."""
+        if self._worker is None or self._in_flight is None:
+            return
+        evaluation, self._in_flight = self._in_flight, None
+        try:
+            with self.timed("async_wait"):
+                _, judged = self._worker.collect()
+        except WorkerFailure as failure:
+            self._worker_failed(evaluation["step"], failure)
+            return
+        action = self._conclude(evaluation, judged)
+        if self._late_action is Action.CONTINUE:
+            self._late_action = action
+
+    def _worker_failed(self, step: int, failure: WorkerFailure) -> None:
+        """Report a failed evaluation worker and switch the monitors off: every rank gets here at the same
+        boundary (its own job failed, or it timed out waiting for the ranks whose job failed)."""
+        monitor = _failing_monitor(failure.cause)
+        self._async_failure = {"step": int(step), "error": str(failure),
+                               **({"monitor": monitor} if monitor else {})}
+        logger.error(f"[mech] ERROR: the monitors' evaluation of step {step} failed on this rank "
+                     f"({f'monitor {monitor!r}: ' if monitor else ''}{failure}); the monitors are off for the rest "
+                     f"of the run, training goes on (loss and grad norm are still judged)")
+        self._worker.close(timeout_s=0)
+
+    def async_report(self) -> dict:
+        """For the run's summary: whether the evaluation ran beside training, the training thread's time spent
+        waiting for it, and the failure that switched the monitors off (``None`` when there was none)."""
+        return {"enabled": self.asynchronous, "wait_seconds": self.seconds.get("async_wait", 0.0),
+                "failure": dict(self._async_failure) if self._async_failure is not None else None}
+
+    def _resolve_asynchronous(self, view: ModelView) -> bool:
+        """``--mech-async``: 'on', 'off', or 'auto' = on when this run's model is on a GPU (agreed by every rank)."""
+        setting = self.config.monitors.asynchronous
+        if setting != "auto":
+            return setting == "on"
+        return any_rank(_model_on_gpu(view))
+
+    def _evaluate(self, step: int, monitors: list, snapshots: list, seconds: dict, merge: bool) -> tuple:
+        """Every running monitor's metrics and details of evaluation step ``step`` from its snapshot, each timed
+        under its name: the per-stage ones first, merged over the pipeline stages, then the global ones."""
         metrics: dict = {}
         details: dict = {}
+        view = self._evaluation_view
         for per_stage in (True, False):
-            for monitor in self.monitors:
+            for monitor, snapshot in zip(monitors, snapshots):
                 if monitor.per_stage is not per_stage:
                     continue
-                with self.timed(monitor.name):
-                    observed = monitor.observe(step)
+                with _timed(seconds, monitor.name), _naming(monitor):
+                    observed = (snapshot.observation if isinstance(snapshot, _Observed)
+                                else monitor.evaluate(step, snapshot))
                 if observed is not None:
                     metrics.update(observed[0])
                     details.update(observed[1])
-            if per_stage and self._view is not None and self._view.pp_group is not None:
-                with self.timed("pipeline_gather"):  # each stage holds its own layers: merge
+            if per_stage and merge and view is not None and view.pp_group is not None:
+                with _timed(seconds, "pipeline_gather"):  # each stage holds its own layers: merge
                     if self._stage_exchange is None:
                         from megatron_mech.core.metric_exchange import MetricExchange
 
-                        self._stage_exchange = MetricExchange(self._view.pp_group)
+                        self._stage_exchange = MetricExchange(view.pp_group)
                     metrics, details = self._stage_exchange.combine(metrics, details)
         return metrics, details
 
@@ -502,8 +620,13 @@ class MechHook:
     def close(self) -> None:
         """Read back the values still waiting (their alerts and records), log the end-of-run line (the last step
         and the armed-from step, see :meth:`arming`), flush and close the output (logging rank), then close the
-        extensions."""
+        extensions. With ``--mech-async`` the evaluation still on the worker is collected first (at most
+        ``--mech-async-timeout`` of waiting) and the worker thread is then joined within the same bound (a stuck one
+        is a daemon thread, left behind)."""
+        self._collect()
         self._read_back()
+        if self._worker is not None and self._async_failure is None:
+            self._worker.close()
         if self._view is not None and self._view.logging_rank:
             logger.info(f"[mech] {self.arming()['note']}")
         if self._sinks is not None:
@@ -523,8 +646,10 @@ class MechHook:
     def state_dict(self) -> dict:
         """One versioned entry per rank: every running monitor's state (``"monitors"``: ``{name: {"version",
         "state"}}``), detectors, MoLS, the first-alert step and the extensions' states (``"extensions"``, only when
-        one has a state). Reads back the values still waiting first (an alert they
-        raise acts at the next :meth:`after_optimizer_step`)."""
+        one has a state). Collects the evaluation still on the worker (``--mech-async``) and reads back the values
+        still waiting first, so the state is that of every step so far (an alert they raise acts at the next
+        :meth:`after_optimizer_step`)."""
+        self._collect()
         self._read_back()
         extensions = {e.name: e.state_dict() for e in self.extensions}
         extensions = {name: state for name, state in extensions.items() if state}
@@ -758,10 +883,13 @@ class MechHook:
         return metrics
 
     def _alert_action(self, step: int, alerts, collective: bool = True) -> Action:
-        """Acts on the run's *first* alert only; whether anything fired is agreed with one tiny all-reduce on
-        evaluation steps, so every rank takes the same branch even if a rank's metrics differed in the last bit
+        """Acts on the run's *first* alert only; whether anything fired is agreed with one tiny all-reduce
         (``collective=False``: alerts known to be identical on every rank, see ``_nonfinite_symptoms``)."""
-        if not (any_rank(bool(alerts)) if collective else bool(alerts)):
+        return self._act_on(step, alerts, any_rank(bool(alerts)) if collective else bool(alerts))
+
+    def _act_on(self, step: int, alerts, fired: bool) -> Action:
+        """The :class:`Action` of ``step``'s ``alerts``, ``fired`` being whether any rank alerted (agreed)."""
+        if not fired:
             return Action.CONTINUE
         for callback in self.alert_callbacks:
             callback(step, list(alerts))
@@ -770,6 +898,49 @@ class MechHook:
         self.first_alert_step = step
         self._first_alert_acted_step = self._current_step
         return {"log": Action.CONTINUE, "checkpoint": Action.CHECKPOINT, "stop": Action.STOP}[self.config.on_alert]
+
+
+class _Observed:
+    """The observation of a monitor that implements only ``observe``, taken on the training thread in the place of
+    its snapshot."""
+
+    def __init__(self, observation) -> None:
+        self.observation = observation
+
+
+@contextlib.contextmanager
+def _timed(seconds: dict, part: str):
+    """Add the wall time of the ``with`` body to ``seconds[part]``."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[part] = seconds.get(part, 0.0) + time.perf_counter() - started
+
+
+@contextlib.contextmanager
+def _naming(monitor: Monitor):
+    """Mark an exception raised by ``monitor``'s evaluation with its name (for the failure report)."""
+    try:
+        yield
+    except BaseException as exc:
+        if not hasattr(exc, "mech_monitor"):
+            try:
+                exc.mech_monitor = monitor.name
+            except AttributeError:   # an exception type that takes no attributes
+                pass
+        raise
+
+
+def _failing_monitor(cause: Optional[BaseException]) -> Optional[str]:
+    return getattr(cause, "mech_monitor", None) if cause is not None else None
+
+
+def _model_on_gpu(view: ModelView) -> bool:
+    """Whether the model this view describes lives on a GPU (its attention, router or expert weights)."""
+    tensors = [layer.qkv_weight for layer in view.attention_layers] + [router.weight for router in view.routers]
+    tensors += [m for layer in view.experts for mats in getattr(layer, "experts", ()) for m in mats]
+    return any(getattr(t, "is_cuda", False) for t in tensors)
 
 
 def _count(n: int, noun: str) -> str:

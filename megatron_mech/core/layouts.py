@@ -113,7 +113,8 @@ def qkv_row_blocks(weight: torch.Tensor, num_heads: int, num_query_groups: int, 
 
 
 def qkv_block_rows(weight: torch.Tensor, num_heads: int, num_query_groups: int, head_dim: int, block: str,
-                   lo: int, hi: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+                   lo: int, hi: int, dtype: Optional[torch.dtype] = None,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Rows ``lo .. hi-1`` of the Q, K or V row block (``block`` ``"q"``, ``"k"`` or ``"v"``) of a fused
     ``linear_qkv`` weight, in the head order of :func:`qkv_row_blocks`, ``[hi − lo, d_model]``.
 
@@ -122,6 +123,8 @@ def qkv_block_rows(weight: torch.Tensor, num_heads: int, num_query_groups: int, 
     per-group interleaving makes :func:`qkv_row_blocks` copy all three). That copy is made in ``dtype``
     (default: the weight's), converting each group's rows as they are copied, so a caller that wants them in
     another precision pays one pass, not two; a view keeps the weight's dtype. Never write through the result.
+    ``out`` (``[hi − lo, d_model]``, any device and dtype): the rows are copied into it, group by group, and it is
+    returned — one pass into memory already there, whatever the layout.
     """
     d_model = _check_fused(weight, num_heads, num_query_groups, head_dim)
     per_group = num_heads // num_query_groups
@@ -134,9 +137,15 @@ def qkv_block_rows(weight: torch.Tensor, num_heads: int, num_query_groups: int, 
     grouped = weight.view(num_query_groups, (per_group + 2) * head_dim, d_model)
     offset = offsets[block]
     if lo == hi:
-        return grouped[0, offset:offset]
+        return out if out is not None else grouped[0, offset:offset]
     pieces = [grouped[g, offset + max(lo, g * width) - g * width:offset + min(hi, (g + 1) * width) - g * width]
               for g in range(lo // width, -(-hi // width))]
+    if out is not None:
+        start = 0
+        for piece in pieces:
+            out[start:start + piece.shape[0]].copy_(piece)
+            start += piece.shape[0]
+        return out
     if len(pieces) == 1:
         return pieces[0]
     if dtype is None or dtype == weight.dtype:

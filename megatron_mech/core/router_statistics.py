@@ -443,6 +443,14 @@ class RoutingStats:
             "load_cv": stats.load_cv,
         }
 
+    def taken(self) -> RoutingStats:
+        """A copy of the state (same device), and this one reset: what was accumulated so far, handed over while
+        accumulation goes on in ``self``."""
+        copy = RoutingStats(self.num_experts, self.num_bins, low_entropy_threshold=self.low_entropy_threshold)
+        copy._buffer, copy._entropy_min = self._buffer.clone(), self._entropy_min.clone()
+        self.reset()
+        return copy
+
     def _to_cpu(self) -> RoutingStats:
         copy = RoutingStats(self.num_experts, self.num_bins, low_entropy_threshold=self.low_entropy_threshold)
         copy._buffer = self._buffer.cpu()

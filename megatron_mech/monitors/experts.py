@@ -37,8 +37,9 @@ below what the stable rank is read for).
 
 Memory: a snapshot of every evaluated local expert matrix on ``snapshot_device`` (host by default), in the
 weight's own dtype (a copy is the weight bit for bit): the local expert weights ÷ the data-parallel replicas.
-Cost per evaluation: one pass over the evaluated expert weights and their snapshots (the next snapshot is
-written in the same pass) plus ``power_iterations`` batched matrix-vector products.
+Cost per evaluation: one copy of the evaluated expert weights (:meth:`ExpertMonitor.snapshot`, which then becomes
+the next snapshot), one pass over that copy and the previous snapshot, plus ``power_iterations`` batched
+matrix-vector products.
 """
 from __future__ import annotations
 
@@ -160,21 +161,33 @@ class ExpertMonitor:
                              f"the same model")
 
     def observe(self, step: int):
-        """Snapshot on multiples of ``interval``; on those that close an interval return ``(metrics, details)``."""
+        """Snapshot on multiples of ``interval``; on those that close an interval return ``(metrics, details)``:
+        ``evaluate(step, snapshot(step))``."""
+        return self.evaluate(step, self.snapshot(step))
+
+    def snapshot(self, step: int) -> Optional[list]:
+        """On a multiple of ``interval``, a copy of every expert matrix this replica evaluates, stacked as the
+        snapshots are (``[layer][group][matrix] -> [experts, *shape]`` on ``snapshot_device``, own dtype); else
+        None. No collective: the training thread's part of an evaluation."""
         if not is_evaluation_step(step, self.interval):
             return None
+        return [[[self._stack(lay, g, j, self.snapshot_device) for j in range(len(lay.experts[g[0]]))]
+                 for g in groups] for lay, groups in zip(self.layers, self._groups)]
+
+    def evaluate(self, step: int, current: Optional[list]):
+        """The metrics of ``step`` from :meth:`snapshot`'s copy and the snapshot one interval old (None when there
+        is none); the copy becomes the next snapshot. Issues the evaluation's collectives."""
+        if current is None:
+            return None
+        out = None
         if self._snap_step is not None and step - self._snap_step == self.interval:
             try:
-                out = self._evaluate()                 # writes the next snapshot in the same pass
+                out = self._evaluate(current)
             except BaseException:
                 self._snap_step, self._snapshots = None, None
                 raise
-            self._snap_step = step
-            return out
-        self._snapshots = [[[self._stack(lay, g, j, self.snapshot_device) for j in range(len(lay.experts[g[0]]))]
-                            for g in groups] for lay, groups in zip(self.layers, self._groups)]
-        self._snap_step = step
-        return None
+        self._snapshots, self._snap_step = current, step
+        return out
 
     @staticmethod
     def _stack(lay: ExpertLayer, experts: Sequence[int], j: int, device: torch.device) -> torch.Tensor:
@@ -202,14 +215,14 @@ class ExpertMonitor:
         usable = (top > 0) & (sq > 0) & torch.isfinite(sq) & torch.isfinite(top)
         return torch.where(usable, sq / torch.where(usable, top, 1.0), torch.full_like(sq, math.nan))
 
-    def _evaluate(self):
+    def _evaluate(self, current: list):
         sizes = [3 * lay.num_experts for lay in self.layers]
         buf = torch.zeros(sum(sizes), dtype=_F64)
         offset = 0
-        for lay, groups, snaps, size in zip(self.layers, self._groups, self._snapshots, sizes):
+        for lay, groups, snaps, copies, size in zip(self.layers, self._groups, self._snapshots, current, sizes):
             block = buf[offset:offset + size].view(3, lay.num_experts)
             offset += size
-            for experts, prev in zip(groups, snaps):
+            for experts, prev, now in zip(groups, snaps, copies):
                 device = lay.experts[experts[0]][0].device
                 dt = _compute_dtype(lay.experts[experts[0]][0].dtype)
                 widest = max(math.prod(p.shape[1:]) for p in prev) * torch.finfo(dt).bits // 8
@@ -220,17 +233,15 @@ class ExpertMonitor:
                     delta_sq = torch.zeros(len(part), dtype=_F64, device=device)
                     weight_sq = torch.zeros_like(delta_sq)
                     for j, snap in enumerate(prev):
-                        old = snap[lo:lo + chunk]
-                        current = self._stack(lay, part, j, device)
-                        old_here = old.to(device)
-                        delta = current.to(dt)
+                        old_here = snap[lo:lo + chunk].to(device)
+                        # a copy even in the weights' own dtype: the copy is the next snapshot
+                        delta = now[j][lo:lo + chunk].to(device=device, dtype=dt, copy=True)
                         delta -= old_here                   # upcast on the fly: exact (see the module docstring)
                         sq = torch.linalg.vector_norm(delta, dim=(1, 2), dtype=_F64).square()
                         delta_sq += sq
                         weight_sq += torch.linalg.vector_norm(old_here, dim=(1, 2), dtype=_F64).square()
                         if j == 0 and lay.writes_stable_rank:
                             block[2, index] = self._stable_ranks(delta, sq).cpu()
-                        old.copy_(current)                  # the next snapshot, in the same pass
                     block[0, index] = delta_sq.cpu()
                     block[1, index] = weight_sq.cpu()
         for group in (self.group, self.dp_group if self._dp else None):

@@ -41,8 +41,11 @@ class ExpertFamily(Monitor):
     def start(self, step: int) -> None:
         self.monitor.observe(step)  # the snapshot the first interval starts from (on an aligned step)
 
-    def observe(self, step: int) -> Observation:
-        return self.monitor.observe(step)
+    def snapshot(self, step: int):
+        return self.monitor.snapshot(step)
+
+    def evaluate(self, step: int, snapshot) -> Observation:
+        return self.monitor.evaluate(step, snapshot)
 
     def state_dict(self) -> dict:
         return {}  # the snapshots are not saved (see the module docstring)

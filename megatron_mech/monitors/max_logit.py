@@ -4,8 +4,8 @@
 The framework adapter installs one capture per self-attention layer (:attr:`ModelView.attention_logit_capture`);
 on evaluation steps the hook arms :class:`MaxLogitRecorder`, every micro-batch's attention inputs go through
 :func:`megatron_mech.core.attention_logits.max_attention_logit`, and :meth:`MaxLogitRecorder.observe` reduces the
-maximum over the whole run (every layer, head, token, micro-batch and rank: one all-reduce MAX on the default
-group, which every rank joins on every evaluation step). Between evaluation steps nothing is computed, so the
+maximum over the whole run (every layer, head, token, micro-batch and rank: one all-reduce MAX over the view's
+world group, which every rank joins on every evaluation step). Between evaluation steps nothing is computed, so the
 cost is one extra ``QKᵀ`` per layer and micro-batch on one step in ``interval``.
 
 The value is logged, not alerted on by the default rules: how large a healthy maximum logit is depends on the
@@ -53,20 +53,29 @@ class MaxLogitRecorder:
 
     __call__ = record
 
-    def observe(self) -> dict:
-        """``{MAX_LOGIT_METRIC: value}`` over all ranks (empty if no rank captured anything); resets the step.
+    def observe(self, group=None) -> dict:
+        """``{MAX_LOGIT_METRIC: value}`` over all ranks (empty if no rank captured anything); resets the step:
+        ``evaluate(snapshot(), group)``.
 
         Collective: every rank calls it on every evaluation step. A NaN on any rank makes the result NaN."""
-        local = self._max
-        self._max = None
+        return self.evaluate(self.snapshot(), group)
+
+    def snapshot(self) -> Optional[float]:
+        """This rank's maximum of the step (``None``: nothing captured), and the recording starts afresh."""
+        local, self._max = self._max, None
+        return local
+
+    def evaluate(self, local: Optional[float], group=None) -> dict:
+        """The maximum over every rank of ``group`` (``None``: the default group) of :meth:`snapshot`'s values:
+        one all-reduce MAX."""
         values = torch.tensor([-math.inf if local is None or math.isnan(local) else local,
                                1.0 if local is not None and math.isnan(local) else 0.0,
                                1.0 if local is not None else 0.0], dtype=torch.float64)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             from megatron_mech.core.sharded import collective_device
 
-            values = values.to(collective_device(None))
-            torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
+            values = values.to(collective_device(group))
+            torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX, group=group)
             values = values.cpu()
         best, any_nan, any_captured = (float(v) for v in values)
         if not any_captured:
@@ -85,11 +94,13 @@ class MaxLogitFamily(Monitor):
 
     def __init__(self) -> None:
         self.recorder: Optional[MaxLogitRecorder] = None
+        self.group = None   # the view's world group (None: the default group)
 
     def setup(self, view, context: MonitorContext) -> bool:
         if not context.any_rank(bool(view.attention_logit_capture)):
             return False
         self.recorder = MaxLogitRecorder()
+        self.group = view.world_group
         for capture in view.attention_logit_capture:
             capture(self.recorder)  # callable; its ``capturing`` tells the capture when to skip all work
         return True
@@ -104,7 +115,9 @@ class MaxLogitFamily(Monitor):
     def before_step(self, step: int, evaluating: bool) -> None:
         self.recorder.capturing = evaluating
 
-    def observe(self, step: int) -> Observation:
-        metrics = self.recorder.observe()  # every rank, every evaluation step (one all-reduce)
+    def snapshot(self, step: int):
         self.recorder.capturing = False
-        return metrics, {}
+        return self.recorder.snapshot()
+
+    def evaluate(self, step: int, snapshot) -> Observation:
+        return self.recorder.evaluate(snapshot, self.group), {}  # every rank, every evaluation step (one all-reduce)

@@ -17,6 +17,12 @@ What is decided once, by the hook, for every monitor:
   Monitor.state_dict()}`` under ``"monitors"/<name>``; a saved entry of another version is refused, naming it.
 * **Timing**: the wall time of each monitor's ``observe`` under its name in ``MechHook.seconds``; time spent
   outside it (captures inside the forward passes) is the monitor's own :attr:`Monitor.capture_seconds`.
+* **Where the evaluation runs**: a monitor that splits its work into :meth:`Monitor.snapshot` (on the training
+  thread: copies of what it reads, no collective) and :meth:`Monitor.evaluate` (everything computed from that
+  copy, collectives included) is evaluated on the hook's worker thread with ``--mech-async`` and inline
+  otherwise; its :meth:`Monitor.observe` is ``evaluate(step, snapshot(step))``, so both modes run the same
+  arithmetic in the same order. A monitor that implements only :meth:`Monitor.observe` runs it on the training
+  thread in both modes (its collectives then use the groups it was set up with, which the worker never uses).
 * **Pipeline stages**: metrics of a :attr:`Monitor.per_stage` monitor (this stage's layers) are merged over the
   pipeline stages before the detectors see them; the others are already global.
 
@@ -64,7 +70,10 @@ class Monitor:
     long as every rank issues the same ones. The hook calls, in order: :meth:`layer_count` and :meth:`setup` once
     (a monitor whose ``setup`` returns False takes no further part in the run), :meth:`load_state_dict` when the
     run resumes, :meth:`start` once, then per step :meth:`before_step` and, on evaluation steps only,
-    :meth:`observe`; :meth:`state_dict` whenever the trainer checkpoints; :meth:`close` at the end.
+    :meth:`observe` — or, for a monitor that overrides :meth:`evaluate`, :meth:`snapshot` on the training thread
+    and :meth:`evaluate` on the hook's evaluation worker (``--mech-async``), which takes the groups of the view it
+    was set up with, duplicates of the training's; :meth:`state_dict` whenever the trainer checkpoints (after the
+    evaluation in flight finished); :meth:`close` at the end.
     """
 
     name: str = "monitor"
@@ -106,8 +115,28 @@ class Monitor:
         capture)."""
 
     def observe(self, step: int) -> Observation:
-        """After the optimizer step of an evaluation step: ``(metrics, details)`` or ``None``."""
+        """After the optimizer step of an evaluation step: ``(metrics, details)`` or ``None``. By default
+        ``evaluate(step, snapshot(step))``; a monitor that overrides only this method is run synchronously, on the
+        training thread, even with ``--mech-async``."""
+        return self.evaluate(step, self.snapshot(step))
+
+    def snapshot(self, step: int) -> Any:
+        """On the training thread, after the optimizer step of an evaluation step: copy what :meth:`evaluate`
+        will read (the weight rows, the captured values) and return the copy; no collective here. The weights may
+        change as soon as it returns."""
         return None
+
+    def evaluate(self, step: int, snapshot: Any) -> Observation:
+        """Everything computed from :meth:`snapshot`'s copy (collectives included, on the groups of the view
+        :meth:`setup` was given): ``(metrics, details)`` or ``None``. With ``--mech-async`` it runs on the hook's
+        worker thread, before the next :meth:`snapshot` of the same monitor is taken."""
+        return None
+
+    @property
+    def evaluates_from_snapshot(self) -> bool:
+        """Whether the monitor splits its evaluation (overrides :meth:`evaluate`), so the hook may run it beside
+        training."""
+        return type(self).evaluate is not Monitor.evaluate
 
     def state_dict(self) -> dict:
         """What must survive a restart (``{}``: nothing, said explicitly by the family)."""

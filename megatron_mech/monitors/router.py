@@ -80,18 +80,29 @@ class RouterMonitor:
             self.capture_seconds += time.perf_counter() - started
 
     def observe(self, step: int) -> tuple[dict[str, float], dict[str, dict]]:
-        """Reduce what was recorded since the last call, return ``(metrics, details)`` and reset.
+        """Reduce what was recorded since the last call, return ``(metrics, details)`` and reset:
+        ``evaluate(step, snapshot(step))``.
 
         Every rank of ``token_group`` must call this at the same steps (two collectives, all layers).
         """
-        ordered = [self.stats[layer] for layer in sorted(self.stats)]
-        all_reduce_many(ordered, self.token_group)
+        return self.evaluate(step, self.snapshot(step))
+
+    def snapshot(self, step: int) -> dict:
+        """What the evaluation reads, taken on the training thread without a collective: per layer the statistics
+        recorded since the last call (the recording starts afresh) and a copy of the router weight ``[E, d]``."""
+        return {layer: (self.stats[layer].taken(), self.layers[layer].weight.detach().clone())
+                for layer in sorted(self.stats)}
+
+    def evaluate(self, step: int, taken: dict) -> tuple[dict[str, float], dict[str, dict]]:
+        """``(metrics, details)`` of :meth:`snapshot`'s copy: the statistics reduced over ``token_group`` (two
+        collectives, all layers), the geometry of the copied weights."""
+        all_reduce_many([taken[layer][0] for layer in sorted(taken)], self.token_group)
         metrics: dict[str, float] = {}
         details: dict[str, dict] = {}
-        for layer in sorted(self.stats):
-            stats = self.stats[layer]
+        for layer in sorted(taken):
+            stats, weight = taken[layer]
             summary = stats.summary()
-            geometry = router_weight_geometry(self.layers[layer].weight)
+            geometry = router_weight_geometry(weight)
             summary.update(mean_cosine=geometry.mean_cosine, conditioning=geometry.conditioning,
                            mean_deviation=geometry.mean_deviation)
             detail = {"layer": layer}
@@ -103,7 +114,6 @@ class RouterMonitor:
                 name = render(ROUTER_NAME, L=layer, statistic=key)
                 metrics[name] = float(value)
                 details[name] = detail
-            stats.reset()
         return metrics, details
 
     def state_dict(self) -> dict:

@@ -44,10 +44,12 @@ class RouterFamily(Monitor):
     def before_step(self, step: int, evaluating: bool) -> None:
         self.monitor.capturing = evaluating  # the logits of evaluation steps only
 
-    def observe(self, step: int) -> Observation:
-        observed = self.monitor.observe(step)
+    def snapshot(self, step: int):
         self.monitor.capturing = False
-        return observed
+        return self.monitor.snapshot(step)
+
+    def evaluate(self, step: int, snapshot) -> Observation:
+        return self.monitor.evaluate(step, snapshot)
 
     def state_dict(self) -> dict:
         return self.monitor.state_dict()

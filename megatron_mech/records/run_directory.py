@@ -207,19 +207,27 @@ def steps_text(steps: Sequence[Any], limit: int = 20) -> str:
     return shown + (f" and {len(steps) - limit} more (last {steps[-1]})" if len(steps) > limit else "")
 
 
-def records_incomplete(lost_steps, summary_written: bool) -> Optional[str]:
+def records_incomplete(lost_steps, summary_written: bool, monitors_failure: Optional[dict] = None) -> Optional[str]:
     """The one line an entry point ends with when its records are incomplete, or None when they are whole:
     ``lost_steps`` are the steps whose ``mech.jsonl`` record could not be written, ``summary_written`` whether
-    ``summary.json`` was. The process then exits with :data:`RECORDS_INCOMPLETE_EXIT`."""
+    ``summary.json`` was, ``monitors_failure`` the evaluation worker's failure (``{"step", "error"}``, see
+    ``MechHook.async_report``) after which the monitors stopped. The process then exits with
+    :data:`RECORDS_INCOMPLETE_EXIT`."""
     lost = []
     if lost_steps:
         lost.append(f"{len(lost_steps)} record(s) of {JSONL} (steps {steps_text(list(lost_steps))})")
     if not summary_written:
         lost.append(SUMMARY)
-    if not lost:
+    if not lost and not monitors_failure:
         return None
-    return (f"records incomplete: {' and '.join(lost)} could not be written (see the errors above; a full disk?). "
-            f"Training itself finished and its checkpoints are not affected; exit code {RECORDS_INCOMPLETE_EXIT}")
+    reasons = []
+    if lost:
+        reasons.append(f"{' and '.join(lost)} could not be written (see the errors above; a full disk?)")
+    if monitors_failure:
+        reasons.append(f"the monitors stopped after their evaluation of step {monitors_failure['step']} failed "
+                       f"({monitors_failure['error']}; see the error above)")
+    return (f"records incomplete: {'; '.join(reasons)}. Training itself finished and its checkpoints are not "
+            f"affected; exit code {RECORDS_INCOMPLETE_EXIT}")
 
 
 def write_summary(path, summary: dict, indent: Optional[int] = None) -> bool:

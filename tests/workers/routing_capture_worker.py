@@ -21,7 +21,7 @@ pending = defaultdict(list)   # layer -> logits recorded since the last evaluati
 captured = {}                 # step -> {layer: [logits]}
 
 original_record = router_monitor.RouterMonitor.record
-original_observe = router_monitor.RouterMonitor.observe
+original_snapshot = router_monitor.RouterMonitor.snapshot
 
 
 def record(self, layer, logits):
@@ -30,14 +30,14 @@ def record(self, layer, logits):
     return original_record(self, layer, logits)
 
 
-def observe(self, step):
+def snapshot(self, step):   # where an evaluation takes what was recorded since the last one
     captured[step] = dict(pending)
     pending.clear()
-    return original_observe(self, step)
+    return original_snapshot(self, step)
 
 
 router_monitor.RouterMonitor.record = record
-router_monitor.RouterMonitor.observe = observe
+router_monitor.RouterMonitor.snapshot = snapshot
 
 rank = None
 try:

@@ -492,12 +492,13 @@ def finish(args, t: Training, runtime: Runtime, run: dict, output_dir: str) -> b
                    "valid_history": run["valid_history"] + [[final_step, val]],
                    "monitor_breakdown": {**hook.seconds, "router_capture": hook.router_capture_seconds,
                                          "max_logit_capture": hook.capture_seconds("max_logit")},
-                   "alerts": [a.to_dict() for a in alerts], "records_lost_steps": hook.lost_record_steps}
+                   "alerts": [a.to_dict() for a in alerts], "records_lost_steps": hook.lost_record_steps,
+                   "async_evaluation": hook.async_report()}
         summary_written = write_summary(Path(output_dir) / "summary.json", summary)
         logger.info(f"[train] done: {final_step} steps in {elapsed:.0f}s, monitors {hook.evaluation_seconds:.1f}s "
                     f"({100 * hook.evaluation_seconds / max(elapsed, 1e-9):.1f}%), {len(hook.alerts)} alerts; "
                     f"output in {output_dir}")
-        incomplete = records_incomplete(hook.lost_record_steps, summary_written)
+        incomplete = records_incomplete(hook.lost_record_steps, summary_written, hook.async_report()["failure"])
         if incomplete:
             print(f"pretrain_gpt: {incomplete}", file=sys.stderr, flush=True)
             return False

@@ -31,7 +31,10 @@ __all__ = ["UnitEvaluation", "complete_layer_values"]
 
 
 class UnitEvaluation:
-    """Turns the snapshots and the live weights into each unit's values.
+    """Turns two snapshots into each unit's values: the one an interval old (``snapshots``, W_{t−δ}) and the copy
+    of the weights taken at the evaluated step (``current``, W_t; the same rows, see
+    :meth:`~megatron_mech.monitors.attention.monitor.AttentionMonitor.snapshot`). The live weights are read for
+    their dtype and device only, so an evaluation may run while training changes them.
 
     Args:
         layout: the monitor's :class:`~megatron_mech.monitors.attention.layout.BufferLayout` (layers, extras, scope).
@@ -54,20 +57,20 @@ class UnitEvaluation:
         self._heads = HeadEntropies(config, tp_group, tp_size)
         self.dp_group = dp_group               # None: no data-parallel split (no row-split ΔW)
 
-    def values(self, step: int, parts, plan=None) -> dict:
+    def values(self, step: int, parts, current: SnapshotStore, plan=None) -> dict:
         """Evaluate ``parts`` (this replica's share, :mod:`~megatron_mech.monitors.attention.parts`) bucket by
         bucket: Grams summed over the TP group, then the values of each unit with a part among them,
         ``{unit: {key: value}}`` keyed as the metric table says, without the head aggregates
         (:func:`complete_layer_values` adds them once every head is known). Then the row-split ΔW of ``plan``
         (every replica's parts; :mod:`~megatron_mech.monitors.attention.row_split`), on every replica."""
-        values = self._bucket_values(step, [p for p in parts if p[0] != "dwrows"])
-        split = row_split_values(step, plan or [], parts, self.layout, self.snapshots, self.config,
+        values = self._bucket_values(step, [p for p in parts if p[0] != "dwrows"], current)
+        split = row_split_values(step, plan or [], parts, self.layout, self.snapshots, current, self.config,
                                  self._reduce_over_replicas, self._eval_device)
         for unit, unit_values in split.items():
             values.setdefault(unit, {}).update(unit_values)
         return values
 
-    def _bucket_values(self, step: int, parts) -> dict:
+    def _bucket_values(self, step: int, parts, current: SnapshotStore) -> dict:
         owned: dict = {}
         for part in parts:
             unit = ("extra", part[1]) if part[0] == "extra" else ("layer", part[1])
@@ -91,9 +94,9 @@ class UnitEvaluation:
             krylov_jobs: dict = {}
             for (kind, i), piece in pieces:
                 if kind == "layer":
-                    self._fill_layer(i, piece, krylov_jobs, owned[(kind, i)])
+                    self._fill_layer(i, piece, krylov_jobs, owned[(kind, i)], current)
                 elif kind == "extra":
-                    self._fill_extra(i, piece, krylov_jobs)
+                    self._fill_extra(i, piece, krylov_jobs, current)
                 else:
                     piece.fill_(float(step))
             self._heads.flush()
@@ -161,21 +164,20 @@ class UnitEvaluation:
         if job is not None:
             krylov_jobs[key] = job
 
-    def _fill_layer(self, i: int, out: torch.Tensor, krylov_jobs: dict, parts: list) -> None:
+    def _fill_layer(self, i: int, out: torch.Tensor, krylov_jobs: dict, parts: list, current: SnapshotStore) -> None:
         lay = self.layers[i]
         (sq, kq), (sk, kk), heads = self.layout.layer_geometry(i)
-        w = lay.qkv_weight.detach()
-        w = w.to(self._eval_device(w))
+        device = self._eval_device(lay.qkv_weight)
         slots = self._dw_pieces(("layer", i), out)
-        dt = compute_dtype(self.config, w)
+        dt = compute_dtype(self.config, lay.qkv_weight)
         n_q, n_k = lay.qk_row_counts
-        # Rows are read per part (lay.qk_row_range): the fused layout interleaves Q, K and V per query group, so
-        # taking the whole Q and K blocks would copy V too, and every row for a replica holding a few heads.
+        # Rows are read per part: the snapshots hold exactly the Q and K rows the replica's parts read (never V's).
         for m, shard_dim, k, count in (("q", sq, kq, n_q), ("k", sk, kk, n_k)):
             if ("dw", i, m) in parts:
-                prev = self.snapshots.rows(i, m, 0, count).to(w.device)
-                self._fill_dw(slots[("layer", i, m)], lay.qk_row_range(w, m, 0, count, dt), w, prev, shard_dim, k,
-                              dt, ("layer", i, m), krylov_jobs)
+                prev = self.snapshots.rows(i, m, 0, count).to(device)
+                rows = current.rows(i, m, 0, count)
+                self._fill_dw(slots[("layer", i, m)], rows.to(device), rows, prev, shard_dim, k, dt,
+                              ("layer", i, m), krylov_jobs)
         terms = self.config.qk_terms
         if not terms:
             return
@@ -186,15 +188,15 @@ class UnitEvaluation:
             # zero padding elsewhere: the SUM over TP gathers the heads
             target = block[:, start + lo:start + hi]
             if (lo, hi) == (0, lay.num_heads):
-                q_prev = self.snapshots.rows(i, "q", 0, n_q).to(w.device)
-                k_prev = self.snapshots.rows(i, "k", 0, n_k).to(w.device)
-                self._heads.fill(lay, w, q_prev, k_prev, target, dt)
+                self._heads.fill(lay, current.rows(i, "q", 0, n_q).to(device), current.rows(i, "k", 0, n_k).to(device),
+                                 self.snapshots.rows(i, "q", 0, n_q).to(device),
+                                 self.snapshots.rows(i, "k", 0, n_k).to(device), target, dt)
                 continue
             dh, ratio = lay.head_dim, lay.num_heads // lay.num_query_groups
             q_rows, k_rows = (lo * dh, hi * dh), (lo // ratio * dh, ((hi - 1) // ratio + 1) * dh)
-            self._heads.fill_range(lay.qk_row_range(w, "q", *q_rows), lay.qk_row_range(w, "k", *k_rows),
-                                   self.snapshots.rows(i, "q", *q_rows).to(w.device),
-                                   self.snapshots.rows(i, "k", *k_rows).to(w.device), dh, target, dt)
+            self._heads.fill_range(current.rows(i, "q", *q_rows).to(device), current.rows(i, "k", *k_rows).to(device),
+                                   self.snapshots.rows(i, "q", *q_rows).to(device),
+                                   self.snapshots.rows(i, "k", *k_rows).to(device), dh, target, dt)
 
     def owned_columns(self, i: int, lo: int, hi: int) -> list[int]:
         """Columns of layer i's ``[terms × heads]`` block that local heads ``lo .. hi-1`` fill, on every TP rank
@@ -207,13 +209,14 @@ class UnitEvaluation:
             return list(range(heads))
         return [r * lay.num_heads + h for r in range(heads // lay.num_heads) for h in range(lo, hi)]
 
-    def _fill_extra(self, j: int, out: torch.Tensor, krylov_jobs: dict) -> None:
+    def _fill_extra(self, j: int, out: torch.Tensor, krylov_jobs: dict, current: SnapshotStore) -> None:
         _, w, _ = self.extras[j]
-        w = w.detach()
-        w = w.to(self._eval_device(w))
-        prev = self.snapshots.extras[j].to(w.device)
+        device = self._eval_device(w)
+        copy = current.extras[j]
+        prev = self.snapshots.extras[j].to(device)
         shard_dim, k = self.layout.extra_geometry(j)
-        self._fill_dw(out, w, w, prev, shard_dim, k, compute_dtype(self.config, w), ("extra", j), krylov_jobs)
+        self._fill_dw(out, copy.to(device), copy, prev, shard_dim, k, compute_dtype(self.config, w), ("extra", j),
+                      krylov_jobs)
 
     def _dw_values(self, slot: torch.Tensor, k: int, weight: torch.Tensor, key, krylov: dict) -> dict:
         return slot_values(slot, k, self.config.route(k), self.config.entropy_power, compute_dtype(self.config, weight),

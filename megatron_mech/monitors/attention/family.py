@@ -41,8 +41,11 @@ class AttentionFamily(Monitor):
         if self.monitor.snapshot_step is None and self.monitor.should_observe(step):
             self.monitor.observe(step)
 
-    def observe(self, step: int) -> Observation:
-        return self.monitor.observe(step)
+    def snapshot(self, step: int):
+        return self.monitor.snapshot(step)
+
+    def evaluate(self, step: int, snapshot) -> Observation:
+        return self.monitor.evaluate(step, snapshot)
 
     def state_dict(self) -> dict:
         return self.monitor.state_dict()

@@ -83,13 +83,15 @@ class AttentionLayer:
         return q, k
 
     def qk_row_range(self, weight: torch.Tensor, matrix: str, lo: int, hi: int,
-                     dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+                     dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Rows ``lo .. hi-1`` of :meth:`qk_rows`' Q (``matrix="q"``) or K rows, reading only those rows of
         ``weight`` (a view where the layout allows, else a copy of just them, made in ``dtype`` when given; never
-        write through it)."""
+        write through it); copied into ``out`` (``[hi − lo, d_model]``) and returned when given."""
         if self.replicated_kv is not None:
-            return self.qk_rows(weight)[0 if matrix == "q" else 1][lo:hi]     # views already
-        return qkv_block_rows(weight, self.num_heads, self.num_query_groups, self.head_dim, matrix, lo, hi, dtype)
+            rows = self.qk_rows(weight)[0 if matrix == "q" else 1][lo:hi]     # views already
+            return out.copy_(rows) if out is not None else rows
+        return qkv_block_rows(weight, self.num_heads, self.num_query_groups, self.head_dim, matrix, lo, hi, dtype,
+                              out=out)
 
     @property
     def qk_row_counts(self) -> tuple[int, int]:

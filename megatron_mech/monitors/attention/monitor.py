@@ -111,6 +111,7 @@ class AttentionMonitor:
                                    self.dp_rank) if self._dp else set(self._parts))
         self._rows = rows_needed(self._layout, self._mine)
         self._snapshots = SnapshotStore(self.config.snapshot_device, self._device())
+        self._spare: Optional[SnapshotStore] = None   # the snapshot an evaluation released: the next copy's buffers
         self._evaluation = UnitEvaluation(self.config, self._layout, self._snapshots, self.tp_group, self.tp_size,
                                           self._collective, self._device, dp_group=self.dp_group if self._dp else None)
 
@@ -147,13 +148,32 @@ class AttentionMonitor:
     def observe(self, step: int) -> Optional[tuple[dict[str, float], dict[str, dict]]]:
         """Call after ``optimizer.step()`` with the number of steps done. On an evaluation step returns
         ``(metrics, details)`` (identical on every TP rank in global scope), else None. Snapshots on every
-        multiple of ``interval``. Every rank of the TP group must call it at the same steps."""
+        multiple of ``interval``. Every rank of the TP group must call it at the same steps. The same as
+        ``evaluate(step, snapshot(step))``."""
+        return self.evaluate(step, self.snapshot(step))
+
+    def snapshot(self, step: int) -> Optional[SnapshotStore]:
+        """The rows this replica's parts read, copied out of the live weights at ``step`` (on ``snapshot_device``,
+        in the weights' dtype), on a multiple of ``interval``; else None. No collective: the training thread's
+        part of an evaluation (:meth:`evaluate` computes from the copy, which then becomes the snapshot the next
+        interval starts from)."""
         if not is_int(step) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         if not is_evaluation_step(step, self.config.interval):
             return None
-        result = self._evaluate(step) if self.should_evaluate(step) else None
-        self._snapshots.take(step, self.layers, self.extras, self._rows, self._mine)
+        current = SnapshotStore(self.config.snapshot_device, self._device())
+        spare, self._spare = self._spare, None
+        current.take(step, self.layers, self.extras, self._rows, self._mine, into=spare)
+        return current
+
+    def evaluate(self, step: int, current: Optional[SnapshotStore]) -> Optional[tuple[dict, dict]]:
+        """The metrics of ``step`` from :meth:`snapshot`'s copy ``current`` (W_step) and the snapshot one interval
+        old (W_{step−δ}); None when there is no such snapshot (the first aligned step, or after a resume without
+        snapshots). ``current`` becomes the snapshot of the next interval. Issues the evaluation's collectives."""
+        if current is None:
+            return None
+        result = self._evaluate(step, current) if self.should_evaluate(step) else None
+        self._spare = self._snapshots.adopt(current)   # its buffers take the next copy
         return result
 
     # ------------------------------------------------------------------ evaluation
@@ -174,8 +194,8 @@ class AttentionMonitor:
         return ([(m, what) for m in ("q", "k") for what in DW_QUANTITIES]
                 + [(term, h) for term in self.config.qk_terms for h in self._layout.reported_heads(i)])
 
-    def _evaluate(self, step: int) -> tuple[dict[str, float], dict[str, dict]]:
-        values = self._evaluation.values(step, [p for p in self._parts if p in self._mine], self._parts)
+    def _evaluate(self, step: int, current: SnapshotStore) -> tuple[dict[str, float], dict[str, dict]]:
+        values = self._evaluation.values(step, [p for p in self._parts if p in self._mine], current, self._parts)
         if self._dp:
             local = {position: values[u] for position, u in enumerate(self._units) if u in values}
             combined = combine_replicas(step, [self._raw_keys(u) for u in self._units], local, self.dp_group,

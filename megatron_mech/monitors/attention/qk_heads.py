@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from megatron_mech.core.layouts import split_fused_qkv
 from megatron_mech.core.sharded import all_to_all_rows
 from megatron_mech.core.spectral import (
     qk_increment_cores,
@@ -44,16 +43,18 @@ class HeadEntropies:
     def start_bucket(self) -> None:
         self._pending = []                     # only this bucket's cores (never a failed one's)
 
-    def fill(self, lay: AttentionLayer, w: torch.Tensor, q_prev, k_prev, target: torch.Tensor,
+    def fill(self, lay: AttentionLayer, q_cur, k_cur, q_prev, k_prev, target: torch.Tensor,
              dt: torch.dtype) -> None:
-        """Layer ``lay``'s entropies of this rank's heads into ``target`` ``[terms × num_heads]``: from the live
-        weight ``w`` on the evaluation device and its snapshot Q/K rows, in ``dt``."""
+        """Layer ``lay``'s entropies of this rank's heads into ``target`` ``[terms × num_heads]``: from its current
+        and snapshot Q/K rows (every row this rank stores, ``[rows, d_model]``, head order) on the evaluation
+        device, in ``dt``."""
         d_model, dh = lay.d_model, lay.head_dim
         if lay.replicated_kv is not None:
-            q_cur, k_cur, q_prev, k_prev = self._rows_attended_with(lay, *lay.qk_rows(w), q_prev, k_prev, dt)
+            q_cur, k_cur, q_prev, k_prev = self._rows_attended_with(lay, q_cur, k_cur, q_prev, k_prev, dt)
             wq, wk = q_cur.view(lay.num_heads, dh, d_model).transpose(1, 2), k_cur.view(1, dh, d_model).transpose(1, 2)
         else:
-            wq, wk, _ = split_fused_qkv(w, lay.num_heads, lay.num_query_groups, dh)
+            wq = q_cur.view(lay.num_heads, dh, d_model).transpose(1, 2)
+            wk = k_cur.view(lay.num_query_groups, dh, d_model).transpose(1, 2)
         wq_prev = q_prev.view(lay.num_heads, dh, d_model).transpose(1, 2)
         wk_prev = k_prev.view(lay.num_query_groups, dh, d_model).transpose(1, 2)
         self._solve(wq_prev, wk_prev, wq, wk, target, dt)

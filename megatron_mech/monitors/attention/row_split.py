@@ -35,14 +35,15 @@ def _split_matrices(plan) -> list[tuple[int, str]]:
     return list(dict.fromkeys((p[1], p[2]) for p in plan if p[0] == "dwrows"))
 
 
-def row_split_values(step: int, plan, mine, layout: BufferLayout, snapshots: SnapshotStore,
+def row_split_values(step: int, plan, mine, layout: BufferLayout, snapshots: SnapshotStore, current: SnapshotStore,
                      config: AttentionMonitorConfig, reduce: Callable, eval_device: Callable) -> dict:
     """The values of the row-split ΔW whose chunk 0 this replica holds, ``{("layer", i): {(m, quantity): value}}``.
 
     Args:
         plan: every part of the monitor (all replicas'); ``mine``: this replica's.
+        snapshots, current: the snapshot an interval old and the copy of the evaluated step's rows.
         reduce: sums a list of tensors over TP (global scope) and the data-parallel group, returns the sums.
-        eval_device: the live weight → the device the evaluation computes on.
+        eval_device: the live weight → the device the evaluation computes on (read for its device only).
     Every rank must call it at every evaluation (it issues ``1 + krylov_steps`` collectives when the plan has a
     split matrix, none otherwise).
     """
@@ -62,13 +63,13 @@ def row_split_values(step: int, plan, mine, layout: BufferLayout, snapshots: Sna
             jobs[key] = (None, 0, k)
             stats.append(slot)
             continue
-        w = lay.qkv_weight.detach()
-        w = w.to(eval_device(w))
-        dt = dtypes[key] = compute_dtype(config, w)
+        device = eval_device(lay.qkv_weight)
+        dt = dtypes[key] = compute_dtype(config, lay.qkv_weight)
         deltas, prevs = [], []
         for lo, hi in held:
-            prev = snapshots.rows(i, m, lo, hi).to(w.device)
-            deltas.append(increment(lay.qk_row_range(w, m, lo, hi, dt), prev, dt, w))
+            prev = snapshots.rows(i, m, lo, hi).to(device)
+            rows = current.rows(i, m, lo, hi)
+            deltas.append(increment(rows.to(device), prev, dt, rows))
             prevs.append(prev)
         delta, prev = (deltas[0], prevs[0]) if len(held) == 1 else (torch.cat(deltas), torch.cat(prevs))
         jobs[key] = fill_slot(slot, delta, 0, k, "krylov", prev)

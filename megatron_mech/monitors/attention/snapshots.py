@@ -6,8 +6,11 @@ Snapshots live on ``snapshot_device`` (``"cpu"``: host memory, the default; ``"d
 in the weight's own dtype: the snapshot is the live weight bit for bit, and ΔW is formed after both are upcast to the
 Gram precision, so the metrics equal those of a float32 snapshot exactly (fp32 main params are snapshotted in
 float32, bf16 model weights in bf16, half the memory). Host memory: ``(H + G)·d_head·d_model`` × the weight's
-element size per layer and rank without a data-parallel split; with it, the rows of the replica's parts. The
-snapshot cannot be replaced by a reference to the optimizer's previous buffer (where the main params are copied
+element size per layer and rank without a data-parallel split; with it, the rows of the replica's parts; twice that
+in the steady state: the copy taken at an evaluation is written into the buffers of the snapshot two intervals old
+(:meth:`SnapshotStore.take`'s ``into``), so an evaluation step's copy on the training thread is a plain memory copy
+into pages already mapped, not an allocation (the inline evaluation held both at its peak already). The snapshot
+cannot be replaced by a reference to the optimizer's previous buffer (where the main params are copied
 into the model params): that buffer holds W_{t−1}, while ΔW spans δ steps, so W_{t−δ} has to be kept somewhere.
 """
 from __future__ import annotations
@@ -43,11 +46,16 @@ class SnapshotStore:
         self.step: Optional[int] = None
         self.layers: Optional[list] = None
         self.extras: Optional[list] = None
+        self.shared = False   # its tensors were handed out (a checkpoint's state): never written into again
 
-    def take(self, step: int, layers: list[AttentionLayer], extras: list, rows: Mapping[int, dict], mine: set) -> None:
+    def take(self, step: int, layers: list[AttentionLayer], extras: list, rows: Mapping[int, dict], mine: set,
+             into: Optional[SnapshotStore] = None) -> None:
         """Snapshot at ``step`` the layer rows in ``rows`` (``{i: {"q": [(lo, hi)], "k": [...]}}``, see
         :func:`~megatron_mech.monitors.attention.parts.rows_needed`) and the extra linears ``("extra", j)`` in
-        ``mine``."""
+        ``mine``; into the tensors of ``into`` (a store no longer read, of the same rows) where they fit, else into
+        new ones. The values are the same either way (a copy is exact)."""
+        spare_layers = into.layers if into is not None and not into.shared and into.layers is not None else None
+        spare_extras = into.extras if spare_layers is not None else None
         snapped = []
         for i, lay in enumerate(layers):
             if i not in rows:   # evaluated by other replicas: no snapshot here
@@ -55,12 +63,43 @@ class SnapshotStore:
                 continue
             w = lay.qkv_weight.detach()
             dtype = snapshot_dtype(w)
-            snapped.append({m: [(lo, hi, unshared_copy(lay.qk_row_range(w, m, lo, hi), w, self.device, dtype))
+            spare = spare_layers[i] if spare_layers is not None and i < len(spare_layers) else None
+            snapped.append({m: [(lo, hi, self._rows(lay, w, m, lo, hi, dtype, _spare_range(spare, m, lo, hi)))
                                 for lo, hi in rows[i][m]] for m in ("q", "k")})
         self.layers = snapped
-        self.extras = [w.detach().to(device=self.device, dtype=snapshot_dtype(w), copy=True)
+        self.extras = [self._copy(w.detach(), w, snapshot_dtype(w),
+                                  spare_extras[j] if spare_extras is not None and j < len(spare_extras) else None)
                        if ("extra", j) in mine else None for j, (_, w, _) in enumerate(extras)]
         self.step = step
+
+    def _fits(self, spare: Optional[torch.Tensor], shape, dtype: torch.dtype) -> bool:
+        return (spare is not None and tuple(spare.shape) == tuple(shape) and spare.dtype == dtype
+                and spare.device == self.device and spare.is_contiguous())
+
+    def _rows(self, lay: AttentionLayer, w: torch.Tensor, m: str, lo: int, hi: int, dtype: torch.dtype,
+              spare: Optional[torch.Tensor]) -> torch.Tensor:
+        """Rows ``lo .. hi`` of ``m`` copied onto the snapshot device: straight into ``spare`` when it fits (one
+        pass, however the fused layout interleaves them), else into a new tensor."""
+        if self._fits(spare, (hi - lo, lay.d_model), dtype):
+            return lay.qk_row_range(w, m, lo, hi, out=spare)
+        return unshared_copy(lay.qk_row_range(w, m, lo, hi), w, self.device, dtype)
+
+    def _copy(self, rows: torch.Tensor, source: torch.Tensor, dtype: torch.dtype,
+              spare: Optional[torch.Tensor]) -> torch.Tensor:
+        """``rows`` on the snapshot device in ``dtype``, in ``spare`` when it has their shape, dtype and device."""
+        if self._fits(spare, rows.shape, dtype):
+            return spare.copy_(rows)
+        return unshared_copy(rows, source, self.device, dtype)
+
+    def adopt(self, other: SnapshotStore) -> SnapshotStore:
+        """Hold ``other``'s snapshots and step from now on (the copy an evaluation computed from becomes the
+        snapshot of the next interval, without copying it again). Returns a store holding the snapshots held
+        until now: no longer read, their buffers may take the next copy (``take``'s ``into``)."""
+        released = SnapshotStore.__new__(SnapshotStore)
+        released.device, released.step, released.shared = self.device, self.step, self.shared
+        released.layers, released.extras = self.layers, self.extras
+        self.step, self.layers, self.extras, self.shared = other.step, other.layers, other.extras, other.shared
+        return released
 
     def rows(self, i: int, matrix: str, lo: int, hi: int) -> torch.Tensor:
         """Rows ``lo .. hi-1`` of layer i's Q (``matrix="q"``) or K snapshot (a view of the range holding them)."""
@@ -71,13 +110,15 @@ class SnapshotStore:
 
     def load(self, step: Optional[int], restored: Optional[tuple[list, list]]) -> None:
         """Replace the snapshots by ``restored`` (from :meth:`restored`) taken at ``step``, or drop them (``None``)."""
-        self.step = step
+        self.step, self.shared = step, False
         self.layers, self.extras = restored if restored is not None else (None, None)
 
     def saved(self, layers: list[AttentionLayer], extras: list) -> dict[str, Any]:
         """The snapshots as a checkpoint holds them: per layer ``None`` or, per matrix, ``"q"``: every row, or
         ``"q_ranges"`` ``[[lo, hi], ...]`` with ``"q_rows"`` the tensors of those ranges (same for ``"k"``);
-        ``"extras"``: ``{name: weight}``."""
+        ``"extras"``: ``{name: weight}``. The tensors are the store's own: it is marked shared, so they are never
+        written into again."""
+        self.shared = True
         out = []
         for lay, held in zip(layers, self.layers):
             if held is None:
@@ -140,3 +181,10 @@ class SnapshotStore:
                 raise ValueError(f"extra linear {name!r}: snapshot shape {tuple(t.shape)} != {tuple(w.shape)}")
             restored_extras.append(t.to(device=self.device, dtype=snapshot_dtype(w), copy=True))
         return restored_layers, restored_extras
+
+
+def _spare_range(spare: Optional[dict], matrix: str, lo: int, hi: int) -> Optional[torch.Tensor]:
+    """The tensor of rows ``lo .. hi`` of ``matrix`` in a released layer snapshot, if it holds exactly that range."""
+    if spare is None:
+        return None
+    return next((t for a, b, t in spare.get(matrix, ()) if (a, b) == (lo, hi)), None)

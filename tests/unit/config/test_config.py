@@ -365,7 +365,8 @@ def test_every_attention_setting_is_declared_once_by_the_monitor():
     assert all(section_fields.get(name) is f for name, f in monitor_fields.items())
     redeclared = set(vars(MonitorConfig).get("__annotations__", {})) & set(monitor_fields)
     assert not redeclared, f"MonitorConfig declares attention settings again: {sorted(redeclared)}"
-    assert set(section_fields) - set(monitor_fields) == {"families", "all_linears", "experts", "router_token_stride"}
+    assert set(section_fields) - set(monitor_fields) == {"families", "all_linears", "experts", "router_token_stride",
+                                                         "asynchronous", "async_timeout"}
     assert not hasattr(config_module, "ATTENTION_FIELDS")
 
     declared = _declared_flags()

@@ -88,6 +88,9 @@ def test_block_rows_read_exactly_the_rows_of_the_blocks(num_heads, num_groups):
             for hi in range(lo, whole.shape[0] + 1):
                 rows = qkv_block_rows(weight, num_heads, num_groups, head_dim, name, lo, hi)
                 assert torch.equal(rows, whole[lo:hi]), (name, lo, hi)
+                out = torch.full((hi - lo, 5), float("nan"))    # ``out``: every row written, in place
+                assert qkv_block_rows(weight, num_heads, num_groups, head_dim, name, lo, hi, out=out) is out
+                assert torch.equal(out, whole[lo:hi]), (name, lo, hi)
     one_head = qkv_block_rows(weight, num_heads, num_groups, head_dim, "q", head_dim, 2 * head_dim)
     assert one_head.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()
     if num_groups > 1:

@@ -1,0 +1,176 @@
+"""The monitors' evaluation beside training (``--mech-async``): the worker thread that runs it and the process groups
+it runs its collectives on.
+
+On an evaluation step the hook copies, on the training thread, what the monitors read (each monitor's
+:meth:`~megatron_mech.monitors.protocol.Monitor.snapshot`) and hands the rest — the monitors'
+:meth:`~megatron_mech.monitors.protocol.Monitor.evaluate`, the pipeline merge, the detectors and the alert
+agreement — to :class:`EvaluationWorker`, one daemon thread per rank. The training thread collects the result at a
+fixed boundary (the end of the next step, or ``state_dict``/``close``, or the next evaluation), waiting there when
+it is not ready; a job that raised or did not finish within the timeout is reported as :class:`WorkerFailure`.
+
+**Own process groups.** A collective issued from the worker must never meet one of the training's on the same
+group: the two threads issue theirs in an order that differs from rank to rank. :func:`worker_groups` builds, at
+setup (main thread, every rank, same order), one duplicate of every group the monitors and the pipeline merge use,
+and of the whole world for what they reduce over every rank (the default group). The duplicates are gloo groups on
+the host: gloo lets different groups be used from different threads at once, and the worker then shares no
+communicator or stream with the training's NCCL collectives on a GPU node. Their collective timeout is
+``--mech-async-timeout``, so a worker waiting for a rank whose evaluation failed gives up in bounded time.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
+
+from megatron_mech.model_view import ModelView
+
+__all__ = ["EvaluationWorker", "WorkerFailure", "WorkerGroups", "worker_groups"]
+
+logger = logging.getLogger("megatron_mech")
+
+# the view's groups the monitors and the pipeline merge use; for the first two ``None`` means the whole world
+# (AttentionMonitor's tp_group, RouterMonitor's token_group), for the others "no such group"
+_WORLD_WHEN_NONE = ("tp_group", "token_group")
+_NONE_WHEN_NONE = ("dp_group", "expert_group", "expert_dp_group", "pp_group")
+
+
+@dataclass
+class WorkerGroups:
+    """The worker's duplicates: ``view`` (the model view with every group replaced by its duplicate) and
+    ``world`` (the duplicate of the whole world, for what the monitors and the hook reduce over every rank;
+    ``None`` without torch.distributed)."""
+
+    view: ModelView
+    world: Any
+
+
+def _ranks(group) -> tuple:
+    return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+
+
+def worker_groups(view: ModelView, timeout_s: float) -> WorkerGroups:
+    """Duplicate the groups of ``view`` (and the world) for the worker; collective over the world, every rank calls
+    it at the same point. Each rank's rank lists are gathered over the world (``all_gather_object``), the distinct
+    lists put in one order (rank by rank, group by group), and every rank creates every one of them with
+    ``new_group`` (as torch.distributed requires), keeping those it belongs to."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return WorkerGroups(view, None)
+    roles = {name: getattr(view, name) for name in (*_WORLD_WHEN_NONE, *_NONE_WHEN_NONE)}
+    mine = {name: (_ranks(group) if group is not None or name in _WORLD_WHEN_NONE else None)
+            for name, group in roles.items()}
+    mine["world"] = _ranks(None)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    distinct: list = []
+    for table in gathered:
+        for ranks in table.values():
+            if ranks is not None and ranks not in distinct:
+                distinct.append(ranks)
+    timeout = datetime.timedelta(seconds=float(timeout_s))
+    created = {ranks: dist.new_group(list(ranks), timeout=timeout, backend="gloo") for ranks in distinct}
+    duplicates = {name: (created[ranks] if ranks is not None else None) for name, ranks in mine.items()}
+    world = duplicates.pop("world")
+    return WorkerGroups(replace(view, world_group=world, **duplicates), world)
+
+
+class WorkerFailure(RuntimeError):
+    """The worker's job for ``step`` raised (``cause`` set) or did not finish within the timeout."""
+
+    def __init__(self, step: int, message: str, cause: Optional[BaseException] = None):
+        super().__init__(message)
+        self.step, self.cause = step, cause
+
+
+class EvaluationWorker:
+    """One daemon thread running one job at a time (:meth:`submit`), whose result the training thread takes with
+    :meth:`collect`. A job that raises is reported by ``collect`` (:class:`WorkerFailure` with the exception),
+    as is one still running after ``timeout_s`` of waiting; the thread is a daemon, so a job that never returns
+    does not keep the process alive."""
+
+    def __init__(self, timeout_s: float, name: str = "mech-evaluation") -> None:
+        self.timeout_s = float(timeout_s)
+        self._lock = threading.Condition()
+        self._job: Optional[tuple] = None      # (step, fn) waiting for the thread
+        self._done: Optional[tuple] = None     # (step, result, exception) of the finished job
+        self._running_step: Optional[int] = None
+        self._closed = False
+        self.waited_seconds = 0.0              # training-thread time spent waiting in collect
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def pending_step(self) -> Optional[int]:
+        """The step of the job submitted and not yet collected (``None``: nothing in flight)."""
+        with self._lock:
+            if self._job is not None:
+                return self._job[0]
+            if self._running_step is not None:
+                return self._running_step
+            return self._done[0] if self._done is not None else None
+
+    def submit(self, step: int, fn: Callable[[], Any]) -> None:
+        """Run ``fn()`` on the worker thread; the previous job must have been collected."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("EvaluationWorker.submit: the worker is closed")
+            if self._job is not None or self._running_step is not None or self._done is not None:
+                raise RuntimeError(f"EvaluationWorker.submit: the job of step {self.pending_step} was not collected")
+            self._job = (step, fn)
+            self._lock.notify_all()
+
+    def collect(self, timeout_s: Optional[float] = None) -> tuple:
+        """``(step, result)`` of the submitted job, waiting up to ``timeout_s`` (default: the worker's timeout)
+        for it; ``None`` when nothing is in flight. Raises :class:`WorkerFailure` when the job raised or is still
+        running at the deadline (it is then abandoned: its result, if it ever comes, is dropped)."""
+        timeout_s = self.timeout_s if timeout_s is None else float(timeout_s)
+        started = time.perf_counter()
+        with self._lock:
+            step = self.pending_step
+            if step is None:
+                return None
+            finished = self._lock.wait_for(lambda: self._done is not None, timeout=timeout_s)
+            self.waited_seconds += time.perf_counter() - started
+            if not finished:
+                self._job, self._closed = None, True   # the thread may be stuck: no further job goes to it
+                raise WorkerFailure(step, f"the evaluation of step {step} did not finish within {timeout_s:g} s "
+                                          f"(--mech-async-timeout)")
+            step, result, error = self._done
+            self._done = None
+        if error is not None:
+            raise WorkerFailure(step, f"the evaluation of step {step} raised {type(error).__name__}: {error}", error)
+        return step, result
+
+    def close(self, timeout_s: Optional[float] = None) -> bool:
+        """Stop the thread, waiting at most ``timeout_s`` (default: the worker's timeout) for a job in flight;
+        returns whether the thread ended (a stuck one is left behind: a daemon thread, it does not hold the
+        process)."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        self._thread.join(self.timeout_s if timeout_s is None else float(timeout_s))
+        return not self._thread.is_alive()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                self._lock.wait_for(lambda: self._job is not None or self._closed)
+                if self._job is None:      # closed with nothing to do
+                    return
+                step, fn = self._job
+                self._job, self._running_step = None, step
+            result, error = None, None
+            try:
+                result = fn()
+            except BaseException as exc:   # reported to the training thread, never raised here
+                error = exc
+            with self._lock:
+                self._running_step = None
+                self._done = (step, result, error)
+                self._lock.notify_all()
+                if self._closed:
+                    return
