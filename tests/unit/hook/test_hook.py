@@ -343,9 +343,12 @@ def test_setup_logs_one_start_line_with_the_monitored_layers_interval_and_armed_
         return lines, hook
 
     lines, hook = start_lines(True)
-    # the default detectors: warm-up 30 + baseline 20 + persistence 3 = 53 evaluations, every 5 steps
+    # the default detectors: warm-up 30 + baseline 20 + persistence 3 = 53 evaluations, every 5 steps; the router
+    # monitor runs, so the busiest-expert level rule is armed from the first evaluation (the model view offers no
+    # attention-logit capture: the max-logit level rule is not)
     assert lines == ["[mech] monitors on: 3 attention layers, 3 routers, every 5 steps; detectors armed from step "
-                     "265 (warm-up 30 + baseline 20 + persistence 3 evaluations)"]
+                     "265 (warm-up 30 + baseline 20 + persistence 3 evaluations); level rules armed from the first "
+                     "evaluation (step 5): router/*/expert_share_excess > 0.5"]
     assert hook.armed_from_step == 265
     assert start_lines(False)[0] == []
 
