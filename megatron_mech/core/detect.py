@@ -73,7 +73,7 @@ An evaluation beyond the level in the bad direction (up: ``x > ℓ``; down: ``x 
 ``persistence`` (1 by default) consecutive out evaluations fire one alert, then the rule latches until
 ``persistence`` consecutive evaluations are back inside, when it re-arms — as the baseline-relative rules do. The
 default levels (:class:`LevelRules`, each a setting that 0 or None switches off): a layer's maximum attention logit
-above 100 and a router's busiest-expert share beyond half-way from balanced to every token (see there).
+above 100; a router's busiest-expert share is a level rule a user sets (off by default, see there).
 
 Tracking baseline (``track = L > 0``), for series whose healthy drift goes the bad way (routing entropies fall
 for thousands of steps as experts specialize): after the baseline is collected, every in-band evaluation is
@@ -117,13 +117,16 @@ RULE_KINDS = ("baseline", "level")  # baseline-relative (Detector), absolute lev
 # maximum logit passes it is the incumbent QK-clip alarm, here per layer and head and armed from the first evaluation.
 MAX_LOGIT_LEVEL = 100.0
 # On the normalized busiest-expert share (the router series `expert_share_excess`: (share − 1/E) / (1/k − 1/E), 0 =
-# balanced, 1 = the expert in every token's top-k): half-way. A top-k router puts k distinct experts in each
-# token's top-k, so one expert holds at most 1/k of the assignments (it is then in every token's top-k), and a
-# balanced router gives each 1/E. Half-way, the busiest expert is in (1 + k/E)/2 of the tokens' top-k: 75 % for 4
-# experts top-2 (balanced: 50 %), 62.5 % for 8 top-2 (25 %), 56 % for 64 top-8 (12.5 %) — a router that sends
-# most of every batch to one expert whatever the token has stopped routing; a healthy router, specializing or
-# balanced by its auxiliary loss, spreads the tokens. Measured on the clean corpus in benchmarks/false_alarms.py.
-EXPERT_SHARE_LEVEL = 0.5
+# balanced, 1 = the expert in every token's top-k): OFF by default. A top-k router puts k distinct experts in each
+# token's top-k, so one expert holds at most 1/k of the assignments, and the only share no router can pass is that
+# ceiling. A level below it (half-way, 0.5: the busiest expert in (1 + k/E)/2 of the tokens' top-k, 75 % for 4
+# experts top-2) is not one a healthy router never reaches: the clean corpus (benchmarks/false_alarms.py, 5 MoE
+# runs, 4 experts top-2, no load-balancing loss) sends nearly every token to the same two experts early on: at
+# step 20 of seed 23, layer 3 had load CV 0.96, so its busiest share was at least Σp² = (1 + CV²)/E = 0.48 (an
+# excess ≥ 0.92), and 16 evaluations of the transient (steps 10–85, all five seeds) were certainly above half-way.
+# Armed from the first evaluation, such a level alarms on healthy runs; a run with a load-balancing loss may set
+# one (--mech-expert-share-level 0.5).
+EXPERT_SHARE_LEVEL = None
 _LEVEL_DIRECTIONS = ("down", "up")
 
 
@@ -694,8 +697,8 @@ class LevelRules:
     expert_share_level: float | None = option(
         EXPERT_SHARE_LEVEL, "alert, from the first evaluation, when a router's busiest expert is beyond this "
         "fraction of the way from a balanced share (1/E) to every token's top-k (1/k) "
-        "(router/layer{L}/expert_share_excess; 0.5: half-way; 0 = off)", flag="--mech-expert-share-level",
-        type=float)
+        "(router/layer{L}/expert_share_excess; e.g. 0.5: half-way; off by default: healthy routers without a "
+        "load-balancing loss reach the ceiling early in training)", flag="--mech-expert-share-level", type=float)
 
     def __post_init__(self) -> None:
         if self.max_logit_level is not None and (not is_finite_real(self.max_logit_level)
@@ -724,8 +727,8 @@ LEVEL_SETTINGS = tuple(f.name for f in dataclasses.fields(LevelRules))
 
 def default_rules(levels: LevelRules | None = None) -> list[SeriesRule]:
     """Default rules, first match wins: the baseline-relative rules below, then the level rules of ``levels``
-    (default: :class:`LevelRules` ``()``, a layer's maximum attention logit above 100 and a router's busiest-expert
-    share half-way to every token; see ``MAX_LOGIT_LEVEL`` and ``EXPERT_SHARE_LEVEL``). Counts assume one
+    (default: :class:`LevelRules` ``()``, a layer's maximum attention logit above 100; the busiest-expert rule is off
+    unless set; see ``MAX_LOGIT_LEVEL`` and ``EXPERT_SHARE_LEVEL``). Counts assume one
     evaluation every ~10 steps (as in the experiments).
 
     * Attention update-spectrum entropies (``attn/layer{L}/dwq_entropy``, ``dwk_entropy`` and

@@ -1,6 +1,6 @@
 """Level rules (``SeriesRule(kind="level")``, :class:`LevelDetector`, :class:`LevelRules`): armed from the first
 evaluation, strict crossing, persistence, latching and re-arming, non-finite values, and the defaults in a
-registry (per-layer maximum attention logit > 100, busiest-expert excess > 0.5)."""
+registry (per-layer maximum attention logit > 100; the busiest-expert excess only when set)."""
 from __future__ import annotations
 
 import math
@@ -110,16 +110,19 @@ def test_level_settings_are_validated(kwargs, message):
 
 def test_default_registry_alerts_from_the_first_evaluation_naming_layer_and_head():
     registry = DetectorRegistry()
-    # step 5 is the run's first evaluation: the baseline-relative rules are in their warm-up, the level rules fire
+    # step 5 is the run's first evaluation: the baseline-relative rules are in their warm-up, the level rule fires
     fired = registry.update(5, {LOGIT: 130.0, SHARE: 0.7, "symptom/max_attn_logit": 130.0, "symptom/loss": 3.0},
                             {LOGIT: {"layer": 2, "head": 5}, SHARE: {"layer": 1, "expert": 3}})
-    assert [(a.metric, a.family, a.step) for a in fired] == [(LOGIT, "attention", 5), (SHARE, "router", 5)]
-    assert fired[0].detail == {"layer": 2, "head": 5, "level": 100.0} and fired[1].detail["level"] == 0.5
-    assert "symptom/max_attn_logit" in registry.unmonitored  # the global maximum stays logged only
+    assert [(a.metric, a.family, a.step) for a in fired] == [(LOGIT, "attention", 5)]
+    assert fired[0].detail == {"layer": 2, "head": 5, "level": 100.0}
+    # the global maximum stays logged only; the busiest-expert rule is off unless set
+    assert "symptom/max_attn_logit" in registry.unmonitored and SHARE in registry.unmonitored
     # the earliest baseline-relative alert is still warm-up 30 + baseline 20 + persistence 3 evaluations away
     assert registry.earliest_alert()[1] == 53
-    assert [r.pattern for r in registry.level_rules()] == ["symptom/max_attn_logit/layer*",
-                                                           "router/*/expert_share_excess"]
+    assert [r.pattern for r in registry.level_rules()] == ["symptom/max_attn_logit/layer*"]
+    registry = DetectorRegistry.with_overrides({"expert_share_level": 0.5})
+    [alert] = registry.update(5, {SHARE: 0.7}, {SHARE: {"layer": 1, "expert": 3}})
+    assert (alert.family, alert.detail) == ("router", {"layer": 1, "expert": 3, "level": 0.5})
 
 
 def test_overrides_switch_a_level_rule_off_or_move_it_and_leave_the_others_alone():
@@ -133,7 +136,8 @@ def test_overrides_switch_a_level_rule_off_or_move_it_and_leave_the_others_alone
     with pytest.raises(ValueError, match="max_logit_level"):
         DetectorRegistry.with_overrides({"max_logit_level": -1.0})
     assert not LevelRules(max_logit_level=None, expert_share_level=0).rules()
-    assert len(default_rules(LevelRules(max_logit_level=0, expert_share_level=0))) == len(default_rules()) - 2
+    assert len(default_rules(LevelRules(max_logit_level=0))) == len(default_rules()) - 1
+    assert len(default_rules(LevelRules(expert_share_level=0.5))) == len(default_rules()) + 1
 
 
 def test_registry_state_round_trip_keeps_the_level_latch():
