@@ -115,10 +115,14 @@ def test_hook_alerts_at_the_first_evaluation_when_a_layers_maximum_passes_the_qk
                      attention_logit_capture=[lambda record: setattr(model, "record", record)])
     records = []
     hook = MechHook(MechConfig(monitors=MonitorConfig(families=("attention",), interval=3, qk_terms=("delta2",))),
-                    sinks=CallbackSink(records.append))
+                    train_steps=30, sinks=CallbackSink(records.append))
     hook.setup(view, None)
     assert "level rules armed from the first evaluation (step 3): symptom/max_attn_logit/layer* > 100" in \
         hook.start_line()
+    # 30 steps make 10 evaluations, too few for a baseline: the warning says what can still alert
+    [message] = hook.unarmed_settings()
+    assert "Only non-finite values and the level rules (symptom/max_attn_logit/layer* > 100, armed from the first " \
+        "evaluation) can alert" in message
     x = torch.randn(2, 6, 16)
     for step in (1, 2, 3):
         hook.before_step(step)
