@@ -233,7 +233,10 @@ def report(args, criteria: dict, rows: list) -> str:
              f"- Megatron spiky loss: the per-step loss, max of the first {MEGATRON_SAMPLES_IN_STEPS} steps (= "
              f"{MEGATRON_SPIKY_LOSS_SAMPLES} micro-batch samples at {MICROBATCHES} micro-batches per rank), ≥ 10×;",
              "- OLMo spikes: > mean + 6σ of the previous 128 steps (the grad norm is recorded every 5 steps: 26 "
-             "records); QK-clip: recorded max logit > 100 (recorded every 5 steps).",
+             "records); QK-clip: recorded max logit > 100 (recorded every 5 steps);",
+             "- ZClip: grad-norm z-score > 2.5 against an EMA of mean and variance (α = 0.97 per step, 0.97⁵ per "
+             "record) started from the first 25 steps' norms (5 records); llm-foundry KillLossSpike: 5 consecutive "
+             "losses ≥ 2× the mean of the previous 100 (or at least half of them above 10 from step 200).",
              "", "Tuning evidence: " + criteria["evidence"], "",
              "## Lead per rule against the earliest outcome", "",
              "Cells: `+lead (lead fraction)` = fired that many steps before the outcome; `-n` = n steps after it; "

@@ -45,6 +45,8 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks._results import write_results  # noqa: E402
 from benchmarks._train_runs import model_flags, train_run  # noqa: E402
+from megatron_mech.core.detect import DetectorRegistry, LevelDetector, layer_of  # noqa: E402
+from megatron_mech.monitors.max_logit import MAX_LOGIT_METRIC  # noqa: E402
 from megatron_mech.studies import clean_corpus  # noqa: E402
 from megatron_mech.studies.clean_scores import binomial_upper_bound, expected_alarms, kind_of, replay  # noqa: E402
 from megatron_mech.studies.leadtime import (  # noqa: E402
@@ -171,6 +173,7 @@ def report(args, runs: list, summary: dict) -> str:
                      f"| {_fmt(q.get('p99'))} | {_fmt(q.get('max'))} | {_fmt(p['margin_min'])} | "
                      f"{_fmt(ql.get('max')) if ql else 'none'} | {_fmt(p['level'])} | {_fmt(p['lowest_value'])} | "
                      f"{_fmt(p['collapse'])} | {_fmt(p['lowest_layer_ratio'])} |")
+    lines += level_lines(runs)
     lines += ["", "## Alarms", ""]
     lines += [f"- {a['run']}: `{a['metric']}` at steps {a['steps']}" for a in summary["alarms"]] or ["- none"]
     lines += ["", "## Runs", ""] + [f"- {run['name']}: `{run['command']}`" for run in runs[:4]]
@@ -179,11 +182,117 @@ def report(args, runs: list, summary: dict) -> str:
     return "\n".join(lines)
 
 
+def _moe_shape() -> tuple:
+    """Experts and top-k of the MoE runs (the preset's flags)."""
+    flags = model_flags(64, True)
+    return int(flags[flags.index("--num-experts") + 1]), int(flags[flags.index("--moe-router-topk") + 1])
+
+
+# The busiest-expert level examined on the corpus (the rule is off by default: core.detect.EXPERT_SHARE_LEVEL):
+# half-way from a balanced share to every token's top-k.
+EXAMINED_SHARE_LEVEL = 0.5
+
+
+def share_excess_bounds(cv: float, experts: int, topk: int) -> tuple:
+    """``(lower, upper)`` bounds of a layer's busiest-expert excess (``router/layer{L}/expert_share_excess``) from its
+    recorded load CV ``c`` (population std / mean of the E shares p_i, mean 1/E): Σp_i² = (1 + c²)/E, and the largest
+    share is at least Σp_i² (each p_i² ≤ max·p_i) and at most 1/E + c·√(E − 1)/E (Σ(p_i − 1/E)² = c²/E, all of the
+    spread on one share); the excess is (share − 1/E) / (1/k − 1/E)."""
+    span = 1 / topk - 1 / experts
+    return (cv * cv / experts) / span, (cv * math.sqrt(experts - 1) / experts) / span
+
+
+def level_replay(run_records: list) -> dict:
+    """What the level rules say on one run whose records predate their series.
+
+    * the per-layer max-logit rule (``symptom/max_attn_logit/layer*``, a default rule), replayed with its own
+      detector on the recorded global maximum ``symptom/max_attn_logit``: at every evaluation the global value is the
+      largest layer's, so some layer is above the level exactly when the global value is — zero alarms on the
+      global series is zero alarms of the per-layer rule;
+    * the busiest-expert rule (``router/*/expert_share_excess``, off by default) at :data:`EXAMINED_SHARE_LEVEL`:
+      its series is not recorded; :func:`share_excess_bounds` of every recorded ``router/layer{L}/load_cv`` says
+      whether the level was certainly passed (lower bound above it) or certainly not (upper bound at or below it).
+    """
+    registry = DetectorRegistry()
+    logit_rule = next(r for r in registry.level_rules() if r.matches("symptom/max_attn_logit/layer0"))
+    detector = LevelDetector(logit_rule.config(registry.base_config), MAX_LOGIT_METRIC, logit_rule.family)
+    experts, topk = _moe_shape()
+    out = {"logit_level": logit_rule.level, "logit_evaluations": 0, "logit_alarms": [], "logit_max": None,
+           "share_level": EXAMINED_SHARE_LEVEL, "share_evaluations": 0, "share_lower_max": None,
+           "share_lower_max_at": None, "share_certainly_above": [], "share_possibly_above": 0,
+           "level_series_recorded": False}
+    for record in run_records:
+        metrics = record.get("metrics") or {}
+        step = int(record["step"])
+        out["level_series_recorded"] |= any(n.startswith(MAX_LOGIT_METRIC + "/") or n.endswith("/expert_share_excess")
+                                            for n in metrics)
+        value = metrics.get(MAX_LOGIT_METRIC)
+        if isinstance(value, (int, float)):
+            out["logit_evaluations"] += 1
+            out["logit_max"] = value if out["logit_max"] is None else max(out["logit_max"], value)
+            if detector.update(step, value) is not None:
+                out["logit_alarms"].append(step)
+        for name, cv in metrics.items():
+            if not (name.startswith("router/") and name.endswith("/load_cv") and isinstance(cv, (int, float))):
+                continue
+            lower, upper = share_excess_bounds(cv, experts, topk)
+            out["share_evaluations"] += 1
+            if out["share_lower_max"] is None or lower > out["share_lower_max"]:
+                out["share_lower_max"], out["share_lower_max_at"] = lower, [step, layer_of(name)]
+            if lower > EXAMINED_SHARE_LEVEL:
+                out["share_certainly_above"].append([step, layer_of(name)])
+            elif upper > EXAMINED_SHARE_LEVEL:
+                out["share_possibly_above"] += 1
+    return out
+
+
+def level_lines(runs: list) -> list:
+    """The report's section on the level rules (:func:`level_replay` of every run; none without it)."""
+    levels = [(run["name"], run["levels"]) for run in runs if "levels" in run]
+    if not levels:
+        return []
+    experts, topk = _moe_shape()
+    recorded = any(lv["level_series_recorded"] for _, lv in levels)
+    logit_n = sum(lv["logit_evaluations"] for _, lv in levels)
+    logit_alarms = [(name, step) for name, lv in levels for step in lv["logit_alarms"]]
+    logit_max = max((lv["logit_max"] for _, lv in levels if lv["logit_max"] is not None), default=None)
+    share_n = sum(lv["share_evaluations"] for _, lv in levels)
+    above = [(name, step, layer) for name, lv in levels for step, layer in lv["share_certainly_above"]]
+    possibly = sum(lv["share_possibly_above"] for _, lv in levels)
+    worst = max(((lv["share_lower_max"], name, lv["share_lower_max_at"]) for name, lv in levels
+                 if lv["share_lower_max"] is not None), default=None)
+    level = levels[0][1]
+    lines = ["", "## Level rules (armed from the first evaluation)", "",
+             ("The runs record the level rules' own series: they are replayed in the tables above too." if recorded
+              else "These runs were recorded before the level rules' series existed (`symptom/max_attn_logit/"
+              "layer{L}`, `router/layer{L}/expert_share_excess`): the tables above hold none of their evaluations. "
+              "What was replayed instead:"), "",
+             f"- **a layer's max attention logit > {level['logit_level']:g}** (a default rule): replayed with its "
+             f"own detector on the recorded global maximum `{MAX_LOGIT_METRIC}`, which at every evaluation is the "
+             f"largest layer's — some layer is above the level exactly when it is. **{len(logit_alarms)} alarms** "
+             f"over {logit_n} evaluations (every evaluation of every run, from the first)"
+             + (": " + ", ".join(f"{n} step {s}" for n, s in logit_alarms) if logit_alarms else "")
+             + f"; the largest value recorded: {_fmt(logit_max)}. Not replayed: which layer and head (not recorded).",
+             f"- **busiest expert beyond {level['share_level']:g}** of the way from 1/E to 1/k (E = {experts}, k = "
+             f"{topk}; off by default, examined at this level): its series was not recorded; bounded from the "
+             f"recorded `router/layer{{L}}/load_cv` c — the busiest share is at least (1 + c²)/E and at most "
+             f"1/E + c·√(E − 1)/E. Of {share_n} router-layer evaluations of the MoE runs, "
+             f"**{len(above)} certainly above the level** (lower bound above it), {possibly} possibly, the rest "
+             f"certainly not"
+             + (f"; the largest lower bound: {worst[0]:.3g} ({worst[1]}, step {worst[2][0]}, layer {worst[2][1]})"
+                if worst else "")
+             + (f"; steps {min(s for _, s, _ in above)}–{max(s for _, s, _ in above)}, in "
+                f"{len({n for n, _, _ in above})} runs. Armed from the first evaluation, this level alarms on "
+                f"healthy runs' early routing transient: the rule is off by default." if above else ".")]
+    return lines
+
+
 def _scored(meta: dict, run_records: list) -> dict:
-    """One run's entry of the report: how it was made, and its series replayed through today's default rules."""
+    """One run's entry of the report: how it was made, its series replayed through today's default rules, and the
+    level rules on what it recorded (:func:`level_replay`)."""
     scores = replay(run_records)
     return {**meta, "scores": scores, "alarms": sum(s.alarms for s in scores.values()),
-            "evaluations": sum(s.evaluations for s in scores.values())}
+            "evaluations": sum(s.evaluations for s in scores.values()), "levels": level_replay(run_records)}
 
 
 def main(argv=None):

@@ -14,7 +14,8 @@ Every name comes from the code, not from arithmetic here:
 * experts (``--mech-experts``, off by default; MoE): :meth:`ExpertMonitor.observe
   <megatron_mech.monitors.experts.ExpertMonitor.observe>` of the real monitor on every layer's experts (1×1
   matrices: the names depend only on the counts);
-* symptoms: the ``symptom/*`` rows of the metrics reference (:data:`megatron_mech.records.metrics_reference.METRICS`).
+* symptoms: the ``symptom/*`` rows of the metrics reference (:data:`megatron_mech.records.metrics_reference.METRICS`),
+  the per-layer maximum attention logit once per layer.
 
 The summary count is :func:`~megatron_mech.records.writer_level.summary_metrics` of that name set at a step without
 alerts. Every layer of the MoE layout is an MoE layer, as in ``frontier_shards.py``.
@@ -31,6 +32,7 @@ import torch
 from megatron_mech.monitors.attention import AttentionMonitorConfig
 from megatron_mech.monitors.attention.names import unit_entries
 from megatron_mech.monitors.experts import ExpertLayer, ExpertMonitor
+from megatron_mech.monitors.metric_names import render
 from megatron_mech.monitors.router import RouterLayer, RouterMonitor
 from megatron_mech.records.metrics_reference import METRICS
 from megatron_mech.records.writer_level import AUTO_SUMMARY_SERIES, per_unit_family, summary_metrics
@@ -57,6 +59,7 @@ def router_names(layout: Layout) -> list[str]:
     gen = torch.Generator().manual_seed(0)
     monitor = RouterMonitor([RouterLayer(L, torch.randn(layout.experts, 4, generator=gen), layout.topk)
                              for L in range(layout.layers)])
+    monitor.capturing = True  # the logits below are counted (series of the load appear only with tokens)
     for L in range(layout.layers):
         monitor.record(L, torch.randn(16, layout.experts, generator=gen))
     return list(monitor.observe(1)[0])
@@ -75,14 +78,17 @@ def expert_names(layout: Layout) -> list[str]:
     return list(monitor.observe(1)[0])
 
 
-def symptom_names() -> list[str]:
-    return [entry.name for entry in METRICS if entry.name.startswith("symptom/")]
+def symptom_names(layout: Layout) -> list[str]:
+    """The ``symptom/*`` rows of the metrics reference, a per-layer row (``{L}``) once per layer."""
+    return [render(entry.name, L=L) if "{L}" in entry.name else entry.name
+            for entry in METRICS if entry.name.startswith("symptom/")
+            for L in (range(layout.layers) if "{L}" in entry.name else (None,))]
 
 
 def count(layout: Layout, experts: bool) -> dict:
     """Per family: series, of which per-unit and per-layer (or none), and the summary writers' share."""
     names = {"attention": attention_names(layout), "router": router_names(layout),
-             "experts": expert_names(layout) if experts else [], "symptoms": symptom_names()}
+             "experts": expert_names(layout) if experts else [], "symptoms": symptom_names(layout)}
     rows = {}
     for family, family_names in names.items():
         per_unit = sum(per_unit_family(n) is not None for n in family_names)

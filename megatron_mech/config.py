@@ -15,7 +15,8 @@ detector sections take their settings from the math core's own declarations (``M
 JSON / dict shape (every key optional)::
 
     {"monitors": {"families": ["auto"], "interval": 10, "dw_scope": "global", ...},
-     "detector": {"warmup": null, "baseline": null, "threshold": null, "persistence": null},
+     "detector": {"max_logit_level": null, "expert_share_level": null, "warmup": null, "baseline": null,
+                  "threshold": null, "persistence": null},
      "mols": {"enabled": false, "window": null, "base": "vo", "clamp": [0.5, 2.0], ...},
      "output": {"dir": null, "wandb_project": null, "tensorboard_dir": null, "writer_level": "auto"},
      "on_alert": "log"}
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 from megatron_mech.core.checks import is_int
-from megatron_mech.core.detect import DetectorConfig
+from megatron_mech.core.detect import LEVEL_SETTINGS, DetectorConfig, LevelRules
 from megatron_mech.core.mols import MoLSConfig, default_window, parse_fixed_multipliers
 from megatron_mech.core.option_fields import BadSetting
 from megatron_mech.monitors.attention import AttentionMonitorConfig
@@ -137,19 +138,26 @@ class MonitorConfig(AttentionMonitorConfig):
 
 @dataclass
 @settings_of(DetectorConfig, override="override the {} (default: per rule)")
+@settings_of(LevelRules, override="{} (default: the rule's own level)")
 class DetectorOverrides:
-    """Values that replace the default detector rules' own, for every rule (``None`` = the rule's value): the
-    settings :class:`~megatron_mech.core.detect.DetectorConfig` declares (``--mech-detector-*``)."""
+    """Values that replace the default detector rules' own (``None`` = the rule's value): the levels of the level
+    rules, :class:`~megatron_mech.core.detect.LevelRules` (``--mech-max-logit-level``, ``--mech-expert-share-level``;
+    0 switches one off), and, for every baseline-relative rule, the settings
+    :class:`~megatron_mech.core.detect.DetectorConfig` declares (``--mech-detector-*``)."""
 
     def __post_init__(self):
         for name, value in self.as_rule_fields().items():  # the detector's own checks, once, naming the flag
             try:
-                dataclasses.replace(DetectorConfig(), **{name: value})
+                if name in LEVEL_SETTINGS:
+                    LevelRules(**{name: value})
+                else:
+                    dataclasses.replace(DetectorConfig(), **{name: value})
             except (TypeError, ValueError) as e:
                 raise ValueError(f"{field_flag(DetectorOverrides, name)}: {e}") from None
 
     def as_rule_fields(self) -> dict:
-        """The overrides that are set, as ``dataclasses.replace`` keywords for a detector rule."""
+        """The overrides that are set, as :meth:`~megatron_mech.core.detect.DetectorRegistry.with_overrides` takes
+        them (a level rule's level, or ``dataclasses.replace`` keywords for a baseline-relative rule)."""
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 

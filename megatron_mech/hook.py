@@ -795,12 +795,22 @@ class MechHook:
         first, needed = self._earliest_rule()
         if evaluations >= needed:
             return []
+        levels = self.armed_level_rules()
+        can_alert = ("Only non-finite values can alert" if not levels else
+                     f"Only non-finite values and the level rules ({_describe_levels(levels)}, armed from the first "
+                     f"evaluation) can alert")
         return [f"the detectors cannot reach a baseline in this run: its {steps} training steps at --mech-interval "
                 f"{interval} make {evaluations} evaluation{'s' if evaluations != 1 else ''}, and the earliest "
                 f"baseline-relative alert needs {needed}: {first.warmup} warm-up (--mech-detector-warmup, "
                 f"mech.detector.warmup) + {first.baseline} baseline (--mech-detector-baseline) + "
-                f"{first.persistence} out-of-band (--mech-detector-persistence). Only non-finite values can alert; "
+                f"{first.persistence} out-of-band (--mech-detector-persistence). {can_alert}; "
                 f"lower them or the interval"]
+
+    def armed_level_rules(self) -> list:
+        """The level rules (:meth:`DetectorRegistry.level_rules`) whose series a running monitor records: armed
+        from the first evaluation (empty before :meth:`setup`)."""
+        running = {monitor.name for monitor in self.monitors}
+        return [rule for rule in self.registry.level_rules() if _LEVEL_RULE_SOURCES.get(rule.family) in running]
 
     def _earliest_rule(self) -> tuple:
         """The detector settings of the rule that can alert first on a baseline-relative change, and the number of
@@ -819,11 +829,17 @@ class MechHook:
         it could alert on non-finite values only)."""
         armed_from, last = self.armed_from_step, max(self._current_step, self._start_step)
         armed = last >= armed_from
+        levels = self.armed_level_rules()
+        first = self.config.monitors.interval  # the first evaluation step
         note = (f"run ended at step {last}; detectors armed from step {armed_from}" if armed else
                 f"run ended at step {last}, before the detectors were armed (step {armed_from}): only non-finite "
-                f"values could alert")
-        return {"armed_from_step": armed_from, "last_step": last, "armed": armed, "note": note,
-                "rule_overrides": self.config.detector.as_rule_fields()}  # the report rebuilds the rules from it
+                f"values{' and the level rules' if levels else ''} could alert")
+        arming = {"armed_from_step": armed_from, "last_step": last, "armed": armed, "note": note,
+                  "rule_overrides": self.config.detector.as_rule_fields()}  # the report rebuilds the rules from it
+        if levels:  # armed from the first evaluation, whatever the baseline-relative rules' warm-up
+            arming["note"] += f"; level rules ({_describe_levels(levels)}) armed from step {first}"
+            arming["level_rules"] = {"armed_from_step": first, "rules": [_describe_levels([r]) for r in levels]}
+        return arming
 
     def start_line(self) -> str:
         """The one line :meth:`setup` logs on the logging rank: what is monitored (from the model view), how
@@ -832,10 +848,14 @@ class MechHook:
         ordered = sorted(self.monitors, key=lambda monitor: not monitor.selectable)
         parts = [monitor.describe(self._stage_counts.get(monitor.name, 0)) for monitor in ordered]
         first, _ = self._earliest_rule()
+        levels = self.armed_level_rules()
+        level_part = (f"; level rules armed from the first evaluation (step {self.config.monitors.interval}): "
+                      f"{_describe_levels(levels)}" if levels else "")
         return (f"[mech] monitors on: {', '.join(parts) or 'none (loss and grad norm only)'}, every "
                 f"{_count(self.config.monitors.interval, 'step')}; detectors armed from step "
                 f"{self.armed_from_step} (warm-up "
-                f"{first.warmup} + baseline {first.baseline} + persistence {first.persistence} evaluations)")
+                f"{first.warmup} + baseline {first.baseline} + persistence {first.persistence} evaluations)"
+                f"{level_part}")
 
     def _count_layers(self, view: ModelView, layer_counts: list) -> dict:
         """Layers per registered monitor over the whole model, from this rank's ``layer_counts`` (one per registered
@@ -945,6 +965,16 @@ def _model_on_gpu(view: ModelView) -> bool:
 
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+# The monitor that records the series a level rule judges, by the rule's family (core.detect.LevelRules): the
+# per-layer maximum attention logit comes from the max-logit recorder, the busiest-expert share from the routers'.
+_LEVEL_RULE_SOURCES = {"attention": "max_logit", "router": "router"}
+
+
+def _describe_levels(rules) -> str:
+    """``symptom/max_attn_logit/layer* > 100, ...``: level rules as a reader sees them."""
+    return ", ".join(f"{rule.pattern} {'>' if rule.direction == 'up' else '<'} {rule.level:g}" for rule in rules)
 
 
 def _monitor_entries(state: dict) -> dict:

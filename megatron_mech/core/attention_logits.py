@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["CHUNK_ELEMENTS", "max_attention_logit"]
+__all__ = ["CHUNK_ELEMENTS", "max_attention_logit", "max_attention_logit_per_head"]
 
 CHUNK_ELEMENTS = 1 << 24  # logits computed at once (64 MiB in float32)
 
@@ -62,3 +62,45 @@ def max_attention_logit(query: torch.Tensor, key: torch.Tensor, scale: float, *,
             if logits.numel():
                 best = max(best, float(logits.max()))
         return best
+
+
+def max_attention_logit_per_head(query: torch.Tensor, key: torch.Tensor, scale: float, *, causal: bool = True,
+                                 mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per query head, ``max`` over batch and unmasked (query, key) pairs of ``scale · q·k``: a CPU float64 tensor
+    ``[h]`` (the shapes, mask and causal flag as :func:`max_attention_logit`, whose value is the maximum of this
+    one's). A head holding a NaN logit is NaN, a head whose every pair is masked ``-inf``."""
+    if query.dim() != 4 or key.dim() != 4:
+        raise ValueError(f"query and key must be [b, heads, s, d], got {tuple(query.shape)} and {tuple(key.shape)}")
+    b, h, sq, d = query.shape
+    g, sk = key.shape[1], key.shape[2]
+    if key.shape[0] != b or key.shape[3] != d or g == 0 or h % g:
+        raise ValueError(f"key {tuple(key.shape)} does not match query {tuple(query.shape)} (batch, head dim, "
+                         f"or query heads a multiple of key groups)")
+    with torch.no_grad():
+        dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+        k = key.detach()
+        if g != h:
+            k = k.repeat_interleave(h // g, dim=1)
+        k_t = k.to(dtype).transpose(-1, -2)  # [b, h, d, sk]
+        if mask is not None:
+            mask = mask.to(device=query.device, dtype=torch.bool)
+        rows = max(1, CHUNK_ELEMENTS // max(1, b * h * sk))  # as in max_attention_logit
+        best = torch.full((h,), float("-inf"), dtype=dtype, device=query.device)
+        nan = torch.zeros(h, dtype=torch.bool, device=query.device)
+        for start in range(0, sq, rows):
+            stop = min(sq, start + rows)
+            logits = torch.matmul(query.detach()[:, :, start:stop].to(dtype), k_t) * float(scale)  # [b, h, r, sk]
+            nan |= torch.isnan(logits).flatten(2).any(dim=2).any(dim=0)
+            masked = torch.zeros((stop - start, sk), dtype=torch.bool, device=logits.device)
+            if causal:  # query i (aligned at the end of the keys) sees keys j <= i + sk - sq
+                i = torch.arange(start, stop, device=logits.device).unsqueeze(1)
+                j = torch.arange(sk, device=logits.device).unsqueeze(0)
+                masked = j > i + (sk - sq)
+            if mask is not None:
+                masked = masked | mask.expand(b, h, sq, sk)[:, :, start:stop]
+            logits = logits.masked_fill(masked, float("-inf"))
+            if logits.numel():
+                best = torch.maximum(best, logits.transpose(0, 1).reshape(h, -1).amax(dim=1).nan_to_num(
+                    nan=float("-inf"), posinf=float("inf"), neginf=float("-inf")))
+        best = best.masked_fill(nan, float("nan"))
+        return best.to(device="cpu", dtype=torch.float64)

@@ -66,6 +66,15 @@ not fire. The registry
 computes the layer medians (:class:`DetectorRegistry` sees every series of an evaluation at once); a single
 :class:`Detector` fed alone has no layer and uses the level only.
 
+Level rules (``SeriesRule(kind="level")``, :class:`LevelDetector`): a series whose value has a physical meaning
+is also judged against an absolute level, with no warm-up and no baseline, so the rule is armed from the first
+evaluation (a run broken by its 10th step is caught there, where a baseline-relative rule is still in its warm-up).
+An evaluation beyond the level in the bad direction (up: ``x > ℓ``; down: ``x < ℓ``; strict), or non-finite, is out;
+``persistence`` (1 by default) consecutive out evaluations fire one alert, then the rule latches until
+``persistence`` consecutive evaluations are back inside, when it re-arms — as the baseline-relative rules do. The
+default levels (:class:`LevelRules`, each a setting that 0 or None switches off): a layer's maximum attention logit
+above 100; a router's busiest-expert share is a level rule a user sets (off by default, see there).
+
 Tracking baseline (``track = L > 0``), for series whose healthy drift goes the bad way (routing entropies fall
 for thousands of steps as experts specialize): after the baseline is collected, every in-band evaluation is
 held back for ``L`` evaluations and then joins a sliding window of the last ``baseline`` admitted values, from
@@ -86,7 +95,8 @@ from typing import Any, Mapping, Sequence
 from megatron_mech.core.checks import is_finite_real, is_int
 from megatron_mech.core.option_fields import option
 
-__all__ = ["ATTENTION_COLLAPSE", "ATTENTION_LEVELS", "FAMILIES", "DIRECTIONS", "Alert", "DetectorConfig", "Detector",
+__all__ = ["ATTENTION_COLLAPSE", "ATTENTION_LEVELS", "EXPERT_SHARE_LEVEL", "FAMILIES", "DIRECTIONS", "LEVEL_SETTINGS",
+           "MAX_LOGIT_LEVEL", "RULE_KINDS", "Alert", "DetectorConfig", "Detector", "LevelDetector", "LevelRules",
            "SeriesRule", "DetectorRegistry", "default_rules", "layer_of"]
 
 FAMILIES = ("attention", "router", "symptom")
@@ -100,6 +110,24 @@ ATTENTION_LEVELS = {"delta2_entropy": 0.01, "dw_entropy": 0.02}
 # counts as beyond the level (module docstring, "Layer collapse"); see default_rules for the measurements.
 ATTENTION_COLLAPSE = 0.15
 _LAYER = re.compile(r"(?:^|/)layer(\d+)(?:/|$)")
+RULE_KINDS = ("baseline", "level")  # baseline-relative (Detector), absolute level (LevelDetector)
+# The QK-clip threshold τ: megatron-core's TransformerConfig.qk_clip_threshold defaults to 100 and MuonClip (Kimi K2,
+# arXiv:2507.20534) clips at τ = 100: the attention-logit level past which those trainers already treat a head as
+# running away (softmax over logits > 100 apart is one-hot to float32 precision: e^-100 ≈ 4e-44). A layer whose
+# maximum logit passes it is the incumbent QK-clip alarm, here per layer and head and armed from the first evaluation.
+MAX_LOGIT_LEVEL = 100.0
+# On the normalized busiest-expert share (the router series `expert_share_excess`: (share − 1/E) / (1/k − 1/E), 0 =
+# balanced, 1 = the expert in every token's top-k): OFF by default. A top-k router puts k distinct experts in each
+# token's top-k, so one expert holds at most 1/k of the assignments, and the only share no router can pass is that
+# ceiling. A level below it (half-way, 0.5: the busiest expert in (1 + k/E)/2 of the tokens' top-k, 75 % for 4
+# experts top-2) is not one a healthy router never reaches: the clean corpus (benchmarks/false_alarms.py, 5 MoE
+# runs, 4 experts top-2, no load-balancing loss) sends nearly every token to the same two experts early on: at
+# step 20 of seed 23, layer 3 had load CV 0.96, so its busiest share was at least Σp² = (1 + CV²)/E = 0.48 (an
+# excess ≥ 0.92), and 16 evaluations of the transient (steps 10–85, all five seeds) were certainly above half-way.
+# Armed from the first evaluation, such a level alarms on healthy runs; a run with a load-balancing loss may set
+# one (--mech-expert-share-level 0.5).
+EXPERT_SHARE_LEVEL = None
+_LEVEL_DIRECTIONS = ("down", "up")
 
 
 def layer_of(name: str) -> int | None:
@@ -143,6 +171,9 @@ class Alert:
         """One-line human message."""
         if not math.isfinite(self.value):
             what = f"non-finite value {self.value}"
+        elif "level" in self.detail:  # a level rule's alert: the baseline is its level
+            rel = "below" if self.value < self.baseline else "above"
+            what = f"value {self.value:.4g} {rel} level {self.baseline:.4g}"
         else:
             rel = "below" if self.value < self.baseline else "above"
             what = f"value {self.value:.4g} {rel} baseline {self.baseline:.4g}"
@@ -500,6 +531,111 @@ class Detector:
         self._last_beyond = self._last_layer_ratio = None
 
 
+class LevelDetector:
+    """An absolute level on one series, armed from the first evaluation (module docstring, "Level rules"). Uses
+    the ``level``, ``direction`` and ``persistence`` of its config; offers the properties of :class:`Detector`
+    that readers of a registry use (it is always monitoring; its score is the value over the level)."""
+
+    def __init__(self, config: DetectorConfig, metric: str, family: str) -> None:
+        _check_family(family)
+        if config.level is None or not config.level > 0 or config.direction not in _LEVEL_DIRECTIONS:
+            raise ValueError(f"{metric}: a level rule needs a level > 0 and direction 'down' or 'up', got level "
+                             f"{config.level!r}, direction {config.direction!r}")
+        self.config = config
+        self.metric = metric
+        self.family = family
+        self.reset()
+
+    def reset(self) -> None:
+        self._n_out = 0        # consecutive out evaluations (while armed)
+        self._n_in = 0         # consecutive in evaluations (while latched)
+        self._active = False   # latched after an alert
+        self._n_alerts = 0
+        self._last_score: float | None = None
+        self._last_beyond: bool | None = None
+
+    phase = "monitoring"  # no warm-up, no baseline
+    baseline_median = None
+    baseline_scale = None
+    last_layer_ratio = None
+
+    @property
+    def last_score(self) -> float | None:
+        return self._last_score
+
+    @property
+    def last_beyond_level(self) -> bool | None:
+        return self._last_beyond
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    @property
+    def n_alerts(self) -> int:
+        return self._n_alerts
+
+    def ratio(self, value: float) -> None:
+        return None
+
+    def beyond_level(self, value: float, layer_ratio: float | None = None) -> bool:
+        """Whether ``value`` is out: beyond the level in the bad direction (strict), or not finite."""
+        if not math.isfinite(value):
+            return True
+        return value > self.config.level if self.config.direction == "up" else value < self.config.level
+
+    def score(self, value: float) -> float:
+        """How far past the level: ``value / level`` (up) or ``level / value`` (down); ``inf`` if not finite."""
+        if not math.isfinite(value):
+            return math.inf
+        level = self.config.level
+        if self.config.direction == "up":
+            return value / level
+        return level / value if value > 0 else math.inf
+
+    def update(self, step: int, value: float, detail: Mapping[str, Any] | None = None,
+               layer_ratio: float | None = None) -> Alert | None:
+        """Feed one evaluation; return an :class:`Alert` when one fires (``detail`` with ``level`` added)."""
+        value = float(value)
+        c = self.config
+        out = self.beyond_level(value)
+        self._last_beyond, self._last_score = out, self.score(value)
+        if self._active:
+            self._n_in = 0 if out else self._n_in + 1
+            if self._n_in >= c.persistence:
+                self._active, self._n_in, self._n_out = False, 0, 0
+            return None
+        self._n_out = self._n_out + 1 if out else 0
+        if self._n_out < c.persistence:
+            return None
+        self._active, self._n_out, self._n_in = True, 0, 0
+        self._n_alerts += 1
+        return Alert(metric=self.metric, family=self.family, step=int(step), value=value, baseline=c.level,
+                     score=self._last_score, detail={**dict(detail or {}), "level": c.level})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": 1, "kind": "level", "metric": self.metric, "family": self.family,
+                "config": dataclasses.asdict(self.config), "n_out": self._n_out, "n_in": self._n_in,
+                "active": self._active, "n_alerts": self._n_alerts}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("kind") != "level" or state.get("version") != 1:
+            raise ValueError(f"state of {self.metric!r} is not a level detector's (version 1), got kind "
+                             f"{state.get('kind')!r}, version {state.get('version')!r}: the series is now judged "
+                             f"by a level rule")
+        if state["metric"] != self.metric:
+            raise ValueError(f"state is for metric {state['metric']!r}, this detector is {self.metric!r}")
+        counts = {}
+        for key in ("n_out", "n_in", "n_alerts"):
+            v = state[key]
+            if not is_int(v) or v < 0:
+                raise ValueError(f"level detector state of {self.metric!r}: {key} must be an int >= 0, got {v!r}")
+            counts[key] = int(v)
+        self._n_out, self._n_in, self._n_alerts = counts["n_out"], counts["n_in"], counts["n_alerts"]
+        self._active = bool(state["active"])
+        self._last_score = self._last_beyond = None
+
+
 _OVERRIDES = ("warmup", "baseline", "threshold", "persistence", "rel_floor", "rel_cap", "abs_floor", "track",
               "recede", "level", "collapse")
 
@@ -508,7 +644,9 @@ _OVERRIDES = ("warmup", "baseline", "threshold", "persistence", "rel_floor", "re
 class SeriesRule:
     """Which series to monitor and how: ``pattern`` is matched with :func:`fnmatch.fnmatchcase` against the
     whole series name (``*`` also matches ``/``). Fields left as None take the registry's base config.
-    ``rel_cap`` cannot be reset to None by a rule (None means "inherit")."""
+    ``rel_cap`` cannot be reset to None by a rule (None means "inherit"). ``kind``: ``"baseline"`` (a
+    :class:`Detector`) or ``"level"`` (a :class:`LevelDetector`: needs a ``level`` > 0 and direction down or up;
+    of the other fields only ``persistence`` applies)."""
 
     pattern: str
     family: str
@@ -524,11 +662,18 @@ class SeriesRule:
     recede: float | None = None
     level: float | None = None
     collapse: float | None = None
+    kind: str = "baseline"
 
     def __post_init__(self) -> None:
         _check_family(self.family)
         if self.direction not in DIRECTIONS:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {self.direction!r}")
+        if self.kind not in RULE_KINDS:
+            raise ValueError(f"kind must be one of {RULE_KINDS}, got {self.kind!r}")
+        if self.kind == "level" and (not is_finite_real(self.level) or not self.level > 0
+                                     or self.direction not in _LEVEL_DIRECTIONS):
+            raise ValueError(f"{self.pattern}: a level rule needs a finite level > 0 and direction 'down' or 'up', "
+                             f"got level {self.level!r}, direction {self.direction!r}")
 
     def matches(self, name: str) -> bool:
         return fnmatch.fnmatchcase(name, self.pattern)
@@ -539,8 +684,52 @@ class SeriesRule:
         return dataclasses.replace(base, direction=self.direction, **over)
 
 
-def default_rules() -> list[SeriesRule]:
-    """Default rules, first match wins. Counts assume one evaluation every ~10 steps (as in the experiments).
+@dataclass
+class LevelRules:
+    """The default level rules' levels (module docstring, "Level rules"): each armed from the first evaluation;
+    0 or None switches a rule off."""
+
+    max_logit_level: float | None = option(
+        MAX_LOGIT_LEVEL, "alert, from the first evaluation, when a layer's maximum attention logit "
+        "(symptom/max_attn_logit/layer{L}, its head in the alert) is above this level (100: the QK-clip "
+        "threshold; 0 = off)",
+        flag="--mech-max-logit-level", type=float)
+    expert_share_level: float | None = option(
+        EXPERT_SHARE_LEVEL, "alert, from the first evaluation, when a router's busiest expert is beyond this "
+        "fraction of the way from a balanced share (1/E) to every token's top-k (1/k) "
+        "(router/layer{L}/expert_share_excess; e.g. 0.5: half-way; off by default: healthy routers without a "
+        "load-balancing loss reach the ceiling early in training)", flag="--mech-expert-share-level", type=float)
+
+    def __post_init__(self) -> None:
+        if self.max_logit_level is not None and (not is_finite_real(self.max_logit_level)
+                                                 or self.max_logit_level < 0):
+            raise ValueError(f"max_logit_level must be a finite number > 0 (0 or None: off), got "
+                             f"{self.max_logit_level!r}")
+        if self.expert_share_level is not None and (not is_finite_real(self.expert_share_level)
+                                                    or not 0 <= self.expert_share_level < 1):
+            raise ValueError(f"expert_share_level must be a number in (0, 1) (0 or None: off; 1 is every token's "
+                             f"top-k, which it can only reach), got {self.expert_share_level!r}")
+
+    def rules(self) -> list[SeriesRule]:
+        """The level rules switched on (persistence 1: the first evaluation beyond the level fires)."""
+        rules = []
+        if self.max_logit_level:
+            rules.append(SeriesRule("symptom/max_attn_logit/layer*", "attention", direction="up", kind="level",
+                                    level=float(self.max_logit_level), persistence=1))
+        if self.expert_share_level:
+            rules.append(SeriesRule("router/*/expert_share_excess", "router", direction="up", kind="level",
+                                    level=float(self.expert_share_level), persistence=1))
+        return rules
+
+
+LEVEL_SETTINGS = tuple(f.name for f in dataclasses.fields(LevelRules))
+
+
+def default_rules(levels: LevelRules | None = None) -> list[SeriesRule]:
+    """Default rules, first match wins: the baseline-relative rules below, then the level rules of ``levels``
+    (default: :class:`LevelRules` ``()``, a layer's maximum attention logit above 100; the busiest-expert rule is off
+    unless set; see ``MAX_LOGIT_LEVEL`` and ``EXPERT_SHARE_LEVEL``). Counts assume one
+    evaluation every ~10 steps (as in the experiments).
 
     * Attention update-spectrum entropies (``attn/layer{L}/dwq_entropy``, ``dwk_entropy`` and
       ``.../head{H}/delta2_entropy``; Δ1/Δ3 and the head aggregates are logged, not alerted on): family
@@ -618,6 +807,7 @@ def default_rules() -> list[SeriesRule]:
         SeriesRule("symptom/loss", "symptom", direction="up", warmup=30, baseline=20, rel_floor=0.02),
         SeriesRule("symptom/grad_norm", "symptom", direction="up", warmup=30, baseline=20, rel_floor=0.25,
                    persistence=5),
+        *(levels if levels is not None else LevelRules()).rules(),
     ]
 
 
@@ -642,15 +832,23 @@ class DetectorRegistry:
 
     @classmethod
     def with_overrides(cls, overrides: Mapping[str, Any] | None = None) -> DetectorRegistry:
-        """The default rules with the same ``overrides`` (``{"warmup": 5, "baseline": 10, ...}``: rule fields,
-        e.g. a run's ``--mech-detector-*`` settings) applied to every rule: how a run builds its registry, and how
+        """The default rules with ``overrides`` applied (e.g. a run's ``--mech-detector-*`` settings): the levels
+        of :class:`LevelRules` (``{"max_logit_level": 0}``) to the level rules, the other keys (``{"warmup": 5,
+        "baseline": 10, ...}``: rule fields) to every baseline-relative rule. How a run builds its registry, and how
         its report rebuilds it from ``summary.json``. An unknown field is a ``ValueError`` naming it."""
         overrides = dict(overrides or {})
-        known = {f.name for f in dataclasses.fields(SeriesRule)} - {"pattern", "family"}
+        levels = LevelRules(**{k: overrides.pop(k) for k in LEVEL_SETTINGS if k in overrides})
+        known = {f.name for f in dataclasses.fields(SeriesRule)} - {"pattern", "family", "kind"}
         unknown = sorted(set(overrides) - known)
         if unknown:
-            raise ValueError(f"unknown detector setting(s) {unknown}; expected some of {sorted(known)}")
-        return cls(rules=[dataclasses.replace(rule, **overrides) for rule in default_rules()])
+            raise ValueError(f"unknown detector setting(s) {unknown}; expected some of "
+                             f"{sorted(known | set(LEVEL_SETTINGS))}")
+        return cls(rules=[dataclasses.replace(rule, **overrides) if rule.kind == "baseline" else rule
+                          for rule in default_rules(levels)])
+
+    def level_rules(self) -> list[SeriesRule]:
+        """The rules of kind ``level``: armed from the first evaluation."""
+        return [rule for rule in self.rules if rule.kind == "level"]
 
     def rule_index(self, name: str) -> int | None:
         """Index in :attr:`rules` of the rule that monitors the series ``name`` (the first that matches), or None."""
@@ -660,8 +858,8 @@ class DetectorRegistry:
         """The settings of the rule that can alert first on a baseline-relative change, and the number of
         evaluations it needs before that alert: its warm-up + baseline + persistence (a detector scores nothing
         during its warm-up and baseline evaluations, and fires after ``persistence`` out-of-band ones). Before
-        that many evaluations only non-finite values alert."""
-        configs = [rule.config(self.base_config) for rule in self.rules]
+        that many evaluations only non-finite values and the level rules (:meth:`level_rules`) alert."""
+        configs = [rule.config(self.base_config) for rule in self.rules if rule.kind == "baseline"]
         first = min(configs, key=lambda c: c.warmup + c.baseline + c.persistence)
         return first, first.warmup + first.baseline + first.persistence
 
@@ -673,7 +871,8 @@ class DetectorRegistry:
                 self._unmonitored.add(name)
                 return None
             rule = self.rules[index]
-            det = self.detectors[name] = Detector(rule.config(self.base_config), name, rule.family)
+            kind = LevelDetector if rule.kind == "level" else Detector
+            det = self.detectors[name] = kind(rule.config(self.base_config), name, rule.family)
             layer = layer_of(name)
             if det.config.collapse is not None and layer is not None:
                 self._collapse_group[name] = (index, layer)

@@ -27,12 +27,22 @@ import torch
 from megatron_mech.core.router_statistics import RoutingStats, all_reduce_many, router_weight_geometry
 from megatron_mech.monitors.metric_names import render
 
-__all__ = ["ROUTER_NAME", "RouterLayer", "RouterMonitor"]
+__all__ = ["ROUTER_NAME", "RouterLayer", "RouterMonitor", "expert_share_excess"]
 
 ROUTER_NAME = "router/layer{L}/{statistic}"
 """Every router series' name (:mod:`megatron_mech.monitors.metric_names` syntax): ``statistic`` is a key of
 :meth:`RoutingStats.summary <megatron_mech.core.router_statistics.RoutingStats.summary>` or of the router weight's
-geometry (``mean_cosine``, ``conditioning``, ``mean_deviation``)."""
+geometry (``mean_cosine``, ``conditioning``, ``mean_deviation``), and ``expert_share_excess``."""
+
+
+def expert_share_excess(share: float, num_experts: int, topk: int):
+    """The busiest expert's share of a layer's top-k assignments, normalized from balanced to the most a top-k
+    router allows: ``(share − 1/E) / (1/k − 1/E)`` — 0 when every expert gets 1/E, 1 when the expert is in every
+    token's top-k (k distinct experts per token: at most 1/k). None when ``k = E`` (every expert in every top-k:
+    no imbalance is possible)."""
+    if topk >= num_experts:
+        return None
+    return (share - 1.0 / num_experts) / (1.0 / topk - 1.0 / num_experts)
 
 
 @dataclass(frozen=True)
@@ -110,6 +120,9 @@ class RouterMonitor:
                 load = stats.load_fraction
                 busiest = int(torch.argmax(load))
                 detail.update(expert=busiest, expert_load=float(load[busiest]))
+                excess = expert_share_excess(float(load[busiest]), stats.num_experts, self.layers[layer].topk)
+                if excess is not None:
+                    summary["expert_share_excess"] = excess
             for key, value in summary.items():
                 name = render(ROUTER_NAME, L=layer, statistic=key)
                 metrics[name] = float(value)

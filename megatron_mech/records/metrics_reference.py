@@ -30,7 +30,7 @@ from megatron_mech.core.mols import MEASURED_KEYS
 from megatron_mech.core.taxonomy import MODULE_CLASSES
 from megatron_mech.monitors.attention.names import AGGREGATE_NAME, DW_NAME, HEAD_NAME, LINEAR_NAME
 from megatron_mech.monitors.experts import EXPERT_LAYER_NAME, EXPERT_NAME
-from megatron_mech.monitors.max_logit import MAX_LOGIT_METRIC
+from megatron_mech.monitors.max_logit import MAX_LOGIT_LAYER_NAME, MAX_LOGIT_METRIC
 from megatron_mech.monitors.metric_names import SYMPTOM_GRAD_NORM, SYMPTOM_LOSS, fill
 from megatron_mech.monitors.router import ROUTER_NAME
 
@@ -222,6 +222,10 @@ METRICS: tuple = (
                 "loaded experts with the same entropy.", "count, [1, E]", _ROUTER),
     MetricEntry(_router("load_cv"), "Coefficient of variation (std / mean) of the per-expert top-k counts.",
                 "dimensionless, [0, √(E − 1)]", _ROUTER),
+    MetricEntry(_router("expert_share_excess"), "The busiest expert's share s of all top-k assignments, from "
+                "balanced to the most a top-k router allows: (s − 1/E) / (1/k − 1/E), 0 = every expert 1/E, 1 = the "
+                "expert in every token's top-k (that expert is in the alert's detail). Absent when k = E.",
+                "dimensionless, [0, 1]", _ROUTER),
     MetricEntry(_router("mean_cosine"), "Mean cosine similarity over pairs of distinct expert rows of the "
                 "router weight [E, d] (rows becoming alike: a router that cannot discriminate).",
                 "dimensionless, [−1/(E − 1), 1]", _ROUTER),
@@ -258,6 +262,10 @@ METRICS: tuple = (
                 "hook, every evaluation where the trainer reports a grad norm"),
     MetricEntry(MAX_LOGIT_METRIC, "Largest pre-softmax attention logit scale·q·k over every layer, head, "
                 "unmasked query/key pair, micro-batch and rank of the evaluation step.", "logit units",
+                "hook (max-logit recorder), every evaluation, where the adapter captures attention inputs "
+                "(megatron-core entry point, Megatron-LM forks; not DeepSpeed)"),
+    MetricEntry(MAX_LOGIT_LAYER_NAME, "As `symptom/max_attn_logit`, over layer L only; the query head holding it "
+                "(global index, over all TP ranks) is in the alert's detail.", "logit units",
                 "hook (max-logit recorder), every evaluation, where the adapter captures attention inputs "
                 "(megatron-core entry point, Megatron-LM forks; not DeepSpeed)"),
     # ------------------------------------------------------------------ MoLS (the record's "mols" section)
@@ -369,6 +377,10 @@ def _rule_cells(entry: MetricEntry) -> list[str]:
     if rule is None:
         return ["logged only", "", "", "", "", ""]
     c: DetectorConfig = rule.config(DetectorConfig())
+    if rule.kind == "level":  # no score, no baseline: the level alone, armed from the first evaluation
+        return [f"`{rule.pattern}` ({rule.family}, level rule)", c.direction, "—",
+                ("< " if c.direction == "down" else "> ") + _number(c.level), str(c.persistence),
+                "none: from the first evaluation"]
     level = "—" if c.level is None else ("≤ " if c.direction == "down" else "≥ ") + _number(c.level)
     if c.collapse is not None:
         level += f", or its layer ≤ {_number(c.collapse)} × baseline"
@@ -422,7 +434,9 @@ def render_markdown() -> str:
         "out-of-band evaluations in a row fire one alert. The baseline is the median/MAD of `baseline` evaluations "
         "after `warm-up` ignored ones, frozen or tracking (following slow drift with the given lag). "
         "`--mech-detector-warmup`, `-baseline`, `-threshold` and `-persistence` override these for every rule. A "
-        "non-finite value alerts at once, in every phase.",
+        "non-finite value alerts at once, in every phase. A *level rule* has no score and no baseline: an "
+        "evaluation beyond its level (strict) is out, from the first evaluation on (`--mech-max-logit-level`, "
+        "`--mech-expert-share-level`; 0 switches one off).",
         "",
         "**Name syntax**: `{X}` is a placeholder, `[...]` a part present only under `" + SLICE_SCOPE_FLAG + "` "
         "(per-shard ΔW spectra: the names gain the TP rank; per-head names never change). An evaluation happens "

@@ -320,7 +320,7 @@ class RunReduction:
             m = _D2_HEAD.match(name) if self._min_over_heads(name) else None
             index = self.registry.rule_index(name)
             detector = None
-            if index is not None:
+            if index is not None and self.registry.rules[index].kind == "baseline":  # a level rule has no baseline
                 rule = self.registry.rules[index]
                 detector = Detector(rule.config(self.registry.base_config), name, rule.family)
             state = self._names[name] = [buckets, int(m.group(1)) if m else None, detector]

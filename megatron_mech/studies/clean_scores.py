@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional, Sequence
 
-from megatron_mech.core.detect import DetectorRegistry, SeriesRule, default_rules
+from megatron_mech.core.detect import DetectorRegistry, SeriesRule, default_rules, layer_of
 
 __all__ = ["SeriesScore", "binomial_upper_bound", "kind_of", "replay", "replay_alerts", "expected_alarms"]
 
@@ -52,6 +52,8 @@ def kind_of(metric: str) -> str:
         return "Δ2 (per head)" if "/head" in metric else "ΔW (per layer)"
     if metric.startswith("router/"):
         return "router/" + metric.rsplit("/", 1)[-1]
+    if layer_of(metric) is not None:  # symptom/max_attn_logit/layer{L}: one kind over the layers
+        return metric.rsplit("/", 1)[0] + " (per layer)"
     return metric
 
 

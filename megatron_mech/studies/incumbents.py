@@ -7,6 +7,9 @@ same runs:
 
 * :func:`megatron_spiky_loss_step` — Megatron-LM's "Spiky loss" check (``--check-for-spiky-loss``);
 * :func:`olmo_spike_step` — OLMo-core's loss / grad-norm spike detection (``StabilityMonitorCallback``);
+* :func:`zclip_spike_step` — ZClip's z-score spike test on the grad norm (EMA of mean and variance);
+* :func:`foundry_loss_spike_step` — llm-foundry's ``KillLossSpike`` callback (loss outliers against a running mean,
+  and persistently high losses against a cap);
 * :func:`qk_clip_step` — the maximum attention logit against the QK-clip threshold (Megatron-LM, MuonClip);
 * :func:`threshold_step` — a plain level on a series (e.g. the grad norm), the level set by the user.
 
@@ -21,16 +24,27 @@ from typing import Iterable, Mapping, Optional, Sequence
 
 from megatron_mech.logit_symptom import MAX_LOGIT_METRIC
 
-__all__ = ["GRAD_NORM_LEVEL", "GRAD_NORM_METRIC", "MEGATRON_SPIKY_LOSS_FACTOR", "MEGATRON_SPIKY_LOSS_SAMPLES",
-           "OLMO_SPIKE_STD", "OLMO_SPIKE_WINDOW", "QK_CLIP_THRESHOLD", "incumbent_firings", "megatron_spiky_loss_step",
-           "metric_series", "microbatches_per_rank", "olmo_spike_step", "qk_clip_step", "run_incumbent_firings",
-           "threshold_step"]
+__all__ = ["FOUNDRY_LOSS_CAP", "FOUNDRY_MIN_WINDOW", "FOUNDRY_OUTLIER_MULTIPLIER", "FOUNDRY_PATIENCE",
+           "FOUNDRY_WINDOW_FRACTION", "GRAD_NORM_LEVEL", "GRAD_NORM_METRIC", "MEGATRON_SPIKY_LOSS_FACTOR",
+           "MEGATRON_SPIKY_LOSS_SAMPLES", "OLMO_SPIKE_STD", "OLMO_SPIKE_WINDOW", "QK_CLIP_THRESHOLD", "ZCLIP_ALPHA",
+           "ZCLIP_EPS", "ZCLIP_WARMUP_STEPS", "ZCLIP_Z_THRESHOLD", "foundry_loss_spike_step", "incumbent_firings",
+           "megatron_spiky_loss_step", "metric_series", "microbatches_per_rank", "olmo_spike_step", "qk_clip_step",
+           "run_incumbent_firings", "threshold_step", "zclip_spike_step"]
 
 MEGATRON_SPIKY_LOSS_FACTOR = 10.0  # pretrain_gpt.py: SPIKY_LOSS_FACTOR = 10
 MEGATRON_SPIKY_LOSS_SAMPLES = 100  # RerunStateMachine.is_unexpectedly_large(num_samples=100)
 OLMO_SPIKE_WINDOW = 128  # StabilityMonitorCallback.window_size
 OLMO_SPIKE_STD = 6.0  # StabilityMonitorCallback.threshold_std
 QK_CLIP_THRESHOLD = 100.0  # TransformerConfig.qk_clip_threshold; MuonClip's τ = 100
+ZCLIP_ALPHA = 0.97  # ZClip(alpha=0.97): EMA smoothing of the grad norm's mean and variance
+ZCLIP_Z_THRESHOLD = 2.5  # ZClip(z_thresh=2.5)
+ZCLIP_WARMUP_STEPS = 25  # ZClip(warmup_steps=25): grad norms buffered before the EMA starts
+ZCLIP_EPS = 1e-6  # ZClip(eps=1e-6): added to the standard deviation in the z-score
+FOUNDRY_PATIENCE = 4  # KillLossSpike(patience=4): the 5th consecutive outlier fires
+FOUNDRY_OUTLIER_MULTIPLIER = 2.0  # KillLossSpike(outlier_multiplier=2)
+FOUNDRY_MIN_WINDOW = 100  # _MIN_WINDOW_SIZE: the default (and smallest automatic) window, in batches
+FOUNDRY_WINDOW_FRACTION = 0.05  # _WINDOW_FRACTION: the automatic window is this fraction of the training length
+FOUNDRY_LOSS_CAP = 10.0  # _MAX_LOSS_CAP: the default loss cap
 # The grad-norm alarm level, fixed on tuning seed 11 of the early-warning benchmark: the lowest round level the healthy
 # tuning twin never exceeded (its largest grad norm: 19.1, one spike at step 45; median 0.68), a plain alarm set to
 # stay quiet on a healthy run.
@@ -103,6 +117,102 @@ def olmo_spike_step(values: Sequence[float], steps: Optional[Sequence[int]] = No
     return None
 
 
+def zclip_spike_step(values: Sequence[float], steps: Optional[Sequence[int]] = None, *, alpha: float = ZCLIP_ALPHA,
+                     z_threshold: float = ZCLIP_Z_THRESHOLD, warmup: int = ZCLIP_WARMUP_STEPS,
+                     eps: float = ZCLIP_EPS) -> Optional[int]:
+    """ZClip's spike test on the grad norm: the first step whose z-score against the EMA mean and variance of the
+    norms before it is above ``z_threshold``.
+
+    Source: bluorion-com/ZClip, ``zclip/zclip.py`` (arXiv:2504.02507): ``ZClip.step``, ``_initialize_ema``,
+    ``_compute_zscore``, ``_update_ema`` and ``_compute_clip_val`` (defaults ``alpha=0.97``, ``z_thresh=2.5``,
+    ``warmup_steps=25``, ``eps=1e-6``, ``mode="zscore"``). Warm-up: the first ``warmup`` norms are only buffered,
+    never judged; when the buffer holds ``warmup`` of them the EMA starts from their mean and their *population*
+    variance. From the next norm ``g`` on: ``z = (g − mean) / (sqrt(var) + eps)``, a spike when ``z > z_threshold``
+    (strict); then the EMA takes the norm — ``mean ← α·mean + (1 − α)·g``, ``var ← α·var + (1 − α)·(g − mean)²``
+    with the *updated* mean. On a spike ZClip feeds the EMA its clipped value (``mean + z_thresh·std / (z /
+    z_thresh)``) instead of ``g`` (or nothing, with ``skip_update_on_spike``): that cannot change the first firing,
+    since no norm before it was a spike. A NaN is never a spike and, as in the source, turns the mean NaN for good
+    (in the warm-up buffer too), after which nothing fires; an inf after the warm-up is a spike.
+    """
+    buffer: list = []
+    mean = var = None
+    for step, value in zip(_steps(values, steps), values):
+        value = float(value)
+        if mean is None:
+            buffer.append(value)
+            if len(buffer) >= warmup:
+                mean = sum(buffer) / len(buffer)
+                var = sum((x - mean) ** 2 for x in buffer) / len(buffer)
+            continue
+        z = (value - mean) / (math.sqrt(var) + eps) if not math.isnan(var) else math.nan
+        if z > z_threshold:
+            return int(step)
+        mean = alpha * mean + (1 - alpha) * value
+        var = alpha * var + (1 - alpha) * (value - mean) ** 2
+    return None
+
+
+def foundry_loss_spike_step(values: Sequence[float], steps: Optional[Sequence[int]] = None, *,
+                            train_steps: Optional[int] = None, patience: int = FOUNDRY_PATIENCE,
+                            outlier_multiplier: float = FOUNDRY_OUTLIER_MULTIPLIER, window: Optional[int] = None,
+                            loss_cap: Optional[float] = None) -> Optional[int]:
+    """llm-foundry's ``KillLossSpike`` callback: the first step at which either of its two checks fires — a loss
+    spike (more than ``patience`` consecutive losses ``≥ outlier_multiplier ×`` the mean of the window before each)
+    or persistently high losses (at least half the window above the loss cap).
+
+    Source: mosaicml/llm-foundry, ``llmfoundry/callbacks/kill_loss_spike_callback.py``, ``KillLossSpike.batch_end``,
+    ``_detect_loss_spike``, ``_detect_high_losses`` and ``_set_window_size`` (defaults ``patience=4``,
+    ``outlier_multiplier=2``, ``window_size=_MIN_WINDOW_SIZE=100``, ``loss_cap=_MAX_LOSS_CAP=10``,
+    ``_WINDOW_FRACTION=0.05``). Step ``s`` is the batch count at ``BATCH_END`` (Composer advances it before the
+    event, so the first batch is step 1). Each loss is judged against the window of losses before it, then
+    appended (spikes included). Nothing is judged until the window is full. ``window=None`` is the callback's
+    default: when the 100-loss window first fills, it grows to ``max(100, round(0.05 × train_steps))`` (the
+    run's length; without it the window stays 100) and, if it grew, that step is not judged and the window
+    fills on. A given ``window`` is used as a fixed window of that many losses (the callback given its own
+    ``window_size`` never bounds its deque, so it would judge one step only; this function judges every step,
+    as the automatic window is used). Then, per step: the spike check (``loss ≥ outlier_multiplier ×
+    mean(window)`` counts an outlier; the count firing when it exceeds ``patience``, a non-outlier resetting it);
+    if it did not fire, the high-loss check from step ``2 × window`` on (``≥ window / 2`` of the window's losses
+    ``> loss_cap``). ``loss_cap=None`` is the callback's default of 10, which it lowers to the largest loss of
+    the first window only at the step that equals the window size — a step at which, counted from 1, the window
+    (which fills at step ``window + 1``) is not yet full, so the cap stays 10; this function does the same.
+    A NaN loss is never an outlier and, once in the window, keeps its mean NaN (no spike fires while it is
+    there) — as in the source.
+    """
+    window_set = window is not None
+    size = FOUNDRY_MIN_WINDOW if window is None else int(window)
+    cap_set = loss_cap is not None
+    cap = FOUNDRY_LOSS_CAP if loss_cap is None else float(loss_cap)
+    history: deque = deque()
+    outliers = 0
+    for step, value in zip(_steps(values, steps), values):
+        value = float(value)
+        if len(history) == size:
+            if not window_set:
+                window_set = True
+                if train_steps:
+                    size = max(size, round(float(train_steps * FOUNDRY_WINDOW_FRACTION)))
+                history = deque(history, maxlen=size)
+                if size > FOUNDRY_MIN_WINDOW:
+                    history.append(value)
+                    continue
+            if not cap_set and step == size:
+                cap, cap_set = min(max(history), cap), True
+            running_mean = sum(history) / len(history)
+            if value >= running_mean * outlier_multiplier:
+                outliers += 1
+                if outliers > patience:
+                    return int(step)
+            else:
+                outliers = 0
+            if step >= 2 * size and sum(1 for x in history if x > cap) >= size / 2:
+                return int(step)
+        history.append(value)
+        if len(history) > size:
+            history.popleft()
+    return None
+
+
 def qk_clip_step(values: Sequence[float], steps: Optional[Sequence[int]] = None,
                  threshold: float = QK_CLIP_THRESHOLD) -> Optional[int]:
     """The first step whose maximum attention logit is above the QK-clip threshold.
@@ -146,9 +256,9 @@ def incumbent_firings(losses: Sequence[float], grad_norm: tuple, max_logit: tupl
                       grad_norm_level: float = GRAD_NORM_LEVEL) -> dict:
     """First firing step (or None) of each incumbent rule on one run, by rule name.
 
-    ``losses``: the loss of every step from step 1; ``grad_norm`` and ``max_logit``: ``(steps, values)`` as
-    recorded (:func:`metric_series`); ``microbatches``: micro-batches per rank and step (Megatron's check counts
-    micro-batch samples)."""
+    ``losses``: the loss of every step from step 1 (its length is the run's length, which sizes llm-foundry's
+    automatic window); ``grad_norm`` and ``max_logit``: ``(steps, values)`` as recorded (:func:`metric_series`);
+    ``microbatches``: micro-batches per rank and step (Megatron's check counts micro-batch samples)."""
     gn_steps, gn = grad_norm
     ml_steps, ml = max_logit
     interval = (gn_steps[1] - gn_steps[0]) if len(gn_steps) > 1 else 1
@@ -159,6 +269,12 @@ def incumbent_firings(losses: Sequence[float], grad_norm: tuple, max_logit: tupl
         # OLMo-core judges every step's grad norm over 128 steps; the runs record it every `interval` steps, so the
         # window holds the records of the same 128 steps.
         "OLMo grad-norm spike": olmo_spike_step(gn, gn_steps, window=math.ceil(OLMO_SPIKE_WINDOW / interval)),
+        # ZClip updates its EMA every step; from a record every `interval` steps the same memory in steps is
+        # alpha ** interval per record (a norm's weight decays as alpha per step), and its 25-step warm-up is the
+        # records of those steps.
+        "ZClip grad-norm z-score": zclip_spike_step(gn, gn_steps, alpha=ZCLIP_ALPHA ** interval,
+                                                    warmup=math.ceil(ZCLIP_WARMUP_STEPS / interval)),
+        "llm-foundry loss spike": foundry_loss_spike_step(losses, train_steps=len(losses)),
         f"max logit > {QK_CLIP_THRESHOLD:g} (QK-clip)": qk_clip_step(ml, ml_steps),
         f"grad norm > {grad_norm_level:g}": threshold_step(gn, grad_norm_level, gn_steps),
     }

@@ -140,3 +140,36 @@ def test_stopped_runs_keep_the_schedule_of_the_full_run_and_count_as_finished(tm
     assert "1200 steps stopped after step 500, monitors every 5 steps" in natural_instability.report(args, [])
     with pytest.raises(SystemExit):  # a stop at or past the end is refused before any run starts
         natural_instability.main(["--steps", "500", "--stop-at", "500", "--no-write"])
+
+
+@pytest.mark.timeout(60)
+def test_false_alarm_level_replay_on_the_global_maximum_and_the_share_bounds():
+    import math
+
+    import torch
+
+    # The bounds hold the true busiest excess of share vectors (4 experts, top-2: excess = (max − 1/4) / (1/4)).
+    gen = torch.Generator().manual_seed(0)
+    for shares in [torch.tensor([0.5, 0.3, 0.1, 0.1]), torch.tensor([0.25] * 4), torch.tensor([0.5, 0.5, 0, 0]),
+                   *torch.rand(40, 4, generator=gen)]:
+        shares = (shares / shares.sum()).double()
+        if float(shares.max()) > 0.5:  # not a top-2 routing (one expert at most 1/k = 1/2)
+            continue
+        cv = float(shares.std(correction=0) / shares.mean())
+        excess = (float(shares.max()) - 0.25) / 0.25
+        lower, upper = false_alarms.share_excess_bounds(cv, 4, 2)
+        assert lower - 1e-12 <= excess <= upper + 1e-12, (shares, lower, excess, upper)
+    assert false_alarms.share_excess_bounds(1.0, 4, 2) == pytest.approx((1.0, math.sqrt(3)))
+    # Global max logit 50, 120, 130, 90, 150 at steps 5–25: the level rule (> 100, persistence 1, latched) fires at
+    # 10, holds at 15, re-arms at 20 and fires at 25. Load CV 0.1, 0.8, 0.5: lower bounds c² = 0.01, 0.64, 0.25 and
+    # upper √3·c = 0.17, 1.39, 0.87 against 0.5: step 10 certainly above, step 15 possibly, step 5 certainly not.
+    records = [{"step": 5 * (i + 1), "metrics": {"symptom/max_attn_logit": v, **(
+        {"router/layer2/load_cv": c} if c is not None else {})}}
+        for i, (v, c) in enumerate(zip([50.0, 120.0, 130.0, 90.0, 150.0], [0.1, 0.8, 0.5, None, None]))]
+    out = false_alarms.level_replay(records)
+    assert out["logit_alarms"] == [10, 25] and out["logit_evaluations"] == 5 and out["logit_max"] == 150.0
+    assert out["share_certainly_above"] == [[10, 2]] and out["share_possibly_above"] == 1
+    assert out["share_evaluations"] == 3 and out["share_lower_max_at"] == [10, 2] and not out["level_series_recorded"]
+    text = "\n".join(false_alarms.level_lines([{"name": "moe_h64_s21", "levels": out}]))
+    assert "**2 alarms** over 5 evaluations" in text and "moe_h64_s21 step 10, moe_h64_s21 step 25" in text
+    assert "**1 certainly above the level**" in text and "the rule is off by default" in text

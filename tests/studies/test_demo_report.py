@@ -58,9 +58,9 @@ def test_attention_act_reports_the_logit_crossings_and_the_incumbents(tmp_path):
         "(≥ 200 for 10 consecutive records): from step 140; 20-step moving-average loss gap to the clean run: "
         "+0.181 nats at the end (largest after onset +0.181, step 200)")
     assert _line(report, "- our first monitor alert") == (
-        "- our first monitor alert: 110; incumbent alarms on the same run: max logit > 100 (QK-clip) at 120; grad "
-        "norm > 20 at 150; silent: Megatron spiky loss, OLMo loss spike, OLMo grad-norm spike — ours 10 steps "
-        "before the first of them")
+        "- our first monitor alert: 110; incumbent alarms on the same run: max logit > 100 (QK-clip) at 120; ZClip "
+        "grad-norm z-score at 150; grad norm > 20 at 150; silent: Megatron spiky loss, OLMo loss spike, OLMo "
+        "grad-norm spike, llm-foundry loss spike — ours 10 steps before the first of them")
     assert "first attention alert: 110" in report
     # the loss gap ends at 0.181 nats, under the 0.2 of a divergence; the first incumbent fires at 120
     assert _line(report, "- attention-precision fault:").endswith(
@@ -98,8 +98,8 @@ def test_incumbents_line_without_or_after_our_alert(tmp_path, ours, verdict):
     _write_run(tmp_path / "run", [3.0] * STEPS, lambda s: 10.0 if s < 120 else 150.0, lambda s: 1.0)
     line = incumbents_line(load_demo_run(tmp_path / "run", 21), ours)
     assert line == (f"our first monitor alert: {ours or 'none'}; incumbent alarms on the same run: max logit > 100 "
-                    f"(QK-clip) at 120; silent: Megatron spiky loss, OLMo loss spike, OLMo grad-norm spike, grad "
-                    f"norm > 20{verdict}")
+                    f"(QK-clip) at 120; silent: Megatron spiky loss, OLMo loss spike, OLMo grad-norm spike, ZClip "
+                    f"grad-norm z-score, llm-foundry loss spike, grad norm > 20{verdict}")
 
 
 def test_the_attention_act_states_the_fault_its_command_injects(tmp_path):

@@ -5,7 +5,15 @@ import math
 
 import pytest
 
-from megatron_mech.studies.incumbents import megatron_spiky_loss_step, olmo_spike_step, qk_clip_step, threshold_step
+from megatron_mech.studies.incumbents import (
+    foundry_loss_spike_step,
+    incumbent_firings,
+    megatron_spiky_loss_step,
+    olmo_spike_step,
+    qk_clip_step,
+    threshold_step,
+    zclip_spike_step,
+)
 
 NAN, INF = math.nan, math.inf
 
@@ -60,3 +68,96 @@ def test_threshold_fires_above_the_level_or_on_a_non_finite_value():
     assert threshold_step([1.0, 2.0], level=5.0, steps=[5, 10]) is None
     with pytest.raises(ValueError, match="same length"):
         threshold_step([1.0, 2.0], level=5.0, steps=[5])
+
+
+@pytest.mark.timeout(60)
+def test_zclip_starts_its_ema_from_the_warmup_mean_and_population_variance():
+    # Warm-up [1, 3, 1, 3]: mean 2, population variance 1 (never judged). Two norms of 2.0 leave the mean at 2 and
+    # decay the variance to 0.97² = 0.9409 (std 0.97), so the 7th norm fires above 2 + 2.5 × (0.97 + 1e-6) = 4.425.
+    assert zclip_spike_step([1.0, 3.0, 1.0, 3.0, 2.0, 2.0, 4.42], warmup=4) is None
+    assert zclip_spike_step([1.0, 3.0, 1.0, 3.0, 2.0, 2.0, 4.43], warmup=4) == 7
+    # The warm-up norms are only buffered: a 100 among them is never judged (it widens the start instead).
+    assert zclip_spike_step([1.0, 3.0, 1.0, 100.0], warmup=4) is None
+    # Defaults (25 warm-up norms, z > 2.5): 13 ones and 12 threes give mean 1.96 and population variance
+    # 4.84 − 1.96² = 0.9984 (std 0.99920); the limit is 1.96 + 2.5 × 0.99920 = 4.458, so 4.45 is quiet, 4.46 fires.
+    warmup = [1.0, 3.0] * 12 + [1.0]
+    assert zclip_spike_step(warmup + [4.45]) is None
+    assert zclip_spike_step(warmup + [4.46]) == 26
+    assert zclip_spike_step(warmup + [4.46], steps=[5 * (i + 1) for i in range(26)]) == 130
+
+
+@pytest.mark.timeout(60)
+def test_zclip_updates_the_variance_with_the_updated_mean():
+    # After the warm-up (mean 2, var 1), 4.0 is not a spike (z = 2). The mean becomes 0.97·2 + 0.03·4 = 2.06 and the
+    # variance 0.97·1 + 0.03·(4 − 2.06)² = 1.082908 (std 1.040629): the limit is 2.06 + 2.5 × 1.040629 = 4.6616.
+    # With the old mean in the variance (0.97 + 0.03·4 = 1.09, std 1.044031) it would be 4.6701 and 4.665 quiet.
+    assert zclip_spike_step([1.0, 3.0, 1.0, 3.0, 4.0, 4.665], warmup=4) == 6
+    assert zclip_spike_step([1.0, 3.0, 1.0, 3.0, 4.0, 4.66], warmup=4) is None
+
+
+@pytest.mark.timeout(60)
+def test_zclip_nan_poisons_the_ema_and_inf_after_the_warmup_fires():
+    assert zclip_spike_step([1.0, 3.0, 1.0, 3.0, NAN, 100.0], warmup=4) is None
+    assert zclip_spike_step([1.0, NAN, 1.0, 3.0, 100.0], warmup=4) is None
+    assert zclip_spike_step([1.0, 3.0, 1.0, 3.0, INF], warmup=4) == 5
+    # A series no longer than the warm-up is never judged.
+    assert zclip_spike_step([1.0, 100.0], warmup=4) is None and zclip_spike_step([]) is None
+
+
+@pytest.mark.timeout(60)
+def test_foundry_counts_consecutive_outliers_against_the_window_before_each_and_fires_past_the_patience():
+    # window 4, patience 2 (the 3rd consecutive outlier fires), cap high enough to stay out of it. Outliers join
+    # the window: step 5: mean 1, 10 ≥ 2 (1st); step 6: [1, 1, 1, 10] mean 3.25, 100 ≥ 6.5 (2nd); step 7:
+    # [1, 1, 10, 100] mean 28, 1000 ≥ 56 (3rd > 2): fires.
+    assert foundry_loss_spike_step([1.0] * 4 + [10.0, 100.0, 1000.0], window=4, patience=2, loss_cap=1e9) == 7
+    # A constant spike dilutes itself: step 7's window [1, 1, 100, 100] has mean 50.5 and 100 < 101 resets the count.
+    assert foundry_loss_spike_step([1.0] * 4 + [100.0] * 3, window=4, patience=2, loss_cap=1e9) is None
+    # A non-outlier resets the count (patience 1: two in a row fire): step 5 outlier (1), step 6 1 < 6.5 (reset),
+    # step 7 [1, 1, 10, 1] mean 3.25, 10 ≥ 6.5 (1), step 8 [1, 10, 1, 10] mean 5.5, 100 ≥ 11 (2 > 1): fires at 8.
+    assert foundry_loss_spike_step([1.0] * 4 + [10.0, 1.0, 10.0, 100.0], window=4, patience=1, loss_cap=1e9) == 8
+    # The test is ≥: exactly 2 × the mean is an outlier (patience 0: the first fires).
+    assert foundry_loss_spike_step([1.0] * 4 + [2.0], window=4, patience=0, loss_cap=1e9) == 5
+    assert foundry_loss_spike_step([1.0] * 4 + [1.99], window=4, patience=0, loss_cap=1e9) is None
+    # Nothing is judged before the window is full.
+    assert foundry_loss_spike_step([1.0] * 3 + [100.0], window=4, patience=0, loss_cap=1e9) is None
+    # A NaN is no outlier and keeps the window's mean NaN while it is there.
+    assert foundry_loss_spike_step([1.0] * 4 + [NAN, 100.0], window=4, patience=0, loss_cap=1e9) is None
+
+
+@pytest.mark.timeout(60)
+def test_foundry_high_losses_fire_from_twice_the_window_when_half_the_window_is_above_the_cap():
+    # window 4, cap 5: every loss is 6 (no outlier: 6 < 12); the check starts at step 2 × 4 = 8, where the window
+    # (steps 4–7) holds 4 ≥ 4/2 losses above 5.
+    assert foundry_loss_spike_step([6.0] * 10, window=4, loss_cap=5.0) == 8
+    assert foundry_loss_spike_step([6.0] * 7, window=4, loss_cap=5.0) is None
+    # Strictly above the cap: 6 is not above 6.
+    assert foundry_loss_spike_step([6.0] * 10, window=4, loss_cap=6.0) is None
+    # Defaults: the cap stays 10 (the callback lowers it to the first window's max only at step == window, when
+    # its window is not yet full): 8 for 100 steps then 9 would fire at step 200 with a cap of 8; it does not.
+    assert foundry_loss_spike_step([8.0] * 100 + [9.0] * 200) is None
+    assert foundry_loss_spike_step([11.0] * 250) == 200
+
+
+@pytest.mark.timeout(60)
+def test_foundry_default_window_grows_to_a_twentieth_of_the_run_when_it_first_fills():
+    # A growing spike at steps 101–105 fires with the default window of 100 (5 outliers > patience 4), at step 105.
+    losses = [1.0] * 100 + [100.0, 1e4, 1e6, 1e8, 1e10] + [1.0] * 50
+    assert foundry_loss_spike_step(losses) == 105
+    assert foundry_loss_spike_step(losses, train_steps=2000) == 105  # round(0.05 × 2000) = 100: no growth
+    # In a 4000-step run the window grows to 200 at step 101 (not judged), and fills again only at step 201.
+    assert foundry_loss_spike_step(losses, train_steps=4000) is None
+    assert foundry_loss_spike_step([1.0] * 200 + [100.0, 1e4, 1e6, 1e8, 1e10], train_steps=4000) == 205
+
+
+@pytest.mark.timeout(60)
+def test_incumbent_firings_applies_zclip_per_record_and_foundry_to_the_per_step_loss():
+    # Grad norm recorded every 5 steps: ZClip's 25-step warm-up is 5 records, [1, 3, 1, 3, 1] (mean 1.8, population
+    # variance 0.96, std 0.9798): 4.3 (z = 2.55) fires at the 6th record, step 30; 4.2 (z = 2.45) does not. With
+    # 25 warm-up records nothing would be judged at all.
+    steps = [5 * (i + 1) for i in range(6)]
+    fired = incumbent_firings([1.0] * 30, (steps, [1.0, 3.0, 1.0, 3.0, 1.0, 4.3]), (steps, [1.0] * 6),
+                              microbatches=1)
+    assert fired["ZClip grad-norm z-score"] == 30 and fired["llm-foundry loss spike"] is None
+    fired = incumbent_firings([1.0] * 100 + [100.0, 1e4, 1e6, 1e8, 1e10], (steps, [1.0, 3.0, 1.0, 3.0, 1.0, 4.2]),
+                              (steps, [1.0] * 6), microbatches=1)
+    assert fired["ZClip grad-norm z-score"] is None and fired["llm-foundry loss spike"] == 105

@@ -46,6 +46,11 @@ def test_pipeline_monitor_values_equal_single_stage(pipeline_runs, name):
     for pattern in ("_entropy", "dwq_stable_rank", "dwk_fro", "linear/"):
         worst = assert_same_series(pp1, run, pattern, TRAINING_TOL)
         print(f"{name} vs PP1 {pattern}: max |diff| {worst:.2e} (loss gap {loss_gap:.1e})")
+    # each layer's maximum attention logit, from whichever stage holds the layer (relative: logits are O(1–10))
+    ref, got = series(pp1, "symptom/max_attn_logit/layer"), series(run, "symptom/max_attn_logit/layer")
+    assert {metric for _, metric in ref} == {f"symptom/max_attn_logit/layer{layer}" for layer in range(4)}
+    assert got.keys() == ref.keys()
+    assert max(abs(got[k] - ref[k]) / abs(ref[k]) for k in ref) <= TRAINING_TOL
 
 
 @pytest.mark.timeout(600)

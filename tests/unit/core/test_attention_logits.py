@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_mech.config import DetectorOverrides, MechConfig, MonitorConfig
-from megatron_mech.core.attention_logits import max_attention_logit
+from megatron_mech.core.attention_logits import max_attention_logit, max_attention_logit_per_head
 from megatron_mech.hook import MechHook
 from megatron_mech.logit_symptom import MAX_LOGIT_METRIC
 from megatron_mech.model_view import ModelView
@@ -125,3 +125,38 @@ def test_chunked_rows_give_the_same_maximum(monkeypatch):
     # a different matmul shape may sum the 8 products in another order: float32 rounding only
     assert AL.max_attention_logit(q, k, 0.3, causal=True, mask=mask) == pytest.approx(whole, rel=1e-6)
     assert whole == pytest.approx(loop_reference(q, k, 0.3, True, mask), rel=1e-5)
+
+
+def loop_reference_per_head(q, k, scale, causal, mask=None):
+    """Pair by pair, in float64, one maximum per query head (the definition)."""
+    return [loop_reference(q[:, [hi]], k[:, [hi // (q.shape[1] // k.shape[1])]], scale, causal, mask)
+            for hi in range(q.shape[1])]
+
+
+@pytest.mark.parametrize("h,g,causal", [(4, 4, True), (4, 2, True), (4, 1, False)])
+def test_per_head_maxima_match_the_pairwise_definition(h, g, causal):
+    gen = torch.Generator().manual_seed(h * 10 + g + 1)
+    q = torch.randn(2, h, 9, 8, generator=gen)
+    k = torch.randn(2, g, 9, 8, generator=gen)
+    q[0, h - 1] *= 5  # the last head holds the largest logits
+    mask = torch.rand(2, 1, 9, 9, generator=gen) < 0.2
+    got = max_attention_logit_per_head(q, k, 0.35, causal=causal, mask=mask)
+    assert got.dtype == torch.float64 and got.shape == (h,)
+    # float32 products vs the float64 loop: ~1e-7 relative, 1e-5 leaves room for the summation order
+    assert got.tolist() == pytest.approx(loop_reference_per_head(q, k, 0.35, causal, mask), rel=1e-5)
+    assert float(got.max()) == pytest.approx(max_attention_logit(q, k, 0.35, causal=causal, mask=mask), rel=1e-6)
+
+
+def test_per_head_nan_stays_in_its_head_and_a_fully_masked_head_is_minus_inf(monkeypatch):
+    import megatron_mech.core.attention_logits as AL
+
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 3, 6, 4, generator=gen), torch.randn(1, 3, 6, 4, generator=gen)
+    q[0, 1, 5, 0] = math.nan  # the last query row of head 1: its NaN is in a later chunk than the first rows
+    monkeypatch.setattr(AL, "CHUNK_ELEMENTS", 3 * 6 * 2)  # 2 query rows per chunk
+    got = AL.max_attention_logit_per_head(q, k, 1.0, causal=True)
+    assert math.isnan(got[1]) and not math.isnan(got[0]) and not math.isnan(got[2])
+    assert got[0] == pytest.approx(loop_reference(q[:, [0]], k[:, [0]], 1.0, True), rel=1e-5)
+    everything = torch.ones(1, 1, 6, 6, dtype=torch.bool)
+    assert AL.max_attention_logit_per_head(q[:, [0]], k[:, [0]], 1.0, causal=False, mask=everything).tolist() == [
+        -math.inf]

@@ -457,3 +457,36 @@ def test_router_token_stride_rejects_bad_values():
 
     with pytest.raises(ValueError, match="token_stride"):
         RouterMonitor([RouterLayer(0, torch.randn(4, 2), 2)], token_stride=0)
+
+
+@pytest.mark.timeout(60)
+def test_busiest_expert_excess_runs_from_balanced_to_every_tokens_top_k():
+    from megatron_mech.core.detect import DetectorRegistry
+    from megatron_mech.monitors.router import RouterLayer, RouterMonitor
+
+    def observe(top2_pairs, experts=4, topk=2):
+        """Router logits whose top-2 are the given expert pairs (one token each); the monitor's metrics, details."""
+        logits = torch.zeros(len(top2_pairs), experts)
+        for token, (first, second) in enumerate(top2_pairs):
+            logits[token, first], logits[token, second] = 2.0, 1.0
+        monitor = RouterMonitor([RouterLayer(3, torch.randn(experts, 4), topk)])
+        monitor.capturing = True
+        monitor.record(3, logits)
+        return monitor.observe(1)
+
+    name = "router/layer3/expert_share_excess"
+    # balanced: each expert in half the tokens' top-2, share 1/4 = 1/E: excess 0
+    assert observe([(0, 1), (2, 3)])[0][name] == 0.0
+    # expert 0 in every token's top-2: share 1/2 = 1/k, excess 1
+    assert observe([(0, 1), (0, 2), (0, 3)])[0][name] == 1.0
+    # counts 3, 2, 2, 1 of 8: expert 0's share 3/8, (3/8 − 1/4) / (1/2 − 1/4) = 1/2 — exactly a level of 0.5,
+    # which is strict: no alert; the detail names expert 0
+    metrics, details = observe([(0, 1), (0, 2), (0, 3), (1, 2)])
+    assert metrics[name] == 0.5 and details[name]["expert"] == 0 and details[name]["expert_load"] == 3 / 8
+    with_level = {"expert_share_level": 0.5}
+    assert DetectorRegistry.with_overrides(with_level).update(5, {name: metrics[name]}, details) == []
+    metrics, details = observe([(0, 1), (0, 2), (0, 3), (0, 2)])  # 4, 1, 2, 1 of 8: share 1/2 → excess 1
+    [alert] = DetectorRegistry.with_overrides(with_level).update(5, {name: metrics[name]}, details)
+    assert alert.step == 5 and alert.family == "router" and alert.detail["expert"] == 0
+    # top-k of every expert: every expert in every top-k, no imbalance to measure
+    assert name not in observe([(0, 1), (1, 0)], experts=2, topk=2)[0]

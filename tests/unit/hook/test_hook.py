@@ -316,7 +316,7 @@ def test_setup_logs_one_start_line_with_the_monitored_layers_interval_and_armed_
 
     from megatron_mech.model_view import RouterView
 
-    def start_lines(logging_rank):
+    def start_lines(logging_rank, detector=None):
         lines = []
 
         class _Collect(logging.Handler):
@@ -327,7 +327,8 @@ def test_setup_logs_one_start_line_with_the_monitored_layers_interval_and_armed_
         weights = [torch.randn((HEADS + 2 * GROUPS) * HEAD_DIM, D_MODEL, generator=torch.Generator().manual_seed(i))
                    for i in range(3)]
         routers = [RouterView(layer, torch.randn(4, D_MODEL), 2, lambda observe: None) for layer in range(3)]
-        config = MechConfig(monitors=MonitorConfig(families=("attention", "router"), interval=5))
+        config = MechConfig(monitors=MonitorConfig(families=("attention", "router"), interval=5),
+                            detector=detector or DetectorOverrides())
         hook = MechHook(config, train_steps=1000, sinks=CallbackSink(lambda record: None))
         handler, mech_logger = _Collect(), logging.getLogger("megatron_mech")
         level = mech_logger.level
@@ -343,11 +344,17 @@ def test_setup_logs_one_start_line_with_the_monitored_layers_interval_and_armed_
         return lines, hook
 
     lines, hook = start_lines(True)
-    # the default detectors: warm-up 30 + baseline 20 + persistence 3 = 53 evaluations, every 5 steps
+    # the default detectors: warm-up 30 + baseline 20 + persistence 3 = 53 evaluations, every 5 steps (no level rule
+    # is armed: the view offers no attention-logit capture, and the busiest-expert rule is off by default)
     assert lines == ["[mech] monitors on: 3 attention layers, 3 routers, every 5 steps; detectors armed from step "
                      "265 (warm-up 30 + baseline 20 + persistence 3 evaluations)"]
     assert hook.armed_from_step == 265
     assert start_lines(False)[0] == []
+    # with a busiest-expert level the router monitor's level rule is armed from the first evaluation, step 5
+    lines, hook = start_lines(True, DetectorOverrides(expert_share_level=0.5))
+    assert lines[0].endswith("(warm-up 30 + baseline 20 + persistence 3 evaluations); level rules armed from the "
+                             "first evaluation (step 5): router/*/expert_share_excess > 0.5")
+    assert [r.pattern for r in hook.armed_level_rules()] == ["router/*/expert_share_excess"]
 
 
 def test_arming_of_a_run_that_reaches_the_armed_from_step():

@@ -94,7 +94,10 @@ def test_every_documented_pattern_is_recorded_or_needs_a_flag_not_run(recorded):
     # every documented name is recorded here; one that is not must name a flag these runs did not set, or be
     # one that only a failed estimate writes (test_mols.py's negative-base test records it)
     only_on_failure = {"mols/status_reason"}
-    assert all(set(flags) - EXERCISED_FLAGS or name in only_on_failure for name, _, flags in unrecorded), unrecorded
+    # the run routes top-2 of 2 experts: every expert is in every top-k, so there is no busiest-expert excess
+    only_with_topk_below_experts = {"router/layer{L}/expert_share_excess"}
+    assert all(set(flags) - EXERCISED_FLAGS or name in only_on_failure | only_with_topk_below_experts
+               for name, _, flags in unrecorded), unrecorded
 
 
 @pytest.mark.slow
