@@ -2,8 +2,9 @@
 
 Models: ``llama`` (dense, grouped-query attention), ``mixtral`` (HF MoE blocks) or ``ds-moe`` (Llama with
 ``deepspeed.moe`` feed-forward layers, expert parallel with ``--ep-size``). The DeepSpeed config is built from the
-flags, or read from ``--deepspeed-config`` (its ``"mech"`` section configures the monitors either way; a study's
-``"fault"`` key there is split off and injected by :mod:`megatron_mech.studies.deepspeed_faults`).
+flags, or read from ``--deepspeed-config`` (its ``"mech"`` section configures the monitors either way). Faults are
+not offered here: the studies' launcher, ``torchrun -m megatron_mech.studies.deepspeed_fault_train``, is this launcher
+with ``--fault-start`` and a study config's ``"fault"`` key (``main(study=...)`` is its seam).
 
     torchrun --nproc_per_node=2 launch_scripts/deepspeed_train.py --zero-stage 2 --steps 40 --output-dir runs/ds
     deepspeed --num_accelerators 2 launch_scripts/deepspeed_train.py --model ds-moe --ep-size 2 --zero-stage 1
@@ -26,7 +27,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -36,9 +37,12 @@ if (CHECKOUT / "megatron_mech" / "__init__.py").is_file():  # runnable from a ch
 
 logger = logging.getLogger("deepspeed_train")
 LATEST = "latest"  # DeepSpeed's tracker file: the tag of the newest checkpoint in a save directory
+STUDY_LAUNCHER = "megatron_mech.studies.deepspeed_fault_train"  # this launcher with the studies' fault
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv=None, add_study_flags: Optional[Callable[[argparse.ArgumentParser], None]] = None
+               ) -> argparse.Namespace:
+    """The launcher's flags; ``add_study_flags``: a study launcher's own (see :func:`main`)."""
     from megatron_mech.config import MonitorConfig
     from megatron_mech.options import add_section_flags
 
@@ -59,9 +63,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=10, help="WarmupLR steps (0: no scheduler)")
     add_section_flags(p, MonitorConfig, only=("interval",))  # --mech-interval, as the config declares it
     p.add_argument("--mols", action="store_true", help="module-wise lr scaling from gradient SNR")
-    p.add_argument("--fault-start", type=int, default=None,
-                   help="study only: inject the attention fault (emulated FA2 backward, γ=0.3) in layer 1 "
-                   "from this step")
     p.add_argument("--output-dir", default="runs/deepspeed")
     p.add_argument("--save", default=None, help="checkpoint directory (saved at the end)")
     p.add_argument("--load", default=None, help="resume from this checkpoint directory (read weights-only)")
@@ -71,6 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="start over in an --output-dir / --save that already holds a run (its records go)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # the deepspeed launcher's
+    if add_study_flags is not None:
+        add_study_flags(p)
     return p.parse_args(argv)
 
 
@@ -95,20 +98,19 @@ def build_config(args) -> dict:
                                                               "warmup_num_steps": args.warmup}}
     if args.mols:
         config["mech"]["mols"] = {"enabled": True}  # window: 1% of the steps (at least 5); ramp: the warm-up
-    if args.fault_start is not None:  # studies: short detector baselines for a short run
-        config["mech"]["detector"] = {"warmup": 2, "baseline": 4, "persistence": 2}
-        config["mech"]["fault"] = {"kind": "attention", "start": args.fault_start, "strength": 0.3, "layers": [1]}
     return config
 
 
 def mech_output_dir(config: dict) -> str:
-    """Where the hook writes ``mech.jsonl``: the config's ``mech.output.dir`` (validates the section, the studies'
-    ``mech.fault`` included)."""
+    """Where the hook writes ``mech.jsonl``: the config's ``mech.output.dir`` (validates the section: an unknown key,
+    e.g. a study's ``"fault"``, is refused naming it)."""
     from megatron_mech.adapters.deepspeed.ds_config_section import parse_section
     from megatron_mech.config import DEFAULT_OUTPUT_DIR
-    from megatron_mech.studies.fault_config import split_fault_section
 
-    section, _ = split_fault_section(config.get("mech"))
+    section = config.get("mech")
+    if isinstance(section, dict) and "fault" in section:
+        raise ValueError(f"mech.fault: faults are injected by the studies' launcher only (torchrun -m "
+                         f"{STUDY_LAUNCHER} ...), not by this one")
     return parse_section(section)[0].output.dir or DEFAULT_OUTPUT_DIR
 
 
@@ -212,11 +214,19 @@ def build_model(args):
     return models.deepspeed_moe_llama(num_experts=args.experts, ep_size=args.ep_size, **common)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, study=None) -> int:
+    """Train; returns the exit code (0; 2: a bad flag, config or directory, one line on stderr; 3: records
+    incomplete).
+
+    ``study``: what a study launcher adds, ``None`` for the product — an object with ``add_flags(parser)`` (its own
+    flags) and ``extensions(args, config) -> [Extension]``, called before anything is built: it takes its own keys
+    out of the DeepSpeed config (e.g. ``mech.fault``), so that the product sees its own config only, and returns the
+    hook extensions to register (``ValueError`` naming the flag or key for bad input)."""
+    args = parse_args(argv, study.add_flags if study is not None else None)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    config = build_config(args)
     try:
+        config = build_config(args)
+        extensions = study.extensions(args, config) if study is not None else []
         overwrite, run_id = check_run_directories(args, config, int(os.environ.get("RANK", "0")))
     except ValueError as exc:
         sys.stderr.write(f"deepspeed_train: error: {exc}\n")
@@ -226,11 +236,10 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from megatron_mech.adapters.deepspeed.batches import rank_batch
-    from megatron_mech.adapters.deepspeed.engine import load_checkpoint, save_checkpoint
+    from megatron_mech.adapters.deepspeed.engine import DeepSpeedMech, load_checkpoint, save_checkpoint
     from megatron_mech.adapters.deepspeed.models import moe_aux_loss
     from megatron_mech.adapters.deepspeed.mols_backend import param_groups
     from megatron_mech.hook import Action
-    from megatron_mech.studies.deepspeed_faults import mech_with_fault  # the "fault" key of a study's config
 
     if not torch.cuda.is_available():
         from megatron_mech.adapters.deepspeed.cpu import single_process_env, skip_shm_comm_build
@@ -256,7 +265,8 @@ def main(argv=None) -> int:
     optimizer = torch.optim.AdamW(groups, lr=args.lr)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     # validates the "mech" section before any training step
-    mech = mech_with_fault(engine, train_steps=args.steps, lr_warmup_steps=args.warmup or None)
+    mech = DeepSpeedMech.from_engine(engine, train_steps=args.steps, lr_warmup_steps=args.warmup or None,
+                                     extensions=extensions)
     if args.load:
         try:
             load_checkpoint(engine, mech, args.load, trust_checkpoint=args.trust_checkpoint)
