@@ -36,10 +36,17 @@ from megatron_mech.hook import Extension  # noqa: E402
 STEPS, INTERVAL, BLOW_UP_STEP = 6, 3, 4
 
 PACKAGE = os.path.join(REPO_ROOT, "megatron_mech")
-MODEL_HELPERS = os.path.join(PACKAGE, "deepspeed", "models.py")  # this script's model and loss, not monitoring
-ops = OpsPerStep([os.path.join(PACKAGE, name) for name in sorted(os.listdir(PACKAGE)) if name != "deepspeed"]
-                 + [os.path.join(PACKAGE, "deepspeed", name) for name in sorted(os.listdir(os.path.join(
-                     PACKAGE, "deepspeed"))) if name != "models.py"],
+ADAPTERS = os.path.join(PACKAGE, "adapters")
+ADAPTER = os.path.join(ADAPTERS, "deepspeed")
+MODEL_HELPERS = os.path.join(ADAPTER, "models.py")  # this script's model and loss, not monitoring
+
+
+def _ours_but(folder: str, left_out: str) -> list:
+    return [os.path.join(folder, name) for name in sorted(os.listdir(folder)) if name != left_out]
+
+
+# every path of the package counts as ours, except the model helpers
+ops = OpsPerStep(_ours_but(PACKAGE, "adapters") + _ours_but(ADAPTERS, "deepspeed") + _ours_but(ADAPTER, "models.py"),
                  other=[MODEL_HELPERS, os.path.abspath(__file__), os.path.join(REPO_ROOT, "tests") + os.sep],
                  contains=[os.sep + "deepspeed" + os.sep, os.sep + "transformers" + os.sep])
 real_setup, real_before, real_after = DeepSpeedMech._setup, DeepSpeedMech.before_step, DeepSpeedMech.after_step

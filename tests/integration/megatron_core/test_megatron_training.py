@@ -114,15 +114,21 @@ def test_max_attention_logit_is_one_value_over_heads_and_ranks(dense_runs):
     # The symptom is the maximum over every layer, head, token and rank: split over TP (heads) or DP (tokens),
     # the all-reduced maximum must equal the single-process one, up to the training drift between the runs
     # (relative TRAINING_TOL: the logits are O(1–10), the runs' weights differ by float reordering only).
-    ref = series(dense_runs["tp1"], "symptom/max_attn_logit")
+    # Beside it, each layer's maximum (symptom/max_attn_logit/layer{L}), whose largest is the global one.
+    everything = series(dense_runs["tp1"], "symptom/max_attn_logit")
+    ref = {key: v for key, v in everything.items() if key[1] == "symptom/max_attn_logit"}
     assert sorted(step for step, _ in ref) == list(range(5, 21, 5))
     assert all(math.isfinite(v) and v > 0 for v in ref.values())
+    layers = {key: v for key, v in everything.items() if key not in ref}
+    assert {name for _, name in layers} == {f"symptom/max_attn_logit/layer{i}" for i in range(2)}
+    for step, _ in ref:
+        assert ref[(step, "symptom/max_attn_logit")] == max(v for (s, _), v in layers.items() if s == step)
     for name in ("tp2", "dp2"):
         got = series(dense_runs[name], "symptom/max_attn_logit")
-        assert got.keys() == ref.keys(), name
-        worst = max(abs(got[k] - ref[k]) / abs(ref[k]) for k in ref)
+        assert got.keys() == everything.keys(), name
+        worst = max(abs(got[k] - everything[k]) / abs(everything[k]) for k in everything)
         assert worst <= TRAINING_TOL, (name, worst)
-        print(f"{name} vs TP1 max attention logit: max relative diff {worst:.2e}")
+        print(f"{name} vs TP1 max attention logit (global and per layer): max relative diff {worst:.2e}")
 
 
 @pytest.fixture(scope="module")
