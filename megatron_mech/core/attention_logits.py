@@ -27,41 +27,10 @@ def max_attention_logit(query: torch.Tensor, key: torch.Tensor, scale: float, *,
     ``causal``: also mask keys after the query (``sq == sk`` self-attention, aligned at the end). Returns
     ``-inf`` when every pair is masked, NaN/inf when the inputs hold them (a symptom in itself).
     """
-    if query.dim() != 4 or key.dim() != 4:
-        raise ValueError(f"query and key must be [b, heads, s, d], got {tuple(query.shape)} and {tuple(key.shape)}")
-    b, h, sq, d = query.shape
-    g, sk = key.shape[1], key.shape[2]
-    if key.shape[0] != b or key.shape[3] != d or g == 0 or h % g:
-        raise ValueError(f"key {tuple(key.shape)} does not match query {tuple(query.shape)} (batch, head dim, "
-                         f"or query heads a multiple of key groups)")
-    with torch.no_grad():
-        dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-        k = key.detach()
-        if g != h:
-            k = k.repeat_interleave(h // g, dim=1)
-        k_t = k.to(dtype).transpose(-1, -2)  # [b, h, d, sk]
-        if mask is not None:
-            mask = mask.to(device=query.device, dtype=torch.bool)
-        # Query rows in chunks, so the [b, h, rows, sk] logits stay within CHUNK_ELEMENTS (long sequences would
-        # otherwise materialize the full attention matrix, which the fused kernels never do).
-        rows = max(1, CHUNK_ELEMENTS // max(1, b * h * sk))
-        best = float("-inf")
-        for start in range(0, sq, rows):
-            stop = min(sq, start + rows)
-            logits = torch.matmul(query.detach()[:, :, start:stop].to(dtype), k_t) * float(scale)
-            if bool(torch.isnan(logits).any()):
-                return float("nan")
-            masked = torch.zeros((stop - start, sk), dtype=torch.bool, device=logits.device)
-            if causal:  # query i (aligned at the end of the keys) sees keys j <= i + sk - sq
-                i = torch.arange(start, stop, device=logits.device).unsqueeze(1)
-                j = torch.arange(sk, device=logits.device).unsqueeze(0)
-                masked = j > i + (sk - sq)
-            if mask is not None:
-                masked = masked | mask.expand(b, h, sq, sk)[:, :, start:stop]
-            logits = logits.masked_fill(masked, float("-inf"))
-            if logits.numel():
-                best = max(best, float(logits.max()))
-        return best
+    per_head = max_attention_logit_per_head(query, key, scale, causal=causal, mask=mask)
+    if bool(torch.isnan(per_head).any()):
+        return float("nan")
+    return float(per_head.max()) if per_head.numel() else float("-inf")
 
 
 def max_attention_logit_per_head(query: torch.Tensor, key: torch.Tensor, scale: float, *, causal: bool = True,
@@ -84,7 +53,9 @@ def max_attention_logit_per_head(query: torch.Tensor, key: torch.Tensor, scale: 
         k_t = k.to(dtype).transpose(-1, -2)  # [b, h, d, sk]
         if mask is not None:
             mask = mask.to(device=query.device, dtype=torch.bool)
-        rows = max(1, CHUNK_ELEMENTS // max(1, b * h * sk))  # as in max_attention_logit
+        # Query rows in chunks, so the [b, h, rows, sk] logits stay within CHUNK_ELEMENTS (long sequences would
+        # otherwise materialize the full attention matrix, which the fused kernels never do).
+        rows = max(1, CHUNK_ELEMENTS // max(1, b * h * sk))
         best = torch.full((h,), float("-inf"), dtype=dtype, device=query.device)
         nan = torch.zeros(h, dtype=torch.bool, device=query.device)
         for start in range(0, sq, rows):
