@@ -98,14 +98,16 @@ def load_run(run_dir: Path) -> dict:
             "grad_norm": metric_series(records, GRAD_NORM_METRIC)}
 
 
-def rule_firings(run: dict, grad_norm_level: float) -> dict:
-    """First firing step (or None) of each monitor family and each incumbent rule on one run."""
+def rule_firings(run: dict, grad_norm_level: float, from_step: int = 1) -> dict:
+    """First firing step (or None) of each monitor family and each incumbent rule on one run, at or after
+    ``from_step`` (every rule runs over the whole run)."""
+    alerts = [a for a in run["alerts"] if a.step >= from_step]
     return {
-        "attention monitor": first_alert(run["alerts"], "attention"),
-        "router monitor": first_alert(run["alerts"], "router"),
-        "symptom detectors": first_alert(run["alerts"], "symptom"),
+        "attention monitor": first_alert(alerts, "attention"),
+        "router monitor": first_alert(alerts, "router"),
+        "symptom detectors": first_alert(alerts, "symptom"),
         **incumbent_firings(run["losses"], run["grad_norm"], run["max_logit"], microbatches=MICROBATCHES,
-                            grad_norm_level=grad_norm_level),
+                            grad_norm_level=grad_norm_level, from_step=from_step),
     }
 
 

@@ -174,6 +174,7 @@ def report(args, runs: list, summary: dict) -> str:
                      f"{_fmt(ql.get('max')) if ql else 'none'} | {_fmt(p['level'])} | {_fmt(p['lowest_value'])} | "
                      f"{_fmt(p['collapse'])} | {_fmt(p['lowest_layer_ratio'])} |")
     lines += level_lines(runs)
+    lines += trend_lines(runs)
     lines += ["", "## Alarms", ""]
     lines += [f"- {a['run']}: `{a['metric']}` at steps {a['steps']}" for a in summary["alarms"]] or ["- none"]
     lines += ["", "## Runs", ""] + [f"- {run['name']}: `{run['command']}`" for run in runs[:4]]
@@ -287,12 +288,46 @@ def level_lines(runs: list) -> list:
     return lines
 
 
+def trend_replay(run_records: list) -> dict:
+    """The layer trend (core.detect, "Layer trend") on one clean run: how many layer-evaluations had a median, and
+    the largest median change with where it was (its alarms are in the tables above, on the series that fell most)."""
+    registry = DetectorRegistry()
+    n, peak = 0, None
+    for record in run_records:
+        metrics = {k: v for k, v in (record.get("metrics") or {}).items() if isinstance(v, (int, float))}
+        registry.update(int(record["step"]), metrics)
+        for (_pattern, layer), change in registry.layer_changes.items():
+            n += 1
+            if peak is None or change > peak[0]:
+                peak = (change, int(record["step"]), layer)
+    rule = (registry.trend_rules() or [None])[0]
+    return {"evaluations": n, "peak": peak, "threshold": rule.layer_trend if rule else None,
+            "window": rule.trend_window if rule else None}
+
+
+def trend_lines(runs: list) -> list:
+    """The report's section on the layer trend (:func:`trend_replay` of every run)."""
+    trends = [(run["name"], run["trend"]) for run in runs if "trend" in run]
+    if not trends or trends[0][1]["threshold"] is None:
+        return []
+    n = sum(t["evaluations"] for _, t in trends)
+    worst = max(((t["peak"], name) for name, t in trends if t["peak"]), default=None)
+    threshold, window = trends[0][1]["threshold"], trends[0][1]["window"]
+    return ["", "## Layer trend (a layer's per-head Δ2 entropies falling together)", "",
+            f"The median over a layer's heads of each head's fitted log fall over {window} evaluations, against the "
+            f"default threshold {threshold:g} log units: {n} layer-evaluations with a median"
+            + (f"; the largest: **{worst[0][0]:.3g}** ({worst[1]}, step {worst[0][1]}, layer {worst[0][2]}), "
+               f"{worst[0][0] / threshold:.2f} of the threshold." if worst else ".")
+            + " Its alarms would be counted in the tables above (on the head that fell most)."]
+
+
 def _scored(meta: dict, run_records: list) -> dict:
     """One run's entry of the report: how it was made, its series replayed through today's default rules, and the
     level rules on what it recorded (:func:`level_replay`)."""
     scores = replay(run_records)
     return {**meta, "scores": scores, "alarms": sum(s.alarms for s in scores.values()),
-            "evaluations": sum(s.evaluations for s in scores.values()), "levels": level_replay(run_records)}
+            "evaluations": sum(s.evaluations for s in scores.values()), "levels": level_replay(run_records),
+            "trend": trend_replay(run_records)}
 
 
 def main(argv=None):

@@ -15,7 +15,8 @@ detector sections take their settings from the math core's own declarations (``M
 JSON / dict shape (every key optional)::
 
     {"monitors": {"families": ["auto"], "interval": 10, "dw_scope": "global", ...},
-     "detector": {"max_logit_level": null, "expert_share_level": null, "warmup": null, "baseline": null,
+     "detector": {"max_logit_level": null, "expert_share_level": null, "layer_trend_threshold": null,
+                  "layer_trend_window": null, "warmup": null, "baseline": null,
                   "threshold": null, "persistence": null},
      "mols": {"enabled": false, "window": null, "base": "vo", "clamp": [0.5, 2.0], ...},
      "output": {"dir": null, "wandb_project": null, "tensorboard_dir": null, "writer_level": "auto"},
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 from megatron_mech.core.checks import is_int
-from megatron_mech.core.detect import LEVEL_SETTINGS, DetectorConfig, LevelRules
+from megatron_mech.core.detect import LEVEL_SETTINGS, TREND_SETTINGS, DetectorConfig, LevelRules, TrendRules
 from megatron_mech.core.mols import MoLSConfig, default_window, parse_fixed_multipliers
 from megatron_mech.core.option_fields import BadSetting
 from megatron_mech.monitors.attention import AttentionMonitorConfig
@@ -139,6 +140,7 @@ class MonitorConfig(AttentionMonitorConfig):
 @dataclass
 @settings_of(DetectorConfig, override="override the {} (default: per rule)")
 @settings_of(LevelRules, override="{} (default: the rule's own level)")
+@settings_of(TrendRules, override="{} (default: the rule's own)")
 class DetectorOverrides:
     """Values that replace the default detector rules' own (``None`` = the rule's value): the levels of the level
     rules, :class:`~megatron_mech.core.detect.LevelRules` (``--mech-max-logit-level``, ``--mech-expert-share-level``;
@@ -150,6 +152,8 @@ class DetectorOverrides:
             try:
                 if name in LEVEL_SETTINGS:
                     LevelRules(**{name: value})
+                elif name in TREND_SETTINGS:
+                    TrendRules(**{name: value})
                 else:
                     dataclasses.replace(DetectorConfig(), **{name: value})
             except (TypeError, ValueError) as e:

@@ -799,6 +799,9 @@ class MechHook:
         can_alert = ("Only non-finite values can alert" if not levels else
                      f"Only non-finite values and the level rules ({_describe_levels(levels)}, armed from the first "
                      f"evaluation) can alert")
+        trends = [armed for _, armed in self.armed_trend_rules() if armed <= steps]
+        if trends:
+            can_alert += f", and the layer trend from step {min(trends)}"
         return [f"the detectors cannot reach a baseline in this run: its {steps} training steps at --mech-interval "
                 f"{interval} make {evaluations} evaluation{'s' if evaluations != 1 else ''}, and the earliest "
                 f"baseline-relative alert needs {needed}: {first.warmup} warm-up (--mech-detector-warmup, "
@@ -811,6 +814,15 @@ class MechHook:
         from the first evaluation (empty before :meth:`setup`)."""
         running = {monitor.name for monitor in self.monitors}
         return [rule for rule in self.registry.level_rules() if _LEVEL_RULE_SOURCES.get(rule.family) in running]
+
+    def armed_trend_rules(self) -> list:
+        """``[(rule, armed-from step)]``: the layer trends (:meth:`DetectorRegistry.trend_rules`, on the attention
+        monitor's series) of a running attention monitor, each armed after its rule's warm-up and one window."""
+        if "attention" not in {monitor.name for monitor in self.monitors}:
+            return []
+        interval = self.config.monitors.interval
+        return [(rule, (rule.config(self.registry.base_config).warmup + rule.trend_window) * interval)
+                for rule in self.registry.trend_rules() if rule.family == "attention"]
 
     def _earliest_rule(self) -> tuple:
         """The detector settings of the rule that can alert first on a baseline-relative change, and the number of
@@ -831,14 +843,20 @@ class MechHook:
         armed = last >= armed_from
         levels = self.armed_level_rules()
         first = self.config.monitors.interval  # the first evaluation step
+        trends = [step for _, step in self.armed_trend_rules() if step <= last]
+        others = (["the level rules"] if levels else []) + ([f"the layer trend (from step {min(trends)})"] if trends
+                                                            else [])
         note = (f"run ended at step {last}; detectors armed from step {armed_from}" if armed else
                 f"run ended at step {last}, before the detectors were armed (step {armed_from}): only non-finite "
-                f"values{' and the level rules' if levels else ''} could alert")
+                f"values{''.join(' and ' + other for other in others)} could alert")
         arming = {"armed_from_step": armed_from, "last_step": last, "armed": armed, "note": note,
                   "rule_overrides": self.config.detector.as_rule_fields()}  # the report rebuilds the rules from it
         if levels:  # armed from the first evaluation, whatever the baseline-relative rules' warm-up
             arming["note"] += f"; level rules ({_describe_levels(levels)}) armed from step {first}"
             arming["level_rules"] = {"armed_from_step": first, "rules": [_describe_levels([r]) for r in levels]}
+        trends = self.armed_trend_rules()
+        if trends:
+            arming["layer_trends"] = [{"rule": _describe_trend(rule), "armed_from_step": step} for rule, step in trends]
         return arming
 
     def start_line(self) -> str:
@@ -851,6 +869,8 @@ class MechHook:
         levels = self.armed_level_rules()
         level_part = (f"; level rules armed from the first evaluation (step {self.config.monitors.interval}): "
                       f"{_describe_levels(levels)}" if levels else "")
+        level_part += "".join(f"; layer trend armed from step {step}: {_describe_trend(rule)}"
+                              for rule, step in self.armed_trend_rules())
         return (f"[mech] monitors on: {', '.join(parts) or 'none (loss and grad norm only)'}, every "
                 f"{_count(self.config.monitors.interval, 'step')}; detectors armed from step "
                 f"{self.armed_from_step} (warm-up "
@@ -975,6 +995,13 @@ _LEVEL_RULE_SOURCES = {"attention": "max_logit", "router": "router"}
 def _describe_levels(rules) -> str:
     """``symptom/max_attn_logit/layer* > 100, ...``: level rules as a reader sees them."""
     return ", ".join(f"{rule.pattern} {'>' if rule.direction == 'up' else '<'} {rule.level:g}" for rule in rules)
+
+
+def _describe_trend(rule) -> str:
+    """``attn/*/head*/delta2_entropy: a layer's median fall >= 1.5 log units over 10 evaluations``."""
+    way = "rise" if rule.direction == "up" else "fall"
+    return (f"{rule.pattern}: a layer's median {way} >= {rule.layer_trend:g} log units over {rule.trend_window} "
+            f"evaluations")
 
 
 def _monitor_entries(state: dict) -> dict:

@@ -75,6 +75,17 @@ An evaluation beyond the level in the bad direction (up: ``x > ℓ``; down: ``x 
 default levels (:class:`LevelRules`, each a setting that 0 or None switches off): a layer's maximum attention logit
 above 100; a router's busiest-expert share is a level rule a user sets (off by default, see there).
 
+Layer trend (``SeriesRule(layer_trend=c, trend_window=W)``, the per-head Δ2 rule by default, :class:`TrendRules`):
+a layer's attention entropies falling *together*, read before any of them reaches a level. After the rule's
+``warmup``, each series keeps the log of its last ``W`` finite values; its change is the least-squares slope of that
+window times ``W − 1`` (the fitted log change across the window), signed so that the bad direction is positive. At
+each evaluation the median change over a layer's series of the rule (its heads; at least two with a full window)
+is compared with ``c``: at or above it, one alert fires for the layer (on the series that fell most, the median in
+its detail), and the layer latches until ``persistence`` evaluations are back below. A precision fault takes a
+layer's heads down as a whole and keeps taking them down; a healthy head's dips are its own, so the median over
+the layer stays small. No baseline is needed, so the rule is armed ``W`` evaluations after the warm-up (step 200
+at the defaults and one evaluation every 5 steps, where the baseline-relative rules need 250).
+
 Tracking baseline (``track = L > 0``), for series whose healthy drift goes the bad way (routing entropies fall
 for thousands of steps as experts specialize): after the baseline is collected, every in-band evaluation is
 held back for ``L`` evaluations and then joins a sliding window of the last ``baseline`` admitted values, from
@@ -89,6 +100,7 @@ import fnmatch
 import math
 import re
 import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -96,8 +108,9 @@ from megatron_mech.core.checks import is_finite_real, is_int
 from megatron_mech.core.option_fields import option
 
 __all__ = ["ATTENTION_COLLAPSE", "ATTENTION_LEVELS", "EXPERT_SHARE_LEVEL", "FAMILIES", "DIRECTIONS", "LEVEL_SETTINGS",
-           "MAX_LOGIT_LEVEL", "RULE_KINDS", "Alert", "DetectorConfig", "Detector", "LevelDetector", "LevelRules",
-           "SeriesRule", "DetectorRegistry", "default_rules", "layer_of"]
+           "LAYER_TREND_THRESHOLD", "LAYER_TREND_WINDOW", "MAX_LOGIT_LEVEL", "RULE_KINDS", "TREND_SETTINGS", "Alert",
+           "DetectorConfig", "Detector", "LevelDetector", "LevelRules", "SeriesRule", "TrendRules", "DetectorRegistry",
+           "default_rules", "layer_change", "layer_of"]
 
 FAMILIES = ("attention", "router", "symptom")
 DIRECTIONS = ("down", "up", "both")
@@ -128,6 +141,17 @@ MAX_LOGIT_LEVEL = 100.0
 # one (--mech-expert-share-level 0.5).
 EXPERT_SHARE_LEVEL = None
 _LEVEL_DIRECTIONS = ("down", "up")
+# Layer trend (module docstring): a layer's per-head Δ2 entropies falling by a median of 1.5 log units (a factor
+# e^1.5 ≈ 4.5) over 10 evaluations. Chosen on the tuning seeds' ramped precision fault (seed 11, γ ramped 0 → 0.3 in
+# layer 1 over steps 260–360: the layer's median change reached 1.5 at step 295, 25 steps before the OLMo-core
+# grad-norm spike rule and the baseline-relative rules) and checked against the clean corpus
+# (benchmarks/false_alarms.py --from-corpus: 10 runs of 2000 steps, the largest layer median 0.65 after the
+# 30-evaluation warm-up). With a 10-evaluation warm-up the clean runs' early transient reached 1.86: the warm-up
+# stays the rule's.
+LAYER_TREND_THRESHOLD = 1.5
+LAYER_TREND_WINDOW = 10
+MIN_TREND_SERIES = 2  # a layer's median needs at least two series (a single head's dip is not a layer's trend)
+TREND_LOG_FLOOR = 1e-12  # a value <= 0 of a positive series (an entropy that reached 0) is read as this
 
 
 def layer_of(name: str) -> int | None:
@@ -171,6 +195,9 @@ class Alert:
         """One-line human message."""
         if not math.isfinite(self.value):
             what = f"non-finite value {self.value}"
+        elif "layer_change" in self.detail:  # a layer trend's alert: the baseline is the value a window ago
+            what = (f"value {self.value:.4g} from {self.baseline:.4g} {self.detail.get('window')} evaluations "
+                    f"before, its layer's median fall {self.detail['layer_change']:.3g} log units")
         elif "level" in self.detail:  # a level rule's alert: the baseline is its level
             rel = "below" if self.value < self.baseline else "above"
             what = f"value {self.value:.4g} {rel} level {self.baseline:.4g}"
@@ -636,6 +663,17 @@ class LevelDetector:
         self._last_score = self._last_beyond = None
 
 
+def layer_change(logs: Sequence[float], sign: float) -> float:
+    """The fitted change across a window of log values (oldest first, at least 2): the least-squares slope per
+    evaluation times ``len(logs) − 1``, times ``sign`` (+1: rising is bad, −1: falling is bad), so a change in the
+    bad direction is positive. In log units: −ln 2 ≈ −0.69 per halving."""
+    n = len(logs)
+    x_mean, y_mean = (n - 1) / 2, math.fsum(logs) / n
+    slope = (math.fsum((i - x_mean) * (y - y_mean) for i, y in enumerate(logs))
+             / math.fsum((i - x_mean) ** 2 for i in range(n)))
+    return sign * slope * (n - 1)
+
+
 _OVERRIDES = ("warmup", "baseline", "threshold", "persistence", "rel_floor", "rel_cap", "abs_floor", "track",
               "recede", "level", "collapse")
 
@@ -646,7 +684,10 @@ class SeriesRule:
     whole series name (``*`` also matches ``/``). Fields left as None take the registry's base config.
     ``rel_cap`` cannot be reset to None by a rule (None means "inherit"). ``kind``: ``"baseline"`` (a
     :class:`Detector`) or ``"level"`` (a :class:`LevelDetector`: needs a ``level`` > 0 and direction down or up;
-    of the other fields only ``persistence`` applies)."""
+    of the other fields only ``persistence`` applies). ``layer_trend`` and ``trend_window`` (a baseline-relative
+    rule's, both or neither): the layer trend criterion beside the baseline (module docstring, "Layer trend"): the
+    median log change over a layer's series of the rule, over ``trend_window`` evaluations after ``warmup``,
+    at or beyond ``layer_trend`` in the bad direction fires; re-arms after ``persistence`` evaluations below."""
 
     pattern: str
     family: str
@@ -663,9 +704,23 @@ class SeriesRule:
     level: float | None = None
     collapse: float | None = None
     kind: str = "baseline"
+    layer_trend: float | None = None
+    trend_window: int | None = None
 
     def __post_init__(self) -> None:
         _check_family(self.family)
+        if (self.layer_trend is None) != (self.trend_window is None):
+            raise ValueError(f"{self.pattern}: layer_trend and trend_window are set together, got layer_trend "
+                             f"{self.layer_trend!r}, trend_window {self.trend_window!r}")
+        if self.layer_trend is not None:
+            if not is_finite_real(self.layer_trend) or not self.layer_trend > 0:
+                raise ValueError(f"{self.pattern}: layer_trend must be a finite number > 0 (log units), got "
+                                 f"{self.layer_trend!r}")
+            if not is_int(self.trend_window) or self.trend_window < 3:
+                raise ValueError(f"{self.pattern}: trend_window must be an int >= 3, got {self.trend_window!r}")
+            if self.kind != "baseline" or self.direction not in _LEVEL_DIRECTIONS:
+                raise ValueError(f"{self.pattern}: a layer trend needs a baseline-relative rule with direction "
+                                 f"'down' or 'up', got kind {self.kind!r}, direction {self.direction!r}")
         if self.direction not in DIRECTIONS:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {self.direction!r}")
         if self.kind not in RULE_KINDS:
@@ -725,10 +780,43 @@ class LevelRules:
 LEVEL_SETTINGS = tuple(f.name for f in dataclasses.fields(LevelRules))
 
 
-def default_rules(levels: LevelRules | None = None) -> list[SeriesRule]:
+@dataclass
+class TrendRules:
+    """The default layer trend's settings (module docstring, "Layer trend"), on the per-head Δ2 entropies: armed
+    after the rule's warm-up plus one window; a threshold of 0 or None switches it off."""
+
+    layer_trend_threshold: float | None = option(
+        LAYER_TREND_THRESHOLD, "alert when a layer's per-head attention Δ2 entropies fall together: the median over "
+        "the layer's heads of each head's fitted log change across the window is at least this many log units "
+        "(0 = off)", flag="--mech-layer-trend-threshold", type=float)
+    layer_trend_window: int = option(
+        LAYER_TREND_WINDOW, "evaluations in the layer trend's window (>= 3)", flag="--mech-layer-trend-window",
+        type=int)
+
+    def __post_init__(self) -> None:
+        if self.layer_trend_threshold is not None and (not is_finite_real(self.layer_trend_threshold)
+                                                       or self.layer_trend_threshold < 0):
+            raise ValueError(f"layer_trend_threshold must be a finite number > 0 (0 or None: off), got "
+                             f"{self.layer_trend_threshold!r}")
+        if not is_int(self.layer_trend_window) or self.layer_trend_window < 3:
+            raise ValueError(f"layer_trend_window must be an int >= 3, got {self.layer_trend_window!r}")
+
+    def fields(self) -> dict:
+        """The :class:`SeriesRule` fields of the rule that carries the trend (empty when it is off)."""
+        if not self.layer_trend_threshold:
+            return {}
+        return {"layer_trend": float(self.layer_trend_threshold), "trend_window": int(self.layer_trend_window)}
+
+
+TREND_SETTINGS = tuple(f.name for f in dataclasses.fields(TrendRules))
+
+
+def default_rules(levels: LevelRules | None = None, trends: TrendRules | None = None) -> list[SeriesRule]:
     """Default rules, first match wins: the baseline-relative rules below, then the level rules of ``levels``
     (default: :class:`LevelRules` ``()``, a layer's maximum attention logit above 100; the busiest-expert rule is off
-    unless set; see ``MAX_LOGIT_LEVEL`` and ``EXPERT_SHARE_LEVEL``). Counts assume one
+    unless set; see ``MAX_LOGIT_LEVEL`` and ``EXPERT_SHARE_LEVEL``). The per-head Δ2 rule also carries the layer
+    trend of ``trends`` (default: :class:`TrendRules` ``()``, a median fall of 1.5 log units over 10 evaluations;
+    see ``LAYER_TREND_THRESHOLD``). Counts assume one
     evaluation every ~10 steps (as in the experiments).
 
     * Attention update-spectrum entropies (``attn/layer{L}/dwq_entropy``, ``dwk_entropy`` and
@@ -800,7 +888,8 @@ def default_rules(levels: LevelRules | None = None) -> list[SeriesRule]:
         # First-order Δ2 per head and ΔW per layer only: Δ1 (≈ Δ2 + a second-order term) adds nothing, and Δ3
         # (second order) is noisy — both false-alarmed on clean tuning runs (benchmarks/lead_time.py); they
         # are still logged. threshold 7: a clean run's per-head Δ2 reached score 6.15 late in training.
-        SeriesRule("attn/*/head*/delta2_entropy", "attention", **delta2_attn, threshold=7.0),
+        SeriesRule("attn/*/head*/delta2_entropy", "attention", **delta2_attn, threshold=7.0,
+                   **(trends if trends is not None else TrendRules()).fields()),
         SeriesRule("attn/*/dw?_entropy", "attention", **dw_attn, threshold=7.0),
         *(SeriesRule(f"router/*/{name}", "router", **ent_router) for name in router_ent),
         SeriesRule("router/*/mean_cosine", "router", **near_zero_up_router),
@@ -827,6 +916,14 @@ class DetectorRegistry:
         # series name -> (index of the rule it matched, its layer) when the rule judges layer collapses: the group
         # whose median ratio the series is judged with, fixed once the series is first seen
         self._collapse_group: dict[str, tuple[int, int]] = {}
+        # series name -> (index of its rule, its layer) when the rule carries a layer trend; per series the finite
+        # evaluations seen and the log window after the warm-up; per (rule index, layer) the latch [active, n_in]
+        self._trend_group: dict[str, tuple[int, int]] = {}
+        self._trend_seen: dict[str, int] = {}
+        self._trend_logs: dict[str, deque] = {}
+        self._trend_latch: dict[tuple[int, int], list] = {}
+        # the last evaluation's layer medians, {(rule pattern, layer): median change}: what a clean-run replay reads
+        self.layer_changes: dict[tuple[str, int], float] = {}
         self._unmonitored: set[str] = set()
         self.alerts: list[Alert] = []
 
@@ -838,13 +935,15 @@ class DetectorRegistry:
         its report rebuilds it from ``summary.json``. An unknown field is a ``ValueError`` naming it."""
         overrides = dict(overrides or {})
         levels = LevelRules(**{k: overrides.pop(k) for k in LEVEL_SETTINGS if k in overrides})
-        known = {f.name for f in dataclasses.fields(SeriesRule)} - {"pattern", "family", "kind"}
+        trends = TrendRules(**{k: overrides.pop(k) for k in TREND_SETTINGS if k in overrides})
+        known = {f.name for f in dataclasses.fields(SeriesRule)} - {"pattern", "family", "kind", "layer_trend",
+                                                                     "trend_window"}
         unknown = sorted(set(overrides) - known)
         if unknown:
             raise ValueError(f"unknown detector setting(s) {unknown}; expected some of "
-                             f"{sorted(known | set(LEVEL_SETTINGS))}")
+                             f"{sorted(known | set(LEVEL_SETTINGS) | set(TREND_SETTINGS))}")
         return cls(rules=[dataclasses.replace(rule, **overrides) if rule.kind == "baseline" else rule
-                          for rule in default_rules(levels)])
+                          for rule in default_rules(levels, trends)])
 
     def level_rules(self) -> list[SeriesRule]:
         """The rules of kind ``level``: armed from the first evaluation."""
@@ -876,7 +975,59 @@ class DetectorRegistry:
             layer = layer_of(name)
             if det.config.collapse is not None and layer is not None:
                 self._collapse_group[name] = (index, layer)
+            if rule.layer_trend is not None and layer is not None:
+                self._trend_group[name] = (index, layer)
         return det
+
+    def trend_rules(self) -> list[SeriesRule]:
+        """The rules that carry a layer trend (module docstring, "Layer trend")."""
+        return [rule for rule in self.rules if rule.layer_trend is not None]
+
+    def _layer_trends(self, step: int, values: Mapping[str, float],
+                      details: Mapping[str, Mapping[str, Any]]) -> list[Alert]:
+        """Update the layer trends' windows with one evaluation and fire the layers whose median change reached
+        their rule's ``layer_trend`` (module docstring, "Layer trend")."""
+        groups: dict[tuple[int, int], list[tuple[float, str]]] = {}
+        for name, value in values.items():
+            key = self._trend_group.get(name)
+            if key is None or not math.isfinite(value):  # non-finite values alert through the series' detector
+                continue
+            rule = self.rules[key[0]]
+            config = self.detectors[name].config
+            self._trend_seen[name] = seen = self._trend_seen.get(name, 0) + 1
+            if seen <= config.warmup:
+                continue
+            logs = self._trend_logs.setdefault(name, deque(maxlen=rule.trend_window))
+            logs.append(math.log(max(value, TREND_LOG_FLOOR)))
+            if len(logs) == rule.trend_window:
+                sign = 1.0 if rule.direction == "up" else -1.0
+                groups.setdefault(key, []).append((layer_change(list(logs), sign), name))
+        fired = []
+        self.layer_changes = {}
+        for key, members in sorted(groups.items()):
+            if len(members) < MIN_TREND_SERIES:
+                continue
+            rule = self.rules[key[0]]
+            median = statistics.median(change for change, _ in members)
+            self.layer_changes[(rule.pattern, key[1])] = median
+            out = median >= rule.layer_trend
+            latch = self._trend_latch.setdefault(key, [False, 0])
+            if latch[0]:
+                latch[1] = 0 if out else latch[1] + 1
+                if latch[1] >= self.detectors[members[0][1]].config.persistence:
+                    latch[0], latch[1] = False, 0
+                continue
+            if not out:
+                continue
+            latch[0], latch[1] = True, 0
+            change, name = max(members)  # the series that fell most names the alert (ties: the last name)
+            logs = self._trend_logs[name]
+            fired.append(Alert(metric=name, family=rule.family, step=int(step), value=values[name],
+                               baseline=math.exp(logs[0]), score=median,
+                               detail={**dict(details.get(name) or {}), "layer": key[1],
+                                       "layer_change": median, "series_change": change,
+                                       "window": rule.trend_window, "series": len(members)}))
+        return fired
 
     def _layer_ratios(self, values: Mapping[str, float]) -> dict[str, float]:
         """For every series whose rule has a ``collapse`` setting and whose name holds ``layer{L}``: the median of
@@ -914,12 +1065,17 @@ class DetectorRegistry:
             alert = self.detectors[name].update(step, value, details.get(name), layer_ratios.get(name))
             if alert is not None:
                 fired.append(alert)
+        fired.extend(self._layer_trends(step, values, details))
         self.alerts.extend(fired)
         return fired
 
     def state_dict(self) -> dict[str, Any]:
+        trends = {"seen": dict(self._trend_seen), "logs": {k: list(v) for k, v in self._trend_logs.items()},
+                  "latch": [[self.rules[index].pattern, layer, active, n_in]
+                            for (index, layer), (active, n_in) in sorted(self._trend_latch.items())]}
         return {"version": 1, "detectors": {k: d.state_dict() for k, d in self.detectors.items()},
-                "unmonitored": sorted(self._unmonitored), "alerts": [a.to_dict() for a in self.alerts]}
+                "unmonitored": sorted(self._unmonitored), "alerts": [a.to_dict() for a in self.alerts],
+                "layer_trends": trends}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore. Detectors are rebuilt from the *current* rules (family, direction and config come from the
@@ -929,10 +1085,37 @@ class DetectorRegistry:
             raise ValueError(f"unsupported DetectorRegistry state version {state.get('version')!r}")
         # Saved unmatched names stay listed unless a current rule now matches them (then they are monitored
         # from scratch the next time they are seen).
-        self.detectors, self._collapse_group = {}, {}
+        self.detectors, self._collapse_group, self._trend_group = {}, {}, {}
         self._unmonitored = {n for n in state["unmonitored"] if not any(r.matches(n) for r in self.rules)}
         for name, dstate in state["detectors"].items():
             det = self._detector(name)
             if det is not None:
                 det.load_state_dict(dstate)
         self.alerts = [Alert.from_dict(a) for a in state["alerts"]]
+        self._load_trends(state.get("layer_trends"))
+
+    def _load_trends(self, trends: Mapping[str, Any] | None) -> None:
+        """Restore the layer trends' windows and latches. A state without them (saved before the layer trend
+        existed) restarts them: each series warms up and fills its window again. A series or rule the current
+        rules do not give a trend is dropped, as the detectors are."""
+        self._trend_seen, self._trend_logs, self._trend_latch = {}, {}, {}
+        if trends is None:
+            return
+        for name, seen in trends["seen"].items():
+            if not is_int(seen) or seen < 0:
+                raise ValueError(f"layer trend state of {name!r}: seen must be an int >= 0, got {seen!r}")
+            if name in self._trend_group:
+                self._trend_seen[name] = int(seen)
+        for name, logs in trends["logs"].items():
+            if not isinstance(logs, list) or not all(is_finite_real(v) for v in logs):
+                raise ValueError(f"layer trend state of {name!r}: logs must be a list of finite numbers")
+            if name in self._trend_group:
+                window = self.rules[self._trend_group[name][0]].trend_window
+                self._trend_logs[name] = deque((float(v) for v in logs), maxlen=window)
+        index = {rule.pattern: i for i, rule in enumerate(self.rules) if rule.layer_trend is not None}
+        for pattern, layer, active, n_in in trends["latch"]:
+            if not is_int(layer) or not is_int(n_in) or n_in < 0:
+                raise ValueError(f"layer trend latch of {pattern!r}: layer and n_in must be ints, got {layer!r}, "
+                                 f"{n_in!r}")
+            if pattern in index:
+                self._trend_latch[(index[pattern], int(layer))] = [bool(active), int(n_in)]

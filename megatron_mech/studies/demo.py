@@ -8,7 +8,9 @@ Each fault's outcome is stated apart from the monitors: the router act's routing
 decisions (:mod:`megatron_mech.studies.router_outcome`), the attention act's maximum attention logit against the
 QK-clip level and the max-logit explosion criterion (:mod:`megatron_mech.studies.outcomes`) and its loss gap to the
 clean run. On every run the incumbent alarms (:mod:`megatron_mech.studies.incumbents`) are applied to the run's own
-records, and each act sets our first alert against them.
+records from the fault's onset on (an alarm before the onset is listed on the clean run, where it fires too), and
+each act sets the first alert of its own monitor family (attention for the attention act, router for the router act)
+against them. The report's title states, per act, who warned first and by how many steps, computed from the runs.
 """
 from __future__ import annotations
 
@@ -25,9 +27,14 @@ __all__ = ["DEMO_ATTENTION_FLAGS", "DEMO_FAULTS", "attention_outcome_line", "col
 # 1 from step 300) made stronger and, with the CLI's ``--fault-start`` of 260, earlier, so that within the demo's 500
 # steps the max attention logit explodes by the attention outcome's own criterion
 # (:mod:`megatron_mech.studies.outcomes`). From step 300 it did not, or with one record to spare: the logit climbs
-# at a pace set by the decaying learning rate (Adam), not by γ. Chosen on the tuning seeds
-# (benchmarks/results/demo_attention_tuning.md).
-DEMO_ATTENTION_FLAGS = ["--mech-fault", "attention", "--mech-fault-strength", "0.3", "--mech-fault-layers", "1"]
+# at a pace set by the decaying learning rate (Adam), not by γ. γ ramps in over 100 steps: a fault that develops,
+# as a precision fault does when the activations it rounds grow, instead of a switch the grad norm shows at once
+# (at full strength from the start the grad norm jumped in the first record and OLMo-core's spike rule fired 15–20
+# steps after the onset). Chosen on the tuning seeds (benchmarks/results/demo_attention_tuning.md).
+DEMO_ATTENTION_FLAGS = ["--mech-fault", "attention", "--mech-fault-strength", "0.3", "--mech-fault-layers", "1",
+                        "--mech-fault-ramp", "100"]
+# The monitor family whose alert is the act's own: the fault's mechanism, which the demo expects named first.
+OWN_FAMILY = {"attention": "attention", "router": "router"}
 
 
 def step_losses(run_dir) -> list:
@@ -47,12 +54,17 @@ def demo_length(args: argparse.Namespace) -> tuple:
     return (120, 60) if args.quick else (args.steps, args.fault_start)
 
 
-def demo_fault_flags(name: str) -> list:
+def demo_fault_flags(name: str, quick: bool = False) -> list:
     """The ``--mech-fault*`` flags of the demo's fault run ``name``: :data:`DEMO_ATTENTION_FLAGS` for the attention
-    act, the fault studies' flags (``FAULT_FLAGS``) for the others."""
+    act, the fault studies' flags (``FAULT_FLAGS``) for the others. ``quick``: the attention fault at full strength
+    from its start (the quick demo's 60 steps after the onset are too few for the ramp; it checks the pipeline)."""
     from megatron_mech.studies.leadtime import FAULT_FLAGS
 
-    return list(DEMO_ATTENTION_FLAGS) if name == "attention" else list(FAULT_FLAGS[name])
+    flags = list(DEMO_ATTENTION_FLAGS) if name == "attention" else list(FAULT_FLAGS[name])
+    if quick and name == "attention":
+        ramp = flags.index("--mech-fault-ramp")
+        del flags[ramp:ramp + 2]
+    return flags
 
 
 def demo_commands(args: argparse.Namespace) -> dict:
@@ -68,7 +80,7 @@ def demo_commands(args: argparse.Namespace) -> dict:
     detector = (["--mech-detector-warmup", "4", "--mech-detector-baseline", "6"] if args.quick else [])
     commands = {}
     for name in ["clean", *faults]:
-        fault = [*demo_fault_flags(name), "--mech-fault-start", str(start)] if name != "clean" else []
+        fault = [*demo_fault_flags(name, args.quick), "--mech-fault-start", str(start)] if name != "clean" else []
         run_dir = Path(args.out) / name
         commands[name] = [*torchrun_prefix(2), "-m", ENTRY_MODULE,
                           *fit_lr_warmup(LEAD_MODEL, steps), "--seed", str(args.seed), "--train-iters", str(steps),
@@ -80,23 +92,26 @@ def demo_commands(args: argparse.Namespace) -> dict:
 
 DEMO_FAULTS = {
     "attention": ("attention-precision fault", "the biased bf16-rounding mechanism of FlashAttention's backward "
-                  "injected into layer {layers} (γ = {strength})"),
+                  "injected into layer {layers}, {gamma}"),
     "router": ("router fault (a massive activation at the routers)", "a vector shared by every token added to each "
                "MoE router's input, aligned so that it adds β to the logits of half of the experts, β growing from 0 "
                "to {strength} over {ramp} steps (the experts still get the true tokens; no load-balancing loss holds "
                "the routing)"),
 }
-"""The demo's fault runs: ``(title, what was injected)``, formatted with the fault's ``--mech-fault-*`` values."""
+"""The demo's fault runs: ``(title, what was injected)``, formatted with the fault's ``--mech-fault-*`` values
+(``{gamma}``: the attention fault's γ, ramped or at once)."""
 
 
-def _fault_text(name: str) -> tuple:
+def _fault_text(name: str, quick: bool = False) -> tuple:
     values, key = {}, None
-    for item in demo_fault_flags(name):  # a flag's values (``--mech-fault-layers 1 2``: "1 2") by its name
+    for item in demo_fault_flags(name, quick):  # a flag's values (``--mech-fault-layers 1 2``: "1 2") by its name
         if item.startswith("--"):
             key = item[len("--mech-fault-"):]
             values[key] = ""
         else:
             values[key] = f"{values[key]} {item}".strip()
+    values["gamma"] = (f"γ growing from 0 to {values.get('strength')} over {values['ramp']} steps" if "ramp" in values
+                       else f"γ = {values.get('strength')}")
     return tuple(text.format(**values) for text in DEMO_FAULTS[name])
 
 
@@ -123,12 +138,14 @@ def load_demo_run(run_dir, seed: int) -> dict:
             "records": read_jsonl(run_dir / "mech.jsonl"), "seed": seed}
 
 
-def _incumbents(run: dict) -> dict:
-    """First firing (or None) of each incumbent rule on a demo run (:mod:`megatron_mech.studies.incumbents`)."""
+def _incumbents(run: dict, from_step: int = 1) -> dict:
+    """First firing (or None) of each incumbent rule on a demo run (:mod:`megatron_mech.studies.incumbents`), at or
+    after ``from_step``."""
     from megatron_mech.studies.incumbents import microbatches_per_rank, run_incumbent_firings
     from megatron_mech.studies.leadtime import LEAD_MODEL
 
-    return run_incumbent_firings(run["records"], run["losses"], microbatches=microbatches_per_rank(LEAD_MODEL, 2))
+    return run_incumbent_firings(run["records"], run["losses"], microbatches=microbatches_per_rank(LEAD_MODEL, 2),
+                                 from_step=from_step)
 
 
 def _fired_text(firings: dict) -> str:
@@ -138,19 +155,32 @@ def _fired_text(firings: dict) -> str:
     return "; ".join(parts)
 
 
-def _first_incumbent(firings: dict):
+def _false_on_clean(firings: dict, clean_firings: dict | None) -> dict:
+    """The rules of ``firings`` that fired on the clean run too, as early or earlier (both from the fault's onset):
+    ``{rule: the clean run's step}``. The runs are one run until the onset; an alarm that rings as early without
+    the fault says nothing about it."""
+    if not clean_firings:
+        return {}
+    return {rule: clean_firings[rule] for rule, step in firings.items()
+            if step is not None and clean_firings.get(rule) is not None and clean_firings[rule] <= step}
+
+
+def _first_incumbent(firings: dict, clean_firings: dict | None = None):
     """``(step, rule)`` of the first incumbent alarm among ``firings`` (``{rule: first step or None}``, see
-    ``_incumbents``), or None when none fired."""
-    fired = [(step, rule) for rule, step in firings.items() if step is not None]
+    ``_incumbents``), or None when none fired; with ``clean_firings`` (the clean run's, from the same step), a
+    rule that fired as early on the clean run is not counted (:func:`_false_on_clean`)."""
+    skip = _false_on_clean(firings, clean_firings)
+    fired = [(step, rule) for rule, step in firings.items() if step is not None and rule not in skip]
     return min(fired) if fired else None
 
 
-def verdict(first_ours, divergence, first_incumbent) -> str:
+def verdict(first_ours, divergence, first_incumbent, who: str = "monitor") -> str:
     """One fault run's outcome in a line, computed from the steps (never a fixed claim): ``early`` when the
     monitors alerted before the loss diverged (or it never did) and before every incumbent alarm; ``late`` when
-    they alerted after either; ``missed`` when they did not alert. ``first_incumbent``: ``(step, rule)`` or None."""
+    they alerted after either; ``missed`` when they did not alert. ``first_incumbent``: ``(step, rule)`` or None;
+    ``who``: the alert's family as the line names it."""
     if not first_ours:
-        return "**missed**: no monitor alert" + ("" if first_incumbent is None else
+        return f"**missed**: no {who} alert" + ("" if first_incumbent is None else
                                                  f"; first incumbent alarm: {first_incumbent[1]} at "
                                                  f"{first_incumbent[0]}")
     if divergence is None:
@@ -169,21 +199,44 @@ def verdict(first_ours, divergence, first_incumbent) -> str:
                       else f"at the same step as the first incumbent alarm ({rule})")
     early = (divergence is None or first_ours < divergence) and (first_incumbent is None or
                                                                  first_ours < first_incumbent[0])
-    return f"**{'early' if early else 'late'}**: first monitor alert at {first_ours}, {loss}, {incumbents}"
+    return f"**{'early' if early else 'late'}**: first {who} alert at {first_ours}, {loss}, {incumbents}"
 
 
-def incumbents_line(run: dict, first_ours) -> str:
-    """Our first alert against the alarms users already have (each incumbent rule's first firing), on one run."""
-    firings = _incumbents(run)
-    ours = f"our first monitor alert: {first_ours if first_ours else 'none'}"
-    first = _first_incumbent(firings)
+def headline(title: str, first_ours, divergence, first_incumbent) -> str:
+    """One act in the report's title, from the steps: whether its own family warned first (before the loss and
+    every incumbent alarm) and by how many steps over the nearest of them."""
+    if not first_ours:
+        return f"{title} missed"
+    rivals = [step for step in (divergence, first_incumbent[0] if first_incumbent else None) if step]
+    if not rivals:
+        return f"{title} caught at step {first_ours}, nothing else fired"
+    ahead = min(rivals) - first_ours
+    if ahead > 0:
+        return f"{title} caught first, {ahead} steps ahead"
+    return f"{title} caught late, {-ahead} steps behind" if ahead < 0 else f"{title} caught in a tie"
+
+
+def incumbents_line(run: dict, first_ours, from_step: int = 1, who: str = "monitor",
+                    clean_firings: dict | None = None) -> str:
+    """Our first alert against the alarms users already have (each incumbent rule's first firing at or after
+    ``from_step``), on one run; with ``clean_firings`` (the clean run's from the same step), the rules that fired as
+    early on the clean run are named and not counted."""
+    firings = _incumbents(run, from_step)
+    ours = f"our first {who} alert: {first_ours if first_ours else 'none'}"
+    first = _first_incumbent(firings, clean_firings)
+    skipped = _false_on_clean(firings, clean_firings)
+    if skipped:
+        ours += ("; not counted, as they fired as early on the clean run: "
+                 + ", ".join(f"{rule} (here {firings[rule]}, clean run {step})" for rule, step in skipped.items()))
     if first is None:
-        return f"{ours}; no incumbent alarm fired ({_fired_text(firings)})"
+        since = "" if from_step <= 1 else f" from the fault's onset (step {from_step})"
+        return f"{ours}; no incumbent alarm fired{since} ({_fired_text(firings)})"
     step, rule = first
     verdict = ("" if not first_ours else f" — ours {step - first_ours} steps before the first of them" if
                first_ours < step else f" — ours {first_ours - step} steps after the first of them" if
                first_ours > step else " — ours at the same step as the first of them")
-    return f"{ours}; incumbent alarms on the same run: {_fired_text(firings)}{verdict}"
+    since = "" if from_step <= 1 else f" from the fault's onset (step {from_step})"
+    return f"{ours}; incumbent alarms on the same run{since}: {_fired_text(firings)}{verdict}"
 
 
 def attention_outcome_line(faulty: dict, clean: dict, start: int) -> str:
@@ -226,9 +279,10 @@ def attention_outcome_line(faulty: dict, clean: dict, start: int) -> str:
             f"records): {explosion}; 20-step moving-average loss gap to the clean run: {loss}")
 
 
-def demo_report(out, names, *, seed: int, steps: int, start: int, plots: bool = True) -> str:
+def demo_report(out, names, *, seed: int, steps: int, start: int, plots: bool = True, quick: bool = False) -> str:
     """The demo's report (``demo.md``'s text) from the finished runs ``out/<name>`` (``clean`` and the faults, in
-    ``names``' order); with ``plots``, each fault's plot is drawn into ``out`` too."""
+    ``names``' order); with ``plots``, each fault's plot is drawn into ``out`` too. ``quick``: the runs are the
+    quick demo's (its attention fault is not ramped)."""
     from megatron_mech.core.attribution import alert_lines
     from megatron_mech.studies.leadtime import divergence_step, first_alert, plot_fault
 
@@ -237,29 +291,38 @@ def demo_report(out, names, *, seed: int, steps: int, start: int, plots: bool = 
     faults = [name for name in names if name != "clean"]
     clean = runs["clean"]
     clean_firings = _incumbents(clean)
-    lines = ["# megatron-mech demo: injected faults, the monitors' alerts and the alarms you already have", "",
+    outcomes = {}  # fault -> (loss divergence step, first alert per family, its own family's first alert, family)
+    for name in faults:
+        firsts = {f: first_alert(runs[name]["alerts"], f) for f in ("attention", "router", "symptom")}
+        own = OWN_FAMILY.get(name)
+        first = firsts[own] if own else min((s for s in (firsts["attention"], firsts["router"]) if s), default=None)
+        outcomes[name] = (divergence_step(runs[name]["losses"], clean["losses"], 0.2), firsts, first, own or "monitor")
+    clean_onset = _incumbents(clean, start)  # an alarm that rings as early on the clean run is no detection
+    onset_firsts = {name: _first_incumbent(_incumbents(runs[name], start), clean_onset) for name in faults}
+    heads = [headline(_fault_text(name, quick)[0], first, divergence, onset_firsts[name])
+             for name, (divergence, _, first, _) in outcomes.items()]
+    lines = [f"# megatron-mech demo (seed {seed}): " + ("; ".join(heads) if heads else "a clean run"), "",
              f"Runs of the small MoE GPT (seed {seed}, {steps} steps), identical except for one injected fault "
              f"from step {start}. Loss divergence: the 20-step moving-average loss stays > 0.2 nats above the "
              f"clean run until the end. Incumbent alarms: Megatron-LM's spiky-loss check, OLMo-core's 6σ loss and "
              f"grad-norm spikes, the QK-clip level on the max attention logit, a grad-norm level "
-             f"(megatron_mech.studies.incumbents), applied to each run's own records.", "",
+             f"(megatron_mech.studies.incumbents), applied to each run's own records from the fault's onset (an "
+             f"alarm before it fires on the clean run too; one that fires on the clean run as early after the onset "
+             f"is named but not counted: it rings without the fault). Caught first: the fault's own monitor family "
+             f"(attention or router) alerted before the loss diverged and before every incumbent alarm; the steps "
+             f"ahead are counted to the nearest of them.", "",
              f"- clean run: {len(clean['alerts'])} alerts (false alarms); incumbent alarms on it: "
              + ("none fired" if all(step is None for step in clean_firings.values()) else _fired_text(clean_firings))]
-    outcomes = {}  # fault -> (loss divergence step, first alert per family, our first alert)
-    for name in faults:
-        firsts = {f: first_alert(runs[name]["alerts"], f) for f in ("attention", "router", "symptom")}
-        outcomes[name] = (divergence_step(runs[name]["losses"], clean["losses"], 0.2), firsts,
-                          min((s for s in (firsts["attention"], firsts["router"]) if s), default=None))
     lines += ["", "## Verdict", ""]
-    lines += [f"- {_fault_text(name)[0]}: {verdict(first, divergence, _first_incumbent(_incumbents(runs[name])))}"
-              for name, (divergence, _, first) in outcomes.items()]
+    lines += [f"- {_fault_text(name, quick)[0]}: {verdict(first, divergence, onset_firsts[name], who)}"
+              for name, (divergence, _, first, who) in outcomes.items()]
     for name in faults:
         faulty = runs[name]
-        divergence, firsts, first = outcomes[name]
+        divergence, firsts, first, who = outcomes[name]
         plot = "demo.png" if name == "attention" else f"demo_{name}.png"
         if plots:
             plot_fault(out / plot, name, clean, faulty, start, divergence, firsts)
-        title, what = _fault_text(name)
+        title, what = _fault_text(name, quick)
         lines += ["", f"## {title}", "", f"Fault: {what}, from step {start}.", "",
                   f"- first attention alert: {firsts['attention'] or 'none'}; first router alert: "
                   f"{firsts['router'] or 'none'}; first symptom (loss/grad-norm) alert — what you have today: "
@@ -268,7 +331,7 @@ def demo_report(out, names, *, seed: int, steps: int, start: int, plots: bool = 
             lines.append(f"- {collapse_line(out / name)}")
         if name == "attention":
             lines.append(f"- {attention_outcome_line(faulty, clean, start)}")
-        lines.append(f"- {incumbents_line(faulty, first)}")
+        lines.append(f"- {incumbents_line(faulty, first, start, who, clean_onset)}")
         if first and firsts["symptom"] and first < firsts["symptom"]:
             lines.append(f"- **the monitors fired {firsts['symptom'] - first} steps before the loss/grad-norm "
                          f"alarm**")
@@ -311,7 +374,7 @@ def run_demo(args: argparse.Namespace) -> int:
     env.setdefault("OMP_NUM_THREADS", "1")
     for name, cmd in commands.items():
         run_dir = out / name
-        what = f", {_fault_text(name)[0]} from step {start}" if name != "clean" else ""
+        what = f", {_fault_text(name, args.quick)[0]} from step {start}" if name != "clean" else ""
         print(f"== {name} run ({steps} steps{what}) ==", flush=True)
         code, _ = run_training(cmd, env, show=_progress_line, prefix=f"[{name}] ")
         if code:
@@ -319,7 +382,7 @@ def run_demo(args: argparse.Namespace) -> int:
             return 1
         run_report(argparse.Namespace(run_dir=str(run_dir), out=None, metrics=None))
 
-    text = demo_report(out, list(commands), seed=args.seed, steps=steps, start=start)
+    text = demo_report(out, list(commands), seed=args.seed, steps=steps, start=start, quick=args.quick)
     (out / "demo.md").write_text(text)
     print(text, end="")
     print(f"\nreport: {out / 'demo.md'}\nplots:  " + ", ".join(str(p) for p in sorted(out.glob("demo*.png"))))

@@ -1,9 +1,11 @@
 """The instability alarms users already have, as plain functions over a run's per-step series.
 
 Each rule takes the values a trainer logs (``values[i]`` belongs to ``steps[i]``; without ``steps`` the values are
-steps 1, 2, …) and returns the first step at which it fires, or None. They are written here from the rules'
-published sources (cited per function), so the early-warning benchmark can score the monitors against them on the
-same runs:
+steps 1, 2, …) and returns the first step at which it fires, or None; with ``from_step``, the first step at or after it
+(the rule runs over the whole series as a trainer would, its alarms before ``from_step`` only are not returned:
+a fault study asks which alarm fired first once the fault was on, an alarm before it also fires on the clean run).
+They are written here from the rules' published sources (cited per function), so the early-warning benchmark can
+score the monitors against them on the same runs:
 
 * :func:`megatron_spiky_loss_step` — Megatron-LM's "Spiky loss" check (``--check-for-spiky-loss``);
 * :func:`olmo_spike_step` — OLMo-core's loss / grad-norm spike detection (``StabilityMonitorCallback``);
@@ -62,7 +64,7 @@ def _steps(values: Sequence[float], steps: Optional[Sequence[int]]) -> Sequence[
 
 def megatron_spiky_loss_step(values: Sequence[float], steps: Optional[Sequence[int]] = None,
                              factor: float = MEGATRON_SPIKY_LOSS_FACTOR,
-                             num_samples: int = MEGATRON_SPIKY_LOSS_SAMPLES) -> Optional[int]:
+                             num_samples: int = MEGATRON_SPIKY_LOSS_SAMPLES, from_step: int = 1) -> Optional[int]:
     """Megatron-LM's spiky-loss check: the first step whose loss is ``>= factor ×`` the largest ``|loss|`` of the
     first ``num_samples`` finite samples.
 
@@ -88,13 +90,14 @@ def megatron_spiky_loss_step(values: Sequence[float], steps: Optional[Sequence[i
             seen += 1
             largest = max(largest, value)
             continue
-        if value >= largest * factor:
+        if value >= largest * factor and step >= from_step:
             return int(step)
     return None
 
 
 def olmo_spike_step(values: Sequence[float], steps: Optional[Sequence[int]] = None,
-                    window: int = OLMO_SPIKE_WINDOW, threshold_std: float = OLMO_SPIKE_STD) -> Optional[int]:
+                    window: int = OLMO_SPIKE_WINDOW, threshold_std: float = OLMO_SPIKE_STD,
+                    from_step: int = 1) -> Optional[int]:
     """OLMo-core's spike rule: the first value above ``mean + threshold_std × std`` of the ``window`` values
     before it.
 
@@ -111,7 +114,7 @@ def olmo_spike_step(values: Sequence[float], steps: Optional[Sequence[int]] = No
         if len(history) >= window:
             mean = sum(history) / len(history)
             std = math.sqrt(sum((x - mean) ** 2 for x in history) / len(history))
-            if not std < 1e-10 and value > mean + threshold_std * std:
+            if not std < 1e-10 and value > mean + threshold_std * std and step >= from_step:
                 return int(step)
         history.append(value)
     return None
@@ -119,7 +122,7 @@ def olmo_spike_step(values: Sequence[float], steps: Optional[Sequence[int]] = No
 
 def zclip_spike_step(values: Sequence[float], steps: Optional[Sequence[int]] = None, *, alpha: float = ZCLIP_ALPHA,
                      z_threshold: float = ZCLIP_Z_THRESHOLD, warmup: int = ZCLIP_WARMUP_STEPS,
-                     eps: float = ZCLIP_EPS) -> Optional[int]:
+                     eps: float = ZCLIP_EPS, from_step: int = 1) -> Optional[int]:
     """ZClip's spike test on the grad norm: the first step whose z-score against the EMA mean and variance of the
     norms before it is above ``z_threshold``.
 
@@ -130,8 +133,8 @@ def zclip_spike_step(values: Sequence[float], steps: Optional[Sequence[int]] = N
     variance. From the next norm ``g`` on: ``z = (g − mean) / (sqrt(var) + eps)``, a spike when ``z > z_threshold``
     (strict); then the EMA takes the norm — ``mean ← α·mean + (1 − α)·g``, ``var ← α·var + (1 − α)·(g − mean)²``
     with the *updated* mean. On a spike ZClip feeds the EMA its clipped value (``mean + z_thresh·std / (z /
-    z_thresh)``) instead of ``g`` (or nothing, with ``skip_update_on_spike``): that cannot change the first firing,
-    since no norm before it was a spike. A NaN is never a spike and, as in the source, turns the mean NaN for good
+    z_thresh)``) instead of ``g`` (or nothing, with ``skip_update_on_spike``): a spike before ``from_step`` is fed
+    to the EMA so clipped, as ZClip does. A NaN is never a spike and, as in the source, turns the mean NaN for good
     (in the warm-up buffer too), after which nothing fires; an inf after the warm-up is a spike.
     """
     buffer: list = []
@@ -144,9 +147,12 @@ def zclip_spike_step(values: Sequence[float], steps: Optional[Sequence[int]] = N
                 mean = sum(buffer) / len(buffer)
                 var = sum((x - mean) ** 2 for x in buffer) / len(buffer)
             continue
-        z = (value - mean) / (math.sqrt(var) + eps) if not math.isnan(var) else math.nan
+        std = math.sqrt(var) if not math.isnan(var) else math.nan
+        z = (value - mean) / (std + eps) if not math.isnan(var) else math.nan
         if z > z_threshold:
-            return int(step)
+            if step >= from_step:
+                return int(step)
+            value = mean + z_threshold * std / (z / z_threshold)  # ZClip feeds the EMA the clipped norm
         mean = alpha * mean + (1 - alpha) * value
         var = alpha * var + (1 - alpha) * (value - mean) ** 2
     return None
@@ -155,7 +161,7 @@ def zclip_spike_step(values: Sequence[float], steps: Optional[Sequence[int]] = N
 def foundry_loss_spike_step(values: Sequence[float], steps: Optional[Sequence[int]] = None, *,
                             train_steps: Optional[int] = None, patience: int = FOUNDRY_PATIENCE,
                             outlier_multiplier: float = FOUNDRY_OUTLIER_MULTIPLIER, window: Optional[int] = None,
-                            loss_cap: Optional[float] = None) -> Optional[int]:
+                            loss_cap: Optional[float] = None, from_step: int = 1) -> Optional[int]:
     """llm-foundry's ``KillLossSpike`` callback: the first step at which either of its two checks fires — a loss
     spike (more than ``patience`` consecutive losses ``≥ outlier_multiplier ×`` the mean of the window before each)
     or persistently high losses (at least half the window above the loss cap).
@@ -201,11 +207,11 @@ def foundry_loss_spike_step(values: Sequence[float], steps: Optional[Sequence[in
             running_mean = sum(history) / len(history)
             if value >= running_mean * outlier_multiplier:
                 outliers += 1
-                if outliers > patience:
+                if outliers > patience and step >= from_step:
                     return int(step)
             else:
                 outliers = 0
-            if step >= 2 * size and sum(1 for x in history if x > cap) >= size / 2:
+            if step >= 2 * size and sum(1 for x in history if x > cap) >= size / 2 and step >= from_step:
                 return int(step)
         history.append(value)
         if len(history) > size:
@@ -214,7 +220,7 @@ def foundry_loss_spike_step(values: Sequence[float], steps: Optional[Sequence[in
 
 
 def qk_clip_step(values: Sequence[float], steps: Optional[Sequence[int]] = None,
-                 threshold: float = QK_CLIP_THRESHOLD) -> Optional[int]:
+                 threshold: float = QK_CLIP_THRESHOLD, from_step: int = 1) -> Optional[int]:
     """The first step whose maximum attention logit is above the QK-clip threshold.
 
     Source: megatron-core 0.19 ``megatron/core/transformer/attention.py`` (QK-clip rescales a head's query/key
@@ -224,16 +230,17 @@ def qk_clip_step(values: Sequence[float], steps: Optional[Sequence[int]] = None,
     comparison is strict, and a NaN never compares above it.
     """
     for step, value in zip(_steps(values, steps), values):
-        if value > threshold:
+        if value > threshold and step >= from_step:
             return int(step)
     return None
 
 
-def threshold_step(values: Sequence[float], level: float, steps: Optional[Sequence[int]] = None) -> Optional[int]:
+def threshold_step(values: Sequence[float], level: float, steps: Optional[Sequence[int]] = None,
+                   from_step: int = 1) -> Optional[int]:
     """A plain alarm level: the first step whose value is above ``level`` or not finite (an alarm on a grad norm
     reads a NaN or inf as over any level)."""
     for step, value in zip(_steps(values, steps), values):
-        if not math.isfinite(value) or value > level:
+        if (not math.isfinite(value) or value > level) and step >= from_step:
             return int(step)
     return None
 
@@ -253,8 +260,8 @@ def microbatches_per_rank(flags: Sequence[str], nproc: int) -> int:
 
 
 def incumbent_firings(losses: Sequence[float], grad_norm: tuple, max_logit: tuple, *, microbatches: int,
-                      grad_norm_level: float = GRAD_NORM_LEVEL) -> dict:
-    """First firing step (or None) of each incumbent rule on one run, by rule name.
+                      grad_norm_level: float = GRAD_NORM_LEVEL, from_step: int = 1) -> dict:
+    """First firing step (or None) of each incumbent rule on one run, by rule name (at or after ``from_step``).
 
     ``losses``: the loss of every step from step 1 (its length is the run's length, which sizes llm-foundry's
     automatic window); ``grad_norm`` and ``max_logit``: ``(steps, values)`` as recorded (:func:`metric_series`);
@@ -264,25 +271,27 @@ def incumbent_firings(losses: Sequence[float], grad_norm: tuple, max_logit: tupl
     interval = (gn_steps[1] - gn_steps[0]) if len(gn_steps) > 1 else 1
     return {
         "Megatron spiky loss": megatron_spiky_loss_step(
-            losses, num_samples=math.ceil(MEGATRON_SPIKY_LOSS_SAMPLES / microbatches)),
-        "OLMo loss spike": olmo_spike_step(losses),
+            losses, num_samples=math.ceil(MEGATRON_SPIKY_LOSS_SAMPLES / microbatches), from_step=from_step),
+        "OLMo loss spike": olmo_spike_step(losses, from_step=from_step),
         # OLMo-core judges every step's grad norm over 128 steps; the runs record it every `interval` steps, so the
         # window holds the records of the same 128 steps.
-        "OLMo grad-norm spike": olmo_spike_step(gn, gn_steps, window=math.ceil(OLMO_SPIKE_WINDOW / interval)),
+        "OLMo grad-norm spike": olmo_spike_step(gn, gn_steps, window=math.ceil(OLMO_SPIKE_WINDOW / interval),
+                                                from_step=from_step),
         # ZClip updates its EMA every step; from a record every `interval` steps the same memory in steps is
         # alpha ** interval per record (a norm's weight decays as alpha per step), and its 25-step warm-up is the
         # records of those steps.
         "ZClip grad-norm z-score": zclip_spike_step(gn, gn_steps, alpha=ZCLIP_ALPHA ** interval,
-                                                    warmup=math.ceil(ZCLIP_WARMUP_STEPS / interval)),
-        "llm-foundry loss spike": foundry_loss_spike_step(losses, train_steps=len(losses)),
-        f"max logit > {QK_CLIP_THRESHOLD:g} (QK-clip)": qk_clip_step(ml, ml_steps),
-        f"grad norm > {grad_norm_level:g}": threshold_step(gn, grad_norm_level, gn_steps),
+                                                    warmup=math.ceil(ZCLIP_WARMUP_STEPS / interval),
+                                                    from_step=from_step),
+        "llm-foundry loss spike": foundry_loss_spike_step(losses, train_steps=len(losses), from_step=from_step),
+        f"max logit > {QK_CLIP_THRESHOLD:g} (QK-clip)": qk_clip_step(ml, ml_steps, from_step=from_step),
+        f"grad norm > {grad_norm_level:g}": threshold_step(gn, grad_norm_level, gn_steps, from_step=from_step),
     }
 
 
 def run_incumbent_firings(records: Iterable[Mapping], losses: Sequence[float], *, microbatches: int,
-                          grad_norm_level: float = GRAD_NORM_LEVEL) -> dict:
+                          grad_norm_level: float = GRAD_NORM_LEVEL, from_step: int = 1) -> dict:
     """:func:`incumbent_firings` of a run from its ``mech.jsonl`` records and per-step losses."""
     records = list(records)
     return incumbent_firings(losses, metric_series(records, GRAD_NORM_METRIC), metric_series(records, MAX_LOGIT_METRIC),
-                             microbatches=microbatches, grad_norm_level=grad_norm_level)
+                             microbatches=microbatches, grad_norm_level=grad_norm_level, from_step=from_step)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from megatron_mech.studies.demo import demo_report, incumbents_line, load_demo_run, verdict
+from megatron_mech.studies.demo import demo_report, headline, incumbents_line, load_demo_run, verdict
 
 STEPS, START = 200, 100
 RECORD_EVERY = 5
@@ -57,16 +57,31 @@ def test_attention_act_reports_the_logit_crossings_and_the_incumbents(tmp_path):
         "before the fault → 510 at step 200; above the QK-clip level (100) from step 120; max-logit explosion "
         "(≥ 200 for 10 consecutive records): from step 140; 20-step moving-average loss gap to the clean run: "
         "+0.181 nats at the end (largest after onset +0.181, step 200)")
-    assert _line(report, "- our first monitor alert") == (
-        "- our first monitor alert: 110; incumbent alarms on the same run: max logit > 100 (QK-clip) at 120; ZClip "
-        "grad-norm z-score at 150; grad norm > 20 at 150; silent: Megatron spiky loss, OLMo loss spike, OLMo "
-        "grad-norm spike, llm-foundry loss spike — ours 10 steps before the first of them")
+    assert _line(report, "- our first attention alert") == (
+        "- our first attention alert: 110; incumbent alarms on the same run from the fault's onset (step 100): max "
+        "logit > 100 (QK-clip) at 120; ZClip grad-norm z-score at 150; grad norm > 20 at 150; silent: Megatron spiky "
+        "loss, OLMo loss spike, OLMo grad-norm spike, llm-foundry loss spike — ours 10 steps before the first of them")
     assert "first attention alert: 110" in report
     # the loss gap ends at 0.181 nats, under the 0.2 of a divergence; the first incumbent fires at 120
     assert _line(report, "- attention-precision fault:").endswith(
-        "**early**: first monitor alert at 110, the loss did not diverge within the run, 10 steps before the first "
+        "**early**: first attention alert at 110, the loss did not diverge within the run, 10 steps before the first "
         "incumbent alarm (max logit > 100 (QK-clip))")
-    assert report.startswith("# megatron-mech demo: injected faults, the monitors' alerts and the alarms you already")
+    # the title is the verdict, computed: ahead of the nearest rival (the QK-clip level at 120)
+    assert report.splitlines()[0] == "# megatron-mech demo (seed 21): attention-precision fault caught first, 10 steps ahead"
+
+
+def test_an_incumbent_alarm_before_the_fault_is_not_a_detection_of_it(tmp_path):
+    # The grad norm is 30 (over the level 20) at steps 40-50, long before the fault (step 100), and again from step
+    # 150. The clean run's line lists the early alarm; the fault run is compared with the alarm from the onset on.
+    clean_losses = [3.0] * STEPS
+    early_and_late = lambda s: 30.0 if 40 <= s <= 50 or s >= 150 else 1.0  # noqa: E731
+    _write_run(tmp_path / "clean", clean_losses, lambda s: 10.0, lambda s: 30.0 if 40 <= s <= 50 else 1.0)
+    _write_run(tmp_path / "attention", clean_losses, lambda s: 10.0, early_and_late, [ATTENTION_ALERT])
+    report = demo_report(tmp_path, ["clean", "attention"], seed=21, steps=STEPS, start=START, plots=False)
+    assert "grad norm > 20 at 40" in _line(report, "- clean run:")
+    line = _line(report, "- our first attention alert")
+    assert "grad norm > 20 at 150" in line and line.endswith("— ours 40 steps before the first of them")
+    assert _line(report, "- attention-precision fault:").startswith("- attention-precision fault: **early**")
 
 
 @pytest.mark.parametrize("ours, divergence, incumbent, expected", [
@@ -83,6 +98,17 @@ def test_the_verdict_is_computed_from_the_steps(ours, divergence, incumbent, exp
     assert verdict(ours, divergence, incumbent) == expected
 
 
+@pytest.mark.parametrize("ours, divergence, incumbent, expected", [
+    (295, 336, (320, "OLMo grad-norm spike"), "act caught first, 25 steps ahead"),
+    (305, 299, (285, "OLMo grad-norm spike"), "act caught late, 20 steps behind"),
+    (285, None, (285, "QK-clip"), "act caught in a tie"),
+    (120, None, None, "act caught at step 120, nothing else fired"),
+    (None, 299, None, "act missed"),
+])
+def test_the_headline_is_computed_from_the_steps(ours, divergence, incumbent, expected):
+    assert headline("act", ours, divergence, incumbent) == expected
+
+
 def test_an_explosion_cut_short_by_the_end_of_the_run_is_not_met(tmp_path):
     # 150 from step 120 (above the QK-clip level), 250 in the last 3 records (190, 195, 200): short of 10 records.
     report = _demo(tmp_path, lambda s: 10.0 if s < 120 else 150.0 if s < 190 else 250.0, lambda s: 1.0)
@@ -90,7 +116,7 @@ def test_an_explosion_cut_short_by_the_end_of_the_run_is_not_met(tmp_path):
     assert "above the QK-clip level (100) from step 120;" in line
     assert "max-logit explosion (≥ 200 for 10 consecutive records): not met within the run (≥ 200 in its last 3 " \
            "records);" in line
-    assert _line(report, "- our first monitor alert").endswith("— ours 10 steps before the first of them")
+    assert _line(report, "- our first attention alert").endswith("— ours 10 steps before the first of them")
 
 
 @pytest.mark.parametrize("ours, verdict", [(None, ""), (130, " — ours 10 steps after the first of them")])
@@ -119,6 +145,25 @@ def test_the_attention_act_states_the_fault_its_command_injects(tmp_path):
     assert (fault.kind, fault.start) == ("attention", START)
     report = _demo(tmp_path, lambda s: 10.0, lambda s: 1.0)
     layers = " ".join(str(layer) for layer in fault.layers)
+    assert fault.ramp > 0  # a fault that develops
     assert _line(report, "Fault:") == (
-        f"Fault: the biased bf16-rounding mechanism of FlashAttention's backward injected into layer {layers} "
-        f"(γ = {fault.gamma:g}), from step {START}.")
+        f"Fault: the biased bf16-rounding mechanism of FlashAttention's backward injected into layer {layers}, "
+        f"γ growing from 0 to {fault.gamma:g} over {fault.ramp} steps, from step {START}.")
+
+
+def test_an_incumbent_alarm_that_rings_as_early_on_the_clean_run_is_not_counted(tmp_path):
+    # Both runs' grad norm jumps to 30 at step 150 (over the level 20; ZClip's z-score fires there too): the same
+    # alarms ring without the fault, so they are named and not counted; the fault run's max logit passes the
+    # QK-clip level at 160, which the clean run never does: that one counts.
+    losses = [3.0] * STEPS
+    _write_run(tmp_path / "clean", losses, lambda s: 10.0, lambda s: 30.0 if s >= 150 else 1.0)
+    _write_run(tmp_path / "attention", losses, lambda s: 150.0 if s >= 160 else 10.0,
+               lambda s: 30.0 if s >= 150 else 1.0, [ATTENTION_ALERT])
+    report = demo_report(tmp_path, ["clean", "attention"], seed=21, steps=STEPS, start=START, plots=False)
+    line = _line(report, "- our first attention alert")
+    assert "not counted, as they fired as early on the clean run: " in line
+    assert "grad norm > 20 (here 150, clean run 150)" in line
+    assert line.endswith("— ours 50 steps before the first of them")  # the QK-clip level at 160
+    assert _line(report, "- attention-precision fault:").endswith(
+        "50 steps before the first incumbent alarm (max logit > 100 (QK-clip))")
+    assert report.splitlines()[0].endswith("attention-precision fault caught first, 50 steps ahead")

@@ -161,3 +161,41 @@ def test_incumbent_firings_applies_zclip_per_record_and_foundry_to_the_per_step_
     fired = incumbent_firings([1.0] * 100 + [100.0, 1e4, 1e6, 1e8, 1e10], (steps, [1.0, 3.0, 1.0, 3.0, 1.0, 4.2]),
                               (steps, [1.0] * 6), microbatches=1)
     assert fired["ZClip grad-norm z-score"] is None and fired["llm-foundry loss spike"] == 105
+
+
+def test_from_step_returns_the_first_firing_at_or_after_it_with_the_rule_run_over_the_whole_series():
+    # Levels: the first value above the level at or after from_step.
+    assert qk_clip_step([50, 150, 50, 120], [5, 10, 15, 20], from_step=11) == 20
+    assert threshold_step([1.0, 30.0, 1.0, NAN], 20.0, [5, 10, 15, 20], from_step=15) == 20
+    # Megatron: the limit is learnt from the first samples whatever from_step says (10 × 5 = 50).
+    assert megatron_spiky_loss_step([1.0, 5.0, 60.0, 2.0, 55.0], num_samples=2, from_step=4) == 5
+    # OLMo: the early spike stays in the window, as in the source (it appends every value after the check).
+    window = [1.0, 2.0] * 4
+    assert olmo_spike_step(window + [100.0] + [1.0, 2.0] * 3 + [100.0], window=8) == 9
+    late = olmo_spike_step(window + [100.0] + [1.0, 2.0] * 3 + [100.0], window=8, from_step=10)
+    # the window before step 16 holds 100 and seven of 1/2: mean 13.9, std 32.4, 6σ bound 208 > 100: no firing
+    assert late is None
+    # Foundry: the outlier count runs through a suppressed firing. Each loss is 3× the last, ≥ 2× the mean of the 4
+    # before it (steps 5-9: means 1, 1.5, 3.5, 10, 30): outliers 1, 2, 3 (> patience 2: fires at 7), 4, 5; the
+    # last loss, 1, is no outlier.
+    losses = [1.0] * 4 + [3.0, 9.0, 27.0, 81.0, 243.0, 1.0]
+    assert foundry_loss_spike_step(losses, window=4, patience=2) == 7
+    assert foundry_loss_spike_step(losses, window=4, patience=2, from_step=9) == 9
+    # at step 10 the spike check is quiet, but the high-loss check fires (from step 2 × 4: 27, 81, 243 of the
+    # window's four losses are above the cap of 10)
+    assert foundry_loss_spike_step(losses, window=4, patience=2, from_step=10) == 10
+
+
+def test_zclip_feeds_a_suppressed_spike_to_its_ema_clipped():
+    # Warm-up 2 on [1, 3]: mean 2, var 1. Step 3, g = 10: z = 8 > 2.5, a spike. Before from_step ZClip clips it:
+    # clip = mean + z_thresh·std / (z / z_thresh) = 2 + 2.5 / 3.2 = 2.78125; the EMA (α 0.5) takes it:
+    # mean = 2.390625, var = 0.5·1 + 0.5·(2.78125 − 2.390625)² = 0.5762939...
+    # Step 4, g = 4.3: z = (4.3 − 2.390625) / 0.759140... = 2.5152 > 2.5: fires. Fed the raw 10 instead, the EMA
+    # would be mean 6, var 8.5 and 4.3 would not fire.
+    values = [1.0, 3.0, 10.0, 4.3]
+    assert zclip_spike_step(values, alpha=0.5, warmup=2, eps=0.0) == 3
+    assert zclip_spike_step(values, alpha=0.5, warmup=2, eps=0.0, from_step=4) == 4
+    mean = 0.5 * 2 + 0.5 * 2.78125
+    var = 0.5 * 1 + 0.5 * (2.78125 - mean) ** 2
+    assert (4.3 - mean) / math.sqrt(var) > 2.5
+    assert zclip_spike_step([1.0, 3.0, 2.78125, 4.3], alpha=0.5, warmup=2, eps=0.0) == 4

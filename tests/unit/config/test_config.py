@@ -14,7 +14,7 @@ import pytest
 
 import megatron_mech
 from megatron_mech.config import DetectorOverrides, MechConfig, MoLSOptions, MonitorConfig, OutputConfig
-from megatron_mech.core.detect import DetectorConfig, LevelRules
+from megatron_mech.core.detect import DetectorConfig, LevelRules, TrendRules
 from megatron_mech.core.mols import MoLSConfig
 from megatron_mech.options import field_key, option, settings_of
 from megatron_mech.studies.fault_config import FaultConfig, add_fault_arguments, split_fault_section
@@ -394,11 +394,16 @@ def _core_settings(core):
 
 @pytest.mark.parametrize("section, core, name, own, help_of", [
     (MoLSOptions, MoLSConfig, "mols", ("enabled", "window_start"), "{}"),
-    (DetectorOverrides, DetectorConfig, "detector", ("max_logit_level", "expert_share_level"),
+    (DetectorOverrides, DetectorConfig, "detector", ("max_logit_level", "expert_share_level",
+                                                     "layer_trend_threshold", "layer_trend_window"),
      "override the {} (default: per rule)"),
-    (DetectorOverrides, LevelRules, "detector", ("warmup", "baseline", "threshold", "persistence"),
+    (DetectorOverrides, LevelRules, "detector", ("warmup", "baseline", "threshold", "persistence",
+                                                 "layer_trend_threshold", "layer_trend_window"),
      "{} (default: the rule's own level)"),
-], ids=["mols", "detector", "detector levels"])
+    (DetectorOverrides, TrendRules, "detector", ("warmup", "baseline", "threshold", "persistence",
+                                                 "max_logit_level", "expert_share_level"),
+     "{} (default: the rule's own)"),
+], ids=["mols", "detector", "detector levels", "detector trends"])
 def test_mols_and_detector_settings_are_declared_once_by_the_core(section, core, name, own, help_of):
     """The section's settings are the core's declarations: its fields besides its own are the core's settings in
     the core's order, its JSON keys are those and its own, and each flag's help is the core field's doc."""

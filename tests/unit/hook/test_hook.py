@@ -346,15 +346,24 @@ def test_setup_logs_one_start_line_with_the_monitored_layers_interval_and_armed_
     lines, hook = start_lines(True)
     # the default detectors: warm-up 30 + baseline 20 + persistence 3 = 53 evaluations, every 5 steps (no level rule
     # is armed: the view offers no attention-logit capture, and the busiest-expert rule is off by default)
+    # the layer trend on the per-head Δ2 entropies: its rule's warm-up 30 + a window of 10 evaluations = step 200
+    trend = ("; layer trend armed from step 200: attn/*/head*/delta2_entropy: a layer's median fall >= 1.5 log units "
+             "over 10 evaluations")
     assert lines == ["[mech] monitors on: 3 attention layers, 3 routers, every 5 steps; detectors armed from step "
-                     "265 (warm-up 30 + baseline 20 + persistence 3 evaluations)"]
+                     "265 (warm-up 30 + baseline 20 + persistence 3 evaluations)" + trend]
     assert hook.armed_from_step == 265
+    assert hook.arming()["layer_trends"] == [{"rule": trend.split(": ", 1)[1], "armed_from_step": 200}]
     assert start_lines(False)[0] == []
     # with a busiest-expert level the router monitor's level rule is armed from the first evaluation, step 5
     lines, hook = start_lines(True, DetectorOverrides(expert_share_level=0.5))
     assert lines[0].endswith("(warm-up 30 + baseline 20 + persistence 3 evaluations); level rules armed from the "
-                             "first evaluation (step 5): router/*/expert_share_excess > 0.5")
+                             "first evaluation (step 5): router/*/expert_share_excess > 0.5" + trend)
     assert [r.pattern for r in hook.armed_level_rules()] == ["router/*/expert_share_excess"]
+    # switched off, and moved by the warm-up (4 + 6 window evaluations, every 5 steps: step 50)
+    lines, hook = start_lines(True, DetectorOverrides(layer_trend_threshold=0))
+    assert "layer trend" not in lines[0] and "layer_trends" not in hook.arming()
+    lines, _ = start_lines(True, DetectorOverrides(warmup=4, layer_trend_window=6))
+    assert "; layer trend armed from step 50: " in lines[0] and "over 6 evaluations" in lines[0]
 
 
 def test_arming_of_a_run_that_reaches_the_armed_from_step():
@@ -365,7 +374,19 @@ def test_arming_of_a_run_that_reaches_the_armed_from_step():
     run.steps(1, 8)
     assert run.hook.arming() == {"armed_from_step": 8, "last_step": 8, "armed": True,
                                  "note": "run ended at step 8; detectors armed from step 8",
-                                 "rule_overrides": {"warmup": 0, "baseline": 3, "persistence": 1}}
+                                 "rule_overrides": {"warmup": 0, "baseline": 3, "persistence": 1},
+                                 # the layer trend: warm-up 0 + a window of 10 evaluations, every 2 steps
+                                 "layer_trends": [{"rule": "attn/*/head*/delta2_entropy: a layer's median fall >= "
+                                                           "1.5 log units over 10 evaluations",
+                                                   "armed_from_step": 20}]}
     run = _Run(_config(interval=2))
     run.steps(1, 6)
     assert run.hook.arming()["armed"] is False and "only non-finite values could alert" in run.hook.arming()["note"]
+    # a baseline of 30: the baseline-relative rules arm at (0 + 30 + 1) · 2 = step 62, the layer trend at
+    # (0 + 10) · 2 = step 20, so a run ending at step 24 could have alerted through the trend, and says so
+    config = _config(interval=2)
+    config.detector = DetectorOverrides(warmup=0, baseline=30, persistence=1)
+    run = _Run(config)
+    run.steps(1, 24)
+    assert run.hook.arming()["note"] == ("run ended at step 24, before the detectors were armed (step 62): only "
+                                         "non-finite values and the layer trend (from step 20) could alert")
