@@ -275,8 +275,10 @@ for step in range(T):
     mech.after_step(torch.full_like(loss, float("nan")) if engine.global_steps == NAN_AT else loss)
 mech.close()
 '''
+# the layer trend on the per-head Δ2 entropies: the rule's warm-up 30 + a window of 10 evaluations, every 2 steps
+LAYER_TREND = "attn/*/head*/delta2_entropy: a layer's median fall >= 1.5 log units over 10 evaluations"
 START_LINE = ("[mech] monitors on: 2 attention layers, every 2 steps; detectors armed from step 106 (warm-up 30 + "
-              "baseline 20 + persistence 3 evaluations)")
+              f"baseline 20 + persistence 3 evaluations); layer trend armed from step 80: {LAYER_TREND}")
 
 
 def _run_user_script(tmp_path, *args):
@@ -345,5 +347,6 @@ def test_summary_and_end_of_run_line_state_the_armed_from_step_of_a_short_run(tm
     summary = json.loads((tmp_path / "summary.json").read_text())
     # no --mech-detector-* setting: the default rules, nothing to override (the report rebuilds the rules from it)
     assert summary["detectors"] == {"armed_from_step": 106, "last_step": 4, "armed": False, "note": note,
-                                    "rule_overrides": {}}
+                                    "rule_overrides": {},
+                                    "layer_trends": [{"rule": LAYER_TREND, "armed_from_step": 80}]}
     assert [line for line in run.stderr.splitlines() if line.endswith(f"[mech] {note}")], run.stderr[-4000:]
