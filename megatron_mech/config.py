@@ -16,7 +16,7 @@ JSON / dict shape (every key optional)::
 
     {"monitors": {"families": ["auto"], "interval": 10, "dw_scope": "global", ...},
      "detector": {"max_logit_level": null, "expert_share_level": null, "layer_trend_threshold": null,
-                  "layer_trend_window": null, "warmup": null, "baseline": null,
+                  "layer_trend_window": null, "layer_trend_warmup": null, "warmup": null, "baseline": null,
                   "threshold": null, "persistence": null},
      "mols": {"enabled": false, "window": null, "base": "vo", "clamp": [0.5, 2.0], ...},
      "output": {"dir": null, "wandb_project": null, "tensorboard_dir": null, "writer_level": "auto"},

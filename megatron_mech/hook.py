@@ -817,11 +817,11 @@ class MechHook:
 
     def armed_trend_rules(self) -> list:
         """``[(rule, armed-from step)]``: the layer trends (:meth:`DetectorRegistry.trend_rules`, on the attention
-        monitor's series) of a running attention monitor, each armed after its rule's warm-up and one window."""
+        monitor's series) of a running attention monitor, each armed after its own warm-up and one window."""
         if "attention" not in {monitor.name for monitor in self.monitors}:
             return []
         interval = self.config.monitors.interval
-        return [(rule, (rule.config(self.registry.base_config).warmup + rule.trend_window) * interval)
+        return [(rule, (rule.trend_warmup + rule.trend_window) * interval)
                 for rule in self.registry.trend_rules() if rule.family == "attention"]
 
     def _earliest_rule(self) -> tuple:

@@ -76,8 +76,9 @@ default levels (:class:`LevelRules`, each a setting that 0 or None switches off)
 above 100; a router's busiest-expert share is a level rule a user sets (off by default, see there).
 
 Layer trend (``SeriesRule(layer_trend=c, trend_window=W)``, the per-head Δ2 rule by default, :class:`TrendRules`):
-a layer's attention entropies falling *together*, read before any of them reaches a level. After the rule's
-``warmup``, each series keeps the log of its last ``W`` finite values; its change is the least-squares slope of that
+a layer's attention entropies falling *together*, read before any of them reaches a level. After its own warm-up
+(``trend_warmup`` finite evaluations of the series, not the rule's ``warmup``: see ``LAYER_TREND_WARMUP``), each
+series keeps the log of its last ``W`` finite values; its change is the least-squares slope of that
 window times ``W − 1`` (the fitted log change across the window), signed so that the bad direction is positive. At
 each evaluation the median change over a layer's series of the rule (its heads; at least two with a full window)
 is compared with ``c``: at or above it, one alert fires for the layer (on the series that fell most, the median in
@@ -146,10 +147,12 @@ _LEVEL_DIRECTIONS = ("down", "up")
 # layer 1 over steps 260–360: the layer's median change reached 1.5 at step 295, 25 steps before the OLMo-core
 # grad-norm spike rule and the baseline-relative rules) and checked against the clean corpus
 # (benchmarks/false_alarms.py --from-corpus: 10 runs of 2000 steps, the largest layer median 0.65 after the
-# 30-evaluation warm-up). With a 10-evaluation warm-up the clean runs' early transient reached 1.86: the warm-up
-# stays the rule's.
+# 30-evaluation warm-up). With a 10-evaluation warm-up the clean runs' early transient reached 1.86, above the
+# threshold: the trend's warm-up is its own setting, not lowered with the baseline-relative rules'
+# --mech-detector-warmup (short runs lower that one to reach a baseline at all).
 LAYER_TREND_THRESHOLD = 1.5
 LAYER_TREND_WINDOW = 10
+LAYER_TREND_WARMUP = 30
 MIN_TREND_SERIES = 2  # a layer's median needs at least two series (a single head's dip is not a layer's trend)
 TREND_LOG_FLOOR = 1e-12  # a value <= 0 of a positive series (an entropy that reached 0) is read as this
 
@@ -684,10 +687,11 @@ class SeriesRule:
     whole series name (``*`` also matches ``/``). Fields left as None take the registry's base config.
     ``rel_cap`` cannot be reset to None by a rule (None means "inherit"). ``kind``: ``"baseline"`` (a
     :class:`Detector`) or ``"level"`` (a :class:`LevelDetector`: needs a ``level`` > 0 and direction down or up;
-    of the other fields only ``persistence`` applies). ``layer_trend`` and ``trend_window`` (a baseline-relative
-    rule's, both or neither): the layer trend criterion beside the baseline (module docstring, "Layer trend"): the
-    median log change over a layer's series of the rule, over ``trend_window`` evaluations after ``warmup``,
-    at or beyond ``layer_trend`` in the bad direction fires; re-arms after ``persistence`` evaluations below."""
+    of the other fields only ``persistence`` applies). ``layer_trend``, ``trend_window`` and ``trend_warmup`` (a
+    baseline-relative rule's, all or none): the layer trend criterion beside the baseline (module docstring, "Layer
+    trend"): the median log change over a layer's series of the rule, over ``trend_window`` evaluations after
+    ``trend_warmup``, at or beyond ``layer_trend`` in the bad direction fires; re-arms after ``persistence``
+    evaluations below."""
 
     pattern: str
     family: str
@@ -706,18 +710,22 @@ class SeriesRule:
     kind: str = "baseline"
     layer_trend: float | None = None
     trend_window: int | None = None
+    trend_warmup: int | None = None
 
     def __post_init__(self) -> None:
         _check_family(self.family)
-        if (self.layer_trend is None) != (self.trend_window is None):
-            raise ValueError(f"{self.pattern}: layer_trend and trend_window are set together, got layer_trend "
-                             f"{self.layer_trend!r}, trend_window {self.trend_window!r}")
+        trend = (self.layer_trend, self.trend_window, self.trend_warmup)
+        if any(v is None for v in trend) and any(v is not None for v in trend):
+            raise ValueError(f"{self.pattern}: layer_trend, trend_window and trend_warmup are set together, got "
+                             f"{self.layer_trend!r}, {self.trend_window!r}, {self.trend_warmup!r}")
         if self.layer_trend is not None:
             if not is_finite_real(self.layer_trend) or not self.layer_trend > 0:
                 raise ValueError(f"{self.pattern}: layer_trend must be a finite number > 0 (log units), got "
                                  f"{self.layer_trend!r}")
             if not is_int(self.trend_window) or self.trend_window < 3:
                 raise ValueError(f"{self.pattern}: trend_window must be an int >= 3, got {self.trend_window!r}")
+            if not is_int(self.trend_warmup) or self.trend_warmup < 0:
+                raise ValueError(f"{self.pattern}: trend_warmup must be an int >= 0, got {self.trend_warmup!r}")
             if self.kind != "baseline" or self.direction not in _LEVEL_DIRECTIONS:
                 raise ValueError(f"{self.pattern}: a layer trend needs a baseline-relative rule with direction "
                                  f"'down' or 'up', got kind {self.kind!r}, direction {self.direction!r}")
@@ -783,7 +791,7 @@ LEVEL_SETTINGS = tuple(f.name for f in dataclasses.fields(LevelRules))
 @dataclass
 class TrendRules:
     """The default layer trend's settings (module docstring, "Layer trend"), on the per-head Δ2 entropies: armed
-    after the rule's warm-up plus one window; a threshold of 0 or None switches it off."""
+    after its warm-up plus one window; a threshold of 0 or None switches it off."""
 
     layer_trend_threshold: float | None = option(
         LAYER_TREND_THRESHOLD, "alert when a layer's per-head attention Δ2 entropies fall together: the median over "
@@ -792,6 +800,9 @@ class TrendRules:
     layer_trend_window: int = option(
         LAYER_TREND_WINDOW, "evaluations in the layer trend's window (>= 3)", flag="--mech-layer-trend-window",
         type=int)
+    layer_trend_warmup: int = option(
+        LAYER_TREND_WARMUP, "evaluations of each series ignored before the layer trend's window starts (the early "
+        "transient; its own, not lowered by --mech-detector-warmup)", flag="--mech-layer-trend-warmup", type=int)
 
     def __post_init__(self) -> None:
         if self.layer_trend_threshold is not None and (not is_finite_real(self.layer_trend_threshold)
@@ -800,12 +811,15 @@ class TrendRules:
                              f"{self.layer_trend_threshold!r}")
         if not is_int(self.layer_trend_window) or self.layer_trend_window < 3:
             raise ValueError(f"layer_trend_window must be an int >= 3, got {self.layer_trend_window!r}")
+        if not is_int(self.layer_trend_warmup) or self.layer_trend_warmup < 0:
+            raise ValueError(f"layer_trend_warmup must be an int >= 0, got {self.layer_trend_warmup!r}")
 
     def fields(self) -> dict:
         """The :class:`SeriesRule` fields of the rule that carries the trend (empty when it is off)."""
         if not self.layer_trend_threshold:
             return {}
-        return {"layer_trend": float(self.layer_trend_threshold), "trend_window": int(self.layer_trend_window)}
+        return {"layer_trend": float(self.layer_trend_threshold), "trend_window": int(self.layer_trend_window),
+                "trend_warmup": int(self.layer_trend_warmup)}
 
 
 TREND_SETTINGS = tuple(f.name for f in dataclasses.fields(TrendRules))
@@ -937,7 +951,7 @@ class DetectorRegistry:
         levels = LevelRules(**{k: overrides.pop(k) for k in LEVEL_SETTINGS if k in overrides})
         trends = TrendRules(**{k: overrides.pop(k) for k in TREND_SETTINGS if k in overrides})
         known = {f.name for f in dataclasses.fields(SeriesRule)} - {"pattern", "family", "kind", "layer_trend",
-                                                                     "trend_window"}
+                                                                     "trend_window", "trend_warmup"}
         unknown = sorted(set(overrides) - known)
         if unknown:
             raise ValueError(f"unknown detector setting(s) {unknown}; expected some of "
@@ -993,9 +1007,8 @@ class DetectorRegistry:
             if key is None or not math.isfinite(value):  # non-finite values alert through the series' detector
                 continue
             rule = self.rules[key[0]]
-            config = self.detectors[name].config
             self._trend_seen[name] = seen = self._trend_seen.get(name, 0) + 1
-            if seen <= config.warmup:
+            if seen <= rule.trend_warmup:
                 continue
             logs = self._trend_logs.setdefault(name, deque(maxlen=rule.trend_window))
             logs.append(math.log(max(value, TREND_LOG_FLOOR)))

@@ -437,10 +437,10 @@ def render_markdown() -> str:
         "non-finite value alerts at once, in every phase. A *level rule* has no score and no baseline: an "
         "evaluation beyond its level (strict) is out, from the first evaluation on (`--mech-max-logit-level`, "
         "`--mech-expert-share-level`; 0 switches one off). The per-head Δ2 rule also carries a *layer trend*: once "
-        "its warm-up is over, the median over a layer's heads of each head's fitted log fall over the last "
-        "`--mech-layer-trend-window` evaluations (10) reaching `--mech-layer-trend-threshold` (1.5 log units; 0 "
-        "switches it off) fires one alert for the layer, on the head that fell most, before any head reaches the "
-        "level.",
+        "its own warm-up is over (`--mech-layer-trend-warmup`, 30 evaluations), the median over a layer's heads of "
+        "each head's fitted log fall over the last `--mech-layer-trend-window` evaluations (10) reaching "
+        "`--mech-layer-trend-threshold` (1.5 log units; 0 switches it off) fires one alert for the layer, on the "
+        "head that fell most, before any head reaches the level.",
         "",
         "**Name syntax**: `{X}` is a placeholder, `[...]` a part present only under `" + SLICE_SCOPE_FLAG + "` "
         "(per-shard ΔW spectra: the names gain the TP rank; per-head names never change). An evaluation happens "

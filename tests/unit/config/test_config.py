@@ -395,10 +395,11 @@ def _core_settings(core):
 @pytest.mark.parametrize("section, core, name, own, help_of", [
     (MoLSOptions, MoLSConfig, "mols", ("enabled", "window_start"), "{}"),
     (DetectorOverrides, DetectorConfig, "detector", ("max_logit_level", "expert_share_level",
-                                                     "layer_trend_threshold", "layer_trend_window"),
+                                                     "layer_trend_threshold", "layer_trend_window",
+                                                     "layer_trend_warmup"),
      "override the {} (default: per rule)"),
     (DetectorOverrides, LevelRules, "detector", ("warmup", "baseline", "threshold", "persistence",
-                                                 "layer_trend_threshold", "layer_trend_window"),
+                                                 "layer_trend_threshold", "layer_trend_window", "layer_trend_warmup"),
      "{} (default: the rule's own level)"),
     (DetectorOverrides, TrendRules, "detector", ("warmup", "baseline", "threshold", "persistence",
                                                  "max_logit_level", "expert_share_level"),

@@ -28,7 +28,8 @@ def short(rules):
     """The default rules with the tests' short warm-up and baseline (the runs in the fault tests use 10 and 6), and
     without the layer trend (its own tests: test_layer_trend.py), so that the alerts here are the collapse
     criterion's: a layer whose heads fall together within a window also fires the trend."""
-    return [dataclasses.replace(r, warmup=2, baseline=10, layer_trend=None, trend_window=None) for r in rules]
+    return [dataclasses.replace(r, warmup=2, baseline=10, layer_trend=None, trend_window=None, trend_warmup=None)
+            for r in rules]
 
 
 def without_collapse(rules):

@@ -147,9 +147,9 @@ def test_switched_off_and_set_from_the_config():
     assert not DetectorRegistry.with_overrides({"layer_trend_threshold": 0}).trend_rules()
     rule, = DetectorRegistry.with_overrides({"layer_trend_threshold": 2.5, "layer_trend_window": 6}).trend_rules()
     assert (rule.layer_trend, rule.trend_window) == (2.5, 6)
-    # the warm-up override reaches the trend (it is the rule's own)
-    registry = DetectorRegistry.with_overrides({"warmup": 4})
-    assert registry.trend_rules()[0].warmup == 4
+    # the baseline-relative rules' warm-up does not lower the trend's (its own setting does)
+    assert DetectorRegistry.with_overrides({"warmup": 4}).trend_rules()[0].trend_warmup == 30
+    assert DetectorRegistry.with_overrides({"layer_trend_warmup": 4}).trend_rules()[0].trend_warmup == 4
     # a flag's value reaches the rules through the config, and a bad one names the flag
     parser = argparse.ArgumentParser()
     MechConfig.add_flags(parser)
@@ -157,7 +157,7 @@ def test_switched_off_and_set_from_the_config():
     assert not DetectorRegistry.with_overrides(config.detector.as_rule_fields()).trend_rules()
     with pytest.raises(ValueError, match="--mech-layer-trend-window"):
         MechConfig.from_dict({"detector": {"layer_trend_window": 2}})
-    with pytest.raises(ValueError, match="layer_trend and trend_window are set together"):
+    with pytest.raises(ValueError, match="layer_trend, trend_window and trend_warmup are set together"):
         SeriesRule("attn/*/x", "attention", layer_trend=1.0)
     with pytest.raises(ValueError, match="layer_trend_threshold"):
         TrendRules(layer_trend_threshold=-1)

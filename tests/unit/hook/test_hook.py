@@ -359,10 +359,13 @@ def test_setup_logs_one_start_line_with_the_monitored_layers_interval_and_armed_
     assert lines[0].endswith("(warm-up 30 + baseline 20 + persistence 3 evaluations); level rules armed from the "
                              "first evaluation (step 5): router/*/expert_share_excess > 0.5" + trend)
     assert [r.pattern for r in hook.armed_level_rules()] == ["router/*/expert_share_excess"]
-    # switched off, and moved by the warm-up (4 + 6 window evaluations, every 5 steps: step 50)
+    # switched off, and moved by its own warm-up (4 + 6 window evaluations, every 5 steps: step 50), not by the
+    # baseline-relative rules'
     lines, hook = start_lines(True, DetectorOverrides(layer_trend_threshold=0))
     assert "layer trend" not in lines[0] and "layer_trends" not in hook.arming()
-    lines, _ = start_lines(True, DetectorOverrides(warmup=4, layer_trend_window=6))
+    lines, _ = start_lines(True, DetectorOverrides(warmup=4))
+    assert "; layer trend armed from step 200: " in lines[0]
+    lines, _ = start_lines(True, DetectorOverrides(layer_trend_warmup=4, layer_trend_window=6))
     assert "; layer trend armed from step 50: " in lines[0] and "over 6 evaluations" in lines[0]
 
 
@@ -375,17 +378,17 @@ def test_arming_of_a_run_that_reaches_the_armed_from_step():
     assert run.hook.arming() == {"armed_from_step": 8, "last_step": 8, "armed": True,
                                  "note": "run ended at step 8; detectors armed from step 8",
                                  "rule_overrides": {"warmup": 0, "baseline": 3, "persistence": 1},
-                                 # the layer trend: warm-up 0 + a window of 10 evaluations, every 2 steps
+                                 # the layer trend: its own warm-up 30 + a window of 10 evaluations, every 2 steps
                                  "layer_trends": [{"rule": "attn/*/head*/delta2_entropy: a layer's median fall >= "
                                                            "1.5 log units over 10 evaluations",
-                                                   "armed_from_step": 20}]}
+                                                   "armed_from_step": 80}]}
     run = _Run(_config(interval=2))
     run.steps(1, 6)
     assert run.hook.arming()["armed"] is False and "only non-finite values could alert" in run.hook.arming()["note"]
-    # a baseline of 30: the baseline-relative rules arm at (0 + 30 + 1) · 2 = step 62, the layer trend at
-    # (0 + 10) · 2 = step 20, so a run ending at step 24 could have alerted through the trend, and says so
+    # a baseline of 30: the baseline-relative rules arm at (0 + 30 + 1) · 2 = step 62, the layer trend (its warm-up
+    # 0) at (0 + 10) · 2 = step 20, so a run ending at step 24 could have alerted through the trend, and says so
     config = _config(interval=2)
-    config.detector = DetectorOverrides(warmup=0, baseline=30, persistence=1)
+    config.detector = DetectorOverrides(warmup=0, baseline=30, persistence=1, layer_trend_warmup=0)
     run = _Run(config)
     run.steps(1, 24)
     assert run.hook.arming()["note"] == ("run ended at step 24, before the detectors were armed (step 62): only "
