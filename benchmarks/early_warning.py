@@ -143,11 +143,12 @@ def cell(j: dict) -> str:
     return f"{j['lead']:+d} ({j['fraction']:.2f})"
 
 
-def score_pair(run: dict, twin: dict, criteria: dict, router_outcome=None) -> dict:
-    """Outcomes, firings and judgements of one unstable run and its healthy twin."""
+def score_pair(run: dict, twin: dict, criteria: dict, router_outcome=None, from_step: int = 1) -> dict:
+    """Outcomes, firings and judgements of one unstable run and its healthy twin (every rule counted from
+    ``from_step``)."""
     found = outcomes(run, twin, criteria, router_outcome)
-    firings = rule_firings(run, criteria["grad_norm_level"])
-    twin_firings = rule_firings(twin, criteria["grad_norm_level"])
+    firings = rule_firings(run, criteria["grad_norm_level"], from_step)
+    twin_firings = rule_firings(twin, criteria["grad_norm_level"], from_step)
     twin_found = outcomes(twin, twin, criteria, router_outcome)  # against itself: no lasting gap by construction
     return {"outcomes": found, "firings": firings,
             "judged": {r: judge(found["first"], s) for r, s in firings.items()},

@@ -35,11 +35,8 @@ from benchmarks.early_warning import (  # noqa: E402
     LOGIT_HOLD,
     LOGIT_LEVEL,
     LOSS_GAP,
-    _final_gap,
-    judge,
     load_run,
-    outcomes,
-    rule_firings,
+    score_pair,
     summary_lines,
     table,
 )
@@ -83,19 +80,9 @@ def train(cmd: list, run_dir: Path, reuse: bool) -> None:
 def score_seed(seed: int, args) -> dict:
     base = Path(args.runs_dir) / f"s{seed}"
     run, twin = load_run(base / "lr"), load_run(base / "clean")
-    found = outcomes(run, twin, CRITERIA)
-    firings = rule_firings(run, GRAD_NORM_LEVEL, from_step=args.start)
-    twin_firings = rule_firings(twin, GRAD_NORM_LEVEL, from_step=args.start)
-    twin_found = outcomes(twin, twin, CRITERIA)
     same_before = run["losses"][:args.start - 1] == twin["losses"][:args.start - 1]
     return {"name": f"lr×{args.factor:g}_s{seed}", "seed": seed, "tuning": seed in TUNING_SEEDS,
-            "outcomes": found, "firings": firings,
-            "judged": {r: judge(found["first"], s) for r, s in firings.items()},
-            "judged_vs_run": {r: judge(found["run"], s) for r, s in firings.items()},
-            "judged_vs_divergence": {r: judge(found["divergence"], s) for r, s in firings.items()},
-            "twin": {"outcomes": twin_found, "firings": twin_firings,
-                     "judged": {r: judge(twin_found["first"], s) for r, s in twin_firings.items()}},
-            "final_gap": _final_gap(run["losses"], twin["losses"]), "same_before_start": same_before,
+            **score_pair(run, twin, CRITERIA, from_step=args.start), "same_before_start": same_before,
             "first_alerts": [a.describe() for a in run["alerts"] if a.step >= args.start][:3]}
 
 

@@ -843,8 +843,9 @@ class MechHook:
         armed = last >= armed_from
         levels = self.armed_level_rules()
         first = self.config.monitors.interval  # the first evaluation step
-        trends = [step for _, step in self.armed_trend_rules() if step <= last]
-        others = (["the level rules"] if levels else []) + ([f"the layer trend (from step {min(trends)})"] if trends
+        trends = self.armed_trend_rules()
+        reached = [step for _, step in trends if step <= last]
+        others = (["the level rules"] if levels else []) + ([f"the layer trend (from step {min(reached)})"] if reached
                                                             else [])
         note = (f"run ended at step {last}; detectors armed from step {armed_from}" if armed else
                 f"run ended at step {last}, before the detectors were armed (step {armed_from}): only non-finite "
@@ -854,7 +855,6 @@ class MechHook:
         if levels:  # armed from the first evaluation, whatever the baseline-relative rules' warm-up
             arming["note"] += f"; level rules ({_describe_levels(levels)}) armed from step {first}"
             arming["level_rules"] = {"armed_from_step": first, "rules": [_describe_levels([r]) for r in levels]}
-        trends = self.armed_trend_rules()
         if trends:
             arming["layer_trends"] = [{"rule": _describe_trend(rule), "armed_from_step": step} for rule, step in trends]
         return arming

@@ -222,6 +222,7 @@ def incumbents_line(run: dict, first_ours, from_step: int = 1, who: str = "monit
     ``from_step``), on one run; with ``clean_firings`` (the clean run's from the same step), the rules that fired as
     early on the clean run are named and not counted."""
     firings = _incumbents(run, from_step)
+    since = "" if from_step <= 1 else f" from the fault's onset (step {from_step})"
     ours = f"our first {who} alert: {first_ours if first_ours else 'none'}"
     first = _first_incumbent(firings, clean_firings)
     skipped = _false_on_clean(firings, clean_firings)
@@ -229,13 +230,11 @@ def incumbents_line(run: dict, first_ours, from_step: int = 1, who: str = "monit
         ours += ("; not counted, as they fired as early on the clean run: "
                  + ", ".join(f"{rule} (here {firings[rule]}, clean run {step})" for rule, step in skipped.items()))
     if first is None:
-        since = "" if from_step <= 1 else f" from the fault's onset (step {from_step})"
         return f"{ours}; no incumbent alarm fired{since} ({_fired_text(firings)})"
     step, rule = first
     verdict = ("" if not first_ours else f" — ours {step - first_ours} steps before the first of them" if
                first_ours < step else f" — ours {first_ours - step} steps after the first of them" if
                first_ours > step else " — ours at the same step as the first of them")
-    since = "" if from_step <= 1 else f" from the fault's onset (step {from_step})"
     return f"{ours}; incumbent alarms on the same run{since}: {_fired_text(firings)}{verdict}"
 
 

@@ -36,14 +36,14 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
-from megatron_mech.core.detect import MAD_TO_SIGMA, Alert, SeriesRule, default_rules
+from megatron_mech.core.detect import MAD_TO_SIGMA, TREND_LOG_FLOOR, Alert, SeriesRule, default_rules, layer_change
 from megatron_mech.studies.clean_scores import SeriesScore
 
 __all__ = ["NOT_LOG_SERIES", "CusumRule", "SlopeRule", "TrendRule", "log_value", "replay_trend",
            "shortened_default_rules"]
 
 NOT_LOG_SERIES = ("router/*/mean_cosine",)  # healthy value near 0, either sign: no log
-LOG_FLOOR = 1e-12  # a value at or below 0 in a positive series (an entropy that reached 0) is read as this
+LOG_FLOOR = TREND_LOG_FLOOR  # a value at or below 0 in a positive series (an entropy that reached 0) is read as this
 
 
 @dataclass(frozen=True)
@@ -105,13 +105,6 @@ def log_value(value: float) -> float:
     return math.log(max(value, LOG_FLOOR))
 
 
-def _ols_slope(values: Sequence[float]) -> float:
-    n = len(values)
-    x_mean, y_mean = (n - 1) / 2, statistics.fmean(values)
-    return (sum((i - x_mean) * (y - y_mean) for i, y in enumerate(values))
-            / sum((i - x_mean) ** 2 for i in range(n)))
-
-
 class _Series:
     """One series under one trend rule: the running state and its statistic."""
 
@@ -170,7 +163,7 @@ class _Series:
         self.window.append(y)
         if len(self.window) < r.window:
             return None, False
-        change = self.sign * _ols_slope(self.window) * (r.window - 1)
+        change = layer_change(list(self.window), self.sign)  # the core's fitted log change across the window
         out = change >= r.threshold and self.beyond_level(value)
         if self.latched:
             self.n_in = 0 if out else self.n_in + 1
