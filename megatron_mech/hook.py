@@ -826,8 +826,12 @@ class MechHook:
 
     def _earliest_rule(self) -> tuple:
         """The detector settings of the rule that can alert first on a baseline-relative change, and the number of
-        evaluations it needs before that alert (:meth:`DetectorRegistry.earliest_alert`)."""
-        return self.registry.earliest_alert()
+        evaluations it needs before that alert (:meth:`DetectorRegistry.earliest_alert`), among the rules of the
+        families this run watches (the symptoms always; attention and router where the model has such layers, once
+        set up)."""
+        watched = None if not self._stage_counts else {"symptom", *(name for name, layers in
+                                                                   self._stage_counts.items() if layers)}
+        return self.registry.earliest_alert(watched)
 
     @property
     def armed_from_step(self) -> int:

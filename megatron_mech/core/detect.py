@@ -103,20 +103,23 @@ import re
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from megatron_mech.core.checks import is_finite_real, is_int
 from megatron_mech.core.option_fields import option
 
 __all__ = ["ATTENTION_COLLAPSE", "ATTENTION_LEVELS", "EXPERT_SHARE_LEVEL", "FAMILIES", "DIRECTIONS", "LEVEL_SETTINGS",
-           "LAYER_TREND_THRESHOLD", "LAYER_TREND_WINDOW", "MAX_LOGIT_LEVEL", "RULE_KINDS", "TREND_SETTINGS", "Alert",
-           "DetectorConfig", "Detector", "LevelDetector", "LevelRules", "SeriesRule", "TrendRules", "DetectorRegistry",
-           "default_rules", "layer_change", "layer_of"]
+           "LAYER_TREND_THRESHOLD", "LAYER_TREND_WINDOW", "MAX_LOGIT_LEVEL", "ROUTER_LOAD_THRESHOLD", "RULE_KINDS",
+           "TREND_SETTINGS", "Alert", "DetectorConfig", "Detector", "LevelDetector", "LevelRules", "SeriesRule",
+           "TrendRules", "DetectorRegistry", "default_rules", "layer_change", "layer_of"]
 
 FAMILIES = ("attention", "router", "symptom")
 DIRECTIONS = ("down", "up", "both")
 MAD_TO_SIGMA = 1.4826  # MAD × this = σ for Gaussian data
 ROUTER_TRACK = 20  # lag (evaluations) of the router rules' tracking baseline; see default_rules
+# The expert-load entropy's rule alerts on one evaluation at score 2.5 (a fall of at least 12.5 % below its tracked
+# baseline): the load over a whole batch is a quiet series, unlike the per-token entropies; see default_rules.
+ROUTER_LOAD_THRESHOLD = 2.5
 # Absolute levels (normalized spectral entropy, in [0, 1]) below which an attention evaluation can be out of band:
 # a precision collapse reaches ~1e-3, healthy dips stayed above ~0.03 (Δ2) / ~0.05 (ΔW); see default_rules.
 ATTENTION_LEVELS = {"delta2_entropy": 0.01, "dw_entropy": 0.02}
@@ -864,6 +867,15 @@ def default_rules(levels: LevelRules | None = None, trends: TrendRules | None = 
       ``entropy_norm_mean``, ``entropy_p50`` and ``load_entropy`` ``down`` (routing diversity collapses), same
       settings as the attention entropies, and ``mean_cosine`` ``up`` (expert rows become alike; its healthy
       median is near 0, so a relative floor is useless and ``abs_floor=0.02`` sets the scale, band +0.12).
+      **Expert load, on one evaluation** (``load_entropy``: threshold ``ROUTER_LOAD_THRESHOLD`` = 2.5,
+      persistence 1): the entropy of the experts' shares of a whole batch's assignments averages over every
+      token, so it is quiet where the per-token entropies are not, and a routing collapse moves it at once. On
+      the tuning seeds' router-input fault (β ramped 0 → 10 over 100 steps from step 260; seeds 11 and 1234, the
+      demo's router act) the largest layer score was 3.0 and 3.3 at the first evaluation after the onset (265),
+      while the rule at persistence 3 fired at 280 and ZClip's grad-norm z-score at 285 and 275: three
+      evaluations out of band cost the lead. On those seeds' clean runs the largest ``load_entropy`` score was
+      0.42 (6 times below 2.5), against 1.87 for ``entropy_mean``, which keeps the default threshold and
+      persistence.
       Router baselines *track* (``track=ROUTER_TRACK`` = 20 evaluations): routing entropy falls for the whole
       run as experts specialize, and a frozen baseline false-alarmed on a clean 800-step tuning run (seed 1234,
       layer-2 ``entropy_p05`` 1.16 → 0.78 by step 550).
@@ -897,7 +909,7 @@ def default_rules(levels: LevelRules | None = None, trends: TrendRules | None = 
     delta2_attn = dict(ent_attn, level=ATTENTION_LEVELS["delta2_entropy"], collapse=ATTENTION_COLLAPSE)
     dw_attn = dict(ent_attn, level=ATTENTION_LEVELS["dw_entropy"], collapse=ATTENTION_COLLAPSE)
     near_zero_up_router = dict(near_zero_up, track=ROUTER_TRACK)
-    router_ent = ("entropy_mean", "entropy_norm_mean", "entropy_p50", "load_entropy")
+    router_ent = ("entropy_mean", "entropy_norm_mean", "entropy_p50")
     return [
         # First-order Δ2 per head and ΔW per layer only: Δ1 (≈ Δ2 + a second-order term) adds nothing, and Δ3
         # (second order) is noisy — both false-alarmed on clean tuning runs (benchmarks/lead_time.py); they
@@ -906,6 +918,7 @@ def default_rules(levels: LevelRules | None = None, trends: TrendRules | None = 
                    **(trends if trends is not None else TrendRules()).fields()),
         SeriesRule("attn/*/dw?_entropy", "attention", **dw_attn, threshold=7.0),
         *(SeriesRule(f"router/*/{name}", "router", **ent_router) for name in router_ent),
+        SeriesRule("router/*/load_entropy", "router", **ent_router, threshold=ROUTER_LOAD_THRESHOLD, persistence=1),
         SeriesRule("router/*/mean_cosine", "router", **near_zero_up_router),
         SeriesRule("symptom/loss", "symptom", direction="up", warmup=30, baseline=20, rel_floor=0.02),
         SeriesRule("symptom/grad_norm", "symptom", direction="up", warmup=30, baseline=20, rel_floor=0.25,
@@ -967,12 +980,18 @@ class DetectorRegistry:
         """Index in :attr:`rules` of the rule that monitors the series ``name`` (the first that matches), or None."""
         return next((i for i, r in enumerate(self.rules) if r.matches(name)), None)
 
-    def earliest_alert(self) -> tuple[DetectorConfig, int]:
+    def earliest_alert(self, families: Iterable[str] | None = None) -> tuple[DetectorConfig, int]:
         """The settings of the rule that can alert first on a baseline-relative change, and the number of
         evaluations it needs before that alert: its warm-up + baseline + persistence (a detector scores nothing
         during its warm-up and baseline evaluations, and fires after ``persistence`` out-of-band ones). Before
-        that many evaluations only non-finite values and the level rules (:meth:`level_rules`) alert."""
-        configs = [rule.config(self.base_config) for rule in self.rules if rule.kind == "baseline"]
+        that many evaluations only non-finite values and the level rules (:meth:`level_rules`) alert.
+        ``families``: only the rules of these families (the ones the run has series of; a dense model has no
+        router series, so the router rules cannot alert first there); None: every rule."""
+        wanted = None if families is None else set(families)
+        configs = [rule.config(self.base_config) for rule in self.rules
+                   if rule.kind == "baseline" and (wanted is None or rule.family in wanted)]
+        if not configs:
+            raise ValueError(f"earliest_alert: no baseline-relative rule of the families {sorted(wanted)}")
         first = min(configs, key=lambda c: c.warmup + c.baseline + c.persistence)
         return first, first.warmup + first.baseline + first.persistence
 

@@ -95,7 +95,7 @@ def resolve_arming(settings: RunSettings, reduction: RunReduction) -> Arming | N
         return Arming(settings.armed_from_step, settings.source)
     if not reduction.interval:
         return None
-    config, evaluations = reduction.registry.earliest_alert()
+    config, evaluations = reduction.registry.earliest_alert(reduction.monitored_families or None)
     return Arming(evaluations * reduction.interval,
                   f"{settings.source}: {evaluations} evaluations × interval {reduction.interval}")
 

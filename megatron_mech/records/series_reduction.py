@@ -228,7 +228,8 @@ class RunReduction:
         min_over_heads: which per-head Δ2 series enter the derived minimum over heads (default: all).
 
     After :meth:`finish`: :attr:`series` ``{name: StepBuckets}``, :attr:`derived_min` ``{layer: StepBuckets}``,
-    :attr:`baselines` ``{name: Baseline}``, :attr:`loss` (:class:`LossSummary`, None without a loss),
+    :attr:`baselines` ``{name: Baseline}``, :attr:`monitored_families`, :attr:`loss` (:class:`LossSummary`, None
+    without a loss),
     :attr:`n_steps` / :attr:`first_step` / :attr:`last_step` / :attr:`n_repeated`, :attr:`interval`,
     :meth:`alerts` and :attr:`alert_counts`.
     """
@@ -245,6 +246,7 @@ class RunReduction:
         self.series: dict[str, StepBuckets] = {}
         self.derived_min: dict[int, StepBuckets] = {}
         self.baselines: dict[str, Baseline] = {}
+        self.monitored_families: set[str] = set()  # families of the series a baseline-relative rule judges
         self.loss: LossSummary | None = None
         self.n_records = 0       # records with an int step, repeats included
         self.n_steps = 0         # distinct steps
@@ -323,6 +325,7 @@ class RunReduction:
             if index is not None and self.registry.rules[index].kind == "baseline":  # a level rule has no baseline
                 rule = self.registry.rules[index]
                 detector = Detector(rule.config(self.registry.base_config), name, rule.family)
+                self.monitored_families.add(rule.family)
             state = self._names[name] = [buckets, int(m.group(1)) if m else None, detector]
         return state
 

@@ -17,11 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Optional
 
-__all__ = ["DEMO_ATTENTION_FLAGS", "DEMO_FAULTS", "attention_outcome_line", "collapse_line", "demo_commands",
-           "demo_fault_flags", "demo_length", "demo_report", "incumbents_line", "load_demo_run", "run_demo",
-           "step_losses"]
+__all__ = ["DEMO_ATTENTION_FLAGS", "DEMO_FAULTS", "DIVERGENCE_MARGIN", "ActScore", "attention_outcome_line",
+           "collapse_line", "demo_commands", "demo_fault_flags", "demo_length", "demo_report", "incumbents_line",
+           "load_demo_run", "run_demo", "score_act", "step_losses"]
 
 # The demo's attention fault: the lead-time study's precision fault (``FAULT_FLAGS["attention"]``, γ = 0.1 in layer
 # 1 from step 300) made stronger and, with the CLI's ``--fault-start`` of 260, earlier, so that within the demo's 500
@@ -33,6 +35,7 @@ __all__ = ["DEMO_ATTENTION_FLAGS", "DEMO_FAULTS", "attention_outcome_line", "col
 # steps after the onset). Chosen on the tuning seeds (benchmarks/results/demo_attention_tuning.md).
 DEMO_ATTENTION_FLAGS = ["--mech-fault", "attention", "--mech-fault-strength", "0.3", "--mech-fault-layers", "1",
                         "--mech-fault-ramp", "100"]
+DIVERGENCE_MARGIN = 0.2  # nats: the 20-step moving-average loss stays this far above the clean run to the end
 # The monitor family whose alert is the act's own: the fault's mechanism, which the demo expects named first.
 OWN_FAMILY = {"attention": "attention", "router": "router"}
 
@@ -174,6 +177,53 @@ def _first_incumbent(firings: dict, clean_firings: dict | None = None):
     return min(fired) if fired else None
 
 
+@dataclass(frozen=True)
+class ActScore:
+    """One fault act of the demo scored against its clean run, from the steps both runs recorded."""
+
+    act: str
+    """The fault run's name (``attention``, ``router``)."""
+    who: str
+    """The family whose alert is the act's own (``OWN_FAMILY``), or ``monitor`` (attention or router) for others."""
+    firsts: dict
+    """``{family: first alert step or None}`` for ``attention``, ``router`` and ``symptom``."""
+    first: Optional[int]
+    """The act's own family's first alert (for ``monitor``, the earlier of attention and router)."""
+    alert: Any
+    """The :class:`~megatron_mech.core.detect.Alert` at ``first`` in the act's own family, or None."""
+    divergence: Optional[int]
+    """The first step of the loss divergence against the clean run, or None."""
+    firings: dict
+    """Each incumbent rule's first firing at or after the onset on the fault run (``{rule: step or None}``)."""
+    not_counted: dict
+    """The rules among ``firings`` that fired as early on the clean run (``{rule: the clean run's step}``)."""
+    first_incumbent: Optional[tuple]
+    """``(step, rule)`` of the first counted incumbent alarm, or None."""
+
+    def headline(self, title: str) -> str:
+        """The act in the report's title (:func:`headline`)."""
+        return headline(title, self.first, self.divergence, self.first_incumbent)
+
+
+def score_act(runs: dict, act: str, start: int, margin: float = DIVERGENCE_MARGIN) -> ActScore:
+    """Score the fault run ``runs[act]`` against ``runs["clean"]`` (both as :func:`load_demo_run` reads them) for a
+    fault from step ``start``: its own family's first alert, the loss divergence (``margin`` nats over the clean run
+    to the end), and the incumbent alarms from the onset, a rule that rang as early on the clean run not counted."""
+    from megatron_mech.studies.leadtime import divergence_step, first_alert
+
+    run, clean = runs[act], runs["clean"]
+    firsts = {f: first_alert(run["alerts"], f) for f in ("attention", "router", "symptom")}
+    own = OWN_FAMILY.get(act)
+    first = firsts[own] if own else min((s for s in (firsts["attention"], firsts["router"]) if s), default=None)
+    alert = next((a for a in run["alerts"] if a.step == first and a.family in ((own,) if own else
+                                                                              ("attention", "router"))), None)
+    firings, clean_firings = _incumbents(run, start), _incumbents(clean, start)
+    return ActScore(act=act, who=own or "monitor", firsts=firsts, first=first, alert=alert,
+                    divergence=divergence_step(run["losses"], clean["losses"], margin), firings=firings,
+                    not_counted=_false_on_clean(firings, clean_firings),
+                    first_incumbent=_first_incumbent(firings, clean_firings))
+
+
 def verdict(first_ours, divergence, first_incumbent, who: str = "monitor") -> str:
     """One fault run's outcome in a line, computed from the steps (never a fixed claim): ``early`` when the
     monitors alerted before the loss diverged (or it never did) and before every incumbent alarm; ``late`` when
@@ -283,28 +333,21 @@ def demo_report(out, names, *, seed: int, steps: int, start: int, plots: bool = 
     ``names``' order); with ``plots``, each fault's plot is drawn into ``out`` too. ``quick``: the runs are the
     quick demo's (its attention fault is not ramped)."""
     from megatron_mech.core.attribution import alert_lines
-    from megatron_mech.studies.leadtime import divergence_step, first_alert, plot_fault
+    from megatron_mech.studies.leadtime import plot_fault
 
     out = Path(out)
     runs = {name: load_demo_run(out / name, seed) for name in names}
     faults = [name for name in names if name != "clean"]
     clean = runs["clean"]
     clean_firings = _incumbents(clean)
-    outcomes = {}  # fault -> (loss divergence step, first alert per family, its own family's first alert, family)
-    for name in faults:
-        firsts = {f: first_alert(runs[name]["alerts"], f) for f in ("attention", "router", "symptom")}
-        own = OWN_FAMILY.get(name)
-        first = firsts[own] if own else min((s for s in (firsts["attention"], firsts["router"]) if s), default=None)
-        outcomes[name] = (divergence_step(runs[name]["losses"], clean["losses"], 0.2), firsts, first, own or "monitor")
+    scores = {name: score_act(runs, name, start) for name in faults}
     clean_onset = _incumbents(clean, start)  # an alarm that rings as early on the clean run is no detection
-    onset_firsts = {name: _first_incumbent(_incumbents(runs[name], start), clean_onset) for name in faults}
-    heads = [headline(_fault_text(name, quick)[0], first, divergence, onset_firsts[name])
-             for name, (divergence, _, first, _) in outcomes.items()]
+    heads = [score.headline(_fault_text(name, quick)[0]) for name, score in scores.items()]
     lines = [f"# megatron-mech demo (seed {seed}): " + ("; ".join(heads) if heads else "a clean run"), "",
              f"Runs of the small MoE GPT (seed {seed}, {steps} steps), identical except for one injected fault "
-             f"from step {start}. Loss divergence: the 20-step moving-average loss stays > 0.2 nats above the "
-             f"clean run until the end. Incumbent alarms: Megatron-LM's spiky-loss check, OLMo-core's 6σ loss and "
-             f"grad-norm spikes, the QK-clip level on the max attention logit, a grad-norm level "
+             f"from step {start}. Loss divergence: the 20-step moving-average loss stays > {DIVERGENCE_MARGIN} "
+             f"nats above the clean run until the end. Incumbent alarms: Megatron-LM's spiky-loss check, OLMo-core's "
+             f"6σ loss and grad-norm spikes, the QK-clip level on the max attention logit, a grad-norm level "
              f"(megatron_mech.studies.incumbents), applied to each run's own records from the fault's onset (an "
              f"alarm before it fires on the clean run too; one that fires on the clean run as early after the onset "
              f"is named but not counted: it rings without the fault). Caught first: the fault's own monitor family "
@@ -313,11 +356,12 @@ def demo_report(out, names, *, seed: int, steps: int, start: int, plots: bool = 
              f"- clean run: {len(clean['alerts'])} alerts (false alarms); incumbent alarms on it: "
              + ("none fired" if all(step is None for step in clean_firings.values()) else _fired_text(clean_firings))]
     lines += ["", "## Verdict", ""]
-    lines += [f"- {_fault_text(name, quick)[0]}: {verdict(first, divergence, onset_firsts[name], who)}"
-              for name, (divergence, _, first, who) in outcomes.items()]
+    lines += [f"- {_fault_text(name, quick)[0]}: {verdict(sc.first, sc.divergence, sc.first_incumbent, sc.who)}"
+              for name, sc in scores.items()]
     for name in faults:
         faulty = runs[name]
-        divergence, firsts, first, who = outcomes[name]
+        divergence, firsts, first, who = (scores[name].divergence, scores[name].firsts, scores[name].first,
+                                          scores[name].who)
         plot = "demo.png" if name == "attention" else f"demo_{name}.png"
         if plots:
             plot_fault(out / plot, name, clean, faulty, start, divergence, firsts)

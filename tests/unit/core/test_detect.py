@@ -377,6 +377,24 @@ def test_registry_routes_families_and_attributes():
     assert len(reg.alerts) == 2
 
 
+@pytest.mark.parametrize("fall, load_fires", [(0.15, True), (0.10, False)])
+def test_expert_load_rule_alerts_on_one_evaluation_the_token_entropies_do_not(fall, load_fires):
+    """The routers' load entropy (a whole batch's assignments: a quiet series) is judged on one evaluation at score
+    2.5; the per-token routing entropy keeps threshold 6 and 3 evaluations. A constant baseline has MAD 0, so the
+    scale is the 5 % relative floor: a value 15 % below the median scores 3, one 10 % below scores 2."""
+    load, tokens = "router/layer0/load_entropy", "router/layer0/entropy_mean"
+    reg = DetectorRegistry(default_rules())
+    median = 0.96
+    for evaluation in range(1, 51):  # warm-up 30 + baseline 20 evaluations, every 5 steps
+        assert reg.update(5 * evaluation, {load: median, tokens: median}) == []
+    fired = reg.update(255, {load: median * (1 - fall), tokens: median * (1 - fall)})
+    assert reg.detectors[load].last_score == pytest.approx(fall / 0.05)
+    assert [(a.metric, a.family, a.step) for a in fired] == ([(load, "router", 255)] if load_fires else [])
+    for step in (260, 265):  # the per-token entropy at the same score: below its threshold, however long
+        assert all(a.metric != tokens for a in reg.update(step, {load: median * (1 - fall),
+                                                                 tokens: median * (1 - fall)}))
+
+
 def test_registry_first_rule_wins_and_state_round_trip():
     rules = [SeriesRule("a/special", "symptom", direction="up", warmup=0, baseline=5),
              SeriesRule("a/*", "router", direction="down", warmup=0, baseline=5, persistence=1)]

@@ -316,7 +316,7 @@ def test_setup_logs_one_start_line_with_the_monitored_layers_interval_and_armed_
 
     from megatron_mech.model_view import RouterView
 
-    def start_lines(logging_rank, detector=None):
+    def start_lines(logging_rank, detector=None, layers_with_router=3):
         lines = []
 
         class _Collect(logging.Handler):
@@ -326,8 +326,10 @@ def test_setup_logs_one_start_line_with_the_monitored_layers_interval_and_armed_
 
         weights = [torch.randn((HEADS + 2 * GROUPS) * HEAD_DIM, D_MODEL, generator=torch.Generator().manual_seed(i))
                    for i in range(3)]
-        routers = [RouterView(layer, torch.randn(4, D_MODEL), 2, lambda observe: None) for layer in range(3)]
-        config = MechConfig(monitors=MonitorConfig(families=("attention", "router"), interval=5),
+        routers = [RouterView(layer, torch.randn(4, D_MODEL), 2, lambda observe: None)
+                   for layer in range(layers_with_router)]
+        config = MechConfig(monitors=MonitorConfig(families=("attention", "router")[:1 + bool(layers_with_router)],
+                                                   interval=5),
                             detector=detector or DetectorOverrides())
         hook = MechHook(config, train_steps=1000, sinks=CallbackSink(lambda record: None))
         handler, mech_logger = _Collect(), logging.getLogger("megatron_mech")
@@ -344,19 +346,26 @@ def test_setup_logs_one_start_line_with_the_monitored_layers_interval_and_armed_
         return lines, hook
 
     lines, hook = start_lines(True)
-    # the default detectors: warm-up 30 + baseline 20 + persistence 3 = 53 evaluations, every 5 steps (no level rule
-    # is armed: the view offers no attention-logit capture, and the busiest-expert rule is off by default)
+    # the default detectors: the router's expert-load rule alerts on one evaluation, so warm-up 30 + baseline 20 +
+    # persistence 1 = 51 evaluations, every 5 steps (no level rule is armed: the view offers no attention-logit
+    # capture, and the busiest-expert rule is off by default)
     # the layer trend on the per-head Δ2 entropies: its rule's warm-up 30 + a window of 10 evaluations = step 200
     trend = ("; layer trend armed from step 200: attn/*/head*/delta2_entropy: a layer's median fall >= 1.5 log units "
              "over 10 evaluations")
     assert lines == ["[mech] monitors on: 3 attention layers, 3 routers, every 5 steps; detectors armed from step "
-                     "265 (warm-up 30 + baseline 20 + persistence 3 evaluations)" + trend]
+                     "255 (warm-up 30 + baseline 20 + persistence 1 evaluations)" + trend]
+    assert hook.armed_from_step == 255
+    # a model without routers: the router rules cannot alert, the earliest rule is an attention or symptom rule,
+    # 30 + 20 + 3 = 53 evaluations
+    lines, hook = start_lines(True, layers_with_router=0)
+    assert lines == ["[mech] monitors on: 3 attention layers, every 5 steps; detectors armed from step 265 (warm-up "
+                     "30 + baseline 20 + persistence 3 evaluations)" + trend]
     assert hook.armed_from_step == 265
     assert hook.arming()["layer_trends"] == [{"rule": trend.split(": ", 1)[1], "armed_from_step": 200}]
     assert start_lines(False)[0] == []
     # with a busiest-expert level the router monitor's level rule is armed from the first evaluation, step 5
     lines, hook = start_lines(True, DetectorOverrides(expert_share_level=0.5))
-    assert lines[0].endswith("(warm-up 30 + baseline 20 + persistence 3 evaluations); level rules armed from the "
+    assert lines[0].endswith("(warm-up 30 + baseline 20 + persistence 1 evaluations); level rules armed from the "
                              "first evaluation (step 5): router/*/expert_share_excess > 0.5" + trend)
     assert [r.pattern for r in hook.armed_level_rules()] == ["router/*/expert_share_excess"]
     # switched off, and moved by its own warm-up (4 + 6 window evaluations, every 5 steps: step 50), not by the

@@ -285,6 +285,23 @@ def span_x(span):
     return span.get_x(), span.get_x() + span.get_width()
 
 
+def test_the_warm_up_of_a_run_without_routers_ends_where_its_own_rules_can_alert(tmp_path):
+    """The same real run with its router series removed (a dense model's record): the router rules cannot alert, so
+    the warm-up span ends at the attention and symptom rules' 30 + 20 + 3 evaluations × the interval, not at the
+    router expert-load rule's 30 + 20 + 1."""
+    from megatron_mech.records.report import build_figure
+
+    records = [dict(r, metrics={k: v for k, v in r["metrics"].items() if not k.startswith("router/")})
+               for r in corpus_records()]
+    run = tmp_path / "run"
+    write_log(run / JSONL_NAME, [make_record(r["step"], metrics=r["metrics"]) for r in records])
+    interval = math.gcd(*(r["step"] for r in records))
+    _, panels = build_figure(read_jsonl(run / JSONL_NAME))
+    assert "router" not in panels
+    for ax in panels.values():
+        assert span_x(guides(ax)["warmup"]) == (0, 53 * interval)
+
+
 def test_plot_shows_levels_bands_and_the_warm_up_of_a_real_run(tmp_path):
     """A real clean run's series (the MoE clean-corpus run, seed 21) with one alert added on a Δ2 head: the ΔW and Δ2
     panels carry the level line at their rule's level; the Δ2 panel the alerting head's band and the loss panel the
@@ -328,10 +345,13 @@ def test_plot_shows_levels_bands_and_the_warm_up_of_a_real_run(tmp_path):
 
     from megatron_mech.core.detect import DetectorConfig
 
-    # the warm-up is the baseline-relative rules' (the level rules are armed from the first evaluation)
-    configs = [r.config(DetectorConfig()) for r in default_rules() if r.kind == "baseline"]
+    # the warm-up is the baseline-relative rules' of the families the run has series of (the level rules are armed
+    # from the first evaluation); this MoE run has router series: the expert-load rule, persistence 1, is the first
+    families = {"router" if n.startswith("router/") else "attention" if n.startswith("attn/") else "symptom"
+                for r in records for n in r["metrics"]}
+    configs = [r.config(DetectorConfig()) for r in default_rules() if r.kind == "baseline" and r.family in families]
     derived = min(c.warmup + c.baseline + c.persistence for c in configs) * interval
-    assert derived == 53 * 5
+    assert "router" in families and derived == 51 * 5
     for ax in panels.values():
         span = guides(ax)["warmup"]
         assert span_x(span) == (0, derived)
