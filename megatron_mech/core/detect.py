@@ -109,9 +109,10 @@ from megatron_mech.core.checks import is_finite_real, is_int
 from megatron_mech.core.option_fields import option
 
 __all__ = ["ATTENTION_COLLAPSE", "ATTENTION_LEVELS", "EXPERT_SHARE_LEVEL", "FAMILIES", "DIRECTIONS", "LEVEL_SETTINGS",
-           "LAYER_TREND_THRESHOLD", "LAYER_TREND_WINDOW", "MAX_LOGIT_LEVEL", "ROUTER_LOAD_THRESHOLD", "RULE_KINDS",
-           "TREND_SETTINGS", "Alert", "DetectorConfig", "Detector", "LevelDetector", "LevelRules", "SeriesRule",
-           "TrendRules", "DetectorRegistry", "default_rules", "layer_change", "layer_of"]
+           "LAYER_TREND_THRESHOLD", "LAYER_TREND_WINDOW", "MAX_LOGIT_LEVEL", "ROUTER_LOAD_MIN_WARMUP",
+           "ROUTER_LOAD_THRESHOLD", "RULE_KINDS", "TREND_SETTINGS", "Alert", "DetectorConfig", "Detector",
+           "LevelDetector", "LevelRules", "SeriesRule", "TrendRules", "DetectorRegistry", "default_rules",
+           "layer_change", "layer_of"]
 
 FAMILIES = ("attention", "router", "symptom")
 DIRECTIONS = ("down", "up", "both")
@@ -120,6 +121,9 @@ ROUTER_TRACK = 20  # lag (evaluations) of the router rules' tracking baseline; s
 # The expert-load entropy's rule alerts on one evaluation at score 2.5 (a fall of at least 12.5 % below its tracked
 # baseline): the load over a whole batch is a quiet series, unlike the per-token entropies; see default_rules.
 ROUTER_LOAD_THRESHOLD = 2.5
+# ... and its warm-up is never below 30 evaluations, whatever --mech-detector-warmup: one evaluation is believed only
+# against a baseline taken after the routers' early transient; see default_rules.
+ROUTER_LOAD_MIN_WARMUP = 30
 # Absolute levels (normalized spectral entropy, in [0, 1]) below which an attention evaluation can be out of band:
 # a precision collapse reaches ~1e-3, healthy dips stayed above ~0.03 (Δ2) / ~0.05 (ΔW); see default_rules.
 ATTENTION_LEVELS = {"delta2_entropy": 0.01, "dw_entropy": 0.02}
@@ -694,7 +698,9 @@ class SeriesRule:
     baseline-relative rule's, all or none): the layer trend criterion beside the baseline (module docstring, "Layer
     trend"): the median log change over a layer's series of the rule, over ``trend_window`` evaluations after
     ``trend_warmup``, at or beyond ``layer_trend`` in the bad direction fires; re-arms after ``persistence``
-    evaluations below."""
+    evaluations below. ``min_warmup``: the rule's warm-up is at least this many evaluations, whatever ``warmup``
+    (or a run's ``--mech-detector-warmup``) says: a rule that believes one evaluation needs a baseline taken after
+    the early transient."""
 
     pattern: str
     family: str
@@ -714,9 +720,12 @@ class SeriesRule:
     layer_trend: float | None = None
     trend_window: int | None = None
     trend_warmup: int | None = None
+    min_warmup: int | None = None
 
     def __post_init__(self) -> None:
         _check_family(self.family)
+        if self.min_warmup is not None and (not is_int(self.min_warmup) or self.min_warmup < 0):
+            raise ValueError(f"{self.pattern}: min_warmup must be an int >= 0, got {self.min_warmup!r}")
         trend = (self.layer_trend, self.trend_window, self.trend_warmup)
         if any(v is None for v in trend) and any(v is not None for v in trend):
             raise ValueError(f"{self.pattern}: layer_trend, trend_window and trend_warmup are set together, got "
@@ -745,8 +754,12 @@ class SeriesRule:
         return fnmatch.fnmatchcase(name, self.pattern)
 
     def config(self, base: DetectorConfig) -> DetectorConfig:
-        """``base`` with this rule's direction and non-None overrides (validated)."""
+        """``base`` with this rule's direction and non-None overrides (validated), its warm-up raised to
+        ``min_warmup``."""
         over = {k: getattr(self, k) for k in _OVERRIDES if getattr(self, k) is not None}
+        warmup = over.get("warmup", base.warmup)
+        if self.min_warmup is not None and is_int(warmup) and warmup < self.min_warmup:
+            over["warmup"] = self.min_warmup
         return dataclasses.replace(base, direction=self.direction, **over)
 
 
@@ -875,7 +888,11 @@ def default_rules(levels: LevelRules | None = None, trends: TrendRules | None = 
       while the rule at persistence 3 fired at 280 and ZClip's grad-norm z-score at 285 and 275: three
       evaluations out of band cost the lead. On those seeds' clean runs the largest ``load_entropy`` score was
       0.42 (6 times below 2.5), against 1.87 for ``entropy_mean``, which keeps the default threshold and
-      persistence.
+      persistence. Its warm-up is at least ``ROUTER_LOAD_MIN_WARMUP`` = 30 evaluations whatever the run's
+      ``--mech-detector-warmup``: with the quick demo's warm-up of 4 and baseline of 6 evaluations (a baseline in
+      the routers' early transient) it fired on the attention-fault run at step 70 (score 3.7, one evaluation,
+      back to 0.8 at the next), before the attention alert at 90, naming the router for an attention fault; the
+      clean quick run peaked at 1.9.
       Router baselines *track* (``track=ROUTER_TRACK`` = 20 evaluations): routing entropy falls for the whole
       run as experts specialize, and a frozen baseline false-alarmed on a clean 800-step tuning run (seed 1234,
       layer-2 ``entropy_p05`` 1.16 → 0.78 by step 550).
@@ -918,7 +935,8 @@ def default_rules(levels: LevelRules | None = None, trends: TrendRules | None = 
                    **(trends if trends is not None else TrendRules()).fields()),
         SeriesRule("attn/*/dw?_entropy", "attention", **dw_attn, threshold=7.0),
         *(SeriesRule(f"router/*/{name}", "router", **ent_router) for name in router_ent),
-        SeriesRule("router/*/load_entropy", "router", **ent_router, threshold=ROUTER_LOAD_THRESHOLD, persistence=1),
+        SeriesRule("router/*/load_entropy", "router", **ent_router, threshold=ROUTER_LOAD_THRESHOLD, persistence=1,
+                   min_warmup=ROUTER_LOAD_MIN_WARMUP),
         SeriesRule("router/*/mean_cosine", "router", **near_zero_up_router),
         SeriesRule("symptom/loss", "symptom", direction="up", warmup=30, baseline=20, rel_floor=0.02),
         SeriesRule("symptom/grad_norm", "symptom", direction="up", warmup=30, baseline=20, rel_floor=0.25,
@@ -964,7 +982,7 @@ class DetectorRegistry:
         levels = LevelRules(**{k: overrides.pop(k) for k in LEVEL_SETTINGS if k in overrides})
         trends = TrendRules(**{k: overrides.pop(k) for k in TREND_SETTINGS if k in overrides})
         known = {f.name for f in dataclasses.fields(SeriesRule)} - {"pattern", "family", "kind", "layer_trend",
-                                                                     "trend_window", "trend_warmup"}
+                                                                     "trend_window", "trend_warmup", "min_warmup"}
         unknown = sorted(set(overrides) - known)
         if unknown:
             raise ValueError(f"unknown detector setting(s) {unknown}; expected some of "

@@ -395,6 +395,24 @@ def test_expert_load_rule_alerts_on_one_evaluation_the_token_entropies_do_not(fa
                                                                  tokens: median * (1 - fall)}))
 
 
+def test_expert_load_rule_keeps_its_warm_up_when_a_run_lowers_the_others():
+    """A run's lowered warm-up (the quick demo's 4 evaluations) moves every baseline-relative rule but the
+    expert-load rule, which believes one evaluation only against a baseline past the routers' early transient: its
+    warm-up stays at 30 evaluations; a longer warm-up is kept."""
+    load, tokens = "router/layer0/load_entropy", "router/layer0/entropy_mean"
+    reg = DetectorRegistry.with_overrides({"warmup": 4, "baseline": 6})
+    for evaluation in range(1, 11):  # 4 + 6: the per-token rule has its baseline, the load rule is warming up
+        assert reg.update(5 * evaluation, {load: 0.96, tokens: 0.96}) == []
+    assert (reg.detectors[tokens].phase, reg.detectors[load].phase) == ("monitoring", "warmup")
+    assert reg.update(55, {load: 0.5, tokens: 0.96}) == []  # a fall the load rule would fire on once armed
+    assert reg.detectors[load].config.warmup == 30 and reg.detectors[tokens].config.warmup == 4
+    assert DetectorRegistry.with_overrides({"warmup": 100}).earliest_alert()[1] == 100 + 20 + 1
+    with pytest.raises(ValueError, match="min_warmup"):
+        SeriesRule("router/*/load_entropy", "router", min_warmup=-1)
+    with pytest.raises(ValueError, match="min_warmup"):
+        DetectorRegistry.with_overrides({"min_warmup": 0})
+
+
 def test_registry_first_rule_wins_and_state_round_trip():
     rules = [SeriesRule("a/special", "symptom", direction="up", warmup=0, baseline=5),
              SeriesRule("a/*", "router", direction="down", warmup=0, baseline=5, persistence=1)]
