@@ -25,6 +25,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks._results import write_results  # noqa: E402
+from megatron_mech.cli import build_parser  # noqa: E402
 from megatron_mech.core.detect import layer_of  # noqa: E402
 from megatron_mech.logit_symptom import MAX_LOGIT_METRIC  # noqa: E402
 from megatron_mech.studies.clean_scores import replay_alerts  # noqa: E402
@@ -32,6 +33,7 @@ from megatron_mech.studies.demo import (  # noqa: E402
     DEMO_ATTENTION_FLAGS,
     DIVERGENCE_MARGIN,
     OWN_FAMILY,
+    demo_fault_flags,
     load_demo_run,
     score_act,
 )
@@ -44,14 +46,8 @@ from megatron_mech.studies.outcomes import (  # noqa: E402
 )
 from megatron_mech.studies.router_outcome import find_collapse, read_routing_counts  # noqa: E402
 
-START, STEPS = 260, 500  # the demo's defaults: fault start, run length
-
-
-def rule_of(alert) -> str:
-    """Which kind of rule fired ``alert``: the layer trend, a level rule or a baseline-relative rule."""
-    if "layer_change" in alert.detail:
-        return "layer trend"
-    return "level" if "level" in alert.detail else "baseline"
+_DEMO_DEFAULTS = build_parser().parse_args(["demo"])  # the runs are `megatron-mech demo` with its defaults
+START, STEPS = _DEMO_DEFAULTS.fault_start, _DEMO_DEFAULTS.steps
 
 
 def score_seed(seed: int, out: Path, replay: bool = False) -> list:
@@ -71,7 +67,8 @@ def score_seed(seed: int, out: Path, replay: bool = False) -> list:
             collapse = find_collapse(read_routing_counts(out / act))
             outcome = collapse.step if collapse is not None else None
         alert = score.alert
-        rows.append({"seed": seed, "act": act, "ours": score.first, "rule": rule_of(alert) if alert else None,
+        rows.append({"seed": seed, "act": act, "ours": score.first,
+                     "rule": alert.rule_kind.replace("_", " ") if alert else None,
                      "layer": layer_of(alert.metric) if alert else None, "metric": alert.metric if alert else None,
                      "first_incumbent": score.first_incumbent, "not_counted": score.not_counted,
                      "divergence": score.divergence, "outcome": outcome,
@@ -86,8 +83,9 @@ def report(rows: list, seeds: list, replay: bool = False) -> str:
                 "series)." if replay else "")
     lines = [("**TUNING RUN — not a result.** " if tuning else "")
              + f"`megatron-mech demo` per seed (the small MoE GPT, {STEPS} steps, faults from step {START}; the "
-             f"attention act: `{' '.join(DEMO_ATTENTION_FLAGS)}`; the router act: the router-input fault ramped over "
-             f"100 steps). Seeds {seeds} ({'tuning' if tuning else 'reporting'}; tuning seeds {list(TUNING_SEEDS)}). "
+             f"attention act: `{' '.join(DEMO_ATTENTION_FLAGS)}`; the router act: "
+             f"`{' '.join(demo_fault_flags('router'))}`). Seeds {seeds} ({'tuning' if tuning else 'reporting'}; "
+             f"tuning seeds {list(TUNING_SEEDS)}). "
              f"Verdict as the demo's title: the act's own family alerted before the loss divergence "
              f"({DIVERGENCE_MARGIN} nats over the clean run to the end) and before every incumbent alarm counted "
              f"from the onset; steps ahead to the nearest of them. An incumbent that rang as early on the clean run is "

@@ -201,14 +201,23 @@ class Alert:
     def __post_init__(self) -> None:
         _check_family(self.family)
 
+    @property
+    def rule_kind(self) -> str:
+        """Which criterion fired it, from its detail: ``layer_trend`` (a layer's series falling together),
+        ``level`` (an absolute level rule) or ``baseline`` (a baseline-relative rule)."""
+        if "layer_change" in self.detail:
+            return "layer_trend"
+        return "level" if "level" in self.detail else "baseline"
+
     def describe(self) -> str:
         """One-line human message."""
+        kind = self.rule_kind
         if not math.isfinite(self.value):
             what = f"non-finite value {self.value}"
-        elif "layer_change" in self.detail:  # a layer trend's alert: the baseline is the value a window ago
+        elif kind == "layer_trend":  # the baseline is the value a window ago
             what = (f"value {self.value:.4g} from {self.baseline:.4g} {self.detail.get('window')} evaluations "
                     f"before, its layer's median fall {self.detail['layer_change']:.3g} log units")
-        elif "level" in self.detail:  # a level rule's alert: the baseline is its level
+        elif kind == "level":  # the baseline is its level
             rel = "below" if self.value < self.baseline else "above"
             what = f"value {self.value:.4g} {rel} level {self.baseline:.4g}"
         else:

@@ -389,7 +389,8 @@ def test_expert_load_rule_alerts_on_one_evaluation_the_token_entropies_do_not(fa
         assert reg.update(5 * evaluation, {load: median, tokens: median}) == []
     fired = reg.update(255, {load: median * (1 - fall), tokens: median * (1 - fall)})
     assert reg.detectors[load].last_score == pytest.approx(fall / 0.05)
-    assert [(a.metric, a.family, a.step) for a in fired] == ([(load, "router", 255)] if load_fires else [])
+    assert [(a.metric, a.family, a.step, a.rule_kind) for a in fired] == ([(load, "router", 255, "baseline")]
+                                                                          if load_fires else [])
     for step in (260, 265):  # the per-token entropy at the same score: below its threshold, however long
         assert all(a.metric != tokens for a in reg.update(step, {load: median * (1 - fall),
                                                                  tokens: median * (1 - fall)}))

@@ -78,7 +78,7 @@ def test_layer_falling_together_fires_once_at_the_reference_step_before_the_leve
     assert len(trend) == 1  # latched: one alert for the layer while it keeps falling
     alert = trend[0]
     assert alert.step == 5 + 5 * expected and alert.family == "attention" and alert.detail["layer"] == 1
-    assert alert.metric in names(1) and alert.detail["series"] == HEADS
+    assert alert.metric in names(1) and alert.detail["series"] == HEADS and alert.rule_kind == "layer_trend"
     assert alert.score >= LAYER_TREND_THRESHOLD
     # before any head of the layer is at the Δ2 level (0.01) the baseline-relative rule cannot fire; the trend did
     assert min(series[k][expected] for k in names(1)) > 0.01

@@ -114,7 +114,7 @@ def test_default_registry_alerts_from_the_first_evaluation_naming_layer_and_head
     fired = registry.update(5, {LOGIT: 130.0, SHARE: 0.7, "symptom/max_attn_logit": 130.0, "symptom/loss": 3.0},
                             {LOGIT: {"layer": 2, "head": 5}, SHARE: {"layer": 1, "expert": 3}})
     assert [(a.metric, a.family, a.step) for a in fired] == [(LOGIT, "attention", 5)]
-    assert fired[0].detail == {"layer": 2, "head": 5, "level": 100.0}
+    assert fired[0].detail == {"layer": 2, "head": 5, "level": 100.0} and fired[0].rule_kind == "level"
     # the global maximum stays logged only; the busiest-expert rule is off unless set
     assert "symptom/max_attn_logit" in registry.unmonitored and SHARE in registry.unmonitored
     # the earliest baseline-relative alert is still warm-up 30 + baseline 20 + persistence 1 evaluations away (the
