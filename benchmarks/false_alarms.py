@@ -28,6 +28,8 @@ corpus alone, without training: after a rule change, that regenerates the table 
     # an explicit plan instead of the full product (model:width:steps:seeds), e.g. what fits a short session:
     python benchmarks/false_alarms.py --runs-dir runs/false_alarms --reuse \
         --plan moe:64:2000:21,22,23 dense:64:2000:21,22,23,24,25 dense:256:1000:21
+    # a fifth field scales the preset's learning rate (--lr and --min-lr): clean runs at 3x and 10x the preset
+    python benchmarks/false_alarms.py --runs-dir runs/false_alarms --reuse --plan moe:64:2000:21:3 dense:64:2000:21:10
 """
 from __future__ import annotations
 
@@ -49,15 +51,23 @@ from megatron_mech.core.detect import DetectorRegistry, LevelDetector, layer_of 
 from megatron_mech.monitors.max_logit import MAX_LOGIT_METRIC  # noqa: E402
 from megatron_mech.studies import clean_corpus  # noqa: E402
 from megatron_mech.studies.clean_scores import binomial_upper_bound, expected_alarms, kind_of, replay  # noqa: E402
+from megatron_mech.studies.incumbents import metric_series  # noqa: E402
 from megatron_mech.studies.leadtime import (  # noqa: E402
     REPORTING_SEEDS,
     TUNING_SEEDS,
     check_reporting_seeds,
     parse_study_args,
 )
+from megatron_mech.studies.natural import self_divergence_step  # noqa: E402
+from megatron_mech.studies.outcomes import (  # noqa: E402
+    LOGIT_EXPLOSION_HOLD,
+    LOGIT_EXPLOSION_LEVEL,
+    max_logit_explosion_step,
+)
 
 logger = logging.getLogger("benchmarks.false_alarms")
 CORPUS = REPO / "benchmarks" / "data" / "clean_corpus"
+DIVERGENCE_MARGIN = 1.0  # nats above the run's own best 20-step average (as the early-warning benchmark)
 
 
 def _rate_line(label: str, alarms: int, n: int, scale_e: float, scale_s: float) -> dict:
@@ -120,28 +130,63 @@ def _fmt(x, spec=".3g"):
 
 
 def parse_plan(entries, seeds, widths, models, steps) -> list:
-    """The runs to make, as ``(model, width, steps, seed)``: the full product of the seed / width / model options,
-    or the explicit ``model:width:steps:seed,seed,...`` entries of ``--plan``."""
+    """The runs to make, as ``(model, width, steps, seed, lr_scale)``: the full product of the seed / width / model
+    options at the preset's learning rate (scale 1), or the explicit ``model:width:steps:seed,seed,...[:lr_scale]``
+    entries of ``--plan`` (``lr_scale`` multiplies the preset's ``--lr`` and ``--min-lr``)."""
     if not entries:
-        return [(m, w, steps, s) for m in models for w in widths for s in seeds]
+        return [(m, w, steps, s, 1.0) for m in models for w in widths for s in seeds]
     plan = []
     for entry in entries:
         try:
-            model, width, n, seed_list = entry.split(":")
+            fields = entry.split(":")
+            if len(fields) not in (4, 5):
+                raise ValueError(f"4 or 5 fields, got {len(fields)}")
+            model, width, n, seed_list = fields[:4]
+            lr_scale = float(fields[4]) if len(fields) == 5 else 1.0
             if model not in ("moe", "dense"):
                 raise ValueError(f"model must be moe or dense, got {model!r}")
-            plan += [(model, int(width), int(n), int(s)) for s in seed_list.split(",")]
+            if not (math.isfinite(lr_scale) and lr_scale > 0):
+                raise ValueError(f"lr_scale must be a finite number > 0, got {fields[4]!r}")
+            plan += [(model, int(width), int(n), int(s), lr_scale) for s in seed_list.split(",")]
         except ValueError as err:
-            raise SystemExit(f"--plan entry {entry!r}: expected model:width:steps:seed,seed,... ({err})") from err
+            raise SystemExit(f"--plan entry {entry!r}: expected model:width:steps:seed,seed,...[:lr_scale] "
+                             f"({err})") from err
     return plan
 
 
-def report(args, runs: list, summary: dict) -> str:
+def run_name(model: str, width: int, seed: int, lr_scale: float) -> str:
+    """A clean run's name (its corpus file's stem): ``moe_h64_s21``, with ``_lr3x`` when the LR is scaled."""
+    return f"{model}_h{width}_s{seed}" + ("" if lr_scale == 1 else f"_lr{lr_scale:g}x")
+
+
+def run_flags(width: int, moe: bool, seed: int, lr_scale: float) -> list:
+    """The preset's flags at ``width`` for ``seed``, its ``--lr`` and ``--min-lr`` multiplied by ``lr_scale``."""
+    flags = [*model_flags(width, moe), "--seed", str(seed)]
+    for name in ("--lr", "--min-lr"):
+        at = flags.index(name) + 1
+        flags[at] = f"{float(flags[at]) * lr_scale:g}"
+    return flags
+
+
+def failure(losses: list, records: list) -> dict:
+    """Why a run without a fault is not a clean run (empty when it is): its loss diverged
+    (:func:`~megatron_mech.studies.natural.self_divergence_step`, ``DIVERGENCE_MARGIN``) or its maximum attention
+    logit exploded (the early-warning benchmark's attention outcome: at least 200 for 10 records). Such a run
+    (a learning rate too high for the preset) is a failing run; its alarms are not false alarms."""
+    outcome = {"loss diverged": self_divergence_step(losses, margin=DIVERGENCE_MARGIN),
+               "max logit exploded": max_logit_explosion_step(*metric_series(records, MAX_LOGIT_METRIC),
+                                                              LOGIT_EXPLOSION_LEVEL, LOGIT_EXPLOSION_HOLD)}
+    return {what: step for what, step in outcome.items() if step is not None}
+
+
+def report(args, runs: list, summary: dict, left_out: list = ()) -> str:
     if args.plan:
-        shape = "plan " + ", ".join(f"`{e}`" for e in args.plan) + " (model:width:steps:seeds)"
+        shape = "plan " + ", ".join(f"`{e}`" for e in args.plan) + " (model:width:steps:seeds[:lr_scale])"
     elif args.from_corpus:
         shape = "every run of the clean corpus (" + ", ".join(
-            f"`{r['model']}:{r['width']}:{r['steps']}:{r['seed']}`" for r in runs) + ", model:width:steps:seed)"
+            f"`{r['model']}:{r['width']}:{r['steps']}:{r['seed']}"
+            + (f":{r['lr_scale']:g}" if r.get("lr_scale", 1) != 1 else "") + "`" for r in runs) + \
+            ", model:width:steps:seed[:LR scale of the preset])"
     else:
         shape = f"{args.steps} steps each, seeds {args.seeds}, widths {args.widths}, models {args.models}"
     source = ("replayed from the committed clean corpus (benchmarks/data/clean_corpus)" if args.from_corpus
@@ -177,9 +222,15 @@ def report(args, runs: list, summary: dict) -> str:
     lines += trend_lines(runs)
     lines += ["", "## Alarms", ""]
     lines += [f"- {a['run']}: `{a['metric']}` at steps {a['steps']}" for a in summary["alarms"]] or ["- none"]
+    if left_out:
+        lines += ["", "## Runs left out: not clean", "",
+                  "Trained as clean runs, they failed on their own (`failure`), so they are not in the table or the "
+                  "corpus; the alerts they raised are not false alarms.", ""]
+        lines += [f"- {r['name']}: " + ", ".join(f"{what} from step {step}" for what, step in r["failure"].items())
+                  + f"; first alerts: {r['first_alerts'] or 'none'}" for r in left_out]
     lines += ["", "## Runs", ""] + [f"- {run['name']}: `{run['command']}`" for run in runs[:4]]
     if len(runs) > 4:
-        lines.append(f"- … {len(runs) - 4} more, same flags with the seed / width / model changed")
+        lines.append(f"- … {len(runs) - 4} more, same flags with the seed / width / model / LR changed")
     return "\n".join(lines)
 
 
@@ -344,22 +395,25 @@ def main(argv=None):
     p.add_argument("--scale-evaluations", type=float, default=1e4)
     p.add_argument("--scale-series", type=float, default=1e3)
     p.add_argument("--no-write", action="store_true", help="write neither the results nor the corpus")
+    p.add_argument("--results-name", default="false_alarms",
+                   help="the results file's name (default: %(default)s; e.g. a plan's own table beside the corpus's)")
     p.add_argument("--corpus-dir", default=str(CORPUS), help="the clean corpus (default: %(default)s)")
     p.add_argument("--from-corpus", action="store_true",
                    help="replay the corpus files (those of --plan, if given) instead of training")
     args = parse_study_args(p, argv)
     plan = parse_plan(args.plan, args.seeds, args.widths, args.models, args.steps)
     try:  # the plan's seeds pass the same tuning-seed check as --seeds
-        check_reporting_seeds(sorted({seed for *_, seed in plan}), args.tuning_run)
+        check_reporting_seeds(sorted({entry[3] for entry in plan}), args.tuning_run)
     except ValueError as e:
         p.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    runs = []
+    runs, left_out = [], []
     if args.from_corpus:
         for path in sorted(Path(args.corpus_dir).glob("*.json.gz")):
             corpus = clean_corpus.read(path)
             meta = corpus["meta"]
-            if (meta["model"], meta["width"], meta["steps"], meta["seed"]) not in plan and args.plan:
+            key = (meta["model"], meta["width"], meta["steps"], meta["seed"], float(meta.get("lr_scale", 1)))
+            if key not in plan and args.plan:
                 continue
             try:
                 check_reporting_seeds([meta["seed"]], args.tuning_run)
@@ -370,26 +424,34 @@ def main(argv=None):
             p.error(f"--from-corpus: no corpus file of the plan under {args.corpus_dir}")
     with tempfile.TemporaryDirectory(prefix="mech_fa_") as tmp:
         work = Path(args.runs_dir or tmp)
-        for model, width, steps, seed in ([] if args.from_corpus else plan):
-            name = f"{model}_h{width}_s{seed}"
+        for model, width, steps, seed, lr_scale in ([] if args.from_corpus else plan):
+            name = run_name(model, width, seed, lr_scale)
             t0 = time.perf_counter()
-            run = train_run(work / name, [*model_flags(width, model == "moe"), "--seed", str(seed)], steps,
-                            reuse=args.reuse)
+            run = train_run(work / name, run_flags(width, model == "moe", seed, lr_scale), steps, reuse=args.reuse)
             meta = {"name": name, "model": model, "width": width, "seed": seed, "steps": steps,
+                    **({"lr_scale": lr_scale} if lr_scale != 1 else {}),
                     "command": run["command"].replace(str(work), "RUNS")}  # no machine's folder in the corpus
+            failed = failure(run["losses"], run["records"])
+            if failed:
+                first = {}
+                for alert in run["alerts"]:
+                    first.setdefault(alert.family, f"{alert.family} {alert.step} (`{alert.metric}`)")
+                left_out.append({**meta, "failure": failed, "first_alerts": ", ".join(first.values())})
+                logger.warning(f"{name}: not a clean run ({failed}); left out of the table and the corpus")
+                continue
             if not args.no_write:
                 clean_corpus.write(Path(args.corpus_dir) / f"{name}.json.gz", clean_corpus.pack(run["records"], meta))
             runs.append(_scored(meta, run["records"]))
             logger.info(f"{name}: {runs[-1]['alarms']} alarms over {runs[-1]['evaluations']} series-evaluations "
                         f"({time.perf_counter() - t0:.0f}s)")
     summary = summarize(runs, args.scale_evaluations, args.scale_series)
-    text = report(args, runs, summary)
+    text = report(args, runs, summary, left_out)
     print(text)
     if not args.no_write:
         data = {"tuning_run": args.tuning_run, "seeds": args.seeds, "widths": args.widths, "models": args.models,
-                "steps": args.steps, "plan": args.plan, **summary,
+                "steps": args.steps, "plan": args.plan, **summary, "left_out": left_out,
                 "runs": [{k: v for k, v in run.items() if k != "scores"} for run in runs]}
-        write_results("false_alarms", text, data)
+        write_results(args.results_name, text, data)
 
 
 if __name__ == "__main__":

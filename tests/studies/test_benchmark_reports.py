@@ -47,14 +47,27 @@ def test_false_alarm_summary_and_report():
 
 
 def test_false_alarm_plan():
-    # Without a plan: the seeds × widths × models product at --steps; with one: exactly its entries.
+    # Without a plan: the seeds × widths × models product at --steps and the preset's LR; with one: exactly its
+    # entries, a fifth field scaling the preset's LR.
     assert false_alarms.parse_plan(None, [21, 22], [64], ["moe", "dense"], 600) == [
-        ("moe", 64, 600, 21), ("moe", 64, 600, 22), ("dense", 64, 600, 21), ("dense", 64, 600, 22)]
-    assert false_alarms.parse_plan(["moe:64:2000:21,23", "dense:256:1000:22"], [], [], [], 0) == [
-        ("moe", 64, 2000, 21), ("moe", 64, 2000, 23), ("dense", 256, 1000, 22)]
-    for bad in ("moe:64:2000", "sparse:64:2000:21", "moe:64:x:21"):
+        ("moe", 64, 600, 21, 1.0), ("moe", 64, 600, 22, 1.0), ("dense", 64, 600, 21, 1.0), ("dense", 64, 600, 22, 1.0)]
+    assert false_alarms.parse_plan(["moe:64:2000:21,23", "dense:256:1000:22:10"], [], [], [], 0) == [
+        ("moe", 64, 2000, 21, 1.0), ("moe", 64, 2000, 23, 1.0), ("dense", 256, 1000, 22, 10.0)]
+    for bad in ("moe:64:2000", "sparse:64:2000:21", "moe:64:x:21", "moe:64:2000:21:0", "moe:64:2000:21:nan",
+                "moe:64:2000:21:3:1"):
         with pytest.raises(SystemExit, match="--plan entry"):
             false_alarms.parse_plan([bad], [], [], [], 0)
+
+
+def test_false_alarm_run_at_a_scaled_lr():
+    # The preset's --lr and --min-lr are multiplied, nothing else moves; the name says the scale.
+    base = false_alarms.run_flags(64, True, 21, 1.0)
+    scaled = false_alarms.run_flags(64, True, 21, 3.0)
+    changed = {base[i - 1]: (base[i], scaled[i]) for i in range(1, len(base)) if base[i] != scaled[i]}
+    assert set(changed) == {"--lr", "--min-lr"}
+    assert all(float(new) == pytest.approx(3 * float(old)) for old, new in changed.values())
+    assert false_alarms.run_name("moe", 64, 21, 1.0) == "moe_h64_s21"
+    assert false_alarms.run_name("dense", 64, 21, 10.0) == "dense_h64_s21_lr10x"
 
 
 def test_natural_instability_score_and_report():
@@ -173,3 +186,47 @@ def test_false_alarm_level_replay_on_the_global_maximum_and_the_share_bounds():
     text = "\n".join(false_alarms.level_lines([{"name": "moe_h64_s21", "levels": out}]))
     assert "**2 alarms** over 5 evaluations" in text and "moe_h64_s21 step 10, moe_h64_s21 step 25" in text
     assert "**1 certainly above the level**" in text and "the rule is off by default" in text
+
+
+def test_trend_window_thresholds_and_choice():
+    from benchmarks import trend_window
+    from megatron_mech.core.detect import LAYER_TREND_THRESHOLD, LAYER_TREND_WINDOW
+
+    # Every window gets the default's margin over its own clean maximum, rounded up to 0.05; the default keeps its own.
+    corpus_max = {LAYER_TREND_WINDOW: LAYER_TREND_THRESHOLD / 2, 5: 1.01, 20: 0.5}
+    assert trend_window.thresholds(corpus_max) == {LAYER_TREND_WINDOW: LAYER_TREND_THRESHOLD, 5: 2.05, 20: 1.0}
+
+    def rows(*leads, clean=0, layer=trend_window.FAULTY_LAYER):
+        return [{"lead": lead, "clean_alerts": clean, "layer": layer} for lead in leads]
+    # the largest smallest lead wins; then the mean; a tie keeps the default window
+    assert trend_window.choose({LAYER_TREND_WINDOW: rows(15, 20), 5: rows(20, 20)}) == 5
+    assert trend_window.choose({LAYER_TREND_WINDOW: rows(15, 20), 5: rows(15, 25)}) == 5
+    assert trend_window.choose({LAYER_TREND_WINDOW: rows(15, 20), 5: rows(20, 15)}) == LAYER_TREND_WINDOW
+    # a miss, a clean-run alert or an alert in another layer puts a window out, however early its other seeds
+    for bad in (rows(40, None), rows(40, 40, clean=1), rows(40, 40, layer=trend_window.FAULTY_LAYER + 1)):
+        assert trend_window.choose({LAYER_TREND_WINDOW: rows(5, 5), 5: bad}) == LAYER_TREND_WINDOW
+
+
+def test_a_run_that_failed_on_its_own_is_not_a_clean_run():
+    # Against the early-warning benchmark's outcomes, computed by hand: the max logit held at >= 200 for 10 records
+    # from the 21st record (step 105); losses at 5 then 7 from step 201: the trailing 20-step average is first more
+    # than 1 nat above its best (5) when 11 of its 20 losses are 7, at step 211, and stays there to the end.
+    records = [{"step": 5 * (i + 1), "metrics": {"symptom/max_attn_logit": 250.0 if i >= 20 else 20.0}}
+               for i in range(40)]
+    calm = [{"step": r["step"], "metrics": {"symptom/max_attn_logit": 20.0}} for r in records]
+    assert false_alarms.failure([5.0] * 200, calm) == {}
+    assert false_alarms.failure([5.0] * 200, records) == {"max logit exploded": 105}
+    diverged = [5.0] * 200 + [7.0] * 100
+    assert false_alarms.failure(diverged, calm) == {"loss diverged": 211}
+    # a logit that passes 200 for 9 records only is not an explosion
+    short = [{"step": 5 * (i + 1), "metrics": {"symptom/max_attn_logit": 250.0 if 20 <= i < 29 else 20.0}}
+             for i in range(40)]
+    assert false_alarms.failure([5.0] * 200, short) == {}
+    args = argparse.Namespace(tuning_run=False, steps=600, seeds=[21], widths=[64], models=["moe"],
+                              scale_evaluations=1e4, scale_series=1e3, plan=["moe:64:600:21:10"], from_corpus=False)
+    runs = [{"name": "dense_h64_s21", "scores": replay(_records(120)), "command": "cmd"}]
+    left_out = [{"name": "moe_h64_s21_lr10x", "failure": {"max logit exploded": 105},
+                 "first_alerts": "attention 85 (`symptom/max_attn_logit/layer0`)"}]
+    text = false_alarms.report(args, runs, false_alarms.summarize(runs, 1e4, 1e3), left_out)
+    assert "## Runs left out: not clean" in text
+    assert "- moe_h64_s21_lr10x: max logit exploded from step 105; first alerts: attention 85" in text
