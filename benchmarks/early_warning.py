@@ -49,6 +49,7 @@ from megatron_mech.studies.incumbents import (  # noqa: E402
     microbatches_per_rank,
 )
 from megatron_mech.studies.leadtime import TUNING_SEEDS, first_alert, parse_study_args  # noqa: E402
+from megatron_mech.studies.natural import SELF_DIVERGENCE_MARGIN  # noqa: E402
 from megatron_mech.studies.outcomes import (  # noqa: E402
     LOGIT_EXPLOSION_HOLD,
     LOGIT_EXPLOSION_LEVEL,
@@ -60,7 +61,6 @@ logger = logging.getLogger("benchmarks.early_warning")
 
 # ---- Criteria, fixed on tuning seed 11 (LR 0.5 run and its healthy twin at 2e-3, 500 steps) before any reporting
 # seed was scored. Each level follows a rule stated before reading it off the healthy twin, not off the failure. ----
-DIVERGENCE_MARGIN = 1.0  # nats above the run's own best (as benchmarks/natural_instability.py)
 # A gap no healthy fluctuation reaches: the twin's 20-step MA strays at most 0.13 nats (std 0.03) from its 100-step
 # MA over steps 250-500; 0.5 is ~4x that. On seed 11 the outcome step barely depends on it (gap 0.1-0.5: steps
 # 38-42; 1.0: 86; 1.5: 153), because the LR 0.5 run stalls near 7.0 nats while the twin reaches 5.0.
@@ -294,7 +294,7 @@ def main(argv=None):
     if args.warmup is not None and args.schedule_steps is None:
         args.schedule_steps = args.steps
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    criteria = {"divergence_margin": DIVERGENCE_MARGIN, "loss_gap": LOSS_GAP, "logit_level": LOGIT_LEVEL,
+    criteria = {"divergence_margin": SELF_DIVERGENCE_MARGIN, "loss_gap": LOSS_GAP, "logit_level": LOGIT_LEVEL,
                 "logit_hold": LOGIT_HOLD, "grad_norm_level": GRAD_NORM_LEVEL, "evidence": TUNING_EVIDENCE}
     router = load_router_outcome(args.router_outcome)
     rows = [score_seed(Path(args.runs_dir), seed, args, criteria, router) for seed in args.seeds]

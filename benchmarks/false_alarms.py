@@ -58,7 +58,7 @@ from megatron_mech.studies.leadtime import (  # noqa: E402
     check_reporting_seeds,
     parse_study_args,
 )
-from megatron_mech.studies.natural import self_divergence_step  # noqa: E402
+from megatron_mech.studies.natural import SELF_DIVERGENCE_MARGIN, self_divergence_step  # noqa: E402
 from megatron_mech.studies.outcomes import (  # noqa: E402
     LOGIT_EXPLOSION_HOLD,
     LOGIT_EXPLOSION_LEVEL,
@@ -67,7 +67,6 @@ from megatron_mech.studies.outcomes import (  # noqa: E402
 
 logger = logging.getLogger("benchmarks.false_alarms")
 CORPUS = REPO / "benchmarks" / "data" / "clean_corpus"
-DIVERGENCE_MARGIN = 1.0  # nats above the run's own best 20-step average (as the early-warning benchmark)
 
 
 def _rate_line(label: str, alarms: int, n: int, scale_e: float, scale_s: float) -> dict:
@@ -170,10 +169,10 @@ def run_flags(width: int, moe: bool, seed: int, lr_scale: float) -> list:
 
 def failure(losses: list, records: list) -> dict:
     """Why a run without a fault is not a clean run (empty when it is): its loss diverged
-    (:func:`~megatron_mech.studies.natural.self_divergence_step`, ``DIVERGENCE_MARGIN``) or its maximum attention
+    (:func:`~megatron_mech.studies.natural.self_divergence_step`, ``SELF_DIVERGENCE_MARGIN``) or its maximum attention
     logit exploded (the early-warning benchmark's attention outcome: at least 200 for 10 records). Such a run
     (a learning rate too high for the preset) is a failing run; its alarms are not false alarms."""
-    outcome = {"loss diverged": self_divergence_step(losses, margin=DIVERGENCE_MARGIN),
+    outcome = {"loss diverged": self_divergence_step(losses, margin=SELF_DIVERGENCE_MARGIN),
                "max logit exploded": max_logit_explosion_step(*metric_series(records, MAX_LOGIT_METRIC),
                                                               LOGIT_EXPLOSION_LEVEL, LOGIT_EXPLOSION_HOLD)}
     return {what: step for what, step in outcome.items() if step is not None}
@@ -339,10 +338,11 @@ def level_lines(runs: list) -> list:
     return lines
 
 
-def trend_replay(run_records: list) -> dict:
-    """The layer trend (core.detect, "Layer trend") on one clean run: how many layer-evaluations had a median, and
-    the largest median change with where it was (its alarms are in the tables above, on the series that fell most)."""
-    registry = DetectorRegistry()
+def trend_replay(run_records: list, rules: list | None = None) -> dict:
+    """The layer trend (core.detect, "Layer trend") of ``rules`` (default: the default rules) on one clean run: how
+    many layer-evaluations had a median, and the largest median change with where it was (its alarms are in the
+    tables above, on the series that fell most)."""
+    registry = DetectorRegistry(rules)
     n, peak = 0, None
     for record in run_records:
         metrics = {k: v for k, v in (record.get("metrics") or {}).items() if isinstance(v, (int, float))}

@@ -30,7 +30,6 @@ if str(REPO) not in sys.path:
 
 from benchmarks._results import write_results  # noqa: E402
 from benchmarks.early_warning import (  # noqa: E402
-    DIVERGENCE_MARGIN,
     GRAD_NORM_LEVEL,
     LOGIT_HOLD,
     LOGIT_LEVEL,
@@ -42,6 +41,7 @@ from benchmarks.early_warning import (  # noqa: E402
 )
 from megatron_mech.studies.demo import demo_commands  # noqa: E402
 from megatron_mech.studies.leadtime import REPORTING_SEEDS, TUNING_SEEDS  # noqa: E402
+from megatron_mech.studies.natural import SELF_DIVERGENCE_MARGIN  # noqa: E402
 from megatron_mech.studies.pretrain_gpt_fault import ENTRY_MODULE  # noqa: E402
 
 # How the factor was chosen (tuning seed 11, before any reporting seed ran): one setting tried, the LR ×1 → ×100
@@ -50,7 +50,7 @@ from megatron_mech.studies.pretrain_gpt_fault import ENTRY_MODULE  # noqa: E402
 # ≥ 200 from step 400) and was kept. The loss recovered: no divergence, no lasting gap.
 TUNING_NOTE = ("Setting chosen on tuning seed 11 (one tried): LR ×1 → ×100 over 100 steps from step 300, past the "
                "critical LR the warm-up runs showed (~0.045); it met the attention outcome and was kept.")
-CRITERIA = {"divergence_margin": DIVERGENCE_MARGIN, "loss_gap": LOSS_GAP, "logit_level": LOGIT_LEVEL,
+CRITERIA = {"divergence_margin": SELF_DIVERGENCE_MARGIN, "loss_gap": LOSS_GAP, "logit_level": LOGIT_LEVEL,
             "logit_hold": LOGIT_HOLD, "grad_norm_level": GRAD_NORM_LEVEL}
 
 
@@ -93,8 +93,8 @@ def report(args, rows: list, cmds: dict) -> str:
              f"by a factor ramping 1 → {args.factor:g} over {args.ramp} steps. Twin: the same seed's clean run. Seeds "
              f"{args.seeds} ({'tuning' if tuning else 'reporting'}; tuning seeds {list(TUNING_SEEDS)}). Every rule "
              f"counted from step {args.start}. Criteria: `benchmarks/early_warning.py` (fixed on tuning seed 11 "
-             f"there): run outcome = divergence (MA loss > {DIVERGENCE_MARGIN} nat above its best to the end) or a "
-             f"lasting gap > {LOSS_GAP} nats to the twin; attention outcome = max logit ≥ {LOGIT_LEVEL:g} for "
+             f"there): run outcome = divergence (MA loss > {SELF_DIVERGENCE_MARGIN} nat above its best to the end) "
+             f"or a lasting gap > {LOSS_GAP} nats to the twin; attention outcome = max logit ≥ {LOGIT_LEVEL:g} for "
              f"{LOGIT_HOLD} records.", "",
              f"Commands (seed {rows[0]['seed']}): raised `torchrun --nproc_per_node=2 "
              f"{' '.join(cmds['lr'][cmds['lr'].index(ENTRY_MODULE) - 1:])}`; twin: the same without the "

@@ -51,7 +51,12 @@ from benchmarks._results import write_results  # noqa: E402
 from benchmarks._train_runs import model_flags, train_run  # noqa: E402
 from megatron_mech.logit_symptom import MAX_LOGIT_METRIC  # noqa: E402
 from megatron_mech.studies.leadtime import REPORTING_SEEDS, TUNING_SEEDS, first_alert, parse_study_args  # noqa: E402
-from megatron_mech.studies.natural import loss_spike_step, max_logit_signal_step, self_divergence_step  # noqa: E402
+from megatron_mech.studies.natural import (  # noqa: E402
+    SELF_DIVERGENCE_MARGIN,
+    loss_spike_step,
+    max_logit_signal_step,
+    self_divergence_step,
+)
 
 logger = logging.getLogger("benchmarks.natural_instability")
 DEFAULT_MECH_INTERVAL = 5  # evaluations every 5 steps: the detectors' warm-up + baseline (50) end at step 250
@@ -194,7 +199,8 @@ def main(argv=None):
                    help="monitor evaluation interval (steps). The default rules ignore 30 evaluations and build their "
                         "baseline over 20 more, so no alert comes before step 50 × this: a run that diverges "
                         "earlier needs a shorter interval")
-    p.add_argument("--margin", type=float, default=1.0, help="divergence margin above the run's best (nats)")
+    p.add_argument("--margin", type=float, default=SELF_DIVERGENCE_MARGIN,
+                   help="divergence margin above the run's best (nats)")
     p.add_argument("--runs-dir", default=None, help="keep the runs here (default: a temporary folder)")
     p.add_argument("--reuse", action="store_true", help="with --runs-dir: reuse finished runs, resume unfinished ones")
     p.add_argument("--tuning-run", action="store_true", help="allow tuning seeds (the report says so)")

@@ -47,13 +47,12 @@ from benchmarks.early_warning import load_run  # noqa: E402
 from megatron_mech.core.detect import default_rules  # noqa: E402
 from megatron_mech.studies.clean_scores import binomial_upper_bound, replay, replay_alerts  # noqa: E402
 from megatron_mech.studies.leadtime import TUNING_SEEDS, first_alert, parse_study_args  # noqa: E402
-from megatron_mech.studies.natural import self_divergence_step  # noqa: E402
+from megatron_mech.studies.natural import SELF_DIVERGENCE_MARGIN, self_divergence_step  # noqa: E402
 from megatron_mech.studies.trend_rules import CusumRule, SlopeRule, replay_trend, shortened_default_rules  # noqa: E402
 
 logger = logging.getLogger("benchmarks.trend_detectors")
 
 MONITOR_FAMILIES = ("attention", "router")
-DIVERGENCE_MARGIN = 1.0  # nats above the run's own best, as natural_instability.py
 FULL_STUDY_SERIES_EVALUATIONS = 129_900  # benchmarks/results/false_alarms.md: 11 clean runs of 1,000-2,000 steps
 
 # The twin is one 500-step run: a setting must not merely stay below its alarm there, its statistic must stay below
@@ -178,7 +177,7 @@ def report(args, rules: dict, rows: list, clean: dict, chosen=None, extras=()) -
              f"after a {args.warmup}-step linear warm-up, monitors every 5 steps, no injected fault; recorded series "
              f"replayed through each rule. Healthy twins: same seed at LR {args.healthy_lr:g} (500 steps). Seeds "
              f"{args.seeds} ({'tuning' if tuning else 'reporting'}; tuning seeds {list(TUNING_SEEDS)}). Divergence: "
-             f"non-finite loss, or 20-step MA loss > {DIVERGENCE_MARGIN} nats above its own best until the end "
+             f"non-finite loss, or 20-step MA loss > {SELF_DIVERGENCE_MARGIN} nats above its own best until the end "
              "(≥ 50 steps). First alert: the first attention or router alert; lead = divergence − first alert; "
              "lead fraction = lead / divergence step.", "",
              f"Diverging runs from `{args.runs_dir}` (folders `moe_h64_lr{args.lr:g}_plain_s<seed>_w{args.warmup}`), "
@@ -282,7 +281,7 @@ def main(argv=None):
     for seed in args.seeds:
         run = load_run(Path(args.runs_dir) / f"moe_h64_lr{args.lr:g}_plain_s{seed}_w{args.warmup}")
         twin = load_run(Path(args.twins_dir) / f"moe_h64_lr{args.healthy_lr:g}_plain_s{seed}")
-        loaded.append((seed, run, twin, self_divergence_step(run["losses"], margin=DIVERGENCE_MARGIN)))
+        loaded.append((seed, run, twin, self_divergence_step(run["losses"], margin=SELF_DIVERGENCE_MARGIN)))
     chosen = None
     if args.choose:
         seed, run, twin, divergence = loaded[0]
@@ -299,7 +298,7 @@ def main(argv=None):
     for folder in args.extra_clean:
         run = load_run(Path(folder))
         extras.append({"name": Path(folder).name, "divergence": self_divergence_step(run["losses"],
-                                                                                     margin=DIVERGENCE_MARGIN),
+                                                                                     margin=SELF_DIVERGENCE_MARGIN),
                        "final_loss": statistics.fmean(run["losses"][-20:]),
                        "scores": {name: score_clean(rule, run) for name, rule in rules.items()}})
     clean = {}

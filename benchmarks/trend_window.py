@@ -28,11 +28,11 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks._results import write_results  # noqa: E402
+from benchmarks.false_alarms import trend_replay  # noqa: E402
 from megatron_mech.cli import build_parser  # noqa: E402
 from megatron_mech.core.detect import (  # noqa: E402
     LAYER_TREND_THRESHOLD,
     LAYER_TREND_WINDOW,
-    DetectorRegistry,
     TrendRules,
     default_rules,
     layer_of,
@@ -56,14 +56,8 @@ def trend_rules(window: int, threshold: float) -> list:
 def largest_layer_change(runs: list, window: int) -> float:
     """The largest layer median change at ``window`` over ``runs`` (lists of evaluation records); the trend itself
     never fires (its threshold is out of reach), so every evaluation after its warm-up counts."""
-    largest = -math.inf
-    for records in runs:
-        registry = DetectorRegistry(trend_rules(window, 1e9))
-        for record in records:
-            registry.update(int(record["step"]), {k: v for k, v in (record.get("metrics") or {}).items()
-                                                  if isinstance(v, (int, float))})
-            largest = max([largest, *registry.layer_changes.values()])
-    return largest
+    peaks = [trend_replay(records, trend_rules(window, 1e9))["peak"] for records in runs]
+    return max((peak[0] for peak in peaks if peak), default=-math.inf)
 
 
 def thresholds(corpus_max: dict) -> dict:
@@ -81,11 +75,9 @@ def score(run_dir: Path, seed: int, window: int, threshold: float) -> dict:
     for run in runs.values():
         run["alerts"] = replay_alerts(run["records"], rules)
     act = score_act(runs, "attention", START)
-    nearest = min((s for s in (act.divergence, act.first_incumbent and act.first_incumbent[0]) if s), default=None)
     return {"seed": seed, "first": act.first, "rule": act.alert.rule_kind if act.alert else None,
             "layer": layer_of(act.alert.metric) if act.alert else None, "first_incumbent": act.first_incumbent,
-            "divergence": act.divergence, "clean_alerts": len(runs["clean"]["alerts"]),
-            "lead": nearest - act.first if nearest is not None and act.first is not None else None}
+            "divergence": act.divergence, "clean_alerts": len(runs["clean"]["alerts"]), "lead": act.lead}
 
 
 def choose(rows: dict) -> int:

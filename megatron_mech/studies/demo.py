@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 __all__ = ["DEMO_ATTENTION_FLAGS", "DEMO_FAULTS", "DIVERGENCE_MARGIN", "ActScore", "attention_outcome_line",
            "collapse_line", "demo_commands", "demo_fault_flags", "demo_length", "demo_report", "incumbents_line",
-           "load_demo_run", "run_demo", "score_act", "step_losses"]
+           "load_demo_run", "run_demo", "score_act", "step_losses", "steps_ahead"]
 
 # The demo's attention fault: the lead-time study's precision fault (``FAULT_FLAGS["attention"]``, γ = 0.1 in layer
 # 1 from step 300) made stronger and, with the CLI's ``--fault-start`` of 260, earlier, so that within the demo's 500
@@ -204,6 +204,15 @@ class ActScore:
         """The act in the report's title (:func:`headline`)."""
         return headline(title, self.first, self.divergence, self.first_incumbent)
 
+    @property
+    def lead(self) -> Optional[int]:
+        """Steps ahead of the nearest of the loss divergence and the first counted incumbent (:func:`steps_ahead`)."""
+        return steps_ahead(self.first, self.divergence, self.first_incumbent)
+
+    def incumbents_line(self, start: int) -> str:
+        """The act's :func:`incumbents_line` (fault from ``start``), from the firings already scored."""
+        return _incumbents_text(self.firings, self.first_incumbent, self.not_counted, self.first, start, self.who)
+
 
 def score_act(runs: dict, act: str, start: int, margin: float = DIVERGENCE_MARGIN) -> ActScore:
     """Score the fault run ``runs[act]`` against ``runs["clean"]`` (both as :func:`load_demo_run` reads them) for a
@@ -252,15 +261,21 @@ def verdict(first_ours, divergence, first_incumbent, who: str = "monitor") -> st
     return f"**{'early' if early else 'late'}**: first {who} alert at {first_ours}, {loss}, {incumbents}"
 
 
+def steps_ahead(first_ours, divergence, first_incumbent) -> Optional[int]:
+    """Steps from our first alert to the nearest of the loss divergence and the first counted incumbent alarm
+    (``(step, rule)``): positive when ours came first, 0 in a tie; None when we did not alert or neither happened."""
+    rivals = [step for step in (divergence, first_incumbent[0] if first_incumbent else None) if step]
+    return min(rivals) - first_ours if first_ours and rivals else None
+
+
 def headline(title: str, first_ours, divergence, first_incumbent) -> str:
     """One act in the report's title, from the steps: whether its own family warned first (before the loss and
-    every incumbent alarm) and by how many steps over the nearest of them."""
+    every incumbent alarm) and by how many steps over the nearest of them (:func:`steps_ahead`)."""
     if not first_ours:
         return f"{title} missed"
-    rivals = [step for step in (divergence, first_incumbent[0] if first_incumbent else None) if step]
-    if not rivals:
+    ahead = steps_ahead(first_ours, divergence, first_incumbent)
+    if ahead is None:
         return f"{title} caught at step {first_ours}, nothing else fired"
-    ahead = min(rivals) - first_ours
     if ahead > 0:
         return f"{title} caught first, {ahead} steps ahead"
     return f"{title} caught late, {-ahead} steps behind" if ahead < 0 else f"{title} caught in a tie"
@@ -272,10 +287,15 @@ def incumbents_line(run: dict, first_ours, from_step: int = 1, who: str = "monit
     ``from_step``), on one run; with ``clean_firings`` (the clean run's from the same step), the rules that fired as
     early on the clean run are named and not counted."""
     firings = _incumbents(run, from_step)
+    return _incumbents_text(firings, _first_incumbent(firings, clean_firings), _false_on_clean(firings, clean_firings),
+                            first_ours, from_step, who)
+
+
+def _incumbents_text(firings: dict, first, skipped: dict, first_ours, from_step: int, who: str) -> str:
+    """:func:`incumbents_line` from the firings already found: ``first`` the first counted one (``(step, rule)`` or
+    None), ``skipped`` the rules not counted (``{rule: the clean run's step}``)."""
     since = "" if from_step <= 1 else f" from the fault's onset (step {from_step})"
     ours = f"our first {who} alert: {first_ours if first_ours else 'none'}"
-    first = _first_incumbent(firings, clean_firings)
-    skipped = _false_on_clean(firings, clean_firings)
     if skipped:
         ours += ("; not counted, as they fired as early on the clean run: "
                  + ", ".join(f"{rule} (here {firings[rule]}, clean run {step})" for rule, step in skipped.items()))
@@ -341,7 +361,6 @@ def demo_report(out, names, *, seed: int, steps: int, start: int, plots: bool = 
     clean = runs["clean"]
     clean_firings = _incumbents(clean)
     scores = {name: score_act(runs, name, start) for name in faults}
-    clean_onset = _incumbents(clean, start)  # an alarm that rings as early on the clean run is no detection
     heads = [score.headline(_fault_text(name, quick)[0]) for name, score in scores.items()]
     lines = [f"# megatron-mech demo (seed {seed}): " + ("; ".join(heads) if heads else "a clean run"), "",
              f"Runs of the small MoE GPT (seed {seed}, {steps} steps), identical except for one injected fault "
@@ -360,8 +379,7 @@ def demo_report(out, names, *, seed: int, steps: int, start: int, plots: bool = 
               for name, sc in scores.items()]
     for name in faults:
         faulty = runs[name]
-        divergence, firsts, first, who = (scores[name].divergence, scores[name].firsts, scores[name].first,
-                                          scores[name].who)
+        divergence, firsts, first = scores[name].divergence, scores[name].firsts, scores[name].first
         plot = "demo.png" if name == "attention" else f"demo_{name}.png"
         if plots:
             plot_fault(out / plot, name, clean, faulty, start, divergence, firsts)
@@ -374,7 +392,7 @@ def demo_report(out, names, *, seed: int, steps: int, start: int, plots: bool = 
             lines.append(f"- {collapse_line(out / name)}")
         if name == "attention":
             lines.append(f"- {attention_outcome_line(faulty, clean, start)}")
-        lines.append(f"- {incumbents_line(faulty, first, start, who, clean_onset)}")
+        lines.append(f"- {scores[name].incumbents_line(start)}")
         if first and firsts["symptom"] and first < firsts["symptom"]:
             lines.append(f"- **the monitors fired {firsts['symptom'] - first} steps before the loss/grad-norm "
                          f"alarm**")

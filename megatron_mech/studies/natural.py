@@ -22,10 +22,15 @@ from megatron_mech.core.detect import DetectorRegistry, SeriesRule
 from megatron_mech.logit_symptom import MAX_LOGIT_METRIC
 from megatron_mech.studies.leadtime import moving_average
 
-__all__ = ["loss_spike_step", "max_logit_rule", "max_logit_signal_step", "self_divergence_step"]
+__all__ = ["SELF_DIVERGENCE_MARGIN", "loss_spike_step", "max_logit_rule", "max_logit_signal_step",
+           "self_divergence_step"]
+
+# The studies' divergence of a run against itself: its 20-step moving-average loss this many nats above its own best
+# (self_divergence_step), the margin every natural-instability and false-alarm benchmark scores with.
+SELF_DIVERGENCE_MARGIN = 1.0
 
 
-def self_divergence_step(losses: Sequence[float], margin: float = 1.0, hold: int = 50,
+def self_divergence_step(losses: Sequence[float], margin: float = SELF_DIVERGENCE_MARGIN, hold: int = 50,
                          window: int = 20) -> Optional[int]:
     """First 1-based step of a lasting divergence of ``losses`` (``losses[i]`` = loss of step ``i + 1``) from its
     own best moving average, or the first non-finite loss; None if the run never diverges (see module docstring).
