@@ -206,6 +206,9 @@ class MechHook:
         self.first_alert_step: Optional[int] = None
         self.losses: List[float] = []
         """The loss of every step since step 1 (kept in the state, so a resumed run's summary covers the run)."""
+        self.grad_norms: List[Optional[float]] = []
+        """The optimizer's global gradient norm of every step since step 1, beside :attr:`losses` (``None`` where the
+        trainer gave none): the per-step series that grad-norm rules such as ZClip's judge on a trainer."""
         self.last_alerts: List[Alert] = []
         self.seconds: dict = {}
         """Wall time per part on this rank (attention, router, detectors, output, ...), for overhead reports."""
@@ -413,7 +416,7 @@ class MechHook:
             self._unread.append(step, loss, grad_norm, lr, extra)
             return self._acting(Action.CONTINUE)
         late_alerts, loss, grad_norm = self._read_back(loss, grad_norm)
-        self.losses.append(loss)
+        self._keep_step_values(loss, grad_norm)
         if not evaluating:
             before = self.last_alerts
             action = self._nonfinite_symptoms(step, loss, grad_norm, lr, extra)
@@ -563,7 +566,7 @@ class MechHook:
         late_alerts: list = []
         previous = self.last_alerts
         for step, loss, grad_norm, lr, extra in unread:
-            self.losses.append(loss)
+            self._keep_step_values(loss, grad_norm)
             self.last_alerts = []
             action = self._nonfinite_symptoms(step, loss, grad_norm, lr, extra)
             late_alerts += self.last_alerts
@@ -571,6 +574,11 @@ class MechHook:
                 self._late_action = action
         self.last_alerts = late_alerts or previous
         return (late_alerts, *values)
+
+    def _keep_step_values(self, loss: float, grad_norm: Optional[float]) -> None:
+        """One step's loss and grad norm (floats, read back) into the per-step series of the run."""
+        self.losses.append(loss)
+        self.grad_norms.append(None if grad_norm is None else float(grad_norm))
 
     def _acting(self, action: Action) -> Action:
         """``action``, or the action of an alert judged late (read back) that the trainer has not been given yet."""
@@ -655,6 +663,7 @@ class MechHook:
         extensions = {name: state for name, state in extensions.items() if state}
         return {"version": STATE_VERSION, **({"extensions": extensions} if extensions else {}),
                 "first_alert_step": self.first_alert_step, "losses": list(self.losses),
+                "grad_norms": list(self.grad_norms),
                 "interval": self._monitored_interval(),
                 "monitors": {m.name: {"version": m.state_version, "state": m.state_dict()} for m in self.monitors},
                 "detectors": self.registry.state_dict(),
@@ -681,6 +690,13 @@ class MechHook:
             self.mols.load_state_dict(state["mols"])
         self._checkpoints.restore(state.get("saved_steps") or ())
         self.losses = [float(v) for v in state.get("losses") or []]
+        # a state saved before the grad norms were kept has none: those steps' entries are None (not known)
+        saved_norms = state.get("grad_norms")
+        if saved_norms is not None and len(saved_norms) != len(self.losses):
+            raise StateError(source, f"{source}: damaged megatron-mech state: {len(saved_norms)} grad norms for "
+                                     f"{len(self.losses)} losses (one of each per step)")
+        self.grad_norms = ([None if v is None else float(v) for v in saved_norms] if saved_norms is not None
+                           else [None] * len(self.losses))
         saved_extensions = dict(state.get("extensions") or {})
         for extension in self.extensions:
             if extension.name in saved_extensions:

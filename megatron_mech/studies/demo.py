@@ -2,7 +2,8 @@
 
 Every run is our entry point under ``torchrun`` with ``--mech-on-alert checkpoint``. What the demo reports about a
 run comes from its records: the alerts from ``mech.jsonl`` (the run's one record of alerts) and the per-step loss
-from ``summary.json``'s ``losses``, indexed by step (``first_step`` is the step of ``losses[0]``).
+and grad norm from ``summary.json``'s ``losses`` and ``grad_norms``, indexed by step (``first_step`` is the step of
+``losses[0]``); the incumbents' grad-norm rules judge every step's grad norm, as on a trainer.
 
 Each fault's outcome is stated apart from the monitors: the router act's routing collapse from the routers' own
 decisions (:mod:`megatron_mech.studies.router_outcome`), the attention act's maximum attention logit against the
@@ -133,12 +134,14 @@ def collapse_line(run_dir) -> str:
 
 
 def load_demo_run(run_dir, seed: int) -> dict:
-    """One finished demo run as the report reads it: per-step losses, alerts and ``mech.jsonl`` records."""
+    """One finished demo run as the report reads it: per-step losses and grad norms (``grad_norms`` None for a run
+    recorded before the summary kept them), alerts and ``mech.jsonl`` records."""
     from megatron_mech.records.sinks import read_alerts, read_jsonl
 
     run_dir = Path(run_dir)
-    return {"losses": step_losses(run_dir), "alerts": read_alerts(run_dir / "mech.jsonl"),
-            "records": read_jsonl(run_dir / "mech.jsonl"), "seed": seed}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"losses": step_losses(run_dir), "grad_norms": summary.get("grad_norms"),
+            "alerts": read_alerts(run_dir / "mech.jsonl"), "records": read_jsonl(run_dir / "mech.jsonl"), "seed": seed}
 
 
 def _incumbents(run: dict, from_step: int = 1) -> dict:
@@ -148,7 +151,7 @@ def _incumbents(run: dict, from_step: int = 1) -> dict:
     from megatron_mech.studies.leadtime import LEAD_MODEL
 
     return run_incumbent_firings(run["records"], run["losses"], microbatches=microbatches_per_rank(LEAD_MODEL, 2),
-                                 from_step=from_step)
+                                 grad_norms=run.get("grad_norms"), from_step=from_step)
 
 
 def _fired_text(firings: dict) -> str:

@@ -5,12 +5,17 @@ import math
 
 import pytest
 
+from megatron_mech.logit_symptom import MAX_LOGIT_METRIC
 from megatron_mech.studies.incumbents import (
+    GRAD_NORM_LEVEL,
+    GRAD_NORM_METRIC,
     foundry_loss_spike_step,
     incumbent_firings,
     megatron_spiky_loss_step,
     olmo_spike_step,
     qk_clip_step,
+    run_incumbent_firings,
+    step_grad_norms,
     threshold_step,
     zclip_spike_step,
 )
@@ -199,3 +204,21 @@ def test_zclip_feeds_a_suppressed_spike_to_its_ema_clipped():
     var = 0.5 * 1 + 0.5 * (2.78125 - mean) ** 2
     assert (4.3 - mean) / math.sqrt(var) > 2.5
     assert zclip_spike_step([1.0, 3.0, 2.78125, 4.3], alpha=0.5, warmup=2, eps=0.0) == 4
+
+
+@pytest.mark.timeout(60)
+def test_the_grad_norm_rules_judge_every_steps_grad_norm_when_the_run_kept_it():
+    # A spike at step 137, between two records (every 5 steps): the per-step series shows it at its own step to
+    # ZClip, OLMo-core's grad-norm rule (its 128-step window full by then) and the plain level; the records never
+    # hold it, so from them alone none of the three fires. A step the trainer gave no grad norm (None) is skipped.
+    norms = [1.0 + 0.1 * (step % 3) for step in range(1, 201)]
+    norms[136] = 100.0
+    norms[49] = None
+    records = [{"step": s, "metrics": {GRAD_NORM_METRIC: norms[s - 1], MAX_LOGIT_METRIC: 1.0}}
+               for s in range(5, 201, 5) if norms[s - 1] is not None]
+    rules = ("ZClip grad-norm z-score", "OLMo grad-norm spike", f"grad norm > {GRAD_NORM_LEVEL:g}")
+    per_step = run_incumbent_firings(records, [1.0] * 200, microbatches=1, grad_norms=norms)
+    from_records = run_incumbent_firings(records, [1.0] * 200, microbatches=1)
+    assert {rule: per_step[rule] for rule in rules} == dict.fromkeys(rules, 137)
+    assert {rule: from_records[rule] for rule in rules} == dict.fromkeys(rules, None)
+    assert step_grad_norms([2.0, None, 3.0]) == ([1, 3], [2.0, 3.0])

@@ -480,7 +480,8 @@ def finish(args, t: Training, runtime: Runtime, run: dict, output_dir: str) -> b
         elapsed = run["seconds"]
         losses = hook.losses  # every step's loss since step 1, kept in the hook's state across resumes
         summary = {"final_step": final_step, "final_valid_loss": val, "first_step": final_step - len(losses) + 1,
-                   "losses": losses, "seconds": elapsed, "step_seconds": run["step_seconds"],
+                   "losses": losses, "grad_norms": hook.grad_norms,  # every step's, beside its loss
+                   "seconds": elapsed, "step_seconds": run["step_seconds"],
                    "params_per_rank": t.n_params,
                    **{e.name: e.summary() for e in hook.extensions if e.summary() is not None},
                    "stopped_on_alert": run["stopped_on_alert"], "stopped_by_signal": run["stopped_by_signal"],

@@ -179,6 +179,11 @@ def test_resume_continues_the_monitor_series_exactly(tmp_path):
         assert a["metrics"] == b["metrics"], a["step"]
     assert full["summary"]["alerts"] == resumed["summary"]["alerts"]
     assert resumed["summary"]["losses"] == full["summary"]["losses"]  # the whole run, not only after the resume
+    # every step's grad norm too (what per-step grad-norm rules judge), the records' values at their steps
+    assert resumed["summary"]["grad_norms"] == full["summary"]["grad_norms"]
+    assert len(full["summary"]["grad_norms"]) == 20
+    for record in full["records"]:
+        assert full["summary"]["grad_norms"][record["step"] - 1] == record["metrics"]["symptom/grad_norm"]
 
 
 def test_resume_with_distributed_optimizer_and_mols_is_exact(tmp_path):

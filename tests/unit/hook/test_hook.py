@@ -122,6 +122,29 @@ def test_device_values_are_read_back_at_the_next_evaluation_with_the_same_record
                           "last_checkpoint_before_alert": 5}
 
 
+def test_every_steps_grad_norm_is_kept_beside_its_loss_and_resumes():
+    """The hook keeps each step's grad norm (read back like the loss when it came as a tensor) in step order, with
+    None where the trainer gave none; the state carries the series, so a resumed run's series is the whole run's;
+    a state saved before the series existed restores its steps as not known, and a series whose length is not the
+    losses' is a damaged state, refused."""
+    from megatron_mech.hook import StateError
+
+    as_tensor = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731 - the floats' values exactly
+    for values in (float, as_tensor):
+        run, _ = _run_to_alert(values, steps=range(1, 8))
+        state = run.hook.state_dict()  # reads back steps 5-7 (no evaluation since step 4)
+        assert state["grad_norms"] == [1.0 + step for step in range(1, 8)]
+        assert run.hook.grad_norms == state["grad_norms"] and len(run.hook.losses) == 7
+    resumed = _Run(_config(interval=4), state=state, start_step=7)
+    resumed.hook.before_step(8)
+    resumed.hook.after_optimizer_step(8, loss=1.0, grad_norm=None, lr=1e-3)
+    assert resumed.hook.grad_norms == [1.0 + step for step in range(1, 8)] + [None]
+    older = {k: v for k, v in state.items() if k != "grad_norms"}
+    assert _Run(_config(interval=4), state=older, start_step=7).hook.grad_norms == [None] * 7
+    with pytest.raises(StateError, match="6 grad norms for 7 losses"):
+        _Run(_config(interval=4), state={**state, "grad_norms": state["grad_norms"][:6]}, start_step=7)
+
+
 def test_device_values_still_unread_are_read_back_by_state_dict_and_close():
     """A checkpoint between evaluations (state_dict) and the end of a run (close) read the waiting values back:
     the state's loss series is complete and the non-finite step's record is written with its own step."""
