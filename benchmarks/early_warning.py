@@ -42,8 +42,8 @@ from megatron_mech.records.sinks import read_jsonl  # noqa: E402
 from megatron_mech.studies.clean_scores import replay_alerts  # noqa: E402
 from megatron_mech.studies.incumbents import (  # noqa: E402
     GRAD_NORM_LEVEL,
-    GRAD_NORM_METRIC,
     MEGATRON_SPIKY_LOSS_SAMPLES,
+    grad_norm_series,
     incumbent_firings,
     metric_series,
     microbatches_per_rank,
@@ -95,7 +95,7 @@ def load_run(run_dir: Path) -> dict:
     records = read_jsonl(run_dir / "mech.jsonl")
     return {"dir": str(run_dir), "losses": [float(v) for v in summary["losses"]], "records": records,
             "alerts": replay_alerts(records), "max_logit": metric_series(records, MAX_LOGIT_METRIC),
-            "grad_norm": metric_series(records, GRAD_NORM_METRIC)}
+            "grad_norm": grad_norm_series(records, summary.get("grad_norms"))}
 
 
 def rule_firings(run: dict, grad_norm_level: float, from_step: int = 1) -> dict:

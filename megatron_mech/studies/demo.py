@@ -154,6 +154,15 @@ def _incumbents(run: dict, from_step: int = 1) -> dict:
                                  grad_norms=run.get("grad_norms"), from_step=from_step)
 
 
+def _series_text(runs: dict) -> str:
+    """What the incumbent rules read on the demo's runs: every step's loss and grad norm (as on a trainer), or, for
+    runs recorded before their summary kept the grad norms, the grad norm at the monitor records only."""
+    per_step = all(run.get("grad_norms") is not None for run in runs.values())
+    return ("per-step loss and grad norm (as a trainer gives them) and recorded max logit" if per_step else
+            "per-step loss and the grad norm and max logit of its monitor records (the grad norm of the steps between "
+            "records was not kept)")
+
+
 def _fired_text(firings: dict) -> str:
     fired = sorted((step, rule) for rule, step in firings.items() if step is not None)
     silent = [rule for rule, step in firings.items() if step is None]
@@ -369,8 +378,9 @@ def demo_report(out, names, *, seed: int, steps: int, start: int, plots: bool = 
              f"Runs of the small MoE GPT (seed {seed}, {steps} steps), identical except for one injected fault "
              f"from step {start}. Loss divergence: the 20-step moving-average loss stays > {DIVERGENCE_MARGIN} "
              f"nats above the clean run until the end. Incumbent alarms: Megatron-LM's spiky-loss check, OLMo-core's "
-             f"6σ loss and grad-norm spikes, the QK-clip level on the max attention logit, a grad-norm level "
-             f"(megatron_mech.studies.incumbents), applied to each run's own records from the fault's onset (an "
+             f"6σ loss and grad-norm spikes, ZClip's grad-norm z-score, llm-foundry's loss-spike callback, the "
+             f"QK-clip level on the max attention logit, a grad-norm level (megatron_mech.studies.incumbents), "
+             f"applied to each run's own {_series_text(runs)} from the fault's onset (an "
              f"alarm before it fires on the clean run too; one that fires on the clean run as early after the onset "
              f"is named but not counted: it rings without the fault). Caught first: the fault's own monitor family "
              f"(attention or router) alerted before the loss diverged and before every incumbent alarm; the steps "

@@ -29,9 +29,9 @@ from megatron_mech.logit_symptom import MAX_LOGIT_METRIC
 __all__ = ["FOUNDRY_LOSS_CAP", "FOUNDRY_MIN_WINDOW", "FOUNDRY_OUTLIER_MULTIPLIER", "FOUNDRY_PATIENCE",
            "FOUNDRY_WINDOW_FRACTION", "GRAD_NORM_LEVEL", "GRAD_NORM_METRIC", "MEGATRON_SPIKY_LOSS_FACTOR",
            "MEGATRON_SPIKY_LOSS_SAMPLES", "OLMO_SPIKE_STD", "OLMO_SPIKE_WINDOW", "QK_CLIP_THRESHOLD", "ZCLIP_ALPHA",
-           "ZCLIP_EPS", "ZCLIP_WARMUP_STEPS", "ZCLIP_Z_THRESHOLD", "foundry_loss_spike_step", "incumbent_firings",
-           "megatron_spiky_loss_step", "metric_series", "microbatches_per_rank", "olmo_spike_step", "qk_clip_step",
-           "run_incumbent_firings", "step_grad_norms", "threshold_step", "zclip_spike_step"]
+           "ZCLIP_EPS", "ZCLIP_WARMUP_STEPS", "ZCLIP_Z_THRESHOLD", "foundry_loss_spike_step", "grad_norm_series",
+           "incumbent_firings", "megatron_spiky_loss_step", "metric_series", "microbatches_per_rank", "olmo_spike_step",
+           "qk_clip_step", "run_incumbent_firings", "step_grad_norms", "threshold_step", "zclip_spike_step"]
 
 MEGATRON_SPIKY_LOSS_FACTOR = 10.0  # pretrain_gpt.py: SPIKY_LOSS_FACTOR = 10
 MEGATRON_SPIKY_LOSS_SAMPLES = 100  # RerunStateMachine.is_unexpectedly_large(num_samples=100)
@@ -296,15 +296,20 @@ def step_grad_norms(grad_norms: Sequence[Optional[float]]) -> tuple:
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
+def grad_norm_series(records: Iterable[Mapping], grad_norms: Optional[Sequence[Optional[float]]] = None) -> tuple:
+    """``(steps, values)`` of the grad norm the grad-norm rules judge: every step's (``grad_norms``, from
+    ``summary.json``, see :func:`step_grad_norms`), or, for a run recorded without it (``grad_norms`` None), the
+    records' values every interval steps (:func:`incumbent_firings` then scales the rules' windows to the same
+    steps; a firing step is known to the interval only)."""
+    return step_grad_norms(grad_norms) if grad_norms is not None else metric_series(records, GRAD_NORM_METRIC)
+
+
 def run_incumbent_firings(records: Iterable[Mapping], losses: Sequence[float], *, microbatches: int,
                           grad_norms: Optional[Sequence[Optional[float]]] = None,
                           grad_norm_level: float = GRAD_NORM_LEVEL, from_step: int = 1) -> dict:
     """:func:`incumbent_firings` of a run from its ``mech.jsonl`` records and per-step losses. ``grad_norms``: the
     grad norm of every step (``summary.json``'s ``grad_norms``), which the grad-norm rules judge as on a trainer;
-    None for a run recorded without it (then the rules read the grad norm at the records, every interval steps,
-    with their windows scaled to the same steps — a firing step known to the interval only)."""
+    None for a run recorded without it (:func:`grad_norm_series`)."""
     records = list(records)
-    grad_norm = (step_grad_norms(grad_norms) if grad_norms is not None
-                 else metric_series(records, GRAD_NORM_METRIC))
-    return incumbent_firings(losses, grad_norm, metric_series(records, MAX_LOGIT_METRIC),
+    return incumbent_firings(losses, grad_norm_series(records, grad_norms), metric_series(records, MAX_LOGIT_METRIC),
                              microbatches=microbatches, grad_norm_level=grad_norm_level, from_step=from_step)

@@ -11,10 +11,15 @@ STEPS, START = 200, 100
 RECORD_EVERY = 5
 
 
-def _write_run(run_dir, losses, max_logit, grad_norm, alerts=()):
-    """A finished run: ``summary.json`` with every step's loss, ``mech.jsonl`` with a record every 5 steps."""
+def _write_run(run_dir, losses, max_logit, grad_norm, alerts=(), per_step_grad_norms=False):
+    """A finished run: ``summary.json`` with every step's loss (and grad norm, with ``per_step_grad_norms``: a run
+    of this release; without, one recorded before the summary kept them), ``mech.jsonl`` with a record every 5
+    steps."""
     run_dir.mkdir(parents=True)
-    (run_dir / "summary.json").write_text(json.dumps({"first_step": 1, "final_step": len(losses), "losses": losses}))
+    summary = {"first_step": 1, "final_step": len(losses), "losses": losses}
+    if per_step_grad_norms:
+        summary["grad_norms"] = [grad_norm(step) for step in range(1, len(losses) + 1)]
+    (run_dir / "summary.json").write_text(json.dumps(summary))
     lines = []
     for step in range(RECORD_EVERY, len(losses) + 1, RECORD_EVERY):
         lines.append({"step": step, "loss": losses[step - 1], "metrics": {
@@ -82,6 +87,24 @@ def test_an_incumbent_alarm_before_the_fault_is_not_a_detection_of_it(tmp_path):
     line = _line(report, "- our first attention alert")
     assert "grad norm > 20 at 150" in line and line.endswith("— ours 40 steps before the first of them")
     assert _line(report, "- attention-precision fault:").startswith("- attention-precision fault: **early**")
+
+
+def test_the_grad_norm_rules_judge_every_step_when_the_runs_kept_it(tmp_path):
+    # The grad norm is 30 at steps 151-153 only, between the records of 150 and 155: the per-step series shows the
+    # level's firing at its own step, 151; a run that kept only its records' grad norms shows nothing. The report
+    # says which series the rules read.
+    spike = lambda s: 30.0 if 151 <= s <= 153 else 1.0  # noqa: E731
+    losses = [3.0] * STEPS
+    for name, per_step in (("per_step", True), ("records", False)):
+        _write_run(tmp_path / name / "clean", losses, lambda s: 10.0, lambda s: 1.0, per_step_grad_norms=per_step)
+        _write_run(tmp_path / name / "attention", losses, lambda s: 10.0, spike, [ATTENTION_ALERT],
+                   per_step_grad_norms=per_step)
+    reports = {name: demo_report(tmp_path / name, ["clean", "attention"], seed=21, steps=STEPS, start=START,
+                                 plots=False) for name in ("per_step", "records")}
+    assert "grad norm > 20 at 151" in _line(reports["per_step"], "- our first attention alert")
+    assert "grad norm > 20" not in _line(reports["records"], "- our first attention alert").split("silent:")[0]
+    assert "per-step loss and grad norm (as a trainer gives them)" in reports["per_step"]
+    assert "the grad norm of the steps between records was not kept" in reports["records"]
 
 
 @pytest.mark.parametrize("ours, divergence, incumbent, expected", [
