@@ -38,9 +38,8 @@ sys.path.insert(0, str(REPO))
 
 from megatron_mech.adapters.megatron_core.launch import torchrun_prefix  # noqa: E402
 from megatron_mech.core.attribution import alert_lines  # noqa: E402
-from megatron_mech.records.sinks import read_jsonl  # noqa: E402
 from megatron_mech.studies.clean_scores import replay_alerts  # noqa: E402
-from megatron_mech.studies.demo import step_losses  # noqa: E402
+from megatron_mech.studies.demo import load_demo_run, score_act, verdict  # noqa: E402
 from megatron_mech.studies.leadtime import (  # noqa: E402
     DIVERGENCE_HOLD,
     FAULT_FLAGS,
@@ -59,6 +58,10 @@ from megatron_mech.studies.pretrain_gpt_fault import ENTRY_MODULE as FAULT_ENTRY
 MODEL = LEAD_MODEL
 FAULTS = FAULT_FLAGS
 KINDS = {"Δ2 (per head)": "delta2_entropy", "ΔW (per layer)": "/dw", "router": "router/"}
+# The monitor family whose alert is each fault's own, set against the incumbent alarms; the faults not named here
+# (LR, combined) are any family's (attention or router). The small-batch run is left out of that comparison: it
+# differs from its clean run from step 1 and is compared with it at equal tokens, not at equal steps.
+OWN_FAMILY = {"attention": "attention", "slow_attention": "attention", "router": "router", "router_lr": "router"}
 
 
 def launch(run_dir: Path, seed: int, steps: int, fault: list, start: int, env, reuse: bool = False) -> dict:
@@ -69,12 +72,12 @@ def launch(run_dir: Path, seed: int, steps: int, fault: list, start: int, env, r
     if not (reuse and (run_dir / "summary.json").exists()):
         cmd = [*torchrun_prefix(2), "-m", FAULT_ENTRY_MODULE, *args]
         subprocess.run(cmd, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    records = read_jsonl(run_dir / "mech.jsonl")
+    run = load_demo_run(run_dir, seed)  # per-step losses and grad norms, records
     # Alerts as the current default rules fire them on the recorded series: a re-scored --reuse run follows a
     # rule change.
-    return {"losses": step_losses(run_dir), "alerts": replay_alerts(records), "records": records,
-            "seed": seed, "command": " ".join([f"torchrun --nproc_per_node=2 -m {FAULT_ENTRY_MODULE}",
-                                                *args])}
+    run["alerts"] = replay_alerts(run["records"])
+    run["command"] = " ".join([f"torchrun --nproc_per_node=2 -m {FAULT_ENTRY_MODULE}", *args])
+    return run
 
 
 def run_row(name: str, run: dict, clean: dict, start: int, margin: float) -> dict:
@@ -95,7 +98,19 @@ def run_row(name: str, run: dict, clean: dict, start: int, margin: float) -> dic
             "alerted_before_divergence": {f: first_alert(before, f) is not None for f in ("attention", "router")},
             "false_alarms": len(run["alerts"]) if name == "clean" else
             (sum(a.step <= start for a in run["alerts"]) if start else 0),
-            "lines": alert_lines(run["alerts"]), "command": run["command"]}
+            "lines": alert_lines(run["alerts"]), "command": run["command"],
+            "incumbents": None if name in ("clean", "small_batch") else incumbents_row(name, run, clean, start, margin)}
+
+
+def incumbents_row(name: str, run: dict, clean: dict, start: int, margin: float) -> dict:
+    """The fault run against the alarms users have, scored as the demo scores an act (``score_act``): its own
+    family's first alert, each incumbent rule's first firing from the onset (a rule that rang as early on the clean
+    run named and not counted), the verdict and the steps ahead of the nearest of the divergence and the first
+    counted incumbent."""
+    score = score_act({"clean": clean, name: run}, name, start, margin, own=OWN_FAMILY.get(name))
+    return {"who": score.who, "first": score.first, "firings": score.firings, "not_counted": score.not_counted,
+            "first_incumbent": score.first_incumbent, "lead": score.lead,
+            "verdict": verdict(score.first, score.divergence, score.first_incumbent, score.who)}
 
 
 def main(argv=None):
@@ -212,6 +227,22 @@ def write_report(args, rows, out_dir):
                   for r in sel]
         first = ", ".join(f"{f} {firsts.count(f)}/{len(sel)}" for f in dict.fromkeys(firsts))
         lines.append(f"| {fault} | {cells[0]} | {cells[1]} | {first} |")
+    lines += ["", "## Against the alarms users have (from the fault's onset)", "",
+              "Each fault run's own family's first alert (attention for the precision faults, router for the router "
+              "faults, either for the others) against the incumbent alarms (megatron_mech.studies.incumbents: "
+              "Megatron-LM's spiky loss, OLMo-core's loss and grad-norm spikes, ZClip's grad-norm z-score, "
+              "llm-foundry's loss spike, the QK-clip level, a grad-norm level of 20) on the same run from the onset, "
+              "on every step's loss and grad norm; a rule that rang as early on the clean run is named, not counted.",
+              "", "| seed | fault | ours | first counted incumbent | not counted (rang as early on the clean run) | "
+              "verdict |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        inc = r.get("incumbents")
+        if inc is None:
+            continue
+        first = "none" if inc["first_incumbent"] is None else f"{inc['first_incumbent'][1]} {inc['first_incumbent'][0]}"
+        skipped = ", ".join(f"{rule} {step}" for rule, step in inc["not_counted"].items()) or "–"
+        lines.append(f"| {r['seed']} | {r['fault']} | {inc['who']} {_fmt(inc['first'])} | {first} | {skipped} | "
+                     f"{inc['verdict']} |")
     lines += ["", "## Attribution, first seed", ""]
     for r in rows:
         if r["seed"] == rows[0]["seed"]:

@@ -226,15 +226,17 @@ class ActScore:
         return _incumbents_text(self.firings, self.first_incumbent, self.not_counted, self.first, start, self.who)
 
 
-def score_act(runs: dict, act: str, start: int, margin: float = DIVERGENCE_MARGIN) -> ActScore:
+def score_act(runs: dict, act: str, start: int, margin: float = DIVERGENCE_MARGIN,
+              own: Optional[str] = None) -> ActScore:
     """Score the fault run ``runs[act]`` against ``runs["clean"]`` (both as :func:`load_demo_run` reads them) for a
     fault from step ``start``: its own family's first alert, the loss divergence (``margin`` nats over the clean run
-    to the end), and the incumbent alarms from the onset, a rule that rang as early on the clean run not counted."""
+    to the end), and the incumbent alarms from the onset, a rule that rang as early on the clean run not counted.
+    ``own``: the fault's own family (default: the demo's, :data:`OWN_FAMILY`; none known: attention or router)."""
     from megatron_mech.studies.leadtime import divergence_step, first_alert
 
     run, clean = runs[act], runs["clean"]
     firsts = {f: first_alert(run["alerts"], f) for f in ("attention", "router", "symptom")}
-    own = OWN_FAMILY.get(act)
+    own = own or OWN_FAMILY.get(act)
     first = firsts[own] if own else min((s for s in (firsts["attention"], firsts["router"]) if s), default=None)
     alert = next((a for a in run["alerts"] if a.step == first and a.family in ((own,) if own else
                                                                               ("attention", "router"))), None)

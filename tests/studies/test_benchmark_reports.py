@@ -230,3 +230,29 @@ def test_a_run_that_failed_on_its_own_is_not_a_clean_run():
     text = false_alarms.report(args, runs, false_alarms.summarize(runs, 1e4, 1e3), left_out)
     assert "## Runs left out: not clean" in text
     assert "- moe_h64_s21_lr10x: max logit exploded from step 105; first alerts: attention 85" in text
+
+
+def test_lead_time_scores_each_fault_run_against_the_incumbents_from_its_onset():
+    # Clean and fault runs of 200 steps, fault from 100; losses equal (no divergence). The fault run's attention
+    # alert is at 110; its grad norm is 30 at step 153 only (over the level 20: the first counted incumbent, read
+    # from the per-step series, between two records). The clean run's grad norm crosses 20 at step 60, before the
+    # onset: that firing is not from the onset and is not a reason to discount the fault run's.
+    from benchmarks import lead_time
+
+    def run(grad_norm, alerts):
+        return {"losses": [3.0] * 200, "grad_norms": [grad_norm(s) for s in range(1, 201)], "alerts": alerts,
+                "records": [{"step": s, "metrics": {"symptom/grad_norm": grad_norm(s), "symptom/max_attn_logit": 10.0}}
+                            for s in range(5, 201, 5)], "seed": 21}
+
+    alert = Alert(metric="attn/layer1/head0/delta2_entropy", family="attention", step=110, value=0.01,
+                  baseline=0.2, score=9.0)
+    clean = run(lambda s: 30.0 if s == 60 else 1.0, [])
+    fault = run(lambda s: 30.0 if s == 153 else 1.0, [alert])
+    row = lead_time.incumbents_row("slow_attention", fault, clean, 100, 0.2)
+    assert row["who"] == "attention" and row["first"] == 110 and row["first_incumbent"][0] == 153
+    assert row["firings"]["grad norm > 20"] == row["firings"]["ZClip grad-norm z-score"] == 153  # a 30× spike
+    assert row["not_counted"] == {} and row["lead"] == 43 and row["verdict"].startswith("**early**")
+    # the same spike on the clean run at an earlier step after the onset: rings without the fault, not counted
+    clean = run(lambda s: 30.0 if s == 120 else 1.0, [])
+    row = lead_time.incumbents_row("slow_attention", fault, clean, 100, 0.2)
+    assert row["not_counted"]["grad norm > 20"] == 120 and row["first_incumbent"] is None
