@@ -57,9 +57,13 @@ def score_seed(seed: int, out: Path, replay: bool = False) -> list:
     if replay:
         for run in runs.values():
             run["alerts"] = replay_alerts(run["records"])
+    # The same runs with the grad norm read at the monitor records only (every 5 steps), as the incumbents were read
+    # before the summary kept every step's: how much that reading moved the first counted incumbent.
+    at_records = {name: {**run, "grad_norms": None} for name, run in runs.items()}
     rows = []
     for act in OWN_FAMILY:
         score = score_act(runs, act, START)
+        per_record = score_act(at_records, act, START).first_incumbent if runs[act]["grad_norms"] else None
         if act == "attention":
             outcome = max_logit_explosion_step(*metric_series(runs[act]["records"], MAX_LOGIT_METRIC),
                                                LOGIT_EXPLOSION_LEVEL, LOGIT_EXPLOSION_HOLD)
@@ -70,7 +74,8 @@ def score_seed(seed: int, out: Path, replay: bool = False) -> list:
         rows.append({"seed": seed, "act": act, "ours": score.first,
                      "rule": alert.rule_kind.replace("_", " ") if alert else None,
                      "layer": layer_of(alert.metric) if alert else None, "metric": alert.metric if alert else None,
-                     "first_incumbent": score.first_incumbent, "not_counted": score.not_counted,
+                     "first_incumbent": score.first_incumbent, "first_incumbent_at_records": per_record,
+                     "not_counted": score.not_counted,
                      "divergence": score.divergence, "outcome": outcome,
                      "verdict": score.headline(act).split(" ", 1)[1], "clean_alerts": len(runs["clean"]["alerts"])})
     return rows
@@ -91,18 +96,23 @@ def report(rows: list, seeds: list, replay: bool = False) -> str:
              f"from the onset; steps ahead to the nearest of them. An incumbent that rang as early on the clean run is "
              f"named, not counted. Each seed's runs: `megatron-mech demo --seed S --out RUNS/sS` (its three runs one "
              f"after the other; the scores read steps, not time, so other jobs on the machine do not enter "
-             f"them).{replayed}", "",
+             f"them). The incumbents judge every step's loss and grad norm (`summary.json`), as on a trainer; the "
+             f"column 'at records' is the first counted incumbent on the same runs with the grad norm read at the "
+             f"monitor records only (every 5 steps, the rules' windows scaled to the same steps), for comparison with "
+             f"results scored that way.{replayed}", "",
              "| seed | act | own family's first alert (rule, series, layer) | first counted incumbent | not counted "
-             "(clean run's step) | loss divergence | outcome apart from the monitors | verdict |",
-             "|---|---|---|---|---|---|---|---|"]
+             "(clean run's step) | at records | loss divergence | outcome apart from the monitors | verdict |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         inc = f"{r['first_incumbent'][1]} {r['first_incumbent'][0]}" if r["first_incumbent"] else "none"
         skipped = ", ".join(f"{k} ({v})" for k, v in r["not_counted"].items()) or "–"
+        records = r.get("first_incumbent_at_records")
+        at_records = f"{records[1]} {records[0]}" if records else "none" if "first_incumbent_at_records" in r else "–"
         what = "max-logit explosion" if r["act"] == "attention" else "routing collapse"
         series = r["metric"].rsplit("/", 1)[-1] if r.get("metric") else "–"
-        lines.append(f"| {r['seed']} | {r['act']} | {r['ours'] or 'none'} ({r['rule']}, {series}, layer {r['layer']}) "
-                     f"| {inc} | {skipped} | {r['divergence'] or 'none'} | {what} {r['outcome'] or 'none'} "
-                     f"| {r['verdict']} |")
+        ours = f"{r['ours'] or 'none'} ({r['rule']}, {series}, layer {r['layer']})"
+        lines.append(f"| {r['seed']} | {r['act']} | {ours} | {inc} | {skipped} | {at_records} "
+                     f"| {r['divergence'] or 'none'} | {what} {r['outcome'] or 'none'} | {r['verdict']} |")
     for act in OWN_FAMILY:
         verdicts = [r["verdict"] for r in rows if r["act"] == act]
         first = [v for v in verdicts if v.startswith("caught first")]
