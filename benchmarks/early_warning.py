@@ -43,6 +43,7 @@ from megatron_mech.studies.clean_scores import replay_alerts  # noqa: E402
 from megatron_mech.studies.incumbents import (  # noqa: E402
     GRAD_NORM_LEVEL,
     MEGATRON_SPIKY_LOSS_SAMPLES,
+    grad_norm_reading,
     grad_norm_series,
     incumbent_firings,
     metric_series,
@@ -95,7 +96,8 @@ def load_run(run_dir: Path) -> dict:
     records = read_jsonl(run_dir / "mech.jsonl")
     return {"dir": str(run_dir), "losses": [float(v) for v in summary["losses"]], "records": records,
             "alerts": replay_alerts(records), "max_logit": metric_series(records, MAX_LOGIT_METRIC),
-            "grad_norm": grad_norm_series(records, summary.get("grad_norms"))}
+            "grad_norm": grad_norm_series(records, summary.get("grad_norms")),
+            "grad_norm_per_step": summary.get("grad_norms") is not None}
 
 
 def rule_firings(run: dict, grad_norm_level: float, from_step: int = 1) -> dict:
@@ -158,7 +160,8 @@ def score_pair(run: dict, twin: dict, criteria: dict, router_outcome=None, from_
             # max-logit explosion or, when defined, a routing collapse).
             "twin": {"outcomes": twin_found, "firings": twin_firings,
                      "judged": {r: judge(twin_found["first"], s) for r, s in twin_firings.items()}},
-            "final_gap": _final_gap(run["losses"], twin["losses"])}
+            "final_gap": _final_gap(run["losses"], twin["losses"]),
+            "grad_norm_per_step": run.get("grad_norm_per_step", False) and twin.get("grad_norm_per_step", False)}
 
 
 def unstable_run_name(args, seed: int) -> str:
@@ -235,11 +238,13 @@ def report(args, criteria: dict, rows: list) -> str:
              f"- grad-norm alarm level: {criteria['grad_norm_level']:g};",
              f"- Megatron spiky loss: the per-step loss, max of the first {MEGATRON_SAMPLES_IN_STEPS} steps (= "
              f"{MEGATRON_SPIKY_LOSS_SAMPLES} micro-batch samples at {MICROBATCHES} micro-batches per rank), ≥ 10×;",
-             "- OLMo spikes: > mean + 6σ of the previous 128 steps (the grad norm is recorded every 5 steps: 26 "
-             "records); QK-clip: recorded max logit > 100 (recorded every 5 steps);",
-             "- ZClip: grad-norm z-score > 2.5 against an EMA of mean and variance (α = 0.97 per step, 0.97⁵ per "
-             "record) started from the first 25 steps' norms (5 records); llm-foundry KillLossSpike: 5 consecutive "
-             "losses ≥ 2× the mean of the previous 100 (or at least half of them above 10 from step 200).",
+             "- OLMo spikes: > mean + 6σ of the previous 128 steps; QK-clip: recorded max logit > 100 (recorded "
+             "every 5 steps);",
+             "- ZClip: grad-norm z-score > 2.5 against an EMA of mean and variance (α = 0.97 per step) started from "
+             "the first 25 steps' norms; llm-foundry KillLossSpike: 5 consecutive losses ≥ 2× the mean of the "
+             "previous 100 (or at least half of them above 10 from step 200);",
+             "- the grad-norm rules read "
+             + grad_norm_reading(all(r.get("grad_norm_per_step", False) for r in rows)) + ".",
              "", "Tuning evidence: " + criteria["evidence"], "",
              "## Lead per rule against the earliest outcome", "",
              "Cells: `+lead (lead fraction)` = fired that many steps before the outcome; `-n` = n steps after it; "

@@ -45,6 +45,7 @@ from benchmarks.early_warning import (  # noqa: E402
 )
 from megatron_mech.records.sinks import read_alerts  # noqa: E402
 from megatron_mech.studies.demo import demo_commands, step_losses  # noqa: E402
+from megatron_mech.studies.incumbents import grad_norm_reading  # noqa: E402
 from megatron_mech.studies.leadtime import (  # noqa: E402
     FAULT_FLAGS,
     REPORTING_SEEDS,
@@ -135,11 +136,15 @@ def score(seed: int, runs: Path, start: int) -> dict:
     last = max(counts)
     # Every rule, scored as the early-warning benchmark scores it: against the collapse step on the fault run;
     # on the clean run against its own collapse (none: any firing is a false alarm).
-    firings = rule_firings(load_run(fault_dir), GRAD_NORM_LEVEL)
-    clean_firings = rule_firings(load_run(clean_dir), GRAD_NORM_LEVEL) if has_clean else None
+    fault_run = load_run(fault_dir)
+    firings = rule_firings(fault_run, GRAD_NORM_LEVEL)
+    clean_run = load_run(clean_dir) if has_clean else None
+    clean_firings = rule_firings(clean_run, GRAD_NORM_LEVEL) if has_clean else None
     clean_collapse_step = clean_collapse.step if clean_collapse is not None and not isinstance(clean_collapse, str) \
         else None
     return {"seed": seed, "start": start,
+            "grad_norm_per_step": fault_run["grad_norm_per_step"] and (clean_run is None or
+                                                                       clean_run["grad_norm_per_step"]),
             "collapse": None if collapse is None else collapse._asdict(),
             "first_router_alert": router, "first_router_metric": first_router.metric if first_router else None,
             "first_symptom_alert": firsts["symptom"], "first_attention_alert": firsts["attention"],
@@ -233,10 +238,12 @@ def report(args, rows) -> str:
     lines += ["", "## Every rule on the same runs, against the collapse step", "",
               "As `benchmarks/early_warning.py` scores them: the monitor families' alerts replayed from `mech.jsonl` "
               "with the current default rules; the incumbent alarms (`megatron_mech.studies.incumbents`) on the "
-              "run's own per-step loss and its grad norm and maximum attention logit (recorded every 5 steps): "
+              "run's own per-step loss, "
+              + grad_norm_reading(all(r.get("grad_norm_per_step", False) for r in rows))
+              + ", and its maximum attention logit (recorded every 5 steps): "
               f"Megatron-LM's spiky loss (≥ 10× the largest loss of the first {MEGATRON_SAMPLES_IN_STEPS} steps = "
               f"100 micro-batch samples at {MICROBATCHES} per rank), OLMo-core's spikes (> mean + 6σ of the previous "
-              "128 steps; the grad norm's window holds the 26 records of those steps), ZClip's grad-norm z-score "
+              "128 steps), ZClip's grad-norm z-score "
               "(> 2.5 against an EMA with α = 0.97 per step, started from the first 25 steps' norms), llm-foundry's "
               "KillLossSpike (5 consecutive losses ≥ 2× the mean of the previous 100), QK-clip (max logit > 100), "
               f"the grad-norm level {GRAD_NORM_LEVEL:g} (fixed on the early-warning benchmark's tuning seed 11). "

@@ -155,12 +155,12 @@ def _incumbents(run: dict, from_step: int = 1) -> dict:
 
 
 def _series_text(runs: dict) -> str:
-    """What the incumbent rules read on the demo's runs: every step's loss and grad norm (as on a trainer), or, for
-    runs recorded before their summary kept the grad norms, the grad norm at the monitor records only."""
+    """What the incumbent rules read on the demo's runs: every step's loss, the grad norm as
+    :func:`~megatron_mech.studies.incumbents.grad_norm_reading` says, the recorded max logit."""
+    from megatron_mech.studies.incumbents import grad_norm_reading
+
     per_step = all(run.get("grad_norms") is not None for run in runs.values())
-    return ("per-step loss and grad norm (as a trainer gives them) and recorded max logit" if per_step else
-            "per-step loss and the grad norm and max logit of its monitor records (the grad norm of the steps between "
-            "records was not kept)")
+    return f"per-step loss, {grad_norm_reading(per_step)}, and recorded max logit"
 
 
 def _fired_text(firings: dict) -> str:

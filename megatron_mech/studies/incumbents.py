@@ -29,9 +29,10 @@ from megatron_mech.logit_symptom import MAX_LOGIT_METRIC
 __all__ = ["FOUNDRY_LOSS_CAP", "FOUNDRY_MIN_WINDOW", "FOUNDRY_OUTLIER_MULTIPLIER", "FOUNDRY_PATIENCE",
            "FOUNDRY_WINDOW_FRACTION", "GRAD_NORM_LEVEL", "GRAD_NORM_METRIC", "MEGATRON_SPIKY_LOSS_FACTOR",
            "MEGATRON_SPIKY_LOSS_SAMPLES", "OLMO_SPIKE_STD", "OLMO_SPIKE_WINDOW", "QK_CLIP_THRESHOLD", "ZCLIP_ALPHA",
-           "ZCLIP_EPS", "ZCLIP_WARMUP_STEPS", "ZCLIP_Z_THRESHOLD", "foundry_loss_spike_step", "grad_norm_series",
-           "incumbent_firings", "megatron_spiky_loss_step", "metric_series", "microbatches_per_rank", "olmo_spike_step",
-           "qk_clip_step", "run_incumbent_firings", "step_grad_norms", "threshold_step", "zclip_spike_step"]
+           "ZCLIP_EPS", "ZCLIP_WARMUP_STEPS", "ZCLIP_Z_THRESHOLD", "foundry_loss_spike_step", "grad_norm_reading",
+           "grad_norm_series", "incumbent_firings", "megatron_spiky_loss_step", "metric_series",
+           "microbatches_per_rank", "olmo_spike_step", "qk_clip_step", "run_incumbent_firings", "step_grad_norms",
+           "threshold_step", "zclip_spike_step"]
 
 MEGATRON_SPIKY_LOSS_FACTOR = 10.0  # pretrain_gpt.py: SPIKY_LOSS_FACTOR = 10
 MEGATRON_SPIKY_LOSS_SAMPLES = 100  # RerunStateMachine.is_unexpectedly_large(num_samples=100)
@@ -302,6 +303,14 @@ def grad_norm_series(records: Iterable[Mapping], grad_norms: Optional[Sequence[O
     records' values every interval steps (:func:`incumbent_firings` then scales the rules' windows to the same
     steps; a firing step is known to the interval only)."""
     return step_grad_norms(grad_norms) if grad_norms is not None else metric_series(records, GRAD_NORM_METRIC)
+
+
+def grad_norm_reading(per_step: bool) -> str:
+    """How the grad-norm rules read a run's grad norm, as a report states it (:func:`grad_norm_series`)."""
+    return ("every step's grad norm (summary.json's grad_norms), as on a trainer" if per_step else
+            "the grad norm at the monitor records only (every interval steps; OLMo-core's 128-step window and ZClip's "
+            "per-step EMA and 25-step warm-up scaled to the same steps): a run recorded without its per-step grad "
+            "norms")
 
 
 def run_incumbent_firings(records: Iterable[Mapping], losses: Sequence[float], *, microbatches: int,

@@ -103,8 +103,9 @@ def test_the_grad_norm_rules_judge_every_step_when_the_runs_kept_it(tmp_path):
                                  plots=False) for name in ("per_step", "records")}
     assert "grad norm > 20 at 151" in _line(reports["per_step"], "- our first attention alert")
     assert "grad norm > 20" not in _line(reports["records"], "- our first attention alert").split("silent:")[0]
-    assert "per-step loss and grad norm (as a trainer gives them)" in reports["per_step"]
-    assert "the grad norm of the steps between records was not kept" in reports["records"]
+    assert "every step's grad norm (summary.json's grad_norms), as on a trainer" in reports["per_step"]
+    assert "the grad norm at the monitor records only" in reports["records"]
+    assert "the grad norm at the monitor records only" not in reports["per_step"]
 
 
 @pytest.mark.parametrize("ours, divergence, incumbent, expected", [
