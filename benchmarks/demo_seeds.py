@@ -34,10 +34,11 @@ from megatron_mech.studies.demo import (  # noqa: E402
     DIVERGENCE_MARGIN,
     OWN_FAMILY,
     demo_fault_flags,
+    incumbents_from,
     load_demo_run,
     score_act,
 )
-from megatron_mech.studies.incumbents import metric_series  # noqa: E402
+from megatron_mech.studies.incumbents import firing_steps, metric_series  # noqa: E402
 from megatron_mech.studies.leadtime import REPORTING_SEEDS, TUNING_SEEDS  # noqa: E402
 from megatron_mech.studies.outcomes import (  # noqa: E402
     LOGIT_EXPLOSION_HOLD,
@@ -64,6 +65,10 @@ def score_seed(seed: int, out: Path, replay: bool = False) -> list:
     for act in OWN_FAMILY:
         score = score_act(runs, act, START)
         per_record = score_act(at_records, act, START).first_incumbent if runs[act]["grad_norms"] else None
+        # how often the first counted incumbent's rule rings on the clean run from the onset to the end
+        clean_rings = (None if score.first_incumbent is None else
+                       len(firing_steps(lambda step: incumbents_from(runs["clean"], step), score.first_incumbent[1],
+                                        START)))
         if act == "attention":
             outcome = max_logit_explosion_step(*metric_series(runs[act]["records"], MAX_LOGIT_METRIC),
                                                LOGIT_EXPLOSION_LEVEL, LOGIT_EXPLOSION_HOLD)
@@ -75,6 +80,7 @@ def score_seed(seed: int, out: Path, replay: bool = False) -> list:
                      "rule": alert.rule_kind.replace("_", " ") if alert else None,
                      "layer": layer_of(alert.metric) if alert else None, "metric": alert.metric if alert else None,
                      "first_incumbent": score.first_incumbent, "first_incumbent_at_records": per_record,
+                     "clean_rings": clean_rings,
                      "not_counted": score.not_counted,
                      "divergence": score.divergence, "outcome": outcome,
                      "verdict": score.headline(act).split(" ", 1)[1], "clean_alerts": len(runs["clean"]["alerts"])})
@@ -99,10 +105,12 @@ def report(rows: list, seeds: list, replay: bool = False) -> str:
              f"them). The incumbents judge every step's loss and grad norm (`summary.json`), as on a trainer; the "
              f"column 'at records' is the first counted incumbent on the same runs with the grad norm read at the "
              f"monitor records only (every 5 steps, the rules' windows scaled to the same steps), for comparison with "
-             f"results scored that way.{replayed}", "",
-             "| seed | act | own family's first alert (rule, series, layer) | first counted incumbent | not counted "
-             "(clean run's step) | at records | loss divergence | outcome apart from the monitors | verdict |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"results scored that way. 'Rings on the clean run': how many times the first counted incumbent's rule "
+             f"fired on the clean run from the onset to the end.{replayed}", "",
+             "| seed | act | own family's first alert (rule, series, layer) | first counted incumbent | rings on the "
+             "clean run | not counted (clean run's step) | at records | loss divergence | outcome apart from the "
+             "monitors | verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         inc = f"{r['first_incumbent'][1]} {r['first_incumbent'][0]}" if r["first_incumbent"] else "none"
         skipped = ", ".join(f"{k} ({v})" for k, v in r["not_counted"].items()) or "–"
@@ -111,7 +119,8 @@ def report(rows: list, seeds: list, replay: bool = False) -> str:
         what = "max-logit explosion" if r["act"] == "attention" else "routing collapse"
         series = r["metric"].rsplit("/", 1)[-1] if r.get("metric") else "–"
         ours = f"{r['ours'] or 'none'} ({r['rule']}, {series}, layer {r['layer']})"
-        lines.append(f"| {r['seed']} | {r['act']} | {ours} | {inc} | {skipped} | {at_records} "
+        rings = "–" if r.get("clean_rings") is None else r["clean_rings"]
+        lines.append(f"| {r['seed']} | {r['act']} | {ours} | {inc} | {rings} | {skipped} | {at_records} "
                      f"| {r['divergence'] or 'none'} | {what} {r['outcome'] or 'none'} | {r['verdict']} |")
     for act in OWN_FAMILY:
         verdicts = [r["verdict"] for r in rows if r["act"] == act]

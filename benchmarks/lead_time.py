@@ -39,7 +39,8 @@ sys.path.insert(0, str(REPO))
 from megatron_mech.adapters.megatron_core.launch import torchrun_prefix  # noqa: E402
 from megatron_mech.core.attribution import alert_lines  # noqa: E402
 from megatron_mech.studies.clean_scores import replay_alerts  # noqa: E402
-from megatron_mech.studies.demo import load_demo_run, score_act, verdict  # noqa: E402
+from megatron_mech.studies.demo import incumbents_from, load_demo_run, score_act, verdict  # noqa: E402
+from megatron_mech.studies.incumbents import firing_steps  # noqa: E402
 from megatron_mech.studies.leadtime import (  # noqa: E402
     DIVERGENCE_HOLD,
     FAULT_FLAGS,
@@ -108,8 +109,12 @@ def incumbents_row(name: str, run: dict, clean: dict, start: int, margin: float)
     run named and not counted), the verdict and the steps ahead of the nearest of the divergence and the first
     counted incumbent."""
     score = score_act({"clean": clean, name: run}, name, start, margin, own=OWN_FAMILY.get(name))
+    # How often the first counted incumbent's rule rings on the clean run from the onset to the end: a rule that
+    # rings every few steps without the fault makes its first firing after the onset a matter of chance.
+    clean_rings = (None if score.first_incumbent is None else
+                   len(firing_steps(lambda step: incumbents_from(clean, step), score.first_incumbent[1], start)))
     return {"who": score.who, "first": score.first, "firings": score.firings, "not_counted": score.not_counted,
-            "first_incumbent": score.first_incumbent, "lead": score.lead,
+            "first_incumbent": score.first_incumbent, "clean_rings": clean_rings, "lead": score.lead,
             "verdict": verdict(score.first, score.divergence, score.first_incumbent, score.who)}
 
 
@@ -232,17 +237,19 @@ def write_report(args, rows, out_dir):
               "faults, either for the others) against the incumbent alarms (megatron_mech.studies.incumbents: "
               "Megatron-LM's spiky loss, OLMo-core's loss and grad-norm spikes, ZClip's grad-norm z-score, "
               "llm-foundry's loss spike, the QK-clip level, a grad-norm level of 20) on the same run from the onset, "
-              "on every step's loss and grad norm; a rule that rang as early on the clean run is named, not counted.",
-              "", "| seed | fault | ours | first counted incumbent | not counted (rang as early on the clean run) | "
-              "verdict |", "|---|---|---|---|---|---|"]
+              "on every step's loss and grad norm; a rule that rang as early on the clean run is named, not counted. "
+              "'Rings on the clean run': how many times the first counted incumbent's rule fired on the clean run "
+              "from the onset to the end (each firing found by running the rule on from the step after the last).",
+              "", "| seed | fault | ours | first counted incumbent | rings on the clean run | not counted (rang as "
+              "early on the clean run) | verdict |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         inc = r.get("incumbents")
         if inc is None:
             continue
         first = "none" if inc["first_incumbent"] is None else f"{inc['first_incumbent'][1]} {inc['first_incumbent'][0]}"
         skipped = ", ".join(f"{rule} {step}" for rule, step in inc["not_counted"].items()) or "–"
-        lines.append(f"| {r['seed']} | {r['fault']} | {inc['who']} {_fmt(inc['first'])} | {first} | {skipped} | "
-                     f"{inc['verdict']} |")
+        lines.append(f"| {r['seed']} | {r['fault']} | {inc['who']} {_fmt(inc['first'])} | {first} | "
+                     f"{_fmt(inc.get('clean_rings'))} | {skipped} | {inc['verdict']} |")
     lines += ["", "## Attribution, first seed", ""]
     for r in rows:
         if r["seed"] == rows[0]["seed"]:

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 __all__ = ["DEMO_ATTENTION_FLAGS", "DEMO_FAULTS", "DIVERGENCE_MARGIN", "ActScore", "attention_outcome_line",
-           "collapse_line", "demo_commands", "demo_fault_flags", "demo_length", "demo_report", "incumbents_line",
-           "load_demo_run", "run_demo", "score_act", "step_losses", "steps_ahead"]
+           "collapse_line", "demo_commands", "demo_fault_flags", "demo_length", "demo_report", "incumbents_from",
+           "incumbents_line", "load_demo_run", "run_demo", "score_act", "step_losses", "steps_ahead"]
 
 # The demo's attention fault: the lead-time study's precision fault (``FAULT_FLAGS["attention"]``, γ = 0.1 in layer
 # 1 from step 300) made stronger and, with the CLI's ``--fault-start`` of 260, earlier, so that within the demo's 500
@@ -144,7 +144,7 @@ def load_demo_run(run_dir, seed: int) -> dict:
             "alerts": read_alerts(run_dir / "mech.jsonl"), "records": read_jsonl(run_dir / "mech.jsonl"), "seed": seed}
 
 
-def _incumbents(run: dict, from_step: int = 1) -> dict:
+def incumbents_from(run: dict, from_step: int = 1) -> dict:
     """First firing (or None) of each incumbent rule on a demo run (:mod:`megatron_mech.studies.incumbents`), at or
     after ``from_step``."""
     from megatron_mech.studies.incumbents import microbatches_per_rank, run_incumbent_firings
@@ -182,7 +182,7 @@ def _false_on_clean(firings: dict, clean_firings: dict | None) -> dict:
 
 def _first_incumbent(firings: dict, clean_firings: dict | None = None):
     """``(step, rule)`` of the first incumbent alarm among ``firings`` (``{rule: first step or None}``, see
-    ``_incumbents``), or None when none fired; with ``clean_firings`` (the clean run's, from the same step), a
+    ``incumbents_from``), or None when none fired; with ``clean_firings`` (the clean run's, from the same step), a
     rule that fired as early on the clean run is not counted (:func:`_false_on_clean`)."""
     skip = _false_on_clean(firings, clean_firings)
     fired = [(step, rule) for rule, step in firings.items() if step is not None and rule not in skip]
@@ -240,7 +240,7 @@ def score_act(runs: dict, act: str, start: int, margin: float = DIVERGENCE_MARGI
     first = firsts[own] if own else min((s for s in (firsts["attention"], firsts["router"]) if s), default=None)
     alert = next((a for a in run["alerts"] if a.step == first and a.family in ((own,) if own else
                                                                               ("attention", "router"))), None)
-    firings, clean_firings = _incumbents(run, start), _incumbents(clean, start)
+    firings, clean_firings = incumbents_from(run, start), incumbents_from(clean, start)
     return ActScore(act=act, who=own or "monitor", firsts=firsts, first=first, alert=alert,
                     divergence=divergence_step(run["losses"], clean["losses"], margin), firings=firings,
                     not_counted=_false_on_clean(firings, clean_firings),
@@ -300,7 +300,7 @@ def incumbents_line(run: dict, first_ours, from_step: int = 1, who: str = "monit
     """Our first alert against the alarms users already have (each incumbent rule's first firing at or after
     ``from_step``), on one run; with ``clean_firings`` (the clean run's from the same step), the rules that fired as
     early on the clean run are named and not counted."""
-    firings = _incumbents(run, from_step)
+    firings = incumbents_from(run, from_step)
     return _incumbents_text(firings, _first_incumbent(firings, clean_firings), _false_on_clean(firings, clean_firings),
                             first_ours, from_step, who)
 
@@ -373,7 +373,7 @@ def demo_report(out, names, *, seed: int, steps: int, start: int, plots: bool = 
     runs = {name: load_demo_run(out / name, seed) for name in names}
     faults = [name for name in names if name != "clean"]
     clean = runs["clean"]
-    clean_firings = _incumbents(clean)
+    clean_firings = incumbents_from(clean)
     scores = {name: score_act(runs, name, start) for name in faults}
     heads = [score.headline(_fault_text(name, quick)[0]) for name, score in scores.items()]
     lines = [f"# megatron-mech demo (seed {seed}): " + ("; ".join(heads) if heads else "a clean run"), "",

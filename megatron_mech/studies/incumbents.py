@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 from megatron_mech.logit_symptom import MAX_LOGIT_METRIC
 
 __all__ = ["FOUNDRY_LOSS_CAP", "FOUNDRY_MIN_WINDOW", "FOUNDRY_OUTLIER_MULTIPLIER", "FOUNDRY_PATIENCE",
            "FOUNDRY_WINDOW_FRACTION", "GRAD_NORM_LEVEL", "GRAD_NORM_METRIC", "MEGATRON_SPIKY_LOSS_FACTOR",
            "MEGATRON_SPIKY_LOSS_SAMPLES", "OLMO_SPIKE_STD", "OLMO_SPIKE_WINDOW", "QK_CLIP_THRESHOLD", "ZCLIP_ALPHA",
-           "ZCLIP_EPS", "ZCLIP_WARMUP_STEPS", "ZCLIP_Z_THRESHOLD", "foundry_loss_spike_step", "grad_norm_reading",
-           "grad_norm_series", "incumbent_firings", "megatron_spiky_loss_step", "metric_series",
+           "ZCLIP_EPS", "ZCLIP_WARMUP_STEPS", "ZCLIP_Z_THRESHOLD", "firing_steps", "foundry_loss_spike_step",
+           "grad_norm_reading", "grad_norm_series", "incumbent_firings", "megatron_spiky_loss_step", "metric_series",
            "microbatches_per_rank", "olmo_spike_step", "qk_clip_step", "run_incumbent_firings", "step_grad_norms",
            "threshold_step", "zclip_spike_step"]
 
@@ -303,6 +303,17 @@ def grad_norm_series(records: Iterable[Mapping], grad_norms: Optional[Sequence[O
     records' values every interval steps (:func:`incumbent_firings` then scales the rules' windows to the same
     steps; a firing step is known to the interval only)."""
     return step_grad_norms(grad_norms) if grad_norms is not None else metric_series(records, GRAD_NORM_METRIC)
+
+
+def firing_steps(firings_from: Callable[[int], Mapping], rule: str, from_step: int) -> list:
+    """Every step at which ``rule`` fires at or after ``from_step``: ``firings_from(step)`` gives each rule's first
+    firing at or after ``step`` (e.g. :func:`run_incumbent_firings` of one run), asked again after each firing. How
+    often a rule rings on a clean run says what its first firing after an onset is worth."""
+    steps = []
+    while (step := firings_from(from_step).get(rule)) is not None:
+        steps.append(step)
+        from_step = step + 1
+    return steps
 
 
 def grad_norm_reading(per_step: bool) -> str:

@@ -252,7 +252,13 @@ def test_lead_time_scores_each_fault_run_against_the_incumbents_from_its_onset()
     assert row["who"] == "attention" and row["first"] == 110 and row["first_incumbent"][0] == 153
     assert row["firings"]["grad norm > 20"] == row["firings"]["ZClip grad-norm z-score"] == 153  # a 30× spike
     assert row["not_counted"] == {} and row["lead"] == 43 and row["verdict"].startswith("**early**")
+    assert row["clean_rings"] == 0  # the clean run's one spike (step 60) is before the onset
     # the same spike on the clean run at an earlier step after the onset: rings without the fault, not counted
     clean = run(lambda s: 30.0 if s == 120 else 1.0, [])
     row = lead_time.incumbents_row("slow_attention", fault, clean, 100, 0.2)
     assert row["not_counted"]["grad norm > 20"] == 120 and row["first_incumbent"] is None
+    assert row["clean_rings"] is None  # no counted incumbent
+    # a fault run's spike counted though the clean run rings twice after it (steps 160 and 170): the count says so
+    clean = run(lambda s: 30.0 if s in (160, 170) else 1.0, [])
+    row = lead_time.incumbents_row("slow_attention", fault, clean, 100, 0.2)
+    assert row["first_incumbent"][0] == 153 and row["clean_rings"] == 2

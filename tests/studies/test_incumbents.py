@@ -9,6 +9,7 @@ from megatron_mech.logit_symptom import MAX_LOGIT_METRIC
 from megatron_mech.studies.incumbents import (
     GRAD_NORM_LEVEL,
     GRAD_NORM_METRIC,
+    firing_steps,
     foundry_loss_spike_step,
     incumbent_firings,
     megatron_spiky_loss_step,
@@ -222,3 +223,18 @@ def test_the_grad_norm_rules_judge_every_steps_grad_norm_when_the_run_kept_it():
     assert {rule: per_step[rule] for rule in rules} == dict.fromkeys(rules, 137)
     assert {rule: from_records[rule] for rule in rules} == dict.fromkeys(rules, None)
     assert step_grad_norms([2.0, None, 3.0]) == ([1, 3], [2.0, 3.0])
+
+
+@pytest.mark.timeout(60)
+def test_firing_steps_lists_every_firing_of_a_rule_from_a_step():
+    # The plain level 20 on a grad norm over it at steps 40, 90-91 and 150: every firing at or after step 50, in
+    # order, each found by asking the rule again from the step after the last; none after the last.
+    norms = [30.0 if step in (40, 90, 91, 150) else 1.0 for step in range(1, 201)]
+    records = [{"step": s, "metrics": {GRAD_NORM_METRIC: norms[s - 1], MAX_LOGIT_METRIC: 1.0}} for s in range(5, 201, 5)]
+    rule = f"grad norm > {GRAD_NORM_LEVEL:g}"
+
+    def firings_from(step):
+        return run_incumbent_firings(records, [1.0] * 200, microbatches=1, grad_norms=norms, from_step=step)
+
+    assert firing_steps(firings_from, rule, 50) == [90, 91, 150]
+    assert firing_steps(firings_from, rule, 151) == []
