@@ -33,12 +33,12 @@ from megatron_mech.studies.demo import (  # noqa: E402
     DEMO_ATTENTION_FLAGS,
     DIVERGENCE_MARGIN,
     OWN_FAMILY,
+    clean_rings,
     demo_fault_flags,
-    incumbents_from,
     load_demo_run,
     score_act,
 )
-from megatron_mech.studies.incumbents import firing_steps, metric_series  # noqa: E402
+from megatron_mech.studies.incumbents import metric_series  # noqa: E402
 from megatron_mech.studies.leadtime import REPORTING_SEEDS, TUNING_SEEDS  # noqa: E402
 from megatron_mech.studies.outcomes import (  # noqa: E402
     LOGIT_EXPLOSION_HOLD,
@@ -65,10 +65,6 @@ def score_seed(seed: int, out: Path, replay: bool = False) -> list:
     for act in OWN_FAMILY:
         score = score_act(runs, act, START)
         per_record = score_act(at_records, act, START).first_incumbent if runs[act]["grad_norms"] else None
-        # how often the first counted incumbent's rule rings on the clean run from the onset to the end
-        clean_rings = (None if score.first_incumbent is None else
-                       len(firing_steps(lambda step: incumbents_from(runs["clean"], step), score.first_incumbent[1],
-                                        START)))
         if act == "attention":
             outcome = max_logit_explosion_step(*metric_series(runs[act]["records"], MAX_LOGIT_METRIC),
                                                LOGIT_EXPLOSION_LEVEL, LOGIT_EXPLOSION_HOLD)
@@ -80,7 +76,7 @@ def score_seed(seed: int, out: Path, replay: bool = False) -> list:
                      "rule": alert.rule_kind.replace("_", " ") if alert else None,
                      "layer": layer_of(alert.metric) if alert else None, "metric": alert.metric if alert else None,
                      "first_incumbent": score.first_incumbent, "first_incumbent_at_records": per_record,
-                     "clean_rings": clean_rings,
+                     "clean_rings": clean_rings(runs["clean"], score.first_incumbent, START),
                      "not_counted": score.not_counted,
                      "divergence": score.divergence, "outcome": outcome,
                      "verdict": score.headline(act).split(" ", 1)[1], "clean_alerts": len(runs["clean"]["alerts"])})

@@ -39,8 +39,7 @@ sys.path.insert(0, str(REPO))
 from megatron_mech.adapters.megatron_core.launch import torchrun_prefix  # noqa: E402
 from megatron_mech.core.attribution import alert_lines  # noqa: E402
 from megatron_mech.studies.clean_scores import replay_alerts  # noqa: E402
-from megatron_mech.studies.demo import incumbents_from, load_demo_run, score_act, verdict  # noqa: E402
-from megatron_mech.studies.incumbents import firing_steps  # noqa: E402
+from megatron_mech.studies.demo import clean_rings, load_demo_run, score_act  # noqa: E402
 from megatron_mech.studies.leadtime import (  # noqa: E402
     DIVERGENCE_HOLD,
     FAULT_FLAGS,
@@ -109,13 +108,9 @@ def incumbents_row(name: str, run: dict, clean: dict, start: int, margin: float)
     run named and not counted), the verdict and the steps ahead of the nearest of the divergence and the first
     counted incumbent."""
     score = score_act({"clean": clean, name: run}, name, start, margin, own=OWN_FAMILY.get(name))
-    # How often the first counted incumbent's rule rings on the clean run from the onset to the end: a rule that
-    # rings every few steps without the fault makes its first firing after the onset a matter of chance.
-    clean_rings = (None if score.first_incumbent is None else
-                   len(firing_steps(lambda step: incumbents_from(clean, step), score.first_incumbent[1], start)))
     return {"who": score.who, "first": score.first, "firings": score.firings, "not_counted": score.not_counted,
-            "first_incumbent": score.first_incumbent, "clean_rings": clean_rings, "lead": score.lead,
-            "verdict": verdict(score.first, score.divergence, score.first_incumbent, score.who)}
+            "first_incumbent": score.first_incumbent, "lead": score.lead, "verdict": score.verdict_line(),
+            "clean_rings": clean_rings(clean, score.first_incumbent, start)}
 
 
 def main(argv=None):

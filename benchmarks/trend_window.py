@@ -68,12 +68,16 @@ def thresholds(corpus_max: dict) -> dict:
             for w, m in corpus_max.items()}
 
 
-def score(run_dir: Path, seed: int, window: int, threshold: float) -> dict:
-    """The demo's attention act of ``seed`` under the layer trend (``window``, ``threshold``), as the demo scores it."""
+def load_seed(run_dir: Path, seed: int) -> dict:
+    """The demo's clean and attention runs of ``seed`` (``run_dir/sS``), read once for every window."""
+    return {name: load_demo_run(run_dir / f"s{seed}" / name, seed) for name in ("clean", "attention")}
+
+
+def score(seed_runs: dict, seed: int, window: int, threshold: float) -> dict:
+    """The demo's attention act of ``seed`` (``seed_runs``: :func:`load_seed`) under the layer trend (``window``,
+    ``threshold``), as the demo scores it."""
     rules = trend_rules(window, threshold)
-    runs = {name: load_demo_run(run_dir / f"s{seed}" / name, seed) for name in ("clean", "attention")}
-    for run in runs.values():
-        run["alerts"] = replay_alerts(run["records"], rules)
+    runs = {name: {**run, "alerts": replay_alerts(run["records"], rules)} for name, run in seed_runs.items()}
     act = score_act(runs, "attention", START)
     return {"seed": seed, "first": act.first, "rule": act.alert.rule_kind if act.alert else None,
             "layer": layer_of(act.alert.metric) if act.alert else None, "first_incumbent": act.first_incumbent,
@@ -104,7 +108,8 @@ def main(argv=None):
     corpus = [clean_corpus.records(clean_corpus.read(path)) for path in sorted(CORPUS.glob("*.json.gz"))]
     corpus_max = {w: largest_layer_change(corpus, w) for w in windows}
     limits = thresholds(corpus_max)
-    rows = {w: [score(Path(args.runs_dir), s, w, limits[w]) for s in args.seeds] for w in windows}
+    seed_runs = {s: load_seed(Path(args.runs_dir), s) for s in args.seeds}
+    rows = {w: [score(seed_runs[s], s, w, limits[w]) for s in args.seeds] for w in windows}
     chosen = choose(rows)
     lines = ["**TUNING RUN — not a result.** Seeds " + ", ".join(map(str, args.seeds)) + " (tuning). The demo's "
              f"attention act (fault from step {START}), replayed with the layer trend at each window; threshold at "

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 __all__ = ["DEMO_ATTENTION_FLAGS", "DEMO_FAULTS", "DIVERGENCE_MARGIN", "ActScore", "attention_outcome_line",
-           "collapse_line", "demo_commands", "demo_fault_flags", "demo_length", "demo_report", "incumbents_from",
-           "incumbents_line", "load_demo_run", "run_demo", "score_act", "step_losses", "steps_ahead"]
+           "clean_rings", "collapse_line", "demo_commands", "demo_fault_flags", "demo_length", "demo_report",
+           "incumbents_from", "incumbents_line", "load_demo_run", "run_demo", "score_act", "step_losses", "steps_ahead"]
 
 # The demo's attention fault: the lead-time study's precision fault (``FAULT_FLAGS["attention"]``, γ = 0.1 in layer
 # 1 from step 300) made stronger and, with the CLI's ``--fault-start`` of 260, earlier, so that within the demo's 500
@@ -41,12 +41,17 @@ DIVERGENCE_MARGIN = 0.2  # nats: the 20-step moving-average loss stays this far 
 OWN_FAMILY = {"attention": "attention", "router": "router"}
 
 
-def step_losses(run_dir) -> list:
-    """The loss of every step of a fresh run, ``[loss of step 1, loss of step 2, ...]`` (from ``summary.json``)."""
+def _fresh_summary(run_dir) -> dict:
+    """``summary.json`` of a fresh run (its series start at step 1); a resumed run is refused."""
     summary = json.loads((Path(run_dir) / "summary.json").read_text())
     if summary.get("first_step", 1) != 1:
         raise ValueError(f"{run_dir}: the run resumed at step {summary['first_step']}; the demo needs fresh runs")
-    return summary["losses"]
+    return summary
+
+
+def step_losses(run_dir) -> list:
+    """The loss of every step of a fresh run, ``[loss of step 1, loss of step 2, ...]`` (from ``summary.json``)."""
+    return _fresh_summary(run_dir)["losses"]
 
 
 def _progress_line(line: str) -> bool:
@@ -139,8 +144,8 @@ def load_demo_run(run_dir, seed: int) -> dict:
     from megatron_mech.records.sinks import read_alerts, read_jsonl
 
     run_dir = Path(run_dir)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    return {"losses": step_losses(run_dir), "grad_norms": summary.get("grad_norms"),
+    summary = _fresh_summary(run_dir)
+    return {"losses": summary["losses"], "grad_norms": summary.get("grad_norms"),
             "alerts": read_alerts(run_dir / "mech.jsonl"), "records": read_jsonl(run_dir / "mech.jsonl"), "seed": seed}
 
 
@@ -152,6 +157,17 @@ def incumbents_from(run: dict, from_step: int = 1) -> dict:
 
     return run_incumbent_firings(run["records"], run["losses"], microbatches=microbatches_per_rank(LEAD_MODEL, 2),
                                  grad_norms=run.get("grad_norms"), from_step=from_step)
+
+
+def clean_rings(clean: dict, first_incumbent: Optional[tuple], start: int) -> Optional[int]:
+    """How many times the rule of ``first_incumbent`` (``(step, rule)``, e.g. :attr:`ActScore.first_incumbent`) fired
+    on the clean run from ``start`` to the end (None without one): a rule that rings every few steps without the
+    fault makes its first firing after the onset a matter of chance."""
+    from megatron_mech.studies.incumbents import firing_steps
+
+    if first_incumbent is None:
+        return None
+    return len(firing_steps(lambda step: incumbents_from(clean, step), first_incumbent[1], start))
 
 
 def _series_text(runs: dict) -> str:
@@ -220,6 +236,10 @@ class ActScore:
     def lead(self) -> Optional[int]:
         """Steps ahead of the nearest of the loss divergence and the first counted incumbent (:func:`steps_ahead`)."""
         return steps_ahead(self.first, self.divergence, self.first_incumbent)
+
+    def verdict_line(self) -> str:
+        """The act's :func:`verdict`."""
+        return verdict(self.first, self.divergence, self.first_incumbent, self.who)
 
     def incumbents_line(self, start: int) -> str:
         """The act's :func:`incumbents_line` (fault from ``start``), from the firings already scored."""
@@ -390,7 +410,7 @@ def demo_report(out, names, *, seed: int, steps: int, start: int, plots: bool = 
              f"- clean run: {len(clean['alerts'])} alerts (false alarms); incumbent alarms on it: "
              + ("none fired" if all(step is None for step in clean_firings.values()) else _fired_text(clean_firings))]
     lines += ["", "## Verdict", ""]
-    lines += [f"- {_fault_text(name, quick)[0]}: {verdict(sc.first, sc.divergence, sc.first_incumbent, sc.who)}"
+    lines += [f"- {_fault_text(name, quick)[0]}: {sc.verdict_line()}"
               for name, sc in scores.items()]
     for name in faults:
         faulty = runs[name]
