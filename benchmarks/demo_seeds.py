@@ -3,7 +3,7 @@
 Runs ``megatron-mech demo --seed S --out RUNS/sS`` per seed (or, with ``--score-only``, reads the finished demo
 folders there) and tabulates per act what its ``demo.md`` states, from the same functions: the act's own family's
 first alert (attention for the attention act, router for the router act) and which rule fired it, the first
-incumbent alarm from the fault's onset (one that rang as early on the clean run not counted, and named), the loss
+incumbent alarm from the fault's onset (one that rang on the clean run too not counted, and named), the loss
 divergence against the clean run, the act's outcome measured apart from the monitors (the max-logit explosion; the
 routing collapse), and the verdict (caught first / in a tie / late / missed, by how many steps over the nearest of
 the loss divergence and the first counted incumbent).
@@ -36,6 +36,7 @@ from megatron_mech.studies.demo import (  # noqa: E402
     clean_rings,
     demo_fault_flags,
     load_demo_run,
+    not_counted_text,
     score_act,
 )
 from megatron_mech.studies.incumbents import metric_series  # noqa: E402
@@ -76,7 +77,7 @@ def score_seed(seed: int, out: Path, replay: bool = False) -> list:
                      "rule": alert.rule_kind.replace("_", " ") if alert else None,
                      "layer": layer_of(alert.metric) if alert else None, "metric": alert.metric if alert else None,
                      "first_incumbent": score.first_incumbent, "first_incumbent_at_records": per_record,
-                     "clean_rings": clean_rings(runs["clean"], score.first_incumbent, START),
+                     "clean_rings": {rule: clean_rings(runs["clean"], rule, START) for rule in score.not_counted},
                      "not_counted": score.not_counted,
                      "divergence": score.divergence, "outcome": outcome,
                      "verdict": score.headline(act).split(" ", 1)[1], "clean_alerts": len(runs["clean"]["alerts"])})
@@ -95,28 +96,29 @@ def report(rows: list, seeds: list, replay: bool = False) -> str:
              f"tuning seeds {list(TUNING_SEEDS)}). "
              f"Verdict as the demo's title: the act's own family alerted before the loss divergence "
              f"({DIVERGENCE_MARGIN} nats over the clean run to the end) and before every incumbent alarm counted "
-             f"from the onset; steps ahead to the nearest of them. An incumbent that rang as early on the clean run is "
-             f"named, not counted. Each seed's runs: `megatron-mech demo --seed S --out RUNS/sS` (its three runs one "
-             f"after the other; the scores read steps, not time, so other jobs on the machine do not enter "
-             f"them). The incumbents judge every step's loss and grad norm (`summary.json`), as on a trainer; the "
+             f"from the onset; steps ahead to the nearest of them. An incumbent rule that also rang on the clean run "
+             f"from the onset is named, not counted (the standard the monitors are held to: no alert on a clean "
+             f"run; `benchmarks/incumbent_placebo.py` fixed it on the tuning seeds), with the clean run's first "
+             f"firing and how many times it fired there to the end. Each seed's runs: "
+             f"`megatron-mech demo --seed S --out RUNS/sS` (its three runs one after the other; the scores read "
+             f"steps, not time, so other jobs on the machine do not enter them). The incumbents judge every step's "
+             f"loss and grad norm (`summary.json`), as on a trainer; the "
              f"column 'at records' is the first counted incumbent on the same runs with the grad norm read at the "
              f"monitor records only (every 5 steps, the rules' windows scaled to the same steps), for comparison with "
-             f"results scored that way. 'Rings on the clean run': how many times the first counted incumbent's rule "
-             f"fired on the clean run from the onset to the end.{replayed}", "",
-             "| seed | act | own family's first alert (rule, series, layer) | first counted incumbent | rings on the "
-             "clean run | not counted (clean run's step) | at records | loss divergence | outcome apart from the "
+             f"results scored that way.{replayed}", "",
+             "| seed | act | own family's first alert (rule, series, layer) | first counted incumbent | not counted "
+             "(rang on the clean run too: first step, times) | at records | loss divergence | outcome apart from the "
              "monitors | verdict |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         inc = f"{r['first_incumbent'][1]} {r['first_incumbent'][0]}" if r["first_incumbent"] else "none"
-        skipped = ", ".join(f"{k} ({v})" for k, v in r["not_counted"].items()) or "–"
+        skipped = not_counted_text(r["not_counted"], r["clean_rings"])
         records = r.get("first_incumbent_at_records")
         at_records = f"{records[1]} {records[0]}" if records else "none" if "first_incumbent_at_records" in r else "–"
         what = "max-logit explosion" if r["act"] == "attention" else "routing collapse"
         series = r["metric"].rsplit("/", 1)[-1] if r.get("metric") else "–"
         ours = f"{r['ours'] or 'none'} ({r['rule']}, {series}, layer {r['layer']})"
-        rings = "–" if r.get("clean_rings") is None else r["clean_rings"]
-        lines.append(f"| {r['seed']} | {r['act']} | {ours} | {inc} | {rings} | {skipped} | {at_records} "
+        lines.append(f"| {r['seed']} | {r['act']} | {ours} | {inc} | {skipped} | {at_records} "
                      f"| {r['divergence'] or 'none'} | {what} {r['outcome'] or 'none'} | {r['verdict']} |")
     for act in OWN_FAMILY:
         verdicts = [r["verdict"] for r in rows if r["act"] == act]

@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 __all__ = ["DEMO_ATTENTION_FLAGS", "DEMO_FAULTS", "DIVERGENCE_MARGIN", "ActScore", "attention_outcome_line",
-           "clean_rings", "collapse_line", "demo_commands", "demo_fault_flags", "demo_length", "demo_report",
-           "incumbents_from", "incumbents_line", "load_demo_run", "run_demo", "score_act", "step_losses", "steps_ahead"]
+           "clean_rings", "collapse_line", "counted_firings", "demo_commands", "demo_fault_flags", "demo_length",
+           "demo_report", "false_on_clean", "incumbents_from", "incumbents_line", "load_demo_run",
+           "not_counted_text", "run_demo", "score_act", "step_losses", "steps_ahead"]
 
 # The demo's attention fault: the lead-time study's precision fault (``FAULT_FLAGS["attention"]``, γ = 0.1 in layer
 # 1 from step 300) made stronger and, with the CLI's ``--fault-start`` of 260, earlier, so that within the demo's 500
@@ -159,15 +160,12 @@ def incumbents_from(run: dict, from_step: int = 1) -> dict:
                                  grad_norms=run.get("grad_norms"), from_step=from_step)
 
 
-def clean_rings(clean: dict, first_incumbent: Optional[tuple], start: int) -> Optional[int]:
-    """How many times the rule of ``first_incumbent`` (``(step, rule)``, e.g. :attr:`ActScore.first_incumbent`) fired
-    on the clean run from ``start`` to the end (None without one): a rule that rings every few steps without the
-    fault makes its first firing after the onset a matter of chance."""
+def clean_rings(clean: dict, rule: str, start: int) -> int:
+    """How many times incumbent ``rule`` fired on the clean run from ``start`` to the end: what a rule that is not
+    counted (:func:`false_on_clean`) would have paged a person with on a run without the fault."""
     from megatron_mech.studies.incumbents import firing_steps
 
-    if first_incumbent is None:
-        return None
-    return len(firing_steps(lambda step: incumbents_from(clean, step), first_incumbent[1], start))
+    return len(firing_steps(lambda step: incumbents_from(clean, step), rule, start))
 
 
 def _series_text(runs: dict) -> str:
@@ -186,23 +184,37 @@ def _fired_text(firings: dict) -> str:
     return "; ".join(parts)
 
 
-def _false_on_clean(firings: dict, clean_firings: dict | None) -> dict:
-    """The rules of ``firings`` that fired on the clean run too, as early or earlier (both from the fault's onset):
-    ``{rule: the clean run's step}``. The runs are one run until the onset; an alarm that rings as early without
-    the fault says nothing about it."""
+def not_counted_text(not_counted: dict, rings: dict) -> str:
+    """A report's cell for the rules not counted (``{rule: the clean run's first firing}``, :func:`false_on_clean`)
+    with how many times each rang on the clean run (``{rule: count}``, :func:`clean_rings`); "–" for none."""
+    return ", ".join(f"{rule} (from {step}, {rings[rule]}×)" for rule, step in not_counted.items()) or "–"
+
+
+def false_on_clean(firings: dict, clean_firings: dict | None) -> dict:
+    """The rules that fired on the fault run and also on the clean run, both from the fault's onset to the end:
+    ``{rule: the clean run's first firing}``. Such a rule's firing is not counted as a warning of the fault: it rings
+    without it, and a person paged by it could not tell the two apart. It is the standard the monitors' own alerts
+    are held to (none on a clean run). Counting a rule unless the clean run rang *as early* would credit a rule that
+    rings every few steps with a warning about half the time on runs without any fault
+    (``benchmarks/incumbent_placebo.py``)."""
     if not clean_firings:
         return {}
     return {rule: clean_firings[rule] for rule, step in firings.items()
-            if step is not None and clean_firings.get(rule) is not None and clean_firings[rule] <= step}
+            if step is not None and clean_firings.get(rule) is not None}
+
+
+def counted_firings(firings: dict, clean_firings: dict | None = None) -> dict:
+    """``{rule: step}`` of the incumbent firings (``{rule: first step or None}``, see :func:`incumbents_from`) that
+    count as warnings: every rule that fired, less those :func:`false_on_clean` names when the clean run's firings
+    from the same step are given."""
+    skip = false_on_clean(firings, clean_firings)
+    return {rule: step for rule, step in firings.items() if step is not None and rule not in skip}
 
 
 def _first_incumbent(firings: dict, clean_firings: dict | None = None):
-    """``(step, rule)`` of the first incumbent alarm among ``firings`` (``{rule: first step or None}``, see
-    ``incumbents_from``), or None when none fired; with ``clean_firings`` (the clean run's, from the same step), a
-    rule that fired as early on the clean run is not counted (:func:`_false_on_clean`)."""
-    skip = _false_on_clean(firings, clean_firings)
-    fired = [(step, rule) for rule, step in firings.items() if step is not None and rule not in skip]
-    return min(fired) if fired else None
+    """``(step, rule)`` of the first counted incumbent alarm (:func:`counted_firings`), or None."""
+    counted = counted_firings(firings, clean_firings)
+    return min((step, rule) for rule, step in counted.items()) if counted else None
 
 
 @dataclass(frozen=True)
@@ -224,7 +236,7 @@ class ActScore:
     firings: dict
     """Each incumbent rule's first firing at or after the onset on the fault run (``{rule: step or None}``)."""
     not_counted: dict
-    """The rules among ``firings`` that fired as early on the clean run (``{rule: the clean run's step}``)."""
+    """The rules among ``firings`` not counted as they fired on the clean run too (:func:`false_on_clean`)."""
     first_incumbent: Optional[tuple]
     """``(step, rule)`` of the first counted incumbent alarm, or None."""
 
@@ -250,7 +262,7 @@ def score_act(runs: dict, act: str, start: int, margin: float = DIVERGENCE_MARGI
               own: Optional[str] = None) -> ActScore:
     """Score the fault run ``runs[act]`` against ``runs["clean"]`` (both as :func:`load_demo_run` reads them) for a
     fault from step ``start``: its own family's first alert, the loss divergence (``margin`` nats over the clean run
-    to the end), and the incumbent alarms from the onset, a rule that rang as early on the clean run not counted.
+    to the end), and the incumbent alarms from the onset, a rule that rang on the clean run too not counted.
     ``own``: the fault's own family (default: the demo's, :data:`OWN_FAMILY`; none known: attention or router)."""
     from megatron_mech.studies.leadtime import divergence_step, first_alert
 
@@ -263,7 +275,7 @@ def score_act(runs: dict, act: str, start: int, margin: float = DIVERGENCE_MARGI
     firings, clean_firings = incumbents_from(run, start), incumbents_from(clean, start)
     return ActScore(act=act, who=own or "monitor", firsts=firsts, first=first, alert=alert,
                     divergence=divergence_step(run["losses"], clean["losses"], margin), firings=firings,
-                    not_counted=_false_on_clean(firings, clean_firings),
+                    not_counted=false_on_clean(firings, clean_firings),
                     first_incumbent=_first_incumbent(firings, clean_firings))
 
 
@@ -318,20 +330,20 @@ def headline(title: str, first_ours, divergence, first_incumbent) -> str:
 def incumbents_line(run: dict, first_ours, from_step: int = 1, who: str = "monitor",
                     clean_firings: dict | None = None) -> str:
     """Our first alert against the alarms users already have (each incumbent rule's first firing at or after
-    ``from_step``), on one run; with ``clean_firings`` (the clean run's from the same step), the rules that fired as
-    early on the clean run are named and not counted."""
+    ``from_step``), on one run; with ``clean_firings`` (the clean run's from the same step), the rules that fired on
+    the clean run too are named and not counted (:func:`false_on_clean`)."""
     firings = incumbents_from(run, from_step)
-    return _incumbents_text(firings, _first_incumbent(firings, clean_firings), _false_on_clean(firings, clean_firings),
+    return _incumbents_text(firings, _first_incumbent(firings, clean_firings), false_on_clean(firings, clean_firings),
                             first_ours, from_step, who)
 
 
 def _incumbents_text(firings: dict, first, skipped: dict, first_ours, from_step: int, who: str) -> str:
     """:func:`incumbents_line` from the firings already found: ``first`` the first counted one (``(step, rule)`` or
-    None), ``skipped`` the rules not counted (``{rule: the clean run's step}``)."""
+    None), ``skipped`` the rules not counted (``{rule: the clean run's first firing}``)."""
     since = "" if from_step <= 1 else f" from the fault's onset (step {from_step})"
     ours = f"our first {who} alert: {first_ours if first_ours else 'none'}"
     if skipped:
-        ours += ("; not counted, as they fired as early on the clean run: "
+        ours += ("; not counted, as they fired on the clean run too: "
                  + ", ".join(f"{rule} (here {firings[rule]}, clean run {step})" for rule, step in skipped.items()))
     if first is None:
         return f"{ours}; no incumbent alarm fired{since} ({_fired_text(firings)})"
@@ -402,9 +414,9 @@ def demo_report(out, names, *, seed: int, steps: int, start: int, plots: bool = 
              f"nats above the clean run until the end. Incumbent alarms: Megatron-LM's spiky-loss check, OLMo-core's "
              f"6σ loss and grad-norm spikes, ZClip's grad-norm z-score, llm-foundry's loss-spike callback, the "
              f"QK-clip level on the max attention logit, a grad-norm level (megatron_mech.studies.incumbents), "
-             f"applied to each run's own {_series_text(runs)} from the fault's onset (an "
-             f"alarm before it fires on the clean run too; one that fires on the clean run as early after the onset "
-             f"is named but not counted: it rings without the fault). Caught first: the fault's own monitor family "
+             f"applied to each run's own {_series_text(runs)} from the fault's onset (an alarm that also fires on "
+             f"the clean run after the onset is named but not counted: it rings without the fault, and the "
+             f"monitors' own alerts are held to none on a clean run). Caught first: the fault's own monitor family "
              f"(attention or router) alerted before the loss diverged and before every incumbent alarm; the steps "
              f"ahead are counted to the nearest of them.", "",
              f"- clean run: {len(clean['alerts'])} alerts (false alarms); incumbent alarms on it: "

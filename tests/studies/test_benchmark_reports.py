@@ -252,13 +252,42 @@ def test_lead_time_scores_each_fault_run_against_the_incumbents_from_its_onset()
     assert row["who"] == "attention" and row["first"] == 110 and row["first_incumbent"][0] == 153
     assert row["firings"]["grad norm > 20"] == row["firings"]["ZClip grad-norm z-score"] == 153  # a 30× spike
     assert row["not_counted"] == {} and row["lead"] == 43 and row["verdict"].startswith("**early**")
-    assert row["clean_rings"] == 0  # the clean run's one spike (step 60) is before the onset
+    assert row["clean_rings"] == {}  # the clean run's one spike (step 60) is before the onset
     # the same spike on the clean run at an earlier step after the onset: rings without the fault, not counted
     clean = run(lambda s: 30.0 if s == 120 else 1.0, [])
     row = lead_time.incumbents_row("slow_attention", fault, clean, 100, 0.2)
     assert row["not_counted"]["grad norm > 20"] == 120 and row["first_incumbent"] is None
-    assert row["clean_rings"] is None  # no counted incumbent
-    # a fault run's spike counted though the clean run rings twice after it (steps 160 and 170): the count says so
+    assert row["clean_rings"]["grad norm > 20"] == 1
+    # the clean run rings twice, both after the fault run's spike (steps 160 and 170): the rule rings without the
+    # fault all the same, so the fault run's spike is not counted either, and the count says how often it rang
     clean = run(lambda s: 30.0 if s in (160, 170) else 1.0, [])
     row = lead_time.incumbents_row("slow_attention", fault, clean, 100, 0.2)
-    assert row["first_incumbent"][0] == 153 and row["clean_rings"] == 2
+    assert row["first_incumbent"] is None and row["not_counted"]["grad norm > 20"] == 160
+    assert row["clean_rings"]["grad norm > 20"] == 2 and row["verdict"].startswith("**early**")
+
+
+def test_the_placebo_credits_a_rule_ringing_on_clean_runs_only_under_the_as_early_criterion():
+    # Three clean runs, no fault. Seed 1's grad norm spikes to 30 (over the level 20, a ZClip z-score spike too)
+    # 20 steps after the onset, seed 2's 50 steps after, seed 3's never. Scored against seed 2, seed 1's spike is
+    # "earlier than on the clean run": as_early counts it, silent does not (seed 2 rang). Against seed 3 (silent)
+    # both count it. Seed 2 against seed 1 (which rang earlier) and seed 3 against anyone: nothing counted.
+    from benchmarks import incumbent_placebo
+
+    start = incumbent_placebo.START
+
+    def clean(spike):
+        grad_norm = lambda s: 30.0 if spike is not None and s == start + spike else 1.0  # noqa: E731
+        return {"clean": {"losses": [3.0] * (start + 100), "grad_norms": [grad_norm(s) for s in range(1, start + 101)],
+                          "alerts": [], "seed": 0,
+                          "records": [{"step": s, "metrics": {"symptom/grad_norm": grad_norm(s),
+                                                              "symptom/max_attn_logit": 10.0}}
+                                      for s in range(5, start + 101, 5)]}}
+
+    rows = {(r["fault_seed"], r["clean_seed"]): r
+            for r in incumbent_placebo.placebo({1: clean(20), 2: clean(50), 3: clean(None)})}
+    assert rows[1, 2]["as_early"] == (start + 20, "ZClip grad-norm z-score") and rows[1, 2]["silent"] is None
+    assert rows[1, 3]["as_early"] == rows[1, 3]["silent"] == (start + 20, "ZClip grad-norm z-score")
+    assert rows[2, 1]["as_early"] is None and rows[2, 1]["silent"] is None
+    assert rows[2, 3]["silent"] == (start + 50, "ZClip grad-norm z-score")
+    assert all(rows[3, y]["as_early"] is None and rows[3, y]["silent"] is None for y in (1, 2))
+    assert all(r["monitor_alerts"] == 0 for r in rows.values())

@@ -152,6 +152,23 @@ def test_incumbents_line_without_or_after_our_alert(tmp_path, ours, verdict):
                     f"grad-norm z-score, llm-foundry loss spike, grad norm > 20{verdict}")
 
 
+def test_an_incumbent_alarm_that_rings_on_the_clean_run_later_is_not_counted_either(tmp_path):
+    # The fault run's grad norm spikes to 30 at step 130 (over the level 20, a ZClip z-score spike); the clean run's
+    # at 170 and 190, after it: the rules ring without the fault, so the fault run's firing at 130 is no warning
+    # (the monitors' alerts are held to none on a clean run). Only the QK-clip level at 160 counts: ours at 110 is
+    # 50 steps ahead of it, not 20 ahead of the grad-norm spike.
+    losses = [3.0] * STEPS
+    _write_run(tmp_path / "clean", losses, lambda s: 10.0, lambda s: 30.0 if s in (170, 190) else 1.0,
+               per_step_grad_norms=True)
+    _write_run(tmp_path / "attention", losses, lambda s: 150.0 if s >= 160 else 10.0,
+               lambda s: 30.0 if s == 130 else 1.0, [ATTENTION_ALERT], per_step_grad_norms=True)
+    report = demo_report(tmp_path, ["clean", "attention"], seed=21, steps=STEPS, start=START, plots=False)
+    line = _line(report, "- our first attention alert")
+    assert "grad norm > 20 (here 130, clean run 170)" in line
+    assert "ZClip grad-norm z-score (here 130, clean run 170)" in line
+    assert report.splitlines()[0].endswith("attention-precision fault caught first, 50 steps ahead")
+
+
 def test_the_attention_act_states_the_fault_its_command_injects(tmp_path):
     # The reference is the attention run's own command line, parsed by the fault flags' parser: the report must
     # name the layer and γ the run injects, not the lead-time study's setting.
@@ -185,7 +202,7 @@ def test_an_incumbent_alarm_that_rings_as_early_on_the_clean_run_is_not_counted(
                lambda s: 30.0 if s >= 150 else 1.0, [ATTENTION_ALERT])
     report = demo_report(tmp_path, ["clean", "attention"], seed=21, steps=STEPS, start=START, plots=False)
     line = _line(report, "- our first attention alert")
-    assert "not counted, as they fired as early on the clean run: " in line
+    assert "not counted, as they fired on the clean run too: " in line
     assert "grad norm > 20 (here 150, clean run 150)" in line
     assert line.endswith("— ours 50 steps before the first of them")  # the QK-clip level at 160
     assert _line(report, "- attention-precision fault:").endswith(
