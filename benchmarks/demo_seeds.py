@@ -33,7 +33,6 @@ from megatron_mech.studies.demo import (  # noqa: E402
     DEMO_ATTENTION_FLAGS,
     DIVERGENCE_MARGIN,
     OWN_FAMILY,
-    clean_rings,
     demo_fault_flags,
     load_demo_run,
     not_counted_text,
@@ -77,7 +76,7 @@ def score_seed(seed: int, out: Path, replay: bool = False) -> list:
                      "rule": alert.rule_kind.replace("_", " ") if alert else None,
                      "layer": layer_of(alert.metric) if alert else None, "metric": alert.metric if alert else None,
                      "first_incumbent": score.first_incumbent, "first_incumbent_at_records": per_record,
-                     "clean_rings": {rule: clean_rings(runs["clean"], rule, START) for rule in score.not_counted},
+                     "clean_rings": score.clean_rings,
                      "not_counted": score.not_counted,
                      "divergence": score.divergence, "outcome": outcome,
                      "verdict": score.headline(act).split(" ", 1)[1], "clean_alerts": len(runs["clean"]["alerts"])})

@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 from megatron_mech.adapters.megatron_core.launch import torchrun_prefix  # noqa: E402
 from megatron_mech.core.attribution import alert_lines  # noqa: E402
 from megatron_mech.studies.clean_scores import replay_alerts  # noqa: E402
-from megatron_mech.studies.demo import clean_rings, load_demo_run, not_counted_text, score_act  # noqa: E402
+from megatron_mech.studies.demo import load_demo_run, not_counted_text, score_act  # noqa: E402
 from megatron_mech.studies.leadtime import (  # noqa: E402
     DIVERGENCE_HOLD,
     FAULT_FLAGS,
@@ -110,7 +110,7 @@ def incumbents_row(name: str, run: dict, clean: dict, start: int, margin: float)
     score = score_act({"clean": clean, name: run}, name, start, margin, own=OWN_FAMILY.get(name))
     return {"who": score.who, "first": score.first, "firings": score.firings, "not_counted": score.not_counted,
             "first_incumbent": score.first_incumbent, "lead": score.lead, "verdict": score.verdict_line(),
-            "clean_rings": {rule: clean_rings(clean, rule, start) for rule in score.not_counted}}
+            "clean_rings": score.clean_rings}
 
 
 def main(argv=None):

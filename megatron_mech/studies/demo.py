@@ -237,6 +237,8 @@ class ActScore:
     """Each incumbent rule's first firing at or after the onset on the fault run (``{rule: step or None}``)."""
     not_counted: dict
     """The rules among ``firings`` not counted as they fired on the clean run too (:func:`false_on_clean`)."""
+    clean_rings: dict
+    """How many times each rule of ``not_counted`` fired on the clean run from the onset (:func:`clean_rings`)."""
     first_incumbent: Optional[tuple]
     """``(step, rule)`` of the first counted incumbent alarm, or None."""
 
@@ -255,7 +257,8 @@ class ActScore:
 
     def incumbents_line(self, start: int) -> str:
         """The act's :func:`incumbents_line` (fault from ``start``), from the firings already scored."""
-        return _incumbents_text(self.firings, self.first_incumbent, self.not_counted, self.first, start, self.who)
+        return _incumbents_text(self.firings, self.first_incumbent, self.not_counted, self.first, start, self.who,
+                                self.clean_rings)
 
 
 def score_act(runs: dict, act: str, start: int, margin: float = DIVERGENCE_MARGIN,
@@ -273,9 +276,11 @@ def score_act(runs: dict, act: str, start: int, margin: float = DIVERGENCE_MARGI
     alert = next((a for a in run["alerts"] if a.step == first and a.family in ((own,) if own else
                                                                               ("attention", "router"))), None)
     firings, clean_firings = incumbents_from(run, start), incumbents_from(clean, start)
+    not_counted = false_on_clean(firings, clean_firings)
     return ActScore(act=act, who=own or "monitor", firsts=firsts, first=first, alert=alert,
                     divergence=divergence_step(run["losses"], clean["losses"], margin), firings=firings,
-                    not_counted=false_on_clean(firings, clean_firings),
+                    not_counted=not_counted,
+                    clean_rings={rule: clean_rings(clean, rule, start) for rule in not_counted},
                     first_incumbent=_first_incumbent(firings, clean_firings))
 
 
@@ -337,14 +342,17 @@ def incumbents_line(run: dict, first_ours, from_step: int = 1, who: str = "monit
                             first_ours, from_step, who)
 
 
-def _incumbents_text(firings: dict, first, skipped: dict, first_ours, from_step: int, who: str) -> str:
+def _incumbents_text(firings: dict, first, skipped: dict, first_ours, from_step: int, who: str,
+                     rings: dict | None = None) -> str:
     """:func:`incumbents_line` from the firings already found: ``first`` the first counted one (``(step, rule)`` or
-    None), ``skipped`` the rules not counted (``{rule: the clean run's first firing}``)."""
+    None), ``skipped`` the rules not counted (``{rule: the clean run's first firing}``), ``rings`` how many times
+    each of them fired on the clean run (when known)."""
     since = "" if from_step <= 1 else f" from the fault's onset (step {from_step})"
     ours = f"our first {who} alert: {first_ours if first_ours else 'none'}"
     if skipped:
-        ours += ("; not counted, as they fired on the clean run too: "
-                 + ", ".join(f"{rule} (here {firings[rule]}, clean run {step})" for rule, step in skipped.items()))
+        ours += "; not counted, as they fired on the clean run too: " + ", ".join(
+            f"{rule} (here {firings[rule]}, clean run {step}" + (f", {rings[rule]}× from the onset)" if rings else ")")
+            for rule, step in skipped.items())
     if first is None:
         return f"{ours}; no incumbent alarm fired{since} ({_fired_text(firings)})"
     step, rule = first

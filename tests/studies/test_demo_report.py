@@ -164,8 +164,8 @@ def test_an_incumbent_alarm_that_rings_on_the_clean_run_later_is_not_counted_eit
                lambda s: 30.0 if s == 130 else 1.0, [ATTENTION_ALERT], per_step_grad_norms=True)
     report = demo_report(tmp_path, ["clean", "attention"], seed=21, steps=STEPS, start=START, plots=False)
     line = _line(report, "- our first attention alert")
-    assert "grad norm > 20 (here 130, clean run 170)" in line
-    assert "ZClip grad-norm z-score (here 130, clean run 170)" in line
+    assert "grad norm > 20 (here 130, clean run 170, 2× from the onset)" in line
+    assert "ZClip grad-norm z-score (here 130, clean run 170, 2× from the onset)" in line
     assert report.splitlines()[0].endswith("attention-precision fault caught first, 50 steps ahead")
 
 
@@ -203,7 +203,8 @@ def test_an_incumbent_alarm_that_rings_as_early_on_the_clean_run_is_not_counted(
     report = demo_report(tmp_path, ["clean", "attention"], seed=21, steps=STEPS, start=START, plots=False)
     line = _line(report, "- our first attention alert")
     assert "not counted, as they fired on the clean run too: " in line
-    assert "grad norm > 20 (here 150, clean run 150)" in line
+    # the level rule fires on each of the clean run's records from 150 to 200 (the grad norm read at the records)
+    assert "grad norm > 20 (here 150, clean run 150, 11× from the onset)" in line
     assert line.endswith("— ours 50 steps before the first of them")  # the QK-clip level at 160
     assert _line(report, "- attention-precision fault:").endswith(
         "50 steps before the first incumbent alarm (max logit > 100 (QK-clip))")
