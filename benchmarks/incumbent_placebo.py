@@ -112,10 +112,13 @@ def report(seeds: list, pairs: list, acts: list, rings: dict) -> str:
         false = sum(r[name] is not None for r in pairs)
         lines.append(f"- `{name}`: a false warning counted on {false} of {len(pairs)} placebo pairs")
     lines.append(f"- monitors: alerts on {sum(r['monitor_alerts'] > 0 for r in pairs)} of {len(pairs)} placebo pairs")
-    false = {name: sum(r[name] is not None for r in pairs) for name in CRITERIA}
-    chosen = "as_early" if false["as_early"] <= false["silent"] else "silent"
-    lines.append(f"- choice (rule fixed before the tuning runs were read: the fewest placebo false warnings, a tie "
-                 f"keeps `as_early`, the criterion in use before): `{chosen}`")
+    if tuning:
+        false = {name: sum(r[name] is not None for r in pairs) for name in CRITERIA}
+        chosen = "as_early" if false["as_early"] <= false["silent"] else "silent"
+        lines.append(f"- choice (rule fixed before the tuning runs were read: the fewest placebo false warnings, a "
+                     f"tie keeps `as_early`, the criterion in use before): `{chosen}`")
+    else:
+        lines.append("- not tuning seeds: a check of the criterion the tuning seeds fixed (`silent`), not a choice")
     lines += ["", "## Sensitivity: first counted incumbent on the fault acts", "",
               "| seed | act | as_early | silent |", "|---|---|---|---|"]
     lines += [f"| s{r['seed']} | {r['act']} | {_cell(r['as_early'])} | {_cell(r['silent'])} |" for r in acts]

@@ -283,11 +283,18 @@ def test_the_placebo_credits_a_rule_ringing_on_clean_runs_only_under_the_as_earl
                                                               "symptom/max_attn_logit": 10.0}}
                                       for s in range(5, start + 101, 5)]}}
 
-    rows = {(r["fault_seed"], r["clean_seed"]): r
-            for r in incumbent_placebo.placebo({1: clean(20), 2: clean(50), 3: clean(None)})}
+    runs = {1: clean(20), 2: clean(50), 3: clean(None)}
+    rows = {(r["fault_seed"], r["clean_seed"]): r for r in incumbent_placebo.placebo(runs)}
     assert rows[1, 2]["as_early"] == (start + 20, "ZClip grad-norm z-score") and rows[1, 2]["silent"] is None
     assert rows[1, 3]["as_early"] == rows[1, 3]["silent"] == (start + 20, "ZClip grad-norm z-score")
     assert rows[2, 1]["as_early"] is None and rows[2, 1]["silent"] is None
     assert rows[2, 3]["silent"] == (start + 50, "ZClip grad-norm z-score")
     assert all(rows[3, y]["as_early"] is None and rows[3, y]["silent"] is None for y in (1, 2))
     assert all(r["monitor_alerts"] == 0 for r in rows.values())
+    # 3 of 6 pairs credit a false warning under as_early (1→2, 1→3, 2→3), 2 under silent (1→3, 2→3); the rule
+    # that chooses (the fewest, a tie keeping as_early) names silent only on tuning seeds
+    text = incumbent_placebo.report([11, 1234, 12], list(rows.values()), [], incumbent_placebo.ring_counts(runs))
+    assert "`as_early`: a false warning counted on 3 of 6" in text and "`silent`: a false warning counted on 2 of 6" in text
+    assert "`silent`" in text.split("- choice")[1]
+    assert "- choice" not in incumbent_placebo.report([21, 22, 23], list(rows.values()), [],
+                                                      incumbent_placebo.ring_counts(runs))
