@@ -161,8 +161,9 @@ def incumbents_from(run: dict, from_step: int = 1) -> dict:
 
 
 def clean_rings(clean: dict, rule: str, start: int) -> int:
-    """How many times incumbent ``rule`` fired on the clean run from ``start`` to the end: what a rule that is not
-    counted (:func:`false_on_clean`) would have paged a person with on a run without the fault."""
+    """At how many steps incumbent ``rule`` fired on the clean run from ``start`` to the end (a level rule fires at
+    every step it stays above its level): what a rule that is not counted (:func:`false_on_clean`) would have paged
+    a person with on a run without the fault."""
     from megatron_mech.studies.incumbents import firing_steps
 
     return len(firing_steps(lambda step: incumbents_from(clean, step), rule, start))
@@ -187,16 +188,17 @@ def _fired_text(firings: dict) -> str:
 def not_counted_text(not_counted: dict, rings: dict) -> str:
     """A report's cell for the rules not counted (``{rule: the clean run's first firing}``, :func:`false_on_clean`)
     with how many times each rang on the clean run (``{rule: count}``, :func:`clean_rings`); "–" for none."""
-    return ", ".join(f"{rule} (from {step}, {rings[rule]}×)" for rule, step in not_counted.items()) or "–"
+    return ", ".join(f"{rule} (from {step}, at {rings[rule]} steps)" for rule, step in not_counted.items()) or "–"
 
 
 def false_on_clean(firings: dict, clean_firings: dict | None) -> dict:
     """The rules that fired on the fault run and also on the clean run, both from the fault's onset to the end:
     ``{rule: the clean run's first firing}``. Such a rule's firing is not counted as a warning of the fault: it rings
     without it, and a person paged by it could not tell the two apart. It is the standard the monitors' own alerts
-    are held to (none on a clean run). Counting a rule unless the clean run rang *as early* would credit a rule that
-    rings every few steps with a warning about half the time on runs without any fault
-    (``benchmarks/incumbent_placebo.py``)."""
+    are held to (none on a clean run), and like it, it watches the whole clean run: on a long run a rule that rings
+    once, late, loses its count on the fault run however early it fired there. Counting a rule unless the clean run
+    rang *as early* would credit a rule that rings every few steps with a warning about half the time on runs
+    without any fault (``benchmarks/incumbent_placebo.py``)."""
     if not clean_firings:
         return {}
     return {rule: clean_firings[rule] for rule, step in firings.items()
@@ -236,7 +238,8 @@ class ActScore:
     firings: dict
     """Each incumbent rule's first firing at or after the onset on the fault run (``{rule: step or None}``)."""
     not_counted: dict
-    """The rules among ``firings`` not counted as they fired on the clean run too (:func:`false_on_clean`)."""
+    """The rules among ``firings`` not counted as they fired on the clean run too (:func:`false_on_clean`):
+    ``{rule: the clean run's first firing}``."""
     clean_rings: dict
     """How many times each rule of ``not_counted`` fired on the clean run from the onset (:func:`clean_rings`)."""
     first_incumbent: Optional[tuple]
@@ -286,8 +289,9 @@ def score_act(runs: dict, act: str, start: int, margin: float = DIVERGENCE_MARGI
 
 def verdict(first_ours, divergence, first_incumbent, who: str = "monitor") -> str:
     """One fault run's outcome in a line, computed from the steps (never a fixed claim): ``early`` when the
-    monitors alerted before the loss diverged (or it never did) and before every incumbent alarm; ``late`` when
-    they alerted after either; ``missed`` when they did not alert. ``first_incumbent``: ``(step, rule)`` or None;
+    monitors alerted before the loss diverged (or it never did) and before every incumbent alarm; ``tie`` when at
+    the step of one of them and before none; ``late`` when they alerted after either; ``missed`` when they did not
+    alert. ``first_incumbent``: ``(step, rule)`` or None;
     ``who``: the alert's family as the line names it."""
     if not first_ours:
         return f"**missed**: no {who} alert" + ("" if first_incumbent is None else
@@ -307,9 +311,10 @@ def verdict(first_ours, divergence, first_incumbent, who: str = "monitor") -> st
         incumbents = (f"{step - first_ours} steps before the first incumbent alarm ({rule})" if first_ours < step
                       else f"{first_ours - step} steps after the first incumbent alarm ({rule})" if first_ours > step
                       else f"at the same step as the first incumbent alarm ({rule})")
-    early = (divergence is None or first_ours < divergence) and (first_incumbent is None or
-                                                                 first_ours < first_incumbent[0])
-    return f"**{'early' if early else 'late'}**: first {who} alert at {first_ours}, {loss}, {incumbents}"
+    rivals = [step for step in (divergence, first_incumbent[0] if first_incumbent else None) if step is not None]
+    label = ("early" if all(first_ours < step for step in rivals) else
+             "tie" if all(first_ours <= step for step in rivals) else "late")
+    return f"**{label}**: first {who} alert at {first_ours}, {loss}, {incumbents}"
 
 
 def steps_ahead(first_ours, divergence, first_incumbent) -> Optional[int]:
@@ -351,7 +356,8 @@ def _incumbents_text(firings: dict, first, skipped: dict, first_ours, from_step:
     ours = f"our first {who} alert: {first_ours if first_ours else 'none'}"
     if skipped:
         ours += "; not counted, as they fired on the clean run too: " + ", ".join(
-            f"{rule} (here {firings[rule]}, clean run {step}" + (f", {rings[rule]}× from the onset)" if rings else ")")
+            f"{rule} (here {firings[rule]}, clean run {step}" + (f", at {rings[rule]} steps from the onset)"
+                                                                  if rings else ")")
             for rule, step in skipped.items())
     if first is None:
         return f"{ours}; no incumbent alarm fired{since} ({_fired_text(firings)})"

@@ -292,9 +292,15 @@ def test_the_placebo_credits_a_rule_ringing_on_clean_runs_only_under_the_as_earl
     assert all(rows[3, y]["as_early"] is None and rows[3, y]["silent"] is None for y in (1, 2))
     assert all(r["monitor_alerts"] == 0 for r in rows.values())
     # 3 of 6 pairs credit a false warning under as_early (1→2, 1→3, 2→3), 2 under silent (1→3, 2→3); the rule
-    # that chooses (the fewest, a tie keeping as_early) names silent only on tuning seeds
-    text = incumbent_placebo.report([11, 1234, 12], list(rows.values()), [], incumbent_placebo.ring_counts(runs))
+    # picks silent only where it also still counts an incumbent on every fault act, and states a choice only on
+    # tuning seeds
+    acts = [{"seed": 1, "act": "attention", "as_early": (300, "OLMo grad-norm spike"),
+             "silent": (300, "OLMo grad-norm spike")}]
+    text = incumbent_placebo.report([11, 1234, 12], list(rows.values()), acts, incumbent_placebo.ring_counts(runs))
     assert "`as_early`: a false warning counted on 3 of 6" in text and "`silent`: a false warning counted on 2 of 6" in text
-    assert "`silent`" in text.split("- choice")[1]
+    assert text.split("- choice")[1].split("\n")[0].endswith("`silent`")
+    gives_up = [{**acts[0], "silent": None}]  # silent would count no incumbent on a fault act: as_early kept
+    assert incumbent_placebo.choose(list(rows.values()), gives_up) == "as_early"
+    assert incumbent_placebo.choose(list(rows.values()), acts) == "silent"
     assert "- choice" not in incumbent_placebo.report([21, 22, 23], list(rows.values()), [],
                                                       incumbent_placebo.ring_counts(runs))

@@ -117,6 +117,12 @@ def test_the_grad_norm_rules_judge_every_step_when_the_runs_kept_it(tmp_path):
     (120, None, None, "**early**: first monitor alert at 120, the loss did not diverge within the run, no incumbent "
                       "alarm fired"),
     (None, 299, (285, "QK-clip"), "**missed**: no monitor alert; first incumbent alarm: QK-clip at 285"),
+    # at the step of the first incumbent, before the divergence: a tie, neither early nor late
+    (410, 514, (410, "QK-clip"), "**tie**: first monitor alert at 410, 104 steps before the loss diverged, at the "
+                                 "same step as the first incumbent alarm (QK-clip)"),
+    (410, 410, None, "**tie**: first monitor alert at 410, at the step the loss diverged, no incumbent alarm fired"),
+    (410, 405, (410, "QK-clip"), "**late**: first monitor alert at 410, 5 steps after the loss diverged, at the same "
+                                 "step as the first incumbent alarm (QK-clip)"),
 ])
 def test_the_verdict_is_computed_from_the_steps(ours, divergence, incumbent, expected):
     assert verdict(ours, divergence, incumbent) == expected
@@ -164,8 +170,8 @@ def test_an_incumbent_alarm_that_rings_on_the_clean_run_later_is_not_counted_eit
                lambda s: 30.0 if s == 130 else 1.0, [ATTENTION_ALERT], per_step_grad_norms=True)
     report = demo_report(tmp_path, ["clean", "attention"], seed=21, steps=STEPS, start=START, plots=False)
     line = _line(report, "- our first attention alert")
-    assert "grad norm > 20 (here 130, clean run 170, 2× from the onset)" in line
-    assert "ZClip grad-norm z-score (here 130, clean run 170, 2× from the onset)" in line
+    assert "grad norm > 20 (here 130, clean run 170, at 2 steps from the onset)" in line
+    assert "ZClip grad-norm z-score (here 130, clean run 170, at 2 steps from the onset)" in line
     assert report.splitlines()[0].endswith("attention-precision fault caught first, 50 steps ahead")
 
 
@@ -204,7 +210,7 @@ def test_an_incumbent_alarm_that_rings_as_early_on_the_clean_run_is_not_counted(
     line = _line(report, "- our first attention alert")
     assert "not counted, as they fired on the clean run too: " in line
     # the level rule fires on each of the clean run's records from 150 to 200 (the grad norm read at the records)
-    assert "grad norm > 20 (here 150, clean run 150, 11× from the onset)" in line
+    assert "grad norm > 20 (here 150, clean run 150, at 11 steps from the onset)" in line
     assert line.endswith("— ours 50 steps before the first of them")  # the QK-clip level at 160
     assert _line(report, "- attention-precision fault:").endswith(
         "50 steps before the first incumbent alarm (max logit > 100 (QK-clip))")
