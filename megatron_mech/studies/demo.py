@@ -188,7 +188,11 @@ def _fired_text(firings: dict) -> str:
 def not_counted_text(not_counted: dict, rings: dict) -> str:
     """A report's cell for the rules not counted (``{rule: the clean run's first firing}``, :func:`false_on_clean`)
     with how many times each rang on the clean run (``{rule: count}``, :func:`clean_rings`); "–" for none."""
-    return ", ".join(f"{rule} (from {step}, at {rings[rule]} steps)" for rule, step in not_counted.items()) or "–"
+    return ", ".join(f"{rule} (from {step}, at {_steps(rings[rule])})" for rule, step in not_counted.items()) or "–"
+
+
+def _steps(n: int) -> str:
+    return f"{n} step" if n == 1 else f"{n} steps"
 
 
 def false_on_clean(firings: dict, clean_firings: dict | None) -> dict:
@@ -356,7 +360,7 @@ def _incumbents_text(firings: dict, first, skipped: dict, first_ours, from_step:
     ours = f"our first {who} alert: {first_ours if first_ours else 'none'}"
     if skipped:
         ours += "; not counted, as they fired on the clean run too: " + ", ".join(
-            f"{rule} (here {firings[rule]}, clean run {step}" + (f", at {rings[rule]} steps from the onset)"
+            f"{rule} (here {firings[rule]}, clean run {step}" + (f", at {_steps(rings[rule])} from the onset)"
                                                                   if rings else ")")
             for rule, step in skipped.items())
     if first is None:

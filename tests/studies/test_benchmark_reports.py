@@ -258,6 +258,8 @@ def test_lead_time_scores_each_fault_run_against_the_incumbents_from_its_onset()
     row = lead_time.incumbents_row("slow_attention", fault, clean, 100, 0.2)
     assert row["not_counted"]["grad norm > 20"] == 120 and row["first_incumbent"] is None
     assert row["clean_rings"]["grad norm > 20"] == 1
+    from megatron_mech.studies.demo import not_counted_text
+    assert not_counted_text({"grad norm > 20": 120}, row["clean_rings"]) == "grad norm > 20 (from 120, at 1 step)"
     # the clean run rings twice, both after the fault run's spike (steps 160 and 170): the rule rings without the
     # fault all the same, so the fault run's spike is not counted either, and the count says how often it rang
     clean = run(lambda s: 30.0 if s in (160, 170) else 1.0, [])
