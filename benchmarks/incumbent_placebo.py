@@ -40,8 +40,14 @@ if str(REPO) not in sys.path:
 
 from benchmarks._results import write_results  # noqa: E402
 from megatron_mech.cli import build_parser  # noqa: E402
-from megatron_mech.studies.demo import OWN_FAMILY, counted_firings, incumbents_from, load_demo_run  # noqa: E402
-from megatron_mech.studies.incumbents import firing_steps  # noqa: E402
+from megatron_mech.studies.demo import (  # noqa: E402
+    OWN_FAMILY,
+    clean_rings,
+    counted_firings,
+    first_counted,
+    incumbents_from,
+    load_demo_run,
+)
 from megatron_mech.studies.leadtime import TUNING_SEEDS  # noqa: E402
 
 START = build_parser().parse_args(["demo"]).fault_start
@@ -58,10 +64,6 @@ def counted_as_early(firings: dict, clean_firings: dict) -> dict:
 CRITERIA = {"as_early": counted_as_early, "silent": counted_firings}
 
 
-def _first(counted: dict):
-    return min((step, rule) for rule, step in counted.items()) if counted else None
-
-
 def placebo(runs: dict) -> list:
     """One row per ordered pair of distinct seeds of ``runs`` (``{seed: {"clean": run, ...}}``)."""
     firings = {seed: incumbents_from(r["clean"], START) for seed, r in runs.items()}
@@ -70,7 +72,7 @@ def placebo(runs: dict) -> list:
         row = {"fault_seed": x, "clean_seed": y,
                "monitor_alerts": sum(a.step >= START for a in runs[x]["clean"]["alerts"])}
         for name, counted in CRITERIA.items():
-            row[name] = _first(counted(firings[x], firings[y]))
+            row[name] = first_counted(counted(firings[x], firings[y]))
         rows.append(row)
     return rows
 
@@ -83,27 +85,28 @@ def sensitivity(runs: dict) -> list:
         for act in OWN_FAMILY:
             fault = incumbents_from(r[act], START)
             rows.append({"seed": seed, "act": act,
-                         **{name: _first(counted(fault, clean)) for name, counted in CRITERIA.items()}})
+                         **{name: first_counted(counted(fault, clean)) for name, counted in CRITERIA.items()}})
     return rows
 
 
 def ring_counts(runs: dict) -> dict:
     """``{seed: {rule: firings on the clean run from the onset}}``."""
-    out = {}
-    for seed, r in runs.items():
-        rules = incumbents_from(r["clean"], START)
-        out[seed] = {rule: len(firing_steps(lambda s, run=r["clean"]: incumbents_from(run, s), rule, START))
-                     for rule in rules}
-    return out
+    return {seed: {rule: clean_rings(r["clean"], rule, START) for rule in incumbents_from(r["clean"], START)}
+            for seed, r in runs.items()}
 
 
 def _cell(first) -> str:
     return "–" if first is None else f"{first[1]} {first[0]}"
 
 
+def false_warnings(pairs: list) -> dict:
+    """``{criterion: how many placebo pairs it credits with a warning}``."""
+    return {name: sum(r[name] is not None for r in pairs) for name in CRITERIA}
+
+
 def choose(pairs: list, acts: list) -> str:
     """The criterion the rule in the module's docstring picks from the placebo ``pairs`` and sensitivity ``acts``."""
-    false = {name: sum(r[name] is not None for r in pairs) for name in CRITERIA}
+    false = false_warnings(pairs)
     keeps_warnings = all(r["silent"] is not None for r in acts)
     return "silent" if false["silent"] < false["as_early"] and keeps_warnings else "as_early"
 
@@ -121,8 +124,7 @@ def report(seeds: list, pairs: list, acts: list, rings: dict) -> str:
         lines.append(f"| s{r['fault_seed']} | s{r['clean_seed']} | {r['monitor_alerts']} | {_cell(r['as_early'])} "
                      f"| {_cell(r['silent'])} |")
     lines.append("")
-    for name in CRITERIA:
-        false = sum(r[name] is not None for r in pairs)
+    for name, false in false_warnings(pairs).items():
         lines.append(f"- `{name}`: a false warning counted on {false} of {len(pairs)} placebo pairs")
     lines.append(f"- monitors: alerts on {sum(r['monitor_alerts'] > 0 for r in pairs)} of {len(pairs)} placebo pairs")
     if tuning:

@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 __all__ = ["DEMO_ATTENTION_FLAGS", "DEMO_FAULTS", "DIVERGENCE_MARGIN", "ActScore", "attention_outcome_line",
            "clean_rings", "collapse_line", "counted_firings", "demo_commands", "demo_fault_flags", "demo_length",
-           "demo_report", "false_on_clean", "incumbents_from", "incumbents_line", "load_demo_run",
+           "demo_report", "false_on_clean", "first_counted", "incumbents_from", "incumbents_line", "load_demo_run",
            "not_counted_text", "run_demo", "score_act", "step_losses", "steps_ahead"]
 
 # The demo's attention fault: the lead-time study's precision fault (``FAULT_FLAGS["attention"]``, γ = 0.1 in layer
@@ -217,10 +217,14 @@ def counted_firings(firings: dict, clean_firings: dict | None = None) -> dict:
     return {rule: step for rule, step in firings.items() if step is not None and rule not in skip}
 
 
+def first_counted(counted: dict):
+    """``(step, rule)`` of the earliest of ``counted`` (``{rule: step}``, e.g. :func:`counted_firings`), or None."""
+    return min((step, rule) for rule, step in counted.items()) if counted else None
+
+
 def _first_incumbent(firings: dict, clean_firings: dict | None = None):
     """``(step, rule)`` of the first counted incumbent alarm (:func:`counted_firings`), or None."""
-    counted = counted_firings(firings, clean_firings)
-    return min((step, rule) for rule, step in counted.items()) if counted else None
+    return first_counted(counted_firings(firings, clean_firings))
 
 
 @dataclass(frozen=True)
@@ -315,9 +319,8 @@ def verdict(first_ours, divergence, first_incumbent, who: str = "monitor") -> st
         incumbents = (f"{step - first_ours} steps before the first incumbent alarm ({rule})" if first_ours < step
                       else f"{first_ours - step} steps after the first incumbent alarm ({rule})" if first_ours > step
                       else f"at the same step as the first incumbent alarm ({rule})")
-    rivals = [step for step in (divergence, first_incumbent[0] if first_incumbent else None) if step is not None]
-    label = ("early" if all(first_ours < step for step in rivals) else
-             "tie" if all(first_ours <= step for step in rivals) else "late")
+    ahead = steps_ahead(first_ours, divergence, first_incumbent)  # None: no rival fired
+    label = "early" if ahead is None or ahead > 0 else "tie" if ahead == 0 else "late"
     return f"**{label}**: first {who} alert at {first_ours}, {loss}, {incumbents}"
 
 
