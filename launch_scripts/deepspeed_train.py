@@ -130,15 +130,17 @@ def check_run_directories(args, config: dict, rank: int) -> tuple[bool, Optional
     directory."""
     from megatron_mech.records.run_directory import (
         FIRST_ALERT,
+        MAX_SMALL_FILE_BYTES,
         RUN_FILES,
         claim_run_directory,
         previous_run,
         probe_writable,
         refuse_linked_checkpoints,
         refuse_mixing_runs,
-        refuse_symlinks_in,
+        refuse_unsafe_files_in,
         resumed_run_id,
     )
+    from megatron_mech.records.safe_files import read_small_file
 
     directories = output_dirs(args, config)
     flags = {directory: "--output-dir" if directory == args.output_dir else "mech.output.dir"
@@ -151,15 +153,15 @@ def check_run_directories(args, config: dict, rank: int) -> tuple[bool, Optional
         for directory, flag in flags.items():
             claim_run_directory(directory, flag)
     for directory in directories:  # what the run writes must not lead out of its directories
-        refuse_symlinks_in(directory, RUN_FILES)
+        refuse_unsafe_files_in(directory, RUN_FILES)
     tag = None
     if args.load:
         tracker = Path(args.load) / LATEST
-        if not tracker.is_file():
+        if not os.path.lexists(tracker):
             raise ValueError(f"--load {args.load} holds no DeepSpeed checkpoint (no {LATEST} file there)")
-        tag = tracker.read_text(encoding="utf-8", errors="replace").strip()
+        tag = read_small_file(tracker, MAX_SMALL_FILE_BYTES, "a DeepSpeed tracker").decode("utf-8", "replace").strip()
     if args.save:
-        refuse_symlinks_in(args.save, (LATEST, FIRST_ALERT))
+        refuse_unsafe_files_in(args.save, (LATEST, FIRST_ALERT))
         # the tag directories this run will save into (global_step<N> past the resumed step) must not lead out
         from megatron_mech.adapters.deepspeed.engine import TAG_PREFIX
 

@@ -12,6 +12,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 
 from megatron_mech.adapters.megatron_core.launch import check_training_flags, run_training, train_command
 from megatron_mech.records.run_directory import RECORDS_INCOMPLETE_EXIT
+from megatron_mech.records.safe_files import write_file_atomically
 
 
 class Subcommand(NamedTuple):
@@ -91,6 +92,8 @@ def _train_run_error(cmd: List[str], steps: int) -> Optional[str]:
     from megatron_mech.adapters.megatron_core.directory_checks import check_run_directories
     from megatron_mech.adapters.megatron_core.flags import build_parser
     from megatron_mech.adapters.megatron_core.sink_packages import sink_package_problem
+    from megatron_mech.records.report import REPORT_FILES
+    from megatron_mech.records.run_directory import refuse_unsafe_files_in
 
     flags = build_parser().parse_args(cmd[cmd.index("megatron_mech.adapters.megatron_core.pretrain_gpt") + 1:])
     problem = sink_package_problem(flags.tensorboard_dir, flags.mech_wandb_project)
@@ -102,6 +105,7 @@ def _train_run_error(cmd: List[str], steps: int) -> Optional[str]:
                 f"{flags.mech_interval} or more, or a shorter interval after '--' (e.g. -- --mech-interval {steps})")
     try:
         check_run_directories(flags)
+        refuse_unsafe_files_in(flags.save, REPORT_FILES)  # the report is written beside the run's records
     except ValueError as exc:
         return str(exc)
     return None
@@ -214,8 +218,10 @@ def _run_metrics(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         return 0
     try:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(text)
+        write_file_atomically(args.output, text)  # never through a link
+    except ValueError as e:
+        print(f"megatron-mech metrics: error: --output {args.output}: {e}", file=sys.stderr)
+        return 2
     except OSError as e:
         print(f"megatron-mech metrics: error: --output {args.output}: {e.strerror or e}", file=sys.stderr)
         return 2

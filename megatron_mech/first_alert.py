@@ -11,7 +11,8 @@ import logging
 from pathlib import Path
 from typing import Iterable, Optional
 
-from megatron_mech.records.run_directory import FIRST_ALERT, write_file_atomically
+from megatron_mech.records.run_directory import FIRST_ALERT
+from megatron_mech.records.safe_files import write_file_atomically
 
 __all__ = ["FirstAlertMarker"]
 
@@ -47,7 +48,8 @@ class FirstAlertMarker:
         marker = directory.parent / FIRST_ALERT
         try:
             write_file_atomically(marker, json.dumps(record, indent=1))  # never through a link out of the run
-        except OSError as exc:  # monitor output never stops training (a full disk): said, and training goes on
+        except (OSError, ValueError) as exc:  # monitor output never stops training (a full disk, a link planted
+            # there since the start-up checks): said, and training goes on
             logger.error(f"[mech] ERROR: could not write {marker}: {exc}")
         logger.info(f"[mech] first alert at step {alert_step}: checkpoint {directory}"
                     + (f"; roll back to iter_{max(earlier):07d} (before the alert)" if earlier else ""))

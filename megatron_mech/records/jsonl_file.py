@@ -7,15 +7,16 @@ import json
 import logging
 import math
 import os
+import re
 import stat
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from megatron_mech.core.detect import Alert
 from megatron_mech.records.record_format import decode_record, record_alerts
-from megatron_mech.records.run_directory import open_no_follow, refuse_symlink
+from megatron_mech.records.safe_files import open_no_follow, open_regular, refuse_unsafe_file
 
 __all__ = ["JSONL_NAME", "MAX_LINE_BYTES", "iter_jsonl", "read_alerts", "read_jsonl", "truncate_jsonl"]
 
@@ -100,8 +101,8 @@ def _nonblank_lines(f, max_line_bytes: int):
             yield i, raw[:-1] if raw.endswith(b"\n") else raw
 
 
-def iter_jsonl(path: str | os.PathLike, *, first_lines: int = 0,
-               max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[dict[str, Any]]:
+def iter_jsonl(path: str | os.PathLike, *, first_lines: int = 0, max_line_bytes: int = MAX_LINE_BYTES,
+               line_filter: Callable[[bytes], bool] | None = None) -> Iterator[dict[str, Any]]:
     """The records of a JSONL log one by one, decoded (non-finite strings back to floats), reading the file line by
     line: memory does not grow with the file (one line, and the first :data:`MAX_LINE_WARNINGS` problems, at a time).
 
@@ -117,12 +118,15 @@ def iter_jsonl(path: str | os.PathLike, *, first_lines: int = 0,
     no record and more than a truncated last line, raises ``ValueError`` naming it, before any warning and before
     any record is yielded: it is not a log (a text or binary file given by mistake), while a log damaged further on
     keeps its good records.
+
+    ``line_filter``: when given, a line for which it returns False is passed over undecoded (neither a record nor
+    a problem): a reader that needs only some records (:func:`read_alerts`) does not decode the others.
     """
     path = Path(path)
     kept: list[tuple[int, Exception]] = []  # the problems warned about one by one
     n_problems, last_problem, n_records = 0, -1, 0
     last = -1  # index of the last non-blank line, known once the file is read through
-    with open(path, "rb") as f:
+    with open_regular(path) as f:  # a FIFO or a directory is refused by name, never waited on
         lines = _nonblank_lines(f, max_line_bytes)
         ahead = next(lines, None)
         while ahead is not None:
@@ -130,6 +134,8 @@ def iter_jsonl(path: str | os.PathLike, *, first_lines: int = 0,
             ahead = next(lines, None)  # one line of look-ahead: whether this line is the last one
             if ahead is None:
                 last = i
+            if line_filter is not None and raw is not None and not line_filter(raw):
+                continue
             try:
                 if raw is None:
                     raise ValueError(f"line longer than {max_line_bytes} bytes, not read")
@@ -174,13 +180,23 @@ def _line_record(raw: bytes) -> dict[str, Any]:
     return obj
 
 
+#: A record's alerts written as an empty list: the line of nearly every record.
+_EMPTY_ALERTS = re.compile(rb'"alerts"\s*:\s*\[\s*\]')
+
+
+def _may_hold_alerts(raw: bytes) -> bool:
+    """False for a line whose only ``"alerts"`` is an empty list: it holds no alert, whatever else it holds."""
+    return raw.count(b'"alerts"') != 1 or _EMPTY_ALERTS.search(raw) is None
+
+
 def read_alerts(path: str | os.PathLike) -> list[Alert]:
     """Every alert of a run, in step order, from its ``mech.jsonl`` (the run's one record of alerts; a missing
-    file has none)."""
+    file has none). The log is streamed line by line and only the lines that may hold an alert are decoded: the
+    memory this takes is one line and the alerts, whatever the size of the log (a run reads it at its end)."""
     path = Path(path)
-    if not path.exists():
+    if not os.path.lexists(path):
         return []
-    return [alert for record in read_jsonl(path) for alert in record_alerts(record)]
+    return [alert for record in iter_jsonl(path, line_filter=_may_hold_alerts) for alert in record_alerts(record)]
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -208,6 +224,15 @@ def _line_step(line: bytes) -> tuple[bool, int | None]:
     return True, (step if isinstance(step, int) and not isinstance(step, bool) else None)
 
 
+def _kept_lines(f, after_step: int) -> Iterator[bytes | None]:
+    """For each non-blank line of the binary file ``f``: the line (newline-terminated) when a cut-back to
+    ``after_step`` keeps it, None when it drops it (a step past ``after_step``, a line that does not parse, or one
+    longer than :data:`MAX_LINE_BYTES`, which is never held whole)."""
+    for _, raw in _nonblank_lines(f, MAX_LINE_BYTES):
+        ok, step = _line_step(raw) if raw is not None else (False, None)
+        yield None if not ok or (step is not None and step > after_step) else raw + b"\n"
+
+
 def truncate_jsonl(path: str | os.PathLike, after_step: int) -> int:
     """Atomically drop the records with ``step > after_step`` (and unparsable lines) from a JSONL log.
 
@@ -218,29 +243,21 @@ def truncate_jsonl(path: str | os.PathLike, after_step: int) -> int:
     naming it): the replace would turn it into a regular file and cut the records of the file it points to.
     """
     path = Path(path)
-    refuse_symlink(path)
+    refuse_unsafe_file(path)
     if not path.exists():
         return 0
-    kept, dropped = [], 0
-    with open(path, "rb") as f:
-        for raw in f:
-            if not raw.strip():
-                continue
-            ok, step = _line_step(raw)
-            if not ok or (step is not None and step > after_step):
-                dropped += 1
-                continue
-            kept.append(raw if raw.endswith(b"\n") else raw + b"\n")
+    with open_regular(path) as f:
+        dropped = sum(1 for raw in _kept_lines(f, after_step) if raw is None)
     if dropped == 0:
         return 0
     mode = stat.S_IMODE(path.stat().st_mode)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as f:
-            f.writelines(kept)
-            f.flush()
-            os.fsync(f.fileno())
+        with os.fdopen(fd, "wb") as out, open_regular(path) as f:  # copied line by line: memory of one line
+            out.writelines(raw for raw in _kept_lines(f, after_step) if raw is not None)
+            out.flush()
+            os.fsync(out.fileno())
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -280,11 +297,11 @@ def _repair_partial_tail(path: Path) -> None:
         else:
             start = 0
         f.seek(start)
-        last = f.read()
-        if _line_step(last)[0]:
+        last = f.read(MAX_LINE_BYTES + 1)  # a longer line is no record: dropped, never held whole
+        if len(last) <= MAX_LINE_BYTES and _line_step(last)[0]:
             f.seek(size)
             f.write(b"\n")
         else:
-            warnings.warn(f"{path}: dropping a partial last line ({len(last)} bytes) before appending",
+            warnings.warn(f"{path}: dropping a partial last line ({size - start} bytes) before appending",
                           RuntimeWarning, stacklevel=3)
             f.truncate(start)

@@ -52,15 +52,19 @@ from megatron_mech.records.report_guides import (
     resolve_arming,
     run_settings,
 )
+from megatron_mech.records.safe_files import refuse_unsafe_file, write_file_atomically
 from megatron_mech.records.series_reduction import RunReduction, record_values, reduce_records
 from megatron_mech.records.sinks import JSONL_NAME, iter_jsonl, record_alerts
 
-__all__ = ["REPORT_PNG", "REPORT_MD", "FAMILY_COLORS", "resolve_jsonl", "run_name", "collect_series",
+__all__ = ["REPORT_PNG", "REPORT_MD", "REPORT_FILES", "FAMILY_COLORS", "resolve_jsonl", "run_name", "collect_series",
            "collect_alerts", "reduce_run", "build_figure", "plot_run", "summarize_run", "add_report_arguments",
            "missing_plot_package", "run_report"]
 
 REPORT_PNG = "report.png"
 REPORT_MD = "report.md"
+#: The files the report writes beside the log (and the temporary files they are written through): a training
+#: command refuses a link or a FIFO at any of them before it trains.
+REPORT_FILES = (REPORT_PNG, f".{REPORT_PNG}.tmp", REPORT_MD, f".{REPORT_MD}.tmp")
 #: Alert-line colours; the layer colormap (viridis, cut before yellow) contains none of these hues.
 FAMILY_COLORS = {"attention": "#d62728", "router": "#ff7f0e", "symptom": "#222222"}
 _FAMILY_STYLE = {"attention": "--", "router": "-.", "symptom": ":"}
@@ -76,6 +80,8 @@ def resolve_jsonl(run_dir_or_jsonl: str | Path) -> Path:
     """``RUN_DIR/mech.jsonl`` for a directory, the path itself for a file; FileNotFoundError if missing."""
     p = Path(run_dir_or_jsonl)
     path = p / JSONL_NAME if p.is_dir() else p
+    if path.exists() and not path.is_file():  # a FIFO would block the reader: refused by name (ValueError)
+        refuse_unsafe_file(path.resolve())
     if not path.is_file():
         hint = f" (expected {JSONL_NAME} inside the run directory)" if p.is_dir() else ""
         raise FileNotFoundError(f"no monitor log at {path}{hint}")
@@ -498,7 +504,8 @@ def _save_plot(jsonl: Path, reduction: RunReduction, settings: RunSettings, out_
                           arming=resolve_arming(settings, reduction))
     out = Path(out_png) if out_png is not None else jsonl.with_name(REPORT_PNG)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    # never through a link; the format from the name, as savefig does given a path
+    write_file_atomically(out, lambda f: fig.savefig(f, format=out.suffix[1:] or "png", dpi=110))
     return out
 
 
@@ -629,7 +636,7 @@ def run_report(args: argparse.Namespace) -> int:
         except ValueError:
             rel = png.resolve()
         md_path.parent.mkdir(parents=True, exist_ok=True)
-        md_path.write_text(md + f"\n![report]({rel.as_posix()})\n", encoding="utf-8")
+        write_file_atomically(md_path, md + f"\n![report]({rel.as_posix()})\n")  # never through a link
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

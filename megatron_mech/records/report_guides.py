@@ -20,6 +20,8 @@ are the run's own: the default rules with the run's detector settings (``detecto
 from __future__ import annotations
 
 import json
+import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -27,13 +29,18 @@ from typing import Iterable, Sequence
 from megatron_mech.core.checks import is_int
 from megatron_mech.core.detect import Alert, DetectorRegistry
 from megatron_mech.records.run_directory import SUMMARY
+from megatron_mech.records.safe_files import read_small_file
 from megatron_mech.records.series_reduction import Baseline, RunReduction
 
-__all__ = ["BANDED_LINES", "Arming", "RunSettings", "run_settings", "resolve_arming", "panel_levels", "panel_bands"]
+__all__ = ["BANDED_LINES", "MAX_SUMMARY_BYTES", "Arming", "RunSettings", "run_settings", "resolve_arming",
+           "panel_levels", "panel_bands"]
 
 #: A panel with at most this many series gets the band of each (more would hide the lines); otherwise only the
 #: alerting series get theirs.
 BANDED_LINES = 4
+#: A run's ``summary.json`` larger than this is not read by the report (it would take many times its size in memory
+#: to decode). A summary keeps at most a bounded window of per-step series, a few MB; see docs/reliability.md.
+MAX_SUMMARY_BYTES = 16 * 2**20
 
 
 @dataclass(frozen=True)
@@ -64,11 +71,15 @@ def run_settings(jsonl: Path | None) -> RunSettings:
     armed-from step that is not an int ≥ 0, or overrides that are not detector settings are a ``ValueError``
     naming the file and the key."""
     path = Path(jsonl).with_name(SUMMARY) if jsonl is not None else None
-    if path is None or not path.is_file():
+    if path is None or not os.path.lexists(path):
+        return RunSettings(DetectorRegistry(), None, "default rules")
+    if os.path.isfile(path) and os.path.getsize(path) > MAX_SUMMARY_BYTES:
+        warnings.warn(f"{path} is larger than {MAX_SUMMARY_BYTES:,} bytes (a run's summary is far smaller): not read; "
+                      f"the report shows the detectors' default rules", RuntimeWarning, stacklevel=2)
         return RunSettings(DetectorRegistry(), None, "default rules")
     try:
-        summary = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
+        summary = json.loads(read_small_file(path, MAX_SUMMARY_BYTES, "a run's summary").decode("utf-8"))
+    except (OSError, ValueError) as e:  # a FIFO or a directory there is refused by name, never waited on
         raise ValueError(f"{path}: cannot read the run's summary ({e})") from None
     if not isinstance(summary, dict):
         raise ValueError(f"{path}: the run's summary is not a JSON object")

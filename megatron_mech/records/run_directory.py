@@ -23,14 +23,23 @@ import json
 import logging
 import os
 import socket
+import stat
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-__all__ = ["FIRST_ALERT", "JSONL", "LOCK_FILE", "RECORDS_INCOMPLETE_EXIT", "RUN_FILES", "RUN_ID_FILE", "SUMMARY",
-           "claim_run_directory", "clear_previous_run", "open_no_follow", "previous_run", "probe_writable",
-           "read_run_id", "records_incomplete", "refuse_linked_checkpoints", "refuse_mixing_runs", "refuse_symlink",
-           "refuse_symlinks_in", "release_run_directories", "resumed_run_id", "steps_text", "write_file_atomically",
-           "write_run_id", "write_summary"]
+from megatron_mech.records.safe_files import (
+    open_no_follow,
+    read_small_file,
+    refuse_symlink,
+    refuse_unsafe_file,
+    write_file_atomically,
+)
+
+__all__ = ["FIRST_ALERT", "JSONL", "LOCK_FILE", "MAX_SMALL_FILE_BYTES", "RECORDS_INCOMPLETE_EXIT", "RUN_FILES",
+           "RUN_ID_FILE", "SUMMARY", "claim_run_directory", "clear_previous_run", "previous_run", "probe_writable",
+           "read_run_id", "records_incomplete", "refuse_linked_checkpoints", "refuse_mixing_runs",
+           "refuse_unsafe_files_in", "release_run_directories", "resumed_run_id", "steps_text", "write_run_id",
+           "write_summary"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,12 +49,14 @@ FIRST_ALERT = "first_alert.json"
 RUN_ID_FILE = "run_id.txt"  # in each checkpoint and in the run's output directory: which run wrote it
 LOCK_FILE = ".mech_run.lock"  # flock'ed by the run writing the directory; its text says who (pid, host)
 #: The files a run writes in its output directory (and the temporary files they are written through): none of them
-#: may be a symbolic link when the run starts (:func:`refuse_symlinks_in`).
+#: may be a symbolic link, a FIFO or anything but a regular file when the run starts (:func:`refuse_unsafe_files_in`).
 RUN_FILES = (RUN_ID_FILE, f".{RUN_ID_FILE}.tmp", JSONL, SUMMARY, f".{SUMMARY}.tmp")
 #: Exit code of an entry point whose training finished (checkpoints saved as asked) but whose records did not all
 #: reach the disk: a record of ``mech.jsonl`` or the ``summary.json`` was lost (a full disk). Not 0, so a job
 #: scheduler shows it; not 1 or 2, so it is not read as a crash or a refused start.
 RECORDS_INCOMPLETE_EXIT = 3
+#: The most a file that holds one short line by design (a run id, a checkpoint tracker) is read of.
+MAX_SMALL_FILE_BYTES = 4096
 
 # directory (resolved) -> the open lock file's descriptor: the flock lives as long as the descriptor, so it is
 # kept open until the process ends (the kernel then releases it, also after a crash or SIGKILL, so a dead run's
@@ -63,10 +74,14 @@ def claim_run_directory(directory, flag: str) -> None:
     lock = Path(directory) / LOCK_FILE
     try:
         Path(directory).mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
     except OSError as exc:
-        why = "it is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror or str(exc)
+        why = ("it is a symbolic link" if exc.errno == errno.ELOOP else "it is not a regular file"
+               if exc.errno in (errno.ENXIO, errno.EISDIR) else exc.strerror or str(exc))
         raise ValueError(f"{flag} {directory}: cannot open the run's lock file {lock} ({why})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO with a reader, a device: never locked or written
+        os.close(fd)
+        raise ValueError(f"{flag} {directory}: cannot open the run's lock file {lock} (it is not a regular file)")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -101,28 +116,11 @@ def release_run_directories() -> None:
         os.close(_claims.popitem()[1])
 
 
-_OPEN_FLAGS = {"w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND,
-               "r+": os.O_RDWR}
-
-
-def refuse_symlink(path) -> None:
-    """``ValueError`` naming ``path`` when it is a symbolic link. A run writes only regular files inside its
-    directories: writing through a link would change a file anywhere else (another run's records, a user's
-    file), and replacing the link would silently drop what the user put there."""
-    path = Path(path)
-    if path.is_symlink():
-        try:
-            target = f" (to {os.readlink(path)})"
-        except OSError:
-            target = ""
-        raise ValueError(f"{path} is a symbolic link{target}: a run writes this file itself and does not follow "
-                         f"links out of its directory. Remove the link, or choose another directory")
-
-
-def refuse_symlinks_in(directory, names: Iterable[str]) -> None:
-    """:func:`refuse_symlink` for each of the files ``names`` in ``directory`` (those a run will write there)."""
+def refuse_unsafe_files_in(directory, names: Iterable[str]) -> None:
+    """:func:`refuse_unsafe_file` for each of the files ``names`` in ``directory`` (those a run will write there):
+    a symbolic link, or a FIFO, socket, device or directory in place of the file, is refused naming it."""
     for name in names:
-        refuse_symlink(Path(directory) / name)
+        refuse_unsafe_file(Path(directory) / name)
 
 
 def refuse_linked_checkpoints(save_dir, prefix: str, after_step: int) -> None:
@@ -133,22 +131,6 @@ def refuse_linked_checkpoints(save_dir, prefix: str, after_step: int) -> None:
         step = directory.name[len(prefix):]
         if step.isdigit() and int(step) > after_step:
             refuse_symlink(directory)
-
-
-def open_no_follow(path, mode: str = "w", encoding: Optional[str] = None, buffering: int = -1):
-    """``open(path, mode, buffering)`` for writing (``mode``: ``w``, ``a`` or ``r+``, with ``b`` for bytes) that
-    never writes through a symbolic link: the file is opened with ``O_NOFOLLOW``, so a link planted after any
-    earlier check is refused as well (``ValueError`` naming it, see :func:`refuse_symlink`)."""
-    binary = "b" in mode
-    flags = _OPEN_FLAGS[mode.replace("b", "")] | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        fd = os.open(path, flags, 0o666)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            refuse_symlink(path)
-        raise
-    return os.fdopen(fd, mode.replace("b", "") + "b" if binary else mode, buffering,
-                     encoding=None if binary else encoding)
 
 
 def probe_writable(directory, flag: str, rank: int) -> None:
@@ -165,9 +147,14 @@ def probe_writable(directory, flag: str, rank: int) -> None:
 
 
 def previous_run(output_dir, checkpoint_markers: Iterable = ()) -> list:
-    """What in ``output_dir`` (and the given checkpoint marker files) belongs to an earlier run: [] for nothing."""
+    """What in ``output_dir`` (and the given checkpoint marker files) belongs to an earlier run: [] for nothing.
+    A file there that is not regular (a FIFO planted as ``mech.jsonl``) is refused naming it
+    (:func:`refuse_unsafe_file`): it is neither a run's record nor a file the run could write."""
     found = []
     jsonl = Path(output_dir) / JSONL
+    for path in (jsonl, Path(output_dir) / SUMMARY, *(Path(m) for m in checkpoint_markers if m is not None)):
+        if not path.is_symlink():  # a link is refused by name where the run's files are checked before writing
+            refuse_unsafe_file(path)
     if jsonl.is_file() and jsonl.stat().st_size > 0:
         found.append(str(jsonl))
     if (Path(output_dir) / SUMMARY).is_file():
@@ -183,10 +170,10 @@ def read_run_id(directory) -> Optional[str]:
     A ``run_id.txt`` that is there but holds no id (empty, or unreadable) raises ``ValueError`` naming the file:
     it is not the same as no id, since the directory did belong to a run, and the caller must not guess which."""
     path = Path(directory) / RUN_ID_FILE
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
     try:
-        text = path.read_text(encoding="utf-8").strip()
+        text = read_small_file(path, MAX_SMALL_FILE_BYTES, "a run id").decode("utf-8").strip()
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path} cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
     if not text:
@@ -243,29 +230,6 @@ def write_summary(path, summary: dict, indent: Optional[int] = None) -> bool:
     except (OSError, ValueError) as exc:
         logger.error(f"[mech] ERROR: could not write {path}: {exc}; the run's checkpoints are not affected")
         return False
-
-
-def write_file_atomically(path, content) -> None:
-    """Replace ``path`` with ``content`` atomically, through ``.<name>.tmp`` beside it: readers see the old file
-    or the new one, never a part. ``content``: a ``str`` (written as UTF-8), or a function that writes into the
-    binary file it is given (e.g. ``lambda f: torch.save(state, f)``). A symbolic link at either name is refused
-    (``ValueError`` naming it): the temporary file would be written through it, and the replace would drop it.
-    When the write fails (a full disk, a file-size limit; ``torch.save`` then raises ``RuntimeError``) the
-    temporary file is removed and the error raised: a failed write leaves the old file and nothing else."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    refuse_symlink(path)
-    try:
-        with open_no_follow(tmp, "wb") as f:
-            if isinstance(content, str):
-                f.write(content.encode("utf-8"))
-            else:
-                content(f)
-        os.replace(tmp, path)
-    except BaseException:
-        if not tmp.is_symlink():  # a link there was refused by name before anything was written: leave it
-            tmp.unlink(missing_ok=True)
-        raise
 
 
 def resumed_run_id(checkpoint, output_dir, *, load_dir, output_flag: str, other_checkpoints: str) -> Optional[str]:

@@ -64,7 +64,8 @@ from megatron_mech.records.record_format import (
     record_alerts,
     record_scalars,
 )
-from megatron_mech.records.run_directory import open_no_follow, steps_text
+from megatron_mech.records.run_directory import steps_text
+from megatron_mech.records.safe_files import open_no_follow
 from megatron_mech.records.writer_level import WriterLevel
 
 __all__ = ["JSONL_NAME", "RESERVED_KEYS", "MAX_LINE_BYTES", "make_record", "encode_record", "decode_record",

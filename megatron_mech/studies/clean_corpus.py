@@ -24,6 +24,8 @@ import math
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from megatron_mech.records.safe_files import write_file_atomically
+
 __all__ = ["FORMAT", "KEPT", "VERSION", "kept", "pack", "read", "records", "write"]
 
 FORMAT = "megatron-mech clean corpus"
@@ -84,10 +86,12 @@ def write(path: str | Path, corpus: Mapping) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = json.dumps(corpus, separators=(",", ":"), allow_nan=False).encode()
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="") as f:
-        f.write(data)
-    tmp.replace(path)
+
+    def write_gzip(raw):
+        with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="") as f:
+            f.write(data)
+
+    write_file_atomically(path, write_gzip)  # never through a link
     return path
 
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from megatron_mech.records.safe_files import write_file_atomically
+
 __all__ = ["DEMO_ATTENTION_FLAGS", "DEMO_FAULTS", "DIVERGENCE_MARGIN", "ActScore", "attention_outcome_line",
            "clean_rings", "collapse_line", "counted_firings", "demo_commands", "demo_fault_flags", "demo_length",
            "demo_report", "false_on_clean", "first_counted", "incumbents_from", "incumbents_line", "load_demo_run",
@@ -512,7 +514,7 @@ def run_demo(args: argparse.Namespace) -> int:
         run_report(argparse.Namespace(run_dir=str(run_dir), out=None, metrics=None))
 
     text = demo_report(out, list(commands), seed=args.seed, steps=steps, start=start, quick=args.quick)
-    (out / "demo.md").write_text(text)
+    write_file_atomically(out / "demo.md", text)  # never through a link
     print(text, end="")
     print(f"\nreport: {out / 'demo.md'}\nplots:  " + ", ".join(str(p) for p in sorted(out.glob("demo*.png"))))
     return 0

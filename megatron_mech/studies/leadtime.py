@@ -8,8 +8,10 @@ loss.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from megatron_mech.adapters.megatron_core.presets import small_moe
+from megatron_mech.records.safe_files import write_file_atomically
 
 __all__ = ["REPORTING_SEEDS", "SLOW_RAMP", "TUNING_SEEDS", "check_reporting_seeds", "parse_study_args",
            "DIVERGENCE_HOLD", "FAULT_FLAGS", "LEAD_MODEL", "divergence_step", "first_alert", "loss_gap",
@@ -172,5 +174,5 @@ def plot_fault(path, name, clean, faulty, start, divergence, firsts):
     fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
     fig.suptitle(f"{name} fault (seed {faulty['seed']}): monitors vs loss")
     fig.tight_layout(rect=(0, 0.06, 1, 0.97))
-    fig.savefig(path, dpi=110)
+    write_file_atomically(path, lambda f: fig.savefig(f, format=Path(path).suffix[1:] or "png", dpi=110))
     plt.close(fig)

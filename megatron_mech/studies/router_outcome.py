@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, NamedTuple, Optional, Sequence
@@ -26,6 +27,7 @@ import torch
 
 from megatron_mech.hook import Extension
 from megatron_mech.options import add_section_flags, file_path, option, section_from_flags
+from megatron_mech.records.safe_files import open_no_follow, open_regular, refuse_unsafe_file
 from megatron_mech.studies.outcomes import first_held_step
 
 __all__ = ["ROUTING_FILE", "STARVED_HOLD", "STARVED_SHARE", "Collapse", "RoutingRecordConfig", "RoutingRecorder",
@@ -111,9 +113,12 @@ class RoutingRecorder(Extension):
         """The record file, with the lines of steps this process is about to write again dropped (a resumed
         run rewrites them; a fresh run starts an empty file)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] < first_step] if self.path.exists() else []
-        handle = self.path.open("w")
+        refuse_unsafe_file(self.path)  # a link, a FIFO: refused by name before anything is read or written
+        kept = []
+        if os.path.lexists(self.path):
+            with open_regular(self.path, "r") as f:
+                kept = [line.rstrip("\n") for line in f if line.strip() and json.loads(line)["step"] < first_step]
+        handle = open_no_follow(self.path, "w")  # never through a link
         handle.write("".join(line + "\n" for line in kept))
         return handle
 
@@ -133,7 +138,9 @@ def read_routing_counts(run_dir) -> dict:
     if not path.exists():
         raise FileNotFoundError(f"{path}: no routing record (train with --mech-record-routing {run_dir})")
     steps = {}
-    for line in path.read_text().splitlines():
+    with open_regular(path, "r") as f:
+        lines = f.read().splitlines()
+    for line in lines:
         if line.strip():
             record = json.loads(line)
             steps[int(record["step"])] = {int(layer): list(c) for layer, c in record["counts"].items()}

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -48,7 +49,8 @@ from megatron_mech.adapters.deepspeed.safe_load import weights_only_loads
 from megatron_mech.config import MechConfig
 from megatron_mech.hook import Action, Extension, MechHook
 from megatron_mech.model_view import ModelView, RouterView
-from megatron_mech.records.run_directory import refuse_symlink, write_file_atomically, write_run_id
+from megatron_mech.records.run_directory import MAX_SMALL_FILE_BYTES, write_run_id
+from megatron_mech.records.safe_files import open_regular, read_small_file, refuse_symlink, write_file_atomically
 
 __all__ = ["CLIENT_STATE_KEY", "TAG_PREFIX", "DeepSpeedMech", "load_checkpoint", "save_checkpoint"]
 
@@ -270,9 +272,9 @@ def _confined_tag(load_dir, tag, universal: bool) -> tuple[Optional[str], Option
     source = None
     if tag is None:
         source = Path(load_dir) / ("latest_universal" if universal else "latest")
-        if not source.is_file():
+        if not os.path.lexists(source):
             return None, source
-        tag = source.read_text(encoding="utf-8", errors="replace").strip()
+        tag = read_small_file(source, MAX_SMALL_FILE_BYTES, "a DeepSpeed tracker").decode("utf-8", "replace").strip()
     tag = str(tag)
     where = f"DeepSpeed tracker {source} names tag {tag!r}" if source is not None else f"tag {tag!r}"
     if not tag or "\0" in tag:
@@ -341,7 +343,9 @@ def load_checkpoint(engine, mech: DeepSpeedMech, load_dir, tag=None, *, trust_ch
         raise ValueError(f"checkpoint {path} holds megatron-mech state for {marker.get('world_size')} ranks; this "
                          f"run has {world}: resume with the same number of ranks")
     state_file = _rank_state_file(Path(path).parent, rank)
-    if not state_file.is_file():
+    if not os.path.lexists(state_file):
         raise ValueError(f"checkpoint {path}: missing megatron-mech state file {state_file}")
-    mech.load_state_dict(torch.load(state_file, map_location="cpu", weights_only=True), source=f"checkpoint {path}")
+    with open_regular(state_file) as f:  # never blocks on a FIFO planted as the state file
+        state = torch.load(f, map_location="cpu", weights_only=True)
+    mech.load_state_dict(state, source=f"checkpoint {path}")
     return path, client_state

@@ -13,6 +13,7 @@ around two megatron-core 0.16.1 problems seen without TE/apex (see there).
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -21,12 +22,12 @@ import torch
 from megatron_mech.hook import naming_damaged_state
 from megatron_mech.optim import inner_optimizer, leaf_optimizers
 from megatron_mech.records.run_directory import (  # noqa: F401 (the run id helpers are re-exported)
+    MAX_SMALL_FILE_BYTES,
     RUN_ID_FILE,
     read_run_id,
-    refuse_symlink,
-    write_file_atomically,
     write_run_id,
 )
+from megatron_mech.records.safe_files import open_regular, read_small_file, refuse_symlink, write_file_atomically
 
 __all__ = ["RUN_ID_FILE", "check_model_shapes", "check_mols_match", "load_checkpoint",
            "load_distributed_optimizer_state", "read_checkpoint_file", "read_run_id", "read_tracker", "save_checkpoint",
@@ -40,9 +41,9 @@ def read_tracker(load_dir) -> Optional[int]:
     A tracker that does not hold an iteration number, or names an iteration directory that does not exist, is
     refused naming the file."""
     tracker = Path(load_dir) / TRACKER
-    if not tracker.is_file():
+    if not os.path.lexists(tracker):
         return None
-    text = tracker.read_text().strip()
+    text = read_small_file(tracker, MAX_SMALL_FILE_BYTES, "a checkpoint tracker").decode("utf-8", "replace").strip()
     try:
         step = int(text)
     except ValueError:
@@ -113,7 +114,8 @@ def _load_weights_only(path):
     ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` (set to load old checkpoints) turns the default into a full unpickler,
     while an explicit ``weights_only=True`` is kept whatever the environment says."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with open_regular(path) as f:  # never blocks on a FIFO planted as a checkpoint file
+            return torch.load(f, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise RuntimeError(f"cannot read checkpoint file {path} (loaded with weights_only=True: only tensors and "
                            f"plain Python data are accepted): {exc}") from exc

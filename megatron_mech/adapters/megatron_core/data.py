@@ -69,6 +69,7 @@ from megatron_mech.adapters.megatron_core.tokenizer import (
     load_tokenizer,
     train_tokenizer,
 )
+from megatron_mech.records.safe_files import open_no_follow, write_file_atomically
 
 __all__ = [
     "FORMAT_VERSION", "DEFAULT_VOCAB_SIZE", "DEFAULT_VALID_FRACTION", "EOD_TOKEN", "PAD_TOKEN",
@@ -177,7 +178,7 @@ def _file_lock(path: Path):
             yield
         return
     while True:
-        f = open(path, "a+")
+        f = open_no_follow(path, "a")  # never through a link
         fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:
             if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
@@ -281,7 +282,7 @@ def _import_quietly(name: str) -> None:
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    write_file_atomically(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
 
 
 def _build(tmp: Path, params: Dict[str, Any], quiet: bool) -> Dict[str, Any]:
@@ -305,7 +306,7 @@ def _build(tmp: Path, params: Dict[str, Any], quiet: bool) -> Dict[str, Any]:
     # The tokenizer is trained on the train split only (no validation leakage), in a fixed order.
     t = time.perf_counter()
     bpe = train_tokenizer([d.text for d in train_docs], vocab_size)
-    (tmp / _TOKENIZER).write_text(bpe.to_str(pretty=False), encoding="utf-8")
+    write_file_atomically(tmp / _TOKENIZER, bpe.to_str(pretty=False))
     tok = CorpusTokenizer(tmp / _TOKENIZER)
     _log(f"tokenizer: byte-level BPE, vocab {tok.vocab_size}, {time.perf_counter() - t:.1f}s", quiet)
 

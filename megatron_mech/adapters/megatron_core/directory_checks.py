@@ -43,7 +43,7 @@ from megatron_mech.records.run_directory import (
     probe_writable,
     refuse_linked_checkpoints,
     refuse_mixing_runs,
-    refuse_symlinks_in,
+    refuse_unsafe_files_in,
     resumed_run_id,
     write_run_id,
 )
@@ -111,10 +111,10 @@ def _refuse_symlinks(output_dir: str, save_dir: Optional[str], checkpoint_step: 
     """The files and checkpoint directories this run will write must not be symbolic links (``ValueError``
     naming the first one). ``iter_*`` directories up to the resumed checkpoint are only read, so links there
     (e.g. old checkpoints moved to other storage) are left alone."""
-    refuse_symlinks_in(output_dir, RUN_FILES)
+    refuse_unsafe_files_in(output_dir, RUN_FILES)
     if not save_dir:
         return
-    refuse_symlinks_in(save_dir, (TRACKER, FIRST_ALERT))
+    refuse_unsafe_files_in(save_dir, (TRACKER, FIRST_ALERT))
     refuse_linked_checkpoints(save_dir, "iter_", checkpoint_step if checkpoint_step is not None else -1)
 
 

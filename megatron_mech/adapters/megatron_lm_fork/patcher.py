@@ -32,6 +32,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from megatron_mech.records.safe_files import write_file_atomically
+
 __all__ = ["PatchState", "HunkProblem", "SeriesReport", "PatchError", "default_patches_dir", "porting_guide",
            "detect_version", "available_series", "select_series", "check", "apply", "revert"]
 
@@ -317,7 +319,7 @@ class _Snapshot:
                     path.parent.mkdir(parents=True, exist_ok=True)
                     if path.is_symlink():
                         path.unlink()
-                    path.write_bytes(saved[0])
+                    write_file_atomically(path, saved[0])
                     os.chmod(path, saved[1] & 0o7777)
             except OSError as e:
                 failed.append(f"{name} ({e})")

@@ -208,6 +208,25 @@ def test_train_into_a_directory_holding_a_run_exits_2_before_launching(tmp_path)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name,kind", [("report.md", "link"), ("report.png", "link"), ("report.md", "fifo")])
+def test_train_refuses_a_link_or_fifo_where_the_report_goes_before_launching(tmp_path, name, kind):
+    """``megatron-mech train`` draws report.md and report.png beside the run's records once training ends: a link
+    planted there had the report written into the file it points to, after the whole run. It is refused before
+    anything launches (exit 2, naming it), the file it points to left as it was."""
+    import os
+
+    run, victim = tmp_path / "run", tmp_path / "victim.txt"
+    run.mkdir()
+    victim.write_text("keep")
+    (run / name).symlink_to(victim) if kind == "link" else os.mkfifo(run / name)
+    out = cli("train", "--nproc", "1", "--steps", "10", "--out", str(run))
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    what = f"is a symbolic link (to {victim})" if kind == "link" else "is a FIFO (named pipe), not a regular file"
+    assert f"megatron-mech train: error: {run / name} {what}" in out.stderr, out.stderr[-2000:]
+    assert "torch.distributed.run" not in out.stdout and victim.read_text() == "keep"
+
+
+@pytest.mark.slow
 def test_misspelt_mech_flag_gets_the_closest_name(tmp_path):
     """A misspelt ``--mech-*`` flag is refused naming the closest valid flag (Python 3.11's argparse suggests
     nothing for options), with either spelling of a value."""

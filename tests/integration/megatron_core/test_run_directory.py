@@ -305,6 +305,44 @@ def test_entry_point_refuses_a_symlinked_log_before_training(tmp_path):
     assert outside.read_text() == "" and not (run / RUN_ID_FILE).exists()
 
 
+@pytest.mark.parametrize("name", [RUN_ID_FILE, "mech.jsonl", "summary.json", ".summary.json.tmp", TRACKER,
+                                  "first_alert.json"])
+def test_a_fifo_where_a_run_reads_or_writes_is_refused_at_start(tmp_path, name):
+    """A FIFO at a name the run opens would block the run in that open (no signal ends it). Each is refused at
+    start naming it, left where it is."""
+    run = tmp_path / "run"
+    run.mkdir()
+    os.mkfifo(run / name)
+    with pytest.raises(ValueError, match=f"{run / name} is a FIFO \\(named pipe\\), not a regular file"):
+        check_run_directories(parse("--save", str(run)))
+    assert stat.S_ISFIFO(os.lstat(run / name).st_mode)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_entry_point_refuses_a_fifo_planted_as_its_log_and_exits_promptly(tmp_path):
+    """A FIFO planted as mech.jsonl hung the run in its open for ever (SIGTERM did not end it). The entry point,
+    run as a single process the way a scheduler may start it, refuses it at start: exit code 2, one line naming
+    the file, well within the subprocess's timeout (a hang fails the test there)."""
+    run = tmp_path / "r"
+    run.mkdir()
+    os.mkfifo(run / "mech.jsonl")
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29599",
+               OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.Popen([sys.executable, str(LAUNCHER), *TINY, "--train-iters", "3", "--mech-interval", "1",
+                             "--mech-output-dir", str(run)], env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, _ = proc.communicate()
+        pytest.fail(f"the run hung on the FIFO planted as its log:\n{out[-3000:]}")
+    assert proc.returncode == 2, out[-3000:]
+    assert f"pretrain_gpt: error: {run / 'mech.jsonl'} is a FIFO (named pipe), not a regular file" in out, out[-3000:]
+    assert "[train] world=" not in out and stat.S_ISFIFO(os.lstat(run / "mech.jsonl").st_mode)
+
+
 def test_summary_write_failure_is_reported_not_fatal(tmp_path, caplog):
     """One policy for monitor output: a failed write (here a file where the directory should be; disk full
     behaves the same) is said loudly and the run goes on to its normal end."""
