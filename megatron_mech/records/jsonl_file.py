@@ -75,7 +75,7 @@ MAX_LINE_WARNINGS = 10
 
 #: A line longer than this is not read (a log's lines are kilobytes): it is skipped like any unusable line, without
 #: holding it in memory, so one damaged or foreign giant line cannot exhaust the reader's memory.
-MAX_LINE_BYTES = 64 * 2**20
+MAX_LINE_BYTES = 16 * 2**20
 
 
 def read_jsonl(path: str | os.PathLike, *, first_lines: int = 0) -> list[dict[str, Any]]:

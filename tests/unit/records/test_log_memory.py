@@ -71,3 +71,36 @@ def test_cutting_the_log_back_on_resume_takes_memory_of_a_line(tmp_path):
     assert dropped == RECORDS - RECORDS // 2
     assert path.read_bytes() == b"".join(before[:RECORDS // 2])  # kept byte for byte
     assert peak < size / 10, f"truncate_jsonl peaked at {peak:,} B on a {size:,} B log"
+
+
+@pytest.mark.timeout(300)
+def test_the_report_passes_over_an_over_long_line_and_an_over_large_summary(tmp_path):
+    """``megatron-mech report`` on a log with one line of millions of keys took 20 times the line's size to decode
+    it, and a large ``summary.json`` as much again. A line longer than MAX_LINE_BYTES is passed over with a warning
+    naming the file, the line and the bound, in memory bounded by the bound (a line is read up to it), whatever the
+    line's length; a summary larger than MAX_SUMMARY_BYTES is not read, with a warning naming it and the bound.
+    The log's other records are still read."""
+    from megatron_mech.records.jsonl_file import MAX_LINE_BYTES
+    from megatron_mech.records.report import reduce_run
+    from megatron_mech.records.report_guides import MAX_SUMMARY_BYTES, run_settings
+    from megatron_mech.records.sinks import iter_jsonl
+
+    path = tmp_path / "mech.jsonl"
+    with JsonlSink(path) as sink:
+        for step in (2, 4, 6):
+            sink.write(make_record(step, {"loss": 3.0}, metrics={"attn/layer0/dwq_entropy": 0.5}))
+    chunk = b",".join(b'"m%011d":0.1' % i for i in range(2**16))  # 1 MiB of keys
+    with open(path, "ab") as f:  # one record line six times as long as MAX_LINE_BYTES
+        f.write(b'{"step":8,"metrics":{' + b",".join([chunk] * (6 * MAX_LINE_BYTES // len(chunk) + 1)) + b"}}\n")
+    line = path.stat().st_size
+    with pytest.warns(RuntimeWarning, match=f"{path}:4: .*line longer than {MAX_LINE_BYTES} bytes, not read"):
+        reduction, peak = peak_bytes(lambda: reduce_run(iter_jsonl(path)))
+    assert reduction.n_records == 3 and peak < 3 * MAX_LINE_BYTES < line / 2, f"peak {peak:,} B, line {line:,} B"
+
+    summary = tmp_path / "summary.json"
+    summary.write_text('{"detectors": {"armed_from_step": 2}, "losses": [' + ",".join(["0.1"] * (MAX_SUMMARY_BYTES
+                                                                                                  // 4)) + "]}")
+    size = summary.stat().st_size
+    with pytest.warns(RuntimeWarning, match=f"{summary} is larger than {MAX_SUMMARY_BYTES:,} bytes"):
+        settings, peak = peak_bytes(run_settings, path)
+    assert settings.armed_from_step is None and peak < size / 10, f"peak {peak:,} B for a {size:,} B summary"
