@@ -72,7 +72,7 @@ __all__ = ["JSONL_NAME", "RESERVED_KEYS", "MAX_LINE_BYTES", "make_record", "enco
            "record_alerts", "record_scalars", "read_alerts", "read_jsonl", "iter_jsonl", "truncate_jsonl", "Sink",
            "JsonlSink", "TensorBoardSink", "WandbSink",
            "DeepSpeedMonitorSink", "CallbackSink", "MultiSink", "default_sinks",
-           "missing_sink_package", "alert_markers", "loss_and_alerts_layout"]
+           "missing_sink_package", "wandb_login_problem", "alert_markers", "loss_and_alerts_layout"]
 
 logger = logging.getLogger(__name__)
 
@@ -365,6 +365,43 @@ def missing_sink_package(kind: str) -> str | None:
     else:
         found = importlib.util.find_spec(package) is not None
     return None if found else f"the '{kind}' package is not installed ({install})"
+
+
+#: W&B modes that log without a server (``WANDB_MODE``); any other (``online``, the default) needs an API key.
+_WANDB_OFFLINE_MODES = ("offline", "dryrun", "disabled")
+
+
+def wandb_login_problem() -> str | None:
+    """Why a W&B run started here would fail to log in — it would log online (``WANDB_MODE`` unset or ``online``)
+    and no API key is set up for it — or None. Looks where W&B finds a key, without asking its server:
+    ``WANDB_API_KEY`` (or ``WANDB_IDENTITY_TOKEN_FILE``), the ``.netrc`` entry ``wandb login`` writes for the
+    server's host (``WANDB_BASE_URL``, default ``api.wandb.ai``; ``NETRC`` or ``~/.netrc``), or an ``api_key``
+    in W&B's settings file. An entry point checks it before building anything: W&B itself only refuses once the
+    sink starts, after the model is built."""
+    import netrc
+    from urllib.parse import urlsplit
+
+    mode = os.environ.get("WANDB_MODE", "online").strip().lower()
+    if mode in _WANDB_OFFLINE_MODES or os.environ.get("WANDB_DISABLED", "").lower() in ("true", "1", "yes"):
+        return None
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return None
+    host = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc
+    netrc_path = Path(os.environ.get("NETRC") or Path.home() / ".netrc")
+    try:
+        if netrc_path.is_file() and netrc.netrc(str(netrc_path)).authenticators(host):
+            return None
+    except (netrc.NetrcParseError, OSError):
+        pass  # W&B warns about an unreadable .netrc and goes on without it
+    settings = Path(os.environ.get("WANDB_CONFIG_DIR") or Path.home() / ".config" / "wandb") / "settings"
+    try:
+        if settings.is_file() and any(line.split("=")[0].strip() == "api_key"
+                                      for line in settings.read_text(encoding="utf-8").splitlines()):
+            return None
+    except (OSError, UnicodeDecodeError):
+        pass
+    return (f"W&B would log online (WANDB_MODE={os.environ.get('WANDB_MODE', 'unset')}) but no API key is set up "
+            f"for {host}: set WANDB_API_KEY, run 'wandb login', or set WANDB_MODE=offline")
 
 
 def default_sinks(run_dir: str | os.PathLike, *, tensorboard: bool | str | os.PathLike = False,

@@ -86,3 +86,24 @@ def test_flags_are_read_in_both_spellings_and_other_flags_ignored(monkeypatch):
     assert flags_problem(["--tensorboard-dir=/x/tb", "--lr", "1e-3"]) == f"--tensorboard-dir /x/tb: {TENSORBOARD_MISSING}"
     assert flags_problem(["--tensorboard-log-interval", "5", "--save", "x"]) is None  # not an abbreviation
     assert flags_problem([]) is None
+
+
+@pytest.mark.slow
+def test_entry_point_refuses_wandb_online_without_a_key_before_building(tmp_path):
+    """``--mech-wandb-project`` with W&B online and no API key used to build the model and then fail in
+    ``wandb.init`` with a traceback (exit 1). The entry point refuses it at start, in one line naming the flag
+    and the settings (exit 2), before any model or login attempt: no network is needed to see it."""
+    env = {name: value for name, value in _env(tmp_path).items()
+           if not name.startswith("WANDB_") and name != "NETRC"}
+    env.update(HOME=str(tmp_path), WANDB_MODE="online", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT="29598")
+    out = subprocess.run([sys.executable, str(REPO_ROOT / "launch_scripts" / "pretrain_gpt_mech.py"),
+                          "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length",
+                          "32", "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2",
+                          "--lr-warmup-iters", "1", "--mech-wandb-project", "p", "--save", str(tmp_path / "run")],
+                         env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert _lines(out.stderr)[-1] == ("pretrain_gpt: error: --mech-wandb-project p: W&B would log online "
+                                      "(WANDB_MODE=online) but no API key is set up for api.wandb.ai: set "
+                                      "WANDB_API_KEY, run 'wandb login', or set WANDB_MODE=offline")
+    assert "[train] world=" not in out.stdout + out.stderr and "Traceback" not in out.stderr
