@@ -20,7 +20,6 @@ another run's records is refused too; resume into the checkpoint's own output di
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -87,8 +86,9 @@ def corpus_tokens() -> torch.Tensor:
 
 def build_config(args) -> dict:
     if args.deepspeed_config:
-        with open(args.deepspeed_config, encoding="utf-8") as f:
-            return json.load(f)
+        from megatron_mech.adapters.deepspeed.ds_config_section import load_config_file
+
+        return load_config_file(args.deepspeed_config)  # a key given twice is refused, naming it
     config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": args.zero_stage}, "steps_per_print": 10 ** 9,
               "gradient_clipping": 1.0,

@@ -27,7 +27,7 @@ from typing import Any, Mapping, Optional
 from megatron_mech.config import MechConfig
 from megatron_mech.options import check_mapping, option, section_from_dict
 
-__all__ = ["ATTENTION_LAYOUTS", "SECTION", "DeepSpeedOptions", "parse_section", "read_section"]
+__all__ = ["ATTENTION_LAYOUTS", "SECTION", "DeepSpeedOptions", "load_config_file", "parse_section", "read_section"]
 
 SECTION = "mech"
 ATTENTION_LAYOUTS = ("auto", "separate", "grouped", "concatenated")
@@ -75,6 +75,37 @@ def parse_section(section: Optional[Mapping[str, Any]]) -> tuple[MechConfig, Dee
     return config, options
 
 
+class _Pairs(list):
+    """A JSON object as read, its ``(key, value)`` pairs in order, duplicates kept (to be found)."""
+
+
+def _objects_without_duplicates(value: Any, source, where: str) -> Any:
+    """``value`` with every :class:`_Pairs` turned into a dict; ``ValueError`` naming ``source`` and the key's
+    path when an object holds a key twice."""
+    if isinstance(value, _Pairs):
+        out = {}
+        for key, item in value:
+            path = f"{where}.{key}" if where else key
+            if key in out:
+                raise ValueError(f"DeepSpeed config {source}: key {path!r} appears twice; JSON keeps only the last, "
+                                 f"silently dropping the first setting. Keep one")
+            out[key] = _objects_without_duplicates(item, source, path)
+        return out
+    if isinstance(value, list):
+        return [_objects_without_duplicates(item, source, where) for item in value]
+    return value
+
+
+def load_config_file(path) -> Any:
+    """A DeepSpeed JSON config file, parsed; a key given twice in one object (``"interval"`` twice in
+    ``"mech": {"monitors": {...}}``) is a ``ValueError`` naming the file and the key's path (``mech.monitors.
+    interval``): JSON keeps the last one, dropping the first without a word (DeepSpeed refuses duplicates too
+    when it reads a config file itself)."""
+    with open(path, encoding="utf-8") as f:
+        raw = json.load(f, object_pairs_hook=_Pairs)
+    return _objects_without_duplicates(raw, path, "")
+
+
 def read_section(config: Any) -> Optional[Mapping[str, Any]]:
     """The raw ``"mech"`` section of a DeepSpeed config given as a dict, a JSON path, a ``DeepSpeedConfig`` or an
     engine (``engine._config._param_dict``, where DeepSpeed keeps the sections it does not know)."""
@@ -83,8 +114,7 @@ def read_section(config: Any) -> Optional[Mapping[str, Any]]:
     if hasattr(config, "_param_dict"):      # a DeepSpeedConfig
         config = config._param_dict
     if isinstance(config, (str, bytes)) or hasattr(config, "__fspath__"):
-        with open(config, encoding="utf-8") as f:
-            config = json.load(f)
+        config = load_config_file(config)
     if not isinstance(config, Mapping):
         raise ValueError(f"cannot read a DeepSpeed config from {type(config).__name__}")
     return config.get(SECTION)

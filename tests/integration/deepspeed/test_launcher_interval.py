@@ -52,3 +52,14 @@ def test_the_launcher_flag_is_the_configs_declaration():
 def test_only_names_a_field_the_section_has():
     with pytest.raises(ValueError, match=r"MonitorConfig has no field \['intervall'\]"):
         add_section_flags(argparse.ArgumentParser(), MonitorConfig, only=("intervall",))
+
+
+def test_the_launcher_refuses_a_config_giving_the_interval_twice(tmp_path, capsys):
+    """``--deepspeed-config`` with ``"interval"`` twice in its "mech" section ran with the last one, the user's
+    first setting dropped silently. The launcher refuses it before building anything (exit 2, naming the key)."""
+    config = tmp_path / "ds.json"
+    config.write_text('{"train_micro_batch_size_per_gpu": 2, "mech": {"monitors": {"interval": 3, "interval": 7}}}')
+    assert _launcher().main(["--deepspeed-config", str(config), "--output-dir", str(tmp_path / "out")]) == 2
+    assert (f"deepspeed_train: error: DeepSpeed config {config}: key 'mech.monitors.interval' appears twice"
+            in capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()

@@ -73,6 +73,27 @@ def test_dict_round_trip_and_unknown_keys_are_named():
         MechConfig.from_dict({"mols": 3})
 
 
+def test_a_key_given_twice_in_a_deepspeed_config_is_refused_naming_it(tmp_path):
+    """JSON keeps the last of two equal keys: a config whose "mech" section said "interval" twice (or "mech"
+    itself twice) ran with the second, the first dropped without a word. Refused naming the file and the key's
+    path; the same keys once each are read as written."""
+    from megatron_mech.adapters.deepspeed.ds_config_section import load_config_file, parse_section, read_section
+
+    path = tmp_path / "ds_config.json"
+    for text, key in (('{"mech": {"monitors": {"interval": 3, "families": ["attention"], "interval": 5}}}',
+                       "mech.monitors.interval"),
+                      ('{"mech": {"on_alert": "stop"}, "train_batch_size": 8, "mech": {}}', "mech"),
+                      ('{"mech": {"detector": {"warmup": 4}, "detector": {"baseline": 9}}}', "mech.detector")):
+        path.write_text(text)
+        for read in (load_config_file, read_section):
+            with pytest.raises(ValueError, match=f"DeepSpeed config {path}: key '{key}' appears twice"):
+                read(str(path))
+    path.write_text('{"train_batch_size": 8, "mech": {"monitors": {"interval": 3, "families": ["attention"]}}}')
+    assert parse_section(read_section(str(path)))[0].monitors.interval == 3
+    assert load_config_file(path) == {"train_batch_size": 8,
+                                      "mech": {"monitors": {"interval": 3, "families": ["attention"]}}}
+
+
 def test_misspelt_key_of_a_deepspeed_config_gets_the_closest_name(tmp_path):
     """A misspelt key in a DeepSpeed config file's "mech" section is refused naming its path and the closest
     valid key at its level, the DeepSpeed-only "deepspeed" subsection included; a key like none gets no guess."""
