@@ -106,6 +106,7 @@ from megatron_mech.model_view import ModelView
 from megatron_mech.monitors.metric_names import SYMPTOM_GRAD_NORM, SYMPTOM_LOSS
 from megatron_mech.monitors.protocol import Monitor, MonitorContext
 from megatron_mech.monitors.registry import BUILTIN_MONITORS
+from megatron_mech.records.run_directory import STEP_SERIES_WINDOW
 
 __all__ = ["Action", "Extension", "MechHook", "Monitor", "STATE_VERSION", "StateError", "any_rank",
            "naming_damaged_state"]
@@ -205,10 +206,11 @@ class MechHook:
         """User hooks ``fn(step, alerts)``, called on every rank when an evaluation step has alerts."""
         self.first_alert_step: Optional[int] = None
         self.losses: List[float] = []
-        """The loss of every step since step 1 (kept in the state, so a resumed run's summary covers the run)."""
+        """The loss of every step, of the last :data:`~megatron_mech.records.run_directory.STEP_SERIES_WINDOW` steps
+        once the run is longer (kept in the state, so a resumed run's summary covers the run)."""
         self.grad_norms: List[Optional[float]] = []
-        """The optimizer's global gradient norm of every step since step 1, beside :attr:`losses` (``None`` where the
-        trainer gave none): the per-step series that grad-norm rules such as ZClip's judge on a trainer."""
+        """The optimizer's global gradient norm of each step of :attr:`losses` (``None`` where the trainer gave
+        none): the per-step series that grad-norm rules such as ZClip's judge on a trainer."""
         self.last_alerts: List[Alert] = []
         self.seconds: dict = {}
         """Wall time per part on this rank (attention, router, detectors, output, ...), for overhead reports."""
@@ -579,6 +581,8 @@ class MechHook:
         """One step's loss and grad norm (floats, read back) into the per-step series of the run."""
         self.losses.append(loss)
         self.grad_norms.append(None if grad_norm is None else float(grad_norm))
+        if len(self.losses) > STEP_SERIES_WINDOW:  # a bounded window: the state must not grow with the run
+            del self.losses[0], self.grad_norms[0]
 
     def _acting(self, action: Action) -> Action:
         """``action``, or the action of an alert judged late (read back) that the trainer has not been given yet."""
@@ -689,13 +693,15 @@ class MechHook:
         if self.mols is not None and state.get("mols"):
             self.mols.load_state_dict(state["mols"])
         self._checkpoints.restore(state.get("saved_steps") or ())
-        self.losses = [float(v) for v in state.get("losses") or []]
+        saved_losses = state.get("losses") or []
         # a state saved before the grad norms were kept has none: those steps' entries are None (not known)
         saved_norms = state.get("grad_norms")
-        if saved_norms is not None and len(saved_norms) != len(self.losses):
+        if saved_norms is not None and len(saved_norms) != len(saved_losses):
             raise StateError(source, f"{source}: damaged megatron-mech state: {len(saved_norms)} grad norms for "
-                                     f"{len(self.losses)} losses (one of each per step)")
-        self.grad_norms = ([None if v is None else float(v) for v in saved_norms] if saved_norms is not None
+                                     f"{len(saved_losses)} losses (one of each per step)")
+        kept = slice(-STEP_SERIES_WINDOW, None)  # a state saved before the window was bounded may hold more
+        self.losses = [float(v) for v in saved_losses[kept]]
+        self.grad_norms = ([None if v is None else float(v) for v in saved_norms[kept]] if saved_norms is not None
                            else [None] * len(self.losses))
         saved_extensions = dict(state.get("extensions") or {})
         for extension in self.extensions:

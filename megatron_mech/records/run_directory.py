@@ -36,10 +36,10 @@ from megatron_mech.records.safe_files import (
 )
 
 __all__ = ["FIRST_ALERT", "JSONL", "LOCK_FILE", "MAX_SMALL_FILE_BYTES", "RECORDS_INCOMPLETE_EXIT", "RUN_FILES",
-           "RUN_ID_FILE", "SUMMARY", "claim_run_directory", "clear_previous_run", "previous_run", "probe_writable",
-           "read_run_id", "records_incomplete", "refuse_linked_checkpoints", "refuse_mixing_runs",
-           "refuse_unsafe_files_in", "release_run_directories", "resumed_run_id", "steps_text", "write_run_id",
-           "write_summary"]
+           "RUN_ID_FILE", "STEP_SERIES_WINDOW", "SUMMARY", "claim_run_directory", "clear_previous_run",
+           "previous_run", "probe_writable", "read_run_id", "records_incomplete", "refuse_linked_checkpoints",
+           "refuse_mixing_runs", "refuse_unsafe_files_in", "release_run_directories", "resumed_run_id", "steps_text",
+           "write_run_id", "write_summary"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,11 @@ RUN_FILES = (RUN_ID_FILE, f".{RUN_ID_FILE}.tmp", JSONL, SUMMARY, f".{SUMMARY}.tm
 #: reach the disk: a record of ``mech.jsonl`` or the ``summary.json`` was lost (a full disk). Not 0, so a job
 #: scheduler shows it; not 1 or 2, so it is not read as a crash or a refused start.
 RECORDS_INCOMPLETE_EXIT = 3
+#: How many steps of per-step series (each step's loss and grad norm, kept in the hook's state and its
+#: checkpoints; each step's time) a run keeps for its ``summary.json``: the last ones, so that neither a checkpoint
+#: nor the summary grows with the length of the run (about 1.8 MB per rank file and 6 MB of summary at most).
+#: The summary's ``first_step`` says which step its series start at.
+STEP_SERIES_WINDOW = 100_000
 #: The most a file that holds one short line by design (a run id, a checkpoint tracker) is read of.
 MAX_SMALL_FILE_BYTES = 4096
 

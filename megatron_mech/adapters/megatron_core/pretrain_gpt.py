@@ -27,6 +27,7 @@ import os
 import sys
 import time
 import warnings
+from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
@@ -58,6 +59,7 @@ from megatron_mech.logs import configure_logging
 from megatron_mech.optim import base_lr
 from megatron_mech.records.run_directory import (
     RECORDS_INCOMPLETE_EXIT,
+    STEP_SERIES_WINDOW,
     records_incomplete,
     release_run_directories,
     write_summary,
@@ -406,7 +408,8 @@ def train(args, t: Training, runtime: Runtime, stop_signal: StopOnSignal) -> dic
     """The training loop; its only calls into megatron-mech are the hook's lifecycle methods."""
     tokens_per_step = args.global_batch_size * args.seq_length
     t_start, window_t, window_steps = time.perf_counter(), time.perf_counter(), 0
-    step_seconds, action, step = [], Action.CONTINUE, t.start_step
+    # each step's time, of the last STEP_SERIES_WINDOW steps: the summary must not grow with the run
+    step_seconds, action, step = deque(maxlen=STEP_SERIES_WINDOW), Action.CONTINUE, t.start_step
     valid_history = []  # (step, validation loss) of every periodic evaluation (--eval-interval)
     for step in range(t.start_step + 1, args.train_iters + 1):
         step_started = time.perf_counter()
@@ -453,7 +456,7 @@ def train(args, t: Training, runtime: Runtime, stop_signal: StopOnSignal) -> dic
         if stop_signal.agreed():  # one tiny all-reduce: every rank stops after the same step
             logger.info(f"[train] {stop_signal.stopped_by} received: stopping cleanly after step {step}")
             break
-    return {"final_step": step, "step_seconds": step_seconds, "seconds": time.perf_counter() - t_start,
+    return {"final_step": step, "step_seconds": list(step_seconds), "seconds": time.perf_counter() - t_start,
             "valid_history": valid_history,
             "stopped_on_alert": action is Action.STOP, "stopped_by_signal": stop_signal.stopped_by}
 
@@ -478,9 +481,11 @@ def finish(args, t: Training, runtime: Runtime, run: dict, output_dir: str) -> b
     if runtime.logging_rank:
         alerts = read_alerts(Path(output_dir) / "mech.jsonl")  # the record of truth, incl. before a resume
         elapsed = run["seconds"]
-        losses = hook.losses  # every step's loss since step 1, kept in the hook's state across resumes
+        # every step's loss since step 1 (the last STEP_SERIES_WINDOW steps of a longer run: first_step says),
+        # kept in the hook's state across resumes
+        losses = hook.losses
         summary = {"final_step": final_step, "final_valid_loss": val, "first_step": final_step - len(losses) + 1,
-                   "losses": losses, "grad_norms": hook.grad_norms,  # every step's, beside its loss
+                   "losses": losses, "grad_norms": hook.grad_norms,  # each step's, beside its loss
                    "seconds": elapsed, "step_seconds": run["step_seconds"],
                    "params_per_rank": t.n_params,
                    **{e.name: e.summary() for e in hook.extensions if e.summary() is not None},

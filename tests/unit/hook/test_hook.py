@@ -145,6 +145,27 @@ def test_every_steps_grad_norm_is_kept_beside_its_loss_and_resumes():
         _Run(_config(interval=4), state={**state, "grad_norms": state["grad_norms"][:6]}, start_step=7)
 
 
+def test_the_per_step_series_keep_a_bounded_window_of_the_last_steps(monkeypatch):
+    """Every step's loss and grad norm lived in the hook's state on every rank (about 18 B a step in each rank's
+    checkpoint, 60 B a step in summary.json): a 10^6-step run carried them all. The series keep the last
+    STEP_SERIES_WINDOW steps (here made 5 to see it): the state and a resume from a longer state hold only those,
+    each grad norm still beside its own step's loss."""
+    import megatron_mech.hook as hook_module
+
+    monkeypatch.setattr(hook_module, "STEP_SERIES_WINDOW", 5)
+    run, _ = _run_to_alert(float, steps=range(1, 8))
+    state = run.hook.state_dict()
+    assert state["grad_norms"] == [1.0 + step for step in range(3, 8)]  # steps 3-7: the last five
+    assert json.dumps(state["losses"]) == json.dumps([_blow_up_loss(step) for step in range(3, 8)])
+    longer = {**state, "losses": [0.5] * 2 + state["losses"], "grad_norms": [9.0] * 2 + state["grad_norms"]}
+    resumed = _Run(_config(interval=4), state=longer, start_step=7)
+    assert resumed.hook.grad_norms == state["grad_norms"] and len(resumed.hook.losses) == 5
+    resumed.hook.before_step(8)
+    resumed.hook.after_optimizer_step(8, loss=1.0, grad_norm=None, lr=1e-3)
+    assert resumed.hook.grad_norms == [1.0 + step for step in range(4, 8)] + [None]
+    assert resumed.hook.losses[-1] == 1.0 and len(resumed.hook.losses) == 5
+
+
 def test_device_values_still_unread_are_read_back_by_state_dict_and_close():
     """A checkpoint between evaluations (state_dict) and the end of a run (close) read the waiting values back:
     the state's loss series is complete and the non-finite step's record is written with its own step."""
