@@ -52,7 +52,7 @@ from megatron_mech.records.report_guides import (
     resolve_arming,
     run_settings,
 )
-from megatron_mech.records.safe_files import refuse_unsafe_file, write_file_atomically
+from megatron_mech.records.safe_files import open_regular, write_file_atomically
 from megatron_mech.records.series_reduction import RunReduction, record_values, reduce_records
 from megatron_mech.records.sinks import JSONL_NAME, iter_jsonl, record_alerts
 
@@ -81,7 +81,7 @@ def resolve_jsonl(run_dir_or_jsonl: str | Path) -> Path:
     p = Path(run_dir_or_jsonl)
     path = p / JSONL_NAME if p.is_dir() else p
     if path.exists() and not path.is_file():  # a FIFO would block the reader: refused by name (ValueError)
-        refuse_unsafe_file(path.resolve())
+        open_regular(path).close()
     if not path.is_file():
         hint = f" (expected {JSONL_NAME} inside the run directory)" if p.is_dir() else ""
         raise FileNotFoundError(f"no monitor log at {path}{hint}")

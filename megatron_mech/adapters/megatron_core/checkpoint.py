@@ -27,7 +27,13 @@ from megatron_mech.records.run_directory import (  # noqa: F401 (the run id help
     read_run_id,
     write_run_id,
 )
-from megatron_mech.records.safe_files import open_regular, read_small_file, refuse_symlink, write_file_atomically
+from megatron_mech.records.safe_files import (
+    open_regular,
+    read_small_file,
+    refuse_symlink,
+    refuse_unsafe_file,
+    write_file_atomically,
+)
 
 __all__ = ["RUN_ID_FILE", "check_model_shapes", "check_mols_match", "load_checkpoint",
            "load_distributed_optimizer_state", "read_checkpoint_file", "read_run_id", "read_tracker", "save_checkpoint",
@@ -216,7 +222,9 @@ def save_checkpoint(save_dir, step: int, model, optimizer, scheduler, layout: di
     refuse_symlink(directory)  # mkdir accepts a link to a directory elsewhere, and every file would go there
     directory.mkdir(parents=True, exist_ok=True)
     if _uses_distributed_optimizer(optimizer):  # sharded optimizer state: written by DP rank 0 of each group
-        optimizer.save_parameter_state(str(directory / f"distopt_rank{rank:04d}.pt"))
+        sharded = directory / f"distopt_rank{rank:04d}.pt"
+        refuse_unsafe_file(sharded)  # megatron-core opens it itself: a link or a FIFO there is refused first
+        optimizer.save_parameter_state(str(sharded))
     state = {"iteration": step, "layout": layout, "model": model.state_dict(),
              "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state(),
              "mech": hook.state_dict() if hook is not None else None, "mols_enabled": _mols_enabled(hook)}
