@@ -114,6 +114,22 @@ def mech_output_dir(config: dict) -> str:
     return parse_section(section)[0].output.dir or DEFAULT_OUTPUT_DIR
 
 
+def check_sinks(config: dict) -> None:
+    """The optional sinks the "mech" section asks for can start: their packages are installed and W&B, online, has
+    an API key. Checked before anything is built; the sinks start on rank 0 once the engine is (``ValueError``
+    naming the key)."""
+    from megatron_mech.adapters.deepspeed.ds_config_section import parse_section
+    from megatron_mech.records.sinks import missing_sink_package, wandb_login_problem
+
+    output = parse_section(config.get("mech"))[0].output
+    if output.tensorboard_dir and missing_sink_package("tensorboard"):
+        raise ValueError(f"mech.output.tensorboard_dir {output.tensorboard_dir}: {missing_sink_package('tensorboard')}")
+    if output.wandb_project:
+        reason = missing_sink_package("wandb") or wandb_login_problem()
+        if reason:
+            raise ValueError(f"mech.output.wandb_project {output.wandb_project}: {reason}")
+
+
 def output_dirs(args, config: dict) -> list:
     """The directories the run's records go to: ``--output-dir`` (summary.json) and ``mech.output.dir``
     (mech.jsonl), once each when they are one."""
@@ -228,6 +244,7 @@ def main(argv=None, study=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         config = build_config(args)
+        check_sinks(config)
         extensions = study.extensions(args, config) if study is not None else []
         overwrite, run_id = check_run_directories(args, config, int(os.environ.get("RANK", "0")))
     except ValueError as exc:

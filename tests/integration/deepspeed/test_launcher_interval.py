@@ -1,5 +1,6 @@
 """The DeepSpeed launcher offers ``--mech-interval`` as the config declares it (one declaration: its default, type
-and help come from ``MonitorConfig.interval``), and reports on the steps the hook evaluates."""
+and help come from ``MonitorConfig.interval``), and reports on the steps the hook evaluates; a config it cannot run
+as written (a key given twice, a W&B sink that cannot log in) is refused before anything is built."""
 from __future__ import annotations
 
 import argparse
@@ -62,4 +63,19 @@ def test_the_launcher_refuses_a_config_giving_the_interval_twice(tmp_path, capsy
     assert _launcher().main(["--deepspeed-config", str(config), "--output-dir", str(tmp_path / "out")]) == 2
     assert (f"deepspeed_train: error: DeepSpeed config {config}: key 'mech.monitors.interval' appears twice"
             in capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_launcher_refuses_wandb_online_without_a_key_before_building(tmp_path, monkeypatch, capsys):
+    """``mech.output.wandb_project`` with W&B online and no API key failed only once the engine was built. The
+    launcher refuses it first (exit 2, naming the key and the settings; no login attempt, no network)."""
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE", "WANDB_BASE_URL", "WANDB_CONFIG_DIR",
+                 "NETRC"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = tmp_path / "ds.json"
+    config.write_text('{"train_micro_batch_size_per_gpu": 2, "mech": {"output": {"wandb_project": "p"}}}')
+    assert _launcher().main(["--deepspeed-config", str(config), "--output-dir", str(tmp_path / "out")]) == 2
+    assert ("deepspeed_train: error: mech.output.wandb_project p: W&B would log online (WANDB_MODE=unset) but no "
+            "API key is set up for api.wandb.ai" in capsys.readouterr().err)
     assert not (tmp_path / "out").exists()
