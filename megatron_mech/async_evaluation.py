@@ -29,9 +29,18 @@ import torch.distributed as dist
 
 from megatron_mech.model_view import ModelView
 
-__all__ = ["EvaluationWorker", "WorkerFailure", "WorkerGroups", "worker_groups"]
+__all__ = ["POLL_SECONDS", "STOP_WAIT_SECONDS", "EvaluationWorker", "WorkerFailure", "WorkerGroups",
+           "worker_groups"]
 
 logger = logging.getLogger("megatron_mech")
+
+STOP_WAIT_SECONDS = 5.0
+"""Once a stop is requested (SIGTERM, SIGINT), the longest the training thread waits for an evaluation in flight
+before giving it up: torchrun kills its workers 30 s after forwarding a signal, and the checkpoint, the final
+validation and ``summary.json`` must fit in what is left."""
+
+POLL_SECONDS = 0.1
+"""How often a waiting training thread checks whether a stop was requested."""
 
 # the view's groups the monitors and the pipeline merge use; for the first two ``None`` means the whole world
 # (AttentionMonitor's tp_group, RouterMonitor's token_group), for the others "no such group"
@@ -123,22 +132,33 @@ class EvaluationWorker:
             self._job = (step, fn)
             self._lock.notify_all()
 
-    def collect(self, timeout_s: Optional[float] = None) -> tuple:
+    def collect(self, timeout_s: Optional[float] = None, stop_requested: Callable[[], bool] = lambda: False,
+                stop_wait_s: float = STOP_WAIT_SECONDS) -> tuple:
         """``(step, result)`` of the submitted job, waiting up to ``timeout_s`` (default: the worker's timeout)
         for it; ``None`` when nothing is in flight. Raises :class:`WorkerFailure` when the job raised or is still
-        running at the deadline (it is then abandoned: its result, if it ever comes, is dropped)."""
+        running at the deadline (it is then abandoned: its result, if it ever comes, is dropped). Once
+        ``stop_requested()`` holds (checked every :data:`POLL_SECONDS` while waiting), the deadline is at most
+        ``stop_wait_s`` away: a run asked to stop must save within its launcher's kill window."""
         timeout_s = self.timeout_s if timeout_s is None else float(timeout_s)
         started = time.perf_counter()
+        deadline, stopping = started + timeout_s, False
         with self._lock:
             step = self.pending_step
             if step is None:
                 return None
-            finished = self._lock.wait_for(lambda: self._done is not None, timeout=timeout_s)
+            while self._done is None:
+                now = time.perf_counter()
+                if not stopping and stop_requested():
+                    stopping, deadline = True, min(deadline, now + stop_wait_s)
+                if now >= deadline:
+                    break
+                self._lock.wait(timeout=min(deadline - now, POLL_SECONDS))
             self.waited_seconds += time.perf_counter() - started
-            if not finished:
+            if self._done is None:
                 self._job, self._closed = None, True   # the thread may be stuck: no further job goes to it
-                raise WorkerFailure(step, f"the evaluation of step {step} did not finish within {timeout_s:g} s "
-                                          f"(--mech-async-timeout)")
+                why = (f"a stop was requested and it did not finish within {stop_wait_s:g} s of it" if stopping
+                       else f"it did not finish within {timeout_s:g} s (--mech-async-timeout)")
+                raise WorkerFailure(step, f"the evaluation of step {step} was given up: {why}")
             step, result, error = self._done
             self._done = None
         if error is not None:

@@ -69,9 +69,17 @@ and hands their evaluation, the pipeline merge, the detectors and the alert agre
 the same code as the inline path, on duplicates of the groups. The result of step ``s`` is collected by the
 training thread at ``after_optimizer_step(s + 1)`` (or earlier at ``state_dict``, ``close``, or the next
 evaluation), waiting there if it is not ready: the record of ``s`` is then written, byte for byte the inline
-one, and the alert's :class:`Action` returned by that call. A worker that raised, or did not finish within
-``--mech-async-timeout``, is reported (a log line naming the step and the error; :meth:`MechHook.async_report`
-for the summary) and the monitors stop for the rest of the run on every rank, training going on.
+one, and the alert's :class:`Action` returned by that call. The evaluation changes nothing the hook holds: it
+judges on its own copy of the detectors and returns what it concluded, which the training thread merges when it
+collects it in time, so an evaluation given up can never change the detectors, the alerts or the counters.
+
+**A failed evaluation.** An evaluation in which a monitor raised (on any rank: agreed with the alert flag, in the
+same all-reduce), or that did not finish within ``--mech-async-timeout`` (within
+:data:`~megatron_mech.async_evaluation.STOP_WAIT_SECONDS` once :attr:`MechHook.stop_requested`), is reported (a
+log line naming the step, the monitor and the error; :meth:`MechHook.async_report` for the summary), inline or
+beside training alike. Its step still gets a record, with its loss and grad norm judged and no monitor metrics
+(:attr:`MechHook.lost_record_steps` lists it), and the monitors stop for the rest of the run on every rank,
+training going on.
 
 **Collectives.** Every rank must call every lifecycle method at every step: the monitors reduce on evaluation
 steps, and the alert decision is one tiny all-reduce there, so the returned :class:`Action` is identical on every
@@ -89,6 +97,7 @@ import enum
 import logging
 import math
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, List, Optional
 
 import torch
@@ -107,7 +116,7 @@ from megatron_mech.monitors.metric_names import SYMPTOM_GRAD_NORM, SYMPTOM_LOSS
 from megatron_mech.monitors.protocol import Monitor, MonitorContext
 from megatron_mech.monitors.registry import BUILTIN_MONITORS
 
-__all__ = ["Action", "Extension", "MechHook", "Monitor", "STATE_VERSION", "StateError", "any_rank",
+__all__ = ["Action", "Extension", "MechHook", "Monitor", "STATE_VERSION", "StateError", "any_rank", "any_ranks",
            "naming_damaged_state"]
 
 logger = logging.getLogger("megatron_mech")
@@ -132,13 +141,19 @@ class Action(str, enum.Enum):
 def any_rank(flag: bool, group=None) -> bool:
     """True if ``flag`` holds on any rank of ``group`` (one tiny all-reduce; every rank must call it; ``None``: the
     default group)."""
+    return any_ranks((flag,), group)[0]
+
+
+def any_ranks(flags: tuple, group=None) -> tuple:
+    """For each of ``flags``, whether it holds on any rank of ``group``: :func:`any_rank` of several flags in one
+    all-reduce."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return flag
+        return tuple(bool(flag) for flag in flags)
     from megatron_mech.core.sharded import collective_device
 
-    t = torch.tensor([1.0 if flag else 0.0], device=collective_device(group))
+    t = torch.tensor([1.0 if flag else 0.0 for flag in flags], device=collective_device(group))
     torch.distributed.all_reduce(t, group=group)
-    return bool(t.item() > 0)
+    return tuple(bool(v > 0) for v in t.tolist())
 
 
 class StateError(ValueError):
@@ -221,7 +236,7 @@ class MechHook:
         self._pending_state: Optional[dict] = None
         self._pending_source = ""  # what load_state_dict was given the pending state as (for errors)
         self._is_setup = False
-        self._stage_exchange = None   # MetricExchange over the pipeline stages, built at the first evaluation
+        self._stage_exchange = None   # MetricExchange over the pipeline stages (built at setup), the evaluation's
         self._mols_failure_logged = False
         self._pending_extension_state: dict = {}
         self._unread = DeferredSteps()  # the steps whose loss and grad norm still wait on the device
@@ -234,7 +249,12 @@ class MechHook:
         self._evaluation_view: Optional[ModelView] = None  # the view the monitors were set up with
         self._evaluation_world = None  # the group over every rank the evaluation agrees on alerts over
         self._in_flight: Optional[dict] = None  # what the record of the evaluation on the worker needs
-        self._async_failure: Optional[dict] = None  # {"step", "error"} once the worker failed: monitors off
+        self._evaluation_failure: Optional[dict] = None  # {"step", "error"} once an evaluation failed: monitors off
+        self._failed_evaluation_steps: List[int] = []  # steps whose record lacks the monitors' metrics
+        self.stop_requested: Callable[[], bool] = lambda: False
+        """Whether the trainer was asked to stop (SIGTERM, SIGINT), set by an adapter that stops on a signal: from
+        then on the training thread waits at most :data:`~megatron_mech.async_evaluation.STOP_WAIT_SECONDS` for
+        an evaluation still running beside it, and gives it up after that (it is reported as failed)."""
         self.asynchronous = False
         """Whether the monitors' evaluation runs beside training (``--mech-async``, resolved at :meth:`setup`)."""
         # a user's own script may set up no logging: the start line and the alerts must still reach the console
@@ -329,6 +349,10 @@ class MechHook:
         if self.asynchronous:   # the monitors take their groups from the view: the worker's own
             groups = worker_groups(view, settings.async_timeout)
             self._evaluation_view, self._evaluation_world = groups.view, groups.world
+        if self._evaluation_view.pp_group is not None:  # each stage holds its own layers: merged over the stages
+            from megatron_mech.core.metric_exchange import MetricExchange
+
+            self._stage_exchange = MetricExchange(self._evaluation_view.pp_group)
         layer_counts = [monitor.layer_count(view) for monitor in self.registered_monitors]
         # a monitor that only implements observe runs it on the training thread: the training's groups
         self.monitors = [monitor for monitor in self.registered_monitors
@@ -423,12 +447,11 @@ class MechHook:
             if self.last_alerts is not before:  # this step's own alerts, after those of the steps read back
                 self.last_alerts = late_alerts + self.last_alerts
             return self._acting(action)
-        snapshots = self._take_snapshots(step)
-        judge = self._judge_function(step, snapshots, loss, grad_norm)
         evaluation = {"step": step, "scalars": {"loss": float(loss), "lr": float(lr),
                                                 "grad_norm": float(grad_norm) if grad_norm is not None else math.nan},
-                      "extra": dict(extra or {}), "mols": mols_metrics}
-        if self._worker is not None and self._async_failure is None:
+                      "symptoms": _symptoms(loss, grad_norm), "extra": dict(extra or {}), "mols": mols_metrics}
+        judge = self._judge_function(evaluation, self._take_snapshots(step))
+        if self._worker is not None and self._evaluation_failure is None:
             self._in_flight = evaluation
             self._worker.submit(step, judge)
             self.last_alerts = late_alerts
@@ -440,8 +463,8 @@ class MechHook:
     def _take_snapshots(self, step: int) -> list:
         """On the training thread: each running monitor's :meth:`~megatron_mech.monitors.protocol.Monitor.snapshot`
         (timed under its name), or, for a monitor that only implements ``observe``, its observation itself, taken
-        here. Nothing after the worker failed (the monitors are off)."""
-        if self._async_failure is not None:
+        here. Nothing after an evaluation failed (the monitors are off)."""
+        if self._evaluation_failure is not None:
             return []
         taken = []
         for monitor in self.monitors:
@@ -450,81 +473,118 @@ class MechHook:
                              else _Observed(monitor.observe(step)))
         return taken
 
-    def _judge_function(self, step: int, snapshots: list, loss: float, grad_norm: Optional[float]) -> Callable:
-        """The evaluation of ``step`` from its snapshots, as one call (run inline, or on the worker): the monitors'
-        metrics merged over the stages, the loss and grad norm, the detectors and the agreement on whether any rank
-        alerted. Returns ``(metrics, alerts, fired, seconds)``; it touches no state the training thread uses before
-        collecting it, and keeps its wall times apart (``seconds``, added at collection)."""
-        monitors = [] if self._async_failure is not None else list(self.monitors)
-        merge = self._async_failure is None
-        world = self._evaluation_world if self._async_failure is None else None
+    def _judge_function(self, evaluation: dict, snapshots: list) -> Callable[[], _Judgement]:
+        """The evaluation of ``evaluation["step"]`` from its snapshots, as one call (run inline, or on the worker):
+        the monitors' metrics merged over the stages, the loss and grad norm, the detectors and the agreement on
+        whether any rank alerted or failed. It returns a :class:`_Judgement` and changes nothing the hook holds:
+        the detectors it runs are its own copy of the hook's, its wall times are kept apart, and only
+        :meth:`_conclude`, on the training thread, merges a judgement collected in time into the hook. An
+        evaluation given up at its timeout therefore cannot change the hook's detectors, alerts or counters,
+        whenever it ends."""
+        step, symptoms = evaluation["step"], dict(evaluation["symptoms"])
+        off = self._evaluation_failure is not None
+        monitors = [] if off else list(self.monitors)
+        exchange = None if off else self._stage_exchange
+        world = None if off else self._evaluation_world
+        detectors = self.registry  # only read by the job, and never written again once the job is given up
 
-        def judge() -> tuple:
+        def judge() -> _Judgement:
             seconds: dict = {}
-            metrics, details = self._evaluate(step, monitors, snapshots, seconds, merge)
-            metrics[SYMPTOM_LOSS] = float(loss)
-            if grad_norm is not None:
-                metrics[SYMPTOM_GRAD_NORM] = float(grad_norm)
-            # Every rank runs the detectors on identical metrics, so every rank knows the alerts without a broadcast.
-            with _timed(seconds, "detectors"):
-                alerts = self.registry.update(step, metrics, details)
-            # whether anything fired is agreed with one tiny all-reduce, so every rank takes the same branch even
-            # if a rank's metrics differed in the last bit
-            return metrics, alerts, any_rank(bool(alerts), world), seconds
+            registry = detectors.copy()
+            metrics, alerts, failure, monitor = {}, [], None, None
+            try:
+                metrics, details = self._evaluate(step, monitors, snapshots, seconds, exchange)
+                metrics.update(symptoms)
+                # Every rank runs the detectors on identical metrics, so every rank knows the alerts without a
+                # broadcast.
+                with _timed(seconds, "detectors"):
+                    alerts = registry.update(step, metrics, details)
+            except Exception as exc:  # agreed below: every rank gives this evaluation up at the same step
+                failure = f"the evaluation of step {step} raised {type(exc).__name__}: {exc}"
+                monitor = _failing_monitor(exc)
+            # whether anything fired or failed is agreed with one tiny all-reduce, so every rank takes the same
+            # branch even if a rank's metrics differed in the last bit
+            fired, failed = any_ranks((bool(alerts), failure is not None), world)
+            if failed and failure is None:
+                failure = f"the evaluation of step {step} failed on another rank"
+            return _Judgement(metrics, alerts, fired and not failed, failure, monitor, registry, seconds)
         return judge
 
-    def _conclude(self, evaluation: dict, judged: tuple) -> Action:
-        """On the training thread: the record of an evaluation step (logging rank) and its :class:`Action`."""
-        metrics, alerts, fired, seconds = judged
-        for part, value in seconds.items():
+    def _conclude(self, evaluation: dict, judged: _Judgement) -> Action:
+        """On the training thread: merge a judgement collected in time into the hook (its detectors, wall times,
+        alerts), write the record of its step (logging rank) and return its :class:`Action`. A failed
+        evaluation goes to :meth:`_evaluation_failed` instead."""
+        for part, value in judged.seconds.items():
             self.seconds[part] = self.seconds.get(part, 0.0) + value
-        step = evaluation["step"]
-        self.last_alerts = alerts
-        if self._sinks is not None:
-            with self.timed("output"):
-                for line in alert_lines(alerts):  # one line per (family, layer), not per series
-                    logger.info(f"[mech] ALERT step {step}: {line}")
-                from megatron_mech.records.sinks import make_record
+        if judged.failure is not None:
+            return self._evaluation_failed(evaluation, judged.failure, judged.monitor)
+        self.registry = judged.registry  # the one place an evaluation's detectors become the hook's
+        self.last_alerts = judged.alerts
+        self._write_record(evaluation, judged.metrics, judged.alerts)
+        return self._act_on(evaluation["step"], judged.alerts, judged.fired)
 
-                record_extra = dict(evaluation["extra"])
-                if evaluation["mols"]:
-                    record_extra["mols"] = evaluation["mols"]
-                self._sinks.write(make_record(step, dict(evaluation["scalars"]), metrics, alerts, extra=record_extra))
-        return self._act_on(step, alerts, fired)
+    def _write_record(self, evaluation: dict, metrics: dict, alerts: list) -> None:
+        """The logging rank's record of an evaluation step and its alert lines."""
+        if self._sinks is None:
+            return
+        step = evaluation["step"]
+        with self.timed("output"):
+            for line in alert_lines(alerts):  # one line per (family, layer), not per series
+                logger.info(f"[mech] ALERT step {step}: {line}")
+            from megatron_mech.records.sinks import make_record
+
+            record_extra = dict(evaluation["extra"])
+            if evaluation["mols"]:
+                record_extra["mols"] = evaluation["mols"]
+            self._sinks.write(make_record(step, dict(evaluation["scalars"]), metrics, alerts, extra=record_extra))
 
     def _collect(self) -> None:
-        """Take the evaluation in flight off the worker (waiting for it, at most ``--mech-async-timeout``): its
-        record, and its :class:`Action` for the next :meth:`_acting`. A worker that failed is reported and the
-        monitors are switched off for the rest of the run."""
+        """Take the evaluation in flight off the worker (waiting for it, at most ``--mech-async-timeout``, and at
+        most :data:`~megatron_mech.async_evaluation.STOP_WAIT_SECONDS` once :attr:`stop_requested`): its record,
+        and its :class:`Action` for the next :meth:`_acting`. An evaluation that failed or was given up is
+        reported and the monitors are switched off for the rest of the run."""
         if self._worker is None or self._in_flight is None:
             return
         evaluation, self._in_flight = self._in_flight, None
         try:
             with self.timed("async_wait"):
-                _, judged = self._worker.collect()
+                _, judged = self._worker.collect(stop_requested=self.stop_requested)
         except WorkerFailure as failure:
-            self._worker_failed(evaluation["step"], failure)
-            return
-        action = self._conclude(evaluation, judged)
+            action = self._evaluation_failed(evaluation, str(failure), _failing_monitor(failure.cause))
+        else:
+            action = self._conclude(evaluation, judged)
         if self._late_action is Action.CONTINUE:
             self._late_action = action
 
-    def _worker_failed(self, step: int, failure: WorkerFailure) -> None:
-        """Report a failed evaluation worker and switch the monitors off: every rank gets here at the same
-        boundary (its own job failed, or it timed out waiting for the ranks whose job failed)."""
-        monitor = _failing_monitor(failure.cause)
-        self._async_failure = {"step": int(step), "error": str(failure),
-                               **({"monitor": monitor} if monitor else {})}
+    def _evaluation_failed(self, evaluation: dict, error: str, monitor: Optional[str]) -> Action:
+        """Report an evaluation that failed (a monitor raised, on this rank or another) or was given up (its
+        timeout, or a stop request) and switch the monitors off for the rest of the run, inline or beside
+        training alike; every rank gets here at the same step (the failure is agreed, or every rank timed out
+        waiting for the ranks whose evaluation failed). The step still gets its record: its loss and grad norm,
+        judged here as on any evaluation step (identical on every rank: no collective), without the monitors'
+        metrics; :attr:`lost_record_steps` lists it."""
+        step = evaluation["step"]
+        self._evaluation_failure = {"step": int(step), "error": error, **({"monitor": monitor} if monitor else {})}
         logger.error(f"[mech] ERROR: the monitors' evaluation of step {step} failed on this rank "
-                     f"({f'monitor {monitor!r}: ' if monitor else ''}{failure}); the monitors are off for the rest "
+                     f"({f'monitor {monitor!r}: ' if monitor else ''}{error}); the monitors are off for the rest "
                      f"of the run, training goes on (loss and grad norm are still judged)")
-        self._worker.close(timeout_s=0)
+        if self._worker is not None:
+            self._worker.close(timeout_s=0)
+        # an evaluation given up may still be reading the registry it was handed: the hook's is a copy from now on
+        self.registry = self.registry.copy()
+        self._failed_evaluation_steps.append(int(step))
+        symptoms = dict(evaluation["symptoms"])
+        with self.timed("detectors"):
+            alerts = self.registry.update(step, symptoms)
+        self.last_alerts = alerts
+        self._write_record(evaluation, symptoms, alerts)
+        return self._act_on(step, alerts, bool(alerts))
 
     def async_report(self) -> dict:
         """For the run's summary: whether the evaluation ran beside training, the training thread's time spent
         waiting for it, and the failure that switched the monitors off (``None`` when there was none)."""
         return {"enabled": self.asynchronous, "wait_seconds": self.seconds.get("async_wait", 0.0),
-                "failure": dict(self._async_failure) if self._async_failure is not None else None}
+                "failure": dict(self._evaluation_failure) if self._evaluation_failure is not None else None}
 
     def _resolve_asynchronous(self, view: ModelView) -> bool:
         """``--mech-async``: 'on', 'off', or 'auto' = on when this run's model is on a GPU (agreed by every rank)."""
@@ -533,12 +593,13 @@ class MechHook:
             return setting == "on"
         return any_rank(_model_on_gpu(view))
 
-    def _evaluate(self, step: int, monitors: list, snapshots: list, seconds: dict, merge: bool) -> tuple:
+    def _evaluate(self, step: int, monitors: list, snapshots: list, seconds: dict, exchange) -> tuple:
         """Every running monitor's metrics and details of evaluation step ``step`` from its snapshot, each timed
-        under its name: the per-stage ones first, merged over the pipeline stages, then the global ones."""
+        under its name: the per-stage ones first, merged over the pipeline stages (``exchange``: the
+        :class:`~megatron_mech.core.metric_exchange.MetricExchange` over them, ``None`` without), then the
+        global ones."""
         metrics: dict = {}
         details: dict = {}
-        view = self._evaluation_view
         for per_stage in (True, False):
             for monitor, snapshot in zip(monitors, snapshots):
                 if monitor.per_stage is not per_stage:
@@ -549,13 +610,9 @@ class MechHook:
                 if observed is not None:
                     metrics.update(observed[0])
                     details.update(observed[1])
-            if per_stage and merge and view is not None and view.pp_group is not None:
+            if per_stage and exchange is not None:
                 with _timed(seconds, "pipeline_gather"):  # each stage holds its own layers: merge
-                    if self._stage_exchange is None:
-                        from megatron_mech.core.metric_exchange import MetricExchange
-
-                        self._stage_exchange = MetricExchange(view.pp_group)
-                    metrics, details = self._stage_exchange.combine(metrics, details)
+                    metrics, details = exchange.combine(metrics, details)
         return metrics, details
 
     def _read_back(self, *current) -> tuple:
@@ -598,9 +655,7 @@ class MechHook:
         on evaluation steps, so there a loss that is non-finite on one rank alone, with a finite grad norm, is
         judged by that rank alone.
         """
-        symptoms = {SYMPTOM_LOSS: float(loss)}  # floats here (read back when they came as tensors)
-        if grad_norm is not None:
-            symptoms[SYMPTOM_GRAD_NORM] = float(grad_norm)
+        symptoms = _symptoms(loss, grad_norm)  # floats here (read back when they came as tensors)
         if all(math.isfinite(v) for v in symptoms.values()):
             return Action.CONTINUE
         with self.timed("detectors"):
@@ -633,7 +688,7 @@ class MechHook:
         is a daemon thread, left behind)."""
         self._collect()
         self._read_back()
-        if self._worker is not None and self._async_failure is None:
+        if self._worker is not None and self._evaluation_failure is None:
             self._worker.close()
         if self._view is not None and self._view.logging_rank:
             logger.info(f"[mech] {self.arming()['note']}")
@@ -646,9 +701,12 @@ class MechHook:
 
     @property
     def lost_record_steps(self) -> list:
-        """Steps whose record the logging rank's ``mech.jsonl`` could not take (a full disk): training went on
-        without them. Empty on other ranks, and for sinks that do not keep account of losses."""
-        return list(getattr(self._sinks, "lost_steps", ()))
+        """Steps whose record is missing from the logging rank's ``mech.jsonl`` (it could not take it: a full disk)
+        or lacks the monitors' metrics (the evaluation of that step failed: its record holds the loss and grad
+        norm only). Training went on either way. Empty on other ranks."""
+        if self._sinks is None:
+            return []
+        return sorted({*getattr(self._sinks, "lost_steps", ()), *self._failed_evaluation_steps})
 
     # ------------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -656,16 +714,19 @@ class MechHook:
         "state"}}``), detectors, MoLS, the first-alert step and the extensions' states (``"extensions"``, only when
         one has a state). Collects the evaluation still on the worker (``--mech-async``) and reads back the values
         still waiting first, so the state is that of every step so far (an alert they raise acts at the next
-        :meth:`after_optimizer_step`)."""
+        :meth:`after_optimizer_step`). After an evaluation failed or was given up the monitors are off and their
+        objects may still be in that evaluation's hands: their entries are left out (a resumed run starts them
+        afresh), and the detectors are those of the last evaluation collected."""
         self._collect()
         self._read_back()
         extensions = {e.name: e.state_dict() for e in self.extensions}
         extensions = {name: state for name, state in extensions.items() if state}
+        monitors = [] if self._evaluation_failure is not None else self.monitors
         return {"version": STATE_VERSION, **({"extensions": extensions} if extensions else {}),
                 "first_alert_step": self.first_alert_step, "losses": list(self.losses),
                 "grad_norms": list(self.grad_norms),
                 "interval": self._monitored_interval(),
-                "monitors": {m.name: {"version": m.state_version, "state": m.state_dict()} for m in self.monitors},
+                "monitors": {m.name: {"version": m.state_version, "state": m.state_dict()} for m in monitors},
                 "detectors": self.registry.state_dict(),
                 "mols": self.mols.state_dict() if self.mols is not None else None,
                 "saved_steps": list(self._checkpoints.saved_steps)}
@@ -958,6 +1019,28 @@ class MechHook:
         self.first_alert_step = step
         self._first_alert_acted_step = self._current_step
         return {"log": Action.CONTINUE, "checkpoint": Action.CHECKPOINT, "stop": Action.STOP}[self.config.on_alert]
+
+
+@dataclass
+class _Judgement:
+    """What one evaluation concluded, computed apart from the hook (:meth:`MechHook._judge_function`) and merged
+    into it by the training thread only (:meth:`MechHook._conclude`)."""
+
+    metrics: dict
+    alerts: list
+    fired: bool  # whether any rank alerted (agreed)
+    failure: Optional[str]  # why the evaluation failed, on this rank or another (agreed); None: it did not
+    monitor: Optional[str]  # the monitor whose evaluation raised on this rank
+    registry: DetectorRegistry  # the detectors after this evaluation: a copy, the hook's own untouched
+    seconds: dict  # wall time per part
+
+
+def _symptoms(loss, grad_norm) -> dict:
+    """The loss and grad norm as the detectors' series (floats; no grad-norm series where the trainer gave none)."""
+    symptoms = {SYMPTOM_LOSS: float(loss)}
+    if grad_norm is not None:
+        symptoms[SYMPTOM_GRAD_NORM] = float(grad_norm)
+    return symptoms
 
 
 class _Observed:
