@@ -104,10 +104,14 @@ def test_a_failing_evaluation_on_one_rank_is_reported_and_training_finishes_on_e
             or "timeout" in failure["error"].lower(), failure
     assert f"the monitors' evaluation of step {fault_step} failed" in outputs[logging_rank]
     assert "records incomplete: the monitors stopped after their evaluation of step 4" in outputs[logging_rank]
+    assert "could not be written" not in outputs[logging_rank]  # the failed step is said once, as the failure
     records = [json.loads(line) for line in (run_dir / "mech.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [2, 6, 8]                         # the record of step 4 is lost
+    assert [r["step"] for r in records] == [2, 4, 6, 8]
     assert any(k.startswith("attn/") for k in records[0]["metrics"])
-    assert set(records[-1]["metrics"]) == {"symptom/loss", "symptom/grad_norm"}  # the monitors are off
+    # step 4's record has its loss and grad norm only, and says so in the summary; then the monitors are off
+    assert set(records[1]["metrics"]) == set(records[-1]["metrics"]) == {"symptom/loss", "symptom/grad_norm"}
+    assert records[1]["loss"] == summary["losses"][3]
+    assert summary["records_lost_steps"] == [4]
 
 
 @pytest.mark.timeout(900)
