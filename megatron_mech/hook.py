@@ -235,6 +235,7 @@ class MechHook:
         self._checkpoints = FirstAlertMarker()
         self._pending_state: Optional[dict] = None
         self._pending_source = ""  # what load_state_dict was given the pending state as (for errors)
+        self._carried_interval: Optional[int] = None  # the interval of a loaded state's monitors and detectors
         self._is_setup = False
         self._stage_exchange = None   # MetricExchange over the pipeline stages (built at setup), the evaluation's
         self._mols_failure_logged = False
@@ -354,10 +355,12 @@ class MechHook:
 
             self._stage_exchange = MetricExchange(self._evaluation_view.pp_group)
         layer_counts = [monitor.layer_count(view) for monitor in self.registered_monitors]
-        # a monitor that only implements observe runs it on the training thread: the training's groups
+        # a monitor that only implements observe runs it on the training thread: the training's groups;
+        # --mech-monitors none: no monitor at all, whatever the others would decide
         self.monitors = [monitor for monitor in self.registered_monitors
-                         if monitor.setup(self._evaluation_view if monitor.evaluates_from_snapshot else view,
-                                          context)]
+                         if settings.families and monitor.setup(self._evaluation_view
+                                                                if monitor.evaluates_from_snapshot else view,
+                                                                context)]
         if self._sinks is None and view.logging_rank:
             self.open_sinks(start_step)
         self._stage_counts = self._count_layers(view, layer_counts)
@@ -725,7 +728,7 @@ class MechHook:
         return {"version": STATE_VERSION, **({"extensions": extensions} if extensions else {}),
                 "first_alert_step": self.first_alert_step, "losses": list(self.losses),
                 "grad_norms": list(self.grad_norms),
-                "interval": self._monitored_interval(),
+                "interval": self._state_interval(),
                 "monitors": {m.name: {"version": m.state_version, "state": m.state_dict()} for m in monitors},
                 "detectors": self.registry.state_dict(),
                 "mols": self.mols.state_dict() if self.mols is not None else None,
@@ -747,6 +750,7 @@ class MechHook:
             raise StateError(source, f"{source} was saved with --mech-interval {saved} (mech.monitors.interval), this "
                                      f"run has --mech-interval {current}: the records would mix evaluation "
                                      f"intervals. Resume with --mech-interval {saved}")
+        self._carried_interval = saved
         if self.mols is not None and state.get("mols"):
             self.mols.load_state_dict(state["mols"])
         self._checkpoints.restore(state.get("saved_steps") or ())
@@ -777,6 +781,13 @@ class MechHook:
     def _monitored_interval(self) -> Optional[int]:
         """The evaluation interval, or ``None`` when no monitor runs (``--mech-monitors none``)."""
         return self.interval if self.config.monitors.families else None
+
+    def _state_interval(self) -> Optional[int]:
+        """The interval :meth:`state_dict` records: this run's when its monitors run, else the one of the state it
+        resumed from. A leg with ``--mech-monitors none`` carries its checkpoint's detectors, warmed up at that
+        interval, so a later resume at another one is still refused by name."""
+        monitored = self._monitored_interval()
+        return monitored if monitored is not None else self._carried_interval
 
     @staticmethod
     def _saved_interval(state: dict) -> Optional[int]:

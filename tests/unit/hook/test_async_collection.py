@@ -319,3 +319,25 @@ def test_auto_is_off_for_a_model_on_the_cpu():
     weight = torch.zeros((HEADS + 2 * GROUPS) * HEAD_DIM, D_MODEL)
     hook.setup(ModelView(attention_layers=[AttentionLayer(0, weight, HEADS, GROUPS, HEAD_DIM)]))
     assert config.monitors.asynchronous == "auto" and hook.asynchronous is False
+
+
+def test_a_stop_request_gives_the_evaluation_in_flight_up_instead_of_waiting_for_the_timeout():
+    """A day's timeout, an evaluation that never returns, and a stop requested: the checkpoint's state comes back
+    (a wait for the timeout would hang the test until pytest's own timeout), with the evaluation recorded as lost
+    and the detectors of the last evaluation collected."""
+    release = threading.Event()
+    run = _Run(True, monitors=lambda w: (Summed(w["qkv"], block=release),), timeout=86400)
+    run.steps(1, 1)
+    reference = run.hook.registry.state_dict()
+    try:
+        run.steps(2, 2)                          # step 2's evaluation is stuck on the worker
+        run.hook.stop_requested = lambda: True   # e.g. SIGTERM, as the entry point tells the hook
+        state = run.hook.state_dict()
+    finally:
+        release.set()
+    failure = run.hook.async_report()["failure"]
+    assert failure["step"] == 2 and "a stop was requested" in failure["error"]
+    assert state["monitors"] == {}
+    replayed = _replayed_detectors(run.records).state_dict()["detectors"]
+    assert state["detectors"]["detectors"] == replayed != reference["detectors"]
+    run.hook.close()
