@@ -127,6 +127,10 @@ states as top-level ``"attention"``/``"router"`` keys) and 1 (the monitors-only 
 still loadable (:func:`_monitor_entries`)."""
 
 LEGACY_MONITOR_KEYS = ("attention", "router")
+
+HOOK_TIMING_PARTS = ("detectors", "output", "async_wait", "pipeline_gather", "router_capture", "max_logit_capture")
+"""The parts whose wall time the hook and the adapters report under their own names, beside each monitor's
+(:attr:`MechHook.seconds`, the summary's ``monitor_breakdown``): no monitor may be called so."""
 """The monitors whose states versions 1 and 2 kept at the top level of the hook's state."""
 
 
@@ -273,6 +277,12 @@ class MechHook:
             raise TypeError(f"MechHook.add_monitor: expected a Monitor, got {type(monitor).__name__}")
         if self._is_setup:
             raise RuntimeError("MechHook.add_monitor: register monitors before MechHook.setup")
+        if not isinstance(monitor.name, str) or not monitor.name.strip():
+            raise ValueError(f"MechHook.add_monitor: a monitor needs a name (its state's key in the checkpoint and "
+                             f"its wall time's in the summary), {type(monitor).__name__} has {monitor.name!r}")
+        if monitor.name in HOOK_TIMING_PARTS:
+            raise ValueError(f"MechHook.add_monitor: the monitor name {monitor.name!r} is the hook's own (a part "
+                             f"whose wall time the summary reports: {', '.join(HOOK_TIMING_PARTS)}); choose another")
         if any(m.name == monitor.name for m in self.registered_monitors):
             raise ValueError(f"MechHook.add_monitor: a monitor named {monitor.name!r} is already registered")
         self.registered_monitors.append(monitor)
@@ -603,6 +613,7 @@ class MechHook:
         global ones."""
         metrics: dict = {}
         details: dict = {}
+        owners = {SYMPTOM_LOSS: "the hook's loss", SYMPTOM_GRAD_NORM: "the hook's grad norm"}
         for per_stage in (True, False):
             for monitor, snapshot in zip(monitors, snapshots):
                 if monitor.per_stage is not per_stage:
@@ -610,6 +621,8 @@ class MechHook:
                 with _timed(seconds, monitor.name), _naming(monitor):
                     observed = (snapshot.observation if isinstance(snapshot, _Observed)
                                 else monitor.evaluate(step, snapshot))
+                    if observed is not None:
+                        _refuse_taken_names(monitor.name, observed[0], metrics, owners)
                 if observed is not None:
                     metrics.update(observed[0])
                     details.update(observed[1])
@@ -729,7 +742,7 @@ class MechHook:
                 "first_alert_step": self.first_alert_step, "losses": list(self.losses),
                 "grad_norms": list(self.grad_norms),
                 "interval": self._state_interval(),
-                "monitors": {m.name: {"version": m.state_version, "state": m.state_dict()} for m in monitors},
+                "monitors": {m.name: {"version": m.state_version, "state": _monitor_state(m)} for m in monitors},
                 "detectors": self.registry.state_dict(),
                 "mols": self.mols.state_dict() if self.mols is not None else None,
                 "saved_steps": list(self._checkpoints.saved_steps)}
@@ -1072,6 +1085,36 @@ def _timed(seconds: dict, part: str):
         seconds[part] = seconds.get(part, 0.0) + time.perf_counter() - started
 
 
+def _refuse_taken_names(name: str, reported: dict, metrics: dict, owners: dict) -> None:
+    """A series is reported by one monitor only: one that replaced another's in the record and the detectors (a
+    user's ``attn/layer0/dwq_entropy``) would be judged as that one. ``ValueError`` naming the series and both
+    monitors; ``owners`` (series -> who reports it) is kept up to date."""
+    for series in reported:
+        if series in metrics or series in owners:
+            owner = owners.get(series, "a monitor on another pipeline stage")
+            owner = owner if owner.startswith(("the hook", "a monitor")) else f"the {owner!r} monitor"
+            raise ValueError(f"monitor {name!r} reports the series {series!r}, which {owner} reports: a series "
+                             f"has one monitor (rename the monitor's series)")
+        owners[series] = name
+
+
+def _plain_state(name: str, state: Any, where: str = "") -> None:
+    """Refuse a monitor state that is not plain data (dicts, lists, tuples, strings, numbers, booleans, None,
+    tensors): a checkpoint is read back with ``torch.load(weights_only=True)``, which would refuse it at resume,
+    naming the file rather than the monitor."""
+    if isinstance(state, dict):
+        for key, value in state.items():
+            _plain_state(name, key, f"{where} (a key)")
+            _plain_state(name, value, f"{where}[{key!r}]")
+    elif isinstance(state, (list, tuple)):
+        for index, value in enumerate(state):
+            _plain_state(name, value, f"{where}[{index}]")
+    elif not (state is None or isinstance(state, (str, int, float, bool, torch.Tensor, torch.dtype, torch.device))):
+        raise ValueError(f"the {name!r} monitor's state_dict() holds a {type(state).__name__} at "
+                         f"state{where}: a monitor's state must be plain data (dicts, lists, tuples, strings, "
+                         f"numbers, booleans, None, tensors), which a checkpoint reads back safely")
+
+
 @contextlib.contextmanager
 def _naming(monitor: Monitor):
     """Mark an exception raised by ``monitor``'s evaluation with its name (for the failure report)."""
@@ -1084,6 +1127,13 @@ def _naming(monitor: Monitor):
             except AttributeError:   # an exception type that takes no attributes
                 pass
         raise
+
+
+def _monitor_state(monitor: Monitor) -> dict:
+    """``monitor``'s :meth:`~megatron_mech.monitors.protocol.Monitor.state_dict`, refused unless plain data."""
+    state = monitor.state_dict()
+    _plain_state(monitor.name, state)
+    return state
 
 
 def _failing_monitor(cause: Optional[BaseException]) -> Optional[str]:
