@@ -30,7 +30,7 @@ import torch.distributed as dist
 from megatron_mech.model_view import ModelView
 
 __all__ = ["POLL_SECONDS", "STOP_WAIT_SECONDS", "EvaluationWorker", "WorkerFailure", "WorkerGroups",
-           "worker_groups"]
+           "agreement_group", "worker_groups"]
 
 logger = logging.getLogger("megatron_mech")
 
@@ -85,6 +85,19 @@ def worker_groups(view: ModelView, timeout_s: float) -> WorkerGroups:
     duplicates = {name: (created[ranks] if ranks is not None else None) for name, ranks in mine.items()}
     world = duplicates.pop("world")
     return WorkerGroups(replace(view, world_group=world, **duplicates), world)
+
+
+def agreement_group(timeout_s: float):
+    """A gloo group over every rank for the one all-reduce that ends each evaluation (did any rank alert, did any
+    rank's evaluation fail), inline or on the worker; ``None`` without torch.distributed. Collective over the
+    world: every rank calls it at the same point. It is used for nothing else, so a rank whose monitor raised
+    before a collective the other ranks entered waits there without meeting that collective (on a group it
+    shared, the two would be paired: a gloo size mismatch aborts the process); the others' collective times out
+    (the worker's groups: ``timeout_s``) and they join, or this rank's wait times out after ``timeout_s``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.new_group(list(range(dist.get_world_size())), timeout=datetime.timedelta(seconds=float(timeout_s)),
+                          backend="gloo")
 
 
 class WorkerFailure(RuntimeError):

@@ -102,7 +102,7 @@ from typing import Any, Callable, Iterable, List, Optional
 
 import torch
 
-from megatron_mech.async_evaluation import EvaluationWorker, WorkerFailure, worker_groups
+from megatron_mech.async_evaluation import EvaluationWorker, WorkerFailure, agreement_group, worker_groups
 from megatron_mech.config import DEFAULT_OUTPUT_DIR, MechConfig
 from megatron_mech.core.attribution import alert_lines
 from megatron_mech.core.detect import Alert, DetectorRegistry
@@ -252,7 +252,7 @@ class MechHook:
         self._stage_counts: dict = {}  # monitor name -> layers it watches, all pipeline stages
         self._worker: Optional[EvaluationWorker] = None  # the evaluation beside training (--mech-async on)
         self._evaluation_view: Optional[ModelView] = None  # the view the monitors were set up with
-        self._evaluation_world = None  # the group over every rank the evaluation agrees on alerts over
+        self._agreement_group = None  # the group over every rank an evaluation's alerts and failure are agreed on
         self._in_flight: Optional[dict] = None  # what the record of the evaluation on the worker needs
         self._evaluation_failure: Optional[dict] = None  # {"step", "error"} once an evaluation failed: monitors off
         self._failed_evaluation_steps: List[int] = []  # steps whose record lacks the monitors' metrics
@@ -356,10 +356,10 @@ class MechHook:
         context = MonitorContext(settings=settings, families=self.families, any_rank=any_rank,
                                  start_step=self._start_step)
         self.asynchronous = self._resolve_asynchronous(view)
-        self._evaluation_view, self._evaluation_world = view, None
+        self._evaluation_view = view
         if self.asynchronous:   # the monitors take their groups from the view: the worker's own
-            groups = worker_groups(view, settings.async_timeout)
-            self._evaluation_view, self._evaluation_world = groups.view, groups.world
+            self._evaluation_view = worker_groups(view, settings.async_timeout).view
+        self._agreement_group = agreement_group(settings.async_timeout)
         if self._evaluation_view.pp_group is not None:  # each stage holds its own layers: merged over the stages
             from megatron_mech.core.metric_exchange import MetricExchange
 
@@ -498,13 +498,13 @@ class MechHook:
         off = self._evaluation_failure is not None
         monitors = [] if off else list(self.monitors)
         exchange = None if off else self._stage_exchange
-        world = None if off else self._evaluation_world
+        agreement = None if off else self._agreement_group
         detectors = self.registry  # only read by the job, and never written again once the job is given up
 
         def judge() -> _Judgement:
             seconds: dict = {}
             registry = detectors.copy()
-            metrics, alerts, failure, monitor = {}, [], None, None
+            metrics, alerts, error = {}, [], None
             try:
                 metrics, details = self._evaluate(step, monitors, snapshots, seconds, exchange)
                 metrics.update(symptoms)
@@ -513,14 +513,20 @@ class MechHook:
                 with _timed(seconds, "detectors"):
                     alerts = registry.update(step, metrics, details)
             except Exception as exc:  # agreed below: every rank gives this evaluation up at the same step
-                failure = f"the evaluation of step {step} raised {type(exc).__name__}: {exc}"
-                monitor = _failing_monitor(exc)
+                error = exc
             # whether anything fired or failed is agreed with one tiny all-reduce, so every rank takes the same
             # branch even if a rank's metrics differed in the last bit
-            fired, failed = any_ranks((bool(alerts), failure is not None), world)
-            if failed and failure is None:
-                failure = f"the evaluation of step {step} failed on another rank"
-            return _Judgement(metrics, alerts, fired and not failed, failure, monitor, registry, seconds)
+            try:
+                fired, failed = any_ranks((bool(alerts), error is not None), agreement)
+            except Exception:
+                if error is not None:  # the other ranks never came to hear of it (stuck in a collective)
+                    raise error from None
+                raise
+            if not failed:
+                return _Judgement(metrics, alerts, fired, None, None, registry, seconds)
+            failure = (f"the evaluation of step {step} raised {type(error).__name__}: {error}" if error is not None
+                       else f"the evaluation of step {step} failed on another rank")
+            return _Judgement({}, [], False, failure, _failing_monitor(error), registry, seconds)
         return judge
 
     def _conclude(self, evaluation: dict, judged: _Judgement) -> Action:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import REPO_ROOT, free_port
 
+from dist_utils import REPO_ROOT, free_port
 from megatron_mech.core.detect import DetectorRegistry
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
