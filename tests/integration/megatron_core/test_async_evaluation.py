@@ -130,7 +130,7 @@ def test_a_monitor_raising_inline_on_every_rank_is_reported_and_training_finishe
     assert summary["final_step"] == 8 and summary["async_evaluation"]["enabled"] is False
     failure = summary["async_evaluation"]["failure"]
     assert failure["step"] == 4 and failure["monitor"] == "attention" and "injected failure" in failure["error"]
-    assert all("the monitors' evaluation of step 4 failed" in output for output in outputs)
+    assert "the monitors' evaluation of step 4 failed" in outputs[logging_rank]
     records = [json.loads(line) for line in (run_dir / "mech.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [2, 4, 6, 8]
     assert set(records[1]["metrics"]) == {"symptom/loss", "symptom/grad_norm"}
