@@ -14,7 +14,13 @@ setup (main thread, every rank, same order), one duplicate of every group the mo
 and of the whole world for what they reduce over every rank (the default group). The duplicates are gloo groups on
 the host: gloo lets different groups be used from different threads at once, and the worker then shares no
 communicator or stream with the training's NCCL collectives on a GPU node. Their collective timeout is
-``--mech-async-timeout``, so a worker waiting for a rank whose evaluation failed gives up in bounded time.
+``--mech-async-timeout``, so a worker waiting for a rank whose evaluation failed gives up in bounded time. The
+all-reduce that ends an evaluation (did any rank alert, did any rank's evaluation fail) has a group of its own
+(:func:`agreement_group`), inline too.
+
+**Nothing shared.** A job computes its result from its snapshots and a copy of the detectors and returns it; the
+hook merges it when the training thread collects it. A job given up (:meth:`EvaluationWorker.collect`'s deadline,
+shortened once a stop is requested) may still run to its end on its daemon thread, but its result is dropped.
 """
 from __future__ import annotations
 

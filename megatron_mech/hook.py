@@ -127,11 +127,11 @@ states as top-level ``"attention"``/``"router"`` keys) and 1 (the monitors-only 
 still loadable (:func:`_monitor_entries`)."""
 
 LEGACY_MONITOR_KEYS = ("attention", "router")
+"""The monitors whose states versions 1 and 2 kept at the top level of the hook's state."""
 
 HOOK_TIMING_PARTS = ("detectors", "output", "async_wait", "pipeline_gather", "router_capture", "max_logit_capture")
 """The parts whose wall time the hook and the adapters report under their own names, beside each monitor's
 (:attr:`MechHook.seconds`, the summary's ``monitor_breakdown``): no monitor may be called so."""
-"""The monitors whose states versions 1 and 2 kept at the top level of the hook's state."""
 
 
 class Action(str, enum.Enum):
@@ -1094,14 +1094,13 @@ def _timed(seconds: dict, part: str):
 def _refuse_taken_names(name: str, reported: dict, metrics: dict, owners: dict) -> None:
     """A series is reported by one monitor only: one that replaced another's in the record and the detectors (a
     user's ``attn/layer0/dwq_entropy``) would be judged as that one. ``ValueError`` naming the series and both
-    monitors; ``owners`` (series -> who reports it) is kept up to date."""
+    monitors; ``owners`` (series -> who reports it, in words) is kept up to date."""
     for series in reported:
         if series in metrics or series in owners:
             owner = owners.get(series, "a monitor on another pipeline stage")
-            owner = owner if owner.startswith(("the hook", "a monitor")) else f"the {owner!r} monitor"
             raise ValueError(f"monitor {name!r} reports the series {series!r}, which {owner} reports: a series "
                              f"has one monitor (rename the monitor's series)")
-        owners[series] = name
+        owners[series] = f"the {name!r} monitor"
 
 
 def _plain_state(name: str, state: Any, where: str = "") -> None:
