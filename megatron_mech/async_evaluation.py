@@ -14,7 +14,13 @@ setup (main thread, every rank, same order), one duplicate of every group the mo
 and of the whole world for what they reduce over every rank (the default group). The duplicates are gloo groups on
 the host: gloo lets different groups be used from different threads at once, and the worker then shares no
 communicator or stream with the training's NCCL collectives on a GPU node. Their collective timeout is
-``--mech-async-timeout``, so a worker waiting for a rank whose evaluation failed gives up in bounded time.
+``--mech-async-timeout``, so a worker waiting for a rank whose evaluation failed gives up in bounded time. The
+all-reduce that ends an evaluation (did any rank alert, did any rank's evaluation fail) has a group of its own
+(:func:`agreement_group`), inline too.
+
+**Nothing shared.** A job computes its result from its snapshots and a copy of the detectors and returns it; the
+hook merges it when the training thread collects it. A job given up (:meth:`EvaluationWorker.collect`'s deadline,
+shortened once a stop is requested) may still run to its end on its daemon thread, but its result is dropped.
 """
 from __future__ import annotations
 
@@ -29,9 +35,18 @@ import torch.distributed as dist
 
 from megatron_mech.model_view import ModelView
 
-__all__ = ["EvaluationWorker", "WorkerFailure", "WorkerGroups", "worker_groups"]
+__all__ = ["POLL_SECONDS", "STOP_WAIT_SECONDS", "EvaluationWorker", "WorkerFailure", "WorkerGroups",
+           "agreement_group", "worker_groups"]
 
 logger = logging.getLogger("megatron_mech")
+
+STOP_WAIT_SECONDS = 5.0
+"""Once a stop is requested (SIGTERM, SIGINT), the longest the training thread waits for an evaluation in flight
+before giving it up: torchrun kills its workers 30 s after forwarding a signal, and the checkpoint, the final
+validation and ``summary.json`` must fit in what is left."""
+
+POLL_SECONDS = 0.1
+"""How often a waiting training thread checks whether a stop was requested."""
 
 # the view's groups the monitors and the pipeline merge use; for the first two ``None`` means the whole world
 # (AttentionMonitor's tp_group, RouterMonitor's token_group), for the others "no such group"
@@ -76,6 +91,19 @@ def worker_groups(view: ModelView, timeout_s: float) -> WorkerGroups:
     duplicates = {name: (created[ranks] if ranks is not None else None) for name, ranks in mine.items()}
     world = duplicates.pop("world")
     return WorkerGroups(replace(view, world_group=world, **duplicates), world)
+
+
+def agreement_group(timeout_s: float):
+    """A gloo group over every rank for the one all-reduce that ends each evaluation (did any rank alert, did any
+    rank's evaluation fail), inline or on the worker; ``None`` without torch.distributed. Collective over the
+    world: every rank calls it at the same point. It is used for nothing else, so a rank whose monitor raised
+    before a collective the other ranks entered waits there without meeting that collective (on a group it
+    shared, the two would be paired: a gloo size mismatch aborts the process); the others' collective times out
+    (the worker's groups: ``timeout_s``) and they join, or this rank's wait times out after ``timeout_s``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.new_group(list(range(dist.get_world_size())), timeout=datetime.timedelta(seconds=float(timeout_s)),
+                          backend="gloo")
 
 
 class WorkerFailure(RuntimeError):
@@ -123,22 +151,33 @@ class EvaluationWorker:
             self._job = (step, fn)
             self._lock.notify_all()
 
-    def collect(self, timeout_s: Optional[float] = None) -> tuple:
+    def collect(self, timeout_s: Optional[float] = None, stop_requested: Callable[[], bool] = lambda: False,
+                stop_wait_s: float = STOP_WAIT_SECONDS) -> tuple:
         """``(step, result)`` of the submitted job, waiting up to ``timeout_s`` (default: the worker's timeout)
         for it; ``None`` when nothing is in flight. Raises :class:`WorkerFailure` when the job raised or is still
-        running at the deadline (it is then abandoned: its result, if it ever comes, is dropped)."""
+        running at the deadline (it is then abandoned: its result, if it ever comes, is dropped). Once
+        ``stop_requested()`` holds (checked every :data:`POLL_SECONDS` while waiting), the deadline is at most
+        ``stop_wait_s`` away: a run asked to stop must save within its launcher's kill window."""
         timeout_s = self.timeout_s if timeout_s is None else float(timeout_s)
         started = time.perf_counter()
+        deadline, stopping = started + timeout_s, False
         with self._lock:
             step = self.pending_step
             if step is None:
                 return None
-            finished = self._lock.wait_for(lambda: self._done is not None, timeout=timeout_s)
+            while self._done is None:
+                now = time.perf_counter()
+                if not stopping and stop_requested():
+                    stopping, deadline = True, min(deadline, now + stop_wait_s)
+                if now >= deadline:
+                    break
+                self._lock.wait(timeout=min(deadline - now, POLL_SECONDS))
             self.waited_seconds += time.perf_counter() - started
-            if not finished:
+            if self._done is None:
                 self._job, self._closed = None, True   # the thread may be stuck: no further job goes to it
-                raise WorkerFailure(step, f"the evaluation of step {step} did not finish within {timeout_s:g} s "
-                                          f"(--mech-async-timeout)")
+                why = (f"a stop was requested and it did not finish within {stop_wait_s:g} s of it" if stopping
+                       else f"it did not finish within {timeout_s:g} s (--mech-async-timeout)")
+                raise WorkerFailure(step, f"the evaluation of step {step} was given up: {why}")
             step, result, error = self._done
             self._done = None
         if error is not None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
@@ -53,9 +52,12 @@ from megatron_mech.options import (
 )
 from megatron_mech.records.writer_level import AUTO_SUMMARY_SERIES, WRITER_LEVELS
 
-__all__ = ["DEFAULT_OUTPUT_DIR", "MONITOR_FAMILIES", "ON_ALERT", "DetectorOverrides", "MechConfig", "MoLSOptions",
-           "MonitorConfig", "OutputConfig"]
+__all__ = ["ASYNC_TIMEOUT_RANGE", "DEFAULT_OUTPUT_DIR", "MONITOR_FAMILIES", "ON_ALERT", "DetectorOverrides",
+           "MechConfig", "MoLSOptions", "MonitorConfig", "OutputConfig"]
 
+# --mech-async-timeout: below a second a healthy evaluation's collectives time out on a busy host; beyond a day
+# the process groups' timeouts and the waits overflow (a timedelta, a C++ int of milliseconds)
+ASYNC_TIMEOUT_RANGE = (1.0, 86400.0)
 MONITOR_FAMILIES = SELECTABLE_FAMILIES  # the families --mech-monitors names, declared by the families themselves
 ON_ALERT = ("log", "checkpoint", "stop")
 
@@ -95,10 +97,11 @@ class MonitorConfig(AttentionMonitorConfig):
                                "'on' when the model is on a GPU (the host's cores are idle while it trains), "
                                "'off' on a CPU-only run (the worker would take cores the training uses)",
                                flag="--mech-async", choices=("auto", "on", "off"))
-    async_timeout: float = option(300.0, "seconds the training thread waits for an evaluation running beside it "
-                                  "(--mech-async), and the collective timeout of the worker's process groups: an "
-                                  "evaluation that raised or has not finished by then is reported, and the "
-                                  "monitors stop for the rest of the run on every rank while training goes on",
+    async_timeout: float = option(300.0, f"seconds the training thread waits for an evaluation running beside it "
+                                  f"(--mech-async), and the collective timeout of the worker's process groups: an "
+                                  f"evaluation that raised or has not finished by then is reported, and the "
+                                  f"monitors stop for the rest of the run on every rank while training goes on "
+                                  f"({ASYNC_TIMEOUT_RANGE[0]:g} to {ASYNC_TIMEOUT_RANGE[1]:g}, one day)",
                                   flag="--mech-async-timeout", type=float)
 
     def __post_init__(self):
@@ -116,9 +119,11 @@ class MonitorConfig(AttentionMonitorConfig):
             raise ValueError(f"--mech-router-token-stride must be an int >= 1, got {self.router_token_stride!r}")
         if self.asynchronous not in ("auto", "on", "off"):
             raise ValueError(f"--mech-async must be one of auto, on, off, got {self.asynchronous!r}")
+        low, high = ASYNC_TIMEOUT_RANGE
         if (isinstance(self.async_timeout, bool) or not isinstance(self.async_timeout, (int, float))
-                or not math.isfinite(self.async_timeout) or self.async_timeout <= 0):
-            raise ValueError(f"--mech-async-timeout must be a number of seconds > 0, got {self.async_timeout!r}")
+                or not low <= self.async_timeout <= high):
+            raise ValueError(f"--mech-async-timeout must be a number of seconds from {low:g} to {high:g} (one "
+                             f"day), got {self.async_timeout!r}")
         if isinstance(self.qk_terms, (list, str)):
             self.qk_terms = (self.qk_terms,) if isinstance(self.qk_terms, str) else tuple(self.qk_terms)
         try:

@@ -69,9 +69,17 @@ and hands their evaluation, the pipeline merge, the detectors and the alert agre
 the same code as the inline path, on duplicates of the groups. The result of step ``s`` is collected by the
 training thread at ``after_optimizer_step(s + 1)`` (or earlier at ``state_dict``, ``close``, or the next
 evaluation), waiting there if it is not ready: the record of ``s`` is then written, byte for byte the inline
-one, and the alert's :class:`Action` returned by that call. A worker that raised, or did not finish within
-``--mech-async-timeout``, is reported (a log line naming the step and the error; :meth:`MechHook.async_report`
-for the summary) and the monitors stop for the rest of the run on every rank, training going on.
+one, and the alert's :class:`Action` returned by that call. The evaluation changes nothing the hook holds: it
+judges on its own copy of the detectors and returns what it concluded, which the training thread merges when it
+collects it in time, so an evaluation given up can never change the detectors, the alerts or the counters.
+
+**A failed evaluation.** An evaluation in which a monitor raised (on any rank: agreed with the alert flag, in the
+same all-reduce), or that did not finish within ``--mech-async-timeout`` (within
+:data:`~megatron_mech.async_evaluation.STOP_WAIT_SECONDS` once :attr:`MechHook.stop_requested`), is reported (a
+log line naming the step, the monitor and the error; :meth:`MechHook.async_report` for the summary), inline or
+beside training alike. Its step still gets a record, with its loss and grad norm judged and no monitor metrics
+(:attr:`MechHook.lost_record_steps` lists it), and the monitors stop for the rest of the run on every rank,
+training going on.
 
 **Collectives.** Every rank must call every lifecycle method at every step: the monitors reduce on evaluation
 steps, and the alert decision is one tiny all-reduce there, so the returned :class:`Action` is identical on every
@@ -89,11 +97,12 @@ import enum
 import logging
 import math
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, List, Optional
 
 import torch
 
-from megatron_mech.async_evaluation import EvaluationWorker, WorkerFailure, worker_groups
+from megatron_mech.async_evaluation import EvaluationWorker, WorkerFailure, agreement_group, worker_groups
 from megatron_mech.config import DEFAULT_OUTPUT_DIR, MechConfig
 from megatron_mech.core.attribution import alert_lines
 from megatron_mech.core.detect import Alert, DetectorRegistry
@@ -108,7 +117,7 @@ from megatron_mech.monitors.protocol import Monitor, MonitorContext
 from megatron_mech.monitors.registry import BUILTIN_MONITORS
 from megatron_mech.records.run_directory import STEP_SERIES_WINDOW
 
-__all__ = ["Action", "Extension", "MechHook", "Monitor", "STATE_VERSION", "StateError", "any_rank",
+__all__ = ["Action", "Extension", "MechHook", "Monitor", "STATE_VERSION", "StateError", "any_rank", "any_ranks",
            "naming_damaged_state"]
 
 logger = logging.getLogger("megatron_mech")
@@ -120,6 +129,10 @@ still loadable (:func:`_monitor_entries`)."""
 
 LEGACY_MONITOR_KEYS = ("attention", "router")
 """The monitors whose states versions 1 and 2 kept at the top level of the hook's state."""
+
+HOOK_TIMING_PARTS = ("detectors", "output", "async_wait", "pipeline_gather", "router_capture", "max_logit_capture")
+"""The parts whose wall time the hook and the adapters report under their own names, beside each monitor's
+(:attr:`MechHook.seconds`, the summary's ``monitor_breakdown``): no monitor may be called so."""
 
 
 class Action(str, enum.Enum):
@@ -133,13 +146,19 @@ class Action(str, enum.Enum):
 def any_rank(flag: bool, group=None) -> bool:
     """True if ``flag`` holds on any rank of ``group`` (one tiny all-reduce; every rank must call it; ``None``: the
     default group)."""
+    return any_ranks((flag,), group)[0]
+
+
+def any_ranks(flags: tuple, group=None) -> tuple:
+    """For each of ``flags``, whether it holds on any rank of ``group``: :func:`any_rank` of several flags in one
+    all-reduce."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return flag
+        return tuple(bool(flag) for flag in flags)
     from megatron_mech.core.sharded import collective_device
 
-    t = torch.tensor([1.0 if flag else 0.0], device=collective_device(group))
+    t = torch.tensor([1.0 if flag else 0.0 for flag in flags], device=collective_device(group))
     torch.distributed.all_reduce(t, group=group)
-    return bool(t.item() > 0)
+    return tuple(bool(v > 0) for v in t.tolist())
 
 
 class StateError(ValueError):
@@ -222,8 +241,9 @@ class MechHook:
         self._checkpoints = FirstAlertMarker()
         self._pending_state: Optional[dict] = None
         self._pending_source = ""  # what load_state_dict was given the pending state as (for errors)
+        self._carried_interval: Optional[int] = None  # the interval of a loaded state's monitors and detectors
         self._is_setup = False
-        self._stage_exchange = None   # MetricExchange over the pipeline stages, built at the first evaluation
+        self._stage_exchange = None   # MetricExchange over the pipeline stages (built at setup), the evaluation's
         self._mols_failure_logged = False
         self._pending_extension_state: dict = {}
         self._unread = DeferredSteps()  # the steps whose loss and grad norm still wait on the device
@@ -234,9 +254,14 @@ class MechHook:
         self._stage_counts: dict = {}  # monitor name -> layers it watches, all pipeline stages
         self._worker: Optional[EvaluationWorker] = None  # the evaluation beside training (--mech-async on)
         self._evaluation_view: Optional[ModelView] = None  # the view the monitors were set up with
-        self._evaluation_world = None  # the group over every rank the evaluation agrees on alerts over
+        self._agreement_group = None  # the group over every rank an evaluation's alerts and failure are agreed on
         self._in_flight: Optional[dict] = None  # what the record of the evaluation on the worker needs
-        self._async_failure: Optional[dict] = None  # {"step", "error"} once the worker failed: monitors off
+        self._evaluation_failure: Optional[dict] = None  # {"step", "error"} once an evaluation failed: monitors off
+        self._failed_evaluation_steps: List[int] = []  # steps whose record lacks the monitors' metrics
+        self.stop_requested: Callable[[], bool] = lambda: False
+        """Whether the trainer was asked to stop (SIGTERM, SIGINT), set by an adapter that stops on a signal: from
+        then on the training thread waits at most :data:`~megatron_mech.async_evaluation.STOP_WAIT_SECONDS` for
+        an evaluation still running beside it, and gives it up after that (it is reported as failed)."""
         self.asynchronous = False
         """Whether the monitors' evaluation runs beside training (``--mech-async``, resolved at :meth:`setup`)."""
         # a user's own script may set up no logging: the start line and the alerts must still reach the console
@@ -254,6 +279,12 @@ class MechHook:
             raise TypeError(f"MechHook.add_monitor: expected a Monitor, got {type(monitor).__name__}")
         if self._is_setup:
             raise RuntimeError("MechHook.add_monitor: register monitors before MechHook.setup")
+        if not isinstance(monitor.name, str) or not monitor.name.strip():
+            raise ValueError(f"MechHook.add_monitor: a monitor needs a name (its state's key in the checkpoint and "
+                             f"its wall time's in the summary), {type(monitor).__name__} has {monitor.name!r}")
+        if monitor.name in HOOK_TIMING_PARTS:
+            raise ValueError(f"MechHook.add_monitor: the monitor name {monitor.name!r} is the hook's own (a part "
+                             f"whose wall time the summary reports: {', '.join(HOOK_TIMING_PARTS)}); choose another")
         if any(m.name == monitor.name for m in self.registered_monitors):
             raise ValueError(f"MechHook.add_monitor: a monitor named {monitor.name!r} is already registered")
         self.registered_monitors.append(monitor)
@@ -327,15 +358,21 @@ class MechHook:
         context = MonitorContext(settings=settings, families=self.families, any_rank=any_rank,
                                  start_step=self._start_step)
         self.asynchronous = self._resolve_asynchronous(view)
-        self._evaluation_view, self._evaluation_world = view, None
+        self._evaluation_view = view
         if self.asynchronous:   # the monitors take their groups from the view: the worker's own
-            groups = worker_groups(view, settings.async_timeout)
-            self._evaluation_view, self._evaluation_world = groups.view, groups.world
+            self._evaluation_view = worker_groups(view, settings.async_timeout).view
+        self._agreement_group = agreement_group(settings.async_timeout)
+        if self._evaluation_view.pp_group is not None:  # each stage holds its own layers: merged over the stages
+            from megatron_mech.core.metric_exchange import MetricExchange
+
+            self._stage_exchange = MetricExchange(self._evaluation_view.pp_group)
         layer_counts = [monitor.layer_count(view) for monitor in self.registered_monitors]
-        # a monitor that only implements observe runs it on the training thread: the training's groups
+        # a monitor that only implements observe runs it on the training thread: the training's groups;
+        # --mech-monitors none: no monitor at all, whatever the others would decide
         self.monitors = [monitor for monitor in self.registered_monitors
-                         if monitor.setup(self._evaluation_view if monitor.evaluates_from_snapshot else view,
-                                          context)]
+                         if settings.families and monitor.setup(self._evaluation_view
+                                                                if monitor.evaluates_from_snapshot else view,
+                                                                context)]
         if self._sinks is None and view.logging_rank:
             self.open_sinks(start_step)
         self._stage_counts = self._count_layers(view, layer_counts)
@@ -425,12 +462,11 @@ class MechHook:
             if self.last_alerts is not before:  # this step's own alerts, after those of the steps read back
                 self.last_alerts = late_alerts + self.last_alerts
             return self._acting(action)
-        snapshots = self._take_snapshots(step)
-        judge = self._judge_function(step, snapshots, loss, grad_norm)
         evaluation = {"step": step, "scalars": {"loss": float(loss), "lr": float(lr),
                                                 "grad_norm": float(grad_norm) if grad_norm is not None else math.nan},
-                      "extra": dict(extra or {}), "mols": mols_metrics}
-        if self._worker is not None and self._async_failure is None:
+                      "symptoms": _symptoms(loss, grad_norm), "extra": dict(extra or {}), "mols": mols_metrics}
+        judge = self._judge_function(evaluation, self._take_snapshots(step))
+        if self._worker is not None and self._evaluation_failure is None:
             self._in_flight = evaluation
             self._worker.submit(step, judge)
             self.last_alerts = late_alerts
@@ -442,8 +478,8 @@ class MechHook:
     def _take_snapshots(self, step: int) -> list:
         """On the training thread: each running monitor's :meth:`~megatron_mech.monitors.protocol.Monitor.snapshot`
         (timed under its name), or, for a monitor that only implements ``observe``, its observation itself, taken
-        here. Nothing after the worker failed (the monitors are off)."""
-        if self._async_failure is not None:
+        here. Nothing after an evaluation failed (the monitors are off)."""
+        if self._evaluation_failure is not None:
             return []
         taken = []
         for monitor in self.monitors:
@@ -452,81 +488,124 @@ class MechHook:
                              else _Observed(monitor.observe(step)))
         return taken
 
-    def _judge_function(self, step: int, snapshots: list, loss: float, grad_norm: Optional[float]) -> Callable:
-        """The evaluation of ``step`` from its snapshots, as one call (run inline, or on the worker): the monitors'
-        metrics merged over the stages, the loss and grad norm, the detectors and the agreement on whether any rank
-        alerted. Returns ``(metrics, alerts, fired, seconds)``; it touches no state the training thread uses before
-        collecting it, and keeps its wall times apart (``seconds``, added at collection)."""
-        monitors = [] if self._async_failure is not None else list(self.monitors)
-        merge = self._async_failure is None
-        world = self._evaluation_world if self._async_failure is None else None
+    def _judge_function(self, evaluation: dict, snapshots: list) -> Callable[[], _Judgement]:
+        """The evaluation of ``evaluation["step"]`` from its snapshots, as one call (run inline, or on the worker):
+        the monitors' metrics merged over the stages, the loss and grad norm, the detectors and the agreement on
+        whether any rank alerted or failed. It returns a :class:`_Judgement` and changes nothing the hook holds:
+        the detectors it runs are its own copy of the hook's, its wall times are kept apart, and only
+        :meth:`_conclude`, on the training thread, merges a judgement collected in time into the hook. An
+        evaluation given up at its timeout therefore cannot change the hook's detectors, alerts or counters,
+        whenever it ends."""
+        step, symptoms = evaluation["step"], dict(evaluation["symptoms"])
+        off = self._evaluation_failure is not None
+        monitors = [] if off else list(self.monitors)
+        exchange = None if off else self._stage_exchange
+        agreement = None if off else self._agreement_group
+        detectors = self.registry  # only read by the job, and never written again once the job is given up
 
-        def judge() -> tuple:
+        def judge() -> _Judgement:
             seconds: dict = {}
-            metrics, details = self._evaluate(step, monitors, snapshots, seconds, merge)
-            metrics[SYMPTOM_LOSS] = float(loss)
-            if grad_norm is not None:
-                metrics[SYMPTOM_GRAD_NORM] = float(grad_norm)
-            # Every rank runs the detectors on identical metrics, so every rank knows the alerts without a broadcast.
-            with _timed(seconds, "detectors"):
-                alerts = self.registry.update(step, metrics, details)
-            # whether anything fired is agreed with one tiny all-reduce, so every rank takes the same branch even
-            # if a rank's metrics differed in the last bit
-            return metrics, alerts, any_rank(bool(alerts), world), seconds
+            registry = detectors.copy()
+            metrics, alerts, error = {}, [], None
+            try:
+                metrics, details = self._evaluate(step, monitors, snapshots, seconds, exchange)
+                metrics.update(symptoms)
+                # Every rank runs the detectors on identical metrics, so every rank knows the alerts without a
+                # broadcast.
+                with _timed(seconds, "detectors"):
+                    alerts = registry.update(step, metrics, details)
+            except Exception as exc:  # agreed below: every rank gives this evaluation up at the same step
+                error = exc
+            # whether anything fired or failed is agreed with one tiny all-reduce, so every rank takes the same
+            # branch even if a rank's metrics differed in the last bit
+            try:
+                fired, failed = any_ranks((bool(alerts), error is not None), agreement)
+            except Exception:
+                if error is not None:  # the other ranks never came to hear of it (stuck in a collective)
+                    raise error from None
+                raise
+            if not failed:
+                return _Judgement(metrics, alerts, fired, None, None, registry, seconds)
+            failure = (f"the evaluation of step {step} raised {type(error).__name__}: {error}" if error is not None
+                       else f"the evaluation of step {step} failed on another rank")
+            return _Judgement({}, [], False, failure, _failing_monitor(error), registry, seconds)
         return judge
 
-    def _conclude(self, evaluation: dict, judged: tuple) -> Action:
-        """On the training thread: the record of an evaluation step (logging rank) and its :class:`Action`."""
-        metrics, alerts, fired, seconds = judged
-        for part, value in seconds.items():
+    def _conclude(self, evaluation: dict, judged: _Judgement) -> Action:
+        """On the training thread: merge a judgement collected in time into the hook (its detectors, wall times,
+        alerts), write the record of its step (logging rank) and return its :class:`Action`. A failed
+        evaluation goes to :meth:`_evaluation_failed` instead."""
+        for part, value in judged.seconds.items():
             self.seconds[part] = self.seconds.get(part, 0.0) + value
-        step = evaluation["step"]
-        self.last_alerts = alerts
-        if self._sinks is not None:
-            with self.timed("output"):
-                for line in alert_lines(alerts):  # one line per (family, layer), not per series
-                    logger.info(f"[mech] ALERT step {step}: {line}")
-                from megatron_mech.records.sinks import make_record
+        if judged.failure is not None:
+            return self._evaluation_failed(evaluation, judged.failure, judged.monitor)
+        self.registry = judged.registry  # the one place an evaluation's detectors become the hook's
+        self.last_alerts = judged.alerts
+        self._write_record(evaluation, judged.metrics, judged.alerts)
+        return self._act_on(evaluation["step"], judged.alerts, judged.fired)
 
-                record_extra = dict(evaluation["extra"])
-                if evaluation["mols"]:
-                    record_extra["mols"] = evaluation["mols"]
-                self._sinks.write(make_record(step, dict(evaluation["scalars"]), metrics, alerts, extra=record_extra))
-        return self._act_on(step, alerts, fired)
+    def _write_record(self, evaluation: dict, metrics: dict, alerts: list) -> None:
+        """The logging rank's record of an evaluation step and its alert lines."""
+        if self._sinks is None:
+            return
+        step = evaluation["step"]
+        with self.timed("output"):
+            for line in alert_lines(alerts):  # one line per (family, layer), not per series
+                logger.info(f"[mech] ALERT step {step}: {line}")
+            from megatron_mech.records.sinks import make_record
+
+            record_extra = dict(evaluation["extra"])
+            if evaluation["mols"]:
+                record_extra["mols"] = evaluation["mols"]
+            self._sinks.write(make_record(step, dict(evaluation["scalars"]), metrics, alerts, extra=record_extra))
 
     def _collect(self) -> None:
-        """Take the evaluation in flight off the worker (waiting for it, at most ``--mech-async-timeout``): its
-        record, and its :class:`Action` for the next :meth:`_acting`. A worker that failed is reported and the
-        monitors are switched off for the rest of the run."""
+        """Take the evaluation in flight off the worker (waiting for it, at most ``--mech-async-timeout``, and at
+        most :data:`~megatron_mech.async_evaluation.STOP_WAIT_SECONDS` once :attr:`stop_requested`): its record,
+        and its :class:`Action` for the next :meth:`_acting`. An evaluation that failed or was given up is
+        reported and the monitors are switched off for the rest of the run."""
         if self._worker is None or self._in_flight is None:
             return
         evaluation, self._in_flight = self._in_flight, None
         try:
             with self.timed("async_wait"):
-                _, judged = self._worker.collect()
+                _, judged = self._worker.collect(stop_requested=self.stop_requested)
         except WorkerFailure as failure:
-            self._worker_failed(evaluation["step"], failure)
-            return
-        action = self._conclude(evaluation, judged)
+            action = self._evaluation_failed(evaluation, str(failure), _failing_monitor(failure.cause))
+        else:
+            action = self._conclude(evaluation, judged)
         if self._late_action is Action.CONTINUE:
             self._late_action = action
 
-    def _worker_failed(self, step: int, failure: WorkerFailure) -> None:
-        """Report a failed evaluation worker and switch the monitors off: every rank gets here at the same
-        boundary (its own job failed, or it timed out waiting for the ranks whose job failed)."""
-        monitor = _failing_monitor(failure.cause)
-        self._async_failure = {"step": int(step), "error": str(failure),
-                               **({"monitor": monitor} if monitor else {})}
+    def _evaluation_failed(self, evaluation: dict, error: str, monitor: Optional[str]) -> Action:
+        """Report an evaluation that failed (a monitor raised, on this rank or another) or was given up (its
+        timeout, or a stop request) and switch the monitors off for the rest of the run, inline or beside
+        training alike; every rank gets here at the same step (the failure is agreed, or every rank timed out
+        waiting for the ranks whose evaluation failed). The step still gets its record: its loss and grad norm,
+        judged here as on any evaluation step (identical on every rank: no collective), without the monitors'
+        metrics; :attr:`lost_record_steps` lists it."""
+        step = evaluation["step"]
+        self._evaluation_failure = {"step": int(step), "error": error, **({"monitor": monitor} if monitor else {})}
         logger.error(f"[mech] ERROR: the monitors' evaluation of step {step} failed on this rank "
-                     f"({f'monitor {monitor!r}: ' if monitor else ''}{failure}); the monitors are off for the rest "
+                     f"({f'monitor {monitor!r}: ' if monitor else ''}{error}); the monitors are off for the rest "
                      f"of the run, training goes on (loss and grad norm are still judged)")
-        self._worker.close(timeout_s=0)
+        if self._worker is not None:
+            self._worker.close(timeout_s=0)
+        # an evaluation given up may still be reading the registry it was handed: the hook's is a copy from now on
+        self.registry = self.registry.copy()
+        self._failed_evaluation_steps.append(int(step))
+        symptoms = dict(evaluation["symptoms"])
+        with self.timed("detectors"):
+            alerts = self.registry.update(step, symptoms)
+        self.last_alerts = alerts
+        self._write_record(evaluation, symptoms, alerts)
+        return self._act_on(step, alerts, bool(alerts))
 
     def async_report(self) -> dict:
         """For the run's summary: whether the evaluation ran beside training, the training thread's time spent
         waiting for it, and the failure that switched the monitors off (``None`` when there was none)."""
         return {"enabled": self.asynchronous, "wait_seconds": self.seconds.get("async_wait", 0.0),
-                "failure": dict(self._async_failure) if self._async_failure is not None else None}
+                "failure": dict(self._evaluation_failure) if self._evaluation_failure is not None else None}
 
     def _resolve_asynchronous(self, view: ModelView) -> bool:
         """``--mech-async``: 'on', 'off', or 'auto' = on when this run's model is on a GPU (agreed by every rank)."""
@@ -535,12 +614,14 @@ class MechHook:
             return setting == "on"
         return any_rank(_model_on_gpu(view))
 
-    def _evaluate(self, step: int, monitors: list, snapshots: list, seconds: dict, merge: bool) -> tuple:
+    def _evaluate(self, step: int, monitors: list, snapshots: list, seconds: dict, exchange) -> tuple:
         """Every running monitor's metrics and details of evaluation step ``step`` from its snapshot, each timed
-        under its name: the per-stage ones first, merged over the pipeline stages, then the global ones."""
+        under its name: the per-stage ones first, merged over the pipeline stages (``exchange``: the
+        :class:`~megatron_mech.core.metric_exchange.MetricExchange` over them, ``None`` without), then the
+        global ones."""
         metrics: dict = {}
         details: dict = {}
-        view = self._evaluation_view
+        owners = {SYMPTOM_LOSS: "the hook's loss", SYMPTOM_GRAD_NORM: "the hook's grad norm"}
         for per_stage in (True, False):
             for monitor, snapshot in zip(monitors, snapshots):
                 if monitor.per_stage is not per_stage:
@@ -548,16 +629,14 @@ class MechHook:
                 with _timed(seconds, monitor.name), _naming(monitor):
                     observed = (snapshot.observation if isinstance(snapshot, _Observed)
                                 else monitor.evaluate(step, snapshot))
+                    if observed is not None:
+                        _refuse_taken_names(monitor.name, observed[0], metrics, owners)
                 if observed is not None:
                     metrics.update(observed[0])
                     details.update(observed[1])
-            if per_stage and merge and view is not None and view.pp_group is not None:
+            if per_stage and exchange is not None:
                 with _timed(seconds, "pipeline_gather"):  # each stage holds its own layers: merge
-                    if self._stage_exchange is None:
-                        from megatron_mech.core.metric_exchange import MetricExchange
-
-                        self._stage_exchange = MetricExchange(view.pp_group)
-                    metrics, details = self._stage_exchange.combine(metrics, details)
+                    metrics, details = exchange.combine(metrics, details)
         return metrics, details
 
     def _read_back(self, *current) -> tuple:
@@ -602,9 +681,7 @@ class MechHook:
         on evaluation steps, so there a loss that is non-finite on one rank alone, with a finite grad norm, is
         judged by that rank alone.
         """
-        symptoms = {SYMPTOM_LOSS: float(loss)}  # floats here (read back when they came as tensors)
-        if grad_norm is not None:
-            symptoms[SYMPTOM_GRAD_NORM] = float(grad_norm)
+        symptoms = _symptoms(loss, grad_norm)  # floats here (read back when they came as tensors)
         if all(math.isfinite(v) for v in symptoms.values()):
             return Action.CONTINUE
         with self.timed("detectors"):
@@ -637,7 +714,7 @@ class MechHook:
         is a daemon thread, left behind)."""
         self._collect()
         self._read_back()
-        if self._worker is not None and self._async_failure is None:
+        if self._worker is not None and self._evaluation_failure is None:
             self._worker.close()
         if self._view is not None and self._view.logging_rank:
             logger.info(f"[mech] {self.arming()['note']}")
@@ -650,9 +727,12 @@ class MechHook:
 
     @property
     def lost_record_steps(self) -> list:
-        """Steps whose record the logging rank's ``mech.jsonl`` could not take (a full disk): training went on
-        without them. Empty on other ranks, and for sinks that do not keep account of losses."""
-        return list(getattr(self._sinks, "lost_steps", ()))
+        """Steps whose record is missing from the logging rank's ``mech.jsonl`` (it could not take it: a full disk)
+        or lacks the monitors' metrics (the evaluation of that step failed: its record holds the loss and grad
+        norm only). Training went on either way. Empty on other ranks."""
+        if self._sinks is None:
+            return []
+        return sorted({*getattr(self._sinks, "lost_steps", ()), *self._failed_evaluation_steps})
 
     # ------------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -660,16 +740,19 @@ class MechHook:
         "state"}}``), detectors, MoLS, the first-alert step and the extensions' states (``"extensions"``, only when
         one has a state). Collects the evaluation still on the worker (``--mech-async``) and reads back the values
         still waiting first, so the state is that of every step so far (an alert they raise acts at the next
-        :meth:`after_optimizer_step`)."""
+        :meth:`after_optimizer_step`). After an evaluation failed or was given up the monitors are off and their
+        objects may still be in that evaluation's hands: their entries are left out (a resumed run starts them
+        afresh), and the detectors are those of the last evaluation collected."""
         self._collect()
         self._read_back()
         extensions = {e.name: e.state_dict() for e in self.extensions}
         extensions = {name: state for name, state in extensions.items() if state}
+        monitors = [] if self._evaluation_failure is not None else self.monitors
         return {"version": STATE_VERSION, **({"extensions": extensions} if extensions else {}),
                 "first_alert_step": self.first_alert_step, "losses": list(self.losses),
                 "grad_norms": list(self.grad_norms),
-                "interval": self._monitored_interval(),
-                "monitors": {m.name: {"version": m.state_version, "state": m.state_dict()} for m in self.monitors},
+                "interval": self._state_interval(),
+                "monitors": {m.name: {"version": m.state_version, "state": _monitor_state(m)} for m in monitors},
                 "detectors": self.registry.state_dict(),
                 "mols": self.mols.state_dict() if self.mols is not None else None,
                 "saved_steps": list(self._checkpoints.saved_steps)}
@@ -690,6 +773,7 @@ class MechHook:
             raise StateError(source, f"{source} was saved with --mech-interval {saved} (mech.monitors.interval), this "
                                      f"run has --mech-interval {current}: the records would mix evaluation "
                                      f"intervals. Resume with --mech-interval {saved}")
+        self._carried_interval = saved
         if self.mols is not None and state.get("mols"):
             self.mols.load_state_dict(state["mols"])
         self._checkpoints.restore(state.get("saved_steps") or ())
@@ -722,6 +806,13 @@ class MechHook:
     def _monitored_interval(self) -> Optional[int]:
         """The evaluation interval, or ``None`` when no monitor runs (``--mech-monitors none``)."""
         return self.interval if self.config.monitors.families else None
+
+    def _state_interval(self) -> Optional[int]:
+        """The interval :meth:`state_dict` records: this run's when its monitors run, else the one of the state it
+        resumed from. A leg with ``--mech-monitors none`` carries its checkpoint's detectors, warmed up at that
+        interval, so a later resume at another one is still refused by name."""
+        monitored = self._monitored_interval()
+        return monitored if monitored is not None else self._carried_interval
 
     @staticmethod
     def _saved_interval(state: dict) -> Optional[int]:
@@ -966,6 +1057,28 @@ class MechHook:
         return {"log": Action.CONTINUE, "checkpoint": Action.CHECKPOINT, "stop": Action.STOP}[self.config.on_alert]
 
 
+@dataclass
+class _Judgement:
+    """What one evaluation concluded, computed apart from the hook (:meth:`MechHook._judge_function`) and merged
+    into it by the training thread only (:meth:`MechHook._conclude`)."""
+
+    metrics: dict
+    alerts: list
+    fired: bool  # whether any rank alerted (agreed)
+    failure: Optional[str]  # why the evaluation failed, on this rank or another (agreed); None: it did not
+    monitor: Optional[str]  # the monitor whose evaluation raised on this rank
+    registry: DetectorRegistry  # the detectors after this evaluation: a copy, the hook's own untouched
+    seconds: dict  # wall time per part
+
+
+def _symptoms(loss, grad_norm) -> dict:
+    """The loss and grad norm as the detectors' series (floats; no grad-norm series where the trainer gave none)."""
+    symptoms = {SYMPTOM_LOSS: float(loss)}
+    if grad_norm is not None:
+        symptoms[SYMPTOM_GRAD_NORM] = float(grad_norm)
+    return symptoms
+
+
 class _Observed:
     """The observation of a monitor that implements only ``observe``, taken on the training thread in the place of
     its snapshot."""
@@ -984,6 +1097,35 @@ def _timed(seconds: dict, part: str):
         seconds[part] = seconds.get(part, 0.0) + time.perf_counter() - started
 
 
+def _refuse_taken_names(name: str, reported: dict, metrics: dict, owners: dict) -> None:
+    """A series is reported by one monitor only: one that replaced another's in the record and the detectors (a
+    user's ``attn/layer0/dwq_entropy``) would be judged as that one. ``ValueError`` naming the series and both
+    monitors; ``owners`` (series -> who reports it, in words) is kept up to date."""
+    for series in reported:
+        if series in metrics or series in owners:
+            owner = owners.get(series, "a monitor on another pipeline stage")
+            raise ValueError(f"monitor {name!r} reports the series {series!r}, which {owner} reports: a series "
+                             f"has one monitor (rename the monitor's series)")
+        owners[series] = f"the {name!r} monitor"
+
+
+def _plain_state(name: str, state: Any, where: str = "") -> None:
+    """Refuse a monitor state that is not plain data (dicts, lists, tuples, strings, numbers, booleans, None,
+    tensors): a checkpoint is read back with ``torch.load(weights_only=True)``, which would refuse it at resume,
+    naming the file rather than the monitor."""
+    if isinstance(state, dict):
+        for key, value in state.items():
+            _plain_state(name, key, f"{where} (a key)")
+            _plain_state(name, value, f"{where}[{key!r}]")
+    elif isinstance(state, (list, tuple)):
+        for index, value in enumerate(state):
+            _plain_state(name, value, f"{where}[{index}]")
+    elif not (state is None or isinstance(state, (str, int, float, bool, torch.Tensor, torch.dtype, torch.device))):
+        raise ValueError(f"the {name!r} monitor's state_dict() holds a {type(state).__name__} at "
+                         f"state{where}: a monitor's state must be plain data (dicts, lists, tuples, strings, "
+                         f"numbers, booleans, None, tensors), which a checkpoint reads back safely")
+
+
 @contextlib.contextmanager
 def _naming(monitor: Monitor):
     """Mark an exception raised by ``monitor``'s evaluation with its name (for the failure report)."""
@@ -996,6 +1138,13 @@ def _naming(monitor: Monitor):
             except AttributeError:   # an exception type that takes no attributes
                 pass
         raise
+
+
+def _monitor_state(monitor: Monitor) -> dict:
+    """``monitor``'s :meth:`~megatron_mech.monitors.protocol.Monitor.state_dict`, refused unless plain data."""
+    state = monitor.state_dict()
+    _plain_state(monitor.name, state)
+    return state
 
 
 def _failing_monitor(cause: Optional[BaseException]) -> Optional[str]:

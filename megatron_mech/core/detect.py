@@ -96,6 +96,7 @@ baseline after itself; drift much slower than ``L`` evaluations is followed, a c
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import fnmatch
 import math
@@ -512,6 +513,12 @@ class Detector:
         self._active, self._n_out, self._n_in, self._run_peak = True, 0, 0, 0.0
         return self._alert(step, value, s, detail)
 
+    def copy(self) -> Detector:
+        """An independent copy of this detector's state (its config shared: a config is never changed)."""
+        twin = copy.copy(self)
+        twin._values, twin._pending = list(self._values), list(self._pending)
+        return twin
+
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
         """Dynamic state in plain Python types (the config is not restored from it; it is recorded for audit)."""
@@ -658,6 +665,10 @@ class LevelDetector:
         self._n_alerts += 1
         return Alert(metric=self.metric, family=self.family, step=int(step), value=value, baseline=c.level,
                      score=self._last_score, detail={**dict(detail or {}), "level": c.level})
+
+    def copy(self) -> LevelDetector:
+        """An independent copy of this detector's state (its counters are plain values)."""
+        return copy.copy(self)
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": 1, "kind": "level", "metric": self.metric, "family": self.family,
@@ -1127,6 +1138,21 @@ class DetectorRegistry:
         fired.extend(self._layer_trends(step, values, details))
         self.alerts.extend(fired)
         return fired
+
+    def copy(self) -> DetectorRegistry:
+        """An independent copy of the registry's state (the rules and configs shared: they are never changed):
+        updating the copy leaves this registry as it was. How an evaluation judged apart from the training thread
+        gets detectors of its own (``MechHook``), at a fraction of a deep copy's cost."""
+        twin = copy.copy(self)
+        twin.detectors = {name: detector.copy() for name, detector in self.detectors.items()}
+        twin._collapse_group, twin._trend_group = dict(self._collapse_group), dict(self._trend_group)
+        twin._trend_seen = dict(self._trend_seen)
+        twin._trend_logs = {name: deque(logs, maxlen=logs.maxlen) for name, logs in self._trend_logs.items()}
+        twin._trend_latch = {key: list(latch) for key, latch in self._trend_latch.items()}
+        twin.layer_changes = dict(self.layer_changes)
+        twin._unmonitored = set(self._unmonitored)
+        twin.alerts = list(self.alerts)
+        return twin
 
     def state_dict(self) -> dict[str, Any]:
         trends = {"seen": dict(self._trend_seen), "logs": {k: list(v) for k, v in self._trend_logs.items()},

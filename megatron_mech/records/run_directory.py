@@ -203,9 +203,11 @@ def records_incomplete(lost_steps, summary_written: bool, monitors_failure: Opti
     """The one line an entry point ends with when its records are incomplete, or None when they are whole:
     ``lost_steps`` are the steps whose ``mech.jsonl`` record could not be written, ``summary_written`` whether
     ``summary.json`` was, ``monitors_failure`` the evaluation worker's failure (``{"step", "error"}``, see
-    ``MechHook.async_report``) after which the monitors stopped. The process then exits with
+    ``MechHook.async_report``) after which the monitors stopped (its step, whose record lacks the monitors'
+    metrics, may be among ``lost_steps``: it is said once, as the failure). The process then exits with
     :data:`RECORDS_INCOMPLETE_EXIT`."""
     lost = []
+    lost_steps = [step for step in lost_steps if not monitors_failure or step != monitors_failure["step"]]
     if lost_steps:
         lost.append(f"{len(lost_steps)} record(s) of {JSONL} (steps {steps_text(list(lost_steps))})")
     if not summary_written:

@@ -1,8 +1,8 @@
 """torchrun worker: the real training entry point, with the attention monitor's evaluation made to fail on one rank.
 
-Usage: ``torchrun ... async_fault_worker.py MODE RANK STEP <pretrain_gpt flags>``. On global rank ``RANK``, the
-attention monitor's evaluation of step ``STEP`` raises (``MODE=raise``) or never returns (``MODE=hang``: it sleeps
-until the process ends); every other evaluation is the real one. The process exits with the entry point's code.
+Usage: ``torchrun ... async_fault_worker.py MODE RANK STEP <pretrain_gpt flags>``. On global rank ``RANK`` (``-1``:
+every rank), the attention monitor's evaluation of step ``STEP`` raises (``MODE=raise``) or never returns
+(``MODE=hang``: it sleeps until the process ends); every other evaluation is the real one. The process exits with the entry point's code.
 """
 import os
 import sys
@@ -19,7 +19,7 @@ original_evaluate = family.AttentionFamily.evaluate
 
 
 def evaluate(self, step, snapshot):
-    if int(os.environ.get("RANK", "0")) == fault_rank and step == fault_step:
+    if fault_rank in (-1, int(os.environ.get("RANK", "0"))) and step == fault_step:
         if mode == "raise":
             raise RuntimeError(f"injected failure of the attention evaluation at step {step}")
         threading.Event().wait()   # hangs: only the daemon thread's end with the process stops it

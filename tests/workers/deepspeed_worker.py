@@ -91,18 +91,28 @@ def train_step(engine, mech, tokens, step: int, rank: int, world: int, aux=False
     return float(out.loss.detach())
 
 
+_SEEN: dict = {"metrics": {}}
+
+
 def watch_metrics(mech) -> dict:
-    """What the detectors see on this rank at each evaluation: wraps the hook's registry.update (test-side)."""
-    seen = {"metrics": {}}
-    real = mech.hook.registry.update
+    """What the detectors see on this rank at each evaluation: wraps ``DetectorRegistry.update`` (test-side, once
+    per process; the hook judges each evaluation on its own copy of its registry, so the class is wrapped, not the
+    hook's instance). Returns the dict the latest evaluation's metrics and step land in."""
+    from megatron_mech.core.detect import DetectorRegistry
 
-    def update(step, metrics, details=None):
-        seen["metrics"] = dict(metrics)
-        seen["step"] = step
-        return real(step, metrics, details)
+    global _SEEN
+    _SEEN = {"metrics": {}}
+    if not getattr(DetectorRegistry.update, "watched", False):
+        real = DetectorRegistry.update
 
-    mech.hook.registry.update = update
-    return seen
+        def update(self, step, metrics, details=None):
+            _SEEN["metrics"] = dict(metrics)
+            _SEEN["step"] = step
+            return real(self, step, metrics, details)
+
+        update.watched = True
+        DetectorRegistry.update = update
+    return _SEEN
 
 
 def full_fp32(p: torch.Tensor) -> torch.Tensor:

@@ -580,6 +580,8 @@ def main(argv=None, extension_types: Sequence[type] = ()) -> int:
     if plan.warning:
         logger.warning(f"[train] {plan.warning}")
     t = build_training(args, runtime, config, run_id, extensions)
+    # a stop must save within the launcher's kill window: the hook then waits only briefly for its evaluation
+    t.hook.stop_requested = lambda: stop_signal.received is not None
     logger.info(f"[train] world={runtime.world} TP={args.tensor_model_parallel_size} "
                 f"EP={args.expert_model_parallel_size} PP={args.pipeline_model_parallel_size} "
                 f"DP={torch.distributed.get_world_size(t.dp_group)} "

@@ -15,12 +15,15 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from dist_utils import REPO_ROOT, free_port
+from megatron_mech.core.detect import DetectorRegistry
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 LAUNCHER = REPO_ROOT / "launch_scripts" / "pretrain_gpt_mech.py"
+FAULT_WORKER = REPO_ROOT / "tests" / "workers" / "async_fault_worker.py"
 TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "100000", "--lr-warmup-iters", "5",
         "--log-interval", "1", "--eval-iters", "1", "--mech-interval", "2"]
@@ -45,11 +48,13 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def start(run_dir: Path):
+def start(run_dir: Path, *script: str, flags: tuple = ()):
+    """torchrun on 2 workers of ``script`` (default: the launcher) with the tiny model's flags, ``flags`` and
+    ``--save run_dir``, returned once step 4 is logged."""
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(LAUNCHER), *TINY, "--save", str(run_dir)]
+           f"--master_port={free_port()}", *(script or (str(LAUNCHER),)), *TINY, *flags, "--save", str(run_dir)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=REPO_ROOT, start_new_session=True)
     lines, deadline = [], time.monotonic() + 240
@@ -99,3 +104,36 @@ def test_sigkill_to_the_launcher_leaves_no_worker_running(tmp_path):
     proc, workers, lines = start(tmp_path / "run")
     os.kill(proc.pid, signal.SIGKILL)
     finish(proc, workers, lines)
+
+
+def test_sigterm_during_a_slow_evaluation_beside_training_still_saves_within_the_kill_window(tmp_path):
+    """The monitors' evaluation of step 4 never returns on rank 0 (beside training, --mech-async-timeout 300 s), and
+    step 4 is a checkpoint step: the save waits for that evaluation when SIGTERM arrives. torchrun kills its
+    workers 30 s after forwarding the signal, so the save must give the evaluation up (STOP_WAIT_SECONDS) and
+    go on: the checkpoint of step 4 complete on both ranks, its detectors those of the records written (the
+    reference: the records replayed through a fresh registry with the run's settings), and summary.json saying
+    why the run stopped and which evaluation was lost."""
+    run_dir = tmp_path / "run"
+    proc, workers, lines = start(run_dir, str(FAULT_WORKER), "hang", "0", "4",
+                                 flags=("--mech-async", "on", "--save-interval", "4"))
+    os.kill(proc.pid, signal.SIGTERM)  # step 4 is logged: its save is waiting for the stuck evaluation
+    log = finish(proc, workers, lines)
+    assert "SIGTERM received: stopping cleanly after step 4" in log, log[-3000:]
+    assert int((run_dir / "latest_checkpointed_iteration.txt").read_text()) == 4, log[-3000:]
+    files = sorted((run_dir / "iter_0000004").glob("rank*.pt"))
+    assert [p.name for p in files] == ["rank0000.pt", "rank0001.pt"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final_step"] == 4 and summary["stopped_by_signal"] == "SIGTERM"
+    failure = summary["async_evaluation"]["failure"]
+    assert failure["step"] == 4 and "a stop was requested" in failure["error"], failure
+    records = [json.loads(line) for line in (run_dir / "mech.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4]
+    assert any(k.startswith("attn/") for k in records[0]["metrics"])
+    assert set(records[1]["metrics"]) == {"symptom/loss", "symptom/grad_norm"}
+    reference = DetectorRegistry.with_overrides(summary["detectors"]["rule_overrides"])
+    for record in records:
+        reference.update(record["step"], record["metrics"])
+    for path in files:
+        mech = torch.load(path, weights_only=False)["mech"]
+        assert mech["monitors"] == {}   # left out: the given-up evaluation may still hold them
+        assert mech["detectors"]["detectors"] == reference.state_dict()["detectors"]

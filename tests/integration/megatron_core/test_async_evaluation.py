@@ -104,10 +104,38 @@ def test_a_failing_evaluation_on_one_rank_is_reported_and_training_finishes_on_e
             or "timeout" in failure["error"].lower(), failure
     assert f"the monitors' evaluation of step {fault_step} failed" in outputs[logging_rank]
     assert "records incomplete: the monitors stopped after their evaluation of step 4" in outputs[logging_rank]
+    assert "could not be written" not in outputs[logging_rank]  # the failed step is said once, as the failure
     records = [json.loads(line) for line in (run_dir / "mech.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [2, 6, 8]                         # the record of step 4 is lost
+    assert [r["step"] for r in records] == [2, 4, 6, 8]
     assert any(k.startswith("attn/") for k in records[0]["metrics"])
-    assert set(records[-1]["metrics"]) == {"symptom/loss", "symptom/grad_norm"}  # the monitors are off
+    # step 4's record has its loss and grad norm only, and says so in the summary; then the monitors are off
+    assert set(records[1]["metrics"]) == set(records[-1]["metrics"]) == {"symptom/loss", "symptom/grad_norm"}
+    assert records[1]["loss"] == summary["losses"][3]
+    assert summary["records_lost_steps"] == [4]
+
+
+@pytest.mark.timeout(600)
+def test_a_monitor_raising_inline_on_every_rank_is_reported_and_training_finishes_as_beside_training(tmp_path):
+    """--mech-async off, the attention monitor raising at step 4 on both ranks: as beside training, every rank
+    reports it and trains to the end with the monitors off; step 4's record has the loss and grad norm only."""
+    run_dir = tmp_path / "inline"
+    codes, outputs = _launch_ranks(FAULT_WORKER, ["raise", "-1", "4", *TINY, "--train-iters", "8",
+                                                  "--tensor-model-parallel-size", "2", "--mech-async", "off",
+                                                  "--save", str(run_dir)], nproc=2, timeout=400)
+    text = "\n".join(f"--- rank {r} ---\n{o}" for r, o in enumerate(outputs))
+    logging_rank = next((r for r, o in enumerate(outputs) if "[train] done:" in o), None)
+    assert logging_rank is not None, text[-6000:]
+    assert codes[logging_rank] == RECORDS_INCOMPLETE_EXIT and codes[1 - logging_rank] == 0, (codes, text[-6000:])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final_step"] == 8 and summary["async_evaluation"]["enabled"] is False
+    failure = summary["async_evaluation"]["failure"]
+    assert failure["step"] == 4 and failure["monitor"] == "attention" and "injected failure" in failure["error"]
+    assert "the monitors' evaluation of step 4 failed" in outputs[logging_rank]
+    records = [json.loads(line) for line in (run_dir / "mech.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4, 6, 8]
+    assert set(records[1]["metrics"]) == {"symptom/loss", "symptom/grad_norm"}
+    assert summary["records_lost_steps"] == [4]
+    assert sorted(p.name for p in (run_dir / "iter_0000008").glob("rank*.pt")) == ["rank0000.pt", "rank0001.pt"]
 
 
 @pytest.mark.timeout(900)

@@ -50,6 +50,9 @@ def test_megatron_monitors_on_and_off_train_identically(tmp_path):
     for prefix in ("attn/", "router/", "expert/", "symptom/max_attn_logit"):
         assert any(m.startswith(prefix) for m in metrics), (prefix, sorted(metrics)[:10])
     assert len(plain["summary"]["losses"]) == STEPS
+    # 'none' runs no monitor at all (the max-logit monitor, which runs wherever the logits are captured, included)
+    plain_records = [json.loads(line) for line in (plain["dir"] / "mech.jsonl").read_text().splitlines()]
+    assert all(set(r["metrics"]) <= {"symptom/loss", "symptom/grad_norm"} for r in plain_records), plain_records
     assert monitored["summary"]["losses"] == plain["summary"]["losses"]  # bit-identical, every step
     assert len(monitored["weights"]) == len(plain["weights"]) == 2
     for rank, (a, b) in enumerate(zip(monitored["weights"], plain["weights"])):

@@ -467,3 +467,30 @@ def test_alert_is_hashable_and_describes_itself():
     msg = a.describe()
     assert msg.startswith("[symptom] symptom/loss at step 500") and "above baseline 3" in msg
     assert Alert.from_dict(a.to_dict()) == a
+
+
+def test_a_registry_copy_is_judged_apart_and_leaves_the_original_as_it_was():
+    """Every kind of state a registry holds (baseline-relative detectors in every phase, a tracking baseline, a
+    level rule, layer trends, alerts, unmonitored series) evolves in the copy exactly as in the original fed the
+    same evaluations, and feeding the copy changes nothing in the original."""
+    registry = DetectorRegistry.with_overrides({"warmup": 2, "baseline": 3, "persistence": 1,
+                                                "layer_trend_warmup": 1, "layer_trend_window": 3})
+    r = random.Random(3)
+
+    def evaluation(step, fault=False):
+        heads = {f"attn/layer1/head{h}/delta2_entropy": (0.001 if fault else 0.4 + 0.01 * r.random())
+                 for h in range(3)}
+        return {**heads, "router/layer1/entropy_mean": 1.0 + 0.01 * r.random(), "symptom/loss": 5.0 - 0.01 * step,
+                "symptom/max_attn_logit/layer1": 500.0 if fault else 3.0, "mine/other": 1.0}
+
+    for step in range(1, 9):
+        registry.update(step, evaluation(step))
+    before = json.dumps(registry.state_dict())
+    twin = registry.copy()
+    later = [evaluation(step, fault=step >= 10) for step in range(9, 13)]
+    twin_alerts = [twin.update(step, metrics) for step, metrics in zip(range(9, 13), later)]
+    assert json.dumps(registry.state_dict()) == before
+    original_alerts = [registry.update(step, metrics) for step, metrics in zip(range(9, 13), later)]
+    assert twin_alerts == original_alerts and any(twin_alerts)
+    assert json.dumps(twin.state_dict()) == json.dumps(registry.state_dict())
+    assert twin.unmonitored == registry.unmonitored == ["mine/other"]

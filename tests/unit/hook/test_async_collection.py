@@ -17,6 +17,7 @@ import torch
 
 from megatron_mech.async_evaluation import EvaluationWorker, WorkerFailure
 from megatron_mech.config import DetectorOverrides, MechConfig, MonitorConfig
+from megatron_mech.core.detect import DetectorRegistry
 from megatron_mech.hook import Action, MechHook
 from megatron_mech.model_view import ModelView
 from megatron_mech.monitors.attention import AttentionLayer
@@ -182,25 +183,88 @@ def test_state_dict_with_an_evaluation_in_flight_collects_it_and_a_resume_gives_
     assert any(k.startswith("attn/") for k in resumed.records[0]["metrics"])  # snapshots were in the state
 
 
-def test_a_monitor_that_raises_is_reported_and_the_monitors_stop_while_training_goes_on(caplog):
-    run = _Run(True, monitors=lambda w: (Summed(w["qkv"], fail_at=4),))
+def _replayed_detectors(records):
+    """The independent reference for a hook's detectors: a fresh registry with the test's settings, fed the
+    metrics of every record written, in order (the records are the run's record of truth)."""
+    registry = DetectorRegistry.with_overrides(DetectorOverrides(warmup=0, baseline=3, persistence=1).as_rule_fields())
+    for record in records:
+        registry.update(record["step"], {k: v for k, v in record["metrics"].items() if v is not None})
+    return registry
+
+
+@pytest.mark.parametrize("asynchronous", [True, False], ids=["beside", "inline"])
+def test_a_monitor_that_raises_is_reported_and_the_monitors_stop_while_training_goes_on(caplog, asynchronous):
+    """Beside training and inline alike: reported, the monitors off, training on; the failed step keeps a record
+    with its loss and grad norm, judged, and is listed among the steps whose record is incomplete."""
+    run = _Run(asynchronous, monitors=lambda w: (Summed(w["qkv"], fail_at=4),))
     with caplog.at_level(logging.ERROR, logger="megatron_mech"):
         actions = run.steps(1, 8)
+    state = run.hook.state_dict()
     run.hook.close()
     assert all(a is Action.CONTINUE for a in actions.values())
     failure = run.hook.async_report()["failure"]
     assert failure["step"] == 4 and failure["monitor"] == "summed" and "summed monitor broke" in failure["error"]
     assert any("step 4" in r.message and "summed" in r.message for r in caplog.records)
-    # the record of step 4 is lost; later evaluation steps still judge the loss and grad norm, inline
-    assert [r["step"] for r in run.records] == [2, 6, 8]
-    assert set(run.records[-1]["metrics"]) == {"symptom/loss", "symptom/grad_norm"}
+    # step 4's record holds its loss and grad norm; later evaluation steps still judge them, inline
+    assert [r["step"] for r in run.records] == [2, 4, 6, 8]
+    assert set(run.records[1]["metrics"]) == set(run.records[-1]["metrics"]) == {"symptom/loss", "symptom/grad_norm"}
+    assert run.records[1]["metrics"]["symptom/loss"] == 5.0 - 0.04
+    assert run.hook.lost_record_steps == [4]
     assert run.monitors[0].evaluated == [2, 4]
     assert len(run.hook.losses) == 8
+    # the detectors judged exactly what the records hold, step 4's loss and grad norm included
+    assert state["detectors"]["detectors"] == _replayed_detectors(run.records).state_dict()["detectors"]
+    assert state["monitors"] == {}   # the monitors' entries are left out after a failure: they start afresh
+
+
+class Slow(Monitor):
+    """A user's monitor whose evaluation of ``slow_at`` waits until the test sets ``release`` (past the hook's
+    timeout) and then returns a maximum attention logit far above the level rule's 100, with a loss-like series;
+    every other evaluation returns quiet values."""
+
+    name = "slow"
+
+    def __init__(self, slow_at, release):
+        self.slow_at, self.release = slow_at, release
+
+    def snapshot(self, step):
+        return step
+
+    def evaluate(self, step, snapshot):
+        if step == self.slow_at:
+            self.release.wait()
+            return {"symptom/max_attn_logit/layer7": 1e6}, {"symptom/max_attn_logit/layer7": {"layer": 7}}
+        return {"symptom/max_attn_logit/layer7": 1.0}, {"symptom/max_attn_logit/layer7": {"layer": 7}}
+
+
+def test_an_evaluation_given_up_at_its_timeout_changes_nothing_when_it_ends_later(caplog):
+    """The evaluation of step 4 is given up at step 5 (timeout 1 s); the test then lets it finish, with a value
+    that fires the max-logit level rule, and waits for the worker thread to end. The hook's detectors, its alerts
+    and its state must be exactly those of the records written (the reference: the records replayed through a
+    fresh registry), with no trace of step 4's late value or alert, in any baseline."""
+    release = threading.Event()
+    run = _Run(True, monitors=lambda w: (Slow(4, release),), timeout=1)
+    try:
+        run.steps(1, 5)
+        assert run.hook.async_report()["failure"]["step"] == 4
+    finally:
+        release.set()
+    assert run.hook._worker.close(timeout_s=60)  # the given-up evaluation has now run to its end
+    run.steps(6, 10)
+    state = run.hook.state_dict()
+    run.hook.close()
+    recorded_alerts = [(a["metric"], a["step"]) for r in run.records for a in r["alerts"]]
+    assert [(a.metric, a.step) for a in run.hook.alerts] == recorded_alerts
+    assert [r["step"] for r in run.records] == [2, 4, 6, 8, 10]
+    assert [(a["metric"], a["step"]) for a in state["detectors"]["alerts"]] == recorded_alerts
+    assert not any(step == 4 and "max_attn_logit" in metric for metric, step in recorded_alerts)
+    assert state["detectors"]["detectors"] == _replayed_detectors(run.records).state_dict()["detectors"]
+    assert run.hook.registry.state_dict()["detectors"] == state["detectors"]["detectors"]
 
 
 def test_a_monitor_that_hangs_past_the_timeout_is_reported_and_close_returns():
     release = threading.Event()
-    run = _Run(True, monitors=lambda w: (Summed(w["qkv"], block=release),), timeout=0.5)
+    run = _Run(True, monitors=lambda w: (Summed(w["qkv"], block=release),), timeout=1)
     try:
         actions = run.steps(1, 5)   # step 2's evaluation never finishes: given up at step 3
         run.hook.close()
@@ -208,14 +272,14 @@ def test_a_monitor_that_hangs_past_the_timeout_is_reported_and_close_returns():
         release.set()
     assert all(a is Action.CONTINUE for a in actions.values())
     failure = run.hook.async_report()["failure"]
-    assert failure["step"] == 2 and "did not finish within 0.5 s" in failure["error"]
-    assert [r["step"] for r in run.records] == [4]
+    assert failure["step"] == 2 and "did not finish within 1 s" in failure["error"]
+    assert [r["step"] for r in run.records] == [2, 4]
     assert run.monitors[0].evaluated == [2]
 
 
 def test_close_returns_with_a_stuck_worker_and_reports_it():
     release = threading.Event()
-    run = _Run(True, monitors=lambda w: (Summed(w["qkv"], block=release),), timeout=0.5)
+    run = _Run(True, monitors=lambda w: (Summed(w["qkv"], block=release),), timeout=1)
     try:
         run.steps(1, 2)             # step 2 in flight, stuck
         run.hook.close()            # waits at most the timeout, then leaves the daemon thread behind
@@ -239,7 +303,10 @@ def test_worker_reports_a_raising_job_and_runs_nothing_before_collection():
 
 
 @pytest.mark.parametrize("value, message", [("sometimes", "--mech-async"), (0, "--mech-async-timeout"),
-                                            (math.inf, "--mech-async-timeout")])
+                                            (math.inf, "--mech-async-timeout"), (1e-6, "--mech-async-timeout"),
+                                            (0.5, "--mech-async-timeout"), (86400.5, "--mech-async-timeout"),
+                                            (1e10, "--mech-async-timeout"), (1e308, "--mech-async-timeout"),
+                                            (math.nan, "--mech-async-timeout")])
 def test_bad_settings_are_refused_naming_the_flag(value, message):
     field = "asynchronous" if message == "--mech-async" else "async_timeout"
     with pytest.raises(ValueError, match=message):
@@ -252,3 +319,25 @@ def test_auto_is_off_for_a_model_on_the_cpu():
     weight = torch.zeros((HEADS + 2 * GROUPS) * HEAD_DIM, D_MODEL)
     hook.setup(ModelView(attention_layers=[AttentionLayer(0, weight, HEADS, GROUPS, HEAD_DIM)]))
     assert config.monitors.asynchronous == "auto" and hook.asynchronous is False
+
+
+def test_a_stop_request_gives_the_evaluation_in_flight_up_instead_of_waiting_for_the_timeout():
+    """A day's timeout, an evaluation that never returns, and a stop requested: the checkpoint's state comes back
+    (a wait for the timeout would hang the test until pytest's own timeout), with the evaluation recorded as lost
+    and the detectors of the last evaluation collected."""
+    release = threading.Event()
+    run = _Run(True, monitors=lambda w: (Summed(w["qkv"], block=release),), timeout=86400)
+    run.steps(1, 1)
+    reference = run.hook.registry.state_dict()
+    try:
+        run.steps(2, 2)                          # step 2's evaluation is stuck on the worker
+        run.hook.stop_requested = lambda: True   # e.g. SIGTERM, as the entry point tells the hook
+        state = run.hook.state_dict()
+    finally:
+        release.set()
+    failure = run.hook.async_report()["failure"]
+    assert failure["step"] == 2 and "a stop was requested" in failure["error"]
+    assert state["monitors"] == {}
+    replayed = _replayed_detectors(run.records).state_dict()["detectors"]
+    assert state["detectors"]["detectors"] == replayed != reference["detectors"]
+    run.hook.close()

@@ -178,3 +178,61 @@ def test_the_expert_monitor_is_checkpointed_with_an_explicit_empty_state():
     assert [r["step"] for r in resumed.records] == [10, 12]
     for record in resumed.records:
         assert expert_series(record) and expert_series(record) == expert_series(by_step[record["step"]])
+
+
+@pytest.mark.parametrize("name, message", [("", "a monitor needs a name"), ("  ", "a monitor needs a name"),
+                                           (None, "a monitor needs a name"),
+                                           ("detectors", "'detectors' is the hook's own"),
+                                           ("output", "'output' is the hook's own")])
+def test_add_monitor_refuses_an_empty_name_and_the_hooks_own_parts(name, message):
+    monitor = Toy()
+    monitor.name = name
+    hook = MechHook(MechConfig(), sinks=CallbackSink(lambda record: None))
+    with pytest.raises(ValueError, match=message):
+        hook.add_monitor(monitor)
+
+
+class Named(Monitor):
+    """A user's monitor reporting the series it is given."""
+
+    def __init__(self, name, series):
+        self.name, self.series = name, series
+
+    def observe(self, step):
+        return {self.series: 0.5}, {}
+
+
+@pytest.mark.parametrize("series, owner", [("attn/layer0/dwq_entropy", "the 'attention' monitor"),
+                                           ("symptom/loss", "the hook's loss"),
+                                           ("toy/count", "the 'toy' monitor")])
+def test_a_series_another_monitor_reports_is_refused_at_the_first_evaluation_naming_both(series, owner):
+    """A user's series named like a built-in one would replace it in the record and the detectors: the evaluation
+    fails naming the series and both monitors (reported, the monitors off, training on), and no record holds the
+    user's value under that name."""
+    run = _Run(monitors=[Toy(), Named("mine", series)])
+    run.steps(1, 4)
+    run.hook.close()
+    failure = run.hook.async_report()["failure"]
+    assert failure["step"] == 2 and failure["monitor"] == "mine", failure
+    assert f"monitor 'mine' reports the series {series!r}, which {owner} reports" in failure["error"]
+    assert all(record["metrics"].get(series) != 0.5 for record in run.records)
+
+
+class Holding(Monitor):
+    """A user's monitor whose state holds an object of its own class."""
+
+    name = "holding"
+
+    def observe(self, step):
+        return None
+
+    def state_dict(self):
+        return {"kept": [1.0, {"inner": Toy()}]}
+
+
+def test_a_monitor_state_that_is_not_plain_data_is_refused_at_save_naming_the_monitor():
+    run = _Run(monitors=[Holding()])
+    run.steps(1, 2)
+    with pytest.raises(ValueError, match=r"the 'holding' monitor's state_dict\(\) holds a Toy at "
+                                         r"state\['kept'\]\[1\]\['inner'\]: a monitor's state must be plain data"):
+        run.hook.state_dict()

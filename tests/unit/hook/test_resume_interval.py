@@ -13,6 +13,7 @@ from megatron_mech.hook import MechHook
 from megatron_mech.adapters.megatron_core.checkpoint import TRACKER, load_checkpoint
 from megatron_mech.model_view import ModelView
 from megatron_mech.monitors.attention import AttentionLayer
+from megatron_mech.monitors.protocol import Monitor
 from megatron_mech.records.sinks import CallbackSink
 
 HEADS, GROUPS, HEAD_DIM, D_MODEL = 2, 2, 8, 16
@@ -89,3 +90,46 @@ def test_megatron_core_checkpoint_at_another_interval_is_refused_naming_its_dire
     hook, _ = _hook(5, weight.clone(), [])
     with pytest.raises(ValueError, match=f"checkpoint file {directory / 'rank0000.pt'} was saved with --mech-interval 10 "):
         load_checkpoint(tmp_path, model, optimizer, scheduler=None, layout={}, hook=hook)
+
+
+def test_a_leg_without_monitors_carries_the_interval_and_a_later_resume_at_another_one_is_refused():
+    """Saved at interval 10, resumed with the monitors off at interval 5 (accepted: nothing monitored), then at
+    interval 3: refused, naming the interval the detectors were warmed up at."""
+    weight, state = _saved_run(interval=10)
+    assert state["detectors"]["detectors"]  # the detectors warmed up at interval 10
+    hook, view = _hook(5, weight.clone(), [], families=())
+    hook.load_state_dict(state, source="checkpoint runs/a/iter_0000010")
+    hook.setup(view, None, start_step=10)
+    _steps(hook, weight, 11, 20)
+    off_leg = hook.state_dict()
+    assert off_leg["interval"] == 10
+    with pytest.raises(ValueError, match="iter_0000020 was saved with --mech-interval 10 .* this run has "
+                                         "--mech-interval 3"):
+        _hook(3, weight.clone(), [])[0].load_state_dict(off_leg, source="checkpoint runs/a/iter_0000020")
+    _hook(10, weight.clone(), [])[0].load_state_dict(off_leg)  # the carried interval resumes
+
+
+class _Watching(Monitor):
+    """A user's monitor that would run in any run it is given."""
+
+    name = "watching"
+
+    def observe(self, step):
+        return {"watching/value": 1.0}, {}
+
+
+def test_monitors_none_runs_no_monitor_at_all():
+    """With --mech-monitors none, neither the max-logit monitor (which otherwise runs wherever the model captures
+    its logits) nor a user's monitor runs: the records hold the loss and grad norm only."""
+    weight = torch.randn((HEADS + 2 * GROUPS) * HEAD_DIM, D_MODEL, generator=torch.Generator().manual_seed(0))
+    records = []
+    hook, _ = _hook(2, weight, records, families=())
+    hook.add_monitor(_Watching())
+    view = ModelView(attention_layers=[AttentionLayer(0, weight, HEADS, GROUPS, HEAD_DIM)],
+                     attention_logit_capture=[lambda recorder: None])
+    hook.setup(view, None, start_step=0)
+    _steps(hook, weight, 1, 4)
+    hook.close()
+    assert hook.monitors == []
+    assert [r["step"] for r in records] == [2, 4]
+    assert all(set(r["metrics"]) == {"symptom/loss", "symptom/grad_norm"} for r in records)
