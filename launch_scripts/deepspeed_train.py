@@ -101,27 +101,32 @@ def build_config(args) -> dict:
     return config
 
 
-def mech_output_dir(config: dict) -> str:
-    """Where the hook writes ``mech.jsonl``: the config's ``mech.output.dir`` (validates the section: an unknown key,
-    e.g. a study's ``"fault"``, is refused naming it)."""
+def output_settings(config: dict):
+    """The config's ``"mech"`` output settings (validates the section: an unknown key, e.g. a study's ``"fault"``,
+    is refused naming it)."""
     from megatron_mech.adapters.deepspeed.ds_config_section import parse_section
-    from megatron_mech.config import DEFAULT_OUTPUT_DIR
 
     section = config.get("mech")
     if isinstance(section, dict) and "fault" in section:
         raise ValueError(f"mech.fault: faults are injected by the studies' launcher only (torchrun -m "
                          f"{STUDY_LAUNCHER} ...), not by this one")
-    return parse_section(section)[0].output.dir or DEFAULT_OUTPUT_DIR
+    return parse_section(section)[0].output
+
+
+def mech_output_dir(config: dict) -> str:
+    """Where the hook writes ``mech.jsonl``: the config's ``mech.output.dir``."""
+    from megatron_mech.config import DEFAULT_OUTPUT_DIR
+
+    return output_settings(config).dir or DEFAULT_OUTPUT_DIR
 
 
 def check_sinks(config: dict) -> None:
     """The optional sinks the "mech" section asks for can start: their packages are installed and W&B, online, has
     an API key. Checked before anything is built; the sinks start on rank 0 once the engine is (``ValueError``
     naming the key)."""
-    from megatron_mech.adapters.deepspeed.ds_config_section import parse_section
     from megatron_mech.records.sinks import missing_sink_package, wandb_login_problem
 
-    output = parse_section(config.get("mech"))[0].output
+    output = output_settings(config)
     if output.tensorboard_dir and missing_sink_package("tensorboard"):
         raise ValueError(f"mech.output.tensorboard_dir {output.tensorboard_dir}: {missing_sink_package('tensorboard')}")
     if output.wandb_project:
@@ -244,8 +249,8 @@ def main(argv=None, study=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         config = build_config(args)
+        extensions = study.extensions(args, config) if study is not None else []  # takes the study's own keys
         check_sinks(config)
-        extensions = study.extensions(args, config) if study is not None else []
         overwrite, run_id = check_run_directories(args, config, int(os.environ.get("RANK", "0")))
     except ValueError as exc:
         sys.stderr.write(f"deepspeed_train: error: {exc}\n")
