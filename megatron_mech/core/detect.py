@@ -99,13 +99,13 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import math
-import re
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from megatron_mech.core.checks import is_finite_real, is_int
+from megatron_mech.core.layer_names import layer_of
 from megatron_mech.core.option_fields import option
 
 __all__ = ["ATTENTION_COLLAPSE", "ATTENTION_LEVELS", "EXPERT_SHARE_LEVEL", "FAMILIES", "DIRECTIONS", "LEVEL_SETTINGS",
@@ -130,7 +130,6 @@ ATTENTION_LEVELS = {"delta2_entropy": 0.01, "dw_entropy": 0.02}
 # A layer whose attention entropies fell, in median over the layer's series, to this fraction of their own baselines
 # counts as beyond the level (module docstring, "Layer collapse"); see default_rules for the measurements.
 ATTENTION_COLLAPSE = 0.15
-_LAYER = re.compile(r"(?:^|/)layer(\d+)(?:/|$)")
 RULE_KINDS = ("baseline", "level")  # baseline-relative (Detector), absolute level (LevelDetector)
 # The QK-clip threshold τ: megatron-core's TransformerConfig.qk_clip_threshold defaults to 100 and MuonClip (Kimi K2,
 # arXiv:2507.20534) clips at τ = 100: the attention-logit level past which those trainers already treat a head as
@@ -162,13 +161,6 @@ LAYER_TREND_WINDOW = 10
 LAYER_TREND_WARMUP = 30
 MIN_TREND_SERIES = 2  # a layer's median needs at least two series (a single head's dip is not a layer's trend)
 TREND_LOG_FLOOR = 1e-12  # a value <= 0 of a positive series (an entropy that reached 0) is read as this
-
-
-def layer_of(name: str) -> int | None:
-    """The layer a series belongs to, from the ``layer{L}`` part of its name (``attn/layer1/head0/...`` → 1), or
-    None for a series of no layer (``symptom/loss``)."""
-    match = _LAYER.search(name)
-    return int(match.group(1)) if match is not None else None
 
 
 def _check_family(family: str) -> None:
@@ -1113,7 +1105,9 @@ class DetectorRegistry:
                details: Mapping[str, Mapping[str, Any]] | None = None) -> list[Alert]:
         """Feed one evaluation of several series; return the alerts fired now (in ``metrics`` order).
 
-        ``details[name]`` (e.g. ``{"layer": 1, "head": 2}``) is attached to that series' alerts.
+        ``details[name]`` (e.g. ``{"layer": 1, "head": 2}``) is attached to that series' alerts, with their cause
+        (``"cause"``, and ``"follows"`` after the run's first one: :func:`megatron_mech.core.diagnosis.stamp`, from
+        every series of ``metrics``, monitored or not).
         """
         details = details or {}
         # None: not measured this time (as in the sinks), nothing to judge
@@ -1125,6 +1119,10 @@ class DetectorRegistry:
             if alert is not None:
                 fired.append(alert)
         fired.extend(self._layer_trends(step, values, details))
+        if fired:  # each alert's cause, read from this evaluation's whole cross-section (core/diagnosis.py)
+            from megatron_mech.core.diagnosis import run_first_cause, stamp
+
+            fired, _ = stamp(fired, metrics, run_first_cause(self.alerts))
         self.alerts.extend(fired)
         return fired
 
