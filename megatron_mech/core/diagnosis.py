@@ -61,8 +61,8 @@ GLOBAL_CAUSES = ("nonfinite", "optimizer_skipped", "learning_rate", "data", "unc
 
 MAX_LOGIT_PREFIX = "symptom/max_attn_logit/"
 UPDATE_RATIO_JUMP = "symptom/update_ratio_jump"
-"""The cross-section of the update-to-parameter ratios (every layer at once), a series of its own: see
-:mod:`megatron_mech.core.update_ratio`."""
+"""The update-ratio jump's alert (every layer's update-to-parameter ratio at once): ``UpdateRatioJump`` in
+``core/detect.py``, whose ``UPDATE_RATIO_JUMP_METRIC`` it equals (a test holds them together)."""
 FROZEN_SUFFIX = "_frozen"
 _ENTROPY = ("delta2_entropy", "dwq_entropy", "dwk_entropy", "delta1_entropy", "delta3_entropy")
 _LABELS = {"delta1_entropy": "Δ1 spectral entropy", "delta2_entropy": "Δ2 spectral entropy",
