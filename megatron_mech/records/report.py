@@ -57,7 +57,7 @@ from megatron_mech.records.sinks import JSONL_NAME, iter_jsonl, record_alerts
 
 __all__ = ["REPORT_PNG", "REPORT_MD", "FAMILY_COLORS", "resolve_jsonl", "run_name", "collect_series",
            "collect_alerts", "reduce_run", "build_figure", "plot_run", "summarize_run", "run_verdict",
-           "add_report_arguments", "missing_plot_package", "run_report"]
+           "verdict_fields", "add_report_arguments", "missing_plot_package", "run_report"]
 
 REPORT_PNG = "report.png"
 REPORT_MD = "report.md"
@@ -525,6 +525,17 @@ def run_verdict(alerts: Sequence[Alert], last_step: int | None, armed_from_step:
                 f"baseline-relative rule arms at step {armed_from_step}; only non-finite values and the level rules "
                 f"could alert before it.")
     return f"No alerts fired (detectors armed from step {armed_from_step}; the run ended at step {last_step})."
+
+
+def verdict_fields(alerts: Sequence[Alert], arming: Mapping[str, Any]) -> dict:
+    """The ``summary.json`` keys of a run's verdict, from its alerts and the hook's ``arming()``: ``"diagnosis"``
+    (the first alert's, :func:`megatron_mech.core.diagnosis.first_diagnosis`; None without alerts) and
+    ``"verdict"`` (:func:`run_verdict`)."""
+    from megatron_mech.core.diagnosis import first_diagnosis
+
+    first = first_diagnosis(alerts)
+    return {"diagnosis": first.to_dict() if first is not None else None,
+            "verdict": run_verdict(alerts, arming["last_step"], arming["armed_from_step"])}
 
 
 def summarize_run(records: Iterable[Mapping[str, Any]] | RunReduction, title: str | None = None,
