@@ -1086,6 +1086,9 @@ class DetectorRegistry:
         self.layer_changes: dict[tuple[str, int], float] = {}
         self._unmonitored: set[str] = set()
         self.alerts: list[Alert] = []
+        # whether an evaluation so far saw a weight matrix change: unchanged weights after that are skipped steps,
+        # unchanged weights from the start a frozen base model (core/diagnosis.py)
+        self.weights_moved = False
 
     @classmethod
     def with_overrides(cls, overrides: Mapping[str, Any] | None = None) -> DetectorRegistry:
@@ -1238,10 +1241,11 @@ class DetectorRegistry:
             jump = self.update_jump.update(step, metrics)
             if jump is not None:
                 fired.append(jump)
-        if fired:  # each alert's cause, read from this evaluation's whole cross-section (core/diagnosis.py)
-            from megatron_mech.core.diagnosis import run_first_cause, stamp
+        from megatron_mech.core.diagnosis import run_first_cause, stamp, weights_moved
 
-            fired, _ = stamp(fired, metrics, run_first_cause(self.alerts))
+        if fired:  # each alert's cause, read from this evaluation's whole cross-section (core/diagnosis.py)
+            fired, _ = stamp(fired, metrics, run_first_cause(self.alerts), self.weights_moved)
+        self.weights_moved = self.weights_moved or weights_moved(metrics)
         self.alerts.extend(fired)
         return fired
 
@@ -1251,7 +1255,7 @@ class DetectorRegistry:
                             for (index, layer), (active, n_in) in sorted(self._trend_latch.items())]}
         return {"version": 1, "detectors": {k: d.state_dict() for k, d in self.detectors.items()},
                 "unmonitored": sorted(self._unmonitored), "alerts": [a.to_dict() for a in self.alerts],
-                "layer_trends": trends,
+                "layer_trends": trends, "weights_moved": self.weights_moved,
                 **({"update_jump": self.update_jump.state_dict()} if self.update_jump is not None else {})}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -1269,6 +1273,7 @@ class DetectorRegistry:
             if det is not None:
                 det.load_state_dict(dstate)
         self.alerts = [Alert.from_dict(a) for a in state["alerts"]]
+        self.weights_moved = bool(state.get("weights_moved", False))  # a state saved before it: not known yet
         self._load_trends(state.get("layer_trends"))
         if self.update_jump is not None:
             self.update_jump.load_state_dict(state.get("update_jump"))

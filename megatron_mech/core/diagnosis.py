@@ -7,7 +7,9 @@ names the evaluation's cause; docs/diagnosis.md states them for users):
 1. **non-finite** — the loss or grad norm is non-finite, or non-finite values appear in several (family, layer)
    places at once: a global blow-up, attributable to no layer.
 2. **optimizer steps skipped** — every monitored weight matrix of the evaluation is unchanged since the last one
-   (the ``…_frozen`` series all 1): the optimizer did not step (a skipped or overflowing step) or the LR is 0.
+   (the ``…_frozen`` series all 1) after an earlier evaluation saw them change: the optimizer did not step (a
+   skipped or overflowing step) or the LR went to 0. Weights frozen from the start (a frozen base model under LoRA)
+   are not this.
 3. **learning rate / global scale** — the signals of every layer move together: the update-to-parameter ratios'
    cross-section (:data:`UPDATE_RATIO_JUMP`) jumped, the maximum attention logit is above its level in at least
    two layers and at least half of the layers that report one, or the attention entropies collapsed in every
@@ -36,7 +38,8 @@ from typing import Any, Iterable, Mapping, Protocol, Sequence
 from megatron_mech.core.layer_names import layer_of
 
 __all__ = ["CAUSES", "CAUSE_NAMES", "CAUSE_PRIORITY", "GLOBAL_CAUSES", "Diagnosis", "UPDATE_RATIO_JUMP",
-           "diagnose_evaluation", "first_diagnosis", "is_global_blowup", "metric_label", "run_first_cause", "stamp"]
+           "diagnose_evaluation", "first_diagnosis", "is_global_blowup", "metric_label", "run_first_cause", "stamp",
+           "weights_moved"]
 
 CAUSES = {
     "nonfinite": "training went non-finite",
@@ -154,8 +157,9 @@ def _signal(alert: Alert) -> str:
     return f"{metric_label(alert.metric)}{where} ({alert.rule_kind})"
 
 
-def _alert_causes(alerts: Sequence[Alert], values: Mapping[str, float] | None) -> dict:
-    """Each alert's own cause (by index) in the pattern of this evaluation."""
+def _alert_causes(alerts: Sequence[Alert], values: Mapping[str, float] | None, moved_before: bool) -> dict:
+    """Each alert's own cause (by index) in the pattern of this evaluation. ``moved_before``: some earlier
+    evaluation saw a weight matrix change (frozen weights from the start are a frozen base model, e.g. LoRA)."""
     logit_layers = {_layer(a) for a in alerts if a.metric.startswith(MAX_LOGIT_PREFIX)}
     logit_reporting = _layers_reporting(values, lambda n: n.startswith(MAX_LOGIT_PREFIX)) | logit_layers
     # a layer's logits above the level at this evaluation, also when its rule latched at an earlier one
@@ -173,7 +177,7 @@ def _alert_causes(alerts: Sequence[Alert], values: Mapping[str, float] | None) -
     attention_signature = bool(entropy_layers or logit_layers)
     internal = attention_signature or any(a.family == "router" or a.metric == UPDATE_RATIO_JUMP for a in alerts)
     blowup = is_global_blowup(alerts)
-    frozen = _all_frozen(values)
+    frozen = moved_before and _all_frozen(values)
     causes = {}
     for i, a in enumerate(alerts):
         if blowup and not math.isfinite(a.value):
@@ -195,15 +199,17 @@ def _alert_causes(alerts: Sequence[Alert], values: Mapping[str, float] | None) -
     return causes
 
 
-def diagnose_evaluation(alerts: Sequence[Alert], values: Mapping[str, float] | None = None) -> Diagnosis | None:
+def diagnose_evaluation(alerts: Sequence[Alert], values: Mapping[str, float] | None = None,
+                        moved_before: bool = False) -> Diagnosis | None:
     """The diagnosis of the alerts fired at one evaluation (module docstring, the rules in order). ``values``: every
     series of that evaluation (what the registry was fed, monitored or not), for the peers that stayed in band and
     the frozen-weights flags; without them the alerts alone decide (the layers that did not alert are unknown).
-    None when there are no alerts."""
+    ``moved_before``: an earlier evaluation of the run saw a weight matrix change (:func:`weights_moved`); unchanged
+    weights read as skipped steps only then. None when there are no alerts."""
     alerts = list(alerts)
     if not alerts:
         return None
-    causes = _alert_causes(alerts, values)
+    causes = _alert_causes(alerts, values, moved_before)
     cause = min(causes.values(), key=CAUSE_PRIORITY.index)
     chosen = [a for i, a in enumerate(alerts) if causes[i] == cause]
     layers = [] if cause in GLOBAL_CAUSES else sorted({_layer(a) for a in chosen if _layer(a) is not None})
@@ -211,16 +217,22 @@ def diagnose_evaluation(alerts: Sequence[Alert], values: Mapping[str, float] | N
     return Diagnosis(step=min(a.step for a in alerts), cause=cause, layers=layers, signals=signals)
 
 
-def stamp(alerts: Sequence[Alert], values: Mapping[str, float] | None,
-          first: Mapping | None) -> tuple[list, Mapping | None]:
+def weights_moved(values: Mapping[str, float]) -> bool:
+    """Whether an evaluation saw some weight matrix change (a ``…_frozen`` series at 0)."""
+    return any(name.endswith(FROZEN_SUFFIX) and v is not None and float(v) == 0.0 for name, v in values.items())
+
+
+def stamp(alerts: Sequence[Alert], values: Mapping[str, float] | None, first: Mapping | None,
+          moved_before: bool = False) -> tuple[list, Mapping | None]:
     """The alerts of one evaluation with their cause in ``detail["cause"]`` and, where they follow the run's first
-    diagnosis (``first``: ``{"cause", "step"}``, None before any), ``detail["follows"]``. Returns the stamped
-    alerts (new objects, details copied) and the run's first diagnosis after this evaluation."""
+    diagnosis (``first``: ``{"cause", "step"}``, None before any), ``detail["follows"]``. ``moved_before``: an
+    earlier evaluation saw the weights change (:func:`diagnose_evaluation`). Returns the stamped alerts (new
+    objects, details copied) and the run's first diagnosis after this evaluation."""
     alerts = list(alerts)
-    diagnosis = diagnose_evaluation(alerts, values)
+    diagnosis = diagnose_evaluation(alerts, values, moved_before)
     if diagnosis is None:
         return alerts, first
-    causes = _alert_causes(alerts, values)
+    causes = _alert_causes(alerts, values, moved_before)
     if first is None:
         first = {"cause": diagnosis.cause, "step": diagnosis.step}
     out = []

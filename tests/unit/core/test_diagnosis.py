@@ -122,10 +122,22 @@ def test_a_loss_jump_with_no_internal_signature_is_data_and_later_alerts_follow_
 
 
 def test_unchanged_weights_at_every_layer_are_skipped_optimizer_steps():
-    registry = registry_after_baseline(40)
+    registry = registry_after_baseline(40)  # the weights moved at every evaluation so far
     alerts = [a for step in (205, 210, 215) for a in fire(registry, step, healthy(step, loss=9.0, frozen=True))]
     assert [a.detail["cause"] for a in alerts] == ["optimizer_skipped"]
     assert first_diagnosis(registry.alerts).cause == "optimizer_skipped"
+    resumed = DetectorRegistry.with_overrides({"warmup": 2, "baseline": 6})
+    resumed.load_state_dict(registry.state_dict())
+    assert resumed.weights_moved  # kept with the detectors' state
+
+
+def test_weights_frozen_from_the_start_are_a_frozen_base_model_not_skipped_steps():
+    """A LoRA-style run: the monitored base weights never change; a loss jump there is not blamed on the optimizer."""
+    registry = DetectorRegistry.with_overrides({"warmup": 2, "baseline": 6})
+    for i in range(1, 41):
+        assert fire(registry, 5 * i, healthy(5 * i, frozen=True)) == []
+    alerts = [a for step in (205, 210, 215) for a in fire(registry, step, healthy(step, loss=9.0, frozen=True))]
+    assert [a.detail["cause"] for a in alerts] == ["data"] and not registry.weights_moved
 
 
 def test_a_grad_norm_rise_alone_is_unclassified_with_its_signals():
