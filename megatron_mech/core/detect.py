@@ -92,7 +92,8 @@ layer's update at the next step, and no single series says so before the harm is
 parameter ratio (the mean log of its ``dwq_update_ratio`` and ``dwk_update_ratio``) is compared with the median of
 its own last ``W`` evaluations (the layer trend's window, after the layer trend's warm-up); the median of that change
 over the layers (at least two) is the evaluation's jump, judged against a level (``UPDATE_RATIO_JUMP``, log 2): at
-or above it one alert fires (``symptom/update_ratio_jump``, family ``symptom``, its level in the detail), and the
+or above it one alert fires (``attn/update_ratio_jump``, family ``attention``: the attention monitor's series; its
+level in the detail), and the
 rule latches until ``persistence`` evaluations are back below. Every layer at once is the signature of a global
 cause (the learning rate, a global scale), not of one layer's fault.
 
@@ -175,7 +176,7 @@ LAYER_TREND_WARMUP = 30
 # the first (the studies' mid-run raise is already ×6 at the first evaluation after it).
 UPDATE_RATIO_JUMP = math.log(2.0)
 UPDATE_RATIO_SERIES = ("attn/*/dwq_update_ratio", "attn/*/dwk_update_ratio")
-UPDATE_RATIO_JUMP_METRIC = "symptom/update_ratio_jump"
+UPDATE_RATIO_JUMP_METRIC = "attn/update_ratio_jump"
 MIN_TREND_SERIES = 2  # a layer's median needs at least two series (a single head's dip is not a layer's trend)
 TREND_LOG_FLOOR = 1e-12  # a value <= 0 of a positive series (an entropy that reached 0) is read as this
 
@@ -925,7 +926,7 @@ class UpdateRatioJump:
             return None
         self._latched, self._n_in = True, 0
         rising = sum(1 for c in changes.values() if c > 0)
-        return Alert(metric=UPDATE_RATIO_JUMP_METRIC, family="symptom", step=int(step), value=self.last_jump,
+        return Alert(metric=UPDATE_RATIO_JUMP_METRIC, family="attention", step=int(step), value=self.last_jump,
                      baseline=self.level, score=self.last_jump / self.level,
                      detail={"level": self.level, "layers": len(changes), "layers_rising": rising,
                              "window": self.window})

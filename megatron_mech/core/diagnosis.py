@@ -63,7 +63,7 @@ GLOBAL_CAUSES = ("nonfinite", "optimizer_skipped", "learning_rate", "data", "unc
 """The causes of no particular layer."""
 
 MAX_LOGIT_PREFIX = "symptom/max_attn_logit/"
-UPDATE_RATIO_JUMP = "symptom/update_ratio_jump"
+UPDATE_RATIO_JUMP = "attn/update_ratio_jump"
 """The update-ratio jump's alert (every layer's update-to-parameter ratio at once): ``UpdateRatioJump`` in
 ``core/detect.py``, whose ``UPDATE_RATIO_JUMP_METRIC`` it equals (a test holds them together)."""
 FROZEN_SUFFIX = "_frozen"

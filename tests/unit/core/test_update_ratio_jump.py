@@ -32,7 +32,7 @@ def test_every_layer_doubling_at_once_alerts_as_a_learning_rate_change_and_latch
     registry = DetectorRegistry()  # on with the default rules: warm-up 30 and window 10 evaluations
     assert feed(registry, range(5, 205, 5)) == []  # 40 evaluations: warm-up and the first window, silent
     [alert] = feed(registry, [205], scale=3.0)
-    assert (alert.metric, alert.family, alert.step, alert.rule_kind) == (UPDATE_RATIO_JUMP_METRIC, "symptom", 205,
+    assert (alert.metric, alert.family, alert.step, alert.rule_kind) == (UPDATE_RATIO_JUMP_METRIC, "attention", 205,
                                                                         "level")
     assert alert.value == pytest.approx(math.log(3.0), abs=0.1) and alert.baseline == UPDATE_RATIO_JUMP
     assert alert.detail["cause"] == "learning_rate" and alert.detail["layers_rising"] == 4
