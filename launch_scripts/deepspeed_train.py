@@ -322,12 +322,16 @@ def main(argv=None, study=None) -> int:
     if args.save:
         save_checkpoint(engine, mech, args.save, run_id=run_id)
     mech.close()  # reads back the last values: their records and alerts belong in the summary
+    from megatron_mech.records.report import verdict_fields
+
     summary = {"model": args.model, "zero_stage": engine.zero_optimization_stage(), "world": world,
                "steps": len(step_seconds), "step_seconds_total": sum(step_seconds),
                "monitor_seconds": mech.monitor_seconds, "monitor_parts": mech.seconds,
                "monitor_share": mech.monitor_seconds / max(sum(step_seconds), 1e-12),
                "alerts": sorted({a.metric for a in mech.hook.alerts}),
                "detectors": mech.hook.arming(),  # the armed-from step, and whether the run got there
+               # the first alert's diagnosis, or whether a run without alerts was armed at all
+               **verdict_fields(mech.hook.alerts, mech.hook.arming()),
                "records_lost_steps": mech.hook.lost_record_steps, "async_evaluation": mech.hook.async_report()}
     incomplete = None
     if rank == 0:

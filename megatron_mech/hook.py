@@ -937,6 +937,15 @@ class MechHook:
         return [(rule, (rule.trend_warmup + rule.trend_window) * interval)
                 for rule in self.registry.trend_rules() if rule.family == "attention"]
 
+    def armed_update_jump(self) -> Optional[int]:
+        """The step the update-ratio jump (``DetectorRegistry.update_jump``, on the attention monitor's update
+        ratios) first judges an evaluation: after its warm-up and one full window; None when it is off or no
+        attention monitor runs."""
+        jump = self.registry.update_jump
+        if jump is None or "attention" not in {monitor.name for monitor in self.monitors}:
+            return None
+        return (jump.warmup + jump.window + 1) * self.config.monitors.interval
+
     def _earliest_rule(self) -> tuple:
         """The detector settings of the rule that can alert first on a baseline-relative change, and the number of
         evaluations it needs before that alert (:meth:`DetectorRegistry.earliest_alert`), among the rules of the
@@ -974,6 +983,9 @@ class MechHook:
             arming["level_rules"] = {"armed_from_step": first, "rules": [_describe_levels([r]) for r in levels]}
         if trends:
             arming["layer_trends"] = [{"rule": _describe_trend(rule), "armed_from_step": step} for rule, step in trends]
+        jump = self.armed_update_jump()
+        if jump is not None:
+            arming["update_ratio_jump"] = {"armed_from_step": jump, "level": self.registry.update_jump.level}
         return arming
 
     def start_line(self) -> str:
@@ -988,6 +1000,11 @@ class MechHook:
                       f"{_describe_levels(levels)}" if levels else "")
         level_part += "".join(f"; layer trend armed from step {step}: {_describe_trend(rule)}"
                               for rule, step in self.armed_trend_rules())
+        jump = self.armed_update_jump()
+        if jump is not None:
+            level_part += (f"; update-ratio jump armed from step {jump}: every layer's update ratio, in median, "
+                           f">= {self.registry.update_jump.level:.3g} log units above its own last "
+                           f"{self.registry.update_jump.window} evaluations")
         return (f"[mech] monitors on: {', '.join(parts) or 'none (loss and grad norm only)'}, every "
                 f"{_count(self.config.monitors.interval, 'step')}; detectors armed from step "
                 f"{self.armed_from_step} (warm-up "

@@ -87,6 +87,16 @@ layer's heads down as a whole and keeps taking them down; a healthy head's dips 
 the layer stays small. No baseline is needed, so the rule is armed ``W`` evaluations after the warm-up (step 200
 at the defaults and one evaluation every 5 steps, where the baseline-relative rules need 250).
 
+Update-ratio jump (:class:`UpdateRatioJump`, on by default, :class:`TrendRules`): an LR raised mid-run moves every
+layer's update at the next step, and no single series says so before the harm is done. Each layer's update-to-
+parameter ratio (the mean log of its ``dwq_update_ratio`` and ``dwk_update_ratio``) is compared with the median of
+its own last ``W`` evaluations (the layer trend's window, after the layer trend's warm-up); the median of that change
+over the layers (at least two) is the evaluation's jump, judged against a level (``UPDATE_RATIO_JUMP``, log 2): at
+or above it one alert fires (``attn/update_ratio_jump``, family ``attention``: the attention monitor's series; its
+level in the detail), and the
+rule latches until ``persistence`` evaluations are back below. Every layer at once is the signature of a global
+cause (the learning rate, a global scale), not of one layer's fault.
+
 Tracking baseline (``track = L > 0``), for series whose healthy drift goes the bad way (routing entropies fall
 for thousands of steps as experts specialize): after the baseline is collected, every in-band evaluation is
 held back for ``L`` evaluations and then joins a sliding window of the last ``baseline`` admitted values, from
@@ -100,20 +110,20 @@ import copy
 import dataclasses
 import fnmatch
 import math
-import re
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from megatron_mech.core.checks import is_finite_real, is_int
+from megatron_mech.core.layer_names import layer_of
 from megatron_mech.core.option_fields import option
 
 __all__ = ["ATTENTION_COLLAPSE", "ATTENTION_LEVELS", "EXPERT_SHARE_LEVEL", "FAMILIES", "DIRECTIONS", "LEVEL_SETTINGS",
            "LAYER_TREND_THRESHOLD", "LAYER_TREND_WINDOW", "MAX_LOGIT_LEVEL", "ROUTER_LOAD_MIN_WARMUP",
-           "ROUTER_LOAD_THRESHOLD", "RULE_KINDS", "TREND_SETTINGS", "Alert", "DetectorConfig", "Detector",
-           "LevelDetector", "LevelRules", "SeriesRule", "TrendRules", "DetectorRegistry", "default_rules",
-           "layer_change", "layer_of"]
+           "ROUTER_LOAD_THRESHOLD", "RULE_KINDS", "TREND_SETTINGS", "UPDATE_RATIO_JUMP", "UPDATE_RATIO_JUMP_METRIC",
+           "Alert", "DetectorConfig", "Detector", "LevelDetector", "LevelRules", "SeriesRule", "TrendRules",
+           "UpdateRatioJump", "DetectorRegistry", "default_rules", "layer_change", "layer_of"]
 
 FAMILIES = ("attention", "router", "symptom")
 DIRECTIONS = ("down", "up", "both")
@@ -131,7 +141,6 @@ ATTENTION_LEVELS = {"delta2_entropy": 0.01, "dw_entropy": 0.02}
 # A layer whose attention entropies fell, in median over the layer's series, to this fraction of their own baselines
 # counts as beyond the level (module docstring, "Layer collapse"); see default_rules for the measurements.
 ATTENTION_COLLAPSE = 0.15
-_LAYER = re.compile(r"(?:^|/)layer(\d+)(?:/|$)")
 RULE_KINDS = ("baseline", "level")  # baseline-relative (Detector), absolute level (LevelDetector)
 # The QK-clip threshold τ: megatron-core's TransformerConfig.qk_clip_threshold defaults to 100 and MuonClip (Kimi K2,
 # arXiv:2507.20534) clips at τ = 100: the attention-logit level past which those trainers already treat a head as
@@ -161,15 +170,16 @@ _LEVEL_DIRECTIONS = ("down", "up")
 LAYER_TREND_THRESHOLD = 1.5
 LAYER_TREND_WINDOW = 10
 LAYER_TREND_WARMUP = 30
+# Update-ratio jump (module docstring): the median over layers of each layer's log update-to-parameter ratio against
+# the median of its own last window reaches log 2 — the update of the median layer doubled at once. Fixed before any
+# LR-raise run was looked at: an LR raise scales every layer's Adam update by the raise's factor at the next step,
+# while a schedule moves it by a few percent per evaluation; a doubling is far outside the second and well inside
+# the first (the studies' mid-run raise is already ×6 at the first evaluation after it).
+UPDATE_RATIO_JUMP = math.log(2.0)
+UPDATE_RATIO_SERIES = ("attn/*/dwq_update_ratio", "attn/*/dwk_update_ratio")
+UPDATE_RATIO_JUMP_METRIC = "attn/update_ratio_jump"
 MIN_TREND_SERIES = 2  # a layer's median needs at least two series (a single head's dip is not a layer's trend)
 TREND_LOG_FLOOR = 1e-12  # a value <= 0 of a positive series (an entropy that reached 0) is read as this
-
-
-def layer_of(name: str) -> int | None:
-    """The layer a series belongs to, from the ``layer{L}`` part of its name (``attn/layer1/head0/...`` → 1), or
-    None for a series of no layer (``symptom/loss``)."""
-    match = _LAYER.search(name)
-    return int(match.group(1)) if match is not None else None
 
 
 def _check_family(family: str) -> None:
@@ -839,6 +849,10 @@ class TrendRules:
     layer_trend_warmup: int = option(
         LAYER_TREND_WARMUP, "evaluations of each series ignored before the layer trend's window starts (the early "
         "transient; its own, not lowered by --mech-detector-warmup)", flag="--mech-layer-trend-warmup", type=int)
+    update_ratio_jump: float | None = option(
+        UPDATE_RATIO_JUMP, "alert when every layer's update-to-parameter ratio jumps at once (an LR raised mid-run): "
+        "the median over layers of each layer's log ratio minus the median of its own last layer-trend window is at "
+        "least this many log units (0 = off)", flag="--mech-update-ratio-jump", type=float)
 
     def __post_init__(self) -> None:
         if self.layer_trend_threshold is not None and (not is_finite_real(self.layer_trend_threshold)
@@ -849,6 +863,17 @@ class TrendRules:
             raise ValueError(f"layer_trend_window must be an int >= 3, got {self.layer_trend_window!r}")
         if not is_int(self.layer_trend_warmup) or self.layer_trend_warmup < 0:
             raise ValueError(f"layer_trend_warmup must be an int >= 0, got {self.layer_trend_warmup!r}")
+        if self.update_ratio_jump is not None and (not is_finite_real(self.update_ratio_jump)
+                                                   or self.update_ratio_jump < 0):
+            raise ValueError(f"update_ratio_jump must be a finite number > 0 (0 or None: off), got "
+                             f"{self.update_ratio_jump!r}")
+
+    def update_ratio_rule(self, persistence: int = 3) -> UpdateRatioJump | None:
+        """The update-ratio jump of these settings (None when it is off)."""
+        if not self.update_ratio_jump:
+            return None
+        return UpdateRatioJump(float(self.update_ratio_jump), int(self.layer_trend_window),
+                               int(self.layer_trend_warmup), persistence)
 
     def fields(self) -> dict:
         """The :class:`SeriesRule` fields of the rule that carries the trend (empty when it is off)."""
@@ -859,6 +884,84 @@ class TrendRules:
 
 
 TREND_SETTINGS = tuple(f.name for f in dataclasses.fields(TrendRules))
+
+
+class UpdateRatioJump:
+    """The update-ratio jump (module docstring, "Update-ratio jump"): every layer's update-to-parameter ratio against
+    its own recent history, judged as one cross-section. Fed every evaluation's series by the registry."""
+
+    def __init__(self, level: float, window: int, warmup: int, persistence: int = 3) -> None:
+        if not is_finite_real(level) or not level > 0:
+            raise ValueError(f"update-ratio jump: the level must be a finite number > 0, got {level!r}")
+        if not is_int(window) or window < 3 or not is_int(warmup) or warmup < 0:
+            raise ValueError(f"update-ratio jump: window must be an int >= 3 and warmup an int >= 0, got {window!r}, "
+                             f"{warmup!r}")
+        self.level, self.window, self.warmup, self.persistence = float(level), int(window), int(warmup), persistence
+        self._seen: dict[int, int] = {}       # layer -> finite evaluations seen
+        self._logs: dict[int, deque] = {}     # layer -> its last `window` log ratios (after the warm-up)
+        self._latched, self._n_in = False, 0
+        self.last_jump: float | None = None   # the last evaluation's jump (None: fewer than two layers ready)
+
+    @staticmethod
+    def layer_ratios(metrics: Mapping[str, float]) -> dict[int, float]:
+        """Each layer's log update ratio of one evaluation: the mean log of its ``dwq``/``dwk`` update ratios (finite
+        and > 0 only; a frozen or non-finite matrix takes no part)."""
+        logs: dict[int, list] = {}
+        for name, value in metrics.items():
+            if value is None or not any(fnmatch.fnmatchcase(name, p) for p in UPDATE_RATIO_SERIES):
+                continue
+            value, layer = float(value), layer_of(name)
+            if layer is not None and math.isfinite(value) and value > 0:
+                logs.setdefault(layer, []).append(math.log(value))
+        return {layer: sum(v) / len(v) for layer, v in logs.items()}
+
+    def update(self, step: int, metrics: Mapping[str, float]) -> Alert | None:
+        """Feed one evaluation; return the alert when the jump reaches the level (then latched)."""
+        changes = {}
+        for layer, log_ratio in sorted(self.layer_ratios(metrics).items()):
+            self._seen[layer] = seen = self._seen.get(layer, 0) + 1
+            if seen <= self.warmup:
+                continue
+            history = self._logs.setdefault(layer, deque(maxlen=self.window))
+            if len(history) == self.window:
+                changes[layer] = log_ratio - statistics.median(history)
+            history.append(log_ratio)
+        self.last_jump = statistics.median(changes.values()) if len(changes) >= MIN_TREND_SERIES else None
+        out = self.last_jump is not None and self.last_jump >= self.level
+        if self._latched:
+            self._n_in = 0 if out else self._n_in + 1
+            if self._n_in >= self.persistence:
+                self._latched, self._n_in = False, 0
+            return None
+        if not out:
+            return None
+        self._latched, self._n_in = True, 0
+        rising = sum(1 for c in changes.values() if c > 0)
+        return Alert(metric=UPDATE_RATIO_JUMP_METRIC, family="attention", step=int(step), value=self.last_jump,
+                     baseline=self.level, score=self.last_jump / self.level,
+                     detail={"level": self.level, "layers": len(changes), "layers_rising": rising,
+                             "window": self.window})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seen": {str(k): v for k, v in self._seen.items()},
+                "logs": {str(k): list(v) for k, v in self._logs.items()}, "latched": self._latched, "n_in": self._n_in}
+
+    def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
+        """Restore; a state without it (saved before this rule existed) starts it afresh: it warms up again."""
+        self._seen, self._logs, self._latched, self._n_in = {}, {}, False, 0
+        if state is None:
+            return
+        for layer, seen in state["seen"].items():
+            if not is_int(seen) or seen < 0:
+                raise ValueError(f"update-ratio jump state: seen of layer {layer} must be an int >= 0, got {seen!r}")
+            self._seen[int(layer)] = int(seen)
+        for layer, logs in state["logs"].items():
+            if not isinstance(logs, list) or not all(is_finite_real(v) for v in logs):
+                raise ValueError(f"update-ratio jump state: logs of layer {layer} must be a list of finite numbers")
+            self._logs[int(layer)] = deque((float(v) for v in logs), maxlen=self.window)
+        if not is_int(state["n_in"]) or state["n_in"] < 0:
+            raise ValueError(f"update-ratio jump state: n_in must be an int >= 0, got {state['n_in']!r}")
+        self._latched, self._n_in = bool(state["latched"]), int(state["n_in"])
 
 
 def default_rules(levels: LevelRules | None = None, trends: TrendRules | None = None) -> list[SeriesRule]:
@@ -972,8 +1075,12 @@ class DetectorRegistry:
     :attr:`unmonitored`. All fired alerts are kept in :attr:`alerts` (alerts are rare thanks to latching).
     """
 
-    def __init__(self, rules: Sequence[SeriesRule] | None = None, base_config: DetectorConfig | None = None):
+    def __init__(self, rules: Sequence[SeriesRule] | None = None, base_config: DetectorConfig | None = None,
+                 update_jump: UpdateRatioJump | None = None):
         self.rules = list(default_rules() if rules is None else rules)
+        # the cross-section of the update ratios: on by default with the default rules, else only when given
+        self.update_jump = update_jump if rules is not None or update_jump is not None \
+            else TrendRules().update_ratio_rule()
         self.base_config = base_config if base_config is not None else DetectorConfig()
         for r in self.rules:  # validate every rule's overrides now, not at the first matching series
             r.config(self.base_config)
@@ -991,6 +1098,9 @@ class DetectorRegistry:
         self.layer_changes: dict[tuple[str, int], float] = {}
         self._unmonitored: set[str] = set()
         self.alerts: list[Alert] = []
+        # whether an evaluation so far saw a weight matrix change: unchanged weights after that are skipped steps,
+        # unchanged weights from the start a frozen base model (core/diagnosis.py)
+        self.weights_moved = False
 
     @classmethod
     def with_overrides(cls, overrides: Mapping[str, Any] | None = None) -> DetectorRegistry:
@@ -1008,7 +1118,8 @@ class DetectorRegistry:
             raise ValueError(f"unknown detector setting(s) {unknown}; expected some of "
                              f"{sorted(known | set(LEVEL_SETTINGS) | set(TREND_SETTINGS))}")
         return cls(rules=[dataclasses.replace(rule, **overrides) if rule.kind == "baseline" else rule
-                          for rule in default_rules(levels, trends)])
+                          for rule in default_rules(levels, trends)],
+                   update_jump=trends.update_ratio_rule(overrides.get("persistence", DetectorConfig().persistence)))
 
     def level_rules(self) -> list[SeriesRule]:
         """The rules of kind ``level``: armed from the first evaluation."""
@@ -1124,7 +1235,9 @@ class DetectorRegistry:
                details: Mapping[str, Mapping[str, Any]] | None = None) -> list[Alert]:
         """Feed one evaluation of several series; return the alerts fired now (in ``metrics`` order).
 
-        ``details[name]`` (e.g. ``{"layer": 1, "head": 2}``) is attached to that series' alerts.
+        ``details[name]`` (e.g. ``{"layer": 1, "head": 2}``) is attached to that series' alerts, with their cause
+        (``"cause"``, and ``"follows"`` after the run's first one: :func:`megatron_mech.core.diagnosis.stamp`, from
+        every series of ``metrics``, monitored or not).
         """
         details = details or {}
         # None: not measured this time (as in the sinks), nothing to judge
@@ -1136,6 +1249,15 @@ class DetectorRegistry:
             if alert is not None:
                 fired.append(alert)
         fired.extend(self._layer_trends(step, values, details))
+        if self.update_jump is not None:
+            jump = self.update_jump.update(step, metrics)
+            if jump is not None:
+                fired.append(jump)
+        from megatron_mech.core.diagnosis import run_first_cause, stamp, weights_moved
+
+        if fired:  # each alert's cause, read from this evaluation's whole cross-section (core/diagnosis.py)
+            fired, _ = stamp(fired, metrics, run_first_cause(self.alerts), self.weights_moved)
+        self.weights_moved = self.weights_moved or weights_moved(metrics)
         self.alerts.extend(fired)
         return fired
 
@@ -1160,7 +1282,8 @@ class DetectorRegistry:
                             for (index, layer), (active, n_in) in sorted(self._trend_latch.items())]}
         return {"version": 1, "detectors": {k: d.state_dict() for k, d in self.detectors.items()},
                 "unmonitored": sorted(self._unmonitored), "alerts": [a.to_dict() for a in self.alerts],
-                "layer_trends": trends}
+                "layer_trends": trends, "weights_moved": self.weights_moved,
+                **({"update_jump": self.update_jump.state_dict()} if self.update_jump is not None else {})}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore. Detectors are rebuilt from the *current* rules (family, direction and config come from the
@@ -1177,7 +1300,10 @@ class DetectorRegistry:
             if det is not None:
                 det.load_state_dict(dstate)
         self.alerts = [Alert.from_dict(a) for a in state["alerts"]]
+        self.weights_moved = bool(state.get("weights_moved", False))  # a state saved before it: not known yet
         self._load_trends(state.get("layer_trends"))
+        if self.update_jump is not None:
+            self.update_jump.load_state_dict(state.get("update_jump"))
 
     def _load_trends(self, trends: Mapping[str, Any] | None) -> None:
         """Restore the layer trends' windows and latches. A state without them (saved before the layer trend

@@ -57,8 +57,8 @@ from megatron_mech.records.series_reduction import RunReduction, record_values, 
 from megatron_mech.records.sinks import JSONL_NAME, iter_jsonl, record_alerts
 
 __all__ = ["REPORT_PNG", "REPORT_MD", "REPORT_FILES", "FAMILY_COLORS", "resolve_jsonl", "run_name", "collect_series",
-           "collect_alerts", "reduce_run", "build_figure", "plot_run", "summarize_run", "add_report_arguments",
-           "missing_plot_package", "run_report"]
+           "collect_alerts", "reduce_run", "build_figure", "plot_run", "summarize_run", "run_verdict",
+           "verdict_fields", "add_report_arguments", "missing_plot_package", "run_report"]
 
 REPORT_PNG = "report.png"
 REPORT_MD = "report.md"
@@ -514,11 +514,46 @@ def _fmt(x: float | None) -> str:
     return "n/a" if x is None else (f"{x:.4g}" if math.isfinite(x) else str(x))
 
 
-def summarize_run(records: Iterable[Mapping[str, Any]] | RunReduction, title: str | None = None) -> str:
-    """Markdown summary: steps covered, final loss, alert counts per family, the first alert of each family
-    with its attribution and its lead over the first symptom alert, then the alert list. ``records``: the
+def run_verdict(alerts: Sequence[Alert], last_step: int | None, armed_from_step: int | None) -> str:
+    """The run's verdict in one sentence: the first alert's diagnosis, or "No alerts fired." with whether the
+    detectors were armed: a run that ended before its baseline-relative rules armed says so (only non-finite
+    values and the level rules could alert in it), since its silence is no verdict on its health."""
+    from megatron_mech.core.diagnosis import first_diagnosis
+
+    first = first_diagnosis(alerts)
+    if first is not None:
+        where = f" in layer{'s' if len(first.layers) > 1 else ''} {', '.join(map(str, first.layers))}" \
+            if first.layers else ""
+        return f"First alert at step {first.step}: {first.label}{where}."
+    if armed_from_step is None or last_step is None:
+        return "No alerts fired."
+    if last_step < armed_from_step:
+        return (f"No alerts fired, and the detectors never armed: the run ended at step {last_step}, the first "
+                f"baseline-relative rule arms at step {armed_from_step}; only non-finite values and the level rules "
+                f"could alert before it.")
+    return f"No alerts fired (detectors armed from step {armed_from_step}; the run ended at step {last_step})."
+
+
+def verdict_fields(alerts: Sequence[Alert], arming: Mapping[str, Any]) -> dict:
+    """The ``summary.json`` keys of a run's verdict, from its alerts and the hook's ``arming()``: ``"diagnosis"``
+    (the first alert's, :func:`megatron_mech.core.diagnosis.first_diagnosis`; None without alerts) and
+    ``"verdict"`` (:func:`run_verdict`)."""
+    from megatron_mech.core.diagnosis import first_diagnosis
+
+    first = first_diagnosis(alerts)
+    return {"diagnosis": first.to_dict() if first is not None else None,
+            "verdict": run_verdict(alerts, arming["last_step"], arming["armed_from_step"])}
+
+
+def summarize_run(records: Iterable[Mapping[str, Any]] | RunReduction, title: str | None = None,
+                  arming: Arming | None = None) -> str:
+    """Markdown summary: steps covered, final loss, alert counts per family, the verdict (:func:`run_verdict`:
+    the first alert's diagnosis, or whether the detectors were armed when none fired), the first alert of each
+    family with its attribution and its lead over the first symptom alert, then the alert list. ``records``: the
     records (a list or a stream) or their :func:`reduce_run`; the numbers are exact (see
-    :mod:`~megatron_mech.records.series_reduction` for a resume that rewinds further than it holds exactly)."""
+    :mod:`~megatron_mech.records.series_reduction` for a resume that rewinds further than it holds exactly).
+    ``arming``: the run's armed-from step (:func:`~megatron_mech.records.report_guides.resolve_arming`); without
+    it a run without alerts reads "No alerts fired." alone."""
     reduction = _reduction(records, None)
     alerts = reduction.alerts()
     lines = [f"# megatron-mech report: {title}" if title else "# megatron-mech report", ""]
@@ -546,6 +581,7 @@ def summarize_run(records: Iterable[Mapping[str, Any]] | RunReduction, title: st
     if len(alerts) < reduction.n_alerts:
         lines.append(f"- **Alerts kept:** the first {reduction.max_alerts_per_family} of each family; the rest are "
                      f"only counted ({len(alerts)} listed and drawn).")
+    lines.append(f"- **Verdict:** {run_verdict(alerts, reduction.last_step, arming.step if arming else None)}")
     lines.append("")
 
     first = {}
@@ -568,7 +604,8 @@ def summarize_run(records: Iterable[Mapping[str, Any]] | RunReduction, title: st
             lines.append(f"- **{fam}:** {a.describe()}{lead}")
         from megatron_mech.core.attribution import alert_lines
 
-        lines += ["", "## Attribution (alerts grouped by subsystem and layer, earliest first)", ""]
+        lines += ["", "## Attribution (alerts grouped by cause, subsystem and layer, earliest first; later alerts "
+                  "marked as following the first cause)", ""]
         lines += [f"- {line}" for line in alert_lines(alerts)]
         lines += ["", "## All alerts", "", "| step | family | metric | value | baseline | score | detail |",
                   "|---:|---|---|---:|---:|---:|---|"]
@@ -580,7 +617,7 @@ def summarize_run(records: Iterable[Mapping[str, Any]] | RunReduction, title: st
         if reduction.n_alerts > limit:
             lines.append(f"\n… and {reduction.n_alerts - limit} more.")
     else:
-        lines.append("No alerts fired.")
+        lines.append(run_verdict(alerts, reduction.last_step, arming.step if arming else None))
     lines.append("")
     return "\n".join(lines)
 
@@ -630,7 +667,7 @@ def run_report(args: argparse.Namespace) -> int:
     md_path = Path(out_dir) / REPORT_MD if out_dir else jsonl.with_name(REPORT_MD)
     try:
         png = _save_plot(jsonl, reduction, settings, out_png, metrics)
-        md = summarize_run(reduction, title=run_name(jsonl))
+        md = summarize_run(reduction, title=run_name(jsonl), arming=resolve_arming(settings, reduction))
         try:
             rel = png.resolve().relative_to(md_path.resolve().parent)
         except ValueError:

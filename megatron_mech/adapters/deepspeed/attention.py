@@ -37,8 +37,10 @@ ZeRO weight access (what we chose and why)
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import re
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -48,7 +50,8 @@ from megatron_mech.core.layouts import concatenated_qkv_blocks, grouped_qkv_from
 from megatron_mech.core.taxonomy import FUSED_QKV_MODULES
 from megatron_mech.monitors.attention import AttentionLayer
 
-__all__ = ["HFAttention", "AttentionGeometry", "attention_geometry", "find_hf_attention", "is_zero3_param"]
+__all__ = ["HFAttention", "AttentionGeometry", "attention_geometry", "find_hf_attention", "hf_attention_logit_captures",
+           "is_zero3_param"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +110,10 @@ class HFAttention:
 
     def __init__(self, layer: int, name: str, layout: str, geometry: AttentionGeometry,
                  q: Optional[torch.nn.Parameter] = None, k: Optional[torch.nn.Parameter] = None,
-                 fused: Optional[torch.nn.Parameter] = None, transposed: bool = False):
+                 fused: Optional[torch.nn.Parameter] = None, transposed: bool = False,
+                 module: Optional[torch.nn.Module] = None):
         self.layer, self.name, self.layout, self.geometry = layer, name, layout, geometry
+        self.module = module  # the HF attention module itself (its forward is where the logits are captured)
         self.q, self.k, self.fused, self.transposed = q, k, fused, transposed
         H, G, dh = geometry.num_heads, geometry.num_kv_heads, geometry.head_dim
         if layout == "separate":
@@ -186,7 +191,7 @@ def find_hf_attention(model: torch.nn.Module, layout: str = "auto", geometry: Op
         if isinstance(q, torch.nn.Module) and isinstance(k, torch.nn.Module) and layout in ("auto", "separate") \
                 and isinstance(getattr(q, "weight", None), torch.Tensor):
             found.append(HFAttention(_layer_index(module, name, len(found)), name, "separate", geometry,
-                                     q=q.weight, k=k.weight))
+                                     q=q.weight, k=k.weight, module=module))
             continue
         if layout == "separate":
             continue
@@ -206,3 +211,70 @@ def find_hf_attention(model: torch.nn.Module, layout: str = "auto", geometry: Op
     logger.info("megatron-mech: %d attention layers (%s layout), H=%d G=%d d_head=%d", len(found),
                 found[0].layout, geometry.num_heads, geometry.num_kv_heads, geometry.head_dim)
     return found
+
+
+def hf_attention_logit_captures(sources: list[HFAttention]) -> list:
+    """``capture(record)`` for every attention layer of ``sources`` whose queries and keys can be rebuilt exactly:
+    separate ``q_proj``/``k_proj`` (Llama, Mistral, Qwen2/3, Mixtral, …) in a module whose model file defines
+    ``apply_rotary_pos_emb`` and whose forward receives ``position_embeddings`` (``(cos, sin)``, as every HF model
+    with rotary embeddings does). A layer of another kind (fused QKV, no rotary helper) gets none: its maximum logit
+    is not recorded. The capture keeps the projections' outputs of an evaluation step (forward hooks on ``q_proj``
+    and ``k_proj``, on the weights the model ran, gathered under ZeRO-3 as the forward gathers them), applies the
+    module's own ``q_norm``/``k_norm`` when it has them and its rotary embedding, and hands ``record`` the queries
+    ``[b, h, s, d]``, the keys ``[b, g, s, d]``, the module's ``scaling`` and ``is_causal`` after the module's
+    forward: the logits its attention kernel computed. While ``record.capturing`` is False the hooks return before
+    touching a tensor. Installing again replaces ``record``."""
+    captures = []
+    for source in sources:
+        module = source.module
+        rotary = getattr(sys.modules.get(type(module).__module__), "apply_rotary_pos_emb", None) \
+            if module is not None else None
+        if source.layout != "separate" or rotary is None:
+            continue
+        captures.append(functools.partial(_install_logit_capture, module, source.layer, source.geometry.head_dim,
+                                          rotary))
+    skipped = len(sources) - len(captures)
+    if skipped:
+        logger.info("megatron-mech: max attention logit not captured in %d of %d attention layers (fused QKV or no "
+                    "rotary helper in the model's file)", skipped, len(sources))
+    return captures
+
+
+def _capturing(module: torch.nn.Module) -> bool:
+    return bool(getattr(module._mech_record_logits, "capturing", True))
+
+
+def _install_logit_capture(module: torch.nn.Module, layer: int, head_dim: int, rotary, record) -> None:
+    """The hooks of :func:`hf_attention_logit_captures` on one attention ``module`` (once; ``record`` replaced)."""
+    module._mech_record_logits = record
+    if getattr(module, "_mech_logit_hooks", None):
+        return
+    kept: dict = {}
+
+    def keep(name):
+        def hook(_mod, _args, output):
+            if _capturing(module):
+                kept[name] = output.detach()
+        return hook
+
+    def after_forward(mod, args, kwargs, _output):
+        query, key = kept.pop("q", None), kept.pop("k", None)
+        if not _capturing(mod) or query is None or key is None:
+            return None
+        embeddings = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
+        if embeddings is None:
+            return None
+        with torch.no_grad():
+            query = query.view(*query.shape[:-1], -1, head_dim)
+            key = key.view(*key.shape[:-1], -1, head_dim)
+            if getattr(mod, "q_norm", None) is not None and getattr(mod, "k_norm", None) is not None:
+                query, key = mod.q_norm(query), mod.k_norm(key)
+            cos, sin = embeddings
+            query, key = rotary(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+            mod._mech_record_logits(layer, query, key, float(getattr(mod, "scaling", head_dim ** -0.5)),
+                                    bool(getattr(mod, "is_causal", True)))
+        return None
+
+    module._mech_logit_hooks = [module.q_proj.register_forward_hook(keep("q")),
+                                module.k_proj.register_forward_hook(keep("k")),
+                                module.register_forward_hook(after_forward, with_kwargs=True)]

@@ -41,7 +41,7 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_mech.adapters.deepspeed.attention import find_hf_attention
+from megatron_mech.adapters.deepspeed.attention import find_hf_attention, hf_attention_logit_captures
 from megatron_mech.adapters.deepspeed.ds_config_section import DeepSpeedOptions, parse_section, read_section
 from megatron_mech.adapters.deepspeed.mols_backend import DeepSpeedMoLS
 from megatron_mech.adapters.deepspeed.router_capture import find_gates, gate_capture, token_group_of
@@ -98,6 +98,7 @@ class DeepSpeedMech:
             extension.prepare_model(model)
         self.view = ModelView(
             attention_layers=[a.spec() for a in self.attention_sources],
+            attention_logit_capture=hf_attention_logit_captures(self.attention_sources),
             routers=[RouterView(g.layer, g.weight, g.topk, gate_capture(g)) for g in self.gates],
             # dp_group: every rank of the (sequence-)data-parallel group holds the same dense weights (ZeRO 0-2
             # replicate them; ZeRO 3 gathers them for the monitors), the token group itself.

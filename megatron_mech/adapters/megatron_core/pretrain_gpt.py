@@ -466,6 +466,7 @@ def finish(args, t: Training, runtime: Runtime, run: dict, output_dir: str) -> b
     False when the logging rank's records are incomplete: a record of ``mech.jsonl`` or ``summary.json`` could
     not be written (a full disk); True otherwise and on the other ranks."""
     from megatron_mech.core.attribution import alert_lines
+    from megatron_mech.records.report import verdict_fields
     from megatron_mech.records.sinks import read_alerts
 
     final_step = run["final_step"]
@@ -480,6 +481,7 @@ def finish(args, t: Training, runtime: Runtime, run: dict, output_dir: str) -> b
     hook.close()
     if runtime.logging_rank:
         alerts = read_alerts(Path(output_dir) / "mech.jsonl")  # the record of truth, incl. before a resume
+        arming = hook.arming()
         elapsed = run["seconds"]
         # every step's loss since step 1 (the last STEP_SERIES_WINDOW steps of a longer run: first_step says),
         # kept in the hook's state across resumes
@@ -490,7 +492,7 @@ def finish(args, t: Training, runtime: Runtime, run: dict, output_dir: str) -> b
                    "params_per_rank": t.n_params,
                    **{e.name: e.summary() for e in hook.extensions if e.summary() is not None},
                    "stopped_on_alert": run["stopped_on_alert"], "stopped_by_signal": run["stopped_by_signal"],
-                   "attribution": alert_lines(alerts), "detectors": hook.arming(),
+                   "attribution": alert_lines(alerts), "detectors": arming, **verdict_fields(alerts, arming),
                    "monitor_seconds": hook.evaluation_seconds, "mols_seconds": hook.mols_seconds,
                    "final_mols": hook.mols_metrics(final_step),
                    "mols_diagnostics": hook.mols_diagnostics(),

@@ -277,8 +277,13 @@ mech.close()
 '''
 # the layer trend on the per-head Δ2 entropies: the rule's warm-up 30 + a window of 10 evaluations, every 2 steps
 LAYER_TREND = "attn/*/head*/delta2_entropy: a layer's median fall >= 1.5 log units over 10 evaluations"
-START_LINE = ("[mech] monitors on: 2 attention layers, every 2 steps; detectors armed from step 106 (warm-up 30 + "
-              f"baseline 20 + persistence 3 evaluations); layer trend armed from step 80: {LAYER_TREND}")
+# the max-logit level armed from the first evaluation (step 2); the update-ratio jump after the trend's warm-up and
+# window, at the next evaluation (step 82)
+START_LINE = ("[mech] monitors on: 2 attention layers, max attention logit, every 2 steps; detectors armed from step "
+              "106 (warm-up 30 + baseline 20 + persistence 3 evaluations); level rules armed from the first evaluation "
+              f"(step 2): symptom/max_attn_logit/layer* > 100; layer trend armed from step 80: {LAYER_TREND}; "
+              "update-ratio jump armed from step 82: every layer's update ratio, in median, >= 0.693 log units above "
+              "its own last 10 evaluations")
 
 
 def _run_user_script(tmp_path, *args):
@@ -343,10 +348,18 @@ def test_summary_and_end_of_run_line_state_the_armed_from_step_of_a_short_run(tm
                           "--seq-len", "16", "--micro-batch", "2", "--warmup", "0", "--output-dir", str(tmp_path)],
                          env=env, cwd=REPO_ROOT, text=True, capture_output=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
-    note = "run ended at step 4, before the detectors were armed (step 106): only non-finite values could alert"
+    note = ("run ended at step 4, before the detectors were armed (step 106): only non-finite values and the level "
+            "rules could alert; level rules (symptom/max_attn_logit/layer* > 100) armed from step 2")
     summary = json.loads((tmp_path / "summary.json").read_text())
     # no --mech-detector-* setting: the default rules, nothing to override (the report rebuilds the rules from it)
     assert summary["detectors"] == {"armed_from_step": 106, "last_step": 4, "armed": False, "note": note,
                                     "rule_overrides": {},
-                                    "layer_trends": [{"rule": LAYER_TREND, "armed_from_step": 80}]}
+                                    "level_rules": {"armed_from_step": 2,
+                                                    "rules": ["symptom/max_attn_logit/layer* > 100"]},
+                                    "layer_trends": [{"rule": LAYER_TREND, "armed_from_step": 80}],
+                                    "update_ratio_jump": {"armed_from_step": 82, "level": math.log(2)}}
+    # not "No alerts fired." alone: the run never reached its baseline-relative rules
+    assert summary["diagnosis"] is None and summary["verdict"].startswith(
+        "No alerts fired, and the detectors never armed: the run ended at step 4, the first baseline-relative rule "
+        "arms at step 106")
     assert [line for line in run.stderr.splitlines() if line.endswith(f"[mech] {note}")], run.stderr[-4000:]

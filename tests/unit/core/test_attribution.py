@@ -24,8 +24,14 @@ def test_groups_by_family_and_layer_and_quotes_first_order_term():
     lines = alert_lines(alerts)
     assert lines[0] == ("attention-precision fault suspected in layer 1, heads 3 and 5 "
                         "(Δ2 spectral entropy 0.4 vs baseline 0.8, score 8.0, since step 140)")
-    assert lines[1].startswith("router collapse suspected in layer 0, busiest expert 2 (expert-load entropy 0.7")
-    assert lines[2].startswith("training symptom (loss 6 vs baseline 5")
+    # later alerts are marked as following the first cause, each named by its family, place, metric and rule
+    assert lines[1].startswith("after the attention-precision fault (step 140), likely its consequence: router "
+                               "layer 0, busiest expert 2 (expert-load entropy 0.7 vs baseline 0.99")
+    assert lines[2].startswith("after the attention-precision fault (step 140), likely its consequence: symptom "
+                               "(loss 6 vs baseline 5")
+    assert [g["cause"] for g in groups] == ["precision", "router", "data"]  # each one's own cause at its step
+    assert [g["follows"] for g in groups] == [None] + [{"cause": "precision", "step": 140}] * 2
+    assert [g["rule"] for g in groups] == ["baseline"] * 3
 
 
 def test_same_step_groups_strongest_evidence_first():

@@ -369,11 +369,13 @@ def test_registry_routes_families_and_attributes():
     assert len(fired) == 1  # no cross-talk into the other series
     a = fired[0]
     assert (a.metric, a.family, a.step, a.detail) == ("attn/layer1/head2/delta2_entropy", "attention", 1620,
-                                                     {"layer": 1, "head": 2})
+                                                     {"layer": 1, "head": 2, "cause": "precision"})
     assert "layer=1" in a.describe() and "head=2" in a.describe() and "\n" not in a.describe()
 
     fired = _registry_run(reg, 10, fault=("router/layer0/mean_cosine", 175, 0.6), start=170)
-    assert [(x.metric, x.family, x.detail) for x in fired] == [("router/layer0/mean_cosine", "router", {"layer": 0})]
+    assert [(x.metric, x.family, x.detail) for x in fired] == [
+        ("router/layer0/mean_cosine", "router", {"layer": 0, "cause": "router",
+                                                 "follows": {"cause": "precision", "step": 1620}})]
     assert len(reg.alerts) == 2
 
 

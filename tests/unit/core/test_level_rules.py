@@ -114,7 +114,8 @@ def test_default_registry_alerts_from_the_first_evaluation_naming_layer_and_head
     fired = registry.update(5, {LOGIT: 130.0, SHARE: 0.7, "symptom/max_attn_logit": 130.0, "symptom/loss": 3.0},
                             {LOGIT: {"layer": 2, "head": 5}, SHARE: {"layer": 1, "expert": 3}})
     assert [(a.metric, a.family, a.step) for a in fired] == [(LOGIT, "attention", 5)]
-    assert fired[0].detail == {"layer": 2, "head": 5, "level": 100.0} and fired[0].rule_kind == "level"
+    assert fired[0].detail == {"layer": 2, "head": 5, "level": 100.0, "cause": "logit_growth"}
+    assert fired[0].rule_kind == "level"
     # the global maximum stays logged only; the busiest-expert rule is off unless set
     assert "symptom/max_attn_logit" in registry.unmonitored and SHARE in registry.unmonitored
     # the earliest baseline-relative alert is still warm-up 30 + baseline 20 + persistence 1 evaluations away (the
@@ -124,7 +125,7 @@ def test_default_registry_alerts_from_the_first_evaluation_naming_layer_and_head
     assert [r.pattern for r in registry.level_rules()] == ["symptom/max_attn_logit/layer*"]
     registry = DetectorRegistry.with_overrides({"expert_share_level": 0.5})
     [alert] = registry.update(5, {SHARE: 0.7}, {SHARE: {"layer": 1, "expert": 3}})
-    assert (alert.family, alert.detail) == ("router", {"layer": 1, "expert": 3, "level": 0.5})
+    assert (alert.family, alert.detail) == ("router", {"layer": 1, "expert": 3, "level": 0.5, "cause": "router"})
 
 
 def test_overrides_switch_a_level_rule_off_or_move_it_and_leave_the_others_alone():

@@ -396,6 +396,9 @@ def test_setup_logs_one_start_line_with_the_monitored_layers_interval_and_armed_
     # the layer trend on the per-head Δ2 entropies: its rule's warm-up 30 + a window of 10 evaluations = step 200
     trend = ("; layer trend armed from step 200: attn/*/head*/delta2_entropy: a layer's median fall >= 1.5 log units "
              "over 10 evaluations")
+    # the update-ratio jump shares the trend's warm-up and window, and judges the evaluation after them: step 205
+    trend += ("; update-ratio jump armed from step 205: every layer's update ratio, in median, >= 0.693 log units "
+              "above its own last 10 evaluations")
     assert lines == ["[mech] monitors on: 3 attention layers, 3 routers, every 5 steps; detectors armed from step "
                      "255 (warm-up 30 + baseline 20 + persistence 1 evaluations)" + trend]
     assert hook.armed_from_step == 255
@@ -405,7 +408,8 @@ def test_setup_logs_one_start_line_with_the_monitored_layers_interval_and_armed_
     assert lines == ["[mech] monitors on: 3 attention layers, every 5 steps; detectors armed from step 265 (warm-up "
                      "30 + baseline 20 + persistence 3 evaluations)" + trend]
     assert hook.armed_from_step == 265
-    assert hook.arming()["layer_trends"] == [{"rule": trend.split(": ", 1)[1], "armed_from_step": 200}]
+    assert hook.arming()["layer_trends"] == [{"rule": trend.split("; ")[1].split(": ", 1)[1], "armed_from_step": 200}]
+    assert hook.arming()["update_ratio_jump"] == {"armed_from_step": 205, "level": math.log(2)}
     assert start_lines(False)[0] == []
     # with a busiest-expert level the router monitor's level rule is armed from the first evaluation, step 5
     lines, hook = start_lines(True, DetectorOverrides(expert_share_level=0.5))
@@ -416,6 +420,8 @@ def test_setup_logs_one_start_line_with_the_monitored_layers_interval_and_armed_
     # baseline-relative rules'
     lines, hook = start_lines(True, DetectorOverrides(layer_trend_threshold=0))
     assert "layer trend" not in lines[0] and "layer_trends" not in hook.arming()
+    lines, hook = start_lines(True, DetectorOverrides(update_ratio_jump=0))
+    assert "update-ratio jump" not in lines[0] and "update_ratio_jump" not in hook.arming()
     lines, _ = start_lines(True, DetectorOverrides(warmup=4))
     assert "; layer trend armed from step 200: " in lines[0]
     lines, _ = start_lines(True, DetectorOverrides(layer_trend_warmup=4, layer_trend_window=6))
@@ -434,7 +440,9 @@ def test_arming_of_a_run_that_reaches_the_armed_from_step():
                                  # the layer trend: its own warm-up 30 + a window of 10 evaluations, every 2 steps
                                  "layer_trends": [{"rule": "attn/*/head*/delta2_entropy: a layer's median fall >= "
                                                            "1.5 log units over 10 evaluations",
-                                                   "armed_from_step": 80}]}
+                                                   "armed_from_step": 80}],
+                                 # the update-ratio jump: the same warm-up and window, then its first judged evaluation
+                                 "update_ratio_jump": {"armed_from_step": 82, "level": math.log(2)}}
     run = _Run(_config(interval=2))
     run.steps(1, 6)
     assert run.hook.arming()["armed"] is False and "only non-finite values could alert" in run.hook.arming()["note"]

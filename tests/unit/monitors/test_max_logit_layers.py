@@ -136,7 +136,9 @@ def test_hook_alerts_at_the_first_evaluation_when_a_layers_maximum_passes_the_qk
     assert max(per_head) > 100 and per_head[1] == max(per_head)
     [alert] = record["alerts"]
     assert (alert["metric"], alert["family"], alert["step"]) == (name, "attention", 3)
-    assert alert["detail"] == {"layer": 0, "head": 1, "level": 100.0}
+    # no optimizer here: the weights never changed (dwq_frozen 1) from the start: a frozen model, not skipped steps
+    assert record["metrics"]["attn/layer0/dwq_frozen"] == 1.0
+    assert alert["detail"] == {"layer": 0, "head": 1, "level": 100.0, "cause": "logit_growth"}
     arming = hook.arming()
     assert arming["level_rules"] == {"armed_from_step": 3, "rules": ["symptom/max_attn_logit/layer* > 100"]}
     assert arming["armed_from_step"] == 53 * 3 and "level rules (symptom/max_attn_logit/layer* > 100) armed from " \
