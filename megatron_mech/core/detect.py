@@ -942,6 +942,13 @@ class UpdateRatioJump:
                      detail={"level": self.level, "layers": len(changes), "layers_rising": rising,
                              "window": self.window})
 
+    def copy(self) -> UpdateRatioJump:
+        """An independent copy of this rule's state (its settings are plain values, never changed)."""
+        twin = copy.copy(self)
+        twin._seen = dict(self._seen)
+        twin._logs = {layer: deque(logs, maxlen=logs.maxlen) for layer, logs in self._logs.items()}
+        return twin
+
     def state_dict(self) -> dict[str, Any]:
         return {"seen": {str(k): v for k, v in self._seen.items()},
                 "logs": {str(k): list(v) for k, v in self._logs.items()}, "latched": self._latched, "n_in": self._n_in}
@@ -1274,6 +1281,7 @@ class DetectorRegistry:
         twin.layer_changes = dict(self.layer_changes)
         twin._unmonitored = set(self._unmonitored)
         twin.alerts = list(self.alerts)
+        twin.update_jump = self.update_jump.copy() if self.update_jump is not None else None
         return twin
 
     def state_dict(self) -> dict[str, Any]:

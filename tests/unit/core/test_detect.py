@@ -11,8 +11,8 @@ import random
 
 import pytest
 
-from megatron_mech.core.detect import (Alert, Detector, DetectorConfig, DetectorRegistry, SeriesRule,
-                                  default_rules)
+from megatron_mech.core.detect import (UPDATE_RATIO_JUMP_METRIC, Alert, Detector, DetectorConfig, DetectorRegistry,
+                                  SeriesRule, default_rules)
 
 NAN = float("nan")
 
@@ -482,8 +482,12 @@ def test_a_registry_copy_is_judged_apart_and_leaves_the_original_as_it_was():
     def evaluation(step, fault=False):
         heads = {f"attn/layer1/head{h}/delta2_entropy": (0.001 if fault else 0.4 + 0.01 * r.random())
                  for h in range(3)}
-        return {**heads, "router/layer1/entropy_mean": 1.0 + 0.01 * r.random(), "symptom/loss": 5.0 - 0.01 * step,
-                "symptom/max_attn_logit/layer1": 500.0 if fault else 3.0, "mine/other": 1.0}
+        # two layers' update ratios, so that the update-ratio jump holds per-layer history too (x100 in the fault)
+        ratios = {f"attn/layer{layer}/dwq_update_ratio": (1e-1 if fault else 1e-3) * (1 + 0.01 * r.random())
+                  for layer in (0, 1)}
+        return {**heads, **ratios, "router/layer1/entropy_mean": 1.0 + 0.01 * r.random(),
+                "symptom/loss": 5.0 - 0.01 * step, "symptom/max_attn_logit/layer1": 500.0 if fault else 3.0,
+                "mine/other": 1.0}
 
     for step in range(1, 9):
         registry.update(step, evaluation(step))
@@ -494,5 +498,6 @@ def test_a_registry_copy_is_judged_apart_and_leaves_the_original_as_it_was():
     assert json.dumps(registry.state_dict()) == before
     original_alerts = [registry.update(step, metrics) for step, metrics in zip(range(9, 13), later)]
     assert twin_alerts == original_alerts and any(twin_alerts)
+    assert any(a.metric == UPDATE_RATIO_JUMP_METRIC for alerts in twin_alerts for a in alerts)
     assert json.dumps(twin.state_dict()) == json.dumps(registry.state_dict())
-    assert twin.unmonitored == registry.unmonitored == ["mine/other"]
+    assert twin.unmonitored == registry.unmonitored and "mine/other" in twin.unmonitored
