@@ -93,7 +93,7 @@ from typing import Any, Callable, Iterable, List, Optional
 
 import torch
 
-from megatron_mech.async_evaluation import EvaluationWorker, WorkerFailure, worker_groups
+from megatron_mech.async_evaluation import EvaluationWorker, WorkerFailure, destroy_groups, worker_groups
 from megatron_mech.config import DEFAULT_OUTPUT_DIR, MechConfig
 from megatron_mech.core.attribution import alert_lines
 from megatron_mech.core.detect import Alert, DetectorRegistry
@@ -231,6 +231,7 @@ class MechHook:
         self._first_alert_acted_step: Optional[int] = None  # the step whose Action carried out the first alert
         self._stage_counts: dict = {}  # monitor name -> layers it watches, all pipeline stages
         self._worker: Optional[EvaluationWorker] = None  # the evaluation beside training (--mech-async on)
+        self._worker_groups: tuple = ()  # its process groups (async_evaluation.worker_groups)
         self._evaluation_view: Optional[ModelView] = None  # the view the monitors were set up with
         self._evaluation_world = None  # the group over every rank the evaluation agrees on alerts over
         self._in_flight: Optional[dict] = None  # what the record of the evaluation on the worker needs
@@ -329,6 +330,7 @@ class MechHook:
         if self.asynchronous:   # the monitors take their groups from the view: the worker's own
             groups = worker_groups(view, settings.async_timeout)
             self._evaluation_view, self._evaluation_world = groups.view, groups.world
+            self._worker_groups = groups.owned  # destroyed by close() once the worker has ended
         layer_counts = [monitor.layer_count(view) for monitor in self.registered_monitors]
         # a monitor that only implements observe runs it on the training thread: the training's groups
         self.monitors = [monitor for monitor in self.registered_monitors
@@ -630,11 +632,14 @@ class MechHook:
         and the armed-from step, see :meth:`arming`), flush and close the output (logging rank), then close the
         extensions. With ``--mech-async`` the evaluation still on the worker is collected first (at most
         ``--mech-async-timeout`` of waiting) and the worker thread is then joined within the same bound (a stuck one
-        is a daemon thread, left behind)."""
+        is a daemon thread, left behind with its groups); the worker's process groups are then destroyed, so close
+        leaves no thread or group of the hook's running. The trainer's own groups stay the trainer's."""
         self._collect()
         self._read_back()
-        if self._worker is not None and self._async_failure is None:
-            self._worker.close()
+        worker_ended = self._worker is None or (self._async_failure is None and self._worker.close())
+        if worker_ended:  # a stuck worker may still use its groups: they are left to it
+            destroy_groups(self._worker_groups)
+            self._worker_groups = ()
         if self._view is not None and self._view.logging_rank:
             logger.info(f"[mech] {self.arming()['note']}")
         if self._sinks is not None:
