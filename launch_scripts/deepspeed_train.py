@@ -223,6 +223,13 @@ def main(argv=None, study=None) -> int:
     out of the DeepSpeed config (e.g. ``mech.fault``), so that the product sees its own config only, and returns the
     hook extensions to register (``ValueError`` naming the flag or key for bad input)."""
     args = parse_args(argv, study.add_flags if study is not None else None)
+    from megatron_mech.adapters.path_packages import DEEPSPEED_LAUNCHER, missing_packages
+
+    missing = missing_packages(DEEPSPEED_LAUNCHER)  # all of them at once, before any import of DeepSpeed
+    if missing:
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank stops; one line says why
+            sys.stderr.write(f"deepspeed_train: error: {missing}\n")
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         config = build_config(args)

