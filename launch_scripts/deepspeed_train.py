@@ -11,7 +11,9 @@ with ``--fault-start`` and a study config's ``"fault"`` key (``main(study=...)``
 
 On CPU machines set ``OMP_NUM_THREADS=1`` under the ``deepspeed`` launcher. Writes ``<output-dir>/mech.jsonl``
 (one record per evaluation) and ``<output-dir>/summary.json`` (step time, monitor cost, the step the detectors are
-armed from), from rank 0. A fresh run into an ``--output-dir`` (or ``--save``) that already holds a run is refused
+armed from), from rank 0. SIGTERM or SIGINT (to torchrun, which forwards it) stops every rank after the same step:
+it saves a checkpoint (with ``--save``), writes ``summary.json`` (``"stopped_by_signal"``) and exits 0, as the
+megatron-core entry point does. A fresh run into an ``--output-dir`` (or ``--save``) that already holds a run is refused
 before anything is built: resume it with ``--load``, or pass ``--overwrite-run`` to start over. So is one into a
 directory another run is writing (the run holds its directories until its process ends). Each run has an id
 (``run_id.txt`` in ``--output-dir`` and in each checkpoint it saves): a resume into an ``--output-dir`` holding
@@ -246,8 +248,10 @@ def main(argv=None, study=None) -> int:
     from megatron_mech.adapters.deepspeed.engine import DeepSpeedMech, load_checkpoint, save_checkpoint
     from megatron_mech.adapters.deepspeed.models import moe_aux_loss
     from megatron_mech.adapters.deepspeed.mols_backend import param_groups
+    from megatron_mech.adapters.megatron_core.stop_signals import StopOnSignal
     from megatron_mech.hook import Action
 
+    stop_signal = StopOnSignal().install()  # SIGTERM/SIGINT: finish the step, save, write the summary, exit
     if not torch.cuda.is_available():
         from megatron_mech.adapters.deepspeed.cpu import single_process_env, skip_shm_comm_build
 
@@ -302,6 +306,11 @@ def main(argv=None, study=None) -> int:
         if rank == 0 and (mech.is_evaluation_step(engine.global_steps) or step == args.steps - 1):
             logger.info("step %d loss %.4f lr %.3g (%.3f s/step)", engine.global_steps, float(out.loss.detach()),
                         engine.get_lr()[0], step_seconds[-1])
+        if stop_signal.agreed():  # one tiny all-reduce: every rank stops after the same step
+            if rank == 0:
+                logger.info("%s received: stopping cleanly after step %d", stop_signal.stopped_by,
+                            engine.global_steps)
+            break
     if args.save:
         save_checkpoint(engine, mech, args.save, run_id=run_id)
     mech.close()  # reads back the last values: their records and alerts belong in the summary
@@ -311,7 +320,8 @@ def main(argv=None, study=None) -> int:
                "monitor_share": mech.monitor_seconds / max(sum(step_seconds), 1e-12),
                "alerts": sorted({a.metric for a in mech.hook.alerts}),
                "detectors": mech.hook.arming(),  # the armed-from step, and whether the run got there
-               "records_lost_steps": mech.hook.lost_record_steps, "async_evaluation": mech.hook.async_report()}
+               "records_lost_steps": mech.hook.lost_record_steps, "async_evaluation": mech.hook.async_report(),
+               "final_step": engine.global_steps, "stopped_by_signal": stop_signal.stopped_by}
     incomplete = None
     if rank == 0:
         from megatron_mech.records.run_directory import SUMMARY, records_incomplete, write_summary
@@ -325,6 +335,7 @@ def main(argv=None, study=None) -> int:
             sys.stderr.write(f"deepspeed_train: {incomplete}\n")
     dist.barrier()
     dist.destroy_process_group()
+    stop_signal.uninstall()
     from megatron_mech.records.run_directory import RECORDS_INCOMPLETE_EXIT, release_run_directories
 
     release_run_directories()  # the claim ends with the run, also when the process calling main() goes on
