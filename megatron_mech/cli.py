@@ -11,6 +11,7 @@ import sys
 from typing import Callable, Dict, List, NamedTuple, Optional
 
 from megatron_mech.adapters.megatron_core.launch import check_training_flags, run_training, train_command
+from megatron_mech.options import closest_name
 from megatron_mech.records.run_directory import RECORDS_INCOMPLETE_EXIT
 
 
@@ -101,7 +102,8 @@ def _train_run_error(cmd: List[str], steps: int) -> Optional[str]:
                 f"at step {flags.mech_interval}, so the run would record nothing to report. Use --steps "
                 f"{flags.mech_interval} or more, or a shorter interval after '--' (e.g. -- --mech-interval {steps})")
     try:
-        check_run_directories(flags)
+        check_run_directories(flags, overwrite_flag="-- --overwrite-run (after the train options: megatron-mech train "
+                                                    "... -- --overwrite-run)", other_dir_flags="--out")
     except ValueError as exc:
         return str(exc)
     return None
@@ -113,6 +115,10 @@ def _run_train(args: argparse.Namespace) -> int:
     from megatron_mech.adapters.path_packages import ENTRY_POINT, missing_packages
 
     error = _check_counts(nproc=args.nproc, steps=args.steps) or missing_packages(ENTRY_POINT)
+    if error is None:
+        from megatron_mech.studies.pretrain_gpt_fault import study_flag_refusal
+
+        error = study_flag_refusal(args.extra, "megatron-mech train")
     cmd = train_command(args.nproc, args.steps, args.out, args.dense, args.extra)
     error = (error or check_training_flags(cmd, args.nproc) or missing_plot_package()
              or _train_run_error(cmd, args.steps))
@@ -256,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, cmd in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=cmd.help, description=cmd.help)
         cmd.add_arguments(p)
-        p.set_defaults(_run=cmd.run)
+        p.set_defaults(_run=cmd.run, _parser=p)
     return parser
 
 
@@ -264,11 +270,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        hint = ""
+        command = args._parser  # the subcommand's own usage and options, not the top level's
+        own = [flag for flag in command._option_string_actions if flag.startswith("--")]
+        hints = [f"{u.split('=', 1)[0]}: did you mean {closest}?" for u in unknown
+                 if u.startswith("--") and (closest := closest_name(u.split("=", 1)[0], own))]
+        hint = f" ({'; '.join(hints)})" if hints else ""
         if args.command == "train" and any(u.startswith("--") for u in unknown):
-            hint = ("; training flags go after '--', e.g. megatron-mech train --steps 100 -- --mech-interval 5 "
-                    "(all of them: python -m megatron_mech.adapters.megatron_core.pretrain_gpt --help)")
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+            hint += ("; training flags go after '--', e.g. megatron-mech train --steps 100 -- --mech-interval 5 "
+                     "(all of them: python -m megatron_mech.adapters.megatron_core.pretrain_gpt --help)")
+        command.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     return int(args._run(args) or 0)
 
 

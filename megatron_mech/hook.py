@@ -825,10 +825,10 @@ class MechHook:
             can_alert += f", and the layer trend from step {min(trends)}"
         return [f"the detectors cannot reach a baseline in this run: its {steps} training steps at --mech-interval "
                 f"{interval} make {evaluations} evaluation{'s' if evaluations != 1 else ''}, and the earliest "
-                f"baseline-relative alert needs {needed}: {first.warmup} warm-up (--mech-detector-warmup, "
-                f"mech.detector.warmup) + {first.baseline} baseline (--mech-detector-baseline) + "
-                f"{first.persistence} out-of-band (--mech-detector-persistence). {can_alert}; "
-                f"lower them or the interval"]
+                f"baseline-relative alert needs {needed}: {first.warmup} warm-up ({_setting('warmup')}) + "
+                f"{first.baseline} baseline ({_setting('baseline')}) + {first.persistence} out-of-band "
+                f"({_setting('persistence')}). {can_alert}; lower them or the interval (--mech-interval, "
+                f"mech.monitors.interval)"]
 
     def armed_level_rules(self) -> list:
         """The level rules (:meth:`DetectorRegistry.level_rules`) whose series a running monitor records: armed
@@ -963,6 +963,14 @@ class MechHook:
         self.first_alert_step = step
         self._first_alert_acted_step = self._current_step
         return {"log": Action.CONTINUE, "checkpoint": Action.CHECKPOINT, "stop": Action.STOP}[self.config.on_alert]
+
+
+def _setting(name: str) -> str:
+    """A detector setting as both kinds of run spell it: its flag (Megatron) and its ``"mech"`` key (DeepSpeed)."""
+    from megatron_mech.config import DetectorOverrides
+    from megatron_mech.core.option_fields import field_flag, field_key
+
+    return f"{field_flag(DetectorOverrides, name)}, mech.detector.{field_key(DetectorOverrides, name)}"
 
 
 class _Observed:
