@@ -11,7 +11,9 @@ with ``--fault-start`` and a study config's ``"fault"`` key (``main(study=...)``
 
 On CPU machines set ``OMP_NUM_THREADS=1`` under the ``deepspeed`` launcher. Writes ``<output-dir>/mech.jsonl``
 (one record per evaluation) and ``<output-dir>/summary.json`` (step time, monitor cost, the step the detectors are
-armed from), from rank 0. A fresh run into an ``--output-dir`` (or ``--save``) that already holds a run is refused
+armed from), from rank 0. SIGTERM or SIGINT (to torchrun, which forwards it) stops every rank after the same step:
+it saves a checkpoint (with ``--save``), writes ``summary.json`` (``"stopped_by_signal"``) and exits 0, as the
+megatron-core entry point does. A fresh run into an ``--output-dir`` (or ``--save``) that already holds a run is refused
 before anything is built: resume it with ``--load``, or pass ``--overwrite-run`` to start over. So is one into a
 directory another run is writing (the run holds its directories until its process ends). Each run has an id
 (``run_id.txt`` in ``--output-dir`` and in each checkpoint it saves): a resume into an ``--output-dir`` holding
@@ -246,6 +248,13 @@ def main(argv=None, study=None) -> int:
     out of the DeepSpeed config (e.g. ``mech.fault``), so that the product sees its own config only, and returns the
     hook extensions to register (``ValueError`` naming the flag or key for bad input)."""
     args = parse_args(argv, study.add_flags if study is not None else None)
+    from megatron_mech.adapters.path_packages import DEEPSPEED_LAUNCHER, missing_packages
+
+    missing = missing_packages(DEEPSPEED_LAUNCHER)  # all of them at once, before any import of DeepSpeed
+    if missing:
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank stops; one line says why
+            sys.stderr.write(f"deepspeed_train: error: {missing}\n")
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         config = build_config(args)
@@ -263,8 +272,10 @@ def main(argv=None, study=None) -> int:
     from megatron_mech.adapters.deepspeed.engine import DeepSpeedMech, load_checkpoint, save_checkpoint
     from megatron_mech.adapters.deepspeed.models import moe_aux_loss
     from megatron_mech.adapters.deepspeed.mols_backend import param_groups
+    from megatron_mech.adapters.megatron_core.stop_signals import StopOnSignal
     from megatron_mech.hook import Action
 
+    stop_signal = StopOnSignal().install()  # SIGTERM/SIGINT: finish the step, save, write the summary, exit
     if not torch.cuda.is_available():
         from megatron_mech.adapters.deepspeed.cpu import single_process_env, skip_shm_comm_build
 
@@ -291,6 +302,8 @@ def main(argv=None, study=None) -> int:
     # validates the "mech" section before any training step
     mech = DeepSpeedMech.from_engine(engine, train_steps=args.steps, lr_warmup_steps=args.warmup or None,
                                      extensions=extensions)
+    # once a stop is asked for, a save waits at most STOP_WAIT_SECONDS for the monitors' evaluation in flight
+    mech.hook.stop_requested = lambda: stop_signal.received is not None
     if args.load:
         try:
             load_checkpoint(engine, mech, args.load, trust_checkpoint=args.trust_checkpoint)
@@ -319,6 +332,11 @@ def main(argv=None, study=None) -> int:
         if rank == 0 and (mech.is_evaluation_step(engine.global_steps) or step == args.steps - 1):
             logger.info("step %d loss %.4f lr %.3g (%.3f s/step)", engine.global_steps, float(out.loss.detach()),
                         engine.get_lr()[0], step_seconds[-1])
+        if stop_signal.agreed():  # one tiny all-reduce: every rank stops after the same step
+            if rank == 0:
+                logger.info("%s received: stopping cleanly after step %d", stop_signal.stopped_by,
+                            engine.global_steps)
+            break
     if args.save:
         save_checkpoint(engine, mech, args.save, run_id=run_id)
     mech.close()  # reads back the last values: their records and alerts belong in the summary
@@ -332,7 +350,8 @@ def main(argv=None, study=None) -> int:
                "detectors": mech.hook.arming(),  # the armed-from step, and whether the run got there
                # the first alert's diagnosis, or whether a run without alerts was armed at all
                **verdict_fields(mech.hook.alerts, mech.hook.arming()),
-               "records_lost_steps": mech.hook.lost_record_steps, "async_evaluation": mech.hook.async_report()}
+               "records_lost_steps": mech.hook.lost_record_steps, "async_evaluation": mech.hook.async_report(),
+               "final_step": engine.global_steps, "stopped_by_signal": stop_signal.stopped_by}
     incomplete = None
     if rank == 0:
         from megatron_mech.records.run_directory import SUMMARY, records_incomplete, write_summary
@@ -346,6 +365,7 @@ def main(argv=None, study=None) -> int:
             sys.stderr.write(f"deepspeed_train: {incomplete}\n")
     dist.barrier()
     dist.destroy_process_group()
+    stop_signal.uninstall()
     from megatron_mech.records.run_directory import RECORDS_INCOMPLETE_EXIT, release_run_directories
 
     release_run_directories()  # the claim ends with the run, also when the process calling main() goes on

@@ -24,17 +24,13 @@ def refuse_study_flags(argv) -> None:
     ``--mech-record-routing``), before anything is built; any other unknown flag is left to the entry point's own
     error. The studies are imported only then, to read their flags."""
     _, unknown = build_parser().parse_known_args(argv)
-    names = [arg.split("=", 1)[0] for arg in unknown if arg.startswith("--")]
-    if not names:
+    if not any(arg.startswith("--") for arg in unknown):
         return
-    from megatron_mech.studies.pretrain_gpt_fault import ENTRY_MODULE, study_flags
+    from megatron_mech.studies.pretrain_gpt_fault import study_flag_refusal
 
-    offered = study_flags()
-    found = [name for name in names if name in offered]
-    if found:
-        print(f"pretrain_gpt_mech.py: error: {found[0]} is a flag of the fault studies, not of the product's entry "
-              f"point; inject faults with the studies' launcher: torchrun --nproc_per_node=N -m {ENTRY_MODULE} "
-              "<the same flags>", file=sys.stderr)
+    refusal = study_flag_refusal(unknown, "the product's entry point")
+    if refusal:
+        print(f"pretrain_gpt_mech.py: error: {refusal}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from megatron_mech.model_view import ModelView
 
 __all__ = ["POLL_SECONDS", "STOP_WAIT_SECONDS", "EvaluationWorker", "WorkerFailure", "WorkerGroups",
-           "agreement_group", "worker_groups"]
+           "agreement_group", "destroy_groups", "worker_groups"]
 
 logger = logging.getLogger("megatron_mech")
 
@@ -58,10 +58,12 @@ _NONE_WHEN_NONE = ("dp_group", "expert_group", "expert_dp_group", "pp_group")
 class WorkerGroups:
     """The worker's duplicates: ``view`` (the model view with every group replaced by its duplicate) and
     ``world`` (the duplicate of the whole world, for what the monitors and the hook reduce over every rank;
-    ``None`` without torch.distributed)."""
+    ``None`` without torch.distributed); ``owned``: every group created here that this rank belongs to, for
+    :func:`destroy_groups` at the end of the run."""
 
     view: ModelView
     world: Any
+    owned: tuple = ()
 
 
 def _ranks(group) -> tuple:
@@ -90,7 +92,22 @@ def worker_groups(view: ModelView, timeout_s: float) -> WorkerGroups:
     created = {ranks: dist.new_group(list(ranks), timeout=timeout, backend="gloo") for ranks in distinct}
     duplicates = {name: (created[ranks] if ranks is not None else None) for name, ranks in mine.items()}
     world = duplicates.pop("world")
-    return WorkerGroups(replace(view, world_group=world, **duplicates), world)
+    owned = tuple(g for g in created.values() if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER)
+    return WorkerGroups(replace(view, world_group=world, **duplicates), world, owned)
+
+
+def destroy_groups(groups) -> None:
+    """Destroy process groups this package created (local, no collective), so that none is left to the
+    interpreter's exit: a gloo group still alive then can abort the process. Its worker thread may still be
+    releasing the last collective's tensors when Python finalizes, and taking the GIL there ends in
+    ``terminate called without an active exception``. Groups torch.distributed no longer knows are skipped."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    from torch.distributed.distributed_c10d import _world
+
+    for group in groups:
+        if group is not None and group in _world.pg_map:
+            dist.destroy_process_group(group)
 
 
 def agreement_group(timeout_s: float):

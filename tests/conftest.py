@@ -24,3 +24,28 @@ def installed_package(tmp_path_factory):
     from installed_package import build_and_install
 
     return build_and_install(tmp_path_factory.mktemp("installed_package"))
+
+
+@pytest.fixture(scope="session")
+def built_package(tmp_path_factory):
+    """This checkout as sdist → wheel (once per session): ``(sdist, wheel)``."""
+    from installed_package import build
+
+    return build(tmp_path_factory.mktemp("built_package"))
+
+
+@pytest.fixture(scope="session")
+def path_install(built_package, tmp_path_factory):
+    """``path_install(extras)``: the wheel with ``extras`` (``"deepspeed,corpus"``) in a fresh environment of its own,
+    the pinned torch first (tests/installed_package.py ``install_path``); built once per extras and session."""
+    from installed_package import install_path
+
+    made = {}
+
+    def install(extras: str):
+        if extras not in made:
+            made[extras] = install_path(*built_package, tmp_path_factory.mktemp(f"path_{extras.replace(',', '_')}"),
+                                        extras)
+        return made[extras]
+
+    return install

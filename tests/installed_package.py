@@ -2,10 +2,15 @@
 environment outside the checkout, for the tests that run the installed ``megatron-mech``.
 
 The build calls the PEP 517 hooks of the backend ``pyproject.toml`` names, in this environment (no build
-isolation: nothing is downloaded). The fresh environment gets the wheel alone (``pip install --no-deps``); the
-dependencies are this environment's site-packages, reached through a ``.pth`` path entry — which adds the
-directories but runs none of their ``.pth`` files, so an editable install of the checkout there stays out of
-sight and ``megatron_mech`` can only come from the wheel.
+isolation: nothing is downloaded). :func:`build_and_install`'s environment gets the wheel alone (``pip install
+--no-deps``); the dependencies are this environment's site-packages, reached through a ``.pth`` path entry — which
+adds the directories but runs none of their ``.pth`` files, so an editable install of the checkout there stays out
+of sight and ``megatron_mech`` can only come from the wheel.
+
+:func:`install_path` is a user's install of one path instead: a fresh environment that gets the pinned CPU torch
+first, then the wheel with the path's extras, resolved by pip from the package indexes, exactly as README's install
+table says — so a package the extra forgets is missing there, as it would be for a user; ``pip check`` must then
+find every installed package's requirements met.
 """
 from __future__ import annotations
 
@@ -80,7 +85,8 @@ def _hook(source: Path, name: str, out: Path) -> Path:
     return out / done.stdout.strip().splitlines()[-1]
 
 
-def build_and_install(workdir: Path) -> Installed:
+def build(workdir: Path) -> tuple:
+    """The sdist and the wheel built from it, under ``workdir``."""
     source = workdir / "checkout"
     shutil.copytree(REPO_ROOT, source, ignore=_ignored)
     dist = workdir / "dist"
@@ -90,7 +96,11 @@ def build_and_install(workdir: Path) -> Installed:
         tar.extractall(workdir / "unpacked", filter="data")
     [unpacked] = (workdir / "unpacked").iterdir()
     wheel = _hook(unpacked, "build_wheel", dist)  # from the sdist, as pip and `python -m build` do
+    return sdist, wheel
 
+
+def build_and_install(workdir: Path) -> Installed:
+    sdist, wheel = build(workdir)
     venv = workdir / "venv"
     python = venv / "bin" / "python"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
@@ -103,4 +113,30 @@ def build_and_install(workdir: Path) -> Installed:
                              capture_output=True, text=True, check=True).stdout.strip()
     own = [p for p in site.getsitepackages() if Path(p).is_dir()]
     (Path(purelib) / "dependencies_of_the_test_environment.pth").write_text("\n".join(own) + "\n")
+    return Installed(sdist, wheel, venv)
+
+
+# The torch the dev/CI set-up pins (scripts/setup.sh), installed first as the README asks users to bring theirs.
+TORCH = "torch==2.13.0"
+def _pip(python: Path, *args: str, cwd: Path, env: Optional[Dict[str, str]] = None) -> None:
+    done = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q",
+                           "--disable-pip-version-check", *args], capture_output=True, text=True, timeout=1800,
+                          cwd=cwd, env=env)
+    assert done.returncode == 0, f"pip install {' '.join(args)} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+
+
+def install_path(sdist: Path, wheel: Path, workdir: Path, extras: str) -> Installed:
+    """A fresh virtual environment in ``workdir`` holding :data:`TORCH`, then ``wheel[extras]`` with the dependencies
+    pip resolves for it: one path's install, nothing of this environment. ``pip check`` passes on it (no package
+    installed without what it requires)."""
+    venv = workdir / "venv"
+    python = venv / "bin" / "python"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["DS_BUILD_OPS"] = "0"  # DeepSpeed installs as pure Python on a machine without CUDA (docs/guides/deepspeed.md)
+    _pip(python, TORCH, cwd=workdir, env=env)
+    _pip(python, f"{wheel}[{extras}]", cwd=workdir, env=env)
+    check = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "check"], capture_output=True,
+                           text=True, timeout=300, cwd=workdir, env=env)
+    assert check.returncode == 0, f"pip check after installing [{extras}]:\n{check.stdout[-3000:]}{check.stderr[-3000:]}"
     return Installed(sdist, wheel, venv)

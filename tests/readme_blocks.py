@@ -12,12 +12,17 @@ from typing import Dict, Optional
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+def marked_block(page: str, marker: str) -> str:
+    """The text of the ``bash`` block right after ``<!-- marker -->`` in ``page`` (a path from the checkout's root)."""
+    text = (REPO_ROOT / page).read_text(encoding="utf-8")
+    match = re.search(rf"<!-- {re.escape(marker)} -->\n```bash\n(.*?)```", text, flags=re.S)
+    assert match, f"{page} has no ```bash block after <!-- {marker} -->"
+    return match.group(1)
+
+
 def quickstart(name: str) -> str:
     """The text of the ``bash`` block marked ``<!-- quickstart:name -->`` in README.md."""
-    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
-    match = re.search(rf"<!-- quickstart:{re.escape(name)} -->\n```bash\n(.*?)```", readme, flags=re.S)
-    assert match, f"README.md has no ```bash block after <!-- quickstart:{name} -->"
-    return match.group(1)
+    return marked_block("README.md", f"quickstart:{name}")
 
 
 def with_torchrun(installed) -> None:
@@ -34,8 +39,14 @@ def with_torchrun(installed) -> None:
 def run_quickstart(name: str, installed, cwd: Path, extra_env: Optional[Dict[str, str]] = None,
                    timeout: float = 900) -> subprocess.CompletedProcess:
     """Run the quick start ``name`` verbatim; the finished process (its return code is the caller's to check)."""
+    return run_block(quickstart(name), installed, cwd, extra_env, timeout)
+
+
+def run_block(block: str, installed, cwd: Path, extra_env: Optional[Dict[str, str]] = None,
+              timeout: float = 900) -> subprocess.CompletedProcess:
+    """Run a documented ``bash`` block verbatim with the installed package, in ``cwd``."""
     with_torchrun(installed)
     env = installed.env({"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **(extra_env or {})})
     assert "PYTHONPATH" not in env and os.fspath(REPO_ROOT) not in env["PATH"]
-    return subprocess.run(["bash", "-e", "-c", quickstart(name)], cwd=cwd, env=env, capture_output=True, text=True,
+    return subprocess.run(["bash", "-e", "-c", block], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)

@@ -17,10 +17,11 @@ computed exactly while streaming.
   panel. Non-finite values (NaN/inf) are marked with an ``x`` at the bottom of their panel. With more than 4
   layers, the layers named by alerts are drawn bold and the others faded. The detector's view, from its default
   rules (:mod:`~megatron_mech.records.report_guides`): a dash-dot line at a rule's absolute alert level (ΔW,
-  Δ2 panels); the baseline band, median ± threshold × scale of a series' frozen baseline from the step it froze,
-  for the alerting series of a panel (else for each series of a panel of at most four); the detectors' warm-up
-  shaded from step 0 to the armed-from step (the run's ``summary.json`` when present, else derived from the rules
-  and the log's interval; the legend says which).
+  Δ2 panels), its legend naming the series it covers; the baseline band, median ± threshold × scale of a series'
+  frozen baseline from the step it froze, outlined (overlapping bands stay readable), for the alerting series of a
+  panel (else for each series of a panel of at most four); the detectors' warm-up shaded from step 0 to the
+  armed-from step (the run's ``summary.json`` when present, else derived from the rules and the log's interval;
+  the legend says which), or to the run's last step when it ends before (the x axis is the run's steps).
 * :func:`summarize_run` — markdown: steps covered, final loss, alert counts, first alert per family with its
   attribution (:meth:`Alert.describe`) and its lead over the first symptom alert.
 * ``megatron-mech report RUN_DIR [--out PNG] [--metrics GLOB ...]`` (:func:`add_report_arguments` /
@@ -303,6 +304,15 @@ def _layer_colors(layers: Sequence[int]):
 GUIDE_COLOR = "#1f77b4"  # alert levels (blue: not a layer colour, not an alert family's)
 
 
+def _matched_series(pattern: str, panel: _Panel) -> str:
+    """The series a rule's glob ``pattern`` covers in ``panel``, by their last name part (``dwq_entropy, dwk_entropy``
+    for ``attn/*/dw?_entropy``): a legend names series, not globs."""
+    import fnmatch
+
+    names = dict.fromkeys(n.split("/")[-1] for n in [ln.name for ln in panel.lines] if fnmatch.fnmatchcase(n, pattern))
+    return ", ".join(names) if names else pattern.split("/")[-1]
+
+
 def _draw_guides(ax, panel: _Panel, reduction: RunReduction, alerts: Sequence[Alert], colors: Mapping[int, Any],
                  arming: Arming | None) -> list:
     """The detector's view in one panel (:mod:`~megatron_mech.records.report_guides`): the rules' alert levels,
@@ -314,25 +324,28 @@ def _draw_guides(ax, panel: _Panel, reduction: RunReduction, alerts: Sequence[Al
     # The y range is the series' own, widened to the edges that can alert (the bad side of a band, a level), not
     # to the harmless side of a band (a grad-norm band would reach far below zero).
     y0, y1 = ylo, yhi = ax.get_ylim()
-    if arming is not None:
-        ax.axvspan(0, arming.step, color="0.6", alpha=0.15, lw=0, zorder=0.2, gid="warmup")
     last = reduction.last_step
+    if arming is not None:  # up to the run's end at most: an unreached arming step must not stretch the x axis
+        end = arming.step if last is None else min(arming.step, last)
+        ax.axvspan(0, end, color="0.6", alpha=0.15, lw=0, zorder=0.2, gid="warmup")
     for baseline in panel_bands(panel.names, [ln.name for ln in panel.lines], alerts, reduction):
         if last is None or last < baseline.frozen_step:
             continue
         lo, hi = baseline.band
         color = colors.get(layer_of(baseline.metric), "0.4")
-        ax.fill_between([baseline.frozen_step, last], [lo, lo], [hi, hi], color=color, alpha=0.13, lw=0,
-                        zorder=1, gid=f"band:{baseline.metric}")
+        # outlined, not filled: the bands of several series overlap, and translucent fills stack into dark blocks
+        ax.fill_between([baseline.frozen_step, last], [lo, lo], [hi, hi], facecolor="none", edgecolor=color,
+                        lw=0.9, ls=(0, (3, 2)), zorder=1, gid=f"band:{baseline.metric}")
         series = baseline.metric.split("/", 1)[-1]
-        handles.append(Patch(color=color, alpha=0.3, label=f"band {series}: median ± {baseline.threshold:g}×scale"))
+        handles.append(Patch(facecolor="none", edgecolor=color, ls=(0, (3, 2)),
+                             label=f"band {series}: median ± {baseline.threshold:g}×scale"))
         ylo = min(ylo, lo) if baseline.direction != "up" else ylo
         yhi = max(yhi, hi) if baseline.direction != "down" else yhi
     for level, pattern in panel_levels(panel.names, reduction.registry):
         style = dict(color=GUIDE_COLOR, ls=(0, (4, 2, 1, 2)), lw=1.1)
         ax.axhline(level, zorder=1.5, gid=f"level:{pattern}", **style)
         # a legend proxy: the panel's own labelled lines are its series
-        handles.append(Line2D([], [], label=f"alert level {level:g} ({pattern.split('/')[-1]})", **style))
+        handles.append(Line2D([], [], label=f"alert level {level:g} ({_matched_series(pattern, panel)})", **style))
         ylo, yhi = min(ylo, level), max(yhi, level)
     if ax.get_yscale() == "log":
         ax.set_ylim(ylo if 0 < ylo < y0 else y0, max(yhi, y1))

@@ -340,7 +340,7 @@ def headline(title: str, first_ours, divergence, first_incumbent) -> str:
         return f"{title} missed"
     ahead = steps_ahead(first_ours, divergence, first_incumbent)
     if ahead is None:
-        return f"{title} caught at step {first_ours}, nothing else fired"
+        return f"{title} caught at step {first_ours}, before any counted alarm (the loss did not diverge)"
     if ahead > 0:
         return f"{title} caught first, {ahead} steps ahead"
     return f"{title} caught late, {-ahead} steps behind" if ahead < 0 else f"{title} caught in a tie"
@@ -365,8 +365,8 @@ def _incumbents_text(firings: dict, first, skipped: dict, first_ours, from_step:
     ours = f"our first {who} alert: {first_ours if first_ours else 'none'}"
     if skipped:
         ours += "; not counted, as they fired on the clean run too: " + ", ".join(
-            f"{rule} (here {firings[rule]}, clean run {step}" + (f", at {_steps(rings[rule])} from the onset)"
-                                                                  if rings else ")")
+            f"{rule} (here {firings[rule]}; on the clean run from the onset: first {step}"
+            + (f", at {_steps(rings[rule])})" if rings else ")")
             for rule, step in skipped.items())
     if first is None:
         return f"{ours}; no incumbent alarm fired{since} ({_fired_text(firings)})"
@@ -433,16 +433,10 @@ def demo_report(out, names, *, seed: int, steps: int, start: int, plots: bool = 
     heads = [score.headline(_fault_text(name, quick)[0]) for name, score in scores.items()]
     lines = [f"# megatron-mech demo (seed {seed}): " + ("; ".join(heads) if heads else "a clean run"), "",
              f"Runs of the small MoE GPT (seed {seed}, {steps} steps), identical except for one injected fault "
-             f"from step {start}. Loss divergence: the 20-step moving-average loss stays > {DIVERGENCE_MARGIN} "
-             f"nats above the clean run until the end. Incumbent alarms: Megatron-LM's spiky-loss check, OLMo-core's "
-             f"6σ loss and grad-norm spikes, ZClip's grad-norm z-score, llm-foundry's loss-spike callback, the "
-             f"QK-clip level on the max attention logit, a grad-norm level (megatron_mech.studies.incumbents), "
-             f"applied to each run's own {_series_text(runs)} from the fault's onset (an alarm that also fires on "
-             f"the clean run after the onset is named but not counted: it rings without the fault, and the "
-             f"monitors' own alerts are held to none on a clean run). Caught first: the fault's own monitor family "
-             f"(attention or router) alerted before the loss diverged and before every incumbent alarm; the steps "
-             f"ahead are counted to the nearest of them.", "",
-             f"- clean run: {len(clean['alerts'])} alerts (false alarms); incumbent alarms on it: "
+             f"from step {start}; the incumbent alarms read each run's own {_series_text(runs)}. An incumbent "
+             f"alarm that also rings on the clean run after the onset is named but not counted. How the runs are "
+             f"scored: docs/guides/entry-point.md, \"How the demo counts\".", "",
+             f"- clean run: {len(clean['alerts'])} alerts (false alarms); incumbent alarms on it, from step 1: "
              + ("none fired" if all(step is None for step in clean_firings.values()) else _fired_text(clean_firings))]
     lines += ["", "## Verdict", ""]
     lines += [f"- {_fault_text(name, quick)[0]}: {sc.verdict_line()}"

@@ -18,7 +18,7 @@ from megatron_mech.adapters.megatron_core.pretrain_gpt import main as train
 from megatron_mech.studies.injectors import FaultInjector
 from megatron_mech.studies.router_outcome import RoutingRecorder
 
-__all__ = ["ENTRY_MODULE", "EXTENSION_TYPES", "check_flags", "main", "study_flags"]
+__all__ = ["ENTRY_MODULE", "EXTENSION_TYPES", "check_flags", "main", "study_flag_refusal", "study_flags"]
 
 ENTRY_MODULE = "megatron_mech.studies.pretrain_gpt_fault"
 """What ``python -m`` runs for this entry point."""
@@ -39,6 +39,18 @@ def study_flags() -> Set[str]:
     for kind in EXTENSION_TYPES:
         kind.add_arguments(parser)
     return {flag for action in parser._actions for flag in action.option_strings}
+
+
+def study_flag_refusal(flags, refused_by: str) -> Optional[str]:
+    """One line refusing the first flag of ``flags`` (a command line's arguments) that belongs to this entry point and
+    not to the product's (``--mech-fault*``, ``--mech-record-routing``), naming this launcher; ``None`` when there is
+    none. ``refused_by``: what refuses it (the product's launcher, ``megatron-mech train``)."""
+    offered = study_flags()
+    found = [name for name in (arg.split("=", 1)[0] for arg in flags if arg.startswith("--")) if name in offered]
+    if not found:
+        return None
+    return (f"{found[0]} is a flag of the fault studies, not of {refused_by}; inject faults with the studies' "
+            f"launcher: torchrun --nproc_per_node=N -m {ENTRY_MODULE} <the same flags>")
 
 
 def main(argv=None) -> int:

@@ -86,3 +86,25 @@ def test_the_changelog_has_an_unreleased_section_and_an_entry_for_the_package_ve
     # Keep a Changelog's section kinds only
     kinds = set(re.findall(r"^### (.+)$", CHANGELOG, flags=re.MULTILINE))
     assert kinds <= {"Added", "Changed", "Deprecated", "Removed", "Fixed", "Security"}, kinds
+
+
+def test_transformers_is_bounded_to_the_releases_the_page_says_were_tested():
+    """The DeepSpeed row names the transformers releases the tests ran; the extras admit those and no release line
+    beyond them (an open range let a fresh install pull a release no test had run). This environment's transformers,
+    the one the DeepSpeed tests run, is one of them."""
+    from importlib import metadata
+
+    (row,) = [line for line in _section(PAGE, "Supported framework versions").splitlines()
+              if line.startswith("| DeepSpeed |")]
+    tested = re.findall(r"(\d+\.\d+\.\d+)", row.split("|")[2].split("transformers", 1)[1])
+    assert tested, row
+    for extra in ("deepspeed", "lora"):
+        [declared] = [Requirement(r) for r in PYPROJECT["project"]["optional-dependencies"][extra]
+                      if Requirement(r).name == "transformers"]
+        assert any(s.operator in ("<", "<=", "==", "~=") for s in declared.specifier), (extra, str(declared))
+        assert all(declared.specifier.contains(v) for v in tested), (extra, str(declared), tested)
+        upper = [s for s in declared.specifier if s.operator == "<"]
+        newest = max(tested, key=lambda v: tuple(map(int, v.split("."))))
+        major, minor, _ = map(int, newest.split("."))
+        assert all(s.version == f"{major}.{minor + 1}" for s in upper), (extra, str(declared), tested)
+    assert metadata.version("transformers") in tested

@@ -56,7 +56,7 @@ def test_attention_act_reports_the_logit_crossings_and_the_incumbents(tmp_path):
     # holding both 1s and 30s).
     report = _demo(tmp_path, lambda s: 10.0 if s <= START else 10.0 + 5 * (s - START),
                    lambda s: 1.0 if s < 150 else 30.0)
-    assert _line(report, "- clean run:") == "- clean run: 0 alerts (false alarms); incumbent alarms on it: none fired"
+    assert _line(report, "- clean run:") == "- clean run: 0 alerts (false alarms); incumbent alarms on it, from step 1: none fired"
     assert _line(report, "- attention outcome") == (
         "- attention outcome (the max attention logit and the loss, measured apart from the monitors): max logit 10 "
         "before the fault → 510 at step 200; above the QK-clip level (100) from step 120; max-logit explosion "
@@ -132,7 +132,8 @@ def test_the_verdict_is_computed_from_the_steps(ours, divergence, incumbent, exp
     (295, 336, (320, "OLMo grad-norm spike"), "act caught first, 25 steps ahead"),
     (305, 299, (285, "OLMo grad-norm spike"), "act caught late, 20 steps behind"),
     (285, None, (285, "QK-clip"), "act caught in a tie"),
-    (120, None, None, "act caught at step 120, nothing else fired"),
+    # no counted rival: the title says so without claiming that nothing fired (an uncounted alarm may have)
+    (120, None, None, "act caught at step 120, before any counted alarm (the loss did not diverge)"),
     (None, 299, None, "act missed"),
 ])
 def test_the_headline_is_computed_from_the_steps(ours, divergence, incumbent, expected):
@@ -170,8 +171,8 @@ def test_an_incumbent_alarm_that_rings_on_the_clean_run_later_is_not_counted_eit
                lambda s: 30.0 if s == 130 else 1.0, [ATTENTION_ALERT], per_step_grad_norms=True)
     report = demo_report(tmp_path, ["clean", "attention"], seed=21, steps=STEPS, start=START, plots=False)
     line = _line(report, "- our first attention alert")
-    assert "grad norm > 20 (here 130, clean run 170, at 2 steps from the onset)" in line
-    assert "ZClip grad-norm z-score (here 130, clean run 170, at 2 steps from the onset)" in line
+    assert "grad norm > 20 (here 130; on the clean run from the onset: first 170, at 2 steps)" in line
+    assert "ZClip grad-norm z-score (here 130; on the clean run from the onset: first 170, at 2 steps)" in line
     assert report.splitlines()[0].endswith("attention-precision fault caught first, 50 steps ahead")
 
 
@@ -210,7 +211,7 @@ def test_an_incumbent_alarm_that_rings_as_early_on_the_clean_run_is_not_counted(
     line = _line(report, "- our first attention alert")
     assert "not counted, as they fired on the clean run too: " in line
     # the level rule fires on each of the clean run's records from 150 to 200 (the grad norm read at the records)
-    assert "grad norm > 20 (here 150, clean run 150, at 11 steps from the onset)" in line
+    assert "grad norm > 20 (here 150; on the clean run from the onset: first 150, at 11 steps)" in line
     assert line.endswith("— ours 50 steps before the first of them")  # the QK-clip level at 160
     assert _line(report, "- attention-precision fault:").endswith(
         "50 steps before the first incumbent alarm (max logit > 100 (QK-clip))")

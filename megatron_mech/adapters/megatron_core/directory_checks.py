@@ -73,10 +73,12 @@ class RunDirectoryPlan:
     run_id: Optional[str] = None
 
 
-def check_run_directories(args, rank: int = 0, claim: bool = False) -> RunDirectoryPlan:
+def check_run_directories(args, rank: int = 0, claim: bool = False, *, overwrite_flag: str = "--overwrite-run",
+                          other_dir_flags: str = "--save/--mech-output-dir") -> RunDirectoryPlan:
     """Apply the module's rules to parsed entry-point flags; raise ``ValueError`` naming the flag. ``claim``: hold
     ``--save`` and the output directory for this process's run (the entry point's rank 0; a check made only to
-    report, like ``megatron-mech train``'s before it launches, must not hold them)."""
+    report, like ``megatron-mech train``'s before it launches, must not hold them). ``overwrite_flag`` and
+    ``other_dir_flags``: how the command that checks spells starting over and choosing another directory."""
     output_dir = args.mech_output_dir or args.save or DEFAULT_OUTPUT_DIR
     output_flag = ("--mech-output-dir" if args.mech_output_dir else "--save" if args.save
                    else f"--mech-output-dir (default {DEFAULT_OUTPUT_DIR})")
@@ -101,7 +103,7 @@ def check_run_directories(args, rank: int = 0, claim: bool = False) -> RunDirect
     _refuse_symlinks(output_dir, args.save, checkpoint_step)
     if not resume and not overwrite:
         refuse_mixing_runs(output_dir, previous_run(output_dir, [Path(args.save) / TRACKER] if args.save else []),
-                           load=args.load, other_dir_flags="--save/--mech-output-dir")
+                           load=args.load, other_dir_flags=other_dir_flags, overwrite_flag=overwrite_flag)
     run_id = _resumed_run_id(args.load, checkpoint_step, output_dir, output_flag) if resume else None
     return RunDirectoryPlan(output_dir=output_dir, resume=resume, overwrite=overwrite and not resume,
                             warning=warning, checkpoint_step=checkpoint_step, run_id=run_id)

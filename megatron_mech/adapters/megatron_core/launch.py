@@ -39,6 +39,11 @@ def check_training_flags(cmd: List[str], nproc: int,
 
     parser = build_parser()
     parser.prog = "pretrain_gpt"
+
+    def refuse(message: str):  # one line, not argparse's usage of every flag before it
+        raise ValueError(message)
+
+    parser.error = refuse
     for kind in extension_types:
         kind.add_arguments(parser)
     try:

@@ -404,6 +404,17 @@ def build_training(args, runtime: Runtime, config: MechConfig, run_id: Optional[
                     sum(p.numel() for p in model.parameters()), tokenizer.vocab_size, run_id)
 
 
+def _alert_count(alerts) -> str:
+    """The run's alerts as the console showed them: ``[mech] ALERT`` lines (one per layer and family at a step,
+    :func:`~megatron_mech.core.attribution.alert_lines`), and the alerting series behind them."""
+    from megatron_mech.core.attribution import alert_lines
+
+    steps = sorted({a.step for a in alerts})
+    lines = sum(len(alert_lines([a for a in alerts if a.step == step])) for step in steps)
+    return (f"{lines} ALERT line{'s' if lines != 1 else ''} ({len(alerts)} alerting series)" if alerts
+            else "no alerts")
+
+
 def train(args, t: Training, runtime: Runtime, stop_signal: StopOnSignal) -> dict:
     """The training loop; its only calls into megatron-mech are the hook's lifecycle methods."""
     tokens_per_step = args.global_batch_size * args.seq_length
@@ -504,7 +515,7 @@ def finish(args, t: Training, runtime: Runtime, run: dict, output_dir: str) -> b
                    "async_evaluation": hook.async_report()}
         summary_written = write_summary(Path(output_dir) / "summary.json", summary)
         logger.info(f"[train] done: {final_step} steps in {elapsed:.0f}s, monitors {hook.evaluation_seconds:.1f}s "
-                    f"({100 * hook.evaluation_seconds / max(elapsed, 1e-9):.1f}%), {len(hook.alerts)} alerts; "
+                    f"({100 * hook.evaluation_seconds / max(elapsed, 1e-9):.1f}%), {_alert_count(hook.alerts)}; "
                     f"output in {output_dir}")
         incomplete = records_incomplete(hook.lost_record_steps, summary_written, hook.async_report()["failure"])
         if incomplete:

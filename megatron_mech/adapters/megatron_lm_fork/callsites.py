@@ -60,6 +60,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -222,7 +224,34 @@ def on_start() -> List[str]:
     RUN.started = True
     if applied:
         logger.info("megatron-mech: applied %s", ", ".join(applied))
+    early = _early_line(sys.argv[1:])
+    if early and os.environ.get("RANK", "0") == "0":
+        print(early, file=sys.stderr, flush=True)
     return applied
+
+
+def _early_line(argv: List[str]) -> Optional[str]:
+    """The line a run prints before Megatron's argument dump (hundreds of lines), so a user sees at once that the
+    monitors are in: the interval and where the records go, read from the command line with the ``--mech-*``
+    flags' own declaration. ``None`` when the flags do not parse (Megatron's parser then says why)."""
+    import argparse
+
+    from megatron_mech.adapters.megatron_core.flags import add_arguments
+    from megatron_mech.config import DEFAULT_OUTPUT_DIR
+
+    class _Quiet(argparse.ArgumentParser):
+        def error(self, message):
+            raise ValueError(message)
+
+    parser = add_arguments(_Quiet(add_help=False, allow_abbrev=False))
+    parser.add_argument("--save", default=None)
+    try:
+        flags, _ = parser.parse_known_args(argv)
+    except ValueError:
+        return None
+    records = os.path.join(flags.mech_output_dir or flags.save or DEFAULT_OUTPUT_DIR, "mech.jsonl")
+    return (f"[mech] megatron-mech is on: monitors every {flags.mech_interval} steps, records in {records}; the "
+            f"monitors' start line (layers, the step the detectors are armed from) comes at the first step")
 
 
 def extra_args_provider(other=None):

@@ -205,6 +205,11 @@ def test_train_into_a_directory_holding_a_run_exits_2_before_launching(tmp_path)
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     assert f"{tmp_path / 'run'} already holds a run" in out.stderr and "--overwrite-run" in out.stderr
     assert "torch.distributed.run" not in out.stdout
+    # the way out it names is one this command takes: the entry point's flag after '--', and train's own --out
+    assert "pass -- --overwrite-run (after the train options" in out.stderr and "another --out" in out.stderr
+    out = cli("train", "--nproc", "1", "--steps", "10", "--out", str(tmp_path / "run"), "--", "--overwrite-run",
+              "--train-iters", "0")
+    assert "already holds a run" not in out.stderr, out.stderr[-2000:]
 
 
 @pytest.mark.slow
@@ -236,3 +241,22 @@ def test_misspelt_mech_flag_gets_the_closest_name(tmp_path):
         assert "unrecognized arguments: " in out.stderr and "did you mean --mech-interval?" in out.stderr, \
             out.stderr[-2000:]
         assert "torch.distributed.run" not in out.stdout
+        # one line: the entry point's usage (some 80 lines of flags) stays out of it
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr[-2000:]
+
+
+def test_a_misspelt_train_option_gets_the_closest_one_and_trains_usage():
+    out = cli("train", "--stpes", "20")
+    assert out.returncode == 2 and "--stpes: did you mean --steps?" in out.stderr, out.stderr[-2000:]
+    assert out.stderr.startswith("usage: megatron-mech train"), out.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_a_study_flag_through_train_names_the_studies_launcher(tmp_path):
+    out = cli("train", "--nproc", "1", "--steps", "10", "--out", str(tmp_path / "run"), "--", "--mech-fault",
+              "attention")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines() == [
+        "megatron-mech train: error: --mech-fault is a flag of the fault studies, not of megatron-mech train; inject "
+        "faults with the studies' launcher: torchrun --nproc_per_node=N -m megatron_mech.studies.pretrain_gpt_fault "
+        "<the same flags>"], out.stderr[-2000:]

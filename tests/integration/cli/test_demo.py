@@ -1,7 +1,7 @@
 """The README's quick start of our entry point (``<!-- quickstart:entry-point -->``: ``megatron-mech demo --quick``,
 the CI smoke version of the demo, then a 20-step ``megatron-mech train``), run verbatim by the command installed
-from the wheel (tests/installed_package.py) in a directory outside the checkout — so it also proves that both need
-nothing but the installed package and its dependencies."""
+from the wheel with the ``megatron`` extra and the corpus packages in a fresh environment (tests/installed_package.py
+``install_path``) in a directory outside the checkout — so it also proves that both need nothing but that install."""
 import json
 import subprocess
 
@@ -13,7 +13,8 @@ from readme_blocks import quickstart, run_quickstart
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(1200)
-def test_entry_point_quickstart_demo_and_train(installed_package, tmp_path):
+def test_entry_point_quickstart_demo_and_train(path_install, tmp_path):
+    installed_package = path_install("megatron")
     block = quickstart("entry-point")
     assert "megatron-mech demo --quick" in block and "megatron-mech train" in block
     out = run_quickstart("entry-point", installed_package, tmp_path, timeout=1100)

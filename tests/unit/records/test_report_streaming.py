@@ -422,3 +422,40 @@ def test_a_bad_summary_json_is_named_by_the_report(tmp_path, capsys):
     assert run_report(argparse.Namespace(run_dir=str(run), out=None, metrics=None)) == 2
     err = capsys.readouterr().err
     assert str(run / "summary.json") in err and "detectors.armed_from_step" in err
+
+
+def test_a_short_runs_plot_keeps_to_its_steps_names_series_and_does_not_stack_bands():
+    """A 20-step run (records every 5 steps; the detectors would arm far later): the x axis ends at the run's last
+    step, not at the unreached armed-from step; the level line's legend names the series it covers, never the
+    rule's glob; a band is an outline, so the bands of several series overlap without darkening each other."""
+    from matplotlib.colors import to_rgba
+
+    from megatron_mech.records.report import build_figure
+
+    records = []
+    for step in (5, 10, 15, 20):
+        metrics = {f"attn/layer{layer}/dw{m}_entropy": 0.6 + 0.01 * layer for layer in range(2) for m in "qkv"}
+        records.append(make_record(step, {"loss": 5.0 - 0.01 * step}, metrics, []))
+    fig, panels = build_figure(records)
+    for ax in panels.values():
+        assert ax.get_xlim()[1] < 22, ax.get_xlim()  # matplotlib's margin past step 20, no more
+        assert span_x(guides(ax)["warmup"])[1] == 20
+    labels = [t.get_text() for t in panels["attn_dw"].get_legend().get_texts()]
+    [level] = [t for t in labels if t.startswith("alert level")]
+    assert level.startswith("alert level 0.02 (") and level.endswith(")"), labels
+    assert sorted(level[len("alert level 0.02 ("):-1].split(", ")) == ["dwk_entropy", "dwq_entropy", "dwv_entropy"]
+    assert not any(c in t for t in labels for c in "*?["), labels
+
+    rng = random.Random(1)  # a run long enough for baselines, with an alert on two overlapping series
+    long = []
+    for i in range(120):
+        step = (i + 1) * 5
+        metrics = {f"attn/layer1/head{h}/delta2_entropy": 0.5 + rng.gauss(0, 0.01) for h in range(2)}
+        alerts = ([Alert(f"attn/layer1/head{h}/delta2_entropy", "attention", step, 0.1, 0.5, 9.0,
+                         {"layer": 1, "head": h}) for h in range(2)] if i == 110 else [])
+        long.append(make_record(step, {"loss": 3.0 + rng.gauss(0, 0.01)}, metrics, alerts))
+    fig, panels = build_figure(long)
+    bands = [a for gid, a in guides(panels["attn_delta2"]).items() if gid.startswith("band:")]
+    assert len(bands) == 2
+    for band in bands:
+        assert all(to_rgba(face)[3] == 0 for face in band.get_facecolor()), band.get_facecolor()
