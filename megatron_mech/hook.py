@@ -102,8 +102,13 @@ from typing import Any, Callable, Iterable, List, Optional
 
 import torch
 
-from megatron_mech.async_evaluation import (EvaluationWorker, WorkerFailure, agreement_group, destroy_groups,
-                                            worker_groups)
+from megatron_mech.async_evaluation import (
+    EvaluationWorker,
+    WorkerFailure,
+    agreement_group,
+    destroy_groups,
+    worker_groups,
+)
 from megatron_mech.config import DEFAULT_OUTPUT_DIR, MechConfig
 from megatron_mech.core.attribution import alert_lines
 from megatron_mech.core.detect import Alert, DetectorRegistry
