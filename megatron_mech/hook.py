@@ -348,6 +348,7 @@ class MechHook:
             with naming_damaged_state(self._pending_source):
                 self._load_monitor_state(self._pending_state)
             self._pending_state = None
+        self._refresh_weights()
         for monitor in self.monitors:
             monitor.start(start_step)  # e.g. the snapshot of the weights the first interval starts from
         if self.asynchronous:
@@ -443,12 +444,20 @@ class MechHook:
         here. Nothing after the worker failed (the monitors are off)."""
         if self._async_failure is not None:
             return []
+        self._refresh_weights()
         taken = []
         for monitor in self.monitors:
             with self.timed(monitor.name):
                 taken.append(monitor.snapshot(step) if monitor.evaluates_from_snapshot
                              else _Observed(monitor.observe(step)))
         return taken
+
+    def _refresh_weights(self) -> None:
+        """Bring the weights the monitors copy up to date (the view's ``refresh_weights``: e.g. the optimizer's
+        sharded float32 master weights gathered; collective, at the same steps on every rank), when any runs."""
+        if self.monitors and self._view.refresh_weights is not None:
+            with self.timed("master_weights"):
+                self._view.refresh_weights()
 
     def _judge_function(self, step: int, snapshots: list, loss: float, grad_norm: Optional[float]) -> Callable:
         """The evaluation of ``step`` from its snapshots, as one call (run inline, or on the worker): the monitors'
@@ -891,7 +900,9 @@ class MechHook:
                       f"{_describe_levels(levels)}" if levels else "")
         level_part += "".join(f"; layer trend armed from step {step}: {_describe_trend(rule)}"
                               for rule, step in self.armed_trend_rules())
-        return (f"[mech] monitors on: {', '.join(parts) or 'none (loss and grad norm only)'}, every "
+        said = self._view.weights if self._view is not None else ""
+        reading = f" reading {said}" if parts and said else ""
+        return (f"[mech] monitors on: {', '.join(parts) or 'none (loss and grad norm only)'}{reading}, every "
                 f"{_count(self.config.monitors.interval, 'step')}; detectors armed from step "
                 f"{self.armed_from_step} (warm-up "
                 f"{first.warmup} + baseline {first.baseline} + persistence {first.persistence} evaluations)"
