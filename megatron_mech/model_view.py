@@ -15,7 +15,18 @@ import torch
 
 from megatron_mech.monitors.attention import AttentionLayer
 
-__all__ = ["ModelView", "RouterView"]
+__all__ = ["MASTER_WEIGHTS", "ModelView", "RouterView", "model_weights_words"]
+
+MASTER_WEIGHTS = "the optimizer's float32 master weights"
+"""The start line's words for the weights read with ``--mech-weights master`` where the optimizer keeps them."""
+
+
+def model_weights_words(dtypes) -> str:
+    """The start line's words for the model's own weights of ``dtypes``: 16-bit ones are the optimizer's rounded
+    copies; 32- or 64-bit ones are what the optimizer updates (the master weights themselves)."""
+    names = sorted({str(dtype).replace("torch.", "") for dtype in dtypes}) or ["float32"]
+    own = "" if any(torch.finfo(dtype).bits <= 16 for dtype in dtypes) else " (the optimizer's own)"
+    return f"the model's {'/'.join(names)} weights{own}"
 
 
 @dataclass

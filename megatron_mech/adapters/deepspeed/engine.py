@@ -40,14 +40,14 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_mech.adapters.deepspeed.attention import find_hf_attention
+from megatron_mech.adapters.deepspeed.attention import find_hf_attention, master_weight_reader
 from megatron_mech.adapters.deepspeed.ds_config_section import DeepSpeedOptions, parse_section, read_section
 from megatron_mech.adapters.deepspeed.mols_backend import DeepSpeedMoLS
 from megatron_mech.adapters.deepspeed.router_capture import find_gates, gate_capture, token_group_of
 from megatron_mech.adapters.deepspeed.safe_load import weights_only_loads
 from megatron_mech.config import MechConfig
 from megatron_mech.hook import Action, Extension, MechHook
-from megatron_mech.model_view import ModelView, RouterView
+from megatron_mech.model_view import MASTER_WEIGHTS, ModelView, RouterView, model_weights_words
 from megatron_mech.records.run_directory import refuse_symlink, write_file_atomically, write_run_id
 
 __all__ = ["CLIENT_STATE_KEY", "TAG_PREFIX", "DeepSpeedMech", "load_checkpoint", "save_checkpoint"]
@@ -94,7 +94,14 @@ class DeepSpeedMech:
         self._engine_monitor = monitor if use_monitor else None  # also gets the records (logging rank)
         for extension in self.hook.extensions:  # e.g. the studies' emulated attention, told the step by the hook
             extension.prepare_model(model)
+        # the optimizer's float32 master weights (bf16/fp16 training) or the module's (None): see read_weights
+        self.read_master = master_weight_reader(engine) if config.monitors.weights == "master" else None
+        for gate in self.gates if self.read_master is not None else ():
+            gate.use_master(self.read_master)
+        read = [p for a in self.attention_sources for p in a.params] + [g.param for g in self.gates]
         self.view = ModelView(
+            weights=(MASTER_WEIGHTS if self.read_master is not None
+                     else model_weights_words({p.dtype for p in read})),
             attention_layers=[a.spec() for a in self.attention_sources],
             routers=[RouterView(g.layer, g.weight, g.topk, gate_capture(g)) for g in self.gates],
             # dp_group: every rank of the (sequence-)data-parallel group holds the same dense weights (ZeRO 0-2
@@ -143,7 +150,7 @@ class DeepSpeedMech:
         if self.hook.monitor("attention") is not None and self.is_evaluation_step(step):
             with self.hook.timed("attention"):
                 for source in self.attention_sources:
-                    source.refresh()
+                    source.refresh(self.read_master)
         if self.hook.monitor("router") is not None and self.is_evaluation_step(step):
             with self.hook.timed("router"):
                 for gate in self.gates:
@@ -163,7 +170,7 @@ class DeepSpeedMech:
 
     def _refresh_all(self) -> None:
         for source in self.attention_sources:
-            source.refresh()
+            source.refresh(self.read_master)
         for gate in self.gates:
             gate.refresh()
 

@@ -20,12 +20,10 @@ from typing import Optional
 
 import torch
 
-from megatron_mech.model_view import ModelView
+from megatron_mech.model_view import MASTER_WEIGHTS, ModelView, model_weights_words
 from megatron_mech.optim import leaf_optimizers
 
 __all__ = ["read_master_weights"]
-
-MASTER = "the optimizer's float32 master weights"
 
 
 def read_master_weights(view: ModelView, optimizer, setting: str) -> ModelView:
@@ -35,9 +33,7 @@ def read_master_weights(view: ModelView, optimizer, setting: str) -> ModelView:
     weights = view.monitored_weights()
     low_precision = [w for w in weights if w.dtype in (torch.bfloat16, torch.float16)]
     if setting == "model" or not low_precision:
-        dtypes = sorted({str(w.dtype).replace("torch.", "") for w in weights}) or ["float32"]
-        own = "" if low_precision else " (the optimizer's own)"
-        return view.reading(lambda w: w, f"the model's {'/'.join(dtypes)} weights{own}")
+        return view.reading(lambda w: w, model_weights_words({w.dtype for w in weights}))
     gathered = _ShardedMasters(optimizer, low_precision)
     whole = _whole_masters(optimizer)
 
@@ -53,7 +49,7 @@ def read_master_weights(view: ModelView, optimizer, setting: str) -> ModelView:
                              f"--mech-weights model")
         return copy
 
-    view = view.reading(read, MASTER, refresh=gathered.refresh if gathered.any else None)
+    view = view.reading(read, MASTER_WEIGHTS, refresh=gathered.refresh if gathered.any else None)
     if gathered.any:
         gathered.refresh()   # the weights as they are now (the monitors' first snapshot follows)
     return view

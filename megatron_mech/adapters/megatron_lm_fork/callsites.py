@@ -320,7 +320,10 @@ def on_setup(model, optimizer, opt_param_scheduler) -> None:
         RUN.restored = None
         if hook.mols is not None and opt_param_scheduler is not None:
             opt_param_scheduler.step(increment=0)  # the scheduler set lrs from max_lr before MoLS restored them
-    hook.setup(RUN.view, optimizer, start_step=start_step)
+    from megatron_mech.adapters.megatron_core.master_weights import read_master_weights
+
+    hook.setup(read_master_weights(RUN.view, optimizer, hook.config.monitors.weights), optimizer,
+               start_step=start_step)
 
 
 def on_train_start(model, optimizer, config, iteration: int) -> None:
