@@ -901,9 +901,9 @@ class MechHook:
         level_part += "".join(f"; layer trend armed from step {step}: {_describe_trend(rule)}"
                               for rule, step in self.armed_trend_rules())
         said = self._view.weights if self._view is not None else ""
-        reading = f" reading {said}" if parts and said else ""
-        return (f"[mech] monitors on: {', '.join(parts) or 'none (loss and grad norm only)'}{reading}, every "
-                f"{_count(self.config.monitors.interval, 'step')}; detectors armed from step "
+        reading = f", reading {said}" if parts and said else ""
+        return (f"[mech] monitors on: {', '.join(parts) or 'none (loss and grad norm only)'}, every "
+                f"{_count(self.config.monitors.interval, 'step')}{reading}; detectors armed from step "
                 f"{self.armed_from_step} (warm-up "
                 f"{first.warmup} + baseline {first.baseline} + persistence {first.persistence} evaluations)"
                 f"{level_part}")

@@ -277,8 +277,9 @@ mech.close()
 '''
 # the layer trend on the per-head Δ2 entropies: the rule's warm-up 30 + a window of 10 evaluations, every 2 steps
 LAYER_TREND = "attn/*/head*/delta2_entropy: a layer's median fall >= 1.5 log units over 10 evaluations"
-START_LINE = ("[mech] monitors on: 2 attention layers, every 2 steps; detectors armed from step 106 (warm-up 30 + "
-              f"baseline 20 + persistence 3 evaluations); layer trend armed from step 80: {LAYER_TREND}")
+START_LINE = ("[mech] monitors on: 2 attention layers, every 2 steps, reading the model's float32 weights (the "
+              "optimizer's own); detectors armed from step 106 (warm-up 30 + baseline 20 + persistence 3 "
+              f"evaluations); layer trend armed from step 80: {LAYER_TREND}")
 
 
 def _run_user_script(tmp_path, *args):
