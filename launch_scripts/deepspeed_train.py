@@ -309,7 +309,8 @@ def main(argv=None, study=None) -> int:
                "monitor_share": mech.monitor_seconds / max(sum(step_seconds), 1e-12),
                "alerts": sorted({a.metric for a in mech.hook.alerts}),
                "detectors": mech.hook.arming(),  # the armed-from step, and whether the run got there
-               "records_lost_steps": mech.hook.lost_record_steps, "async_evaluation": mech.hook.async_report()}
+               "records_lost_steps": mech.hook.lost_record_steps, "async_evaluation": mech.hook.async_report(),
+               "optimizer_steps_skipped": mech.hook.skipped_steps.total}
     incomplete = None
     if rank == 0:
         from megatron_mech.records.run_directory import SUMMARY, records_incomplete, write_summary

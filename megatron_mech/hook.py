@@ -106,6 +106,7 @@ from megatron_mech.model_view import ModelView
 from megatron_mech.monitors.metric_names import SYMPTOM_GRAD_NORM, SYMPTOM_LOSS
 from megatron_mech.monitors.protocol import Monitor, MonitorContext
 from megatron_mech.monitors.registry import BUILTIN_MONITORS
+from megatron_mech.skipped_steps import SKIPPED_METRIC, SkippedSteps
 
 __all__ = ["Action", "Extension", "MechHook", "Monitor", "STATE_VERSION", "StateError", "any_rank",
            "naming_damaged_state"]
@@ -210,6 +211,9 @@ class MechHook:
         """The optimizer's global gradient norm of every step since step 1, beside :attr:`losses` (``None`` where the
         trainer gave none): the per-step series that grad-norm rules such as ZClip's judge on a trainer."""
         self.last_alerts: List[Alert] = []
+        self.skipped_steps = SkippedSteps()
+        """The optimizer steps the trainer reported skipped (``after_optimizer_step``'s ``skipped``): the run's
+        total (``.total``, kept across a resume) and the alert naming them at each evaluation step."""
         self.seconds: dict = {}
         """Wall time per part on this rank (attention, router, detectors, output, ...), for overhead reports."""
         self._sinks = sinks
@@ -390,14 +394,16 @@ class MechHook:
                 extension.before_optimizer_step(self._optimizer, step)  # the lr is untouched by forward/backward
 
     def after_optimizer_step(self, step: int, *, loss: float, grad_norm: Optional[float], lr: float,
-                             extra: Optional[dict] = None) -> Action:
+                             extra: Optional[dict] = None, skipped: Optional[bool] = None) -> Action:
         """After ``optimizer.step()`` of ``step`` (and, with a scheduler given to ``setup``, after
         ``scheduler.step()``): MoLS multipliers of the next step, monitors, detectors, records, alert policy.
 
         ``loss``: the step's loss, identical on every rank (already averaged over data parallelism);
         ``grad_norm``: the optimizer's global gradient norm (``None`` when not computed); ``lr``: the base lr this
         step's update ran at (the record's ``mols/mult/*`` are this step's multipliers too);
-        ``extra``: more plain values for this step's record. Returns the :class:`Action` for the trainer.
+        ``extra``: more plain values for this step's record; ``skipped``: whether the optimizer skipped this step
+        (non-finite gradients, a loss-scale overflow; ``None``: the trainer cannot tell), counted and named at the
+        next evaluation step (:mod:`~megatron_mech.skipped_steps`). Returns the :class:`Action` for the trainer.
 
         ``loss`` and ``grad_norm`` may be floats or tensors (the value is the tensor's mean, in float32 or the
         tensor's float64). A tensor given on a step that evaluates nothing stays where it is: no host
@@ -408,6 +414,7 @@ class MechHook:
         still carrying its own step. Floats are judged at once.
         """
         self._current_step = int(step)
+        self.skipped_steps.observe(step, skipped, lr)
         self._collect()  # the evaluation of the step before, if it is still on the worker (its action: _acting)
         for extension in self.extensions:
             extension.after_optimizer_step(step, loss=loss, grad_norm=grad_norm, lr=lr)
@@ -425,7 +432,7 @@ class MechHook:
                 self.last_alerts = late_alerts + self.last_alerts
             return self._acting(action)
         snapshots = self._take_snapshots(step)
-        judge = self._judge_function(step, snapshots, loss, grad_norm)
+        judge = self._judge_function(step, snapshots, loss, grad_norm, self.skipped_steps.alert(step))
         evaluation = {"step": step, "scalars": {"loss": float(loss), "lr": float(lr),
                                                 "grad_norm": float(grad_norm) if grad_norm is not None else math.nan},
                       "extra": dict(extra or {}), "mols": mols_metrics}
@@ -459,11 +466,13 @@ class MechHook:
             with self.timed("master_weights"):
                 self._view.refresh_weights()
 
-    def _judge_function(self, step: int, snapshots: list, loss: float, grad_norm: Optional[float]) -> Callable:
+    def _judge_function(self, step: int, snapshots: list, loss: float, grad_norm: Optional[float],
+                        skipped: tuple = (None, None)) -> Callable:
         """The evaluation of ``step`` from its snapshots, as one call (run inline, or on the worker): the monitors'
         metrics merged over the stages, the loss and grad norm, the detectors and the agreement on whether any rank
-        alerted. Returns ``(metrics, alerts, fired, seconds)``; it touches no state the training thread uses before
-        collecting it, and keeps its wall times apart (``seconds``, added at collection)."""
+        alerted; ``skipped``: the skipped optimizer steps' count and alert (:meth:`SkippedSteps.alert`), the same
+        on every rank. Returns ``(metrics, alerts, fired, seconds)``; it touches no state the training thread uses
+        before collecting it, and keeps its wall times apart (``seconds``, added at collection)."""
         monitors = [] if self._async_failure is not None else list(self.monitors)
         merge = self._async_failure is None
         world = self._evaluation_world if self._async_failure is None else None
@@ -477,6 +486,11 @@ class MechHook:
             # Every rank runs the detectors on identical metrics, so every rank knows the alerts without a broadcast.
             with _timed(seconds, "detectors"):
                 alerts = self.registry.update(step, metrics, details)
+            skipped_count, skipped_alert = skipped
+            if skipped_count is not None:   # a reported fact, not a series the detectors judge
+                metrics[SKIPPED_METRIC] = skipped_count
+            if skipped_alert is not None:
+                alerts = [*alerts, skipped_alert]
             # whether anything fired is agreed with one tiny all-reduce, so every rank takes the same branch even
             # if a rank's metrics differed in the last bit
             return metrics, alerts, any_rank(bool(alerts), world), seconds
@@ -677,7 +691,8 @@ class MechHook:
                 "monitors": {m.name: {"version": m.state_version, "state": m.state_dict()} for m in self.monitors},
                 "detectors": self.registry.state_dict(),
                 "mols": self.mols.state_dict() if self.mols is not None else None,
-                "saved_steps": list(self._checkpoints.saved_steps)}
+                "saved_steps": list(self._checkpoints.saved_steps),
+                "skipped_steps": self.skipped_steps.state_dict()}
 
     def load_state_dict(self, state: dict, source: Optional[str] = None) -> None:
         """Restore :meth:`state_dict`. Call after ``attach_optimizer`` (MoLS writes its restored multipliers into
@@ -698,6 +713,7 @@ class MechHook:
         if self.mols is not None and state.get("mols"):
             self.mols.load_state_dict(state["mols"])
         self._checkpoints.restore(state.get("saved_steps") or ())
+        self.skipped_steps.load_state_dict(state.get("skipped_steps") or {})
         self.losses = [float(v) for v in state.get("losses") or []]
         # a state saved before the grad norms were kept has none: those steps' entries are None (not known)
         saved_norms = state.get("grad_norms")

@@ -120,6 +120,7 @@ class DeepSpeedMech:
         self.hook.attach_optimizer(engine.optimizer)  # MoLS: installs the scheduler wrapper
         self._is_setup = False
         self._step_base_lr = math.nan
+        self._skipped_so_far = int(getattr(engine, "skipped_steps", 0) or 0)
         self.last_action = Action.CONTINUE
 
     @classmethod
@@ -204,8 +205,12 @@ class DeepSpeedMech:
             loss = self._data_parallel_mean(loss)
         self._refresh(step)
         grad_norm = self.engine.get_global_grad_norm()  # a tensor, a float (inf: overflow) or None
+        # DeepSpeed counts the steps its optimizer skipped (non-finite gradients, an fp16 overflow), silently
+        skipped_so_far = int(getattr(self.engine, "skipped_steps", 0) or 0)
+        skipped = skipped_so_far > self._skipped_so_far
+        self._skipped_so_far = skipped_so_far
         self.last_action = self.hook.after_optimizer_step(step, loss=loss, grad_norm=grad_norm,
-                                                          lr=self._step_base_lr, extra=extra)
+                                                          lr=self._step_base_lr, extra=extra, skipped=skipped)
         return self.last_action
 
     def _data_parallel_mean(self, loss) -> torch.Tensor:

@@ -432,13 +432,14 @@ def train(args, t: Training, runtime: Runtime, stop_signal: StopOnSignal) -> dic
         out = t.forward_backward(forward_step_func=t.forward_step, data_iterator=iter(micro), model=[t.model],
                                  num_microbatches=len(micro), seq_length=args.seq_length,
                                  micro_batch_size=args.micro_batch_size, forward_only=False)
-        _, grad_norm, _ = t.optimizer.step()
+        update_successful, grad_norm, _ = t.optimizer.step()
         lr = base_lr(t.optimizer)  # the record's lr: what this step's update ran at (before the scheduler moves it)
         t.scheduler.step(increment=1)
         loss = average_over([float(r["lm loss"]) for r in out], t.dp_group, t.pp_group)
         action = t.hook.after_optimizer_step(step, loss=loss, lr=lr,
                                              grad_norm=float(grad_norm) if grad_norm is not None else None,
-                                             extra={"tokens": step * tokens_per_step})
+                                             extra={"tokens": step * tokens_per_step},
+                                             skipped=not update_successful)
         if action is not Action.CONTINUE and args.save:  # identical on every rank: saving is collective
             t.hook.checkpoint_saved(step, save_checkpoint(args.save, step, t.model, t.optimizer, t.scheduler,
                                                           t.layout, hook=t.hook, run_id=t.run_id))
@@ -509,6 +510,7 @@ def finish(args, t: Training, runtime: Runtime, run: dict, output_dir: str) -> b
                    "monitor_breakdown": {**hook.seconds, "router_capture": hook.router_capture_seconds,
                                          "max_logit_capture": hook.capture_seconds("max_logit")},
                    "alerts": [a.to_dict() for a in alerts], "records_lost_steps": hook.lost_record_steps,
+                   "optimizer_steps_skipped": hook.skipped_steps.total,
                    "async_evaluation": hook.async_report()}
         summary_written = write_summary(Path(output_dir) / "summary.json", summary)
         logger.info(f"[train] done: {final_step} steps in {elapsed:.0f}s, monitors {hook.evaluation_seconds:.1f}s "
