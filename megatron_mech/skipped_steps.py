@@ -32,26 +32,23 @@ class SkippedSteps:
         if skipped:
             self.total += 1
 
-    def alert(self, step: int) -> tuple[Optional[float], Optional[Alert]]:
-        """At evaluation step ``step``: the steps skipped since the previous evaluation (``None`` when the
-        trainer reported none of them) and the alert naming them (``None`` when none was skipped). Starts the
-        next window."""
+    def alert(self, step: int) -> Optional[Alert]:
+        """At evaluation step ``step``: the alert naming the steps skipped since the previous evaluation (its value:
+        how many), ``None`` when none was. Starts the next window."""
         window, self._window = self._window, []
         reported = [(s, lr) for s, skipped, lr in window if skipped is not None]
-        if not reported:
-            return None, None
         skipped = [(s, lr) for s, was, lr in window if was]
         if not skipped:
-            return 0.0, None
+            return None
         first, last = skipped[0][0], skipped[-1][0]
         span = f"step {first}" if first == last else f"steps {first}-{last}"
         while_lr = "; weights unchanged while the LR was > 0" if all(lr > 0 for _, lr in skipped) else ""
         message = (f"optimizer steps skipped: {len(skipped)} of the last {len(reported)} ({span}){while_lr}; "
                    f"{self.total} in the run so far")
-        return float(len(skipped)), Alert(metric=SKIPPED_METRIC, family="symptom", step=int(step),
-                                          value=float(len(skipped)), baseline=0.0, score=float(len(skipped)),
-                                          detail={"message": message, "skipped": len(skipped),
-                                                  "of": len(reported), "first": first, "last": last})
+        return Alert(metric=SKIPPED_METRIC, family="symptom", step=int(step), value=float(len(skipped)),
+                     baseline=0.0, score=float(len(skipped)),
+                     detail={"message": message, "skipped": len(skipped), "of": len(reported), "first": first,
+                             "last": last})
 
     def state_dict(self) -> dict:
         return {"total": self.total}

@@ -265,8 +265,8 @@ METRICS: tuple = (
                 "trainer reports them: the weights stayed as they were on those steps. Any skipped step raises one "
                 "alert naming the count (`optimizer steps skipped: 10 of the last 10; weights unchanged while the "
                 "LR was > 0`); the run's total is `summary.json`'s `optimizer_steps_skipped`.", "count, ≥ 0",
-                "hook, every evaluation where the trainer reports skipped steps (megatron-core entry point, "
-                "DeepSpeed)"),
+                "hook, on the evaluations after a skipped step, where the trainer reports them (megatron-core "
+                "entry point, DeepSpeed)"),
     MetricEntry(MAX_LOGIT_METRIC, "Largest pre-softmax attention logit scale·q·k over every layer, head, "
                 "unmasked query/key pair, micro-batch and rank of the evaluation step.", "logit units",
                 "hook (max-logit recorder), every evaluation, where the adapter captures attention inputs "
