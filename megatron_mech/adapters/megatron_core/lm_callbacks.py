@@ -65,9 +65,11 @@ def register_mech_callbacks(manager, hook: MechHook, *, build_view: Optional[Cal
     def on_train_step_end(ctx):
         done["steps"] += 1
         loss = (ctx.loss_dict or {}).get(loss_key)
+        skipped = getattr(ctx, "skipped_iter", None)  # Megatron-LM's: the optimizer skipped the step
         ctx.user_state["mech_action"] = hook.after_optimizer_step(
             done["steps"], loss=float(loss) if loss is not None else math.nan,
-            grad_norm=float(ctx.grad_norm) if ctx.grad_norm is not None else None, lr=base_lr(ctx.optimizer))
+            grad_norm=float(ctx.grad_norm) if ctx.grad_norm is not None else None, lr=base_lr(ctx.optimizer),
+            skipped=bool(skipped) if skipped is not None else None)
 
     def on_train_end(ctx):
         hook.close()

@@ -484,7 +484,7 @@ def after_optimizer_step(model, optimizer, iteration: int, losses_reduced, updat
     if grad_norm is not None and not isinstance(grad_norm, torch.Tensor):
         grad_norm = float(grad_norm)  # Megatron's norm is reduced over the model: the same on every rank
     action = hook.after_optimizer_step(step, loss=loss, grad_norm=grad_norm, lr=float(base_lr(optimizer)),
-                                       extra=extra)
+                                       extra=extra, skipped=not bool(update_successful))
     if action is not Action.CONTINUE:
         RUN.alert_action = (step, action)
     return action
