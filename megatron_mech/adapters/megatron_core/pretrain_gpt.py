@@ -143,7 +143,7 @@ def _build_model(args, extensions=(), backward_context=None, pipeline_size: int 
         normalization=args.normalization, gated_linear_unit=args.swiglu, qk_layernorm=args.qk_layernorm,
         activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
         add_bias_linear=not (args.num_experts or args.swiglu), hidden_dropout=0.0, attention_dropout=0.0,
-        bf16=args.bf16, params_dtype=model_dtype(args), pipeline_dtype=model_dtype(args),
+        bf16=args.bf16, fp16=args.fp16, params_dtype=model_dtype(args), pipeline_dtype=model_dtype(args),
         pipeline_model_parallel_size=pipeline_size,
         # one isend/irecv per message rather than batched: gloo has no coalesced p2p
         batch_p2p_comm=torch.cuda.is_available(),
@@ -166,9 +166,9 @@ def _build_model(args, extensions=(), backward_context=None, pipeline_size: int 
 
 
 def model_dtype(args) -> torch.dtype:
-    """The dtype of the model's weights and activations: bfloat16 with ``--bf16`` (the optimizer then keeps
-    float32 main params), else float32."""
-    return torch.bfloat16 if args.bf16 else torch.float32
+    """The dtype of the model's weights and activations: bfloat16 with ``--bf16``, float16 with ``--fp16`` (the
+    optimizer then keeps float32 main params), else float32."""
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
 
 def build_data(args, rank: int, index_cache_dir=None):
@@ -365,18 +365,18 @@ def build_training(args, runtime: Runtime, config: MechConfig, run_id: Optional[
     model_config, model = build_model(args, hook.extensions, backward_context=runtime.fast_forward, pipeline_size=pp)
     if runtime.cuda:
         model.cuda(torch.cuda.current_device())
-    if args.bf16:  # Megatron-LM's order: the bf16 wrapper inside DDP (it casts the weights and the inputs)
+    if model_dtype(args) != torch.float32:  # Megatron-LM's order: the 16-bit wrapper (casting weights and inputs)
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(model_config, model)
-    # bf16 gradients are reduced and accumulated in float32, as Megatron-LM does with --bf16
+    # 16-bit gradients are reduced and accumulated in float32, as Megatron-LM does with --bf16
     model = DistributedDataParallel(model_config, DistributedDataParallelConfig(
         use_distributed_optimizer=args.use_distributed_optimizer, overlap_grad_reduce=False,
-        grad_reduce_in_fp32=args.bf16), model)
+        grad_reduce_in_fp32=model_dtype(args) != torch.float32), model)
     optimizer_config = OptimizerConfig(
         optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2, clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,
-        bf16=args.bf16, fp16=False, params_dtype=model_dtype(args))
+        bf16=args.bf16, fp16=args.fp16, params_dtype=model_dtype(args))
     view = megatron_model_view([model], sequence_parallel=args.sequence_parallel, optimizer_config=optimizer_config,
                                global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size)
     optimizer = get_megatron_optimizer(optimizer_config, [model], config_overrides=hook.optimizer_overrides(view))
@@ -390,7 +390,8 @@ def build_training(args, runtime: Runtime, config: MechConfig, run_id: Optional[
     model_config.no_sync_func = model.no_sync
 
     layout = {"world": runtime.world, "tp": tp, "ep": args.expert_model_parallel_size, **({"pp": pp} if pp > 1 else {}),
-              "dist_opt": bool(args.use_distributed_optimizer), **({"bf16": True} if args.bf16 else {})}
+              "dist_opt": bool(args.use_distributed_optimizer),
+              **({"bf16": True} if args.bf16 else {}), **({"fp16": True} if args.fp16 else {})}
     start_step = (load_checkpoint(args.load, model, optimizer, scheduler, layout, hook=hook,
                                   exit_on_missing=args.exit_on_missing_checkpoint) if args.load else 0)
 

@@ -112,7 +112,34 @@ def test_resume_refuses_a_checkpoint_of_another_precision(tmp_path):
     assert "'bf16': True" in str(failure.value)
 
 
-def test_fp16_is_refused_by_name(tmp_path):
+def test_fp16_trains_with_the_loss_scaler_names_its_skipped_steps_and_resumes_exactly(tmp_path):
+    """megatron-core's dynamic loss scaler starts at 2^32 and skips the steps whose scaled gradients overflow while
+    it backs off: those skips are named and counted, and its state is restored on resume."""
+    fp16 = [f for f in TINY if f != "--bf16"] + ["--fp16", "--lr", "2e-3", "--min-lr", "2e-4", "--save-interval", "10"]
+
+    def fp16_run(name, *extra):
+        run_dir = tmp_path / name
+        out = run_torchrun(LAUNCHER, *fp16, "--train-iters", "30", "--save", str(run_dir), *extra, nproc=1,
+                           timeout=420)
+        records = [json.loads(line) for line in (run_dir / "mech.jsonl").read_text().splitlines()]
+        return {"records": records, "summary": json.loads((run_dir / "summary.json").read_text()),
+                "stdout": out.stdout}
+
+    full = fp16_run("full")
+    fp16_run("part", "--exit-interval", "10")
+    resumed = fp16_run("part", "--load", str(tmp_path / "part"))
+    assert "reading the optimizer's float32 master weights" in full["stdout"]
+    skipped = full["summary"]["optimizer_steps_skipped"]
+    named = {r["step"]: r["metrics"].get("symptom/optimizer_steps_skipped", 0) for r in full["records"]}
+    assert 0 < skipped < 30 and sum(named.values()) == skipped   # the scaler backed off, then training went on
+    assert "[mech] ALERT step 5: optimizer steps skipped: 5 of the last 5 (steps 1-5)" in full["stdout"]
+    assert full["summary"]["losses"][-1] < full["summary"]["losses"][0]
+    for a, b in zip(full["records"], resumed["records"]):
+        assert (a["step"], a["loss"], a["metrics"]) == (b["step"], b["loss"], b["metrics"])
+    assert resumed["summary"]["optimizer_steps_skipped"] == skipped
+
+
+def test_fp16_and_bf16_together_are_refused_by_name(tmp_path):
     with pytest.raises(AssertionError) as failure:
-        run(tmp_path, "fp16", 1, "--fp16", steps=5)
-    assert "--fp16 is not supported" in str(failure.value)
+        run(tmp_path, "both", 1, "--fp16", steps=5)
+    assert "--fp16 and --bf16 exclude each other" in str(failure.value)
