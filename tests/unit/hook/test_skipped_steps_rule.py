@@ -1,6 +1,14 @@
 """The skipped-steps rule: the steps the optimizer skipped since the previous evaluation, named in one alert that
 words itself, and the run's total kept across a resume."""
+import json
+
+import torch
+
+from megatron_mech.config import MechConfig, MonitorConfig, OutputConfig
 from megatron_mech.core.attribution import alert_lines
+from megatron_mech.hook import MechHook
+from megatron_mech.model_view import ModelView
+from megatron_mech.monitors.attention import AttentionLayer
 from megatron_mech.skipped_steps import SKIPPED_METRIC, SkippedSteps
 
 
@@ -32,3 +40,32 @@ def test_a_trainer_that_cannot_tell_raises_nothing():
         rule.observe(step, skipped=None, lr=1e-4)
     assert rule.alert(5) is None
     assert rule.total == 0
+
+
+def test_the_hook_names_reported_skips_at_the_next_evaluation_and_keeps_the_total_in_its_state(tmp_path):
+    """Through MechHook: skips reported on steps 3-4 (no evaluation there) are named at evaluation step 4 in the
+    record, counted in the hook's state, which a new hook restores."""
+    def hook_over(weight):
+        config = MechConfig(monitors=MonitorConfig(families=("attention",), interval=2, qk_terms=("delta2",)),
+                            output=OutputConfig(dir=str(tmp_path / "run")))
+        hook = MechHook(config, train_steps=8)
+        hook.setup(ModelView(attention_layers=[AttentionLayer(0, weight, 2, 2, 4)]), None)
+        return hook
+
+    weight = torch.randn(24, 16, generator=torch.Generator().manual_seed(0))
+    hook = hook_over(weight)
+    for step in range(1, 7):
+        hook.before_step(step)
+        if step not in (3, 4):   # a skipped step leaves the weights as they were
+            weight.add_(0.01 * torch.randn(weight.shape, generator=torch.Generator().manual_seed(step)))
+        hook.after_optimizer_step(step, loss=1.0, grad_norm=1.0, lr=1e-3, skipped=step in (3, 4))
+    state = hook.state_dict()
+    hook.close()
+    records = {r["step"]: r for r in map(json.loads, (tmp_path / "run" / "mech.jsonl").read_text().splitlines())}
+    assert records[4]["metrics"][SKIPPED_METRIC] == 2.0
+    assert [a["metric"] for a in records[4]["alerts"]] == [SKIPPED_METRIC]
+    assert SKIPPED_METRIC not in records[2]["metrics"] and SKIPPED_METRIC not in records[6]["metrics"]
+    assert hook.skipped_steps.total == 2 and state["skipped_steps"] == {"total": 2}
+    restored = MechHook(MechConfig(monitors=MonitorConfig(families=("attention",), interval=2)))
+    restored.load_state_dict(state)
+    assert restored.skipped_steps.total == 2
