@@ -467,11 +467,11 @@ class MechHook:
                 self._view.refresh_weights()
 
     def _judge_function(self, step: int, snapshots: list, loss: float, grad_norm: Optional[float],
-                        skipped: Optional[Alert] = None) -> Callable:
+                        skipped: Optional[Callable[[dict], Optional[Alert]]] = None) -> Callable:
         """The evaluation of ``step`` from its snapshots, as one call (run inline, or on the worker): the monitors'
         metrics merged over the stages, the loss and grad norm, the detectors and the agreement on whether any rank
-        alerted; ``skipped``: the alert naming the skipped optimizer steps (:meth:`SkippedSteps.alert`), the same
-        on every rank. Returns ``(metrics, alerts, fired, seconds)``; it touches no state the training thread uses
+        alerted; ``skipped``: the verdict on the skipped optimizer steps (:meth:`SkippedSteps.alert`), the same on
+        every rank. Returns ``(metrics, alerts, fired, seconds)``; it touches no state the training thread uses
         before collecting it, and keeps its wall times apart (``seconds``, added at collection)."""
         monitors = [] if self._async_failure is not None else list(self.monitors)
         merge = self._async_failure is None
@@ -486,9 +486,10 @@ class MechHook:
             # Every rank runs the detectors on identical metrics, so every rank knows the alerts without a broadcast.
             with _timed(seconds, "detectors"):
                 alerts = self.registry.update(step, metrics, details)
-            if skipped is not None:   # a fact the trainer reported, not a series the detectors judge
-                metrics[SKIPPED_METRIC] = skipped.value
-                alerts = [*alerts, skipped]
+            named = skipped(metrics) if skipped is not None else None
+            if named is not None:   # a fact, not a series the detectors judge
+                metrics[SKIPPED_METRIC] = named.value
+                alerts = [*alerts, named]
             # whether anything fired is agreed with one tiny all-reduce, so every rank takes the same branch even
             # if a rank's metrics differed in the last bit
             return metrics, alerts, any_rank(bool(alerts), world), seconds

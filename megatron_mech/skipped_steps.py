@@ -5,12 +5,14 @@ non-finite (``engine.skipped_steps`` counts them), Megatron's fp16 loss scaler s
 weights then stay as they were while the learning rate is above zero, and a run that looks healthy (its loss
 finite) learns nothing. The trainer tells the hook, step by step, whether the optimizer skipped the step; at each
 evaluation step this rule raises one alert naming how many of the steps since the previous evaluation were skipped
-(``optimizer steps skipped: 10 of the last 10; weights unchanged while the LR was > 0``). It says nothing about
-precision: a skipped step is a fact the optimizer reports, not a diagnosis. The run's total is in the summary.
+(``optimizer steps skipped: 10 of the last 10; weights unchanged while the LR was > 0``). A trainer that cannot
+tell (``None``) is judged by the weights themselves: a whole interval in which every monitored ΔW is exactly zero
+while the LR was above zero is an interval of skipped steps. It says nothing about precision: a skipped step is a
+fact, not a diagnosis. The run's total is in the summary.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Mapping, Optional
 
 from megatron_mech.core.detect import Alert
 from megatron_mech.monitors.metric_names import SYMPTOM_SKIPPED_STEPS as SKIPPED_METRIC
@@ -32,23 +34,40 @@ class SkippedSteps:
         if skipped:
             self.total += 1
 
-    def alert(self, step: int) -> Optional[Alert]:
-        """At evaluation step ``step``: the alert naming the steps skipped since the previous evaluation (its value:
-        how many), ``None`` when none was. Starts the next window."""
+    def alert(self, step: int) -> Callable[[Mapping[str, float]], Optional[Alert]]:
+        """At evaluation step ``step``: ``verdict(metrics)``, the alert naming the steps skipped since the previous
+        evaluation (its value: how many; ``None`` when none was), given the evaluation's metrics. Starts the next
+        window (the verdict keeps its own, so it may run on the evaluation worker).
+
+        Steps the trainer reported skipped are named as reported. Where the trainer reported nothing (``None``
+        for every step of the window), the monitors' ΔW is the signal: when every monitored matrix is frozen
+        (``*_frozen`` 1: ΔW exactly zero since the previous evaluation) while the LR was > 0 on every step,
+        every step of the window was skipped."""
         window, self._window = self._window, []
-        reported = [(s, lr) for s, skipped, lr in window if skipped is not None]
-        skipped = [(s, lr) for s, was, lr in window if was]
-        if not skipped:
-            return None
-        first, last = skipped[0][0], skipped[-1][0]
-        span = f"step {first}" if first == last else f"steps {first}-{last}"
-        while_lr = "; weights unchanged while the LR was > 0" if all(lr > 0 for _, lr in skipped) else ""
-        message = (f"optimizer steps skipped: {len(skipped)} of the last {len(reported)} ({span}){while_lr}; "
-                   f"{self.total} in the run so far")
-        return Alert(metric=SKIPPED_METRIC, family="symptom", step=int(step), value=float(len(skipped)),
-                     baseline=0.0, score=float(len(skipped)),
-                     detail={"message": message, "skipped": len(skipped), "of": len(reported), "first": first,
-                             "last": last})
+
+        def verdict(metrics: Mapping[str, float]) -> Optional[Alert]:
+            skipped = [(s, lr) for s, was, lr in window if was]
+            how = ""
+            if not any(was is not None for _, was, _ in window):
+                frozen = [v for name, v in metrics.items() if name.endswith("_frozen")]
+                if window and frozen and all(v == 1.0 for v in frozen) and all(lr > 0 for _, _, lr in window):
+                    skipped = [(s, lr) for s, _, lr in window]
+                    self.total += len(skipped)
+                    how = " (every monitored ΔW is zero; the trainer reports no skips)"
+            if not skipped:
+                return None
+            of = len(window)
+            first, last = skipped[0][0], skipped[-1][0]
+            span = f"step {first}" if first == last else f"steps {first}-{last}"
+            while_lr = "; weights unchanged while the LR was > 0" if all(lr > 0 for _, lr in skipped) else ""
+            message = (f"optimizer steps skipped: {len(skipped)} of the last {of} ({span}){while_lr}{how}; "
+                       f"{self.total} in the run so far")
+            return Alert(metric=SKIPPED_METRIC, family="symptom", step=int(step), value=float(len(skipped)),
+                         baseline=0.0, score=float(len(skipped)),
+                         detail={"message": message, "skipped": len(skipped), "of": of, "first": first,
+                                 "last": last})
+
+        return verdict
 
     def state_dict(self) -> dict:
         return {"total": self.total}

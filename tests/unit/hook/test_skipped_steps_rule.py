@@ -16,30 +16,41 @@ def test_the_alert_names_the_skipped_steps_of_the_interval_and_the_runs_total():
     rule = SkippedSteps()
     for step in range(1, 11):
         rule.observe(step, skipped=step >= 7, lr=1e-4)
-    alert = rule.alert(10)
+    alert = rule.alert(10)({})
     assert alert.value == 4.0 and alert.metric == SKIPPED_METRIC and alert.family == "symptom" and alert.step == 10
     assert alert_lines([alert]) == ["optimizer steps skipped: 4 of the last 10 (steps 7-10); weights unchanged while "
                                     "the LR was > 0; 4 in the run so far"]
     for step in range(11, 21):
         rule.observe(step, skipped=step == 11, lr=0.0 if step == 11 else 1e-4)
-    alert = rule.alert(20)
+    alert = rule.alert(20)({})
     # a step skipped at LR 0 is not one whose weights stayed put while the LR asked them to move
     assert alert.value == 1.0 and alert_lines([alert]) == ["optimizer steps skipped: 1 of the last 10 (step 11); 5 in the "
                                                       "run so far"]
     for step in range(21, 31):
         rule.observe(step, skipped=False, lr=1e-4)
-    assert rule.alert(30) is None
+    assert rule.alert(30)({"attn/layer0/dwq_frozen": 1.0}) is None   # the trainer said: none skipped
     resumed = SkippedSteps()
     resumed.load_state_dict(rule.state_dict())
     assert resumed.total == 5
 
 
-def test_a_trainer_that_cannot_tell_raises_nothing():
+def test_where_the_trainer_cannot_tell_a_frozen_delta_w_at_a_positive_lr_is_the_signal():
     rule = SkippedSteps()
     for step in range(1, 6):
         rule.observe(step, skipped=None, lr=1e-4)
-    assert rule.alert(5) is None
+    assert rule.alert(5)({"attn/layer0/dwq_frozen": 1.0, "attn/layer0/dwk_frozen": 0.0}) is None   # one moved
     assert rule.total == 0
+    for step in range(6, 11):
+        rule.observe(step, skipped=None, lr=1e-4)
+    alert = rule.alert(10)({"attn/layer0/dwq_frozen": 1.0, "attn/layer0/dwk_frozen": 1.0})
+    assert alert.value == 5.0 and rule.total == 5
+    assert alert_lines([alert]) == ["optimizer steps skipped: 5 of the last 5 (steps 6-10); weights unchanged while "
+                                    "the LR was > 0 (every monitored ΔW is zero; the trainer reports no skips); 5 "
+                                    "in the run so far"]
+    for step in range(11, 16):   # frozen at LR 0 (a warm-up from zero, a finished schedule): nothing skipped
+        rule.observe(step, skipped=None, lr=0.0)
+    assert rule.alert(15)({"attn/layer0/dwq_frozen": 1.0, "attn/layer0/dwk_frozen": 1.0}) is None
+    assert rule.alert(20)({}) is None   # no step, no metric: nothing to judge
 
 
 def test_the_hook_names_reported_skips_at_the_next_evaluation_and_keeps_the_total_in_its_state(tmp_path):
@@ -69,3 +80,23 @@ def test_the_hook_names_reported_skips_at_the_next_evaluation_and_keeps_the_tota
     restored = MechHook(MechConfig(monitors=MonitorConfig(families=("attention",), interval=2)))
     restored.load_state_dict(state)
     assert restored.skipped_steps.total == 2
+
+
+def test_the_hook_names_an_unreported_interval_of_unchanged_weights(tmp_path):
+    """A trainer that reports no skips: the interval of steps 3-4, in which the weights did not move at LR > 0, is
+    named at evaluation step 4 from the attention monitor's ΔW; the moving intervals are not."""
+    config = MechConfig(monitors=MonitorConfig(families=("attention",), interval=2, qk_terms=("delta2",)),
+                        output=OutputConfig(dir=str(tmp_path / "run")))
+    weight = torch.randn(24, 16, generator=torch.Generator().manual_seed(0))
+    hook = MechHook(config, train_steps=8)
+    hook.setup(ModelView(attention_layers=[AttentionLayer(0, weight, 2, 2, 4)]), None)
+    for step in range(1, 7):
+        hook.before_step(step)
+        if step not in (3, 4):
+            weight.add_(0.01 * torch.randn(weight.shape, generator=torch.Generator().manual_seed(step)))
+        hook.after_optimizer_step(step, loss=1.0, grad_norm=1.0, lr=1e-3)
+    hook.close()
+    records = {r["step"]: r for r in map(json.loads, (tmp_path / "run" / "mech.jsonl").read_text().splitlines())}
+    assert [a["metric"] for a in records[4]["alerts"]] == [SKIPPED_METRIC]
+    assert records[4]["metrics"][SKIPPED_METRIC] == 2.0
+    assert not records[2]["alerts"] and not records[6]["alerts"] and hook.skipped_steps.total == 2
