@@ -27,6 +27,7 @@ class SkippedSteps:
     def __init__(self) -> None:
         self.total = 0
         self._window: list = []   # (step, skipped, lr) since the previous evaluation
+        self._moved = False       # whether the monitored weights moved over an earlier interval
 
     def observe(self, step: int, skipped: Optional[bool], lr: float) -> None:
         """Step ``step``'s report: whether the optimizer skipped it (``None``: the trainer cannot tell)."""
@@ -41,15 +42,17 @@ class SkippedSteps:
 
         Steps the trainer reported skipped are named as reported. Where the trainer reported nothing (``None``
         for every step of the window), the monitors' ΔW is the signal: when every monitored matrix is frozen
-        (``*_frozen`` 1: ΔW exactly zero since the previous evaluation) while the LR was > 0 on every step,
-        every step of the window was skipped."""
+        (``*_frozen`` 1: ΔW exactly zero since the previous evaluation) while the LR was > 0 on every step, and
+        the weights did move over an earlier interval (the run was training; weights that never moved are not a
+        training run's), every step of the window was skipped."""
         window, self._window = self._window, []
 
         def verdict(metrics: Mapping[str, float]) -> Optional[Alert]:
             skipped = [(s, lr) for s, was, lr in window if was]
             how = ""
-            if not any(was is not None for _, was, _ in window):
-                frozen = [v for name, v in metrics.items() if name.endswith("_frozen")]
+            frozen = [v for name, v in metrics.items() if name.endswith("_frozen")]
+            moved_before, self._moved = self._moved, self._moved or any(v != 1.0 for v in frozen)
+            if not any(was is not None for _, was, _ in window) and moved_before:
                 if window and frozen and all(v == 1.0 for v in frozen) and all(lr > 0 for _, _, lr in window):
                     skipped = [(s, lr) for s, _, lr in window]
                     self.total += len(skipped)
@@ -70,7 +73,8 @@ class SkippedSteps:
         return verdict
 
     def state_dict(self) -> dict:
-        return {"total": self.total}
+        return {"total": self.total, "moved": self._moved}
 
     def load_state_dict(self, state: dict) -> None:
         self.total = int(state.get("total", 0))
+        self._moved = bool(state.get("moved", False))
