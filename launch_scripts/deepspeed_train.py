@@ -50,6 +50,9 @@ def parse_args(argv=None, add_study_flags: Optional[Callable[[argparse.ArgumentP
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=("llama", "mixtral", "ds-moe"), default="llama")
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=2)
+    p.add_argument("--bf16", action="store_true",
+                   help="bf16 training (DeepSpeed's \"bf16\": {\"enabled\": true}: bf16 module weights, float32 "
+                        "master weights, which the monitors read by default: mech.monitors.weights)")
     p.add_argument("--deepspeed-config", default=None, help="a DeepSpeed JSON config (overrides the flags below)")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--micro-batch", type=int, default=4)
@@ -95,6 +98,8 @@ def build_config(args) -> dict:
               "zero_optimization": {"stage": args.zero_stage}, "steps_per_print": 10 ** 9,
               "gradient_clipping": 1.0,
               "mech": {"monitors": {"interval": args.mech_interval}, "output": {"dir": args.output_dir}}}
+    if args.bf16:
+        config["bf16"] = {"enabled": True}
     if args.warmup:
         config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": args.lr,
                                                               "warmup_num_steps": args.warmup}}
@@ -351,7 +356,8 @@ def main(argv=None, study=None) -> int:
                # the first alert's diagnosis, or whether a run without alerts was armed at all
                **verdict_fields(mech.hook.alerts, mech.hook.arming()),
                "records_lost_steps": mech.hook.lost_record_steps, "async_evaluation": mech.hook.async_report(),
-               "final_step": engine.global_steps, "stopped_by_signal": stop_signal.stopped_by}
+               "final_step": engine.global_steps, "stopped_by_signal": stop_signal.stopped_by,
+               "optimizer_steps_skipped": mech.hook.skipped_steps.total}
     incomplete = None
     if rank == 0:
         from megatron_mech.records.run_directory import SUMMARY, records_incomplete, write_summary

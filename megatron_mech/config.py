@@ -52,14 +52,15 @@ from megatron_mech.options import (
 )
 from megatron_mech.records.writer_level import AUTO_SUMMARY_SERIES, WRITER_LEVELS
 
-__all__ = ["ASYNC_TIMEOUT_RANGE", "DEFAULT_OUTPUT_DIR", "MONITOR_FAMILIES", "ON_ALERT", "DetectorOverrides",
-           "MechConfig", "MoLSOptions", "MonitorConfig", "OutputConfig"]
+__all__ = ["ASYNC_TIMEOUT_RANGE", "DEFAULT_OUTPUT_DIR", "MONITOR_FAMILIES", "ON_ALERT", "WEIGHT_SOURCES",
+           "DetectorOverrides", "MechConfig", "MoLSOptions", "MonitorConfig", "OutputConfig"]
 
 # --mech-async-timeout: below a second a healthy evaluation's collectives time out on a busy host; beyond a day
 # the process groups' timeouts and the waits overflow (a timedelta, a C++ int of milliseconds)
 ASYNC_TIMEOUT_RANGE = (1.0, 86400.0)
 MONITOR_FAMILIES = SELECTABLE_FAMILIES  # the families --mech-monitors names, declared by the families themselves
 ON_ALERT = ("log", "checkpoint", "stop")
+WEIGHT_SOURCES = ("master", "model")  # what the monitors difference (--mech-weights)
 
 
 @dataclass
@@ -84,6 +85,13 @@ class MonitorConfig(AttentionMonitorConfig):
                                       "micro-batch on evaluation steps (1: every token); the summaries' 'tokens' "
                                       "counts the sampled ones", flag="--mech-router-token-stride", type=int)
 
+    weights: str = option("master", "which weights the monitors difference. 'master' (default): the optimizer's "
+                          "float32 master weights where it keeps them (megatron-core's mixed-precision and "
+                          "distributed optimizers, DeepSpeed's bf16/fp16 optimizers and ZeRO partitions), so ΔW "
+                          "carries no bf16 rounding; the model's own weights where the model trains in float32 "
+                          "(they are then the master weights). 'model': always the model's parameters (in bf16 "
+                          "training, their bf16 copies). The start line says which are read",
+                          flag="--mech-weights", choices=WEIGHT_SOURCES)
     # the default follows where the training's work is: a GPU node's host cores idle while the GPU trains, a
     # CPU-only run's cores are the training's
     asynchronous: str = option("auto", "where the monitors' evaluation runs. 'on': beside training, on a worker "
@@ -117,6 +125,8 @@ class MonitorConfig(AttentionMonitorConfig):
         self.families = () if families == ("none",) else families
         if not is_int(self.router_token_stride) or self.router_token_stride < 1:
             raise ValueError(f"--mech-router-token-stride must be an int >= 1, got {self.router_token_stride!r}")
+        if self.weights not in WEIGHT_SOURCES:
+            raise ValueError(f"--mech-weights must be one of {', '.join(WEIGHT_SOURCES)}, got {self.weights!r}")
         if self.asynchronous not in ("auto", "on", "off"):
             raise ValueError(f"--mech-async must be one of auto, on, off, got {self.asynchronous!r}")
         low, high = ASYNC_TIMEOUT_RANGE

@@ -122,6 +122,7 @@ from megatron_mech.monitors.metric_names import SYMPTOM_GRAD_NORM, SYMPTOM_LOSS
 from megatron_mech.monitors.protocol import Monitor, MonitorContext
 from megatron_mech.monitors.registry import BUILTIN_MONITORS
 from megatron_mech.records.run_directory import STEP_SERIES_WINDOW
+from megatron_mech.skipped_steps import SKIPPED_METRIC, SkippedSteps, SkippedVerdict
 
 __all__ = ["Action", "Extension", "MechHook", "Monitor", "STATE_VERSION", "StateError", "any_rank", "any_ranks",
            "naming_damaged_state"]
@@ -237,6 +238,9 @@ class MechHook:
         """The optimizer's global gradient norm of each step of :attr:`losses` (``None`` where the trainer gave
         none): the per-step series that grad-norm rules such as ZClip's judge on a trainer."""
         self.last_alerts: List[Alert] = []
+        self.skipped_steps = SkippedSteps()
+        """The optimizer steps the trainer reported skipped (``after_optimizer_step``'s ``skipped``): the run's
+        total (``.total``, kept across a resume) and the alert naming them at each evaluation step."""
         self.seconds: dict = {}
         """Wall time per part on this rank (attention, router, detectors, output, ...), for overhead reports."""
         self._sinks = sinks
@@ -396,6 +400,7 @@ class MechHook:
             with naming_damaged_state(self._pending_source):
                 self._load_monitor_state(self._pending_state)
             self._pending_state = None
+        self._refresh_weights()
         for monitor in self.monitors:
             monitor.start(start_step)  # e.g. the snapshot of the weights the first interval starts from
         if self.asynchronous:
@@ -437,14 +442,16 @@ class MechHook:
                 extension.before_optimizer_step(self._optimizer, step)  # the lr is untouched by forward/backward
 
     def after_optimizer_step(self, step: int, *, loss: float, grad_norm: Optional[float], lr: float,
-                             extra: Optional[dict] = None) -> Action:
+                             extra: Optional[dict] = None, skipped: Optional[bool] = None) -> Action:
         """After ``optimizer.step()`` of ``step`` (and, with a scheduler given to ``setup``, after
         ``scheduler.step()``): MoLS multipliers of the next step, monitors, detectors, records, alert policy.
 
         ``loss``: the step's loss, identical on every rank (already averaged over data parallelism);
         ``grad_norm``: the optimizer's global gradient norm (``None`` when not computed); ``lr``: the base lr this
         step's update ran at (the record's ``mols/mult/*`` are this step's multipliers too);
-        ``extra``: more plain values for this step's record. Returns the :class:`Action` for the trainer.
+        ``extra``: more plain values for this step's record; ``skipped``: whether the optimizer skipped this step
+        (non-finite gradients, a loss-scale overflow; ``None``: the trainer cannot tell), counted and named at the
+        next evaluation step (:mod:`~megatron_mech.skipped_steps`). Returns the :class:`Action` for the trainer.
 
         ``loss`` and ``grad_norm`` may be floats or tensors (the value is the tensor's mean, in float32 or the
         tensor's float64). A tensor given on a step that evaluates nothing stays where it is: no host
@@ -455,6 +462,7 @@ class MechHook:
         still carrying its own step. Floats are judged at once.
         """
         self._current_step = int(step)
+        self.skipped_steps.observe(step, skipped, lr)
         self._collect()  # the evaluation of the step before, if it is still on the worker (its action: _acting)
         for extension in self.extensions:
             extension.after_optimizer_step(step, loss=loss, grad_norm=grad_norm, lr=lr)
@@ -474,7 +482,7 @@ class MechHook:
         evaluation = {"step": step, "scalars": {"loss": float(loss), "lr": float(lr),
                                                 "grad_norm": float(grad_norm) if grad_norm is not None else math.nan},
                       "symptoms": _symptoms(loss, grad_norm), "extra": dict(extra or {}), "mols": mols_metrics}
-        judge = self._judge_function(evaluation, self._take_snapshots(step))
+        judge = self._judge_function(evaluation, self._take_snapshots(step), self.skipped_steps.verdict(step))
         if self._worker is not None and self._evaluation_failure is None:
             self._in_flight = evaluation
             self._worker.submit(step, judge)
@@ -490,6 +498,7 @@ class MechHook:
         here. Nothing after an evaluation failed (the monitors are off)."""
         if self._evaluation_failure is not None:
             return []
+        self._refresh_weights()
         taken = []
         for monitor in self.monitors:
             with self.timed(monitor.name):
@@ -497,11 +506,20 @@ class MechHook:
                              else _Observed(monitor.observe(step)))
         return taken
 
-    def _judge_function(self, evaluation: dict, snapshots: list) -> Callable[[], _Judgement]:
+    def _refresh_weights(self) -> None:
+        """Bring the weights the monitors copy up to date (the view's ``refresh_weights``: e.g. the optimizer's
+        sharded float32 master weights gathered; collective, at the same steps on every rank), when any runs."""
+        if self.monitors and self._view.refresh_weights is not None:
+            with self.timed("master_weights"):
+                self._view.refresh_weights()
+
+    def _judge_function(self, evaluation: dict, snapshots: list,
+                        skipped: Optional[Callable[[dict], SkippedVerdict]] = None) -> Callable[[], _Judgement]:
         """The evaluation of ``evaluation["step"]`` from its snapshots, as one call (run inline, or on the worker):
         the monitors' metrics merged over the stages, the loss and grad norm, the detectors and the agreement on
         whether any rank alerted or failed. It returns a :class:`_Judgement` and changes nothing the hook holds:
-        the detectors it runs are its own copy of the hook's, its wall times are kept apart, and only
+        the detectors it runs are its own copy of the hook's, ``skipped`` (:meth:`SkippedSteps.verdict`) only reads
+        what it took, its wall times are kept apart, and only
         :meth:`_conclude`, on the training thread, merges a judgement collected in time into the hook. An
         evaluation given up at its timeout therefore cannot change the hook's detectors, alerts or counters,
         whenever it ends."""
@@ -515,7 +533,7 @@ class MechHook:
         def judge() -> _Judgement:
             seconds: dict = {}
             registry = detectors.copy()
-            metrics, alerts, error = {}, [], None
+            metrics, alerts, error, verdict = {}, [], None, None
             try:
                 metrics, details = self._evaluate(step, monitors, snapshots, seconds, exchange)
                 metrics.update(symptoms)
@@ -523,6 +541,10 @@ class MechHook:
                 # broadcast.
                 with _timed(seconds, "detectors"):
                     alerts = registry.update(step, metrics, details)
+                verdict = skipped(metrics) if skipped is not None else None
+                if verdict is not None and verdict.alert is not None:  # a fact, not a series the detectors judge
+                    metrics[SKIPPED_METRIC] = verdict.alert.value
+                    alerts = [*alerts, verdict.alert]
             except Exception as exc:  # agreed below: every rank gives this evaluation up at the same step
                 error = exc
             # whether anything fired or failed is agreed with one tiny all-reduce, so every rank takes the same
@@ -534,10 +556,10 @@ class MechHook:
                     raise error from None
                 raise
             if not failed:
-                return _Judgement(metrics, alerts, fired, None, None, registry, seconds)
+                return _Judgement(metrics, alerts, fired, None, None, registry, verdict, seconds)
             failure = (f"the evaluation of step {step} raised {type(error).__name__}: {error}" if error is not None
                        else f"the evaluation of step {step} failed on another rank")
-            return _Judgement({}, [], False, failure, _failing_monitor(error), registry, seconds)
+            return _Judgement({}, [], False, failure, _failing_monitor(error), registry, None, seconds)
         return judge
 
     def _conclude(self, evaluation: dict, judged: _Judgement) -> Action:
@@ -549,6 +571,8 @@ class MechHook:
         if judged.failure is not None:
             return self._evaluation_failed(evaluation, judged.failure, judged.monitor)
         self.registry = judged.registry  # the one place an evaluation's detectors become the hook's
+        if judged.skipped is not None:
+            self.skipped_steps.adopt(judged.skipped)
         self.last_alerts = judged.alerts
         self._write_record(evaluation, judged.metrics, judged.alerts)
         return self._act_on(evaluation["step"], judged.alerts, judged.fired)
@@ -767,7 +791,8 @@ class MechHook:
                 "monitors": {m.name: {"version": m.state_version, "state": _monitor_state(m)} for m in monitors},
                 "detectors": self.registry.state_dict(),
                 "mols": self.mols.state_dict() if self.mols is not None else None,
-                "saved_steps": list(self._checkpoints.saved_steps)}
+                "saved_steps": list(self._checkpoints.saved_steps),
+                "skipped_steps": self.skipped_steps.state_dict()}
 
     def load_state_dict(self, state: dict, source: Optional[str] = None) -> None:
         """Restore :meth:`state_dict`. Call after ``attach_optimizer`` (MoLS writes its restored multipliers into
@@ -790,6 +815,7 @@ class MechHook:
             self.mols.load_state_dict(state["mols"])
         self._checkpoints.restore(state.get("saved_steps") or ())
         saved_losses = state.get("losses") or []
+        self.skipped_steps.load_state_dict(state.get("skipped_steps") or {})
         # a state saved before the grad norms were kept has none: those steps' entries are None (not known)
         saved_norms = state.get("grad_norms")
         if saved_norms is not None and len(saved_norms) != len(saved_losses):
@@ -1017,8 +1043,10 @@ class MechHook:
             level_part += (f"; update-ratio jump armed from step {jump}: every layer's update ratio, in median, "
                            f">= {self.registry.update_jump.level:.3g} log units above its own last "
                            f"{self.registry.update_jump.window} evaluations")
+        said = self._view.weights if self._view is not None else ""
+        reading = f", reading {said}" if parts and said else ""
         return (f"[mech] monitors on: {', '.join(parts) or 'none (loss and grad norm only)'}, every "
-                f"{_count(self.config.monitors.interval, 'step')}; detectors armed from step "
+                f"{_count(self.config.monitors.interval, 'step')}{reading}; detectors armed from step "
                 f"{self.armed_from_step} (warm-up "
                 f"{first.warmup} + baseline {first.baseline} + persistence {first.persistence} evaluations)"
                 f"{level_part}")
@@ -1097,6 +1125,7 @@ class _Judgement:
     failure: Optional[str]  # why the evaluation failed, on this rank or another (agreed); None: it did not
     monitor: Optional[str]  # the monitor whose evaluation raised on this rank
     registry: DetectorRegistry  # the detectors after this evaluation: a copy, the hook's own untouched
+    skipped: Optional[SkippedVerdict]  # what it concluded about skipped optimizer steps
     seconds: dict  # wall time per part
 
 

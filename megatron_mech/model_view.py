@@ -7,6 +7,7 @@ model itself.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -14,7 +15,18 @@ import torch
 
 from megatron_mech.monitors.attention import AttentionLayer
 
-__all__ = ["ModelView", "RouterView"]
+__all__ = ["MASTER_WEIGHTS", "ModelView", "RouterView", "model_weights_words"]
+
+MASTER_WEIGHTS = "the optimizer's float32 master weights"
+"""The start line's words for the weights read with ``--mech-weights master`` where the optimizer keeps them."""
+
+
+def model_weights_words(dtypes) -> str:
+    """The start line's words for the model's own weights of ``dtypes``: 16-bit ones are the optimizer's rounded
+    copies; 32- or 64-bit ones are what the optimizer updates (the master weights themselves)."""
+    names = sorted({str(dtype).replace("torch.", "") for dtype in dtypes}) or ["float32"]
+    own = "" if any(torch.finfo(dtype).bits <= 16 for dtype in dtypes) else " (the optimizer's own)"
+    return f"the model's {'/'.join(names)} weights{own}"
 
 
 @dataclass
@@ -78,3 +90,40 @@ class ModelView:
     The backend offers ``config_overrides``, ``attach(optimizer)``, ``wrap_forward_step(fn)``,
     ``before_scheduler_step(iteration)``, ``metrics(iteration)``, ``seconds``, ``state_dict``/``load_state_dict``
     (see :class:`megatron_mech.adapters.megatron_core.mols.MegatronMoLS`)."""
+    weights: str = ""
+    """Which copy of the weights the tensors above are, in words for the start line (e.g. "the optimizer's
+    float32 master weights"); set by :meth:`reading` (empty: not said)."""
+    refresh_weights: Optional[Callable[[], None]] = None
+    """Called by the hook on every rank at the same steps, right before the monitors copy the weights (their first
+    snapshot and each evaluation step): brings up to date the weights the tensors above hold where they are a
+    gathered copy rather than the optimizer's own tensors (collective; ``None``: nothing to do)."""
+
+    def monitored_weights(self) -> list[torch.Tensor]:
+        """Every weight tensor the monitors read, in the view's order (the same on every data-parallel replica):
+        the attention QKV weights, the routers', the dense linears', the experts'."""
+        return ([layer.qkv_weight for layer in self.attention_layers] + [router.weight for router in self.routers]
+                + [weight for weight, _ in self.dense_linears.values()]
+                + [m for layer in self.experts for mats in layer.experts for m in mats])
+
+    def reading(self, read: Callable[[torch.Tensor], torch.Tensor], weights: str,
+                refresh: Optional[Callable[[], None]] = None) -> ModelView:
+        """This view with every monitored weight ``w`` (:meth:`monitored_weights`) replaced by ``read(w)``, a tensor
+        of the same shape holding the same weights in another copy (e.g. the optimizer's float32 master weights);
+        ``weights`` says which in words, ``refresh`` keeps them up to date (:attr:`refresh_weights`). The one place
+        where the tensor each monitor reads is chosen."""
+        def checked(w: torch.Tensor) -> torch.Tensor:
+            copy = read(w)
+            if tuple(copy.shape) != tuple(w.shape):
+                raise ValueError(f"a monitored weight of shape {tuple(w.shape)} was given a copy of shape "
+                                 f"{tuple(copy.shape)} ({weights})")
+            return copy
+
+        return dataclasses.replace(
+            self,
+            attention_layers=[dataclasses.replace(layer, qkv_weight=checked(layer.qkv_weight))
+                              for layer in self.attention_layers],
+            routers=[dataclasses.replace(router, weight=checked(router.weight)) for router in self.routers],
+            dense_linears={name: (checked(weight), dim) for name, (weight, dim) in self.dense_linears.items()},
+            experts=[dataclasses.replace(layer, experts=[[checked(m) for m in mats] for mats in layer.experts])
+                     for layer in self.experts],
+            weights=weights, refresh_weights=refresh)

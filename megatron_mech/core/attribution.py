@@ -99,6 +99,8 @@ def summarize_alerts(alerts: Iterable[Alert]) -> list[dict]:
     for alert in alerts:
         if alert.step in blowups and not math.isfinite(alert.value):
             groups[("nonfinite", None, alert.step)].append(alert)
+        elif "message" in alert.detail:   # an alert that words itself (e.g. skipped optimizer steps)
+            groups[(alert.family, None, (alert.metric, alert.step))].append(alert)
         else:
             groups[(alert.family, alert.detail.get("layer"), None)].append(alert)
     out = []
@@ -115,6 +117,8 @@ def summarize_alerts(alerts: Iterable[Alert]) -> list[dict]:
                  "follows": earliest.detail.get("follows"), "detail": dict(quoted.detail)}
         if family == "nonfinite":
             group["metrics"] = sorted(a.metric for a in members)
+        if "message" in quoted.detail:
+            group["message"] = quoted.detail["message"]
         out.append(group)
     return sorted(out, key=lambda g: (g["first_step"], g["family"] != "nonfinite", -g["peak_score"], g["family"],
                                       g["layer"] if g["layer"] is not None else -1))
@@ -148,6 +152,8 @@ def _number(x: float) -> str:
 
 def describe_group(group: dict) -> str:
     """One line: the cause (or the earlier cause it follows), where, and the evidence with the rule that fired."""
+    if group.get("message"):
+        return group["message"]
     if group["family"] == "nonfinite":
         names = group.get("metrics", [group["metric"]])
         symptoms = [metric_label(m) for m in ("symptom/loss", "symptom/grad_norm") if m in names]

@@ -31,7 +31,7 @@ from megatron_mech.core.taxonomy import MODULE_CLASSES
 from megatron_mech.monitors.attention.names import AGGREGATE_NAME, DW_NAME, HEAD_NAME, LINEAR_NAME
 from megatron_mech.monitors.experts import EXPERT_LAYER_NAME, EXPERT_NAME
 from megatron_mech.monitors.max_logit import MAX_LOGIT_LAYER_NAME, MAX_LOGIT_METRIC
-from megatron_mech.monitors.metric_names import SYMPTOM_GRAD_NORM, SYMPTOM_LOSS, fill
+from megatron_mech.monitors.metric_names import SYMPTOM_GRAD_NORM, SYMPTOM_LOSS, SYMPTOM_SKIPPED_STEPS, fill
 from megatron_mech.monitors.router import ROUTER_NAME
 
 __all__ = ["METRICS", "PLACEHOLDERS", "RECORD_FIELDS", "SLICE_SCOPE_FLAG", "MetricEntry", "RecordField", "alert_rule",
@@ -260,6 +260,13 @@ METRICS: tuple = (
                 "it. Also judged on any step where it is non-finite: at once, or at the next evaluation when the "
                 "trainer hands it over on the device (DeepSpeed), with its own step.", "gradient units, ≥ 0",
                 "hook, every evaluation where the trainer reports a grad norm"),
+    MetricEntry(SYMPTOM_SKIPPED_STEPS, "Optimizer steps the optimizer skipped since the previous evaluation "
+                "(non-finite gradients under DeepSpeed's bf16/ZeRO optimizers, a loss-scale overflow), as the "
+                "trainer reports them: the weights stayed as they were on those steps. Any skipped step raises one "
+                "alert naming the count (`optimizer steps skipped: 10 of the last 10; weights unchanged while the "
+                "LR was > 0`); the run's total is `summary.json`'s `optimizer_steps_skipped`.", "count, ≥ 0",
+                "hook, on the evaluations after a skipped step, where the trainer reports them (megatron-core "
+                "entry point, DeepSpeed)"),
     MetricEntry(MAX_LOGIT_METRIC, "Largest pre-softmax attention logit scale·q·k over every layer, head, "
                 "unmasked query/key pair, micro-batch and rank of the evaluation step.", "logit units",
                 "hook (max-logit recorder), every evaluation, where the adapter captures attention inputs "

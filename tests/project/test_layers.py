@@ -24,7 +24,7 @@ LAYERS = [
     ("records",),
     ("config", "options"),
     ("hook", "model_view", "logit_symptom", "optim", "logs", "extension", "deferred_values", "first_alert",
-     "async_evaluation"),
+     "skipped_steps", "async_evaluation"),
     ("adapters",),
     ("studies",),
     ("cli", "references"),

@@ -25,6 +25,11 @@ ZeRO weight access (what we chose and why)
 * **ZeRO 0/1/2**: every data-parallel rank holds the full module weights (ZeRO-1/2 partition optimizer state
   and gradients, and all-gather the updated weights after each step). They are read directly: no collective.
   With bf16/fp16 training these are the 16-bit module weights, upcast exactly (the weights the model runs).
+* **Master weights** (``mech.monitors.weights`` ``"master"``, the default) in bf16/fp16 training: the optimizer's
+  float32 master copy (:func:`master_weight_reader`): ZeRO 0's whole copy on every rank, or the float32 partitions
+  of ZeRO 1–3 gathered by ``deepspeed.utils.safe_get_full_fp32_param`` (a collective over the data-parallel
+  group, issued by every rank in the same order), so ΔW carries no bf16 rounding. In float32 training the module
+  weights are the master weights and are read as below.
 * **ZeRO 3**: each rank holds a contiguous ``1/N`` slice of the *flattened* parameter (``param.ds_tensor``).
   The slice boundaries fall at arbitrary element offsets, not on rows or columns, so a rank holds partial
   rows, and the Gram ``ΔWᵀΔW = Σ_rows r rᵀ`` needs cross products of pieces held on different ranks: the
@@ -42,7 +47,7 @@ import logging
 import re
 import sys
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -51,7 +56,7 @@ from megatron_mech.core.taxonomy import FUSED_QKV_MODULES
 from megatron_mech.monitors.attention import AttentionLayer
 
 __all__ = ["HFAttention", "AttentionGeometry", "attention_geometry", "find_hf_attention", "hf_attention_logit_captures",
-           "is_zero3_param"]
+           "is_zero3_param", "master_weight_reader", "read_weights"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +110,65 @@ def _gathered(params, enabled: bool):
     return deepspeed.zero.GatheredParameters(list(params), modifier_rank=None)
 
 
+def master_weight_reader(engine) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    """``read(param)``: the full float32 master weight of a module parameter, as the engine's optimizer keeps it
+    (bf16/fp16 training); ``None`` when the engine keeps none apart from the module's (float32 training).
+
+    ZeRO 0 (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``, also used for bf16): every rank keeps a whole float32
+    copy, read locally. ZeRO 1–3 and the bf16 optimizer: ``deepspeed.utils.safe_get_full_fp32_param`` (a
+    collective over the data-parallel group where the copy is partitioned). Looked up at each read, so a
+    checkpoint load that replaces the optimizer's tensors is followed."""
+    if not (engine.bfloat16_enabled() or engine.fp16_enabled()):
+        return None
+    optimizer = engine.optimizer
+
+    def read(param: torch.Tensor) -> torch.Tensor:
+        replicated = _replicated_masters(optimizer)
+        if replicated is not None:
+            weight = replicated.get(param)
+        else:
+            from deepspeed.utils import safe_get_full_fp32_param
+
+            weight = safe_get_full_fp32_param(param)
+        if weight is None:
+            raise ValueError(f"mech.monitors.weights 'master': the DeepSpeed optimizer ({type(optimizer).__name__}) "
+                             f"keeps no float32 master copy of a monitored parameter; set it to 'model'")
+        return weight
+
+    return read
+
+
+def _replicated_masters(optimizer) -> Optional[dict]:
+    """``{param: float32 master}`` of ZeRO 0's 16-bit optimizers (whole copies on every rank), else ``None``."""
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    if isinstance(optimizer, FP16_UnfusedOptimizer):
+        return {p: m for params, masters in zip(optimizer.fp16_groups, optimizer.fp32_groups)
+                for p, m in zip(params, masters)}
+    if isinstance(optimizer, FP16_Optimizer):   # one flat float32 copy per group, the params back to back
+        found = {}
+        for params, flat in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat):
+            offset = 0
+            for p in params:
+                found[p] = flat[offset:offset + p.numel()].view(p.shape)
+                offset += p.numel()
+        return found
+    return None
+
+
+@contextlib.contextmanager
+def read_weights(params, zero3: bool, read_master: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
+    """The full weights of ``params`` as the monitors read them: the optimizer's float32 master copy
+    (``read_master``, from :func:`master_weight_reader`), else the module's parameters (gathered under ZeRO-3).
+    Either way a collective where the weights are partitioned, issued by every rank in the same order."""
+    if read_master is not None:
+        yield [read_master(p).detach() for p in params]
+        return
+    with _gathered(params, zero3):
+        yield [p.detach() for p in params]
+
+
 class HFAttention:
     """One attention layer of an HF model: where its Q/K weights live, and the fused buffer the monitor reads."""
 
@@ -149,14 +213,15 @@ class HFAttention:
                               num_query_groups=g.num_kv_heads, head_dim=g.head_dim, head_offset=0)
 
     @torch.no_grad()
-    def refresh(self) -> None:
-        """Copy the live Q and K weights into the buffer (under ZeRO-3: gathered, a collective on every rank)."""
+    def refresh(self, read_master: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
+        """Copy the Q and K weights into the buffer: the live ones, or the optimizer's float32 master copy
+        (``read_master``); a collective on every rank where they are partitioned (:func:`read_weights`)."""
         g = self.geometry
-        with _gathered(self.params, self.zero3):
+        with read_weights(self.params, self.zero3, read_master) as weights:
             if self.layout == "separate":
-                q_rows, k_rows = self.q.detach(), self.k.detach()
+                q_rows, k_rows = weights
             else:
-                w = self.fused.detach()
+                w = weights[0]
                 if self.transposed:
                     w = w.t()
                 if self.layout == "grouped":

@@ -41,7 +41,11 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_mech.adapters.deepspeed.attention import find_hf_attention, hf_attention_logit_captures
+from megatron_mech.adapters.deepspeed.attention import (
+    find_hf_attention,
+    hf_attention_logit_captures,
+    master_weight_reader,
+)
 from megatron_mech.adapters.deepspeed.ds_config_section import DeepSpeedOptions, parse_section, read_section
 from megatron_mech.adapters.deepspeed.mols_backend import DeepSpeedMoLS
 from megatron_mech.adapters.deepspeed.router_capture import find_gates, gate_capture, token_group_of
@@ -49,7 +53,7 @@ from megatron_mech.adapters.deepspeed.safe_load import weights_only_loads
 from megatron_mech.async_evaluation import destroy_groups
 from megatron_mech.config import MechConfig
 from megatron_mech.hook import Action, Extension, MechHook
-from megatron_mech.model_view import ModelView, RouterView
+from megatron_mech.model_view import MASTER_WEIGHTS, ModelView, RouterView, model_weights_words
 from megatron_mech.records.run_directory import MAX_SMALL_FILE_BYTES, write_run_id
 from megatron_mech.records.safe_files import open_regular, read_small_file, refuse_symlink, write_file_atomically
 
@@ -94,7 +98,14 @@ class DeepSpeedMech:
         self._engine_monitor = monitor if use_monitor else None  # also gets the records (logging rank)
         for extension in self.hook.extensions:  # e.g. the studies' emulated attention, told the step by the hook
             extension.prepare_model(model)
+        # the optimizer's float32 master weights (bf16/fp16 training) or the module's (None): see read_weights
+        self.read_master = master_weight_reader(engine) if config.monitors.weights == "master" else None
+        for gate in self.gates if self.read_master is not None else ():
+            gate.use_master(self.read_master)
+        read = [p for a in self.attention_sources for p in a.params] + [g.param for g in self.gates]
         self.view = ModelView(
+            weights=(MASTER_WEIGHTS if self.read_master is not None
+                     else model_weights_words({p.dtype for p in read})),
             attention_layers=[a.spec() for a in self.attention_sources],
             attention_logit_capture=hf_attention_logit_captures(self.attention_sources),
             routers=[RouterView(g.layer, g.weight, g.topk, gate_capture(g)) for g in self.gates],
@@ -114,6 +125,7 @@ class DeepSpeedMech:
         self.hook.attach_optimizer(engine.optimizer)  # MoLS: installs the scheduler wrapper
         self._is_setup = False
         self._step_base_lr = math.nan
+        self._skipped_so_far = int(getattr(engine, "skipped_steps", 0) or 0)
         self.last_action = Action.CONTINUE
 
     @classmethod
@@ -144,7 +156,7 @@ class DeepSpeedMech:
         if self.hook.monitor("attention") is not None and self.is_evaluation_step(step):
             with self.hook.timed("attention"):
                 for source in self.attention_sources:
-                    source.refresh()
+                    source.refresh(self.read_master)
         if self.hook.monitor("router") is not None and self.is_evaluation_step(step):
             with self.hook.timed("router"):
                 for gate in self.gates:
@@ -164,7 +176,7 @@ class DeepSpeedMech:
 
     def _refresh_all(self) -> None:
         for source in self.attention_sources:
-            source.refresh()
+            source.refresh(self.read_master)
         for gate in self.gates:
             gate.refresh()
 
@@ -198,8 +210,12 @@ class DeepSpeedMech:
             loss = self._data_parallel_mean(loss)
         self._refresh(step)
         grad_norm = self.engine.get_global_grad_norm()  # a tensor, a float (inf: overflow) or None
+        # DeepSpeed counts the steps its optimizer skipped (non-finite gradients, an fp16 overflow), silently
+        skipped_so_far = int(getattr(self.engine, "skipped_steps", 0) or 0)
+        skipped = skipped_so_far > self._skipped_so_far
+        self._skipped_so_far = skipped_so_far
         self.last_action = self.hook.after_optimizer_step(step, loss=loss, grad_norm=grad_norm,
-                                                          lr=self._step_base_lr, extra=extra)
+                                                          lr=self._step_base_lr, extra=extra, skipped=skipped)
         return self.last_action
 
     def _data_parallel_mean(self, loss) -> torch.Tensor:

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_mech.adapters.deepspeed.attention import is_zero3_param
+from megatron_mech.adapters.deepspeed.attention import is_zero3_param, read_weights
 
 __all__ = ["GateHandle", "find_gates", "gate_capture", "token_group_of"]
 
@@ -50,14 +50,20 @@ class GateHandle:
         self.num_experts = shape[0]
         # The weight the geometry reads: the live parameter, or a host copy refreshed under ZeRO-3.
         self.weight = torch.zeros(shape, dtype=torch.float32) if self.zero3 else self.param
+        self.read_master = None
+
+    def use_master(self, read_master) -> None:
+        """Read the optimizer's float32 master copy from now on (``read_master``, see
+        :func:`~megatron_mech.adapters.deepspeed.attention.master_weight_reader`), into a float32 copy refreshed
+        at each :meth:`refresh`."""
+        self.read_master = read_master
+        self.weight = torch.zeros(self.weight.shape, dtype=torch.float32, device=self.param.device)
 
     @torch.no_grad()
     def refresh(self) -> None:
-        if self.zero3:
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters([self.param], modifier_rank=None):
-                self.weight.copy_(self.param.detach())
+        if self.zero3 or self.read_master is not None:
+            with read_weights([self.param], self.zero3, self.read_master) as (weight,):
+                self.weight.copy_(weight)
 
 
 def _is_deepspeed_gate(module) -> bool:

@@ -104,6 +104,12 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
     t.add_argument("--recompute-modules", nargs="+", default=None,
                    help="selective recompute modules (megatron-core names, e.g. core_attn moe)")
     t.add_argument("--use-distributed-optimizer", action="store_true")
+    t.add_argument("--bf16", action="store_true",
+                   help="bfloat16 weights and activations, with float32 main params in the optimizer (which "
+                        "megatron-mech's monitors read by default: --mech-weights)")
+    t.add_argument("--fp16", action="store_true",
+                   help="float16 weights and activations, float32 main params and megatron-core's dynamic loss "
+                        "scaler (its skipped steps are named in an alert)")
     d = p.add_argument_group("data")
     d.add_argument("--data-path", nargs="+", default=None,
                    help="Megatron .bin/.idx prefix(es), optionally weighted: 'PREFIX', 'P1 P2' or '0.3 P1 0.7 P2' "
@@ -148,6 +154,8 @@ def check_args(args, world_size: int) -> None:
     )
     from megatron_mech.adapters.megatron_core.data_path import parse_data_path
 
+    if args.fp16 and args.bf16:
+        raise ValueError("--fp16 and --bf16 exclude each other: choose one precision")
     for name in _POSITIVE_FLAGS:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Optional
 
+from megatron_mech.adapters.megatron_core.master_weights import read_master_weights
 from megatron_mech.hook import MechHook
 from megatron_mech.optim import base_lr
 
@@ -55,7 +56,8 @@ def register_mech_callbacks(manager, hook: MechHook, *, build_view: Optional[Cal
 
     def on_train_start(ctx):
         done["steps"] = int(start_step())
-        hook.setup(build_view(ctx.model), ctx.optimizer, start_step=done["steps"], scheduler=ctx.scheduler)
+        view = read_master_weights(build_view(ctx.model), ctx.optimizer, hook.config.monitors.weights)
+        hook.setup(view, ctx.optimizer, start_step=done["steps"], scheduler=ctx.scheduler)
 
     def on_train_step_start(ctx):
         hook.before_step(done["steps"] + 1)
@@ -63,9 +65,11 @@ def register_mech_callbacks(manager, hook: MechHook, *, build_view: Optional[Cal
     def on_train_step_end(ctx):
         done["steps"] += 1
         loss = (ctx.loss_dict or {}).get(loss_key)
+        skipped = getattr(ctx, "skipped_iter", None)  # Megatron-LM's: the optimizer skipped the step
         ctx.user_state["mech_action"] = hook.after_optimizer_step(
             done["steps"], loss=float(loss) if loss is not None else math.nan,
-            grad_norm=float(ctx.grad_norm) if ctx.grad_norm is not None else None, lr=base_lr(ctx.optimizer))
+            grad_norm=float(ctx.grad_norm) if ctx.grad_norm is not None else None, lr=base_lr(ctx.optimizer),
+            skipped=bool(skipped) if skipped is not None else None)
 
     def on_train_end(ctx):
         hook.close()

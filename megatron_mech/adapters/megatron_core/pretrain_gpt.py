@@ -51,6 +51,7 @@ from megatron_mech.adapters.megatron_core.flags import (
     lr_warmup_steps,
     train_steps,
 )
+from megatron_mech.adapters.megatron_core.master_weights import read_master_weights
 from megatron_mech.adapters.megatron_core.stop_signals import StopOnSignal
 from megatron_mech.config import DEFAULT_OUTPUT_DIR, MechConfig
 from megatron_mech.core.sharded import collective_device
@@ -144,7 +145,8 @@ def _build_model(args, extensions=(), backward_context=None, pipeline_size: int 
         normalization=args.normalization, gated_linear_unit=args.swiglu, qk_layernorm=args.qk_layernorm,
         activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
         add_bias_linear=not (args.num_experts or args.swiglu), hidden_dropout=0.0, attention_dropout=0.0,
-        params_dtype=torch.float32, pipeline_dtype=torch.float32, pipeline_model_parallel_size=pipeline_size,
+        bf16=args.bf16, fp16=args.fp16, params_dtype=model_dtype(args), pipeline_dtype=model_dtype(args),
+        pipeline_model_parallel_size=pipeline_size,
         # one isend/irecv per message rather than batched: gloo has no coalesced p2p
         batch_p2p_comm=torch.cuda.is_available(),
         recompute_granularity=args.recompute_granularity,
@@ -163,6 +165,12 @@ def _build_model(args, extensions=(), backward_context=None, pipeline_size: int 
                      share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                      pre_process=pre_process, post_process=post_process, pg_collection=pg_collection)
     return config, model
+
+
+def model_dtype(args) -> torch.dtype:
+    """The dtype of the model's weights and activations: bfloat16 with ``--bf16``, float16 with ``--fp16`` (the
+    optimizer then keeps float32 main params), else float32."""
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
 
 def build_data(args, rank: int, index_cache_dir=None):
@@ -359,12 +367,18 @@ def build_training(args, runtime: Runtime, config: MechConfig, run_id: Optional[
     model_config, model = build_model(args, hook.extensions, backward_context=runtime.fast_forward, pipeline_size=pp)
     if runtime.cuda:
         model.cuda(torch.cuda.current_device())
+    if model_dtype(args) != torch.float32:  # Megatron-LM's order: the 16-bit wrapper (casting weights and inputs)
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(model_config, model)
+    # 16-bit gradients are reduced and accumulated in float32, as Megatron-LM does with --bf16
     model = DistributedDataParallel(model_config, DistributedDataParallelConfig(
-        use_distributed_optimizer=args.use_distributed_optimizer, overlap_grad_reduce=False), model)
+        use_distributed_optimizer=args.use_distributed_optimizer, overlap_grad_reduce=False,
+        grad_reduce_in_fp32=model_dtype(args) != torch.float32), model)
     optimizer_config = OptimizerConfig(
         optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2, clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,
-        bf16=False, fp16=False)
+        bf16=args.bf16, fp16=args.fp16, params_dtype=model_dtype(args))
     view = megatron_model_view([model], sequence_parallel=args.sequence_parallel, optimizer_config=optimizer_config,
                                global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size)
     optimizer = get_megatron_optimizer(optimizer_config, [model], config_overrides=hook.optimizer_overrides(view))
@@ -378,7 +392,8 @@ def build_training(args, runtime: Runtime, config: MechConfig, run_id: Optional[
     model_config.no_sync_func = model.no_sync
 
     layout = {"world": runtime.world, "tp": tp, "ep": args.expert_model_parallel_size, **({"pp": pp} if pp > 1 else {}),
-              "dist_opt": bool(args.use_distributed_optimizer)}
+              "dist_opt": bool(args.use_distributed_optimizer),
+              **({"bf16": True} if args.bf16 else {}), **({"fp16": True} if args.fp16 else {})}
     start_step = (load_checkpoint(args.load, model, optimizer, scheduler, layout, hook=hook,
                                   exit_on_missing=args.exit_on_missing_checkpoint) if args.load else 0)
 
@@ -397,6 +412,7 @@ def build_training(args, runtime: Runtime, config: MechConfig, run_id: Optional[
         return mols.sample_step(iteration, forward_backward, forward_step, batches,
                                 seq_length=args.seq_length, micro_batch_size=args.micro_batch_size)
 
+    view = read_master_weights(view, optimizer, config.monitors.weights)  # after the checkpoint is loaded
     hook.setup(view, optimizer, start_step=start_step, scheduler=scheduler, sample_passes=sample_passes)
     return Training(model, optimizer, scheduler, hook, layout, start_step, train_sampler, valid_sampler,
                     forward_backward, forward_step, ps.get_data_parallel_group(),
@@ -431,13 +447,14 @@ def train(args, t: Training, runtime: Runtime, stop_signal: StopOnSignal) -> dic
         out = t.forward_backward(forward_step_func=t.forward_step, data_iterator=iter(micro), model=[t.model],
                                  num_microbatches=len(micro), seq_length=args.seq_length,
                                  micro_batch_size=args.micro_batch_size, forward_only=False)
-        _, grad_norm, _ = t.optimizer.step()
+        update_successful, grad_norm, _ = t.optimizer.step()
         lr = base_lr(t.optimizer)  # the record's lr: what this step's update ran at (before the scheduler moves it)
         t.scheduler.step(increment=1)
         loss = average_over([float(r["lm loss"]) for r in out], t.dp_group, t.pp_group)
         action = t.hook.after_optimizer_step(step, loss=loss, lr=lr,
                                              grad_norm=float(grad_norm) if grad_norm is not None else None,
-                                             extra={"tokens": step * tokens_per_step})
+                                             extra={"tokens": step * tokens_per_step},
+                                             skipped=not update_successful)
         if action is not Action.CONTINUE and args.save:  # identical on every rank: saving is collective
             t.hook.checkpoint_saved(step, save_checkpoint(args.save, step, t.model, t.optimizer, t.scheduler,
                                                           t.layout, hook=t.hook, run_id=t.run_id))
@@ -512,6 +529,7 @@ def finish(args, t: Training, runtime: Runtime, run: dict, output_dir: str) -> b
                    "monitor_breakdown": {**hook.seconds, "router_capture": hook.router_capture_seconds,
                                          "max_logit_capture": hook.capture_seconds("max_logit")},
                    "alerts": [a.to_dict() for a in alerts], "records_lost_steps": hook.lost_record_steps,
+                   "optimizer_steps_skipped": hook.skipped_steps.total,
                    "async_evaluation": hook.async_report()}
         summary_written = write_summary(Path(output_dir) / "summary.json", summary)
         logger.info(f"[train] done: {final_step} steps in {elapsed:.0f}s, monitors {hook.evaluation_seconds:.1f}s "

@@ -349,7 +349,10 @@ def on_setup(model, optimizer, opt_param_scheduler) -> None:
         RUN.restored = None
         if hook.mols is not None and opt_param_scheduler is not None:
             opt_param_scheduler.step(increment=0)  # the scheduler set lrs from max_lr before MoLS restored them
-    hook.setup(RUN.view, optimizer, start_step=start_step)
+    from megatron_mech.adapters.megatron_core.master_weights import read_master_weights
+
+    hook.setup(read_master_weights(RUN.view, optimizer, hook.config.monitors.weights), optimizer,
+               start_step=start_step)
 
 
 def on_train_start(model, optimizer, config, iteration: int) -> None:
@@ -510,7 +513,7 @@ def after_optimizer_step(model, optimizer, iteration: int, losses_reduced, updat
     if grad_norm is not None and not isinstance(grad_norm, torch.Tensor):
         grad_norm = float(grad_norm)  # Megatron's norm is reduced over the model: the same on every rank
     action = hook.after_optimizer_step(step, loss=loss, grad_norm=grad_norm, lr=float(base_lr(optimizer)),
-                                       extra=extra)
+                                       extra=extra, skipped=not bool(update_successful))
     if action is not Action.CONTINUE:
         RUN.alert_action = (step, action)
     return action

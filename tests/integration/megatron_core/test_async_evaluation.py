@@ -40,6 +40,9 @@ LAYOUTS = {
                             "--mech-experts"]),
     "pp2": (2, ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--mech-monitors", "attention",
                 "--mech-all-linears"]),
+    # the sharded float32 master weights are gathered on the training thread, before the copy the worker reads
+    "bf16_distopt": (2, ["--bf16", "--use-distributed-optimizer", "--mech-monitors", "attention",
+                         "--mech-all-linears"]),
 }
 
 

@@ -387,7 +387,7 @@ def test_every_attention_setting_is_declared_once_by_the_monitor():
     redeclared = set(vars(MonitorConfig).get("__annotations__", {})) & set(monitor_fields)
     assert not redeclared, f"MonitorConfig declares attention settings again: {sorted(redeclared)}"
     assert set(section_fields) - set(monitor_fields) == {"families", "all_linears", "experts", "router_token_stride",
-                                                         "asynchronous", "async_timeout"}
+                                                         "asynchronous", "async_timeout", "weights"}
     assert not hasattr(config_module, "ATTENTION_FIELDS")
 
     declared = _declared_flags()
@@ -573,3 +573,11 @@ def test_a_path_with_a_nul_byte_is_refused_where_it_is_set_naming_it(tmp_path):
     with pytest.raises(SystemExit):
         _parser().parse_args(["--mech-output-dir", "runs\0x"])
     assert parse_section({"output": {"dir": "runs/x"}})[0].output.dir == "runs/x"  # an ordinary path is kept
+
+
+def test_weights_setting_is_master_by_default_and_refuses_other_values():
+    """--mech-weights / "mech": {"monitors": {"weights"}} chooses the weights the monitors difference."""
+    assert MechConfig().monitors.weights == "master"
+    assert MechConfig.from_dict({"monitors": {"weights": "model"}}).monitors.weights == "model"
+    with pytest.raises(ValueError, match="weights"):
+        MechConfig.from_dict({"monitors": {"weights": "bf16"}})
