@@ -112,9 +112,10 @@ def test_resume_refuses_a_checkpoint_of_another_precision(tmp_path):
     assert "'bf16': True" in str(failure.value)
 
 
-def test_fp16_trains_with_the_loss_scaler_names_its_skipped_steps_and_resumes_exactly(tmp_path):
+def test_fp16_trains_with_the_loss_scaler_counts_its_start_up_skips_without_alerting_and_resumes_exactly(tmp_path):
     """megatron-core's dynamic loss scaler starts at 2^32 and skips the steps whose scaled gradients overflow while
-    it backs off: those skips are named and counted, and its state is restored on resume."""
+    it backs off: those skips are counted in the summary, not alerted (every fp16 run does this: an alert there
+    would be a false alarm), and the count is restored on resume."""
     fp16 = [f for f in TINY if f != "--bf16"] + ["--fp16", "--lr", "2e-3", "--min-lr", "2e-4", "--save-interval", "10"]
 
     def fp16_run(name, *extra):
@@ -130,9 +131,9 @@ def test_fp16_trains_with_the_loss_scaler_names_its_skipped_steps_and_resumes_ex
     resumed = fp16_run("part", "--load", str(tmp_path / "part"))
     assert "reading the optimizer's float32 master weights" in full["stdout"]
     skipped = full["summary"]["optimizer_steps_skipped"]
-    named = {r["step"]: r["metrics"].get("symptom/optimizer_steps_skipped", 0) for r in full["records"]}
-    assert 0 < skipped < 30 and sum(named.values()) == skipped   # the scaler backed off, then training went on
-    assert "[mech] ALERT step 5: optimizer steps skipped: 5 of the last 5 (steps 1-5)" in full["stdout"]
+    assert 0 < skipped < 30   # the scaler backed off, then training went on
+    assert "optimizer steps skipped" not in full["stdout"]
+    assert not any(r["alerts"] for r in full["records"])
     assert full["summary"]["losses"][-1] < full["summary"]["losses"][0]
     for a, b in zip(full["records"], resumed["records"]):
         assert (a["step"], a["loss"], a["metrics"]) == (b["step"], b["loss"], b["metrics"])
