@@ -1,6 +1,7 @@
-"""A missing package for a sink the flags ask for (``tensorboard`` for ``--tensorboard-dir``, ``wandb`` for
-``--mech-wandb-project``) is named in one line, exit code 2, before torchrun starts: by ``megatron-mech train`` and by
-``launch_scripts/torchrun_multinode.sh`` — not under torchrun's report of every failed worker.
+"""A missing package is named in one line, exit code 2, before torchrun starts — not under torchrun's report of every
+failed worker: by ``megatron-mech train`` (its path's packages and extra) and, for a sink the flags ask for
+(``tensorboard`` for ``--tensorboard-dir``, ``wandb`` for ``--mech-wandb-project``), by
+``launch_scripts/torchrun_multinode.sh``.
 
 The package is made unimportable in the real subprocess by a ``sitecustomize`` on its ``PYTHONPATH`` that sets
 ``sys.modules[name] = None``, what ``import name`` reads as "not installed" (and what
@@ -34,24 +35,25 @@ def _lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
-@pytest.mark.slow
-def test_train_names_a_missing_tensorboard_in_one_line_before_launching(tmp_path):
+def _train_missing(tmp_path, package: str) -> list[str]:
+    """``megatron-mech train`` with ``package`` unimportable: its stderr lines (exit code 2, torchrun never started)."""
     out = tmp_path / "run"
     done = subprocess.run([sys.executable, "-m", "megatron_mech.cli", "train", "--steps", "20", "--out", str(out)],
-                          env=_env(tmp_path, "tensorboard"), cwd=tmp_path, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 2
-    assert _lines(done.stderr) == [f"megatron-mech train: error: --tensorboard-dir {out}/tb: {TENSORBOARD_MISSING}"]
+                          env=_env(tmp_path, package), cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 2, done.stderr[-2000:]
     assert "+ " not in done.stdout and not out.exists()  # torchrun never started
+    return _lines(done.stderr)
 
 
 @pytest.mark.slow
-def test_train_names_a_missing_matplotlib_in_one_line_before_launching(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "megatron_mech.cli", "train", "--steps", "20", "--out",
-                           str(tmp_path / "run")], env=_env(tmp_path, "matplotlib"), cwd=tmp_path,
-                          capture_output=True, text=True, timeout=240)
-    assert done.returncode == 2 and "+ " not in done.stdout
-    (line,) = _lines(done.stderr)
-    assert line.startswith("megatron-mech train: error: the report is drawn with matplotlib, which cannot be imported")
+@pytest.mark.parametrize("package", ["tensorboard", "matplotlib"])
+def test_train_names_a_missing_package_of_its_path_in_one_line_before_launching(tmp_path, package):
+    """TensorBoard (the run's log) and matplotlib (its report) are the entry point's own packages: one line names
+    the missing one and the path's extra, before torchrun starts."""
+    assert _train_missing(tmp_path, package) == [
+        f"megatron-mech train: error: our entry point (megatron-mech train / demo) needs packages that are not "
+        f"installed: {package}. Install: pip install 'megatron-mech[megatron]' (in a clone: pip install "
+        f"'.[megatron]')"]
 
 
 def _launch_script(tmp_path, *flags, blocked=()):
