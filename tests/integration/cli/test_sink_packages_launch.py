@@ -13,7 +13,6 @@ import subprocess
 import sys
 
 import pytest
-
 from dist_utils import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(300)
