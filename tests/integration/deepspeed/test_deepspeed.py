@@ -314,7 +314,8 @@ LAYER_TREND = "attn/*/head*/delta2_entropy: a layer's median fall >= 1.5 log uni
 # window, at the next evaluation (step 82)
 START_LINE = ("[mech] monitors on: 2 attention layers, max attention logit, every 2 steps, reading the model's float32 "
               "weights (the optimizer's own); detectors armed from step 106 (warm-up 30 + baseline 20 + persistence 3 "
-              "evaluations); level rules armed from the first evaluation (step 2): symptom/max_attn_logit/layer* > 100; layer trend armed from step 80: {LAYER_TREND}; "
+              "evaluations); level rules armed from the first evaluation (step 2): symptom/max_attn_logit/layer* > 100; "
+              f"layer trend armed from step 80: {LAYER_TREND}; "
               "update-ratio jump armed from step 82: every layer's update ratio, in median, >= 0.693 log units above "
               "its own last 10 evaluations")
 
