@@ -131,15 +131,14 @@ def check_sinks(config: dict) -> None:
     """The optional sinks the "mech" section asks for can start: their packages are installed and W&B, online, has
     an API key. Checked before anything is built; the sinks start on rank 0 once the engine is (``ValueError``
     naming the key)."""
-    from megatron_mech.records.sinks import missing_sink_package, wandb_login_problem
+    from megatron_mech.records.sinks import sink_start_problem
 
     output = output_settings(config)
-    if output.tensorboard_dir and missing_sink_package("tensorboard"):
-        raise ValueError(f"mech.output.tensorboard_dir {output.tensorboard_dir}: {missing_sink_package('tensorboard')}")
-    if output.wandb_project:
-        reason = missing_sink_package("wandb") or wandb_login_problem()
+    for key, kind in (("tensorboard_dir", "tensorboard"), ("wandb_project", "wandb")):
+        value = getattr(output, key)
+        reason = sink_start_problem(kind) if value else None
         if reason:
-            raise ValueError(f"mech.output.wandb_project {output.wandb_project}: {reason}")
+            raise ValueError(f"mech.output.{key} {value}: {reason}")
 
 
 def output_dirs(args, config: dict) -> list:

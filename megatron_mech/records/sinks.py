@@ -72,7 +72,8 @@ __all__ = ["JSONL_NAME", "RESERVED_KEYS", "MAX_LINE_BYTES", "make_record", "enco
            "record_alerts", "record_scalars", "read_alerts", "read_jsonl", "iter_jsonl", "truncate_jsonl", "Sink",
            "JsonlSink", "TensorBoardSink", "WandbSink",
            "DeepSpeedMonitorSink", "CallbackSink", "MultiSink", "default_sinks",
-           "missing_sink_package", "wandb_login_problem", "alert_markers", "loss_and_alerts_layout"]
+           "missing_sink_package", "wandb_login_problem", "sink_start_problem",
+           "alert_markers", "loss_and_alerts_layout"]
 
 logger = logging.getLogger(__name__)
 
@@ -403,6 +404,12 @@ def wandb_login_problem() -> str | None:
     return (f"W&B would log online (WANDB_MODE={os.environ.get('WANDB_MODE', 'unset')}) but no API key is set up "
             f"for {host}: set WANDB_API_KEY, run 'wandb login', or set WANDB_MODE=offline")
 
+
+
+def sink_start_problem(kind: str) -> str | None:
+    """Why the optional sink ``kind`` asked for cannot start — its package is missing, or (W&B) it would log
+    online without an API key — or None: the one check the entry points run before anything is built."""
+    return missing_sink_package(kind) or (wandb_login_problem() if kind == "wandb" else None)
 
 def default_sinks(run_dir: str | os.PathLike, *, tensorboard: bool | str | os.PathLike = False,
                   wandb_kwargs: Mapping[str, Any] | None = None, extra: Iterable[Sink] = (),

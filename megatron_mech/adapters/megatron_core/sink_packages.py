@@ -13,7 +13,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from megatron_mech.records.sinks import missing_sink_package, wandb_login_problem
+from megatron_mech.records.sinks import sink_start_problem
 
 __all__ = ["SINK_FLAGS", "flags_problem", "sink_package_problem"]
 
@@ -23,9 +23,9 @@ SINK_FLAGS = (("--tensorboard-dir", "tensorboard"), ("--mech-wandb-project", "wa
 
 def sink_package_problem(tensorboard_dir: Optional[str], wandb_project: Optional[str]) -> Optional[str]:
     """``"<flag> <value>: <why>"`` for the first sink asked for that cannot start: its package is missing, or (W&B)
-    it would log online without an API key (:func:`~megatron_mech.records.sinks.wandb_login_problem`); or None."""
+    it would log online without an API key (:func:`~megatron_mech.records.sinks.sink_start_problem`); or None."""
     for (flag, kind), value in zip(SINK_FLAGS, (tensorboard_dir, wandb_project)):
-        reason = (missing_sink_package(kind) or (wandb_login_problem() if kind == "wandb" else None)) if value else None
+        reason = sink_start_problem(kind) if value else None
         if reason:
             return f"{flag} {value}: {reason}"
     return None
