@@ -109,7 +109,8 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
                         "megatron-mech's monitors read by default: --mech-weights)")
     t.add_argument("--fp16", action="store_true",
                    help="float16 weights and activations, float32 main params and megatron-core's dynamic loss "
-                        "scaler (its skipped steps are named in an alert)")
+                        "scaler (its skipped steps are counted, and alerted when at least half of an interval's "
+                        "steps are skipped)")
     d = p.add_argument_group("data")
     d.add_argument("--data-path", nargs="+", default=None,
                    help="Megatron .bin/.idx prefix(es), optionally weighted: 'PREFIX', 'P1 P2' or '0.3 P1 0.7 P2' "
