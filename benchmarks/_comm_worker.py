@@ -13,8 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch.distributed as dist  # noqa: E402
 
-from megatron_mech.adapters.megatron_core.pretrain_gpt import main  # noqa: E402
 from megatron_mech.hook import MechHook  # noqa: E402
+from megatron_mech.trainers.megatron_core.pretrain_gpt import main  # noqa: E402
 
 count_file = Path(sys.argv[1])
 inside = {"on": False}

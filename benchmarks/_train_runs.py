@@ -20,12 +20,12 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from megatron_mech.adapters.megatron_core.checkpoint import TRACKER  # noqa: E402
-from megatron_mech.adapters.megatron_core.launch import torchrun_prefix  # noqa: E402
-from megatron_mech.adapters.megatron_core.presets import small_moe  # noqa: E402
 from megatron_mech.records.sinks import read_jsonl, record_alerts  # noqa: E402
 from megatron_mech.studies.clean_scores import replay_alerts  # noqa: E402
 from megatron_mech.studies.pretrain_gpt_fault import ENTRY_MODULE as FAULT_ENTRY_MODULE  # noqa: E402
+from megatron_mech.trainers.megatron_core.checkpoint import TRACKER  # noqa: E402
+from megatron_mech.trainers.megatron_core.launch import torchrun_prefix  # noqa: E402
+from megatron_mech.trainers.megatron_core.presets import small_moe  # noqa: E402
 
 __all__ = ["model_flags", "train_run"]
 

@@ -1,6 +1,6 @@
 """One DeepSpeed run per ZeRO stage with the monitors on: the records, and the monitor cost as a share of step time.
 
-Runs ``launch_scripts/deepspeed_train.py`` on 2 processes (gloo on CPU) for ZeRO 0, 1, 2, 3 with the dense
+Runs ``megatron_mech.trainers.deepspeed.train`` on 2 processes (gloo on CPU) for ZeRO 0, 1, 2, 3 with the dense
 HF Llama-style model, and for ZeRO 1 and 2 with DeepSpeed MoE layers (4 experts, top-2, ep_size 2), all with
 δ = 10. The monitor cost is *accounted*: wall time spent inside megatron-mech on rank 0 (snapshots, evaluations
 with their ZeRO-3 gathers, router capture and reduction, detectors, JSONL) divided by the total step time of
@@ -34,7 +34,7 @@ SERIES = ("attn/layer1/dwq_entropy", "attn/layer1/delta2_entropy_mean", "router/
 
 def run(model: str, stage: int, steps: int, out: Path, port: int) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
-           str(REPO / "launch_scripts" / "deepspeed_train.py"), "--model", model, "--zero-stage", str(stage),
+           "-m", "megatron_mech.trainers.deepspeed.train", "--model", model, "--zero-stage", str(stage),
            "--steps", str(steps), "--output-dir", str(out), *MODEL]
     if model == "ds-moe":
         cmd += ["--ep-size", "2"]

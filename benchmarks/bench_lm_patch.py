@@ -67,8 +67,8 @@ STEP_RE = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
 
 
 def fork_step_times(fork: Path, rounds: int, steps: int, skip: int) -> dict:
-    from megatron_mech.adapters.megatron_core.data import prepare_data
     from megatron_mech.adapters.megatron_lm_fork.training_cpu_shims import CPU_TRAINING_FLAGS
+    from megatron_mech.trainers.data.embedded import prepare_data
 
     cuda = torch.cuda.is_available()
     data = prepare_data(None, vocab_size=1024, max_docs_per_source=200)

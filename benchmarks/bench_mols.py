@@ -44,10 +44,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks._results import write_results  # noqa: E402
-from megatron_mech.adapters.megatron_core.launch import torchrun_prefix  # noqa: E402
 from megatron_mech.core.mols import default_window, parse_fixed_multipliers  # noqa: E402
 from megatron_mech.studies.leadtime import check_reporting_seeds  # noqa: E402
 from megatron_mech.studies.paired import paired_ci  # noqa: E402
+from megatron_mech.trainers.megatron_core.launch import torchrun_prefix  # noqa: E402
 
 logger = logging.getLogger("bench_mols")
 

@@ -37,11 +37,11 @@ from benchmarks._results import write_results  # noqa: E402
 from benchmarks.bench_mols import REPORTING_SEEDS, TUNING_SEEDS, steps_to_reach  # noqa: E402
 from megatron_mech.adapters.deepspeed.batches import global_batch  # noqa: E402
 from megatron_mech.adapters.deepspeed.models import dense_llama  # noqa: E402
-from megatron_mech.adapters.megatron_core.data import DEFAULT_VALID_FRACTION, is_validation_document, load_corpus  # noqa: E402
 from megatron_mech.core.mols import MoLSConfig, default_window  # noqa: E402
 from megatron_mech.studies.leadtime import check_reporting_seeds  # noqa: E402
 from megatron_mech.studies.paired import paired_ci  # noqa: E402
 from megatron_mech.studies.torch_mols import TorchMoLS  # noqa: E402
+from megatron_mech.trainers.data.embedded import DEFAULT_VALID_FRACTION, is_validation_document, load_corpus  # noqa: E402
 
 logger = logging.getLogger("bench_mols_lora")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

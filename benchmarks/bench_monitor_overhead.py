@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_mech.adapters.megatron_core.launch import torchrun_prefix
+from megatron_mech.trainers.megatron_core.launch import torchrun_prefix
 
 try:
     from _results import check_idle, write_results

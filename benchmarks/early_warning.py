@@ -36,7 +36,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks._results import write_results  # noqa: E402
-from megatron_mech.adapters.megatron_core.presets import small_moe  # noqa: E402
 from megatron_mech.logit_symptom import MAX_LOGIT_METRIC  # noqa: E402
 from megatron_mech.records.sinks import read_jsonl  # noqa: E402
 from megatron_mech.studies.clean_scores import replay_alerts  # noqa: E402
@@ -57,6 +56,7 @@ from megatron_mech.studies.outcomes import (  # noqa: E402
     max_logit_explosion_step,
     run_outcome,
 )
+from megatron_mech.trainers.megatron_core.presets import small_moe  # noqa: E402
 
 logger = logging.getLogger("benchmarks.early_warning")
 

@@ -36,7 +36,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megatron_mech.adapters.megatron_core.launch import torchrun_prefix  # noqa: E402
 from megatron_mech.core.attribution import alert_lines  # noqa: E402
 from megatron_mech.studies.clean_scores import replay_alerts  # noqa: E402
 from megatron_mech.studies.demo import load_demo_run, not_counted_text, score_act  # noqa: E402
@@ -54,6 +53,7 @@ from megatron_mech.studies.leadtime import (  # noqa: E402
     plot_fault,
 )
 from megatron_mech.studies.pretrain_gpt_fault import ENTRY_MODULE as FAULT_ENTRY_MODULE  # noqa: E402
+from megatron_mech.trainers.megatron_core.launch import torchrun_prefix  # noqa: E402
 
 MODEL = LEAD_MODEL
 FAULTS = FAULT_FLAGS

@@ -4,7 +4,7 @@
         --expert-model-parallel-size 2 --train-iters 300 --save runs/demo
 
 See ``python launch_scripts/pretrain_gpt_mech.py --help`` for every flag; the code is
-``megatron_mech/adapters/megatron_core/pretrain_gpt.py`` (installed with the package, so this file is only a
+``megatron_mech/trainers/megatron_core/pretrain_gpt.py`` (installed with the package, so this file is only a
 launcher). Fault injection is a study, not the product: its ``--mech-fault*`` flags are refused here, naming the
 studies' launcher that takes them (``torchrun -m megatron_mech.studies.pretrain_gpt_fault``).
 """
@@ -15,8 +15,8 @@ CHECKOUT = Path(__file__).resolve().parents[1]
 if (CHECKOUT / "megatron_mech" / "__init__.py").is_file():  # runnable from a checkout without installing
     sys.path.insert(0, str(CHECKOUT))  # (installed, this file sits inside megatron_mech/: nothing to add)
 
-from megatron_mech.adapters.megatron_core.flags import build_parser  # noqa: E402
-from megatron_mech.adapters.megatron_core.pretrain_gpt import main  # noqa: E402
+from megatron_mech.trainers.megatron_core.flags import build_parser  # noqa: E402
+from megatron_mech.trainers.megatron_core.pretrain_gpt import main  # noqa: E402
 
 
 def refuse_study_flags(argv) -> None:

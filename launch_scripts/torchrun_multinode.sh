@@ -52,7 +52,7 @@ if [[ -f "$here/../megatron_mech/__init__.py" ]]; then  # a checkout (installed,
 fi
 check_status=0
 # shellcheck disable=SC2086  # PYTHON may be a command with arguments
-reason=$(PYTHONPATH="$check_path" ${PYTHON:-python3} -m megatron_mech.adapters.megatron_core.sink_packages "$@" 2>&1) || check_status=$?
+reason=$(PYTHONPATH="$check_path" ${PYTHON:-python3} -m megatron_mech.trainers.megatron_core.sink_packages "$@" 2>&1) || check_status=$?
 if [[ "$check_status" -eq 2 ]]; then
   echo "$reason" >&2; exit 2
 fi

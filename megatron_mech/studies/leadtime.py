@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from megatron_mech.adapters.megatron_core.presets import small_moe
 from megatron_mech.records.safe_files import write_file_atomically
+from megatron_mech.trainers.megatron_core.presets import small_moe
 
 __all__ = ["REPORTING_SEEDS", "SLOW_RAMP", "TUNING_SEEDS", "check_reporting_seeds", "parse_study_args",
            "DIVERGENCE_HOLD", "FAULT_FLAGS", "LEAD_MODEL", "divergence_step", "first_alert", "loss_gap",

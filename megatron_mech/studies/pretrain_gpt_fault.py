@@ -3,7 +3,7 @@
     torchrun --nproc_per_node=2 -m megatron_mech.studies.pretrain_gpt_fault --num-experts 4 \\
         --expert-model-parallel-size 2 --train-iters 300 --mech-fault attention --mech-fault-start 100
 
-:func:`megatron_mech.adapters.megatron_core.pretrain_gpt.main` with the fault injector offered as a hook extension: the
+:func:`megatron_mech.trainers.megatron_core.pretrain_gpt.main` with the fault injector offered as a hook extension: the
 flags are added to its parser, and a ``--mech-fault`` other than ``none`` registers a
 :class:`~megatron_mech.studies.injectors.FaultInjector` on the run's hook (the model's attention, the global
 batch, the lr of each step from the start step on, the routers' updates); ``--mech-record-routing DIR`` registers a
@@ -13,10 +13,10 @@ import argparse
 import sys
 from typing import List, Optional, Set
 
-from megatron_mech.adapters.megatron_core.launch import check_training_flags
-from megatron_mech.adapters.megatron_core.pretrain_gpt import main as train
 from megatron_mech.studies.injectors import FaultInjector
 from megatron_mech.studies.router_outcome import RoutingRecorder
+from megatron_mech.trainers.megatron_core.launch import check_training_flags
+from megatron_mech.trainers.megatron_core.pretrain_gpt import main as train
 
 __all__ = ["ENTRY_MODULE", "EXTENSION_TYPES", "check_flags", "main", "study_flag_refusal", "study_flags"]
 

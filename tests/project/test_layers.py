@@ -26,6 +26,7 @@ LAYERS = [
     ("hook", "model_view", "logit_symptom", "optim", "logs", "extension", "deferred_values", "first_alert",
      "skipped_steps", "async_evaluation"),
     ("adapters",),
+    ("trainers",),
     ("studies",),
     ("cli", "references"),
 ]

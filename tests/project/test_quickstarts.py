@@ -38,7 +38,7 @@ def steps_recorded(path) -> list:
 def test_megatron_lm_quickstart_and_the_guides_cpu_command(path_install, tmp_path):
     require(RUNNABLE_TAG)
     installed_package = path_install("megatron-lm")
-    from megatron_mech.adapters.megatron_core.data import prepare_data
+    from megatron_mech.trainers.data.embedded import prepare_data
     from megatron_mech.adapters.megatron_lm_fork import patcher
 
     fork = unpack(RUNNABLE_TAG, tmp_path / "fork")

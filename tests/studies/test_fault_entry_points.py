@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 
-from megatron_mech.adapters.megatron_core.flags import build_parser
+from megatron_mech.trainers.megatron_core.flags import build_parser
 from megatron_mech.adapters.megatron_lm_fork import callsites
 from megatron_mech.studies.fault_config import FaultConfig
 from megatron_mech.studies.injectors import FaultInjector

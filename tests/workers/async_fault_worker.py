@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron_mech.adapters.megatron_core.pretrain_gpt import main  # noqa: E402
+from megatron_mech.trainers.megatron_core.pretrain_gpt import main  # noqa: E402
 from megatron_mech.monitors.attention import family  # noqa: E402
 
 mode, fault_rank, fault_step = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])

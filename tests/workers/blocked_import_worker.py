@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 for blocked in sys.argv[1].split(","):
     sys.modules[blocked] = None
 
-from megatron_mech.adapters.megatron_core.pretrain_gpt import main  # noqa: E402
+from megatron_mech.trainers.megatron_core.pretrain_gpt import main  # noqa: E402
 
 if __name__ == "__main__":
     main(sys.argv[2:])

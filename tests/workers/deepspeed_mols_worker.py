@@ -40,7 +40,7 @@ BASE_LR = 3e-3
 
 
 def corpus_tokens() -> torch.Tensor:
-    from megatron_mech.adapters.megatron_core.data import load_corpus
+    from megatron_mech.trainers.data.embedded import load_corpus
 
     text = "\n".join(d.text for d in load_corpus(max_docs_per_source=2))
     return torch.tensor(list(text.encode("utf-8")), dtype=torch.int64)

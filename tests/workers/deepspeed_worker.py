@@ -45,7 +45,7 @@ SEQ, MICRO, VOCAB = 32, 2, 256
 
 def corpus_tokens() -> torch.Tensor:
     """The embedded corpus as UTF-8 bytes (vocabulary 256): real text without a tokenizer build."""
-    from megatron_mech.adapters.megatron_core.data import load_corpus
+    from megatron_mech.trainers.data.embedded import load_corpus
 
     text = "\n".join(d.text for d in load_corpus(max_docs_per_source=3))
     return torch.tensor(list(text.encode("utf-8")), dtype=torch.int64)

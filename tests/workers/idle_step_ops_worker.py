@@ -23,7 +23,7 @@ if REPO_ROOT not in sys.path:
 from op_attribution import OpsPerStep  # noqa: E402  (tests/workers/, the script's directory)
 
 from megatron_mech import hook as hook_module  # noqa: E402
-from megatron_mech.adapters.megatron_core.pretrain_gpt import main  # noqa: E402
+from megatron_mech.trainers.megatron_core.pretrain_gpt import main  # noqa: E402
 
 MONITOR_CODE = tuple(os.path.join(REPO_ROOT, "megatron_mech", part) for part in (
     "hook.py", "deferred_values.py", "extension.py", "first_alert.py", "logit_symptom.py", "model_view.py",

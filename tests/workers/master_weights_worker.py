@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_mech.adapters.megatron_core.discovery import find_attention_layers
-from megatron_mech.adapters.megatron_core.pretrain_gpt import main
+from megatron_mech.trainers.megatron_core.pretrain_gpt import main
 from megatron_mech.hook import Extension
 from megatron_mech.optim import leaf_optimizers
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron_mech.adapters.megatron_core import pretrain_gpt  # noqa: E402
+from megatron_mech.trainers.megatron_core import pretrain_gpt  # noqa: E402
 from megatron_mech.adapters.megatron_core.mols.param_groups import TAG  # noqa: E402
 from megatron_mech.optim import param_groups  # noqa: E402
 

@@ -289,7 +289,7 @@ def run_train(spec: dict) -> dict:
 
 def load_param_state(optimizer, filename: str) -> None:
     """The package's loader, with its megatron-core 0.16.1 workarounds (see megatron_checkpoint)."""
-    from megatron_mech.adapters.megatron_core.checkpoint import load_distributed_optimizer_state
+    from megatron_mech.trainers.megatron_core.checkpoint import load_distributed_optimizer_state
 
     load_distributed_optimizer_state(optimizer, filename)
 

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from megatron_mech.monitors import router as router_monitor  # noqa: E402
-from megatron_mech.adapters.megatron_core.pretrain_gpt import main  # noqa: E402
+from megatron_mech.trainers.megatron_core.pretrain_gpt import main  # noqa: E402
 
 capture_dir = Path(sys.argv[1])
 pending = defaultdict(list)   # layer -> logits recorded since the last evaluation

@@ -44,7 +44,7 @@ DEEPSPEED_CHECKPOINT_GLOBALS = (
 
 # The checkpoint engines whose ``load(path, map_location)`` is a plain ``torch.load`` of a file ``torch.save`` wrote.
 _FILE_ENGINES = ("TorchCheckpointEngine", "FastCheckpointEngine", "DecoupledCheckpointEngine")
-_TRUST_HINT = "pass trust_checkpoint=True to load_checkpoint (deepspeed_train.py: --trust-checkpoint) only for a " \
+_TRUST_HINT = "pass trust_checkpoint=True to load_checkpoint (the DeepSpeed trainer: --trust-checkpoint) only for a " \
               "checkpoint you trust"
 
 

@@ -1,2 +1,2 @@
-"""megatron-core adapter: flags, model discovery, checkpoints, data, MoLS, CPU shims and fixes, the entry point, and
-Megatron-LM's callback system onto the hook."""
+"""megatron-core adapter: model discovery, master-weight reading, MoLS, the ``--mech-*`` flags on Megatron-LM's
+arguments, CPU shims and fixes, and Megatron-LM's callback system onto the hook."""

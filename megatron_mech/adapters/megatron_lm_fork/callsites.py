@@ -120,7 +120,7 @@ def get_hook():
     (the ``--spec`` module may ask for it while the model is built), with the registered extensions the flags
     ask for."""
     if RUN.hook is None:
-        from megatron_mech.adapters.megatron_core.flags import lr_warmup_steps, train_steps
+        from megatron_mech.adapters.megatron_core.megatron_args import lr_warmup_steps, train_steps
         from megatron_mech.config import MechConfig
         from megatron_mech.hook import MechHook
 
@@ -236,7 +236,7 @@ def _early_line(argv: List[str]) -> Optional[str]:
     flags' own declaration. ``None`` when the flags do not parse (Megatron's parser then says why)."""
     import argparse
 
-    from megatron_mech.adapters.megatron_core.flags import add_arguments
+    from megatron_mech.adapters.megatron_core.megatron_args import add_arguments
     from megatron_mech.config import DEFAULT_OUTPUT_DIR
 
     class _Quiet(argparse.ArgumentParser):
@@ -257,7 +257,7 @@ def _early_line(argv: List[str]) -> Optional[str]:
 def extra_args_provider(other=None):
     """An ``extra_args_provider`` adding every ``--mech-*`` flag (monitors, detectors, output, MoLS) and the
     registered extensions' flags after the fork's own ``other(parser)`` (if any)."""
-    from megatron_mech.adapters.megatron_core.flags import add_arguments
+    from megatron_mech.adapters.megatron_core.megatron_args import add_arguments
 
     def provider(parser):
         if other is not None:

@@ -232,7 +232,7 @@ def _apply_distopt_checkpoint():
     # which need CUDA, megatron-core's distributed optimizer wraps PyTorch's Adam (core
     # optimizer/distrib_optimizer.py:21-36, HAVE_APEX_OR_TE = False), whose per-parameter state holds the step
     # counter; that branch's checkpoint code fails or resumes with wrong state in the three methods wrapped here.
-    # (megatron_mech.adapters.megatron_core.checkpoint works around the last two for our own launcher, which saves in
+    # (megatron_mech.trainers.megatron_core.checkpoint works around the last two for our own launcher, which saves in
     # its own format.)
     from megatron.core.optimizer import distrib_optimizer
 

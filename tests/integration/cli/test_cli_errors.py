@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from dist_utils import REPO_ROOT
-from megatron_mech.adapters.megatron_core.launch import train_command
+from megatron_mech.trainers.megatron_core.launch import train_command
 
 
 def cli(*args):
@@ -36,15 +36,15 @@ def test_short_train_scales_the_preset_warmup():
 
 
 def pretrain_flags(cmd):
-    """The entry point's parsed flags in a launch command (after ``-m megatron_mech.adapters.megatron_core.pretrain_gpt``)."""
-    from megatron_mech.adapters.megatron_core.flags import build_parser
+    """The entry point's parsed flags in a launch command (after ``-m megatron_mech.trainers.megatron_core.pretrain_gpt``)."""
+    from megatron_mech.trainers.megatron_core.flags import build_parser
 
-    return build_parser().parse_args(cmd[cmd.index("megatron_mech.adapters.megatron_core.pretrain_gpt") + 1:])
+    return build_parser().parse_args(cmd[cmd.index("megatron_mech.trainers.megatron_core.pretrain_gpt") + 1:])
 
 
 def test_one_step_train_passes_the_entry_points_checks():
     """``train --steps 1`` used to launch torchrun with --lr-warmup-iters 1 >= --train-iters 1 and fail there."""
-    from megatron_mech.adapters.megatron_core.flags import check_args
+    from megatron_mech.trainers.megatron_core.flags import check_args
 
     for steps in (1, 2, 20, 300):
         check_args(pretrain_flags(train_command(2, steps, "out")), 2)  # the entry point's own start-up check
@@ -54,7 +54,7 @@ def test_short_demo_runs_pass_the_entry_points_checks(tmp_path):
     """``demo --steps 40 --fault-start 20``: the preset's warm-up (50) used to reach the clean run unchanged."""
     import argparse
 
-    from megatron_mech.adapters.megatron_core.flags import build_parser
+    from megatron_mech.trainers.megatron_core.flags import build_parser
     from megatron_mech.studies.demo import demo_commands
     from megatron_mech.studies.pretrain_gpt_fault import ENTRY_MODULE, EXTENSION_TYPES, check_flags
 
@@ -87,7 +87,7 @@ def test_failed_worker_reason_is_shown_after_a_long_tail(capsys):
     consequences); the demo echoes only progress lines and used to show just the last 40 lines."""
     import os
 
-    from megatron_mech.adapters.megatron_core.launch import run_training
+    from megatron_mech.trainers.megatron_core.launch import run_training
 
     script = ("import sys\n"
               "print('[train] world=2')\n"
@@ -104,7 +104,7 @@ def test_failed_worker_reason_is_shown_after_a_long_tail(capsys):
 
 
 def test_worker_reason_from_a_traceback():
-    from megatron_mech.adapters.megatron_core.launch import worker_reason
+    from megatron_mech.trainers.megatron_core.launch import worker_reason
 
     lines = ["[rank1]: Traceback (most recent call last):", '[rank1]:   File "x.py", line 3, in <module>',
              "[rank1]: ValueError: checkpoint tracker /r/latest_checkpointed_iteration.txt holds 'abc'",

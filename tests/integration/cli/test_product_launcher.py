@@ -39,7 +39,7 @@ def test_an_unknown_flag_keeps_the_entry_points_own_error(tmp_path):
 
 def test_the_launcher_starts_the_product_entry_point_and_the_studies_launcher_adds_the_study_flags(tmp_path):
     product = run(LAUNCHER, "--help", cwd=tmp_path)
-    entry = run("-m", "megatron_mech.adapters.megatron_core.pretrain_gpt", "--help", cwd=REPO_ROOT)
+    entry = run("-m", "megatron_mech.trainers.megatron_core.pretrain_gpt", "--help", cwd=REPO_ROOT)
     study = run("-m", STUDY_LAUNCHER, "--help", cwd=REPO_ROOT)
     assert product.returncode == entry.returncode == study.returncode == 0, product.stderr + study.stderr
     options = lambda text: set(re.findall(r"^\s+(--[\w-]+)", text, re.MULTILINE))  # noqa: E731  (help's option lines)

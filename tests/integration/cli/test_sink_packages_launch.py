@@ -81,7 +81,7 @@ def test_launch_script_names_a_missing_wandb(tmp_path):
 
 
 def test_flags_are_read_in_both_spellings_and_other_flags_ignored(monkeypatch):
-    from megatron_mech.adapters.megatron_core.sink_packages import flags_problem
+    from megatron_mech.trainers.megatron_core.sink_packages import flags_problem
 
     monkeypatch.setitem(sys.modules, "tensorboard", None)
     assert flags_problem(["--tensorboard-dir=/x/tb", "--lr", "1e-3"]) == f"--tensorboard-dir /x/tb: {TENSORBOARD_MISSING}"

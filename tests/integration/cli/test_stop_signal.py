@@ -146,7 +146,7 @@ def test_sigterm_to_the_deepspeed_launcher_saves_and_writes_the_summary(tmp_path
     after the same step, the checkpoint of that step saved, summary.json written."""
     pytest.importorskip("deepspeed")
     save, output = tmp_path / "ckpt", tmp_path / "out"
-    args = [str(REPO_ROOT / "launch_scripts" / "deepspeed_train.py"), "--zero-stage", "2", "--steps", "100000",
+    args = ["-m", "megatron_mech.trainers.deepspeed.train", "--zero-stage", "2", "--steps", "100000",
             "--save", str(save), "--output-dir", str(output), "--mech-interval", "2"]
     proc, workers, lines = start(tmp_path, args, under_way="deepspeed_train: step 4 loss")
     os.kill(proc.pid, signal.SIGTERM)

@@ -377,7 +377,7 @@ def test_summary_and_end_of_run_line_state_the_armed_from_step_of_a_short_run(tm
 
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                MASTER_PORT=str(free_port()))
-    run = subprocess.run([sys.executable, str(REPO_ROOT / "launch_scripts" / "deepspeed_train.py"), "--steps", "4",
+    run = subprocess.run([sys.executable, "-m", "megatron_mech.trainers.deepspeed.train", "--steps", "4",
                           "--mech-interval", "2", "--hidden", "16", "--layers", "1", "--heads", "2", "--kv-heads", "1",
                           "--seq-len", "16", "--micro-batch", "2", "--warmup", "0", "--output-dir", str(tmp_path)],
                          env=env, cwd=REPO_ROOT, text=True, capture_output=True, timeout=300)

@@ -18,7 +18,7 @@ from optional_packages import requires
 pytestmark = [requires("deepspeed", "transformers"), pytest.mark.slow, pytest.mark.distributed,
               pytest.mark.timeout(600)]
 
-LAUNCHER = REPO_ROOT / "launch_scripts" / "deepspeed_train.py"
+LAUNCHER = ("-m", "megatron_mech.trainers.deepspeed.train")  # torchrun -m
 HEADS, KV_HEADS, HIDDEN = 4, 2, 64
 # a small learning rate (warm-up from 0 to 3e-5), where a 5-step update is a few bf16 rounding steps of the weights
 FLAGS = ["--bf16", "--mech-interval", "5", "--lr", "3e-5", "--hidden", str(HIDDEN), "--heads", str(HEADS),
@@ -31,7 +31,7 @@ EXACT_TOL = 1e-5
 
 
 def launch(run_dir: Path, stage: int, steps: int, *extra: str) -> dict:
-    out = run_torchrun(LAUNCHER, *FLAGS, "--zero-stage", str(stage), "--steps", str(steps), "--output-dir",
+    out = run_torchrun(*LAUNCHER, *FLAGS, "--zero-stage", str(stage), "--steps", str(steps), "--output-dir",
                        str(run_dir), "--save", str(run_dir / "ckpt"), *extra, timeout=420).stdout
     records = [json.loads(line) for line in (run_dir / "mech.jsonl").read_text().splitlines()]
     return {"stdout": out, "records": records}
@@ -39,11 +39,8 @@ def launch(run_dir: Path, stage: int, steps: int, *extra: str) -> dict:
 
 def initial_weights() -> dict:
     """The launcher's model at its seed, as DeepSpeed starts it in bf16 (its master weights: the bf16 values)."""
-    sys.path.insert(0, str(LAUNCHER.parent))
-    try:
-        import deepspeed_train
-    finally:
-        sys.path.remove(str(LAUNCHER.parent))
+    from megatron_mech.trainers.deepspeed import train as deepspeed_train
+
     args = deepspeed_train.parse_args(FLAGS)
     return {k: v.to(torch.bfloat16).float() for k, v in deepspeed_train.build_model(args).state_dict().items()}
 
@@ -115,6 +112,6 @@ def test_model_weights_are_read_when_asked(tmp_path):
               "mech": {"monitors": {"interval": 5, "weights": "model"}, "output": {"dir": str(tmp_path / "run")}}}
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(config))
-    out = run_torchrun(LAUNCHER, *FLAGS, "--deepspeed-config", str(path), "--steps", "5", "--output-dir",
+    out = run_torchrun(*LAUNCHER, *FLAGS, "--deepspeed-config", str(path), "--steps", "5", "--output-dir",
                        str(tmp_path / "run"), timeout=420).stdout
     assert "reading the model's bfloat16 weights" in out

@@ -31,7 +31,7 @@ def test_checkpoint_loads_weights_only_zero_0_to_3(tmp_path):
     assert not list(tmp_path.glob("zero*/PWNED_optim_states"))
 
 
-LAUNCHER = REPO_ROOT / "launch_scripts" / "deepspeed_train.py"
+LAUNCHER = ("-m", "megatron_mech.trainers.deepspeed.train")
 TINY = ("--mech-interval", "2", "--hidden", "16", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--seq-len", "16",
         "--micro-batch", "2", "--warmup", "0")
 
@@ -42,7 +42,7 @@ def launch(*flags: str) -> subprocess.CompletedProcess:
 
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                MASTER_PORT=str(free_port()))
-    return subprocess.run([sys.executable, str(LAUNCHER), *TINY, *flags], env=env, cwd=REPO_ROOT, text=True,
+    return subprocess.run([sys.executable, *LAUNCHER, *TINY, *flags], env=env, cwd=REPO_ROOT, text=True,
                           capture_output=True, timeout=300)
 
 

@@ -15,16 +15,13 @@ from megatron_mech.config import MonitorConfig
 from megatron_mech.options import add_section_flags
 
 pytestmark = pytest.mark.timeout(120)
-LAUNCHER = REPO_ROOT / "launch_scripts" / "deepspeed_train.py"
+LAUNCHER = REPO_ROOT / "megatron_mech" / "trainers" / "deepspeed" / "train.py"
 
 
 def _launcher():
-    sys.path.insert(0, str(LAUNCHER.parent))
-    try:
-        import deepspeed_train
-    finally:
-        sys.path.remove(str(LAUNCHER.parent))
-    return deepspeed_train
+    from megatron_mech.trainers.deepspeed import train
+
+    return train
 
 
 def test_the_launcher_declares_no_interval_flag_of_its_own():

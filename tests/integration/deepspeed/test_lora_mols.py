@@ -17,7 +17,7 @@ from megatron_mech.core.mols import MoLSConfig
 from megatron_mech.adapters.deepspeed.batches import global_batch
 from megatron_mech.adapters.deepspeed.models import dense_llama
 from megatron_mech.adapters.deepspeed.mols_backend import GROUP_KEY
-from megatron_mech.adapters.megatron_core.data import load_corpus
+from megatron_mech.trainers.data.embedded import load_corpus
 from megatron_mech.studies.torch_mols import TorchMoLS
 from optional_packages import requires
 

@@ -1,5 +1,5 @@
 """Faults come only through the studies' DeepSpeed launcher (``-m megatron_mech.studies.deepspeed_fault_train``):
-the product's launcher (``launch_scripts/deepspeed_train.py``) has no fault flag and refuses a config's
+the product's launcher (``megatron_mech.trainers.deepspeed.train``) has no fault flag and refuses a config's
 ``mech.fault`` naming the key and the launcher that takes it; the study launcher splits the fault off the config
 before the product sees it, registers it as a hook extension, and a short run with it alerts on the faulty layer."""
 from __future__ import annotations
@@ -15,19 +15,15 @@ import pytest
 from dist_utils import REPO_ROOT
 from optional_packages import requires
 
-LAUNCHER = REPO_ROOT / "launch_scripts" / "deepspeed_train.py"
 STUDY_MODULE = "megatron_mech.studies.deepspeed_fault_train"
 TINY = ("--mech-interval", "2", "--hidden", "16", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--seq-len", "16",
         "--micro-batch", "2")
 
 
 def _product():
-    sys.path.insert(0, str(LAUNCHER.parent))
-    try:
-        import deepspeed_train
-    finally:
-        sys.path.remove(str(LAUNCHER.parent))
-    return deepspeed_train
+    from megatron_mech.trainers.deepspeed import train
+
+    return train
 
 
 @pytest.mark.timeout(120)

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from megatron_mech.adapters.megatron_core.checkpoint import TRACKER, load_checkpoint, read_checkpoint_file
+from megatron_mech.trainers.megatron_core.checkpoint import TRACKER, load_checkpoint, read_checkpoint_file
 
 
 class _Payload:
@@ -90,7 +90,7 @@ def _hook():
 
 
 def _checkpoint(tmp_path, mech=None, model_state=None):
-    from megatron_mech.adapters.megatron_core.checkpoint import _rng_state
+    from megatron_mech.trainers.megatron_core.checkpoint import _rng_state
 
     model, optimizer, scheduler = _model_and_optimizer()
     state = {"iteration": 5, "layout": {}, "model": model_state or model.state_dict(),

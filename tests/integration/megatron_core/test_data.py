@@ -1,4 +1,4 @@
-"""Tests for megatron_mech.adapters.megatron_core.data (embedded corpus -> tokenizer -> Megatron .bin/.idx -> GPTDataset) and the CLI.
+"""Tests for megatron_mech.trainers.data.embedded (embedded corpus -> tokenizer -> Megatron .bin/.idx -> GPTDataset) and the CLI.
 
 Builds: one full default-corpus build at the default vocab (module fixture, ~10-20 s on 2 cores) and a few
 small subset builds (``max_docs_per_source``), each well under a few seconds once megatron is imported.
@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_mech.adapters.megatron_core import data as D
+from megatron_mech.trainers.data import embedded as D
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 GENESIS = "In the beginning God created the heaven and the earth."
@@ -160,7 +160,7 @@ def test_tokenizer_training_is_deterministic_across_threads_and_processes():
     texts = [d.text for d in D.load_corpus(max_docs_per_source=20)]
     here = hashlib.sha256(D.train_tokenizer(texts, 512).to_str().encode()).hexdigest()
     assert hashlib.sha256(D.train_tokenizer(texts, 512).to_str().encode()).hexdigest() == here
-    code = ("import hashlib; from megatron_mech.adapters.megatron_core import data as D; "
+    code = ("import hashlib; from megatron_mech.trainers.data import embedded as D; "
             "t=[d.text for d in D.load_corpus(max_docs_per_source=20)]; "
             "print(hashlib.sha256(D.train_tokenizer(t, 512).to_str().encode()).hexdigest())")
     env = dict(os.environ, RAYON_NUM_THREADS="1", PYTHONHASHSEED="12345")
@@ -231,7 +231,7 @@ def test_half_written_cache_is_not_used(tmp_path, build_counter, damage):
 def test_killed_build_leaves_nothing_that_looks_valid(tmp_path):
     out = tmp_path / "d"
     script = (
-        "import sys, time; from pathlib import Path; from megatron_mech.adapters.megatron_core import data as D\n"
+        "import sys, time; from pathlib import Path; from megatron_mech.trainers.data import embedded as D\n"
         "def fake(tmp, params, quiet):\n"
         "    (tmp / 'train_text_document.bin').write_bytes(b'x' * 100)\n"
         "    (tmp / 'meta.json').write_text('{}')\n"

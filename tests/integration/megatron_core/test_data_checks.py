@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from dist_utils import REPO_ROOT, run_torchrun
-from megatron_mech.adapters.megatron_core import data as D
-from megatron_mech.adapters.megatron_core.pretrain_gpt import GlobalBatchSampler, build_parser, check_args, preflight
+from megatron_mech.trainers.data import embedded as D
+from megatron_mech.trainers.megatron_core.pretrain_gpt import GlobalBatchSampler, build_parser, check_args, preflight
 
 LAUNCHER = REPO_ROOT / "launch_scripts" / "pretrain_gpt_mech.py"
 TINY_CORPUS = dict(vocab_size=300, max_docs_per_source=3)  # prepared in well under a second
@@ -89,7 +89,7 @@ def test_token_ids_past_the_vocabulary_are_named(corpus, tmp_path):
     message = str(info.value)
     assert f"{tmp_path / 'big'}.bin holds token id {vocab + 700}" in message and f"{vocab} tokens" in message
     # past the start-up scan's budget a file is left to the per-batch check (next test)
-    from megatron_mech.adapters.megatron_core.data_checks import check_indexed_dataset
+    from megatron_mech.trainers.data.data_checks import check_indexed_dataset
 
     assert check_indexed_dataset(str(tmp_path / "big"), vocab, scan_budget=5) == 0
     valid = build_parser().parse_args(["--data-path", str(corpus.train_prefix), "--valid-data-path",

@@ -9,7 +9,7 @@ import numpy
 import pytest
 
 from dist_utils import REPO_ROOT, run_torchrun
-from megatron_mech.adapters.megatron_core.data_path import DataBlend, parse_data_path
+from megatron_mech.trainers.data.data_path import DataBlend, parse_data_path
 
 LAUNCHER = REPO_ROOT / "launch_scripts" / "pretrain_gpt_mech.py"
 TEXT_A = "The quick brown fox jumps over the lazy dog. " * 40
@@ -59,7 +59,7 @@ def test_malformed_forms_are_named(tmp_path, values, message):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_training_on_a_weighted_blend_of_own_prefixes(tmp_path):
-    from megatron_mech.adapters.megatron_core.data import load_tokenizer, prepare_data
+    from megatron_mech.trainers.data.embedded import load_tokenizer, prepare_data
 
     tokenizer_path = prepare_data(vocab_size=8192).tokenizer_path  # the embedded corpus's tokenizer (cached)
     tokenizer = load_tokenizer(tokenizer_path)

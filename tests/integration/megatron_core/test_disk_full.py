@@ -24,7 +24,7 @@ from megatron_mech.records.run_directory import RECORDS_INCOMPLETE_EXIT
 from megatron_mech.records.sinks import read_jsonl
 
 LAUNCHER = REPO_ROOT / "launch_scripts" / "pretrain_gpt_mech.py"
-DS_LAUNCHER = REPO_ROOT / "launch_scripts" / "deepspeed_train.py"
+DS_LAUNCHER = ("-m", "megatron_mech.trainers.deepspeed.train")
 TINY = ("--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "2", "--lr-warmup-iters", "1", "--log-interval", "1",
         "--eval-iters", "1", "--mech-interval", "2")
@@ -97,7 +97,7 @@ def test_a_summary_that_does_not_fit_leaves_the_old_file_and_no_temporary(tmp_pa
     script = textwrap.dedent("""
         import sys
         from pathlib import Path
-        from megatron_mech.adapters.megatron_core.pretrain_gpt import write_summary
+        from megatron_mech.trainers.megatron_core.pretrain_gpt import write_summary
         print("WRITTEN", write_summary(Path(sys.argv[1]), {"losses": [1.0] * 5000}))
     """)
     path = tmp_path / "summary.json"
@@ -168,7 +168,7 @@ def test_deepspeed_launcher_on_a_full_disk_exits_records_incomplete(tmp_path):
     """The same on the DeepSpeed launcher: exit code 3, whole records only, the lost steps in its summary."""
     flags = ["--mech-interval", "2", "--warmup", "2", "--zero-stage", "1", "--steps", "12"]
     reference = tmp_path / "reference"
-    code, out = _run([DS_LAUNCHER, *flags, "--output-dir", reference], limit=None)
+    code, out = _run([*DS_LAUNCHER, *flags, "--output-dir", reference], limit=None)
     assert code == 0, out[-3000:]
     sizes = _line_sizes(reference / "mech.jsonl")
     assert [r["step"] for r in read_jsonl(reference / "mech.jsonl")] == EVALUATION_STEPS
@@ -176,7 +176,7 @@ def test_deepspeed_launcher_on_a_full_disk_exits_records_incomplete(tmp_path):
     assert (reference / "summary.json").stat().st_size + 200 < limit
 
     run = tmp_path / "run"
-    code, out = _run([DS_LAUNCHER, *flags, "--output-dir", run], limit=limit)
+    code, out = _run([*DS_LAUNCHER, *flags, "--output-dir", run], limit=limit)
     assert code == RECORDS_INCOMPLETE_EXIT, out[-3000:]
     assert _records_read_cleanly(run / "mech.jsonl") == [2, 4]
     assert json.loads((run / "summary.json").read_text())["records_lost_steps"] == [6, 8, 10, 12]
@@ -187,7 +187,7 @@ def test_deepspeed_launcher_on_a_full_disk_exits_records_incomplete(tmp_path):
 def test_megatron_mech_train_reads_the_records_incomplete_line_as_the_runs_reason():
     """``megatron-mech train`` launches torchrun, which exits 1 whatever its worker's code: the worker's last line
     is what tells the command to still draw the report and exit 3 (see ``cli._run_train``)."""
-    from megatron_mech.adapters.megatron_core.launch import worker_reason
+    from megatron_mech.trainers.megatron_core.launch import worker_reason
 
     line = "pretrain_gpt: records incomplete: 4 record(s) of mech.jsonl (steps 6, 8, 10, 12) could not be written"
     noise = ["[rank0]: Traceback (most recent call last):", "torch.distributed.elastic.multiprocessing.errors."

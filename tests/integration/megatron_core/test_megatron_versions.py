@@ -125,7 +125,7 @@ FORK_MOLS = ("--mech-mols", "--mech-mols-window", "4", "--mech-mols-min-ramp", "
 @pytest.fixture(scope="module")
 def fork_data(tmp_path_factory):
     """The corpus in Megatron's format, built on first use (after a missing tree has skipped the test)."""
-    from megatron_mech.adapters.megatron_core.data import prepare_data
+    from megatron_mech.trainers.data.embedded import prepare_data
 
     built = {}
 

@@ -12,7 +12,7 @@ import shutil
 import pytest
 
 from dist_utils import REPO_ROOT, run_torchrun
-from megatron_mech.adapters.megatron_core.checkpoint import RUN_ID_FILE
+from megatron_mech.trainers.megatron_core.checkpoint import RUN_ID_FILE
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 

@@ -1,4 +1,4 @@
-"""Start-up checks of the run directories (megatron_mech.adapters.megatron_core.directory_checks) and of the entry point's flags.
+"""Start-up checks of the run directories (megatron_mech.trainers.megatron_core.directory_checks) and of the entry point's flags.
 
 These run before any process group, data or model exists, so they are tested on parsed flags directly; one
 torchrun test checks that the entry point applies them before training (exit code 2, the reason on every rank,
@@ -13,9 +13,9 @@ import sys
 import pytest
 
 from dist_utils import REPO_ROOT, hold_run_claim, run_torchrun
-from megatron_mech.adapters.megatron_core.checkpoint import RUN_ID_FILE, TRACKER
-from megatron_mech.adapters.megatron_core.pretrain_gpt import build_parser, check_args
-from megatron_mech.adapters.megatron_core.directory_checks import check_run_directories, clear_previous_run
+from megatron_mech.trainers.megatron_core.checkpoint import RUN_ID_FILE, TRACKER
+from megatron_mech.trainers.megatron_core.pretrain_gpt import build_parser, check_args
+from megatron_mech.trainers.megatron_core.directory_checks import check_run_directories, clear_previous_run
 
 LAUNCHER = REPO_ROOT / "launch_scripts" / "pretrain_gpt_mech.py"
 
@@ -268,8 +268,8 @@ def test_symlinks_where_a_run_writes_are_refused_at_start(tmp_path, name):
 
 def test_writes_in_a_run_directory_never_follow_a_link(tmp_path):
     """The writes themselves refuse a link planted after the start-up checks (opened without following links)."""
-    from megatron_mech.adapters.megatron_core.checkpoint import write_run_id
-    from megatron_mech.adapters.megatron_core.pretrain_gpt import write_summary
+    from megatron_mech.trainers.megatron_core.checkpoint import write_run_id
+    from megatron_mech.trainers.megatron_core.pretrain_gpt import write_summary
 
     outside = tmp_path / "outside"
     outside.write_text("keep")
@@ -346,7 +346,7 @@ def test_entry_point_refuses_a_fifo_planted_as_its_log_and_exits_promptly(tmp_pa
 def test_summary_write_failure_is_reported_not_fatal(tmp_path, caplog):
     """One policy for monitor output: a failed write (here a file where the directory should be; disk full
     behaves the same) is said loudly and the run goes on to its normal end."""
-    from megatron_mech.adapters.megatron_core.pretrain_gpt import write_summary
+    from megatron_mech.trainers.megatron_core.pretrain_gpt import write_summary
 
     (tmp_path / "blocker").write_text("")
     with caplog.at_level("ERROR"):

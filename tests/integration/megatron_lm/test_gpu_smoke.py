@@ -32,7 +32,7 @@ def _installed(name: str) -> bool:
 @pytest.mark.distributed
 def test_patched_fork_bf16_one_gpu(tmp_path):
     require(RUNNABLE_TAG)
-    from megatron_mech.adapters.megatron_core.data import prepare_data
+    from megatron_mech.trainers.data.embedded import prepare_data
     from megatron_mech.adapters.megatron_lm_fork import patcher
     from megatron_mech.records.sinks import read_jsonl
 

@@ -55,7 +55,7 @@ def fork(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    from megatron_mech.adapters.megatron_core.data import prepare_data
+    from megatron_mech.trainers.data.embedded import prepare_data
 
     return prepare_data(tmp_path_factory.mktemp("data") / "corpus", vocab_size=1024, max_docs_per_source=40)
 

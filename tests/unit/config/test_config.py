@@ -557,7 +557,7 @@ def test_a_path_with_a_nul_byte_is_refused_where_it_is_set_naming_it(tmp_path):
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2,
                                   "mech": {"output": {"dir": str(tmp_path / "runs\0x")}}}))
-    out = subprocess.run([sys.executable, "launch_scripts/deepspeed_train.py", "--deepspeed-config", str(config),
+    out = subprocess.run([sys.executable, "-m", "megatron_mech.trainers.deepspeed.train", "--deepspeed-config", str(config),
                           "--output-dir", str(tmp_path / "out"), "--steps", "2"], cwd=pathlib.Path(__file__).parents[3],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr[-3000:]

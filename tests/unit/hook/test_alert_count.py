@@ -12,7 +12,7 @@ from test_hook import SPIKE, _config, _loss, _Run, _update
 
 @requires("megatron.core")
 def test_the_done_line_counts_the_alert_lines_the_console_showed():
-    from megatron_mech.adapters.megatron_core.pretrain_gpt import _alert_count
+    from megatron_mech.trainers.megatron_core.pretrain_gpt import _alert_count
 
     shown = []
 

@@ -10,7 +10,7 @@ import torch
 
 from megatron_mech.config import MechConfig, MonitorConfig
 from megatron_mech.hook import MechHook
-from megatron_mech.adapters.megatron_core.checkpoint import TRACKER, load_checkpoint
+from megatron_mech.trainers.megatron_core.checkpoint import TRACKER, load_checkpoint
 from megatron_mech.model_view import ModelView
 from megatron_mech.monitors.attention import AttentionLayer
 from megatron_mech.monitors.protocol import Monitor

@@ -252,7 +252,7 @@ def test_study_outputs_are_refused(tmp_path, kind):
 
 
 def test_the_data_lock_and_metadata_are_not_written_through_links(tmp_path):
-    from megatron_mech.adapters.megatron_core import data
+    from megatron_mech.trainers.data import embedded as data
 
     lock, meta = tmp_path / "lock", tmp_path / "meta.json"
     kept = [plant(lock, "link"), plant(meta, "link")]
@@ -269,7 +269,7 @@ def test_the_data_lock_and_metadata_are_not_written_through_links(tmp_path):
 def test_run_state_readers_refuse_what_is_not_a_file(tmp_path, kind):
     """The run id, the checkpoint tracker, DeepSpeed's latest file, a checkpoint rank file, the log read at the
     end of a run, and the run directory's claim: each refused naming the file."""
-    from megatron_mech.adapters.megatron_core.checkpoint import TRACKER, _load_weights_only, read_tracker
+    from megatron_mech.trainers.megatron_core.checkpoint import TRACKER, _load_weights_only, read_tracker
     from megatron_mech.records.run_directory import RUN_ID_FILE, claim_run_directory, previous_run, read_run_id
     from megatron_mech.records.sinks import read_alerts
 

@@ -174,7 +174,7 @@ class MegatronMoLS:
         """Build from parsed arguments (``--mech-mols*`` plus Megatron's ``--train-iters``/``--train-samples``,
         ``--lr-warmup-iters``/``-samples``/``-fraction``, ``--global-batch-size``, ``--micro-batch-size``).
         Returns a no-op object when ``--mech-mols`` is not given."""
-        from megatron_mech.adapters.megatron_core.flags import lr_warmup_steps, train_steps
+        from megatron_mech.adapters.megatron_core.megatron_args import lr_warmup_steps, train_steps
         from megatron_mech.config import MoLSOptions
         from megatron_mech.options import section_from_flags
 

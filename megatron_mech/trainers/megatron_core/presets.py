@@ -1,4 +1,4 @@
-"""The one small MoE GPT preset of this project (flags of :mod:`megatron_mech.adapters.megatron_core.pretrain_gpt`).
+"""The one small MoE GPT preset of this project (flags of :mod:`megatron_mech.trainers.megatron_core.pretrain_gpt`).
 
 4 layers, hidden 64, 4 heads, 4 experts top-2: it trains hundreds of steps on 2 CPU processes in minutes. The
 ``train`` command, the demo, the fault studies and the lead-time benchmark all use it.

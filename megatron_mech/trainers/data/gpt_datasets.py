@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Dict, Optional
 
-from megatron_mech.adapters.megatron_core.tokenizer import CorpusTokenizer, _register_megatron_base, load_tokenizer
+from megatron_mech.trainers.data.tokenizer import CorpusTokenizer, _register_megatron_base, load_tokenizer
 
 __all__ = ["build_gpt_datasets"]
 
@@ -14,7 +14,7 @@ def build_gpt_datasets(paths: Any, seq_length: int, seed: int = 1234,
                        tokenizer: Optional[CorpusTokenizer] = None, cache_dir: os.PathLike[str] | str | None = None,
                        is_built_on_rank: Optional[Callable[[], bool]] = None, **config_overrides: Any):
     """(train, valid) megatron-core ``GPTDataset`` s over a prepared corpus (``paths``: its
-    :class:`~megatron_mech.adapters.megatron_core.data.DataPaths`).
+    :class:`~megatron_mech.trainers.data.embedded.DataPaths`).
 
     Uses ``BlendedMegatronDatasetBuilder`` + ``GPTDatasetConfig`` with ``blend_per_split`` (train prefix,
     valid prefix, no test). ``*_samples=None`` means one epoch of that split; more samples than an epoch

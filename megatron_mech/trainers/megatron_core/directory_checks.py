@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from megatron_mech.adapters.megatron_core.checkpoint import TRACKER, read_tracker
 from megatron_mech.config import DEFAULT_OUTPUT_DIR
 from megatron_mech.records.run_directory import (
     FIRST_ALERT,
@@ -48,6 +47,7 @@ from megatron_mech.records.run_directory import (
     write_run_id,
 )
 from megatron_mech.records.run_directory import clear_previous_run as clear_run_files
+from megatron_mech.trainers.megatron_core.checkpoint import TRACKER, read_tracker
 
 __all__ = ["RunDirectoryPlan", "check_run_directories", "clear_previous_run", "record_run_id"]
 

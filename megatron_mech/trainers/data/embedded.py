@@ -27,9 +27,9 @@ initial alphabet is sorted); we verified identical ``tokenizer.json`` across rep
 processes (random hash seeds) and across ``RAYON_NUM_THREADS=1`` vs. 2. The pipeline feeds documents in a
 fixed order and writes JSON with sorted keys, so two builds are byte-identical.
 
-The corpus lives in :mod:`megatron_mech.adapters.megatron_core.corpus`, the tokenizer in
-:mod:`megatron_mech.adapters.megatron_core.tokenizer`, the GPT datasets in
-:mod:`megatron_mech.adapters.megatron_core.gpt_datasets`; this module holds the cached, atomic preparation and keeps
+The corpus lives in :mod:`megatron_mech.trainers.data.corpus`, the tokenizer in
+:mod:`megatron_mech.trainers.data.tokenizer`, the GPT datasets in
+:mod:`megatron_mech.trainers.data.gpt_datasets`; this module holds the cached, atomic preparation and keeps
 every public name importable from here.
 """
 from __future__ import annotations
@@ -48,7 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
 
-from megatron_mech.adapters.megatron_core.corpus import (
+from megatron_mech.records.safe_files import open_no_follow, write_file_atomically
+from megatron_mech.trainers.data.corpus import (
     _SOURCES,
     Document,
     MissingDataPackageError,
@@ -60,8 +61,8 @@ from megatron_mech.adapters.megatron_core.corpus import (
     is_validation_document,
     load_corpus,
 )
-from megatron_mech.adapters.megatron_core.gpt_datasets import build_gpt_datasets
-from megatron_mech.adapters.megatron_core.tokenizer import (
+from megatron_mech.trainers.data.gpt_datasets import build_gpt_datasets
+from megatron_mech.trainers.data.tokenizer import (
     DEFAULT_VOCAB_SIZE,
     EOD_TOKEN,
     PAD_TOKEN,
@@ -69,7 +70,6 @@ from megatron_mech.adapters.megatron_core.tokenizer import (
     load_tokenizer,
     train_tokenizer,
 )
-from megatron_mech.records.safe_files import open_no_follow, write_file_atomically
 
 __all__ = [
     "FORMAT_VERSION", "DEFAULT_VOCAB_SIZE", "DEFAULT_VALID_FRACTION", "EOD_TOKEN", "PAD_TOKEN",
@@ -199,7 +199,7 @@ def _file_lock(path: Path):
 
 def _log(msg: str, quiet: bool) -> None:
     if not quiet:
-        print(f"[megatron_mech.adapters.megatron_core.data] {msg}", file=sys.stderr, flush=True)
+        print(f"[megatron_mech.trainers.data.embedded] {msg}", file=sys.stderr, flush=True)
 
 
 def prepare_data(out_dir: os.PathLike[str] | str | None = None, vocab_size: int = DEFAULT_VOCAB_SIZE,

@@ -1,10 +1,10 @@
 """The Python packages a training launch's flags ask for (``tensorboard`` for ``--tensorboard-dir``, ``wandb`` for
 ``--mech-wandb-project``), checked before anything is launched.
 
-Every worker checks them at start-up (:func:`megatron_mech.adapters.megatron_core.pretrain_gpt.preflight`), but under
+Every worker checks them at start-up (:func:`megatron_mech.trainers.megatron_core.pretrain_gpt.preflight`), but under
 torchrun its one-line refusal comes out of every worker and ends under torchrun's ``ChildFailedError`` report. The
 launchers check first: ``megatron-mech train`` (:mod:`megatron_mech.cli`) and ``launch_scripts/torchrun_multinode.sh``,
-which runs ``python -m megatron_mech.adapters.megatron_core.sink_packages <training flags>``: exit 2 with one line on
+which runs ``python -m megatron_mech.trainers.megatron_core.sink_packages <training flags>``: exit 2 with one line on
 stderr naming the flag and the package, exit 0 when nothing is missing.
 """
 from __future__ import annotations

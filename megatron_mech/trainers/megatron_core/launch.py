@@ -19,23 +19,23 @@ def train_command(nproc: int, steps: int, out: str, dense: bool = False, extra=(
     """The torchrun command line the ``train`` subcommand runs (also used by the demo and benchmarks).
 
     The preset's LR warm-up is kept when it fits (it must be shorter than the run) and otherwise becomes a tenth
-    of the steps (:func:`megatron_mech.adapters.megatron_core.presets.fit_lr_warmup`); a ``--lr-warmup-iters`` in
+    of the steps (:func:`megatron_mech.trainers.megatron_core.presets.fit_lr_warmup`); a ``--lr-warmup-iters`` in
     ``extra`` wins either way (the last one counts)."""
-    from megatron_mech.adapters.megatron_core.presets import fit_lr_warmup, small_moe
+    from megatron_mech.trainers.megatron_core.presets import fit_lr_warmup, small_moe
 
     preset = fit_lr_warmup([*small_moe(nproc, dense), "--log-interval", "10", "--eval-interval", "100"], steps)
-    return [*torchrun_prefix(nproc), "-m", "megatron_mech.adapters.megatron_core.pretrain_gpt", *preset,
+    return [*torchrun_prefix(nproc), "-m", "megatron_mech.trainers.megatron_core.pretrain_gpt", *preset,
             "--train-iters", str(steps), "--save", out, "--tensorboard-dir", f"{out}/tb",
             *[a for a in extra if a != "--"]]
 
 
 def check_training_flags(cmd: List[str], nproc: int,
-                         entry_module: str = "megatron_mech.adapters.megatron_core.pretrain_gpt",
+                         entry_module: str = "megatron_mech.trainers.megatron_core.pretrain_gpt",
                          extension_types: Sequence[type] = ()) -> Optional[str]:
-    """The entry point's own start-up flag check (:func:`megatron_mech.adapters.megatron_core.flags.check_args`, and the
+    """The entry point's own start-up flag check (:func:`megatron_mech.trainers.megatron_core.flags.check_args`, and the
     hook extensions the entry point offers) on the flags after ``entry_module`` in a training command line, here, before
     torchrun launches anything: the error message, or None if they pass."""
-    from megatron_mech.adapters.megatron_core.flags import build_parser, check_args, extensions_from_args
+    from megatron_mech.trainers.megatron_core.flags import build_parser, check_args, extensions_from_args
 
     parser = build_parser()
     parser.prog = "pretrain_gpt"

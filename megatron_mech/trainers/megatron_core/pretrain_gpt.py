@@ -9,7 +9,7 @@ Built only from megatron-core's real parts: ``GPTModel`` (local layer spec), ``D
 ``get_megatron_optimizer``, ``OptimizerParamScheduler``, ``get_forward_backward_func``, and ``GPTDataset``
 over the embedded corpus (``megatron-mech prepare-data``; built automatically on first use) or any Megatron
 ``.bin/.idx`` prefix given with ``--data-path`` and ``--tokenizer-json``. Flags follow Megatron-LM's names
-(:mod:`megatron_mech.adapters.megatron_core.flags`); the ``--mech-*`` flags come from
+(:mod:`megatron_mech.trainers.megatron_core.flags`); the ``--mech-*`` flags come from
 :class:`megatron_mech.config.MechConfig`.
 
 The training loop talks to megatron-mech through :class:`megatron_mech.hook.MechHook` only. On a machine without
@@ -36,23 +36,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from megatron_mech.adapters.megatron_core.checkpoint import load_checkpoint, save_checkpoint
-from megatron_mech.adapters.megatron_core.data_checks import check_token_ids
-from megatron_mech.adapters.megatron_core.data_path import parse_data_path
-from megatron_mech.adapters.megatron_core.directory_checks import (
-    check_run_directories,
-    clear_previous_run,
-    record_run_id,
-)
-from megatron_mech.adapters.megatron_core.flags import (
-    build_parser,
-    check_args,
-    extensions_from_args,
-    lr_warmup_steps,
-    train_steps,
-)
 from megatron_mech.adapters.megatron_core.master_weights import read_master_weights
-from megatron_mech.adapters.megatron_core.stop_signals import StopOnSignal
+from megatron_mech.adapters.megatron_core.megatron_args import lr_warmup_steps, train_steps
 from megatron_mech.config import DEFAULT_OUTPUT_DIR, MechConfig
 from megatron_mech.core.sharded import collective_device
 from megatron_mech.hook import Action, Extension, MechHook
@@ -65,6 +50,16 @@ from megatron_mech.records.run_directory import (
     release_run_directories,
     write_summary,
 )
+from megatron_mech.trainers.data.data_checks import check_token_ids
+from megatron_mech.trainers.data.data_path import parse_data_path
+from megatron_mech.trainers.megatron_core.checkpoint import load_checkpoint, save_checkpoint
+from megatron_mech.trainers.megatron_core.directory_checks import (
+    check_run_directories,
+    clear_previous_run,
+    record_run_id,
+)
+from megatron_mech.trainers.megatron_core.flags import build_parser, check_args, extensions_from_args
+from megatron_mech.trainers.stop_signals import StopOnSignal
 
 # megatron-core announces every missing GPU-only package (TE, apex) on every rank; the run's own log matters more.
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|apex|TE ).*")
@@ -175,7 +170,7 @@ def model_dtype(args) -> torch.dtype:
 
 def build_data(args, rank: int, index_cache_dir=None):
     """(train, valid) GPTDatasets and the tokenizer; rank 0 prepares the embedded corpus first."""
-    from megatron_mech.adapters.megatron_core import data as mdata
+    from megatron_mech.trainers.data import embedded as mdata
 
     if args.data_path:
         train = parse_data_path(args.data_path, "--data-path")
@@ -566,7 +561,7 @@ def preflight(args, world: int, rank: int, extension_types: Sequence[type] = ())
 def check_sink_packages(args, config: MechConfig) -> None:
     """The optional record sinks the flags ask for must be able to start; they start on one rank after the model
     is built, where a missing package would end that rank alone (the others then fail on a closed connection)."""
-    from megatron_mech.adapters.megatron_core.sink_packages import sink_package_problem
+    from megatron_mech.trainers.megatron_core.sink_packages import sink_package_problem
 
     problem = sink_package_problem(config.output.tensorboard_dir, config.output.wandb_project)
     if problem:

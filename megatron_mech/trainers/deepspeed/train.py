@@ -6,8 +6,9 @@ flags, or read from ``--deepspeed-config`` (its ``"mech"`` section configures th
 not offered here: the studies' launcher, ``torchrun -m megatron_mech.studies.deepspeed_fault_train``, is this launcher
 with ``--fault-start`` and a study config's ``"fault"`` key (``main(study=...)`` is its seam).
 
-    torchrun --nproc_per_node=2 launch_scripts/deepspeed_train.py --zero-stage 2 --steps 40 --output-dir runs/ds
-    deepspeed --num_accelerators 2 launch_scripts/deepspeed_train.py --model ds-moe --ep-size 2 --zero-stage 1
+    torchrun --nproc_per_node=2 -m megatron_mech.trainers.deepspeed.train --zero-stage 2 --steps 40 --output-dir runs/ds
+    deepspeed --num_accelerators 2 --module megatron_mech.trainers.deepspeed.train --model ds-moe --ep-size 2 \\
+        --zero-stage 1
 
 On CPU machines set ``OMP_NUM_THREADS=1`` under the ``deepspeed`` launcher. Writes ``<output-dir>/mech.jsonl``
 (one record per evaluation) and ``<output-dir>/summary.json`` (step time, monitor cost, the step the detectors are
@@ -31,10 +32,6 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-
-CHECKOUT = Path(__file__).resolve().parents[1]
-if (CHECKOUT / "megatron_mech" / "__init__.py").is_file():  # runnable from a checkout without installing
-    sys.path.insert(0, str(CHECKOUT))  # (installed, this file sits inside megatron_mech/: nothing to add)
 
 logger = logging.getLogger("deepspeed_train")
 LATEST = "latest"  # DeepSpeed's tracker file: the tag of the newest checkpoint in a save directory
@@ -83,7 +80,7 @@ def parse_args(argv=None, add_study_flags: Optional[Callable[[argparse.ArgumentP
 
 def corpus_tokens() -> torch.Tensor:
     """The embedded corpus as UTF-8 bytes (vocabulary 256): real English text, no tokenizer to build."""
-    from megatron_mech.adapters.megatron_core.data import load_corpus
+    from megatron_mech.trainers.data.embedded import load_corpus
 
     text = "\n".join(d.text for d in load_corpus())
     return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
@@ -276,8 +273,8 @@ def main(argv=None, study=None) -> int:
     from megatron_mech.adapters.deepspeed.engine import DeepSpeedMech, load_checkpoint, save_checkpoint
     from megatron_mech.adapters.deepspeed.models import moe_aux_loss
     from megatron_mech.adapters.deepspeed.mols_backend import param_groups
-    from megatron_mech.adapters.megatron_core.stop_signals import StopOnSignal
     from megatron_mech.hook import Action
+    from megatron_mech.trainers.stop_signals import StopOnSignal
 
     stop_signal = StopOnSignal().install()  # SIGTERM/SIGINT: finish the step, save, write the summary, exit
     if not torch.cuda.is_available():
