@@ -114,15 +114,16 @@ def test_the_scan_finds_an_import_from_a_lower_layer(tmp_path):
     assert layer("megatron_mech.studies.injectors") > layer("megatron_mech.hook")
 
 
-ADAPTERS = ("adapters",)
+# The packages that drive the hook from outside it: the framework adapters and the reference trainers.
+HOOK_USERS = ("adapters", "trainers")
 
 
 def private_hook_accesses(root: Path):
-    """``x._name`` in the adapters where ``x`` is the hook or the MoLS backend it holds (``hook``, ``self.hook``,
-    ``RUN.hook``, ``get_hook()``, ``mols``, ``hook.mols``, ...): an adapter must manage with the hook's public
-    surface."""
+    """``x._name`` in the adapters and trainers where ``x`` is the hook or the MoLS backend it holds (``hook``,
+    ``self.hook``, ``RUN.hook``, ``get_hook()``, ``mols``, ``hook.mols``, ...): they must manage with the hook's
+    public surface."""
     found = []
-    for package in ADAPTERS:
+    for package in HOOK_USERS:
         for path in sorted((root / package).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
                 if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")
@@ -135,7 +136,7 @@ def private_hook_accesses(root: Path):
     return found
 
 
-def test_adapters_use_only_the_hooks_public_surface():
+def test_adapters_and_trainers_use_only_the_hooks_public_surface():
     assert not private_hook_accesses(PACKAGE)
 
 
