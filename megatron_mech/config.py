@@ -185,8 +185,8 @@ class DetectorOverrides:
 class MoLSOptions:
     """MoLS, per-module learning-rate multipliers from gradient SNR (``--mech-mols*``): the settings
     :class:`~megatron_mech.core.mols.MoLSConfig` declares, named as a user writes them (``window``, ``samples``,
-    ``min_ramp``, ``fixed``), and what the core cannot know: whether MoLS runs, and the window's first step in the
-    run's step numbering (the core counts iterations). The run-dependent values (the window's default from the
+    ``min_ramp``, ``fixed``), and what the core cannot know: whether MoLS runs, and the window's first step (0 is
+    taken for the first step, 1). The run-dependent values (the window's default from the
     number of training steps, the ramp end at the end of the lr warm-up) are filled in by :meth:`core_config`."""
 
     enabled: bool = option(False, "enable MoLS per-module lr multipliers", flag="--mech-mols")
@@ -214,16 +214,15 @@ class MoLSOptions:
         window = self.window if self.window is not None else default_window(train_steps)
         config = self._core(window_steps=window, ramp_end=ramp_end)
         if config.window_end > train_steps:
-            raise ValueError(f"--mech-mols-window: the estimation window (steps {config.window_start + 1}.."
+            raise ValueError(f"--mech-mols-window: the estimation window (steps {config.window_start}.."
                              f"{config.window_end}) does not fit in --train-iters {train_steps}")
         return config
 
     def _core(self, *, window_steps: int, ramp_end: Optional[int]) -> MoLSConfig:
-        """The core's config of these settings. The core counts ``iteration = step − 1`` (optimizer steps done
-        before the step), so the window's first step ``s`` is its iteration ``s − 1``. A bad value raises
-        ``ValueError`` naming its flag."""
+        """The core's config of these settings (steps counted from 1, as here). A bad value raises ``ValueError``
+        naming its flag."""
         values = dict(settings_values(self, MoLSConfig), window_steps=window_steps, ramp_end=ramp_end,
-                      window_start=max(0, self.window_start - 1), fixed_multipliers=self.fixed_multipliers())
+                      window_start=max(1, self.window_start), fixed_multipliers=self.fixed_multipliers())
         try:
             return MoLSConfig(**values)
         except BadSetting as e:  # the core names its field; the user knows the flag

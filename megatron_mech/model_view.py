@@ -88,7 +88,7 @@ class ModelView:
     mols: Optional[Callable[..., Any]] = None
     """MoLS factory of this framework, ``mols(core_config, log=...) -> backend`` (``None``: MoLS unavailable).
     The backend offers ``config_overrides``, ``attach(optimizer)``, ``wrap_forward_step(fn)``,
-    ``before_scheduler_step(iteration)``, ``metrics(iteration)``, ``seconds``, ``state_dict``/``load_state_dict``
+    ``before_scheduler_step(step)``, ``metrics(step)``, ``seconds``, ``state_dict``/``load_state_dict``
     (see :class:`megatron_mech.adapters.megatron_core.mols.MegatronMoLS`)."""
     weights: str = ""
     """Which copy of the weights the tensors above are, in words for the start line (e.g. "the optimizer's

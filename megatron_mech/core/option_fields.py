@@ -1,4 +1,4 @@
-"""Declare a setting once, in the layer that owns it: a dataclass field carrying its doc and its ``--mech-*`` flag.
+"""Declare a setting once, in the layer that owns it: a dataclass field carrying its doc and its command-line flag.
 
 Framework-free (only :mod:`dataclasses`): the math core and the monitors declare their own settings with
 :func:`option`, and the configuration layer (:mod:`megatron_mech.options`) turns the same declarations into argparse
@@ -22,10 +22,10 @@ def option(default: Any = _MISSING, doc: str = "", *, flag: Optional[str] = None
     Args:
         default / default_factory: the field's default (as :func:`dataclasses.field`).
         doc: one sentence saying what the setting means; the flag's help text.
-        flag: the ``--mech-*`` flag, or ``None`` for a setting the framework adapter fills in (no flag).
+        flag: the command-line flag, or ``None`` for a setting the framework adapter fills in (no flag).
         choices, nargs, type, metavar: as :meth:`argparse.ArgumentParser.add_argument`.
         inverted: for a bool field that defaults to True: the flag is a ``store_true`` switch that sets the
-            field to False (``--mech-no-checkpoint-snapshots`` ↔ ``checkpoint_snapshots``).
+            field to False (a flag ``--no-X`` for a field ``x``).
         key: the setting's name in a config section built from this declaration (its JSON key), where the owner's
             field name says more than the user writes (``window_steps`` ↔ ``mech.mols.window``); default the
             field's name.

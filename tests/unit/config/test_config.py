@@ -480,9 +480,9 @@ def test_every_mols_and_detector_setting_round_trips_and_reaches_the_core():
     assert MechConfig.from_dict(c.to_dict()) == c
     assert MechConfig.from_flags(_parser().parse_args(_EVERY_MOLS_FLAG)) == c
     assert MechConfig.from_dict(MechConfig.from_flags(_parser().parse_args([])).to_dict()) == MechConfig()
-    # the core gets each setting under its own name; the first step 3 is iteration 2
+    # the core gets each setting under its own name, the first step as it is (steps count from 1 in both)
     assert mols.core_config(train_steps=100, ramp_end=20) == MoLSConfig(
-        window_steps=4, window_start=2, base="qk", clamp=(0.25, 4.0), num_samples=3, fused_qkv_rule="qk",
+        window_steps=4, window_start=3, base="qk", clamp=(0.25, 4.0), num_samples=3, fused_qkv_rule="qk",
         classes=("qk", "vo"), min_ramp_steps=2, scale_weight_decay=False, fixed_multipliers={"qk": 0.5},
         diagnostic_interval=8, diagnostic_steps=2, ramp_end=20)
     rules = DetectorConfig(**c.detector.as_rule_fields())
@@ -494,7 +494,8 @@ def test_run_dependent_mols_values_are_filled_in_by_core_config():
     assert (default.core_config(train_steps=1000, ramp_end=50).window_steps,
             default.core_config(train_steps=1000, ramp_end=50).ramp_end) == (10, 50)  # 1% of 1000
     assert default.core_config(train_steps=100, ramp_end=None).window_steps == 5  # at least 5
-    assert MoLSOptions(window_start=1).core_config(train_steps=100, ramp_end=None).window_start == 0
+    assert MoLSOptions(window_start=1).core_config(train_steps=100, ramp_end=None).window_start == 1
+    assert MoLSOptions(window_start=0).core_config(train_steps=100, ramp_end=None).window_start == 1  # the first
     with pytest.raises(ValueError, match=r"--mech-mols needs the number of training steps"):
         default.core_config(train_steps=None, ramp_end=None)
     with pytest.raises(ValueError) as info:
