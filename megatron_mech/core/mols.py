@@ -74,7 +74,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, Iterable, Mapping, Optional, Tuple, Union
 
 from megatron_mech.core import mols_names
@@ -138,24 +138,25 @@ def check_fixed_multipliers(fixed: Mapping[str, float]) -> Dict[str, float]:
     return out
 
 
-def parse_fixed_multipliers(items, flag: str = "--mech-mols-fixed") -> Dict[str, float]:
-    """``["embedding=2", "qk=0.5"]`` → ``{"embedding": 2.0, "qk": 0.5}``; a ``ValueError`` names ``flag`` and
-    the bad item (no ``=``, unknown class, repeated class, non-positive value)."""
+def parse_fixed_multipliers(items, setting: str) -> Dict[str, float]:
+    """``["embedding=2", "qk=0.5"]`` → ``{"embedding": 2.0, "qk": 0.5}``; a ``ValueError`` names ``setting`` (how
+    the caller's user wrote the items: a flag, a config key) and the bad item (no ``=``, unknown class, repeated
+    class, non-positive value)."""
     out: Dict[str, float] = {}
     for item in items:
         name, sep, value = str(item).partition("=")
         if not sep:
-            raise ValueError(f"{flag}: expected CLASS=MULTIPLIER, got {item!r}")
+            raise ValueError(f"{setting}: expected CLASS=MULTIPLIER, got {item!r}")
         if name in out:
-            raise ValueError(f"{flag}: class {name!r} given twice")
+            raise ValueError(f"{setting}: class {name!r} given twice")
         try:
             out[name] = float(value)
         except ValueError:
-            raise ValueError(f"{flag}: multiplier of {name!r} is not a number: {value!r}") from None
+            raise ValueError(f"{setting}: multiplier of {name!r} is not a number: {value!r}") from None
     try:
         return check_fixed_multipliers(out)
     except ValueError as e:
-        raise ValueError(f"{flag}: {e}") from None
+        raise ValueError(f"{setting}: {e}") from None
 
 
 def _usable_snr(s: Optional[float]) -> bool:
@@ -172,55 +173,58 @@ def default_window(train_steps: int) -> int:
 class MoLSConfig:
     """MoLS settings, validated on construction: a bad value raises :class:`BadSetting` naming the field.
 
-    The settings a user writes carry their doc and their command-line flag; the configuration section
-    (:class:`megatron_mech.config.MoLSOptions`) is built from these declarations. What the checks require:
-    ``window_steps ≥ 1`` (``None``: not decided yet — the configuration fills in the run's default, and
-    :class:`MoLSController` needs a number); ``0 < min ≤ 1 ≤ max < inf`` for ``clamp`` (default rationale in the
-    module docstring); ``num_samples ≥ 2``; ``min_ramp_steps ≥ 0`` (0: a step change at the window end);
-    ``fixed_multipliers`` known classes with positive finite values — the named classes ramp to them on the same
+    The settings a user writes carry their doc and their key; the configuration section
+    (:class:`megatron_mech.config.MoLSOptions`) is built from these declarations and gives them their flags. What
+    the checks require: ``window_steps ≥ 1`` (``None``: not decided yet — the configuration fills in the run's
+    default, and :class:`MoLSController` needs a number); ``0 < min ≤ 1 ≤ max < inf`` for ``clamp`` (default
+    rationale in the module docstring); ``num_samples ≥ 2``; ``min_ramp_steps ≥ 0`` (0: a step change at the window
+    end); ``fixed_multipliers`` known classes with positive finite values — the named classes ramp to them on the same
     schedule, the window is still measured and reported; diagnostic blocks of ``diagnostic_steps`` steps
     (at most ``diagnostic_interval``) start every ``diagnostic_interval`` steps after the window and
     only report (the multipliers do not change); they need the ``two_batch`` estimator.
 
-    Two fields are not written by a user:
+    Three fields are not written by a user:
 
     Attributes:
         window_start: first step of the estimation window (steps count from 1, see the module docstring).
         ramp_end: the ramp's last step; the multipliers are α from the step after it (the configuration sets the
             lr warm-up's length); ``None`` or ``≤`` the window's last step: a short ramp of ``min_ramp_steps``.
+        named: how the user names each setting, ``{field name: words}``, for the messages and records that tell
+            the user which setting to change (the configuration passes its flags and keys); a setting it does not
+            name is called ``MoLSConfig.<field>``. Not compared, not saved.
     """
 
     window_steps: Optional[int] = option(None, "estimation window in steps (default: 1% of the training "
-                                         "steps, at least 5)", flag="--mech-mols-window", type=int, key="window")
+                                         "steps, at least 5)", type=int, key="window")
     window_start: int = 1
-    base: str = option("vo", "reference module (α = 1)", flag="--mech-mols-base", choices=MODULE_CLASSES)
+    base: str = option("vo", "reference module (α = 1)", choices=MODULE_CLASSES)
     clamp: Tuple[float, float] = option((0.5, 2.0), "clamp range of the multipliers (default 0.5 2.0)",
-                                        flag="--mech-mols-clamp", type=float, nargs=2, metavar=("MIN", "MAX"))
+                                        type=float, nargs=2, metavar=("MIN", "MAX"))
     estimator: str = option("two_batch", "two_batch: free small/big-batch gradient norms; samples: K extra passes "
-                            "(reference)", flag="--mech-mols-estimator", choices=ESTIMATORS)
-    num_samples: int = option(4, "K for --mech-mols-estimator samples", flag="--mech-mols-samples", type=int,
-                              key="samples")
+                            "(reference)", choices=ESTIMATORS)
+    num_samples: int = option(4, "K for {estimator} samples", type=int, key="samples")
     fused_qkv_rule: str = option("rows", "multiplier of the fused linear_qkv parameter from α_qk and α_vo",
-                                 flag="--mech-mols-fused-qkv-rule", choices=FUSED_QKV_RULES)
+                                 choices=FUSED_QKV_RULES)
     classes: Optional[Tuple[str, ...]] = option(None, "module classes to scale (default: embedding qk vo mlp head "
-                                                "router experts present)", flag="--mech-mols-classes", nargs="+",
-                                                choices=MODULE_CLASSES)
+                                                "router experts present)", nargs="+", choices=MODULE_CLASSES)
     min_ramp_steps: int = option(10, "ramp length when the warm-up is over at the window end",
-                                 flag="--mech-mols-min-ramp", type=int, key="min_ramp")
+                                 type=int, key="min_ramp")
     scale_weight_decay: bool = option(True, "decoupled weight decay scales with the lr multiplier; the flag "
-                                      "compensates it instead (wd_mult = 1/multiplier)",
-                                      flag="--mech-mols-no-scale-weight-decay", inverted=True)
+                                      "compensates it instead (wd_mult = 1/multiplier)", inverted=True)
     fixed_multipliers: Optional[Mapping[str, float]] = option(
         None, "hand-set multipliers CLASS=MULT ... instead of the SNR estimate (a hand-tuned reference; other "
-        "classes stay at 1)", flag="--mech-mols-fixed", nargs="+", metavar="CLASS=MULT", key="fixed")
+        "classes stay at 1)", nargs="+", metavar="CLASS=MULT", key="fixed")
     diagnostic_interval: int = option(0, "after the window, re-measure the SNR (report only) every N steps "
-                                      "(0 = off)", flag="--mech-mols-diagnostic-interval", type=int)
+                                      "(0 = off)", type=int)
     diagnostic_steps: Optional[int] = option(None, "steps per diagnostic measurement (default: the window "
-                                             "length)", flag="--mech-mols-diagnostic-steps", type=int)
+                                             "length)", type=int)
     ramp_end: Optional[int] = None
+    named: Optional[Mapping[str, str]] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         set_ = object.__setattr__
+        if self.named is not None and not isinstance(self.named, Mapping):
+            raise TypeError(f"MoLSConfig.named must be a mapping field name -> words, got {self.named!r}")
         set_(self, "window_start", _int_field("window_start", self.window_start, 1))
         set_(self, "window_steps", _int_field("window_steps", self.window_steps, 1, allow_none=True))
         if self.base not in MODULE_CLASSES:
@@ -272,6 +276,11 @@ class MoLSConfig:
             raise BadSetting("diagnostic_interval", "MoLSConfig.diagnostic_interval needs estimator='two_batch' (the "
                                                     "samples estimator would cost K extra passes per diagnostic step)")
 
+    def name_of(self, name: str) -> str:
+        """How the user names the setting ``name`` (a field name): :attr:`named`'s words, else
+        ``MoLSConfig.<name>``."""
+        return (self.named or {}).get(name, f"MoLSConfig.{name}")
+
     @property
     def window_end(self) -> int:
         """``window_start + window_steps − 1``: the window's last step."""
@@ -295,6 +304,7 @@ class MoLSConfig:
 
     def to_dict(self) -> Dict[str, Any]:
         d = asdict(self)
+        del d["named"]  # how messages name the settings, not a setting
         d["clamp"] = list(self.clamp)
         d["classes"] = list(self.classes) if self.classes is not None else None
         d["fixed_multipliers"] = dict(self.fixed_multipliers) if self.fixed_multipliers is not None else None
@@ -400,7 +410,8 @@ class MoLSController:
             self.classes_present = present
             if config.base not in present:
                 raise ValueError(f"MoLS base module class {config.base!r} has no parameters in this model "
-                                 f"(present: {', '.join(present) or 'none'}); choose --mech-mols-base from those")
+                                 f"(present: {', '.join(present) or 'none'}); set {config.name_of('base')} to one of "
+                                 f"those")
             if config.classes is not None:
                 missing = [c for c in config.classes if c not in present]
                 if missing:
@@ -621,8 +632,8 @@ class MoLSController:
             what = (f"its window estimates are undetermined (|G|^2 {e.grad_sq:.3g}, tr(Sigma) {e.trace_cov:.3g}, "
                     f"{e.steps} step(s); does it receive gradient?)")
         return (f"the base class {base!r} has no usable SNR: {what}; lengthen the estimation window "
-                f"(--mech-mols-window / mech.mols.window, now {cfg.window_steps} steps; its noise falls as "
-                f"1/sqrt(steps), so 4x the steps halves it) or choose another base (--mech-mols-base)")
+                f"({cfg.name_of('window_steps')}, now {cfg.window_steps} steps; its noise falls as "
+                f"1/sqrt(steps), so 4x the steps halves it) or choose another base ({cfg.name_of('base')})")
 
     @property
     def status(self) -> str:
@@ -692,7 +703,7 @@ class MoLSController:
             warnings.warn(f"MoLS: clamped alpha to [{lo:g}, {hi:g}] for module class(es): "
                           + ", ".join(f"{c} (alpha {raw:.3g} -> {self.alphas[c]:.3g})"
                                       for c, raw in self.clamped.items())
-                          + " (widen with --mech-mols-clamp MIN MAX)", MoLSWarning, stacklevel=2)
+                          + f" (widen the range: {cfg.name_of('clamp')})", MoLSWarning, stacklevel=2)
         self.measured_alphas = dict(self.alphas)
         fixed = cfg.fixed_multipliers
         if fixed is not None:  # a hand-set reference: the SNRs are reported, the multipliers are the user's

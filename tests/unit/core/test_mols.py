@@ -165,12 +165,39 @@ def test_negative_base_estimate_is_reported_not_estimated_with_the_reason():
     m = c.metrics(50)
     assert m["mols/status"] == "not_estimated" and set(c.multipliers(50).values()) == {1.0}
     reason = m["mols/status_reason"]
-    assert "'vo'" in reason and "negative" in reason and "--mech-mols-window" in reason and "now 2 steps" in reason
+    assert "'vo'" in reason and "negative" in reason and "now 2 steps" in reason
+    assert "(MoLSConfig.window_steps, now 2 steps" in reason and "another base (MoLSConfig.base)" in reason
     restored = MoLSController(MoLSConfig(window_steps=2), classes_present=PRESENT)
     restored.load_state_dict(copy.deepcopy(c.state_dict()))
     assert restored.metrics(50)["mols/status_reason"] == reason
     good, _ = _ctl({"embedding": 0.01, "vo": 0.02})
     assert good.metrics(50)["mols/status"] == "estimated" and "mols/status_reason" not in good.metrics(50)
+
+
+def test_messages_name_the_settings_as_the_configuration_names_them():
+    """The core knows its settings by their field names; a config built by the configuration layer carries the
+    words the user wrote (flag and ``"mech"`` key), so the not-estimated reason recorded in ``mols/status_reason``,
+    the clamp warning and the missing-base error name those, and a state round trip neither saves nor compares
+    them."""
+    from megatron_mech.config import MoLSOptions
+
+    config = MoLSOptions(enabled=True, window=2, clamp=(0.9, 1.1)).core_config(train_steps=100, ramp_end=None)
+    assert config == MoLSConfig(window_steps=2, clamp=(0.9, 1.1), ramp_end=None) and "named" not in config.to_dict()
+    c = MoLSController(config, classes_present=PRESENT)
+    small, big = _two_batch_norms({"embedding": 0.01, "vo": 0.02})
+    small["vo"] = 5.0 * big["vo"]  # a negative ‖G‖² estimate of the base: not estimated
+    with pytest.warns(MoLSWarning):
+        for s in range(1, 3):
+            c.observe(s, small, big, 4, 16)
+    reason = c.metrics(50)["mols/status_reason"]
+    assert "(--mech-mols-window / mech.mols.window, now 2 steps" in reason
+    assert reason.endswith("or choose another base (--mech-mols-base / mech.mols.base)")
+    _, warned = _ctl({"embedding": 0.01, "vo": 0.04}, clamp=(0.9, 1.1), named=config.named)
+    clamped = [str(w.message) for w in warned if "clamped alpha" in str(w.message)]
+    assert len(clamped) == 1 and clamped[0].endswith("(widen the range: --mech-mols-clamp / mech.mols.clamp)")
+    with pytest.raises(ValueError, match=r"set --mech-mols-base / mech\.mols\.base to one of those"):
+        MoLSController(MoLSOptions(enabled=True, window=2, base="router").core_config(train_steps=100, ramp_end=None),
+                       classes_present=PRESENT)
 
 
 def test_steps_count_from_1_as_the_hooks_and_a_state_counting_from_0_is_refused_by_name():

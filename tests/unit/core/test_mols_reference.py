@@ -57,13 +57,13 @@ def test_fixed_multipliers_are_validated_and_survive_the_state():
         MoLSConfig(window_steps=3, fixed_multipliers={"qk": 0.0})
     with pytest.raises(ValueError, match="no parameters in this model.*router"):
         MoLSController(MoLSConfig(window_steps=3, fixed_multipliers={"router": 2.0}), classes_present=PRESENT)
-    with pytest.raises(ValueError, match="--mech-mols-fixed: expected CLASS=MULTIPLIER"):
-        parse_fixed_multipliers(["qk:2"])
-    with pytest.raises(ValueError, match="--mech-mols-fixed.*unknown module class.*emb"):
-        parse_fixed_multipliers(["emb=2"])
+    with pytest.raises(ValueError, match="fixed items: expected CLASS=MULTIPLIER"):
+        parse_fixed_multipliers(["qk:2"], "fixed items")
+    with pytest.raises(ValueError, match="fixed items.*unknown module class.*emb"):
+        parse_fixed_multipliers(["emb=2"], "fixed items")
     with pytest.raises(ValueError, match="given twice"):
-        parse_fixed_multipliers(["qk=2", "qk=1"])
-    assert parse_fixed_multipliers(["qk=0.5", "head=2"]) == {"qk": 0.5, "head": 2.0}
+        parse_fixed_multipliers(["qk=2", "qk=1"], "fixed items")
+    assert parse_fixed_multipliers(["qk=0.5", "head=2"], "fixed items") == {"qk": 0.5, "head": 2.0}
     # the flag reaches the core config; a bad item is refused at option construction
     opts = MoLSOptions(enabled=True, fixed=("embedding=2", "qk=0.5"))
     assert opts.core_config(train_steps=100, ramp_end=None).fixed_multipliers == {"embedding": 2.0, "qk": 0.5}
