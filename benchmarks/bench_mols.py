@@ -102,7 +102,7 @@ def expand_arms(a) -> dict:
             arms[arm] = [*mols, *mols_variant_flags(arm)]
         elif arm.startswith("fixed:"):
             items = [x for x in arm[len("fixed:"):].split(",") if x]
-            parse_fixed_multipliers(items, flag=f"--arms {arm}")  # a clear error before any run starts
+            parse_fixed_multipliers(items, f"--arms {arm}")  # a clear error before any run starts
             arms[arm] = [*mols, "--mech-mols-fixed", *items]
         else:
             raise SystemExit(f"--arms: unknown arm {arm!r} (adamw, mols, mols-qk, mols-vo, grid, "

@@ -27,7 +27,7 @@ if str(REPO) not in sys.path:
 from benchmarks._results import write_results  # noqa: E402
 from megatron_mech.cli import build_parser  # noqa: E402
 from megatron_mech.core.detect import layer_of  # noqa: E402
-from megatron_mech.logit_symptom import MAX_LOGIT_METRIC  # noqa: E402
+from megatron_mech.monitors.max_logit import MAX_LOGIT_METRIC  # noqa: E402
 from megatron_mech.studies.clean_scores import replay_alerts  # noqa: E402
 from megatron_mech.studies.demo import (  # noqa: E402
     DEMO_ATTENTION_FLAGS,

@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks._results import write_results  # noqa: E402
-from megatron_mech.logit_symptom import MAX_LOGIT_METRIC  # noqa: E402
+from megatron_mech.monitors.max_logit import MAX_LOGIT_METRIC  # noqa: E402
 from megatron_mech.records.sinks import read_jsonl  # noqa: E402
 from megatron_mech.studies.clean_scores import replay_alerts  # noqa: E402
 from megatron_mech.studies.incumbents import (  # noqa: E402

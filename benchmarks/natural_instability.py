@@ -49,7 +49,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks._results import write_results  # noqa: E402
 from benchmarks._train_runs import model_flags, train_run  # noqa: E402
-from megatron_mech.logit_symptom import MAX_LOGIT_METRIC  # noqa: E402
+from megatron_mech.monitors.max_logit import MAX_LOGIT_METRIC  # noqa: E402
 from megatron_mech.studies.leadtime import REPORTING_SEEDS, TUNING_SEEDS, first_alert, parse_study_args  # noqa: E402
 from megatron_mech.studies.natural import (  # noqa: E402
     SELF_DIVERGENCE_MARGIN,

@@ -9,11 +9,7 @@ does not pay for torch until a name is used.
 """
 import importlib
 
-from megatron_mech import _moved_modules
-
 __version__ = "0.1.0"
-
-_moved_modules.install()  # the import paths that moved keep working, with a DeprecationWarning, until they are removed
 
 _EXPORTS = {
     "detect": ("Alert", "DetectorConfig", "DetectorRegistry", "SeriesRule", "default_rules"),

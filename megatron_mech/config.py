@@ -10,7 +10,8 @@ Every field is declared with :func:`megatron_mech.options.option` (its doc and i
 
 Each section validates itself once, in ``__post_init__``, and raises ``ValueError`` naming the setting. The MoLS and
 detector sections take their settings from the math core's own declarations (``MoLSConfig``, ``DetectorConfig``;
-:func:`megatron_mech.options.settings_of`) and its checks.
+:func:`megatron_mech.options.settings_of`) and its checks; the core names no flag, and each such section declares
+here the one prefix its flags are derived from (``--mech-mols-``, ``--mech-detector-``).
 
 JSON / dict shape (every key optional)::
 
@@ -47,6 +48,8 @@ from megatron_mech.options import (
     section_from_dict,
     section_from_flags,
     section_to_dict,
+    setting_flag,
+    setting_names,
     settings_of,
     settings_values,
 )
@@ -153,9 +156,9 @@ class MonitorConfig(AttentionMonitorConfig):
 
 
 @dataclass
-@settings_of(DetectorConfig, override="override the {} (default: per rule)")
-@settings_of(LevelRules, override="{} (default: the rule's own level)")
-@settings_of(TrendRules, override="{} (default: the rule's own)")
+@settings_of(DetectorConfig, flag_prefix="--mech-detector-", override="override the {} (default: per rule)")
+@settings_of(LevelRules, flag_prefix="--mech-", override="{} (default: the rule's own level)")
+@settings_of(TrendRules, flag_prefix="--mech-", override="{} (default: the rule's own)")
 class DetectorOverrides:
     """Values that replace the default detector rules' own (``None`` = the rule's value): the levels of the level
     rules, :class:`~megatron_mech.core.detect.LevelRules` (``--mech-max-logit-level``, ``--mech-expert-share-level``;
@@ -181,12 +184,12 @@ class DetectorOverrides:
 
 
 @dataclass
-@settings_of(MoLSConfig)
+@settings_of(MoLSConfig, flag_prefix="--mech-mols-")
 class MoLSOptions:
     """MoLS, per-module learning-rate multipliers from gradient SNR (``--mech-mols*``): the settings
     :class:`~megatron_mech.core.mols.MoLSConfig` declares, named as a user writes them (``window``, ``samples``,
-    ``min_ramp``, ``fixed``), and what the core cannot know: whether MoLS runs, and the window's first step in the
-    run's step numbering (the core counts iterations). The run-dependent values (the window's default from the
+    ``min_ramp``, ``fixed``), and what the core cannot know: whether MoLS runs, and the window's first step (0 is
+    taken for the first step, 1). The run-dependent values (the window's default from the
     number of training steps, the ramp end at the end of the lr warm-up) are filled in by :meth:`core_config`."""
 
     enabled: bool = option(False, "enable MoLS per-module lr multipliers", flag="--mech-mols")
@@ -214,20 +217,20 @@ class MoLSOptions:
         window = self.window if self.window is not None else default_window(train_steps)
         config = self._core(window_steps=window, ramp_end=ramp_end)
         if config.window_end > train_steps:
-            raise ValueError(f"--mech-mols-window: the estimation window (steps {config.window_start + 1}.."
+            raise ValueError(f"--mech-mols-window: the estimation window (steps {config.window_start}.."
                              f"{config.window_end}) does not fit in --train-iters {train_steps}")
         return config
 
     def _core(self, *, window_steps: int, ramp_end: Optional[int]) -> MoLSConfig:
-        """The core's config of these settings. The core counts ``iteration = step − 1`` (optimizer steps done
-        before the step), so the window's first step ``s`` is its iteration ``s − 1``. A bad value raises
-        ``ValueError`` naming its flag."""
+        """The core's config of these settings (steps counted from 1, as here). A bad value raises ``ValueError``
+        naming its flag."""
         values = dict(settings_values(self, MoLSConfig), window_steps=window_steps, ramp_end=ramp_end,
-                      window_start=max(0, self.window_start - 1), fixed_multipliers=self.fixed_multipliers())
+                      window_start=max(1, self.window_start), fixed_multipliers=self.fixed_multipliers(),
+                      named=setting_names(MoLSOptions, MoLSConfig, "mech.mols"))
         try:
             return MoLSConfig(**values)
         except BadSetting as e:  # the core names its field; the user knows the flag
-            flag = field_flag(MoLSConfig, e.field)
+            flag = setting_flag(MoLSOptions, MoLSConfig, e.field)
             if flag is None:  # a value the run supplies (ramp_end), not a setting
                 raise
             raise ValueError(f"{flag}: {e}") from None
@@ -237,7 +240,8 @@ class MoLSOptions:
         flag and the bad item."""
         if not self.fixed:
             return None
-        return parse_fixed_multipliers([self.fixed] if isinstance(self.fixed, str) else self.fixed)
+        return parse_fixed_multipliers([self.fixed] if isinstance(self.fixed, str) else self.fixed,
+                                       setting_flag(MoLSOptions, MoLSConfig, "fixed_multipliers"))
 
 
 DEFAULT_OUTPUT_DIR = "runs/mech"
@@ -255,8 +259,8 @@ class OutputConfig:
     wandb_project: Optional[str] = option(None, "also log to this W&B project", flag="--mech-wandb-project")
     tensorboard_dir: Optional[str] = option(None, "also write TensorBoard events here (the framework's own "
                                             "TensorBoard directory; no --mech flag)", type=file_path)
-    # auto, not full: at the shapes that need a summary (a 70B model records ~17,000 series per evaluation) a full
-    # writer exceeds W&B's recommended 10,000 metrics of a project in one run, and small models stay full
+    # auto, not full: at the shapes that need a summary a full writer exceeds W&B's recommended 10,000 metrics of a
+    # project in one run (series per model shape: docs/results/calibration.md), and small models stay full
     writer_level: str = option("auto", "which series TensorBoard, W&B and DeepSpeed's monitor get (mech.jsonl "
                                "always keeps every series): 'full' every series; 'summary' each per-head/per-expert "
                                "family reduced to its per-layer min and mean, every series of an alerting head, "

@@ -352,7 +352,7 @@ class MechHook:
             start_step: optimizer steps already done (0, or the resumed checkpoint's step).
             scheduler: the LR scheduler, if the trainer calls ``after_optimizer_step`` after ``scheduler.step()``
                 (the hook re-derives the lrs after writing MoLS multipliers).
-            sample_passes: for ``--mech-mols-estimator samples`` only: ``fn(mols_backend, iteration)`` running the
+            sample_passes: for ``--mech-mols-estimator samples`` only: ``fn(mols_backend, step)`` running the
                 extra gradient samples through the framework's schedule (called from ``before_step``).
         """
         if self._is_setup:
@@ -435,7 +435,7 @@ class MechHook:
         for monitor in self.monitors:
             monitor.before_step(step, evaluating)
         if self.mols is not None and self._sample_passes is not None:
-            self._sample_passes(self.mols, step - 1)
+            self._sample_passes(self.mols, step)
         for extension in self.extensions:
             extension.before_step(step)
             if self._optimizer is not None:
@@ -918,7 +918,7 @@ class MechHook:
 
     def mols_metrics(self, step: int) -> dict:
         """MoLS's SNR / α / multiplier values in force after ``step`` (empty without MoLS)."""
-        return self.mols.metrics(step - 1) if self.mols is not None and step else {}
+        return self.mols.metrics(step) if self.mols is not None and step else {}
 
     @property
     def requested_families(self) -> tuple:
@@ -1084,11 +1084,11 @@ class MechHook:
     def _mols_step(self, step: int) -> dict:
         if self.mols is None:
             return {}
-        self.mols.before_scheduler_step(step - 1)  # multipliers of the next step
+        self.mols.before_scheduler_step(step)  # multipliers of the next step
         if self._scheduler is not None:
             self._scheduler.step(increment=0)  # same step count: the lrs again, with the new multipliers
         # the record's convention: the multipliers applied at this step's update (iteration step - 1), like its lr
-        metrics = self.mols.metrics(step - 1)
+        metrics = self.mols.metrics(step)
         if metrics.get("mols/status") == "not_estimated" and not self._mols_failure_logged:
             self._mols_failure_logged = True  # once per run: MoLS is off for the rest of it
             if self._view is not None and self._view.logging_rank:

@@ -84,11 +84,11 @@ class ModelView:
     inputs of every forward of the layer's attention kernel (``scale``: the softmax scale applied to ``q·k``;
     ``mask``: bool, True = masked out). Installing twice must not record twice. The hook's ``record`` has a
     boolean ``capturing``, False between evaluation steps: the capture then returns before any tensor work. Feeds
-    the max-attention-logit symptom (:mod:`megatron_mech.logit_symptom`)."""
+    the max-attention-logit symptom (:mod:`megatron_mech.monitors.max_logit`)."""
     mols: Optional[Callable[..., Any]] = None
     """MoLS factory of this framework, ``mols(core_config, log=...) -> backend`` (``None``: MoLS unavailable).
     The backend offers ``config_overrides``, ``attach(optimizer)``, ``wrap_forward_step(fn)``,
-    ``before_scheduler_step(iteration)``, ``metrics(iteration)``, ``seconds``, ``state_dict``/``load_state_dict``
+    ``before_scheduler_step(step)``, ``metrics(step)``, ``seconds``, ``state_dict``/``load_state_dict``
     (see :class:`megatron_mech.adapters.megatron_core.mols.MegatronMoLS`)."""
     weights: str = ""
     """Which copy of the weights the tensors above are, in words for the start line (e.g. "the optimizer's

@@ -8,8 +8,10 @@ A config section is a plain dataclass whose fields are made with :func:`option`.
   against its declared type, ``choices`` and ``nargs`` (as argparse checks the flags), unknown keys rejected, each
   error naming the key's dotted path;
 * :func:`section_to_dict` writes plain types (tuples become lists);
-* :func:`settings_of` gives a section the settings another layer (the math core) declares for itself, and
-  :func:`settings_values` hands the section's values back to that layer's class.
+* :func:`settings_of` gives a section the settings another layer (the math core) declares for itself, with the
+  flags the section derives from its one prefix (the core names none), and :func:`settings_values` hands the
+  section's values back to that layer's class; :func:`setting_flag` and :func:`setting_names` say how a user names
+  a setting the core knows by its field name.
 
 Value rules beyond types and choices (ranges, combinations) are not checked here: each section validates itself
 once, in ``__post_init__``, whichever way it was built.
@@ -19,14 +21,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import re
 import typing
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 from megatron_mech.core.option_fields import field_doc, field_flag, field_key, option  # noqa: F401  (re-exported)
 
 __all__ = ["option", "add_section_flags", "check_mapping", "closest_name", "file_path", "section_from_flags",
-           "section_from_dict", "section_to_dict", "settings_of", "settings_values", "field_doc", "field_flag",
-           "field_key"]
+           "section_from_dict", "section_to_dict", "settings_of", "settings_values", "setting_flag", "setting_names",
+           "derived_flag", "field_doc", "field_flag", "field_key"]
 
 _MISSING = dataclasses.MISSING
 
@@ -258,11 +261,25 @@ def _settings(source: type) -> list:
     return [f for f in dataclasses.fields(source) if "doc" in f.metadata]
 
 
-def settings_of(source: type, *, override: Optional[str] = None) -> Callable[[type], type]:
-    """Class decorator, below ``@dataclass``: the decorated config section gets the settings that the dataclass
-    ``source`` declares with :func:`option` — the same doc, flag, type, choices, nargs and default, each named by
-    its ``key`` (default its field name), in ``source``'s order — so a setting is declared once, by its owner.
+def derived_flag(prefix: str, f: dataclasses.Field) -> str:
+    """The flag a section whose flags start with ``prefix`` gives the setting ``f``: the prefix, then ``no-`` for an
+    inverted switch, then the setting's key with hyphens (``--mech-mols-`` and ``min_ramp`` give
+    ``--mech-mols-min-ramp``, the inverted ``scale_weight_decay`` gives ``--mech-mols-no-scale-weight-decay``)."""
+    key = f.metadata.get("key") or f.name
+    return prefix + ("no-" if f.metadata.get("inverted") else "") + key.replace("_", "-")
 
+
+def settings_of(source: type, *, flag_prefix: Optional[str] = None,
+                override: Optional[str] = None) -> Callable[[type], type]:
+    """Class decorator, below ``@dataclass``: the decorated config section gets the settings that the dataclass
+    ``source`` declares with :func:`option` — the same doc, type, choices, nargs and default, each named by its
+    ``key`` (default its field name), in ``source``'s order — so a setting is declared once, by its owner.
+
+    * ``flag_prefix``: the section's flags, declared here once for all of ``source``'s settings: each setting's
+      flag is :func:`derived_flag` of the prefix (the math core names no flag). A ``{name}`` in a doc stands for the
+      flag of ``source``'s setting ``name`` (other braces stay as they are: ``layer{L}``). A setting of ``source``
+      that still declares a flag must declare that one (``TypeError`` otherwise). Without a prefix, the settings
+      keep the flags ``source`` declares.
     * ``override``: the section holds overrides of ``source``'s values: every field is ``Optional`` with default
       ``None`` (keep ``source``'s value) and its doc is ``override.format(doc)``.
     * The section's own fields come first, except one named like a field of ``source`` that is not a setting
@@ -277,6 +294,7 @@ def settings_of(source: type, *, override: Optional[str] = None) -> Callable[[ty
         twice = sorted({f.metadata.get("key") or f.name for f in settings} & set(own))
         if twice:
             raise TypeError(f"{section.__name__} declares {twice} again; {source.__name__} declares them")
+        metadata = _flagged(source, settings, flag_prefix)
         placed = {f.name for f in dataclasses.fields(source) if f.name in own}
         annotations = {name: hint for name, hint in own.items() if name not in placed}
         for f in dataclasses.fields(source):
@@ -284,19 +302,57 @@ def settings_of(source: type, *, override: Optional[str] = None) -> Callable[[ty
                 annotations[f.name] = own[f.name]
             elif f in settings:
                 key = f.metadata.get("key") or f.name
+                meta = metadata[f.name]
                 if override is None:
                     annotations[key] = hints[f.name]
                     declared = dataclasses.field(default=f.default, default_factory=f.default_factory,
-                                                 metadata=f.metadata)
+                                                 metadata=meta)
                 else:
                     annotations[key] = Optional[hints[f.name]]
-                    declared = dataclasses.field(default=None, metadata={**f.metadata,
-                                                                         "doc": override.format(f.metadata["doc"])})
+                    declared = dataclasses.field(default=None, metadata={**meta,
+                                                                         "doc": override.format(meta["doc"])})
                 setattr(section, key, declared)
         section.__annotations__ = annotations
         return section
 
     return decorate
+
+
+def _flagged(source: type, settings: list, flag_prefix: Optional[str]) -> dict:
+    """``{field name: metadata}`` of ``source``'s settings in a section whose flags start with ``flag_prefix``
+    (``None``: the flags ``source`` declares, the metadata unchanged)."""
+    if flag_prefix is None:
+        return {f.name: f.metadata for f in settings}
+    flags = {f.name: derived_flag(flag_prefix, f) for f in settings}
+    out = {}
+    for f in settings:
+        declared = f.metadata.get("flag")
+        if declared is not None and declared != flags[f.name]:
+            raise TypeError(f"{source.__name__}.{f.name} declares the flag {declared}; its section's prefix "
+                            f"{flag_prefix!r} gives it {flags[f.name]}")
+        doc = re.sub(r"\{(\w+)\}", lambda m: flags.get(m.group(1), m.group(0)), f.metadata["doc"])
+        out[f.name] = {**f.metadata, "flag": flags[f.name], "doc": doc}
+    return out
+
+
+def setting_flag(section: type, source: type, name: str) -> Optional[str]:
+    """The flag ``section`` gives the field ``name`` of ``source`` (:func:`settings_of`): the flag of the section's
+    field under the setting's key; ``None`` when the section has no such field or gives it no flag (a value the run
+    supplies). How the configuration names a setting the core's :class:`BadSetting` names by its field."""
+    key = field_key(source, name)
+    return {f.name: f.metadata.get("flag") for f in dataclasses.fields(section)}.get(key)
+
+
+def setting_names(section: type, source: type, where: str) -> dict:
+    """How a user names each setting that ``section`` takes from ``source``: ``{source's field name: "--flag /
+    where.key"}`` (``where``: the section's key path, e.g. ``"mech.mols"``; just the key path for a setting
+    without a flag). The words the core's messages and records use for a setting it knows by its field name."""
+    names = {}
+    for f in _settings(source):
+        key = f.metadata.get("key") or f.name
+        flag = setting_flag(section, source, f.name)
+        names[f.name] = f"{flag} / {where}.{key}" if flag else f"{where}.{key}"
+    return names
 
 
 def settings_values(section: Any, source: type) -> dict:

@@ -14,23 +14,24 @@ multipliers into the optimizer's param groups.
 
 Step convention
 ---------------
-``step`` is the **0-based iteration**: the number of optimizer steps completed before the step in question
-(Megatron-LM's ``iteration`` argument of ``train_step``; ``OptimizerParamScheduler.num_steps`` when the lr of that
-step is set, with ``increment=1``). With ``E = window_start + window_steps`` (the window end) and ``R`` the
-effective ramp end::
+``step`` is the hook's step number: the optimizer step in question, counted from 1 (the first optimizer step of a
+run is step 1). With ``E = window_start + window_steps − 1`` (the window's last step) and ``R`` the effective ramp
+end (the lr warm-up's last step)::
 
-    multiplier(step, m) = 1                                   step < E   (also while α is unknown)
-                        = 1 + (α_m − 1)·(step − E)/(R − E)    E ≤ step < R
-                        = α_m                                 step ≥ R
+    multiplier(step, m) = 1                                       step ≤ E + 1   (also while α is unknown)
+                        = 1 + (α_m − 1)·(step − E − 1)/(R − E)    E + 1 ≤ step ≤ R + 1
+                        = α_m                                     step ≥ R + 1
 
-so iteration ``E`` still runs at 1 and iteration ``R`` is the first at exactly α_m. ``R = ramp_end`` (the adapter
-sets it to the warm-up end) when ``ramp_end > E``; otherwise — warm-up already over when the estimate completes,
-or ``ramp_end`` unset — a **short ramp** ``R = E + min_ramp_steps`` (default 10 steps) so the lr of a trained
-model never jumps by α in one step (``min_ramp_steps=0`` gives the jump).
+The ramp is linear in the steps completed since the window ended, as the lr warm-up is linear in the steps
+completed: step ``E + 1``, the first after the window, still runs at 1 and step ``R + 1``, the first after the
+warm-up, is the first at exactly α_m. ``R = ramp_end`` (the adapter sets it to the warm-up's length) when
+``ramp_end > E``; otherwise — warm-up already over when the estimate completes, or ``ramp_end`` unset — a **short
+ramp** ``R = E + min_ramp_steps`` (default 10 steps) so the lr of a trained model never jumps by α in one step
+(``min_ramp_steps=0`` gives the jump).
 
-Observations are accepted for iterations ``window_start ≤ step < E``; the estimate completes after the
-observation of iteration ``E − 1`` (or on the first :meth:`MoLSController.maybe_finalize` call with
-``step ≥ E − 1``), so ``α`` is known before the lr of iteration ``E`` is set.
+Observations are accepted for steps ``window_start ≤ step ≤ E``; the estimate completes after the observation of
+step ``E`` (or on the first :meth:`MoLSController.maybe_finalize` call with ``step ≥ E``), so ``α`` is known before
+the lr of step ``E + 1`` is set.
 
 Rules chosen
 ------------
@@ -38,11 +39,8 @@ Rules chosen
   :data:`DEFAULT_SCALED_CLASSES` (embedding, qk, vo, mlp, head, router, experts); ``norm`` and ``other`` stay at
   1.0 (norms and biases stay at 1 unless configured otherwise — they are still *measured* and reported).
   An explicit ``classes`` list must only name classes the model has (a class with no parameters is an error).
-* **Clamp default (0.5, 2.0).** α is a ratio of two noisy window estimates and is applied to the lr of a run
-  whose base lr was tuned; lr changes beyond ~2× from a tuned Adam lr leave the flat part of the usual lr-loss
-  curve (and ≥ 4× often diverges), while the α spread measured in small-scale runs was 0.55–1.61,
-  i.e. inside the range. A clamped module still moves in the right direction; the warning names it so the
-  range can be widened deliberately (``--mech-mols-clamp``).
+* **Clamp default (0.5, 2.0).** Keeps a noisy α within the flat part of a tuned lr's loss curve; a clamped
+  module still moves in the right direction, and the warning names it (evidence: ``docs/results/calibration.md``).
 * **Degenerate SNRs.** A class whose window estimate is ``S = inf`` (noise below resolution), ``0`` (no
   detectable signal), ``nan`` (undetermined) or that was never observed gets ``α = 1`` (it keeps the base lr)
   — one :class:`MoLSWarning` names all of them. If the *base* class is degenerate, every α is 1 (no ratio can
@@ -76,7 +74,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, Iterable, Mapping, Optional, Tuple, Union
 
 from megatron_mech.core import mols_names
@@ -98,6 +96,7 @@ MEASURED_KEYS = tuple(MODULE_CLASSES) + QKV_BLOCK_KEYS
 ESTIMATORS = ("two_batch", "samples")
 
 _PHASES = ("window", "done")
+STATE_VERSION = 2  # 2: steps counted from 1, as the hook counts them (1: iterations counted from 0)
 
 
 class MoLSWarning(UserWarning):
@@ -139,24 +138,25 @@ def check_fixed_multipliers(fixed: Mapping[str, float]) -> Dict[str, float]:
     return out
 
 
-def parse_fixed_multipliers(items, flag: str = "--mech-mols-fixed") -> Dict[str, float]:
-    """``["embedding=2", "qk=0.5"]`` → ``{"embedding": 2.0, "qk": 0.5}``; a ``ValueError`` names ``flag`` and
-    the bad item (no ``=``, unknown class, repeated class, non-positive value)."""
+def parse_fixed_multipliers(items, setting: str) -> Dict[str, float]:
+    """``["embedding=2", "qk=0.5"]`` → ``{"embedding": 2.0, "qk": 0.5}``; a ``ValueError`` names ``setting`` (how
+    the caller's user wrote the items: a flag, a config key) and the bad item (no ``=``, unknown class, repeated
+    class, non-positive value)."""
     out: Dict[str, float] = {}
     for item in items:
         name, sep, value = str(item).partition("=")
         if not sep:
-            raise ValueError(f"{flag}: expected CLASS=MULTIPLIER, got {item!r}")
+            raise ValueError(f"{setting}: expected CLASS=MULTIPLIER, got {item!r}")
         if name in out:
-            raise ValueError(f"{flag}: class {name!r} given twice")
+            raise ValueError(f"{setting}: class {name!r} given twice")
         try:
             out[name] = float(value)
         except ValueError:
-            raise ValueError(f"{flag}: multiplier of {name!r} is not a number: {value!r}") from None
+            raise ValueError(f"{setting}: multiplier of {name!r} is not a number: {value!r}") from None
     try:
         return check_fixed_multipliers(out)
     except ValueError as e:
-        raise ValueError(f"{flag}: {e}") from None
+        raise ValueError(f"{setting}: {e}") from None
 
 
 def _usable_snr(s: Optional[float]) -> bool:
@@ -173,57 +173,59 @@ def default_window(train_steps: int) -> int:
 class MoLSConfig:
     """MoLS settings, validated on construction: a bad value raises :class:`BadSetting` naming the field.
 
-    The settings a user writes carry their doc and their ``--mech-mols-*`` flag; the configuration section
-    (:class:`megatron_mech.config.MoLSOptions`) is built from these declarations. What the checks require:
-    ``window_steps ≥ 1`` (``None``: not decided yet — the configuration fills in the run's default, and
-    :class:`MoLSController` needs a number); ``0 < min ≤ 1 ≤ max < inf`` for ``clamp`` (default rationale in the
-    module docstring); ``num_samples ≥ 2``; ``min_ramp_steps ≥ 0`` (0: a step change at the window end);
-    ``fixed_multipliers`` known classes with positive finite values — the named classes ramp to them on the same
-    schedule, the window is still measured and reported; diagnostic blocks of ``diagnostic_steps`` iterations
-    (at most ``diagnostic_interval``) start every ``diagnostic_interval`` iterations after the window end and
+    The settings a user writes carry their doc and their key; the configuration section
+    (:class:`megatron_mech.config.MoLSOptions`) is built from these declarations and gives them their flags. What
+    the checks require: ``window_steps ≥ 1`` (``None``: not decided yet — the configuration fills in the run's
+    default, and :class:`MoLSController` needs a number); ``0 < min ≤ 1 ≤ max < inf`` for ``clamp`` (default
+    rationale in the module docstring); ``num_samples ≥ 2``; ``min_ramp_steps ≥ 0`` (0: a step change at the window
+    end); ``fixed_multipliers`` known classes with positive finite values — the named classes ramp to them on the same
+    schedule, the window is still measured and reported; diagnostic blocks of ``diagnostic_steps`` steps
+    (at most ``diagnostic_interval``) start every ``diagnostic_interval`` steps after the window and
     only report (the multipliers do not change); they need the ``two_batch`` estimator.
 
-    Two fields are not written by a user:
+    Three fields are not written by a user:
 
     Attributes:
-        window_start: first iteration of the estimation window (0-based, see the module docstring; the
-            configuration's ``window_start`` is a 1-based step).
-        ramp_end: iteration at which the multipliers reach α (the configuration sets the end of the lr warm-up);
-            ``None`` or ``≤`` window end: a short ramp of ``min_ramp_steps``.
+        window_start: first step of the estimation window (steps count from 1, see the module docstring).
+        ramp_end: the ramp's last step; the multipliers are α from the step after it (the configuration sets the
+            lr warm-up's length); ``None`` or ``≤`` the window's last step: a short ramp of ``min_ramp_steps``.
+        named: how the user names each setting, ``{field name: words}``, for the messages and records that tell
+            the user which setting to change (the configuration passes its flags and keys); a setting it does not
+            name is called ``MoLSConfig.<field>``. Not compared, not saved.
     """
 
-    window_steps: Optional[int] = option(None, "estimation window in iterations (default: 1% of the training "
-                                         "steps, at least 5)", flag="--mech-mols-window", type=int, key="window")
-    window_start: int = 0
-    base: str = option("vo", "reference module (α = 1)", flag="--mech-mols-base", choices=MODULE_CLASSES)
+    window_steps: Optional[int] = option(None, "estimation window in steps (default: 1% of the training "
+                                         "steps, at least 5)", type=int, key="window")
+    window_start: int = 1
+    base: str = option("vo", "reference module (α = 1)", choices=MODULE_CLASSES)
     clamp: Tuple[float, float] = option((0.5, 2.0), "clamp range of the multipliers (default 0.5 2.0)",
-                                        flag="--mech-mols-clamp", type=float, nargs=2, metavar=("MIN", "MAX"))
+                                        type=float, nargs=2, metavar=("MIN", "MAX"))
     estimator: str = option("two_batch", "two_batch: free small/big-batch gradient norms; samples: K extra passes "
-                            "(reference)", flag="--mech-mols-estimator", choices=ESTIMATORS)
-    num_samples: int = option(4, "K for --mech-mols-estimator samples", flag="--mech-mols-samples", type=int,
-                              key="samples")
+                            "(reference)", choices=ESTIMATORS)
+    num_samples: int = option(4, "K for {estimator} samples", type=int, key="samples")
     fused_qkv_rule: str = option("rows", "multiplier of the fused linear_qkv parameter from α_qk and α_vo",
-                                 flag="--mech-mols-fused-qkv-rule", choices=FUSED_QKV_RULES)
+                                 choices=FUSED_QKV_RULES)
     classes: Optional[Tuple[str, ...]] = option(None, "module classes to scale (default: embedding qk vo mlp head "
-                                                "router experts present)", flag="--mech-mols-classes", nargs="+",
-                                                choices=MODULE_CLASSES)
+                                                "router experts present)", nargs="+", choices=MODULE_CLASSES)
     min_ramp_steps: int = option(10, "ramp length when the warm-up is over at the window end",
-                                 flag="--mech-mols-min-ramp", type=int, key="min_ramp")
+                                 type=int, key="min_ramp")
     scale_weight_decay: bool = option(True, "decoupled weight decay scales with the lr multiplier; the flag "
-                                      "compensates it instead (wd_mult = 1/multiplier)",
-                                      flag="--mech-mols-no-scale-weight-decay", inverted=True)
+                                      "compensates it instead (wd_mult = 1/multiplier)", inverted=True)
     fixed_multipliers: Optional[Mapping[str, float]] = option(
         None, "hand-set multipliers CLASS=MULT ... instead of the SNR estimate (a hand-tuned reference; other "
-        "classes stay at 1)", flag="--mech-mols-fixed", nargs="+", metavar="CLASS=MULT", key="fixed")
-    diagnostic_interval: int = option(0, "after the window, re-measure the SNR (report only) every N iterations "
-                                      "(0 = off)", flag="--mech-mols-diagnostic-interval", type=int)
-    diagnostic_steps: Optional[int] = option(None, "iterations per diagnostic measurement (default: the window "
-                                             "length)", flag="--mech-mols-diagnostic-steps", type=int)
+        "classes stay at 1)", nargs="+", metavar="CLASS=MULT", key="fixed")
+    diagnostic_interval: int = option(0, "after the window, re-measure the SNR (report only) every N steps "
+                                      "(0 = off)", type=int)
+    diagnostic_steps: Optional[int] = option(None, "steps per diagnostic measurement (default: the window "
+                                             "length)", type=int)
     ramp_end: Optional[int] = None
+    named: Optional[Mapping[str, str]] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         set_ = object.__setattr__
-        set_(self, "window_start", _int_field("window_start", self.window_start, 0))
+        if self.named is not None and not isinstance(self.named, Mapping):
+            raise TypeError(f"MoLSConfig.named must be a mapping field name -> words, got {self.named!r}")
+        set_(self, "window_start", _int_field("window_start", self.window_start, 1))
         set_(self, "window_steps", _int_field("window_steps", self.window_steps, 1, allow_none=True))
         if self.base not in MODULE_CLASSES:
             raise BadSetting("base", f"MoLSConfig.base: unknown module class {self.base!r}; expected one of "
@@ -274,16 +276,21 @@ class MoLSConfig:
             raise BadSetting("diagnostic_interval", "MoLSConfig.diagnostic_interval needs estimator='two_batch' (the "
                                                     "samples estimator would cost K extra passes per diagnostic step)")
 
+    def name_of(self, name: str) -> str:
+        """How the user names the setting ``name`` (a field name): :attr:`named`'s words, else
+        ``MoLSConfig.<name>``."""
+        return (self.named or {}).get(name, f"MoLSConfig.{name}")
+
     @property
     def window_end(self) -> int:
-        """``window_start + window_steps``: the first iteration after the window."""
+        """``window_start + window_steps − 1``: the window's last step."""
         if self.window_steps is None:
             raise ValueError("MoLSConfig.window_steps is not set (None): give the window length in steps")
-        return self.window_start + self.window_steps
+        return self.window_start + self.window_steps - 1
 
     @property
     def effective_ramp_end(self) -> int:
-        """``R``: ``ramp_end`` if it lies after the window end, else ``window_end + min_ramp_steps``."""
+        """``R``: ``ramp_end`` if it lies after the window's last step, else ``window_end + min_ramp_steps``."""
         end = self.window_end
         if self.ramp_end is not None and self.ramp_end > end:
             return self.ramp_end
@@ -297,6 +304,7 @@ class MoLSConfig:
 
     def to_dict(self) -> Dict[str, Any]:
         d = asdict(self)
+        del d["named"]  # how messages name the settings, not a setting
         d["clamp"] = list(self.clamp)
         d["classes"] = list(self.classes) if self.classes is not None else None
         d["fixed_multipliers"] = dict(self.fixed_multipliers) if self.fixed_multipliers is not None else None
@@ -379,11 +387,11 @@ class MoLSController:
     Typical use (the adapter does this)::
 
         ctl = MoLSController(MoLSConfig(window_steps=20, ramp_end=500), classes_present=("embedding", ...))
-        for step in range(...):
+        for step in range(1, train_steps + 1):     # the optimizer steps, counted from 1
             if ctl.in_window(step):
                 ctl.observe(step, small_sq_norms, big_sq_norms, small_batch, big_batch)
             ctl.maybe_finalize(step)
-            mult = ctl.multipliers(step + 1)       # the lr of the NEXT iteration (see the adapter's docs)
+            mult = ctl.multipliers(step + 1)       # the lr of the NEXT step (see the adapter's docs)
     """
 
     def __init__(self, config: MoLSConfig, classes_present: Optional[Iterable[str]] = None,
@@ -402,7 +410,8 @@ class MoLSController:
             self.classes_present = present
             if config.base not in present:
                 raise ValueError(f"MoLS base module class {config.base!r} has no parameters in this model "
-                                 f"(present: {', '.join(present) or 'none'}); choose --mech-mols-base from those")
+                                 f"(present: {', '.join(present) or 'none'}); set {config.name_of('base')} to one of "
+                                 f"those")
             if config.classes is not None:
                 missing = [c for c in config.classes if c not in present]
                 if missing:
@@ -433,7 +442,7 @@ class MoLSController:
         self.measured_alphas: Dict[str, float] = {}     # class -> clamped α from the SNRs (also with fixed)
         self.not_estimated_reason: Optional[str] = None  # why no α could be formed (every multiplier stays 1)
         self._diag = TwoBatchSNR()                      # the diagnostic block in progress
-        self._diag_block: Optional[int] = None          # its first iteration
+        self._diag_block: Optional[int] = None          # its first step
         self.diagnostics: list = []                     # finished blocks: {"start", "end", "snr", "alpha"}
 
     # ------------------------------------------------------------------ window
@@ -450,15 +459,15 @@ class MoLSController:
         return self.phase == "done"
 
     def in_window(self, step: int) -> bool:
-        """True when ``step`` is an estimation-window iteration and the estimate is not complete yet."""
-        return self.phase == "window" and self.config.window_start <= int(step) < self.window_end
+        """True when ``step`` is a step of the estimation window and the estimate is not complete yet."""
+        return self.phase == "window" and self.config.window_start <= int(step) <= self.window_end
 
     def _accept(self, step: int) -> bool:
         step = int(step)
         if not self.in_window(step):
             return False
         if self.last_observed is not None and step <= self.last_observed:
-            warnings.warn(f"MoLS: iteration {step} was already observed (last {self.last_observed}); ignoring the "
+            warnings.warn(f"MoLS: step {step} was already observed (last {self.last_observed}); ignoring the "
                           f"repeated observation", MoLSWarning, stacklevel=3)
             return False
         return True
@@ -466,13 +475,13 @@ class MoLSController:
     def observe(self, step: int, small_sq_norms: Mapping[str, float], big_sq_norms: Mapping[str, float],
                 small_batch: Union[float, Mapping[str, float]], big_batch: Union[float, Mapping[str, float]]
                 ) -> bool:
-        """Add one iteration's two-batch statistics (``estimator="two_batch"``).
+        """Add one step's two-batch statistics (``estimator="two_batch"``).
 
         ``small_sq_norms[k]``: ``‖G_small‖²`` of key ``k`` (or the mean over several small batches of the same
         size); ``big_sq_norms[k]``: ``‖G_big‖²``. ``small_batch``/``big_batch``: batch sizes, one number for all
         keys or a mapping per key (e.g. MoE experts see a different small batch than dense modules). Returns
         False (and changes nothing) outside the window or for a step already observed; completes the estimate
-        after the last window iteration.
+        after the window's last step.
         """
         if self.config.estimator != "two_batch":
             raise RuntimeError("observe() feeds the two_batch estimator; this controller uses "
@@ -497,12 +506,12 @@ class MoLSController:
         for (bs, bb), ks in by_batch.items():
             self._two_batch.update({k: small_sq_norms[k] for k in ks}, {k: big_sq_norms[k] for k in ks}, bs, bb)
         self.last_observed = int(step)
-        if int(step) >= self.window_end - 1:
+        if int(step) >= self.window_end:
             self.finalize()
         return True
 
     def observe_estimates(self, step: int, components: Mapping[str, Tuple[float, float]]) -> bool:
-        """Add one iteration's per-key ``(‖G‖², tr(Σ))`` estimates (``estimator="samples"``, e.g. from
+        """Add one step's per-key ``(‖G‖², tr(Σ))`` estimates (``estimator="samples"``, e.g. from
         :func:`megatron_mech.core.snr.sample_snr`: ``(est.grad_sq, est.trace_cov)``). Same window rules as
         :meth:`observe`."""
         if self.config.estimator != "samples":
@@ -512,41 +521,42 @@ class MoLSController:
             return False
         self._samples.add(components)
         self.last_observed = int(step)
-        if int(step) >= self.window_end - 1:
+        if int(step) >= self.window_end:
             self.finalize()
         return True
 
     def maybe_finalize(self, step: int) -> bool:
-        """Complete the estimate if ``step ≥ window_end − 1`` and it is not complete (e.g. the last window
-        iterations were not observed). Returns True when this call completed it."""
-        if self.phase == "window" and int(step) >= self.window_end - 1:
+        """Complete the estimate if ``step ≥ window_end`` and it is not complete (e.g. the last window steps were
+        not observed). Returns True when this call completed it."""
+        if self.phase == "window" and int(step) >= self.window_end:
             self.finalize()
             return True
         return False
 
     # ------------------------------------------------------------------ diagnostic after the window
     def diagnostic_block_start(self, step: int) -> Optional[int]:
-        """First iteration of the diagnostic block holding ``step``, or ``None`` when ``step`` is not in one.
-        Blocks start at ``window_end + k·diagnostic_interval`` (k ≥ 1) and last ``config.diagnostic_block``
-        iterations; only after the estimate is complete."""
+        """First step of the diagnostic block holding ``step``, or ``None`` when ``step`` is not in one. Blocks
+        start ``k·diagnostic_interval`` steps (k ≥ 1) after the first step past the window and last
+        ``config.diagnostic_block`` steps; only after the estimate is complete."""
         cfg, step = self.config, int(step)
         if not cfg.diagnostic_interval or self.phase != "done":
             return None
-        offset = step - self.window_end
+        after_window = self.window_end + 1
+        offset = step - after_window
         if offset < cfg.diagnostic_interval:
             return None
-        start = self.window_end + (offset // cfg.diagnostic_interval) * cfg.diagnostic_interval
+        start = after_window + (offset // cfg.diagnostic_interval) * cfg.diagnostic_interval
         return start if step - start < cfg.diagnostic_block else None
 
     def in_diagnostic(self, step: int) -> bool:
-        """True when ``step`` is a post-window diagnostic iteration (see :meth:`diagnostic_block_start`)."""
+        """True when ``step`` is a post-window diagnostic step (see :meth:`diagnostic_block_start`)."""
         return self.diagnostic_block_start(step) is not None
 
     def observe_diagnostic(self, step: int, small_sq_norms: Mapping[str, float], big_sq_norms: Mapping[str, float],
                            small_batch: Union[float, Mapping[str, float]],
                            big_batch: Union[float, Mapping[str, float]]) -> bool:
-        """Two-batch statistics of a diagnostic iteration (same arguments as :meth:`observe`). Changes no
-        multiplier: at the block's last iteration the block's per-key S and ``sqrt(S_base/S)`` (unclamped) are
+        """Two-batch statistics of a diagnostic step (same arguments as :meth:`observe`). Changes no
+        multiplier: at the block's last step the block's per-key S and ``sqrt(S_base/S)`` (unclamped) are
         appended to :attr:`diagnostics`. Returns False outside a diagnostic block."""
         start = self.diagnostic_block_start(step)
         if start is None:
@@ -601,8 +611,7 @@ class MoLSController:
         """Why the window estimates ``est`` give no α (``None``: they do): the window observed nothing, or the base
         class has no usable SNR."""
         if not est:
-            return (f"the estimation window (iterations {self.config.window_start}..{self.window_end - 1}) observed "
-                    f"nothing")
+            return f"the estimation window (steps {self.config.window_start}..{self.window_end}) observed nothing"
         base = est.get(self.config.base)
         return None if base is not None and _usable_snr(base.snr) else self._base_failure(base)
 
@@ -623,8 +632,8 @@ class MoLSController:
             what = (f"its window estimates are undetermined (|G|^2 {e.grad_sq:.3g}, tr(Sigma) {e.trace_cov:.3g}, "
                     f"{e.steps} step(s); does it receive gradient?)")
         return (f"the base class {base!r} has no usable SNR: {what}; lengthen the estimation window "
-                f"(--mech-mols-window / mech.mols.window, now {cfg.window_steps} steps; its noise falls as "
-                f"1/sqrt(steps), so 4x the steps halves it) or choose another base (--mech-mols-base)")
+                f"({cfg.name_of('window_steps')}, now {cfg.window_steps} steps; its noise falls as "
+                f"1/sqrt(steps), so 4x the steps halves it) or choose another base ({cfg.name_of('base')})")
 
     @property
     def status(self) -> str:
@@ -658,7 +667,7 @@ class MoLSController:
         base_s = est[cfg.base].snr if cfg.base in est else None
         self.not_estimated_reason = self._not_estimated(est)
         if not est:
-            warnings.warn(f"MoLS: the estimation window (iterations {cfg.window_start}..{self.window_end - 1}) "
+            warnings.warn(f"MoLS: the estimation window (steps {cfg.window_start}..{self.window_end}) "
                           f"observed nothing; every multiplier stays 1.0", MoLSWarning, stacklevel=2)
         elif not usable(base_s):
             why = "was not observed" if base_s is None else f"has S = {base_s}"
@@ -694,7 +703,7 @@ class MoLSController:
             warnings.warn(f"MoLS: clamped alpha to [{lo:g}, {hi:g}] for module class(es): "
                           + ", ".join(f"{c} (alpha {raw:.3g} -> {self.alphas[c]:.3g})"
                                       for c, raw in self.clamped.items())
-                          + " (widen with --mech-mols-clamp MIN MAX)", MoLSWarning, stacklevel=2)
+                          + f" (widen the range: {cfg.name_of('clamp')})", MoLSWarning, stacklevel=2)
         self.measured_alphas = dict(self.alphas)
         fixed = cfg.fixed_multipliers
         if fixed is not None:  # a hand-set reference: the SNRs are reported, the multipliers are the user's
@@ -715,18 +724,20 @@ class MoLSController:
 
     # ------------------------------------------------------------------ schedule
     def ramp_fraction(self, step: int) -> float:
-        """0 before the window end, linear to 1 at the ramp end, 1 after."""
+        """0 up to the first step after the window, then linear in the steps completed since the window ended, 1
+        from the first step after the ramp end on."""
         step = int(step)
         e, r = self.window_end, self.ramp_end
-        if step < e:
-            return 0.0
-        if step >= r:
+        after_window = e + 1
+        if step > r:  # first, for a ramp of no steps (r = e): the step after the window is at α
             return 1.0
-        return (step - e) / (r - e)
+        if step <= after_window:
+            return 0.0
+        return (step - after_window) / (r - e)
 
     def multiplier(self, step: int, cls: str) -> float:
-        """The lr multiplier of module class ``cls`` at iteration ``step`` (1.0 for classes never scaled)."""
-        if self.phase != "done" or int(step) < self.window_end:
+        """The lr multiplier of module class ``cls`` at step ``step`` (1.0 for classes never scaled)."""
+        if self.phase != "done" or int(step) <= self.window_end:
             return 1.0
         target = self.targets.get(cls, 1.0)
         f = self.ramp_fraction(step)
@@ -806,7 +817,7 @@ class MoLSController:
                 row.append(_fmt(self.multiplier(step, k)) if k in self.targets else "-")
             rows.append(row)
         cfg = self.config
-        title = (f"MoLS ({cfg.estimator}, base {cfg.base}, window {cfg.window_start}..{self.window_end - 1}, "
+        title = (f"MoLS ({cfg.estimator}, base {cfg.base}, window {cfg.window_start}..{self.window_end}, "
                  f"ramp to {self.ramp_end}, clamp [{cfg.clamp[0]:g}, {cfg.clamp[1]:g}]"
                  + (f", fused QKV rule {cfg.fused_qkv_rule}" if self.fused_qkv else "") + ")")
         lines = [title, "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
@@ -817,7 +828,7 @@ class MoLSController:
     def state_dict(self) -> Dict[str, Any]:
         """Plain Python types only. Restoring it mid-window or mid-ramp reproduces the uninterrupted multipliers."""
         return {
-            "version": 1,
+            "version": STATE_VERSION,
             "config": self.config.to_dict(),
             "fused_qkv": list(self.fused_qkv) if self.fused_qkv else None,
             "classes_present": list(self.classes_present) if self.classes_present is not None else None,
@@ -843,8 +854,9 @@ class MoLSController:
         """Restore a :meth:`state_dict`. With ``strict_config`` the saved config's window/base/estimator must
         match this controller's (a resumed run must not silently change the estimate); the saved α/targets are
         used as they are either way."""
-        if state.get("version") != 1:
-            raise ValueError(f"unsupported MoLSController state version {state.get('version')!r}")
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"MoLS state version {state.get('version')!r} was saved by another version of "
+                             f"megatron-mech; this one reads version {STATE_VERSION} (steps counted from 1)")
         phase = state["phase"]
         if phase not in _PHASES:
             raise ValueError(f"invalid MoLS phase {phase!r}")
@@ -869,20 +881,13 @@ class MoLSController:
         self.targets = {str(k): float(v) for k, v in state["targets"].items()}
         self.clamped = {str(k): float(v) for k, v in state["clamped"].items()}
         self.degenerate = {str(k): str(v) for k, v in state["degenerate"].items()}
-        # keys added later: states saved before them have no diagnostic and no fixed multipliers
-        self.measured_alphas = {str(k): float(v) for k, v in state.get("measured_alphas", state["alphas"]).items()}
-        if "not_estimated_reason" in state:
-            reason = state["not_estimated_reason"]
-            self.not_estimated_reason = None if reason is None else str(reason)
-        else:  # a state saved before the key existed: judge the saved estimates as finalize does
-            self.not_estimated_reason = None if phase != "done" else self._not_estimated(
-                {k: SNREstimate(grad_sq=v["grad_sq"], trace_cov=v["trace_cov"], snr=v["snr"], steps=v["steps"])
-                 for k, v in self.snr.items()})
+        self.measured_alphas = {str(k): float(v) for k, v in state["measured_alphas"].items()}
+        reason = state["not_estimated_reason"]
+        self.not_estimated_reason = None if reason is None else str(reason)
         self.diagnostics = [{"start": int(d["start"]), "end": int(d["end"]),
                              "snr": {str(k): float(v) for k, v in d["snr"].items()},
                              "alpha": {str(k): float(v) for k, v in d["alpha"].items()}}
-                            for d in state.get("diagnostics", [])]
-        self._diag_block = state.get("diagnostic_block")
+                            for d in state["diagnostics"]]
+        self._diag_block = state["diagnostic_block"]
         self._diag = TwoBatchSNR()
-        if state.get("diagnostic_sums"):
-            self._diag.load_state_dict(state["diagnostic_sums"])
+        self._diag.load_state_dict(state["diagnostic_sums"])

@@ -1,8 +1,10 @@
-"""Declare a setting once, in the layer that owns it: a dataclass field carrying its doc and its ``--mech-*`` flag.
+"""Declare a setting once, in the layer that owns it: a dataclass field carrying its doc, its key and its type.
 
 Framework-free (only :mod:`dataclasses`): the math core and the monitors declare their own settings with
 :func:`option`, and the configuration layer (:mod:`megatron_mech.options`) turns the same declarations into argparse
-flags, JSON keys, type checks and docs.
+flags, JSON keys, type checks and docs. A math-core section names no flag: the configuration layer gives its
+settings their flags from one prefix per section (:func:`megatron_mech.options.settings_of`), so the core knows
+settings by their names only, and its messages name a setting as the caller says it does.
 """
 from __future__ import annotations
 
@@ -17,15 +19,18 @@ _MISSING = dataclasses.MISSING
 def option(default: Any = _MISSING, doc: str = "", *, flag: Optional[str] = None, choices: Optional[Sequence] = None,
            nargs: Any = None, type: Any = None, metavar: Any = None, inverted: bool = False,
            key: Optional[str] = None, default_factory: Any = _MISSING) -> Any:
-    """A dataclass field that carries its documentation and its command-line flag.
+    """A dataclass field that carries its documentation (and, outside the math core, its command-line flag).
 
     Args:
         default / default_factory: the field's default (as :func:`dataclasses.field`).
-        doc: one sentence saying what the setting means; the flag's help text.
-        flag: the ``--mech-*`` flag, or ``None`` for a setting the framework adapter fills in (no flag).
+        doc: one sentence saying what the setting means; the flag's help text. In a section whose flags the
+            configuration derives, ``{name}`` stands for the flag of the section's setting ``name``.
+        flag: the command-line flag of a setting declared by the configuration layer, the monitors or the studies;
+            ``None`` for a setting the framework adapter fills in, and for a math-core setting, whose flag the
+            configuration derives from its section's prefix and ``key``.
         choices, nargs, type, metavar: as :meth:`argparse.ArgumentParser.add_argument`.
         inverted: for a bool field that defaults to True: the flag is a ``store_true`` switch that sets the
-            field to False (``--mech-no-checkpoint-snapshots`` ↔ ``checkpoint_snapshots``).
+            field to False (a flag ``--no-x`` for a field ``x``; a derived flag is the prefix, ``no-`` and the key).
         key: the setting's name in a config section built from this declaration (its JSON key), where the owner's
             field name says more than the user writes (``window_steps`` ↔ ``mech.mols.window``); default the
             field's name.

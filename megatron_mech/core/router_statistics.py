@@ -30,8 +30,8 @@ Formulas
   ``log_softmax``, are several times slower on CPU on peaked routing, the case we monitor for). Both terms
   are >= 0 (p.y <= 0 <= log S), so there is no cancellation even for logits of +-1e4; the relative error is a
   few eps. y is clamped from below at ``y_floor = log(tiny) + log E + 1`` (-82.1 for float32 and 64 experts),
-  so every p_e stays a normal float: denormal operands make x86 arithmetic tens of times slower, which made
-  peaked routing (logits ~ 50·randn) twice as slow as flat routing. An expert at the floor has
+  so every p_e stays a normal float: denormal operands make x86 arithmetic tens of times slower (measured on
+  peaked routing: ``docs/results/calibration.md``). An expert at the floor has
   p_e <= exp(y_floor) and contributes -p_e·y_e <= exp(y_floor)·|y_floor|, so the clamp moves H by at most
   ``E·exp(y_floor)·|y_floor|`` (~1e-32 in float32); results below that bound are set to exactly 0 (a one-hot
   row is exactly 0). Masked experts (logit -inf) land on the floor too, and 0 * (-inf) is never formed.

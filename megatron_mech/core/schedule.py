@@ -1,5 +1,5 @@
 """The evaluation-step rule, in one place: the monitors evaluate after optimizer step ``step`` when it is a multiple
-of the interval (``--mech-interval``).
+of the evaluation interval (one setting of the configuration).
 
 Steps are numbered from 1 (the number of the optimizer step being taken; 0 is "before the first step", where the
 monitors take their first snapshot), so ``ΔW`` at an evaluation step spans exactly the ``interval`` steps since the

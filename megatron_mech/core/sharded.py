@@ -25,11 +25,9 @@ Cost (per matrix, k = unsplit size, m_r = local split size)
 * communication: ``k² + 2`` elements (float64 by default: ``8·k²`` bytes) in an all-reduce;
 * memory: one ``k × k`` Gram in ``accumulate_dtype``.
 
-For ``linear_qkv``'s Q rows k = d_model. This is comfortable up to d_model ≈ 4096 (128 MiB of float64 per
-Gram; measured on one H200, bf16 weights, TP=1: 0.16 s per layer for the ΔW_q and ΔW_k spectra, Gram +
-float64 eigenvalues) and stops scaling around d_model = 8192: 512 MiB per Gram per matrix on the wire and in
-memory, an ``8192³`` eigenproblem on every rank (0.7 s per layer on the H200, i.e. ~1 min per evaluation for
-80 layers, repeated on every TP rank). Beyond that use the per-shard ("slice") scope of the monitor, a
+For ``linear_qkv``'s Q rows k = d_model. This is comfortable up to d_model ≈ 4096 and stops scaling around
+d_model = 8192, an ``8192³`` eigenproblem on every rank (measured: ``docs/results/calibration.md``). Beyond that
+use the per-shard ("slice") scope of the monitor, a
 float32 ``accumulate_dtype`` (halves the traffic, loses the smallest singular values: see below), buckets
 (``bucket_elements``) to bound the buffer, or a sketch (randomised range finder on the distributed matrix) —
 not implemented here.
@@ -113,8 +111,7 @@ def gram_size(shape: Sequence[int], shard_dim: int) -> int:
 
 def _lower_block_count(k: int, lower_only: bool) -> int:
     """Column blocks of the lower-triangle Gram: (b + 1)/(2b) of the full GEMM's FLOPs with blocks ≥ 512 wide,
-    at most 8 (56 %). Measured on one CPU core, k = 4096: 4 blocks take 0.66 and 8 blocks 0.58 of the full
-    GEMM's time (narrower blocks would lose more GEMM speed than they save)."""
+    at most 8 (56 %; measured: ``docs/results/calibration.md``)."""
     return max(1, min(8, k // 512)) if lower_only else 1
 
 
@@ -188,8 +185,8 @@ def squared_norm(x: torch.Tensor) -> torch.Tensor:
     """``‖x‖_F²`` summed in float64 (a 0-d float64 tensor on ``x``'s device), for a tensor of any float dtype.
 
     By row blocks of about 2²⁰ entries, each upcast to float64 and dotted with itself: the float64 copy of a block
-    stays in cache, so this reads ``x`` once at BLAS speed — ``vector_norm(x, dtype=float64)`` measured 9–13×
-    slower on a 16384 × 7168 float32 matrix on this project's CPUs, and a float32 accumulation 2.5 % off.
+    stays in cache, so this reads ``x`` once at BLAS speed (against ``vector_norm(x, dtype=float64)`` and a float32
+    accumulation: ``docs/results/calibration.md``).
     Non-finite entries make the result non-finite (finite float32 or bf16 squares cannot overflow float64).
     """
     flat = x.detach().reshape(-1, x.shape[-1]) if x.dim() > 1 else x.detach().reshape(1, -1)

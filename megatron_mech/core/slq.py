@@ -12,8 +12,8 @@ eigenvectors of the Lanczos tridiagonal. Each Lanczos step needs one product ``G
 split by rows over TP ranks that is a local product plus ONE all-reduce of an n-vector — O(k·probes·n)
 communication instead of n², O(k·probes·m·n) compute instead of n³, and no n×n matrix anywhere.
 
-Accuracy (``benchmarks/bench_monitor_overhead.py`` measures it on update-like spectra): the quadrature error
-falls fast with k for smooth spectra; the probe variance falls as 1/sqrt(probes). Dtype: the Lanczos and Krylov
+Accuracy: the quadrature error falls fast with k for smooth spectra; the probe variance falls as 1/sqrt(probes)
+(measured on update-like spectra: ``docs/results/calibration.md``). Dtype: the Lanczos and Krylov
 bases, the quadrature and the Rayleigh–Ritz matrix in float64; each product in its matrix's own dtype (the
 monitors pass float32 shards).
 """
@@ -105,9 +105,9 @@ def gram_times(x: torch.Tensor, v: torch.Tensor, shard_dim: int = 0) -> torch.Te
     """The Gram of ``x`` [m, n] over its unsplit dimension times ``v``: ``xᵀ(x v)`` for ``shard_dim=0`` (v [n, b],
     a Gram over the columns) or ``x(xᵀv)`` for ``shard_dim=1`` (v [m, b]), in the dtype of ``x`` and ``v``.
 
-    The product with ``xᵀ`` is formed as ``(yᵀx)ᵀ``: the same sums, read by rows of ``x``. On the x86 CPUs this
-    project was measured on, MKL runs the transposed GEMM ``xᵀy`` with a skinny ``y`` (b ≈ 8 columns) 7–12×
-    slower than ``yᵀx`` (16384 × 7168 float32: 0.77 s vs 0.065 s). This is the ``"matmul"`` kernel of
+    The product with ``xᵀ`` is formed as ``(yᵀx)ᵀ``: the same sums, read by rows of ``x``, because MKL runs the
+    transposed GEMM ``xᵀy`` with a skinny ``y`` (b ≈ 8 columns) several times slower than ``yᵀx`` on x86 CPUs
+    (measured: ``docs/results/calibration.md``). This is the ``"matmul"`` kernel of
     :func:`gram_operator`, which the Krylov route calls: on a CPU it takes oneDNN's kernel instead for float32
     shards. A 1-D ``v`` is one column.
     """
@@ -155,10 +155,8 @@ def gram_operator(x: torch.Tensor, shard_dim: int = 0, kernel: str = "auto") -> 
     the shape of these products (``vᵀ`` is the batch, ``x`` or ``xᵀ`` the weight, passed as they are: ``xᵀ`` is
     a strided view, not a copy made here). It needs a float32 CPU ``x`` and a torch built with oneDNN. MKL's
     GEMM (torch.matmul's on a CPU) runs these skinny products several times slower than the shard's memory
-    traffic needs; on the 2-core AMD EPYC this project is measured on, a whole Krylov spectrum of an
-    8192 × 7168 shard (30 steps of block 8 and the basis bookkeeping) took about half as long with oneDNN's
-    products as with torch.matmul's, side by side in three runs of ``benchmarks/krylov_shape.py`` (1.12 s
-    against 2.24 s, 1.12 against 2.39, 1.00 against 1.99).
+    traffic needs; a whole Krylov spectrum takes about half as long with oneDNN's products (measured:
+    ``docs/results/calibration.md``).
     ``"auto"`` (default): ``"onednn"`` where it applies, else ``"matmul"``. The kernels differ only in rounding
     (float32 sums in another order). Returns an ``[n, b]`` block (``[m, b]`` for ``shard_dim=1``) in ``x``'s
     dtype; a 1-D ``v`` is one column.
@@ -219,10 +217,9 @@ def krylov_spectral_summaries(matvec: Callable[[torch.Tensor], torch.Tensor], n:
     directions (``rank_bound`` less the Ritz values above zero). Exact when
     the basis spans the range of G (rank ≤ steps·block: a collapsed, low-rank update); for a flat tail the
     remainder estimate is close; the error is largest, and an *over*-estimate of the entropy, for spectra
-    with no dominant part (a healthy, noise-like update) — it never makes a collapse look healthier.
-    Measured (``benchmarks/krylov_shape.py``, 2048 × 1024, steps 30, block 8): |entropy error| 8e-8 on rank 3 +
-    1e-2 noise, 2e-4 on a 1/i spectrum, 2.2e-2 on a Gaussian matrix; λ_max to 4e-14. Fewer, wider blocks span
-    the same directions in fewer products (15 × 16: half the passes over the matrix) at somewhat larger errors.
+    with no dominant part (a healthy, noise-like update) — it never makes a collapse look healthier (errors
+    per spectrum shape: ``docs/results/calibration.md``). Fewer, wider blocks span the same directions in fewer
+    products (15 × 16: half the passes over the matrix) at somewhat larger errors.
 
     ``matvec`` maps an [n, b] block to ``G`` times it and is called exactly ``min(steps, ceil(n / block))``
     times whatever the values (a distributed ``matvec`` issues a fixed number of collectives); pass

@@ -22,9 +22,8 @@ Dtype policy
   healthy one (entropy drops of 1e-2 and more). (Strictly the scale is that of the balanced factors, which
   exceeds σ_max when the product cancels; see ``qk_increment_cores``.) float64 Grams halve the GEMM speed for
   digits nobody reads.
-  A float32 core adds an error of the same order (eps32 on eigenvalues of a unit-scaled core); measured at
-  d_model 4096, d_head 128: entropy error 1e-9 on a full-rank step and 2e-6 on a rank-2 one (float64 core:
-  7e-10 and 9e-7), against a float64 dense reference.
+  A float32 core adds an error of the same order (eps32 on eigenvalues of a unit-scaled core; measured against
+  a float64 dense reference: ``docs/results/calibration.md``).
   Method ``"qr"`` works in the input precision (at least float32) and is backward stable there.
 * Entropies are computed in ``float64``.
 
@@ -525,8 +524,8 @@ def spectra_from_qk_cores(cores: Sequence[QKCores], batch: str = "auto") -> list
 
     * ``"auto"`` (default): ``"item"`` for cores on the CPU, ``"all"`` elsewhere. On an accelerator the
       number of calls is what counts (kernel launches); on a CPU LAPACK runs the same per-matrix routine
-      either way and one large batch only adds copies and cache misses (``benchmarks/peer_side_by_side.py``:
-      8 layers × 8 heads, r = 256, per layer faster than all layers at once);
+      either way and one large batch only adds copies and cache misses (measured:
+      ``docs/results/calibration.md``);
     * ``"all"``: one batched Cholesky + one batched ``eigvalsh`` for every core of every item that shares a
       size, dtype and device (e.g. all layers of an evaluation) — the fewest, largest LAPACK / kernel calls;
     * ``"item"``: one batched call per item (per layer: all its heads and terms);

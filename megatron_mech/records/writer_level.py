@@ -4,8 +4,8 @@ every series, whatever the level.
 
 **Per-unit series.** A name ``<family>/layer{L}/<unit><i>/<metric>`` — a head (``attn/layer3/head17/delta2_entropy``),
 an expert (``expert/layer5/e200/update_ratio``), a TP slice (``attn/layer3/tp1/dwq_entropy``) — is one series of one
-unit of a layer. At frontier shapes these are most of an evaluation's series (80 layers × 64 heads × 3 QK terms on
-a 70B model; ``benchmarks/series_count.py``), more than W&B's recommended 10,000 distinct metrics of a project.
+unit of a layer. At frontier shapes these are most of an evaluation's series, more than W&B's recommended 10,000
+distinct metrics of a project (counts per model shape: ``docs/results/calibration.md``).
 
 **Summary.** Every series that is not per-unit (per-layer series, symptoms, extra linears) as it is; each per-unit
 family reduced over the layer's units to ``<family>/layer{L}/<unit>_min/<metric>`` and ``.../<unit>_mean/<metric>``

@@ -381,7 +381,7 @@ def attention_outcome_line(faulty: dict, clean: dict, start: int) -> str:
     """What the attention fault did, measured apart from the monitors: the maximum attention logit against the
     QK-clip level and the max-logit explosion criterion (:mod:`megatron_mech.studies.outcomes`), and the loss gap
     to the clean run."""
-    from megatron_mech.logit_symptom import MAX_LOGIT_METRIC
+    from megatron_mech.monitors.max_logit import MAX_LOGIT_METRIC
     from megatron_mech.studies.incumbents import QK_CLIP_THRESHOLD, metric_series, qk_clip_step
     from megatron_mech.studies.leadtime import moving_average
     from megatron_mech.studies.outcomes import LOGIT_EXPLOSION_HOLD, LOGIT_EXPLOSION_LEVEL, max_logit_explosion_step

@@ -24,7 +24,7 @@ import math
 from collections import deque
 from typing import Callable, Iterable, Mapping, Optional, Sequence
 
-from megatron_mech.logit_symptom import MAX_LOGIT_METRIC
+from megatron_mech.monitors.max_logit import MAX_LOGIT_METRIC
 
 __all__ = ["FOUNDRY_LOSS_CAP", "FOUNDRY_MIN_WINDOW", "FOUNDRY_OUTLIER_MULTIPLIER", "FOUNDRY_PATIENCE",
            "FOUNDRY_WINDOW_FRACTION", "GRAD_NORM_LEVEL", "GRAD_NORM_METRIC", "MEGATRON_SPIKY_LOSS_FACTOR",

@@ -19,7 +19,7 @@ import math
 from typing import Iterable, Mapping, Optional, Sequence
 
 from megatron_mech.core.detect import DetectorRegistry, SeriesRule
-from megatron_mech.logit_symptom import MAX_LOGIT_METRIC
+from megatron_mech.monitors.max_logit import MAX_LOGIT_METRIC
 from megatron_mech.studies.leadtime import moving_average
 
 __all__ = ["SELF_DIVERGENCE_MARGIN", "loss_spike_step", "max_logit_rule", "max_logit_signal_step",

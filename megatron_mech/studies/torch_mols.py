@@ -13,8 +13,8 @@ adapters' size).
     mols = TorchMoLS(model, MoLSConfig(window_steps=5, ramp_end=warmup), lr=1e-3, weight_decay=0.0)
     opt = torch.optim.AdamW(mols.groups, lr=1e-3)
     sched = mols.wrap_scheduler(opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule))
-    for it in range(steps):
-        loss = mols.backward(it, model, micro_batches, loss_fn)   # sets .grad to the step's mean gradient
+    for step in range(1, steps + 1):                               # steps count from 1
+        loss = mols.backward(step, model, micro_batches, loss_fn)   # sets .grad to the step's mean gradient
         opt.step(); sched.step()
 """
 from __future__ import annotations
@@ -65,17 +65,17 @@ class TorchMoLS:
             return MoLSLRScheduler(inner, optimizer, _Ones(self.controller))
         return MoLSLRScheduler(inner, optimizer, self.controller)
 
-    def _measuring(self, iteration: int) -> bool:
-        return self.enabled and (self.controller.in_window(iteration) or self.controller.in_diagnostic(iteration))
+    def _measuring(self, step: int) -> bool:
+        return self.enabled and (self.controller.in_window(step) or self.controller.in_diagnostic(step))
 
-    def backward(self, iteration: int, model: torch.nn.Module, micro_batches: Sequence,
+    def backward(self, step: int, model: torch.nn.Module, micro_batches: Sequence,
                  loss_fn: Callable[[torch.nn.Module, object], torch.Tensor]) -> float:
         """Forward/backward of every micro-batch; leaves each trainable parameter's ``.grad`` = the mean of the
-        micro-batch gradients (the step's gradient) and, at window/diagnostic iterations, feeds the controller
+        micro-batch gradients (the step's gradient) and, at window/diagnostic steps, feeds the controller
         ``‖G_small‖²`` (mean over micro-batches) and ``‖G_big‖²`` per class with batch sizes ``b`` and ``K·b``
         (``b`` = ``len(micro_batches[0])``). Returns the mean loss."""
         k = len(micro_batches)
-        measure = self._measuring(iteration)
+        measure = self._measuring(step)
         if measure and k < 2:
             raise ValueError("TorchMoLS: the two-batch estimate needs >= 2 micro-batches per step")
         total = [torch.zeros_like(p) for p in self.params]
@@ -101,13 +101,13 @@ class TorchMoLS:
         if measure:
             small = {c: v / k for c, v in small.items()}
             b = float(len(micro_batches[0]))
-            self.last_observation = {"iteration": int(iteration), "small": small, "big": big, "small_batch": b,
+            self.last_observation = {"step": int(step), "small": small, "big": big, "small_batch": b,
                                      "big_batch": b * k}
-            if self.controller.in_window(iteration):
-                self.controller.observe(iteration, small, big, b, b * k)
+            if self.controller.in_window(step):
+                self.controller.observe(step, small, big, b, b * k)
             else:
-                self.controller.observe_diagnostic(iteration, small, big, b, b * k)
-        self.controller.maybe_finalize(iteration) if self.enabled else None
+                self.controller.observe_diagnostic(step, small, big, b, b * k)
+        self.controller.maybe_finalize(step) if self.enabled else None
         return loss_sum / k
 
 

@@ -19,11 +19,11 @@ PACKAGE = REPO_ROOT / "megatron_mech"
 
 # The "Layout" rows of docs/architecture.md, top to bottom; each entry names a sub-package or a top-level module.
 LAYERS = [
-    ("core", "_moved_modules"),
+    ("core",),
     ("monitors",),
     ("records",),
     ("config", "options"),
-    ("hook", "model_view", "logit_symptom", "optim", "logs", "extension", "deferred_values", "first_alert",
+    ("hook", "model_view", "optim", "logs", "extension", "deferred_values", "first_alert",
      "skipped_steps", "async_evaluation"),
     ("adapters",),
     ("trainers",),

@@ -1,10 +1,12 @@
 """The version policy page (docs/versions.md) and the changelog cannot go stale: the patch series the page lists
 are the folders shipped in megatron_mech/adapters/megatron_lm_fork/patches/, the ranges it quotes are the ones pyproject.toml
 declares, the torch it names is the one scripts/setup.sh pins, and CHANGELOG.md has an entry for the package's
-version."""
+version. The page says 0.x keeps no old names, and the package keeps none: an old import path fails."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import tomllib
 
 import pytest
@@ -108,3 +110,26 @@ def test_transformers_is_bounded_to_the_releases_the_page_says_were_tested():
         major, minor, _ = map(int, newest.split("."))
         assert all(s.version == f"{major}.{minor + 1}" for s in upper), (extra, str(declared), tested)
     assert metadata.version("transformers") in tested
+
+
+def test_the_page_says_0x_is_unstable_and_promises_no_deprecation_period():
+    policy = _section(PAGE, "The package's version")
+    assert "**0.x is unstable.**" in policy
+    for changes in ("Import paths", "flags", '`"mech"` config keys', "records", "checkpointed"):
+        assert changes in policy, changes
+    assert "refused" in policy  # a checkpoint state from another version
+    assert "\n## Deprecations" not in PAGE and "DeprecationWarning" not in PAGE
+
+
+@pytest.mark.parametrize("old", ["megatron_mech.megatron", "megatron_mech.megatron_lm", "megatron_mech.deepspeed",
+                                 "megatron_mech.core.settings", "megatron_mech.logit_symptom"])
+def test_an_import_path_of_0_1_0_that_moved_is_gone(old):
+    """No alias is kept for a moved module: a fresh interpreter, nothing imported before, as a user's script; ``-S``
+    keeps the site's path hooks (an editable install of another checkout) out of the lookup."""
+    code = (f"import sys, megatron_mech\nfinders = [type(f).__name__ for f in sys.meta_path]\n"
+            f"try:\n    import {old}\nexcept ModuleNotFoundError as e:\n    print('gone', e.name, finders)\n"
+            f"else:\n    print('imported')")
+    out = subprocess.run([sys.executable, "-S", "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"gone {old} "), out.stdout
+    assert "MovedModuleFinder" not in out.stdout

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from megatron_mech.logit_symptom import MAX_LOGIT_METRIC
+from megatron_mech.monitors.max_logit import MAX_LOGIT_METRIC
 from megatron_mech.studies.incumbents import (
     GRAD_NORM_LEVEL,
     GRAD_NORM_METRIC,

@@ -184,8 +184,8 @@ def scenario_fused(kind: str, rule: str, errors: list, stage: int = 0) -> dict:
             add(want_big, cls, float(mean.pow(2).sum()))
             for gr in grads:
                 add(want_small, cls, float(gr[name].pow(2).sum()) / GAS)
-    if not observed or observed[0][0] != 0:
-        errors.append(f"{kind}: no observation of iteration 0: {[o[0] for o in observed]}")
+    if not observed or observed[0][0] != 1:
+        errors.append(f"{kind}: no observation of step 1: {[o[0] for o in observed]}")
         return {}
     _, small, big = observed[0]
     for what, got, want in (("small", small, want_small), ("big", big, want_big)):
@@ -195,7 +195,7 @@ def scenario_fused(kind: str, rule: str, errors: list, stage: int = 0) -> dict:
             # float32 model vs the same float32 reference model, summed in float64: 1e-5 covers summation order
             if key not in got or not math.isclose(got[key], want[key], rel_tol=1e-5):
                 errors.append(f"{kind} {what}-batch |g|^2 of {key}: MoLS {got.get(key)!r} != reference {want[key]!r}")
-    # after the ramp (window iterations 0-1, ramp end 3): the lrs now set are those of iteration 4
+    # after the ramp (window steps 1-2, ramp end 3): the lrs now set are those of step 5
     a = ctl.alphas
     if abs(a.get("qk", 1.0) - 1.0) < 1e-3:
         errors.append(f"{kind}: alpha_qk {a.get('qk')} is 1: Q/K are not scaled")
@@ -243,7 +243,7 @@ def scenario_hf_experts(out: str, errors: list) -> dict:
     statuses = [records[s]["mols"].get("mols/status") for s in sorted(records)]
     if statuses != ["window", "estimated", "estimated", "estimated"]:
         errors.append(f"qwen2-moe mols/status per step {statuses} != window, then estimated")
-    last = records[4]  # iteration 3: the ramp's end, multipliers at α
+    last = records[4]  # the first step after the ramp's end (3): multipliers at α
     alpha = last["mols"].get("mols/alpha/experts")
     if alpha is None or abs(alpha - 1.0) < 1e-3:
         errors.append(f"qwen2-moe: alpha/experts {alpha!r} is missing or 1")

@@ -348,12 +348,12 @@ def scenario_mols(args, stage, rank, world, errors):
             if ref_sched is not None:
                 ref_sched.step()
             for i, (g, rg) in enumerate(zip(engine.optimizer.param_groups, ref_opt.param_groups)):
-                want = rg["lr"] * ctl.multiplier(sched.iteration, g["mols_class"])
+                want = rg["lr"] * ctl.multiplier(sched.next_step, g["mols_class"])
                 if not math.isclose(g["lr"], want, rel_tol=1e-12, abs_tol=0.0):
                     errors.append(f"{kind} stage {stage} step {step} group {i} ({g['mols_class']}): lr "
                                   f"{g['lr']!r} != base {rg['lr']!r} × multiplier = {want!r}")
-        if sched.iteration != 7:
-            errors.append(f"{kind}: scheduler stepped {sched.iteration} times, expected 7")
+        if sched.steps_taken != 7:
+            errors.append(f"{kind}: scheduler stepped {sched.steps_taken} times, expected 7")
         if not ctl.done or not any(abs(a - 1.0) > 1e-3 for a in ctl.alphas.values()):
             errors.append(f"{kind}: MoLS did not finish with a non-trivial α: {ctl.phase} {ctl.alphas}")
         alphas[kind] = dict(ctl.alphas)
@@ -399,8 +399,8 @@ def scenario_mols_stats(args, stage, rank, world, errors):
         mech.after_backward()
         engine.step()
     mech.after_step(loss)
-    if len(observed) != 1 or observed[0][0] != 0:
-        errors.append(f"expected one observation of iteration 0, got {[o[0] for o in observed]}")
+    if len(observed) != 1 or observed[0][0] != 1:
+        errors.append(f"expected one observation of step 1, got {[o[0] for o in observed]}")
         return {}
     _, small, big, small_batch, big_batch = observed[0]
     classes = classify_parameters(reference)

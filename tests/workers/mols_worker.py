@@ -164,7 +164,8 @@ def build(spec: dict, mols_config=None, protect: bool = True):
 def mols_config(spec: dict, **over):
     from megatron_mech.core.mols import MoLSConfig
 
-    kw = dict(window_start=int(spec.get("window_start", 0)), window_steps=int(spec.get("window_steps", 3)),
+    # a job's window_start counts iterations from 0, as this trainer's loop does; MoLS counts steps from 1
+    kw = dict(window_start=int(spec.get("window_start", 0)) + 1, window_steps=int(spec.get("window_steps", 3)),
               ramp_end=spec.get("ramp_end", int(spec.get("warmup", 6))),
               min_ramp_steps=int(spec.get("min_ramp", 10)), base=spec.get("base", "vo"),
               clamp=tuple(spec.get("clamp", (0.5, 2.0))), estimator=spec.get("estimator", "two_batch"),
@@ -201,14 +202,15 @@ class Trainer:
         b, spec = self.b, self.spec
         model, optimizer, mols = b["model"], b["optimizer"], b["mols"]
         data_seed = int(spec.get("data_seed", 0))
-        if self.ref is not None and self.ref.controller.in_window(it):
+        step = it + 1  # the optimizer step this iteration runs, counted from 1 as MoLS counts them
+        if self.ref is not None and self.ref.controller.in_window(step):
             extra = global_micro_batches(data_seed, it, self.ref.config.num_samples * self.dp, stream=1)
             mine = extra[self.dp_rank::self.dp]
-            self.ref.sample_step(it, self.fb, b["forward_step"], iter(mine), seq_length=SEQ)
+            self.ref.sample_step(step, self.fb, b["forward_step"], iter(mine), seq_length=SEQ)
             self.rec["ref_obs"].append(self.ref.last_observation)
-        if mols is not None and mols.config.estimator == "samples" and mols.controller.in_window(it):
+        if mols is not None and mols.config.estimator == "samples" and mols.controller.in_window(step):
             extra = global_micro_batches(data_seed, it, mols.config.num_samples * self.dp, stream=1)
-            mols.sample_step(it, self.fb, b["forward_step"], iter(extra[self.dp_rank::self.dp]), seq_length=SEQ)
+            mols.sample_step(step, self.fb, b["forward_step"], iter(extra[self.dp_rank::self.dp]), seq_length=SEQ)
             self.rec["obs"].append(mols.last_observation)
         micro = global_micro_batches(data_seed, it, b["num_micro"])[self.dp_rank::self.dp]
         model.zero_grad_buffer()
@@ -222,10 +224,10 @@ class Trainer:
             assert ok
         if mols is not None:
             if (mols.config.estimator == "two_batch" and mols.last_observation is not None
-                    and mols.last_observation.get("iteration") == it):
+                    and mols.last_observation.get("step") == step):
                 self.rec["obs"].append(mols.last_observation)
-            mols.before_scheduler_step(it)
-            self.rec["mult"].append(mols.controller.multipliers(it + 1))
+            mols.before_scheduler_step(step)
+            self.rec["mult"].append(mols.controller.multipliers(step + 1))
         b["scheduler"].step(increment=1)
         b["ref_sched"].step(increment=1)
         loss = torch.stack([r["lm loss"] for r in out]).mean()

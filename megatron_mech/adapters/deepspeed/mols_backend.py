@@ -35,9 +35,9 @@ a client torch scheduler, or none) and is installed as ``engine.lr_scheduler``, 
 exactly when it called the original: after ``optimizer.step()``, and only when the step did not overflow. On
 each ``step()`` it restores every group's *base* lr (what the inner scheduler last set), steps the inner
 scheduler (so schedulers that read the current lr, such as ``ExponentialLR``, see their own value), records
-the new base lrs and writes ``lr = base · multiplier(class, iteration)``. Note that ``WarmupLR`` and
-``WarmupDecayLR`` with scalar ``warmup_min_lr``/``warmup_max_lr`` give every group the same base lr, and
-``WarmupCosineLR`` scales each group's initial lr.
+the new base lrs and writes ``lr = base · multiplier(class, step)`` for the step about to run. Note that
+``WarmupLR`` and ``WarmupDecayLR`` with scalar ``warmup_min_lr``/``warmup_max_lr`` give every group the same base
+lr, and ``WarmupCosineLR`` scales each group's initial lr.
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_mech.core.mols import QKV_BLOCK_KEYS, MoLSConfig, MoLSController
+from megatron_mech.core.mols import QKV_BLOCK_KEYS, STATE_VERSION, MoLSConfig, MoLSController
 from megatron_mech.core.mols_names import MULT, mols_name
 from megatron_mech.core.taxonomy import FUSED_QKV_BLOCK_CLASS, classify_parameters, fused_qkv_blocks, is_fused_qkv
 
@@ -170,10 +170,10 @@ class GradientStatistics:
             scale *= float(self.engine.optimizer.loss_scale)
         return scale
 
-    def arm(self, iteration: int) -> bool:
-        """Before the first micro-batch of ``iteration``: collect micro-batch norms if it is a window step (or a
+    def arm(self, step: int) -> bool:
+        """Before the first micro-batch of ``step``: collect micro-batch norms if it is a window step (or a
         post-window diagnostic step, which is reported only)."""
-        self.armed = self.controller.in_window(iteration) or self.controller.in_diagnostic(iteration)
+        self.armed = self.controller.in_window(step) or self.controller.in_diagnostic(step)
         if self.armed:  # read only on armed steps: no tensor op on the others
             self._local.zero_()
         return self.armed
@@ -183,7 +183,7 @@ class GradientStatistics:
         if self.armed:
             self._local[-1] += 1.0
 
-    def observe(self, iteration: int) -> bool:
+    def observe(self, step: int) -> bool:
         """After the last ``engine.backward`` and before ``engine.step()`` (every rank, window steps only)."""
         if not self.armed:
             return False
@@ -205,9 +205,9 @@ class GradientStatistics:
                                "mech.micro_batch_done() after every engine.backward)")
         small = {c: float(local[i]) / micro for c, i in self._index.items()}
         bigd = {c: float(big[i]) for c, i in self._index.items()}
-        observe = self.controller.observe if self.controller.in_window(iteration) else \
+        observe = self.controller.observe if self.controller.in_window(step) else \
             self.controller.observe_diagnostic
-        return observe(iteration, small, bigd, float(self.engine.train_micro_batch_size_per_gpu()),
+        return observe(step, small, bigd, float(self.engine.train_micro_batch_size_per_gpu()),
                        float(self.engine.train_batch_size()))
 
     def remove(self) -> None:
@@ -218,9 +218,9 @@ class GradientStatistics:
 class MoLSLRScheduler:
     """``engine.lr_scheduler`` replacement: the inner scheduler's lr times the MoLS multiplier of each group.
 
-    ``iteration`` counts the scheduler steps taken (= optimizer steps applied without overflow); the lr set
-    after ``step()`` is the lr of iteration ``iteration`` (0-based), whose multiplier is
-    ``controller.multiplier(iteration, group class)``.
+    ``steps_taken`` counts the scheduler steps taken (= optimizer steps applied without overflow); the lr set
+    after ``step()`` is the lr of the next step, ``next_step = steps_taken + 1`` (steps count from 1), whose
+    multiplier is ``controller.multiplier(next_step, group class)``.
     """
 
     def __init__(self, inner: Any, optimizer, controller: MoLSController):
@@ -234,21 +234,26 @@ class MoLSLRScheduler:
         self.pinned = [bool(g.get("moe", False)) for g in optimizer.param_groups]
         self.base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
         self.base_wds = [float(g.get("weight_decay", 0.0)) for g in optimizer.param_groups]
-        self.iteration = 0
+        self.steps_taken = 0
         self._apply()
 
-    def group_multipliers(self, iteration: int) -> list[float]:
-        """The lr multiplier of every optimizer group at ``iteration`` (1.0 for DeepSpeed-MoE expert groups)."""
-        return [1.0 if pinned else self.controller.multiplier(iteration, cls)
+    @property
+    def next_step(self) -> int:
+        """The step about to run, whose lrs are set (counted from 1)."""
+        return self.steps_taken + 1
+
+    def group_multipliers(self, step: int) -> list[float]:
+        """The lr multiplier of every optimizer group at ``step`` (1.0 for DeepSpeed-MoE expert groups)."""
+        return [1.0 if pinned else self.controller.multiplier(step, cls)
                 for cls, pinned in zip(self.classes, self.pinned)]
 
     def _apply(self) -> None:
         groups = self.optimizer.param_groups
         for g, cls, pinned, mult, base, wd in zip(groups, self.classes, self.pinned,
-                                                  self.group_multipliers(self.iteration), self.base_lrs, self.base_wds):
+                                                  self.group_multipliers(self.next_step), self.base_lrs, self.base_wds):
             g["lr"] = base * mult
             if "weight_decay" in g:
-                g["weight_decay"] = wd * (1.0 if pinned else self.controller.wd_multiplier(self.iteration, cls))
+                g["weight_decay"] = wd * (1.0 if pinned else self.controller.wd_multiplier(self.next_step, cls))
 
     def step(self, *args, **kwargs) -> None:
         for g, base in zip(self.optimizer.param_groups, self.base_lrs):
@@ -256,7 +261,7 @@ class MoLSLRScheduler:
         if self.inner is not None:
             self.inner.step(*args, **kwargs)
         self.base_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
-        self.iteration += 1
+        self.steps_taken += 1
         self._apply()
 
     def get_last_lr(self) -> list[float]:
@@ -266,7 +271,7 @@ class MoLSLRScheduler:
 
     def state_dict(self) -> dict:
         return {"inner": self.inner.state_dict() if self.inner is not None else None,
-                "base_lrs": list(self.base_lrs), "iteration": self.iteration}
+                "base_lrs": list(self.base_lrs), "steps_taken": self.steps_taken}
 
     def load_state_dict(self, state: dict) -> None:
         if self.inner is not None and state.get("inner") is not None:
@@ -275,7 +280,10 @@ class MoLSLRScheduler:
             raise ValueError(f"MoLS scheduler state has {len(state['base_lrs'])} param groups, the optimizer has "
                              f"{len(self.base_lrs)}")
         self.base_lrs = [float(x) for x in state["base_lrs"]]
-        self.iteration = int(state["iteration"])
+        if "steps_taken" not in state:
+            raise ValueError("MoLS scheduler state saved by another version of megatron-mech (no 'steps_taken'); "
+                             "resume it with the version that saved it")
+        self.steps_taken = int(state["steps_taken"])
         self._apply()
 
     def __getattr__(self, name):  # e.g. last_batch_iteration of DeepSpeed's schedulers
@@ -319,53 +327,54 @@ class DeepSpeedMoLS:
         return fn
 
     @property
-    def iteration(self) -> int:
-        """The 0-based iteration about to run (= scheduler steps taken)."""
-        return self.scheduler.iteration
+    def next_step(self) -> int:
+        """The step about to run (counted from 1; the scheduler steps taken + 1)."""
+        return self.scheduler.next_step
 
     def arm(self) -> None:
-        self.stats.arm(self.iteration)
+        self.stats.arm(self.next_step)
 
     def after_backward(self, boundary: bool) -> None:
         started = time.perf_counter()
         self.stats.micro_batch_done()
         if boundary and self.stats.armed:
             was_done = self.controller.done
-            self.stats.observe(self.iteration)
+            self.stats.observe(self.next_step)
             if self.controller.done and not was_done:
-                self.log("MoLS: multipliers after the estimation window\n" + self.controller.table(self.iteration))
+                self.log("MoLS: multipliers after the estimation window\n" + self.controller.table(self.next_step))
         self.seconds += time.perf_counter() - started
 
-    def before_scheduler_step(self, iteration: Optional[int] = None) -> None:
-        """After the optimizer step of ``iteration``: complete the estimate if its window is over without a last
-        observation, and (re)write the multipliers the scheduler wrapper applies."""
-        it = self.iteration - 1 if iteration is None else int(iteration)
-        if self.controller.maybe_finalize(it):
-            self.log("MoLS: multipliers after the estimation window\n" + self.controller.table(it + 1))
+    def before_scheduler_step(self, step: Optional[int] = None) -> None:
+        """After the optimizer step ``step`` (default: the one that just ran): complete the estimate if its window
+        is over without a last observation, and (re)write the multipliers the scheduler wrapper applies."""
+        step = self.next_step - 1 if step is None else int(step)
+        if self.controller.maybe_finalize(step):
+            self.log("MoLS: multipliers after the estimation window\n" + self.controller.table(step + 1))
             self.scheduler._apply()
 
-    def metrics(self, iteration: Optional[int] = None) -> dict:
-        """The controller's metrics at ``iteration`` plus ``mols/mult/{class}`` of every optimizer group (1.0
+    def metrics(self, step: Optional[int] = None) -> dict:
+        """The controller's metrics at ``step`` plus ``mols/mult/{class}`` of every optimizer group (1.0
         while the window is open, and for DeepSpeed-MoE expert groups)."""
-        it = self.iteration if iteration is None else int(iteration)
-        out = self.controller.metrics(it)
-        for cls, mult in zip(self.scheduler.classes, self.scheduler.group_multipliers(it)):
+        step = self.next_step if step is None else int(step)
+        out = self.controller.metrics(step)
+        for cls, mult in zip(self.scheduler.classes, self.scheduler.group_multipliers(step)):
             out[mols_name(MULT, cls)] = mult
         return out
 
-    def table(self, iteration: Optional[int] = None) -> str:
-        return self.controller.table(self.iteration if iteration is None else iteration)
+    def table(self, step: Optional[int] = None) -> str:
+        return self.controller.table(self.next_step if step is None else step)
 
     def state_dict(self) -> dict:
         """Plain types, identical on every rank (the statistics are all-reduced). The scheduler wrapper's own
-        state (its iteration and base lrs) is in DeepSpeed's ``lr_scheduler`` checkpoint entry."""
-        return {"version": 1, "controller": self.controller.state_dict()}
+        state (its steps taken and base lrs) is in DeepSpeed's ``lr_scheduler`` checkpoint entry."""
+        return {"version": STATE_VERSION, "controller": self.controller.state_dict()}
 
     def load_state_dict(self, state) -> None:
         if not state:
             return
-        if state.get("version") != 1:
-            raise ValueError(f"unsupported DeepSpeed MoLS state version {state.get('version')!r}")
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"DeepSpeed MoLS state version {state.get('version')!r} was saved by another version of "
+                             f"megatron-mech; this one reads version {STATE_VERSION} (steps counted from 1)")
         self.controller.load_state_dict(state["controller"])
         self.scheduler._apply()
 

@@ -38,9 +38,8 @@ Public API
     seed + 1024 + 100 * ep_rank + etp_rank). Identical to Megatron-LM's ``_set_random_seed`` core on GPU.
 ``fast_forward()`` / ``fast_forward_module(module)``
     The ``cuda_device_mode`` shim is a ``TorchFunctionMode``: every torch call goes through a Python hook
-    (measured here: forward of the 83k-param test GPT 5.9 -> 4.5 ms, tiny MoE 12.8 -> 9.5 ms without it; up
-    to ~3x on other shapes). Nothing inside the forward of the local (non-TE) GPT/MoE layers needs the mode,
-    so run the forward under ``torch._C.DisableTorchFunction()``: either
+    (its cost: ``docs/results/calibration.md``). Nothing inside the forward of the local (non-TE) GPT/MoE layers
+    needs the mode, so run the forward under ``torch._C.DisableTorchFunction()``: either
     ``with mcpu.fast_forward(): output = model(...)`` inside ``forward_step_func``, or once
     ``mcpu.fast_forward_module(model)`` (wraps that instance's ``forward``). Both are no-ops when the
     mode is not active (GPU machine). The schedule, backward and optimizer keep running under the mode.

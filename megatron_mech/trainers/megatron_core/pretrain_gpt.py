@@ -402,9 +402,9 @@ def build_training(args, runtime: Runtime, config: MechConfig, run_id: Optional[
     forward_backward = get_forward_backward_func()
     forward_step = hook.wrap_forward_step(make_forward_step(runtime.fast_forward))
 
-    def sample_passes(mols, iteration):  # the extra-sample MoLS reference: micro-batches past the training range
+    def sample_passes(mols, step):  # the extra-sample MoLS reference: micro-batches past the training range
         batches = (b for k in range(1_000_000) for b in train_sampler.micro_batches(args.train_iters + k))
-        return mols.sample_step(iteration, forward_backward, forward_step, batches,
+        return mols.sample_step(step, forward_backward, forward_step, batches,
                                 seq_length=args.seq_length, micro_batch_size=args.micro_batch_size)
 
     view = read_master_weights(view, optimizer, config.monitors.weights)  # after the checkpoint is loaded

@@ -1,6 +1,6 @@
 """The documented launcher, launch_scripts/pretrain_gpt_mech.py, is the product's front door: it starts the product's
 entry point, and the fault studies' flags are refused there, before anything is built, naming the launcher that takes
-them. The studies' Megatron-LM launcher left launch_scripts/; the old script still runs it, with a warning."""
+them."""
 import re
 import subprocess
 import sys
@@ -49,11 +49,3 @@ def test_the_launcher_starts_the_product_entry_point_and_the_studies_launcher_ad
     assert {"--mech-fault", "--mech-fault-start", "--mech-record-routing"} <= options(study.stdout)
     assert options(product.stdout) < options(study.stdout)
 
-
-def test_the_old_megatron_lm_fault_script_warns_and_runs_the_studies_launcher(tmp_path):
-    out = run(REPO_ROOT / "launch_scripts" / "megatron_lm_fault.py", "not-a-script", cwd=tmp_path)
-    assert "DeprecationWarning: launch_scripts/megatron_lm_fault.py is deprecated: run torchrun " \
-           "--nproc_per_node=N -m megatron_mech.studies.megatron_lm_fault instead" in out.stderr, out.stderr
-    # the studies' launcher's own refusal of a first argument that is not the fork's script
-    assert out.returncode == 1 and "megatron_lm_fault: error: the first argument must be the fork's pretrain_gpt.py, " \
-                                   "got not-a-script" in out.stderr

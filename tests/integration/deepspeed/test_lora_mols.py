@@ -74,7 +74,7 @@ def test_lora_param_groups_get_the_multiplier_of_their_class_from_the_snr():
     records = []
     for it in range(window + 1):
         batch = global_batch(tokens, it, micro * k, seq_len=32, seed=7)
-        mols.backward(it, model, list(batch.split(micro)), _loss)
+        mols.backward(it + 1, model, list(batch.split(micro)), _loss)  # MoLS counts steps from 1
         if it < window:
             records.append(dict(mols.last_observation))
         opt.step()
@@ -109,7 +109,7 @@ def test_disabled_torch_mols_keeps_the_base_lr_and_the_same_groups():
     sched = mols.wrap_scheduler(opt, None)
     tokens = _byte_tokens()
     for it in range(4):
-        mols.backward(it, model, list(global_batch(tokens, it, 8, seq_len=32).split(4)), _loss)
+        mols.backward(it + 1, model, list(global_batch(tokens, it, 8, seq_len=32).split(4)), _loss)
         opt.step()
         sched.step()
     assert {g["lr"] for g in opt.param_groups} == {1e-3} and mols.last_observation is None

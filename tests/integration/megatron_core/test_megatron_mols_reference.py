@@ -39,13 +39,13 @@ def test_diagnostic_measures_after_the_window_and_changes_no_lr(results):
         assert d["lrs"] == p["lrs"]  # same trajectory, same groups, same lrs at every iteration
         assert d["losses"] == p["losses"]
         blocks = d["final"]["diagnostics"]
-        # window iterations 0-2; blocks of 2 iterations start every 4 after the window end: 7-8, 11-12
-        assert [(b["start"], b["end"]) for b in blocks] == [(7, 8), (11, 12)]
+        # window steps 1-3; blocks of 2 steps start every 4 after the first step past the window: 8-9, 12-13
+        assert [(b["start"], b["end"]) for b in blocks] == [(8, 9), (12, 13)]
         for b in blocks:
             for key in ("embedding", "qk", "vo", "mlp", "head"):
                 assert math.isfinite(b["snr"][key]) and b["snr"][key] > 0, (key, b)
             assert b["alpha"]["vo"] == pytest.approx(1.0)
-        assert [o["iteration"] for o in d["obs"]] == [0, 1, 2, 7, 8, 11, 12]
+        assert [o["step"] for o in d["obs"]] == [1, 2, 3, 8, 9, 12, 13]
     # every rank holds the same (all-reduced) diagnostic
     assert diag[0]["final"]["diagnostics"] == diag[1]["final"]["diagnostics"]
 

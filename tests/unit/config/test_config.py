@@ -413,42 +413,84 @@ def _core_settings(core):
     return {field_key(core, f.name): f for f in dataclasses.fields(core) if "doc" in f.metadata}
 
 
-@pytest.mark.parametrize("section, core, name, own, help_of", [
-    (MoLSOptions, MoLSConfig, "mols", ("enabled", "window_start"), "{}"),
+@pytest.mark.parametrize("section, core, name, own, prefix, help_of", [
+    (MoLSOptions, MoLSConfig, "mols", ("enabled", "window_start"), "--mech-mols-", "{}"),
     (DetectorOverrides, DetectorConfig, "detector", ("max_logit_level", "expert_share_level",
                                                      "layer_trend_threshold", "layer_trend_window",
                                                      "layer_trend_warmup", "update_ratio_jump"),
-     "override the {} (default: per rule)"),
+     "--mech-detector-", "override the {} (default: per rule)"),
     (DetectorOverrides, LevelRules, "detector", ("warmup", "baseline", "threshold", "persistence",
                                                  "layer_trend_threshold", "layer_trend_window", "layer_trend_warmup",
                                                  "update_ratio_jump"),
-     "{} (default: the rule's own level)"),
+     "--mech-", "{} (default: the rule's own level)"),
     (DetectorOverrides, TrendRules, "detector", ("warmup", "baseline", "threshold", "persistence",
                                                  "max_logit_level", "expert_share_level"),
-     "{} (default: the rule's own)"),
+     "--mech-", "{} (default: the rule's own)"),
 ], ids=["mols", "detector", "detector levels", "detector trends"])
-def test_mols_and_detector_settings_are_declared_once_by_the_core(section, core, name, own, help_of):
+def test_mols_and_detector_settings_are_declared_once_by_the_core(section, core, name, own, prefix, help_of):
     """The section's settings are the core's declarations: its fields besides its own are the core's settings in
-    the core's order, its JSON keys are those and its own, and each flag's help is the core field's doc."""
+    the core's order, its JSON keys are those and its own, each flag is the section's prefix and the key
+    (``no-`` before it for a switch that turns a setting off), and each flag's help is the core field's doc, a
+    ``{setting}`` in it written as that setting's flag."""
     settings = _core_settings(core)
     assert settings, f"{core.__name__} declares no setting"
     assert [f.name for f in dataclasses.fields(section) if f.name not in own] == list(settings)
     assert set(MechConfig().to_dict()[name]) == set(own) | set(settings)
     helps = {a.option_strings[0]: a.help for a in _parser()._actions if a.option_strings}
     ours = {f.name: f for f in dataclasses.fields(section)}
+    flag_of = {f.name: ours[key].metadata["flag"] for key, f in settings.items()}
     for key, f in settings.items():
-        assert ours[key].metadata["flag"] == f.metadata["flag"]
-        assert helps[f.metadata["flag"]].replace("%%", "%") == help_of.format(f.metadata["doc"])
+        flag = ours[key].metadata["flag"]
+        assert flag == prefix + ("no-" if f.metadata.get("inverted") else "") + key.replace("_", "-")
+        assert f.metadata.get("flag") in (None, flag)  # a core declaration that still names its flag agrees
+        doc = re.sub(r"\{(\w+)\}", lambda m: flag_of.get(m.group(1), m.group(0)), f.metadata["doc"])
+        assert helps[flag].replace("%%", "%") == help_of.format(doc)
         default = f.default if help_of == "{}" else None  # an override keeps the rule's value by default
         assert getattr(section(), key) == default
 
 
 def test_every_flag_is_declared_once_in_the_package():
+    """A flag is written once, in an option() outside the math core; a core setting's flag is not written at all
+    (its section derives it from its prefix)."""
     root = pathlib.Path(megatron_mech.__file__).parent
     found = collections.Counter(flag for path in root.rglob("*.py")
                                 for flag in re.findall(r'flag="(--mech-[a-z0-9-]+)"', path.read_text()))
-    assert found["--mech-mols-window"] == 1 and found["--mech-detector-threshold"] == 1
+    assert found["--mech-interval"] == 1 and found["--mech-mols-window-start"] == 1
+    assert found["--mech-mols-window"] == 0 and "--mech-mols-window" in _generated(_parser())
     assert [flag for flag, n in found.items() if n > 1] == []
+
+
+def test_a_derived_flag_names_the_settings_flag_the_doc_refers_to_and_must_agree_with_a_declared_one():
+    """A section's prefix gives each core setting its flag: ``{name}`` in a doc becomes the flag of the setting
+    ``name``, other braces stay; a core setting that still declares a flag other than the derived one is refused,
+    naming both."""
+    @dataclasses.dataclass
+    class Core:
+        rate: float = option(1.0, "step size", type=float, key="lr")
+        steps: int = option(3, "steps of {rate} at layer{L}", type=int)
+        safe: bool = option(True, "stay safe", inverted=True)
+
+    @dataclasses.dataclass
+    @settings_of(Core, flag_prefix="--mech-toy-")
+    class Section:
+        pass
+
+    flags = {f.name: (f.metadata["flag"], f.metadata["doc"]) for f in dataclasses.fields(Section)}
+    assert flags == {"lr": ("--mech-toy-lr", "step size"), "steps": ("--mech-toy-steps", "steps of --mech-toy-lr at "
+                                                                                         "layer{L}"),
+                     "safe": ("--mech-toy-no-safe", "stay safe")}
+    assert all(f.metadata.get("flag") is None for f in dataclasses.fields(Core))  # the core's own stay flagless
+
+    @dataclasses.dataclass
+    class Declared:
+        rate: float = option(1.0, "step size", flag="--mech-rate", type=float)
+
+    with pytest.raises(TypeError, match="Declared.rate declares the flag --mech-rate; its section's prefix "
+                                        "'--mech-toy-' gives it --mech-toy-rate"):
+        @dataclasses.dataclass
+        @settings_of(Declared, flag_prefix="--mech-toy-")
+        class Disagrees:
+            pass
 
 
 def test_a_section_cannot_declare_a_core_setting_again():
@@ -480,9 +522,9 @@ def test_every_mols_and_detector_setting_round_trips_and_reaches_the_core():
     assert MechConfig.from_dict(c.to_dict()) == c
     assert MechConfig.from_flags(_parser().parse_args(_EVERY_MOLS_FLAG)) == c
     assert MechConfig.from_dict(MechConfig.from_flags(_parser().parse_args([])).to_dict()) == MechConfig()
-    # the core gets each setting under its own name; the first step 3 is iteration 2
+    # the core gets each setting under its own name, the first step as it is (steps count from 1 in both)
     assert mols.core_config(train_steps=100, ramp_end=20) == MoLSConfig(
-        window_steps=4, window_start=2, base="qk", clamp=(0.25, 4.0), num_samples=3, fused_qkv_rule="qk",
+        window_steps=4, window_start=3, base="qk", clamp=(0.25, 4.0), num_samples=3, fused_qkv_rule="qk",
         classes=("qk", "vo"), min_ramp_steps=2, scale_weight_decay=False, fixed_multipliers={"qk": 0.5},
         diagnostic_interval=8, diagnostic_steps=2, ramp_end=20)
     rules = DetectorConfig(**c.detector.as_rule_fields())
@@ -494,7 +536,8 @@ def test_run_dependent_mols_values_are_filled_in_by_core_config():
     assert (default.core_config(train_steps=1000, ramp_end=50).window_steps,
             default.core_config(train_steps=1000, ramp_end=50).ramp_end) == (10, 50)  # 1% of 1000
     assert default.core_config(train_steps=100, ramp_end=None).window_steps == 5  # at least 5
-    assert MoLSOptions(window_start=1).core_config(train_steps=100, ramp_end=None).window_start == 0
+    assert MoLSOptions(window_start=1).core_config(train_steps=100, ramp_end=None).window_start == 1
+    assert MoLSOptions(window_start=0).core_config(train_steps=100, ramp_end=None).window_start == 1  # the first
     with pytest.raises(ValueError, match=r"--mech-mols needs the number of training steps"):
         default.core_config(train_steps=None, ramp_end=None)
     with pytest.raises(ValueError) as info:

@@ -10,7 +10,7 @@ import torch
 from megatron_mech.config import DetectorOverrides, MechConfig, MonitorConfig
 from megatron_mech.core.attention_logits import max_attention_logit, max_attention_logit_per_head
 from megatron_mech.hook import MechHook
-from megatron_mech.logit_symptom import MAX_LOGIT_METRIC
+from megatron_mech.monitors.max_logit import MAX_LOGIT_METRIC
 from megatron_mech.model_view import ModelView
 from megatron_mech.monitors.attention import AttentionLayer
 from megatron_mech.records.sinks import CallbackSink

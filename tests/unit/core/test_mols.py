@@ -34,7 +34,7 @@ def _ctl(snr, present=PRESENT, fused=None, **cfg):
     small, big = _two_batch_norms(snr)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for step in range(c.config.window_start, c.window_end):
+        for step in range(c.config.window_start, c.window_end + 1):
             c.observe(step, small, big, 4, 16)
     return c, [w for w in caught if issubclass(w.category, MoLSWarning)]
 
@@ -70,7 +70,7 @@ def test_config_validation_names_the_field(kwargs, field):
 def test_config_defaults_and_round_trip():
     c = MoLSConfig(window_steps=7, ramp_end=100)
     assert (c.window_start, c.base, c.clamp, c.fused_qkv_rule, c.estimator, c.scale_weight_decay) == \
-        (0, "vo", (0.5, 2.0), "rows", "two_batch", True)
+        (1, "vo", (0.5, 2.0), "rows", "two_batch", True)
     assert MoLSConfig.from_dict(c.to_dict()) == c
     assert c.window_end == 7 and c.effective_ramp_end == 100
     with pytest.raises(ValueError, match="window_steps"):
@@ -130,7 +130,7 @@ def test_degenerate_snr_gives_alpha_one_with_a_warning():
     big["qk"] = small["qk"]
     small["head"], big["head"] = 2.0, 0.1
     with pytest.warns(MoLSWarning, match=r"degenerate SNR.*qk \(S = inf\).*head \(S = 0") as rec:
-        for s in range(2):
+        for s in range(1, 3):
             c.observe(s, small, big, 4, 16)
     assert c.alphas["qk"] == 1.0 and c.alphas["head"] == 1.0
     assert len([w for w in rec if "degenerate" in str(w.message)]) == 1
@@ -141,12 +141,12 @@ def test_degenerate_base_or_empty_window_keeps_every_multiplier_at_one():
     small, big = _two_batch_norms({"embedding": 0.01, "vo": 0.02})
     big["vo"] = small["vo"]  # S_vo = inf
     with pytest.warns(MoLSWarning, match="base module 'vo' has S = inf"):
-        for s in range(2):
+        for s in range(1, 3):
             c.observe(s, small, big, 4, 16)
     assert set(c.multipliers(100).values()) == {1.0}
     empty = MoLSController(MoLSConfig(window_steps=2), classes_present=PRESENT)
     with pytest.warns(MoLSWarning, match="observed nothing"):
-        assert empty.maybe_finalize(1)
+        assert empty.maybe_finalize(2)
     assert empty.done and set(empty.multipliers(50).values()) == {1.0}
 
 
@@ -158,42 +158,70 @@ def test_negative_base_estimate_is_reported_not_estimated_with_the_reason():
     c = MoLSController(MoLSConfig(window_steps=2), classes_present=PRESENT)
     small, big = _two_batch_norms({"embedding": 0.01, "vo": 0.02})
     small["vo"] = 5.0 * big["vo"]  # (16·big − 4·small) / 12 < 0
-    assert c.metrics(0)["mols/status"] == "window"
+    assert c.metrics(1)["mols/status"] == "window"
     with pytest.warns(MoLSWarning, match="base module 'vo' has S = 0"):
-        for s in range(2):
+        for s in range(1, 3):
             c.observe(s, small, big, 4, 16)
     m = c.metrics(50)
     assert m["mols/status"] == "not_estimated" and set(c.multipliers(50).values()) == {1.0}
     reason = m["mols/status_reason"]
-    assert "'vo'" in reason and "negative" in reason and "--mech-mols-window" in reason and "now 2 steps" in reason
+    assert "'vo'" in reason and "negative" in reason and "now 2 steps" in reason
+    assert "(MoLSConfig.window_steps, now 2 steps" in reason and "another base (MoLSConfig.base)" in reason
     restored = MoLSController(MoLSConfig(window_steps=2), classes_present=PRESENT)
     restored.load_state_dict(copy.deepcopy(c.state_dict()))
     assert restored.metrics(50)["mols/status_reason"] == reason
-    old = copy.deepcopy(c.state_dict())
-    del old["not_estimated_reason"]
-    restored.load_state_dict(old)
-    assert restored.status == "not_estimated" and restored.not_estimated_reason == reason
     good, _ = _ctl({"embedding": 0.01, "vo": 0.02})
     assert good.metrics(50)["mols/status"] == "estimated" and "mols/status_reason" not in good.metrics(50)
 
 
-def test_a_state_saved_before_the_reason_was_kept_is_judged_as_finalize_judges():
-    """An empty window (nothing observed) restored from a state without ``not_estimated_reason`` gets the reason
-    finalize gave, not one about the base class alone."""
-    empty = MoLSController(MoLSConfig(window_start=3, window_steps=2), classes_present=PRESENT)
+def test_messages_name_the_settings_as_the_configuration_names_them():
+    """The core knows its settings by their field names; a config built by the configuration layer carries the
+    words the user wrote (flag and ``"mech"`` key), so the not-estimated reason recorded in ``mols/status_reason``,
+    the clamp warning and the missing-base error name those, and a state round trip neither saves nor compares
+    them."""
+    from megatron_mech.config import MoLSOptions
+
+    config = MoLSOptions(enabled=True, window=2, clamp=(0.9, 1.1)).core_config(train_steps=100, ramp_end=None)
+    assert config == MoLSConfig(window_steps=2, clamp=(0.9, 1.1), ramp_end=None) and "named" not in config.to_dict()
+    c = MoLSController(config, classes_present=PRESENT)
+    small, big = _two_batch_norms({"embedding": 0.01, "vo": 0.02})
+    small["vo"] = 5.0 * big["vo"]  # a negative ‖G‖² estimate of the base: not estimated
+    with pytest.warns(MoLSWarning):
+        for s in range(1, 3):
+            c.observe(s, small, big, 4, 16)
+    reason = c.metrics(50)["mols/status_reason"]
+    assert "(--mech-mols-window / mech.mols.window, now 2 steps" in reason
+    assert reason.endswith("or choose another base (--mech-mols-base / mech.mols.base)")
+    _, warned = _ctl({"embedding": 0.01, "vo": 0.04}, clamp=(0.9, 1.1), named=config.named)
+    clamped = [str(w.message) for w in warned if "clamped alpha" in str(w.message)]
+    assert len(clamped) == 1 and clamped[0].endswith("(widen the range: --mech-mols-clamp / mech.mols.clamp)")
+    with pytest.raises(ValueError, match=r"set --mech-mols-base / mech\.mols\.base to one of those"):
+        MoLSController(MoLSOptions(enabled=True, window=2, base="router").core_config(train_steps=100, ramp_end=None),
+                       classes_present=PRESENT)
+
+
+def test_steps_count_from_1_as_the_hooks_and_a_state_counting_from_0_is_refused_by_name():
+    """The window's steps are the hook's step numbers: window_start 4 of 2 steps observes steps 4 and 5, its
+    estimate completes at step 5 and the empty window's reason names those steps. A state saved by the version
+    that counted iterations from 0 (state version 1) is refused, naming the versions, not read one step off."""
+    with pytest.raises(ValueError, match=r"MoLSConfig\.window_start must be >= 1"):
+        MoLSConfig(window_start=0, window_steps=2)
+    empty = MoLSController(MoLSConfig(window_start=4, window_steps=2), classes_present=PRESENT)
+    assert [s for s in range(1, 10) if empty.in_window(s)] == [4, 5]
+    assert not empty.maybe_finalize(4)
     with pytest.warns(MoLSWarning, match="observed nothing"):
-        empty.maybe_finalize(4)
-    reason = empty.not_estimated_reason
-    assert reason == "the estimation window (iterations 3..4) observed nothing"
+        assert empty.maybe_finalize(5)
+    assert empty.not_estimated_reason == "the estimation window (steps 4..5) observed nothing"
     old = copy.deepcopy(empty.state_dict())
-    del old["not_estimated_reason"]
-    restored = MoLSController(MoLSConfig(window_start=3, window_steps=2), classes_present=PRESENT)
-    restored.load_state_dict(old)
-    assert restored.status == "not_estimated" and restored.not_estimated_reason == reason
+    old["version"] = 1
+    restored = MoLSController(MoLSConfig(window_start=4, window_steps=2), classes_present=PRESENT)
+    with pytest.raises(ValueError, match="MoLS state version 1 was saved by another version of megatron-mech; "
+                                         "this one reads version 2"):
+        restored.load_state_dict(old)
 
 
-def test_state_config_keeps_the_core_field_names_and_iterations():
-    """The checkpointed config is the core's: iterations, ``window_steps``, ``num_samples``... (what a checkpoint
+def test_state_config_keeps_the_core_field_names_and_steps():
+    """The checkpointed config is the core's: steps, ``window_steps``, ``num_samples``... (what a checkpoint
     holds does not follow the names a user writes)."""
     cfg = MoLSConfig(window_start=2, window_steps=6, ramp_end=14, fixed_multipliers={"qk": 0.5})
     state = MoLSController(cfg, classes_present=PRESENT).state_dict()
@@ -245,30 +273,30 @@ def test_fused_qkv_group_target():
 
 
 def test_per_key_batch_sizes_and_window_bounds():
-    c = MoLSController(MoLSConfig(window_start=5, window_steps=2, estimator="two_batch"),
+    c = MoLSController(MoLSConfig(window_start=6, window_steps=2, estimator="two_batch"),
                        classes_present=("vo", "experts"))
     s_vo, b_vo = _two_batch_norms({"vo": 0.04}, bs=4, bb=16)
     s_ex, b_ex = _two_batch_norms({"experts": 0.01}, bs=8, bb=16)
     small, big = {**s_vo, **s_ex}, {**b_vo, **b_ex}
-    assert not c.observe(4, small, big, {"vo": 4, "experts": 8}, 16)  # before the window
-    assert c.observe(5, small, big, {"vo": 4, "experts": 8}, 16)
-    with pytest.warns(MoLSWarning, match="already observed"):
-        assert not c.observe(5, small, big, {"vo": 4, "experts": 8}, 16)  # repeated iteration ignored
+    assert not c.observe(5, small, big, {"vo": 4, "experts": 8}, 16)  # before the window
     assert c.observe(6, small, big, {"vo": 4, "experts": 8}, 16)
+    with pytest.warns(MoLSWarning, match="already observed"):
+        assert not c.observe(6, small, big, {"vo": 4, "experts": 8}, 16)  # repeated step ignored
+    assert c.observe(7, small, big, {"vo": 4, "experts": 8}, 16)
     assert c.done and c.snr["experts"]["snr"] == pytest.approx(0.01) and c.snr["vo"]["snr"] == pytest.approx(0.04)
     assert not c.clamped and c.alphas["experts"] == 2.0  # α = 2 + 4e-16 at the bound is not "clamped"
-    assert not c.observe(7, small, big, 4, 16)  # after the window
+    assert not c.observe(8, small, big, 4, 16)  # after the window
     with pytest.raises(ValueError, match="big_batch > small_batch"):
-        MoLSController(MoLSConfig(window_steps=2), classes_present=("vo",)).observe(0, s_vo, b_vo, 16, 16)
+        MoLSController(MoLSConfig(window_steps=2), classes_present=("vo",)).observe(1, s_vo, b_vo, 16, 16)
     with pytest.raises(RuntimeError, match="observe_estimates"):
         c2 = MoLSController(MoLSConfig(window_steps=2, estimator="samples"), classes_present=("vo",))
-        c2.observe(0, s_vo, b_vo, 4, 16)
+        c2.observe(1, s_vo, b_vo, 4, 16)
 
 
 def test_samples_estimator_sums_components():
     c = MoLSController(MoLSConfig(window_steps=2, estimator="samples"), classes_present=("vo", "mlp"))
-    c.observe_estimates(0, {"vo": (0.4, 10.0), "mlp": (0.2, 10.0)})
-    c.observe_estimates(1, {"vo": (0.0, 10.0), "mlp": (0.2, 30.0)})
+    c.observe_estimates(1, {"vo": (0.4, 10.0), "mlp": (0.2, 10.0)})
+    c.observe_estimates(2, {"vo": (0.0, 10.0), "mlp": (0.2, 30.0)})
     assert c.done
     assert c.snr["vo"]["snr"] == pytest.approx(0.02) and c.snr["mlp"]["snr"] == pytest.approx(0.01)
     assert c.alphas["mlp"] == pytest.approx(math.sqrt(2))
@@ -276,15 +304,15 @@ def test_samples_estimator_sums_components():
 
 # ------------------------------------------------------------------------------------------------ ramp
 def test_ramp_values_exact():
-    c, _ = _ctl({"embedding": 0.01, "vo": 0.04}, present=("embedding", "vo"), window_start=2, window_steps=3,
+    c, _ = _ctl({"embedding": 0.01, "vo": 0.04}, present=("embedding", "vo"), window_start=3, window_steps=3,
                 ramp_end=9)
     assert c.window_end == 5 and c.ramp_end == 9 and c.targets["embedding"] == 2.0
-    expected = {0: 1.0, 4: 1.0, 5: 1.0, 6: 1.25, 7: 1.5, 8: 1.75, 9: 2.0, 10: 2.0, 10_000: 2.0}
+    expected = {1: 1.0, 5: 1.0, 6: 1.0, 7: 1.25, 8: 1.5, 9: 1.75, 10: 2.0, 11: 2.0, 10_000: 2.0}
     for step, m in expected.items():
         assert c.multiplier(step, "embedding") == m, step
         assert c.multiplier(step, "vo") == 1.0
         assert c.multiplier(step, "router") == 1.0  # a class the model does not have
-    assert c.ramp_fraction(7) == 0.5
+    assert c.ramp_fraction(8) == 0.5
 
 
 def test_short_ramp_when_warmup_is_over():
@@ -292,9 +320,9 @@ def test_short_ramp_when_warmup_is_over():
         c, _ = _ctl({"embedding": 0.01, "vo": 0.04}, present=("embedding", "vo"), window_steps=5,
                     ramp_end=ramp_end, min_ramp_steps=4)
         assert c.ramp_end == 9
-        assert [c.multiplier(s, "embedding") for s in range(4, 11)] == [1.0, 1.0, 1.25, 1.5, 1.75, 2.0, 2.0]
+        assert [c.multiplier(s, "embedding") for s in range(5, 12)] == [1.0, 1.0, 1.25, 1.5, 1.75, 2.0, 2.0]
     c, _ = _ctl({"embedding": 0.01, "vo": 0.04}, present=("embedding", "vo"), window_steps=5, min_ramp_steps=0)
-    assert [c.multiplier(s, "embedding") for s in (4, 5, 6)] == [1.0, 2.0, 2.0]
+    assert [c.multiplier(s, "embedding") for s in (5, 6, 7)] == [1.0, 2.0, 2.0]
 
 
 def test_multipliers_are_one_before_the_estimate_and_wd_compensation():
@@ -302,7 +330,7 @@ def test_multipliers_are_one_before_the_estimate_and_wd_compensation():
     assert c.multipliers(100) == {k: 1.0 for k in PRESENT}  # not finalized: 1 everywhere
     c2, _ = _ctl({"embedding": 0.01, "vo": 0.04}, present=("embedding", "vo"), scale_weight_decay=False,
                  min_ramp_steps=2)
-    assert c2.wd_multiplier(100, "embedding") == 0.5 and c2.wd_multiplier(0, "embedding") == 1.0
+    assert c2.wd_multiplier(100, "embedding") == 0.5 and c2.wd_multiplier(1, "embedding") == 1.0
     c3, _ = _ctl({"embedding": 0.01, "vo": 0.04}, present=("embedding", "vo"))
     assert c3.wd_multiplier(100, "embedding") == 1.0
 
@@ -329,13 +357,13 @@ def _drive(ctl, start, stop, restore_at=None):
     return ctl, mults
 
 
-@pytest.mark.parametrize("restore_at", [0, 3, 6, 8, 11, 14, 30])  # before / mid / end of window, mid-ramp, after
+@pytest.mark.parametrize("restore_at", [1, 4, 7, 9, 12, 15, 31])  # before / mid / end of window, mid-ramp, after
 def test_state_round_trip_equals_uninterrupted(restore_at):
-    cfg = MoLSConfig(window_start=2, window_steps=6, ramp_end=14, clamp=(0.25, 4.0))
+    cfg = MoLSConfig(window_start=3, window_steps=6, ramp_end=14, clamp=(0.25, 4.0))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", MoLSWarning)
-        ref, ref_mults = _drive(MoLSController(cfg, classes_present=PRESENT, fused_qkv=(4, 2)), 0, 32)
-        got, got_mults = _drive(MoLSController(cfg, classes_present=PRESENT, fused_qkv=(4, 2)), 0, 32,
+        ref, ref_mults = _drive(MoLSController(cfg, classes_present=PRESENT, fused_qkv=(4, 2)), 1, 33)
+        got, got_mults = _drive(MoLSController(cfg, classes_present=PRESENT, fused_qkv=(4, 2)), 1, 33,
                                 restore_at=restore_at)
     assert got_mults == ref_mults  # exactly
     assert got.alphas == ref.alphas and got.targets == ref.targets and got.snr == ref.snr
@@ -380,10 +408,10 @@ def test_table_and_metrics():
     c, _ = _ctl({"embedding": 0.01, "qk": 0.02, "vo": 0.04, "mlp": 0.04, "head": 0.04, "norm": 0.04},
                 fused=(4, 2), ramp_end=10)
     c.snr  # noqa: B018
-    text = c.table(6)
+    text = c.table(7)
     assert text.splitlines()[0].startswith("MoLS (two_batch, base vo")
-    assert "| embedding |" in text and "| qk |" in text and "mult @ 6" in text
-    m = c.metrics(6)
+    assert "| embedding |" in text and "| qk |" in text and "mult @ 7" in text
+    m = c.metrics(7)
     assert m["mols/alpha/embedding"] == pytest.approx(2.0)
     assert m["mols/snr/vo"] == pytest.approx(0.04)
     assert m["mols/mult/embedding"] == pytest.approx(1.0 + (2.0 - 1.0) * 3 / 7)

@@ -30,13 +30,13 @@ def test_every_name_the_controller_records_is_one_template():
     trace, small_batch, big_batch = 8.0, 4, 16  # noise-free norms whose two-batch estimate is exactly `snr`
     small = {key: s * trace + trace / small_batch for key, s in snr.items()}
     big = {key: s * trace + trace / big_batch for key, s in snr.items()}
-    for step in range(controller.config.window_start, controller.window_end):
+    for step in range(controller.config.window_start, controller.window_end + 1):
         controller.observe(step, small, big, small_batch, big_batch)
-    controller.maybe_finalize(controller.window_end - 1)
-    for step in range(controller.window_end, controller.window_end + 20):  # past the first diagnostic block
+    controller.maybe_finalize(controller.window_end)
+    for step in range(controller.window_end + 1, controller.window_end + 21):  # past the first diagnostic block
         controller.observe_diagnostic(step, small, big, small_batch, big_batch)
     assert controller.diagnostics
-    recorded = controller.metrics(controller.window_end + 20)
+    recorded = controller.metrics(controller.window_end + 21)
     matched = {name: [t for t in TEMPLATES if pattern(t).match(name)] for name in recorded}
     assert all(len(found) == 1 for found in matched.values()), matched
     used = {found[0] for found in matched.values()}

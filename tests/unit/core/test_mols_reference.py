@@ -23,7 +23,7 @@ def _run_window(c: MoLSController, snr: dict):
     small, big = _norms(snr)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for step in range(c.config.window_start, c.window_end):
+        for step in range(c.config.window_start, c.window_end + 1):
             c.observe(step, small, big, 4, 16)
     return [w for w in caught if issubclass(w.category, MoLSWarning)]
 
@@ -43,9 +43,9 @@ def test_fixed_multipliers_replace_the_snr_alphas_on_the_same_ramp():
     # the measured α are still reported (clamped to the default [0.5, 2])
     assert c.measured_alphas["qk"] == pytest.approx(2.0) and c.measured_alphas["mlp"] == pytest.approx(math.sqrt(2))
     # same schedule as MoLS: 1 up to the window end, linear to the target at the ramp end
-    assert c.multiplier(2, "embedding") == 1.0 and c.multiplier(3, "embedding") == 1.0
-    assert c.multiplier(8, "embedding") == pytest.approx(1.0 + (2.0 - 1.0) * 5 / 10)
-    assert c.multiplier(13, "embedding") == pytest.approx(2.0)
+    assert c.multiplier(3, "embedding") == 1.0 and c.multiplier(4, "embedding") == 1.0
+    assert c.multiplier(9, "embedding") == pytest.approx(1.0 + (2.0 - 1.0) * 5 / 10)
+    assert c.multiplier(14, "embedding") == pytest.approx(2.0)
     m = c.metrics(20)
     assert m["mols/alpha/embedding"] == 2.0 and m["mols/alpha_measured/qk"] == pytest.approx(2.0)
 
@@ -57,13 +57,13 @@ def test_fixed_multipliers_are_validated_and_survive_the_state():
         MoLSConfig(window_steps=3, fixed_multipliers={"qk": 0.0})
     with pytest.raises(ValueError, match="no parameters in this model.*router"):
         MoLSController(MoLSConfig(window_steps=3, fixed_multipliers={"router": 2.0}), classes_present=PRESENT)
-    with pytest.raises(ValueError, match="--mech-mols-fixed: expected CLASS=MULTIPLIER"):
-        parse_fixed_multipliers(["qk:2"])
-    with pytest.raises(ValueError, match="--mech-mols-fixed.*unknown module class.*emb"):
-        parse_fixed_multipliers(["emb=2"])
+    with pytest.raises(ValueError, match="fixed items: expected CLASS=MULTIPLIER"):
+        parse_fixed_multipliers(["qk:2"], "fixed items")
+    with pytest.raises(ValueError, match="fixed items.*unknown module class.*emb"):
+        parse_fixed_multipliers(["emb=2"], "fixed items")
     with pytest.raises(ValueError, match="given twice"):
-        parse_fixed_multipliers(["qk=2", "qk=1"])
-    assert parse_fixed_multipliers(["qk=0.5", "head=2"]) == {"qk": 0.5, "head": 2.0}
+        parse_fixed_multipliers(["qk=2", "qk=1"], "fixed items")
+    assert parse_fixed_multipliers(["qk=0.5", "head=2"], "fixed items") == {"qk": 0.5, "head": 2.0}
     # the flag reaches the core config; a bad item is refused at option construction
     opts = MoLSOptions(enabled=True, fixed=("embedding=2", "qk=0.5"))
     assert opts.core_config(train_steps=100, ramp_end=None).fixed_multipliers == {"embedding": 2.0, "qk": 0.5}
@@ -87,29 +87,29 @@ def test_diagnostic_blocks_report_the_snr_later_without_changing_the_multipliers
     assert not c.in_diagnostic(1)  # nothing before the window is complete
     _run_window(c, WINDOW_SNR)
     targets = dict(c.targets)
-    before = {s: c.multipliers(s) for s in range(0, 40)}
-    # blocks start every 5 iterations after the window end (3): 8-9, 13-14, ...
-    assert [s for s in range(3, 20) if c.in_diagnostic(s)] == [8, 9, 13, 14, 18, 19]
+    before = {s: c.multipliers(s) for s in range(1, 41)}
+    # blocks start every 5 steps after the first step past the window (steps 1-3): 9-10, 14-15, ...
+    assert [s for s in range(4, 21) if c.in_diagnostic(s)] == [9, 10, 14, 15, 19, 20]
     later = {"embedding": 0.001, "qk": 0.01, "vo": 0.04, "mlp": 0.04, "head": 0.0025, "norm": 0.5}
     small, big = _norms(later)
-    assert not c.observe_diagnostic(7, small, big, 4, 16)  # not a diagnostic iteration
-    for step in (8, 9):
+    assert not c.observe_diagnostic(8, small, big, 4, 16)  # not a diagnostic step
+    for step in (9, 10):
         assert c.observe_diagnostic(step, small, big, 4, 16)
     assert len(c.diagnostics) == 1
     block = c.diagnostics[0]
-    assert (block["start"], block["end"]) == (8, 9)
+    assert (block["start"], block["end"]) == (9, 10)
     for k, s in later.items():
         assert block["snr"][k] == pytest.approx(s)
         assert block["alpha"][k] == pytest.approx(math.sqrt(0.04 / s))  # unclamped: embedding √40 > 2
-    assert c.targets == targets and {s: c.multipliers(s) for s in range(0, 40)} == before
+    assert c.targets == targets and {s: c.multipliers(s) for s in range(1, 41)} == before
     m = c.metrics(20)
-    assert m["mols/diag_alpha/embedding"] == pytest.approx(math.sqrt(40)) and m["mols/diag_end"] == 9.0
+    assert m["mols/diag_alpha/embedding"] == pytest.approx(math.sqrt(40)) and m["mols/diag_end"] == 10.0
     # an interrupted block resumes from the state: the restored controller finishes it like the original
-    c.observe_diagnostic(13, small, big, 4, 16)
+    c.observe_diagnostic(14, small, big, 4, 16)
     r = MoLSController(cfg, classes_present=PRESENT)
     r.load_state_dict(c.state_dict())
     for ctl in (c, r):
-        ctl.observe_diagnostic(14, small, big, 4, 16)
+        ctl.observe_diagnostic(15, small, big, 4, 16)
     assert len(r.diagnostics) == len(c.diagnostics) == 2
     assert r.diagnostics[1]["snr"] == pytest.approx(c.diagnostics[1]["snr"])
 

@@ -22,24 +22,24 @@ Call order in a training script (every rank; megatron-core ≥ 0.16)
     #          (mols before the scheduler: the scheduler's load recomputes every lr from the groups' max_lr;
     #           if the scheduler was loaded first, call scheduler.step(0) after mols.load_state_dict)
     forward_step = mols.wrap_forward_step(forward_step)                      # 5. (micro-batch route; harmless else)
-    for iteration in range(start_iteration, train_iters):                    # iteration: 0-based, see below
-        mols.sample_step(iteration, ...)         # only with --mech-mols-estimator samples (no-op otherwise)
+    for step in range(start_step + 1, train_steps + 1):                      # step: counted from 1, see below
+        mols.sample_step(step, ...)              # only with the samples estimator (no-op otherwise)
         model.zero_grad_buffer(); optimizer.zero_grad()
         forward_backward_func(forward_step_func=forward_step, ...)           # finalize wrapper measures norms
         optimizer.step()
-        mols.before_scheduler_step(iteration)                                # 6. multipliers of iteration + 1
+        mols.before_scheduler_step(step)                                     # 6. multipliers of step + 1
         scheduler.step(increment=...)
-        log(mols.metrics(iteration))                                         # mols/snr/*, mols/alpha/*, ...
+        log(mols.metrics(step))                                              # mols/snr/*, mols/alpha/*, ...
     ckpt["mols"] = mols.state_dict()                                         # identical on every rank
 
-``iteration`` is the number of optimizer steps completed before the current one (Megatron-LM's ``iteration``
-passed to ``train_step``; the hook's 1-based ``step`` is ``iteration + 1``).
+``step`` is the hook's step number: the optimizer step, counted from 1 (Megatron-LM's ``iteration`` passed to
+``train_step`` counts the steps completed before it, one less).
 
-**The off-by-one.** ``OptimizerParamScheduler.step()`` sets every group's ``lr`` from the group's
-``max_lr``/``min_lr`` (0.16) for the *next* optimizer step. So the multipliers that iteration ``t + 1`` must use
-are written by ``before_scheduler_step(t)`` — after ``optimizer.step()`` of iteration ``t`` and before
-``scheduler.step()``. Iteration 0 uses the lr set when the scheduler is built (multiplier 1: the estimate is not
-known yet). After that, every group's lr is exactly ``base_lr(t) × multiplier(t, class)`` whenever the lr
+**The next step's lr.** ``OptimizerParamScheduler.step()`` sets every group's ``lr`` from the group's
+``max_lr``/``min_lr`` (0.16) for the *next* optimizer step. So the multipliers that step ``t + 1`` must use are
+written by ``before_scheduler_step(t)`` — after ``optimizer.step()`` of step ``t`` and before ``scheduler.step()``.
+Step 1 uses the lr set when the scheduler is built (multiplier 1: the estimate is not known yet). After that,
+every group's lr is exactly ``base_lr(t) × multiplier(t, class)`` whenever the lr
 warm-up starts from ``init_lr = 0`` (Megatron-LM's default ``--lr-warmup-init 0``) or has ended: the scheduler
 computes ``lr = min_lr + coeff·(max_lr − min_lr)`` (or ``max_lr·t/warmup`` in warm-up) and we scale both
 ``max_lr`` and ``min_lr``; with ``init_lr > 0`` the warm-up part is ``init_lr + (α·max_lr − init_lr)·t/warmup``

@@ -3,7 +3,7 @@ estimator, writes each step's multipliers.
 
 The extra-sample reference (``--mech-mols-estimator samples``)
 ---------------------------------------------------------------
-``sample_step(...)`` runs, at each window iteration, K = ``--mech-mols-samples`` extra forward/backward passes on
+``sample_step(...)`` runs, at each window step, K = ``--mech-mols-samples`` extra forward/backward passes on
 K separate micro-batches (the caller's iterator) through the real schedule with ``force_all_reduce=True``, keeps
 each pass's per-key gradient (K copies of the gradient: expensive, a reference only), and feeds
 :func:`megatron_mech.core.snr.sample_snr` (``batch_size = micro-batch × DP``); its additive components are summed over
@@ -30,7 +30,7 @@ from megatron_mech.adapters.megatron_core.mols.param_groups import (
     protect_param_group_identity,
     record_bases,
 )
-from megatron_mech.core.mols import MoLSConfig, MoLSController
+from megatron_mech.core.mols import STATE_VERSION, MoLSConfig, MoLSController
 from megatron_mech.core.snr import sample_snr
 from megatron_mech.core.taxonomy import MODULE_CLASSES, ModuleTaxonomy
 from megatron_mech.optim import param_groups
@@ -157,10 +157,10 @@ class MegatronMoLS:
         stage = ps.get_pipeline_model_parallel_rank() if self.pp > 1 else 0
         self._snapshot_forward = min(self.pp - stage - 1, self.num_microbatches) + 2
         self._log = log if log is not None else logger.info
-        self._iteration = 0  # the iteration in progress / next to run; install(iteration=...), load_state_dict
+        self._step = 1  # the step in progress / next to run (counted from 1); install(step=...), load_state_dict
         self._fwd_count = 0
         self._snap = None
-        self._observed_iteration = None
+        self._observed_step = None
         self._finalize_wrapper = None
         self.optimizer = None
         self.last_observation: Optional[dict] = None
@@ -248,10 +248,10 @@ class MegatronMoLS:
         """:meth:`install` into the model's own config (the one ``forward_backward_func`` reads)."""
         return self.install(self.model_config, optimizer)
 
-    def install(self, model_config, optimizer, iteration: Optional[int] = None) -> MegatronMoLS:
+    def install(self, model_config, optimizer, step: Optional[int] = None) -> MegatronMoLS:
         """Attach to the optimizer and the model config: protect the param-group identity for checkpoint loads,
         wrap ``model_config.finalize_model_grads_func`` (two_batch; megatron's ``finalize_model_grads`` if unset)
-        and write the multipliers of ``iteration`` (default: the controller's next iteration, 0 for a fresh run).
+        and write the multipliers of ``step`` (default: the next step to run, 1 for a fresh run).
         Call after ``get_megatron_optimizer`` and after setting ``finalize_model_grads_func``, before loading
         optimizer state and before building the scheduler."""
         untagged = [g for g in param_groups(optimizer) if g.get("params") and TAG not in g]
@@ -272,9 +272,9 @@ class MegatronMoLS:
             self._finalize_wrapper = self._make_finalize(real)
             model_config.finalize_model_grads_func = self._finalize_wrapper
         self.model_config = model_config
-        if iteration is not None:
-            self._iteration = int(iteration)
-        self.apply(self._iteration)
+        if step is not None:
+            self._step = int(step)
+        self.apply(self._step)
         return self
 
     def wrap_finalize_model_grads(self, model_config) -> None:
@@ -289,14 +289,14 @@ class MegatronMoLS:
             model_config.finalize_model_grads_func = self._finalize_wrapper
         self.model_config = model_config
 
-    def apply(self, iteration: int) -> None:
-        """Write the multipliers of ``iteration`` into the param groups (effective at the scheduler's next step)."""
+    def apply(self, step: int) -> None:
+        """Write the multipliers of ``step`` into the param groups (effective at the scheduler's next step)."""
         if self.optimizer is None:
             return
         c = self.controller
-        mults = {cls: c.multiplier(iteration, cls) for cls in self.group_classes}
+        mults = {cls: c.multiplier(step, cls) for cls in self.group_classes}
         wd = None if self.config.scale_weight_decay else {
-            cls: c.wd_multiplier(iteration, cls) for cls in self.group_classes}
+            cls: c.wd_multiplier(step, cls) for cls in self.group_classes}
         apply_multipliers(self.optimizer, mults, wd_multipliers=wd)
 
     # -- statistics
@@ -314,10 +314,10 @@ class MegatronMoLS:
             if self._suspended or not torch.is_grad_enabled() or not getattr(model, "training", True):
                 return forward_step_func(*args, **kwargs)
             self._fwd_count += 1
-            if self._fwd_count == self._snapshot_forward and self._measuring(self._iteration):
+            if self._fwd_count == self._snapshot_forward and self._measuring(self._step):
                 started = time.perf_counter()
                 self._snap = self._reader.local("pre")
-                self._account(self._iteration, time.perf_counter() - started)
+                self._account(self._step, time.perf_counter() - started)
             return forward_step_func(*args, **kwargs)
 
         forward_step._mols_wrapped = True
@@ -328,33 +328,33 @@ class MegatronMoLS:
         def finalize_model_grads(*args, **kwargs):
             if self._suspended:
                 return real(*args, **kwargs)
-            it = self._iteration
-            active = self._measuring(it)
+            step = self._step
+            active = self._measuring(step)
             started = time.perf_counter()
             pre = self._reader.local("pre") if active and self.route == "dp" else None
-            self._account(it, time.perf_counter() - started)
+            self._account(step, time.perf_counter() - started)
             out = real(*args, **kwargs)
             if active:
                 started = time.perf_counter()
-                self._observe(it, pre)
-                self._account(it, time.perf_counter() - started)
+                self._observe(step, pre)
+                self._account(step, time.perf_counter() - started)
             self._fwd_count, self._snap = 0, None
             return out
 
         finalize_model_grads._mols_real = real
         return finalize_model_grads
 
-    def _account(self, it: int, seconds: float) -> None:
-        if self.controller.in_window(it) or not self.controller.in_diagnostic(it):
+    def _account(self, step: int, seconds: float) -> None:
+        if self.controller.in_window(step) or not self.controller.in_diagnostic(step):
             self.seconds += seconds
         else:
             self.diagnostic_seconds += seconds
 
-    def _measuring(self, it: int) -> bool:
-        """Gradient statistics are taken at window iterations and at post-window diagnostic iterations."""
-        return self.controller.in_window(it) or self.controller.in_diagnostic(it)
+    def _measuring(self, step: int) -> bool:
+        """Gradient statistics are taken at window steps and at post-window diagnostic steps."""
+        return self.controller.in_window(step) or self.controller.in_diagnostic(step)
 
-    def _observe(self, it: int, pre) -> None:
+    def _observe(self, step: int, pre) -> None:
         r = self._reader
         if self.route == "microbatch":
             small, ok, num_micro = self._snap, 1.0, self._fwd_count
@@ -372,11 +372,11 @@ class MegatronMoLS:
         vec = vec.cpu()
         world = torch.distributed.get_world_size()
         if vec[-2].item() < world:  # some rank took no snapshot (e.g. 1 micro-batch this step): skip the step
-            self._observed_iteration = it
+            self._observed_step = step
             return
         num_micro = int(round(vec[-1].item() / world))
         if self.route == "microbatch" and num_micro < 2:
-            self._observed_iteration = it
+            self._observed_step = step
             return
         small_c = vec[:2 * NUM_KEYS].view(2, NUM_KEYS)
         post = vec[2 * NUM_KEYS:4 * NUM_KEYS].view(2, NUM_KEYS)
@@ -398,31 +398,31 @@ class MegatronMoLS:
                 small_b[k] = B / rdp
             small_n[k] = small_c[row, KEY_INDEX[k]].item() / rdp * factor / ls2
             big_n[k] = post[row, KEY_INDEX[k]].item() / post_div / ls2
-        self.last_observation = {"iteration": it, "small": small_n, "big": big_n, "small_batch": small_b,
+        self.last_observation = {"step": step, "small": small_n, "big": big_n, "small_batch": small_b,
                                  "big_batch": B, "route": self.route}
-        if not self.controller.in_window(it):  # a diagnostic iteration: reported, multipliers unchanged
-            self.controller.observe_diagnostic(it, small_n, big_n, small_b, B)
-            self._observed_iteration = it
+        if not self.controller.in_window(step):  # a diagnostic step: reported, multipliers unchanged
+            self.controller.observe_diagnostic(step, small_n, big_n, small_b, B)
+            self._observed_step = step
             return
         was_done = self.controller.done
-        self.controller.observe(it, small_n, big_n, small_b, B)
-        self._observed_iteration = it
+        self.controller.observe(step, small_n, big_n, small_b, B)
+        self._observed_step = step
         if self.controller.done and not was_done:
             self._announce()
 
     def _announce(self) -> None:
-        self._log(self.controller.table(self.controller.window_end))
+        self._log(self.controller.table(self.controller.window_end + 1))  # the first step after the window
 
     # -- the reference estimator
-    def sample_step(self, iteration: int, forward_backward_func: Callable, forward_step_func: Callable,
+    def sample_step(self, step: int, forward_backward_func: Callable, forward_step_func: Callable,
                     data_iterator, *, seq_length: int, micro_batch_size: Optional[int] = None,
                     **forward_backward_kwargs) -> bool:
-        """``--mech-mols-estimator samples``: at a window iteration, run K extra forward/backward passes (one
+        """The ``samples`` estimator: at a window step, run K extra forward/backward passes (one
         micro-batch each, drawn from ``data_iterator``, all-reduced over DP) and feed
         :func:`megatron_mech.core.snr.sample_snr`. No-op (False) otherwise. Call before ``zero_grad_buffer()`` of the
         training step: it leaves the grad buffers holding the last sample. It clears ``param.grad`` before each
         pass (megatron's FP32Optimizer leaves it aliased to ``main_grad`` after ``step()``)."""
-        if self.config.estimator != "samples" or not self.controller.in_window(iteration):
+        if self.config.estimator != "samples" or not self.controller.in_window(step):
             return False
         mbs = int(micro_batch_size or self.micro_batch_size)
         r = self._reader
@@ -458,56 +458,57 @@ class MegatronMoLS:
         for k in self.keys:
             row, rdp = (1, self.edp) if k in self.expert_keys else (0, self.dp)
             out[k] = (comp[row, KEY_INDEX[k], 0].item() / rdp, comp[row, KEY_INDEX[k], 1].item() / rdp)
-        self.last_observation = {"iteration": int(iteration), "components": out, "batch": mbs * self.dp}
+        self.last_observation = {"step": int(step), "components": out, "batch": mbs * self.dp}
         was_done = self.controller.done
-        self.controller.observe_estimates(iteration, out)
+        self.controller.observe_estimates(step, out)
         if self.controller.done and not was_done:
             self._announce()
         return True
 
     # -- per step
-    def before_scheduler_step(self, iteration: Optional[int] = None) -> None:
-        """After ``optimizer.step()`` of ``iteration`` and before ``scheduler.step()``: complete the estimate at the
-        window end and write the multipliers of ``iteration + 1``."""
-        it = self._iteration if iteration is None else int(iteration)
-        if (self.config.estimator == "two_batch" and self.controller.in_window(it)
-                and self._observed_iteration != it):
-            raise RuntimeError(f"MoLS: no gradient statistics were taken for iteration {it}: the finalize wrapper "
+    def before_scheduler_step(self, step: Optional[int] = None) -> None:
+        """After ``optimizer.step()`` of ``step`` and before ``scheduler.step()``: complete the estimate at the
+        window end and write the multipliers of ``step + 1``."""
+        step = self._step if step is None else int(step)
+        if (self.config.estimator == "two_batch" and self.controller.in_window(step)
+                and self._observed_step != step):
+            raise RuntimeError(f"MoLS: no gradient statistics were taken for step {step}: the finalize wrapper "
                                "did not run (was config.finalize_model_grads_func replaced after mols.install()? "
-                               f"is iteration={it} the iteration that just ran?)")
+                               f"is step={step} the step that just ran?)")
         started = time.perf_counter()
-        if self.controller.maybe_finalize(it):
+        if self.controller.maybe_finalize(step):
             self._announce()
-        self._iteration = it + 1
-        self.apply(self._iteration)
+        self._step = step + 1
+        self.apply(self._step)
         self.seconds += time.perf_counter() - started
 
     # -- reporting and state
     @property
-    def iteration(self) -> int:
-        """The iteration whose multipliers are currently written (the next one to run)."""
-        return self._iteration
+    def next_step(self) -> int:
+        """The step whose multipliers are currently written (the next one to run)."""
+        return self._step
 
-    def metrics(self, iteration: Optional[int] = None) -> Dict[str, float]:
-        """``controller.metrics`` at ``iteration`` (default: the next iteration, whose multipliers are live)."""
-        return self.controller.metrics(self._iteration if iteration is None else iteration)
+    def metrics(self, step: Optional[int] = None) -> Dict[str, float]:
+        """``controller.metrics`` at ``step`` (default: the next step, whose multipliers are live)."""
+        return self.controller.metrics(self._step if step is None else step)
 
-    def table(self, iteration: Optional[int] = None) -> str:
-        return self.controller.table(self._iteration if iteration is None else iteration)
+    def table(self, step: Optional[int] = None) -> str:
+        return self.controller.table(self._step if step is None else step)
 
     def state_dict(self) -> Dict[str, Any]:
         """Plain types; identical on every rank (all estimates are all-reduced)."""
-        return {"version": 1, "controller": self.controller.state_dict(), "iteration": self._iteration,
+        return {"version": STATE_VERSION, "controller": self.controller.state_dict(), "next_step": self._step,
                 "route": self.route}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore and, when installed, write the multipliers of the restored next iteration into the groups
+        """Restore and, when installed, write the multipliers of the restored next step into the groups
         (so a scheduler loaded afterwards — or ``scheduler.step(0)`` — sets the same lrs as the saved run)."""
         if not state:
             return
-        if state.get("version") != 1:
-            raise ValueError(f"unsupported MegatronMoLS state version {state.get('version')!r}")
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"MegatronMoLS state version {state.get('version')!r} was saved by another version of "
+                             f"megatron-mech; this one reads version {STATE_VERSION} (steps counted from 1)")
         self.controller.load_state_dict(state["controller"])
-        self._iteration = int(state["iteration"])
+        self._step = int(state["next_step"])
         self._fwd_count, self._snap = 0, None
-        self.apply(self._iteration)
+        self.apply(self._step)

@@ -68,8 +68,9 @@ class _Entry:
 
 
 def _squared_norms(views: List[torch.Tensor]) -> torch.Tensor:
-    """Squared L2 norms accumulated in float64: a float32 norm of an embedding-sized gradient on CPU is ~3e-4 off
-    (measured, 8192×64). torch versions whose ``_foreach_norm`` takes no ``dtype`` take one norm per tensor."""
+    """Squared L2 norms accumulated in float64: a float32 norm of an embedding-sized gradient on CPU is visibly
+    off (measured: ``docs/results/calibration.md``). torch versions whose ``_foreach_norm`` takes no ``dtype``
+    take one norm per tensor."""
     try:
         norms = torch._foreach_norm(views, 2, dtype=torch.float64)
     except TypeError:
