@@ -44,7 +44,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks._results import write_results  # noqa: E402
 from benchmarks.early_warning import load_run  # noqa: E402
-from megatron_mech.core.detect import default_rules  # noqa: E402
+from megatron_mech.monitors.registry import default_rules  # noqa: E402
 from megatron_mech.studies.clean_scores import binomial_upper_bound, replay, replay_alerts  # noqa: E402
 from megatron_mech.studies.leadtime import TUNING_SEEDS, first_alert, parse_study_args  # noqa: E402
 from megatron_mech.studies.natural import SELF_DIVERGENCE_MARGIN, self_divergence_step  # noqa: E402

@@ -8,6 +8,7 @@ from typing import Optional
 from megatron_mech.monitors.protocol import Monitor, MonitorContext, Observation
 from megatron_mech.monitors.router import RouterLayer, RouterMonitor
 from megatron_mech.monitors.router_recorder import RouterLayerRecorder
+from megatron_mech.monitors.router_rules import router_rules
 
 __all__ = ["RouterFamily"]
 
@@ -33,6 +34,9 @@ class RouterFamily(Monitor):
         for r in view.routers:
             r.capture(RouterLayerRecorder(self.monitor, r.layer))
         return True
+
+    def rules(self, settings) -> list:
+        return router_rules(settings)
 
     def describe(self, total_layers: int) -> str:
         return f"{total_layers} router{'' if total_layers == 1 else 's'}"

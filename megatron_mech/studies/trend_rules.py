@@ -36,7 +36,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
-from megatron_mech.core.detect import MAD_TO_SIGMA, TREND_LOG_FLOOR, Alert, SeriesRule, default_rules, layer_change
+from megatron_mech.core.detect import MAD_TO_SIGMA, TREND_LOG_FLOOR, Alert, SeriesRule, layer_change
+from megatron_mech.monitors.registry import default_rules
 from megatron_mech.studies.clean_scores import SeriesScore
 
 __all__ = ["NOT_LOG_SERIES", "CusumRule", "SlopeRule", "TrendRule", "log_value", "replay_trend",

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megatron_mech.monitors.attention.monitor import AttentionMonitor
+from megatron_mech.monitors.attention.rules import attention_rules
 from megatron_mech.monitors.protocol import Monitor, MonitorContext, Observation
 
 __all__ = ["AttentionFamily"]
@@ -32,6 +33,9 @@ class AttentionFamily(Monitor):
                                         extra_linears=dict(view.dense_linears) if settings.all_linears else None,
                                         dp_group=view.dp_group)
         return True
+
+    def rules(self, settings) -> list:
+        return attention_rules(settings)
 
     def describe(self, total_layers: int) -> str:
         return f"{total_layers} attention layer{'' if total_layers == 1 else 's'}"

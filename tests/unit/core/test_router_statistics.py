@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dist_utils import WORKERS, run_torchrun
+from megatron_mech.monitors.registry import default_registry
 from megatron_mech.core.router_statistics import RouterGeometry, RoutingStats, router_weight_geometry, routing_entropy
 
 FAST = settings(max_examples=25, deadline=None)
@@ -484,9 +485,9 @@ def test_busiest_expert_excess_runs_from_balanced_to_every_tokens_top_k():
     metrics, details = observe([(0, 1), (0, 2), (0, 3), (1, 2)])
     assert metrics[name] == 0.5 and details[name]["expert"] == 0 and details[name]["expert_load"] == 3 / 8
     with_level = {"expert_share_level": 0.5}
-    assert DetectorRegistry.with_overrides(with_level).update(5, {name: metrics[name]}, details) == []
+    assert default_registry(with_level).update(5, {name: metrics[name]}, details) == []
     metrics, details = observe([(0, 1), (0, 2), (0, 3), (0, 2)])  # 4, 1, 2, 1 of 8: share 1/2 → excess 1
-    [alert] = DetectorRegistry.with_overrides(with_level).update(5, {name: metrics[name]}, details)
+    [alert] = default_registry(with_level).update(5, {name: metrics[name]}, details)
     assert alert.step == 5 and alert.family == "router" and alert.detail["expert"] == 0
     # top-k of every expert: every expert in every top-k, no imbalance to measure
     assert name not in observe([(0, 1), (1, 0)], experts=2, topk=2)[0]

@@ -18,6 +18,7 @@ import torch
 
 from dist_utils import WORKERS, run_torchrun
 from megatron_mech.core.detect import DetectorRegistry
+from megatron_mech.monitors.registry import default_registry
 from megatron_mech.monitors import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
 from megatron_mech.monitors.attention import BadSetting
 from megatron_mech.core.spectral import qk_increment_spectra_dense
@@ -289,7 +290,7 @@ def test_frozen_layer_is_flagged_not_nan():
     assert metrics["attn/layer0/dwq_frozen"] == metrics["attn/layer0/dwk_frozen"] == 1.0
     entropies = {n: v for n, v in metrics.items() if n.endswith("entropy") or "_entropy_" in n}
     assert entropies and all(v is None for v in entropies.values())
-    registry = DetectorRegistry()
+    registry = default_registry()
     assert registry.update(9, metrics) == []
 
 
@@ -325,7 +326,7 @@ def test_metric_names_match_detector_rules():
     with torch.no_grad():
         weight += 1e-3 * torch.randn_like(weight)
     metrics, details = monitor.observe(1)
-    registry = DetectorRegistry()
+    registry = default_registry()
     registry.update(1, metrics, details)
     alerted = set(registry.detectors)
     assert {"attn/layer3/dwq_entropy", "attn/layer3/dwk_entropy", "attn/layer3/head2/delta2_entropy"} <= alerted
