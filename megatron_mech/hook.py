@@ -1216,10 +1216,8 @@ def _failing_monitor(cause: Optional[BaseException]) -> Optional[str]:
 
 
 def _model_on_gpu(view: ModelView) -> bool:
-    """Whether the model this view describes lives on a GPU (its attention, router or expert weights)."""
-    tensors = [layer.qkv_weight for layer in view.attention_layers] + [router.weight for router in view.routers]
-    tensors += [m for layer in view.experts for mats in getattr(layer, "experts", ()) for m in mats]
-    return any(getattr(t, "is_cuda", False) for t in tensors)
+    """Whether the model this view describes lives on a GPU (the weights its monitors read)."""
+    return any(getattr(t, "is_cuda", False) for t in view.monitored_weights())
 
 
 def _count(n: int, noun: str) -> str:
