@@ -1,5 +1,5 @@
 """The max-attention-logit symptom series: ``symptom/max_attn_logit``, recorded on evaluation steps by the
-:class:`MaxLogitFamily` monitor.
+:class:`MaxLogitMonitor` monitor.
 
 The framework adapter installs one capture per self-attention layer (:attr:`ModelView.attention_logit_capture`);
 on evaluation steps the hook arms :class:`MaxLogitRecorder`, every micro-batch's attention inputs go through
@@ -10,7 +10,7 @@ computed, so the cost is one extra ``QKᵀ`` per layer and micro-batch on one st
 
 The global value is logged, not alerted on by the default rules. Beside it, the maximum of each layer,
 ``symptom/max_attn_logit/layer{L}`` (:data:`MAX_LOGIT_LAYER_NAME`), with the global index of the query head that
-holds it as the alert's detail: the monitor's level rule (:meth:`MaxLogitFamily.rules`, its level in
+holds it as the alert's detail: the monitor's level rule (:meth:`MaxLogitMonitor.rules`, its level in
 :class:`megatron_mech.core.detect.LevelRules`) fires on it
 from the first evaluation. Each rank holds its own heads (TP), layers (PP) and tokens (DP): the per-layer maxima
 are reduced over every rank by one all-reduce MAX, and the head by a second, MIN over the ranks whose own maximum
@@ -30,7 +30,7 @@ from megatron_mech.core.detect import SeriesRule
 from megatron_mech.monitors.metric_names import render
 from megatron_mech.monitors.protocol import Monitor, MonitorContext, Observation
 
-__all__ = ["MAX_LOGIT_LAYER_NAME", "MAX_LOGIT_METRIC", "MaxLogitFamily", "MaxLogitRecorder"]
+__all__ = ["MAX_LOGIT_LAYER_NAME", "MAX_LOGIT_METRIC", "MaxLogitMonitor", "MaxLogitRecorder"]
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ def _global_maximum(local: Optional[float], group=None) -> dict:
     return {MAX_LOGIT_METRIC: math.nan if any_nan else best}
 
 
-class MaxLogitFamily(Monitor):
+class MaxLogitMonitor(Monitor):
     """The max-attention-logit series as a monitor family: runs when any rank's framework captures attention inputs
     (:attr:`ModelView.attention_logit_capture <megatron_mech.model_view.ModelView.attention_logit_capture>`, agreed
     by every rank); its value is already reduced over every rank (not per pipeline stage). Nothing to checkpoint:

@@ -9,14 +9,14 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping, Optional
 
 from megatron_mech.core.detect import DetectorRegistry, LevelRules, RuleSettings, SeriesRule, TrendRules, symptom_rules
-from megatron_mech.monitors.attention.family import AttentionFamily
-from megatron_mech.monitors.experts_family import ExpertFamily
-from megatron_mech.monitors.max_logit import MaxLogitFamily
-from megatron_mech.monitors.router_family import RouterFamily
+from megatron_mech.monitors.attention.monitor import AttentionMonitor
+from megatron_mech.monitors.experts_monitor import ExpertMonitor
+from megatron_mech.monitors.max_logit import MaxLogitMonitor
+from megatron_mech.monitors.router_monitor import RouterMonitor
 
 __all__ = ["BUILTIN_MONITORS", "SELECTABLE_FAMILIES", "build_registry", "default_registry", "default_rules"]
 
-BUILTIN_MONITORS = (AttentionFamily, ExpertFamily, RouterFamily, MaxLogitFamily)
+BUILTIN_MONITORS = (AttentionMonitor, ExpertMonitor, RouterMonitor, MaxLogitMonitor)
 """Instantiated once per hook, in this order (per-stage metrics first, then the global ones)."""
 
 SELECTABLE_FAMILIES = tuple(family.name for family in BUILTIN_MONITORS if family.selectable)

@@ -286,7 +286,7 @@ def _hook_attention_config(config):
     weight = torch.zeros((heads + 2 * groups) * head_dim, d_model)
     hook = MechHook(config)
     hook.setup(ModelView(attention_layers=[AttentionLayer(0, weight, heads, groups, head_dim)]), start_step=0)
-    return hook.monitor("attention").monitor.config
+    return hook.monitor("attention").evaluator.config
 
 
 @pytest.mark.parametrize("name, flag, typed, value", _ATTENTION_TUNING, ids=[t[0] for t in _ATTENTION_TUNING])

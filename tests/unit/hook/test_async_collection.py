@@ -1,6 +1,6 @@
 """``--mech-async``: the monitors' evaluation on the hook's worker thread, collected at a fixed boundary.
 
-Real parts: a real AttentionMonitor and ExpertMonitor on weights the test updates like an optimizer would, the real
+Real parts: a real AttentionEvaluator and ExpertEvaluator on weights the test updates like an optimizer would, the real
 detectors and record layout (through a CallbackSink), the real worker thread. The reference for every record is
 the same run with the evaluation inline (``--mech-async off``), compared as JSON text: bit for bit, same keys in
 the same order. One process, no torch.distributed (the worker's groups are covered by the distributed tests in

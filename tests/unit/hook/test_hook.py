@@ -1,4 +1,4 @@
-"""MechHook's lifecycle in one process, framework-free: a real AttentionMonitor on a real weight that the test
+"""MechHook's lifecycle in one process, framework-free: a real AttentionEvaluator on a real weight that the test
 updates like an optimizer would, the real detectors and sinks, the alert policy, one-entry resume, the extension
 seam and the LR fault registered through it. (The megatron-core path, with real collectives, is covered by the
 torchrun training tests.)"""

@@ -14,7 +14,7 @@ from dist_utils import REPO_ROOT, run_torchrun
 from megatron_mech.cli import main as cli_main
 from megatron_mech.core.detect import DetectorConfig, DetectorRegistry, SeriesRule
 from megatron_mech.monitors.registry import default_registry
-from megatron_mech.monitors.attention import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
+from megatron_mech.monitors.attention import AttentionLayer, AttentionEvaluator, AttentionMonitorConfig
 from megatron_mech.records.metrics_reference import (METRICS, RECORD_FIELDS, SLICE_SCOPE_FLAG, alert_rule, entry_for,
                                                      render_markdown)
 
@@ -42,7 +42,7 @@ def _slice_scope_names() -> set:
     heads, groups, head_dim, d_model = 2, 1, 8, 16
     qkv = torch.randn((heads + 2 * groups) * head_dim, d_model, generator=gen)
     proj = torch.randn(d_model, heads * head_dim, generator=gen)
-    monitor = AttentionMonitor([AttentionLayer(0, qkv, heads, groups, head_dim)],
+    monitor = AttentionEvaluator([AttentionLayer(0, qkv, heads, groups, head_dim)],
                                AttentionMonitorConfig(interval=1, dw_scope="slice"),
                                extra_linears={"layer0/linear_proj": (proj, 1)})
     monitor.observe(0)
