@@ -7,7 +7,7 @@ it can: 50 evaluations of warm-up and baseline at ``--mech-interval 5`` plus per
 the recorded series (``mech.jsonl``) of those runs and of their healthy twins (same seed, LR 2e-3, 500 steps)
 through:
 
-* **default** — the frozen default rules (:func:`megatron_mech.core.detect.default_rules`);
+* **default** — the frozen default rules (:func:`megatron_mech.monitors.registry.default_rules`);
 * **short default** — the same rules with a shorter warm-up / baseline
   (:func:`megatron_mech.studies.trend_rules.shortened_default_rules`);
 * **CUSUM** — a one-sided CUSUM on the standardised log series (:class:`megatron_mech.studies.trend_rules.CusumRule`);

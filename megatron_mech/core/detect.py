@@ -58,13 +58,11 @@ level still counts as beyond it when its *layer* has collapsed against its own b
 rule's series of that layer at this evaluation, of ``value / baseline median`` is at most ``c``. A precision
 fault hits a layer's attention as a whole: all its heads (and its ΔW_Q, ΔW_K) fall together and keep falling,
 while a healthy head dips alone and recovers. How deep a fault goes within a given number of steps depends on
-the run — on the seed, and for one seed on the CPU, whose rounding changes the trajectory: one seeded fault run
-crossed the level 40 steps after the fault's start on one machine and had not crossed it 60 steps after on
-another — while a fall of the whole layer to a fraction ``c`` of its own healthy level is the signature whatever
-the final depth. The score, the threshold and the persistence still apply: a layer touching the ratio once does
-not fire. The registry
-computes the layer medians (:class:`DetectorRegistry` sees every series of an evaluation at once); a single
-:class:`Detector` fed alone has no layer and uses the level only.
+the run, while a fall of the whole layer to a fraction ``c`` of its own healthy level is the signature whatever
+the final depth (docs/results/detector-calibration.md#layer-collapse). The score, the threshold and the persistence
+still apply: a layer touching the ratio once does not fire. The registry computes the layer medians
+(:class:`DetectorRegistry` sees every series of an evaluation at once); a single :class:`Detector`
+fed alone has no layer and uses the level only.
 
 Level rules (``SeriesRule(kind="level")``, :class:`LevelDetector`): a series whose value has a physical meaning
 is also judged against an absolute level, with no warm-up and no baseline, so the rule is armed from the first
@@ -117,7 +115,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from megatron_mech.core.checks import is_finite_real, is_int
 from megatron_mech.core.layer_names import layer_of
-from megatron_mech.core.option_fields import option
+from megatron_mech.core.option_fields import field_flag, mech_flag, option
 
 __all__ = ["EXPERT_SHARE_LEVEL", "FAMILIES", "DIRECTIONS", "LEVEL_SETTINGS", "LAYER_TREND_THRESHOLD",
            "LAYER_TREND_WINDOW", "MAX_LOGIT_LEVEL", "RULE_KINDS", "TREND_SETTINGS", "UPDATE_RATIO_JUMP",
@@ -237,8 +235,8 @@ class DetectorConfig:
 
     ``warmup`` (``≥ 0``; the early transient), ``baseline`` (``≥ 3``; only finite evaluations count),
     ``threshold`` (``> 0``; the score an evaluation needs to be out of band) and ``persistence`` (``k ≥ 1``; also
-    the in-band evaluations that re-arm) are settings a user overrides for every rule (``--mech-detector-*``): each
-    carries its doc and flag.
+    the in-band evaluations that re-arm) are settings a user overrides for every rule (a run's detector settings):
+    each carries its doc and flag.
 
     Attributes:
         direction: ``down`` (falling is bad, e.g. entropies), ``up`` (rising is bad, e.g. loss) or ``both``.
@@ -257,11 +255,11 @@ class DetectorConfig:
             at most ``c`` (module docstring). Needs a level and ``direction="down"``.
     """
 
-    warmup: int = option(20, "evaluations ignored before the baseline", flag="--mech-detector-warmup", type=int)
-    baseline: int = option(30, "evaluations in the baseline window", flag="--mech-detector-baseline", type=int)
+    warmup: int = option(20, "evaluations ignored before the baseline", flag=mech_flag("detector-warmup"), type=int)
+    baseline: int = option(30, "evaluations in the baseline window", flag=mech_flag("detector-baseline"), type=int)
     direction: str = "down"
-    threshold: float = option(6.0, "alert score threshold", flag="--mech-detector-threshold", type=float)
-    persistence: int = option(3, "consecutive evaluations needed for an alert", flag="--mech-detector-persistence",
+    threshold: float = option(6.0, "alert score threshold", flag=mech_flag("detector-threshold"), type=float)
+    persistence: int = option(3, "consecutive evaluations needed for an alert", flag=mech_flag("detector-persistence"),
                               type=int)
     rel_floor: float = 0.05
     rel_cap: float | None = None
@@ -550,7 +548,7 @@ class Detector:
         # A damaged state must not switch monitoring off for the rest of the run: a NaN or inf baseline scores
         # nothing, and a negative warm-up count keeps the detector in warm-up for as many evaluations.
         # A count past this run's warm-up, or more baseline values than its window, is a state saved with a longer
-        # --mech-detector-warmup / -baseline: the warm-up is over, the baseline freezes at the next evaluation.
+        # warm-up / baseline setting: the warm-up is over, the baseline freezes at the next evaluation.
         n_warmup = count("n_warmup")
         values = [finite("values", v) for v in state["values"]]
         pending = [finite("pending", v, allow_none=True) for v in state.get("pending", [])]
@@ -713,7 +711,7 @@ class SeriesRule:
     trend"): the median log change over a layer's series of the rule, over ``trend_window`` evaluations after
     ``trend_warmup``, at or beyond ``layer_trend`` in the bad direction fires; re-arms after ``persistence``
     evaluations below. ``min_warmup``: the rule's warm-up is at least this many evaluations, whatever ``warmup``
-    (or a run's ``--mech-detector-warmup``) says: a rule that believes one evaluation needs a baseline taken after
+    (or a run's warm-up setting) says: a rule that believes one evaluation needs a baseline taken after
     the early transient."""
 
     pattern: str
@@ -787,12 +785,12 @@ class LevelRules:
         MAX_LOGIT_LEVEL, "alert, from the first evaluation, when a layer's maximum attention logit "
         "(symptom/max_attn_logit/layer{L}, its head in the alert) is above this level (100: the QK-clip "
         "threshold; 0 = off)",
-        flag="--mech-max-logit-level", type=float)
+        flag=mech_flag("max-logit-level"), type=float)
     expert_share_level: float | None = option(
         EXPERT_SHARE_LEVEL, "alert, from the first evaluation, when a router's busiest expert is beyond this "
         "fraction of the way from a balanced share (1/E) to every token's top-k (1/k) "
         "(router/layer{L}/expert_share_excess; e.g. 0.5: half-way; off by default: healthy routers without a "
-        "load-balancing loss reach the ceiling early in training)", flag="--mech-expert-share-level", type=float)
+        "load-balancing loss reach the ceiling early in training)", flag=mech_flag("expert-share-level"), type=float)
 
     def __post_init__(self) -> None:
         if self.max_logit_level is not None and (not is_finite_real(self.max_logit_level)
@@ -816,17 +814,18 @@ class TrendRules:
     layer_trend_threshold: float | None = option(
         LAYER_TREND_THRESHOLD, "alert when a layer's per-head attention Δ2 entropies fall together: the median over "
         "the layer's heads of each head's fitted log change across the window is at least this many log units "
-        "(0 = off)", flag="--mech-layer-trend-threshold", type=float)
+        "(0 = off)", flag=mech_flag("layer-trend-threshold"), type=float)
     layer_trend_window: int = option(
-        LAYER_TREND_WINDOW, "evaluations in the layer trend's window (>= 3)", flag="--mech-layer-trend-window",
+        LAYER_TREND_WINDOW, "evaluations in the layer trend's window (>= 3)", flag=mech_flag("layer-trend-window"),
         type=int)
     layer_trend_warmup: int = option(
         LAYER_TREND_WARMUP, "evaluations of each series ignored before the layer trend's window starts (the early "
-        "transient; its own, not lowered by --mech-detector-warmup)", flag="--mech-layer-trend-warmup", type=int)
+        f"transient; its own, not lowered by {field_flag(DetectorConfig, 'warmup')})",
+        flag=mech_flag("layer-trend-warmup"), type=int)
     update_ratio_jump: float | None = option(
         UPDATE_RATIO_JUMP, "alert when every layer's update-to-parameter ratio jumps at once (an LR raised mid-run): "
         "the median over layers of each layer's log ratio minus the median of its own last layer-trend window is at "
-        "least this many log units (0 = off)", flag="--mech-update-ratio-jump", type=float)
+        "least this many log units (0 = off)", flag=mech_flag("update-ratio-jump"), type=float)
 
     def __post_init__(self) -> None:
         if self.layer_trend_threshold is not None and (not is_finite_real(self.layer_trend_threshold)

@@ -9,7 +9,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional, Sequence
 
-__all__ = ["BadSetting", "option", "field_doc", "field_flag", "field_key"]
+__all__ = ["FLAG_PREFIX", "BadSetting", "option", "field_doc", "field_flag", "field_key", "mech_flag"]
+
+FLAG_PREFIX = "--mech-"
+"""What every megatron-mech flag starts with."""
 
 _MISSING = dataclasses.MISSING
 
@@ -45,6 +48,12 @@ class BadSetting(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(message)
         self.field = field
+
+
+def mech_flag(name: str) -> str:
+    """The command-line flag of the setting called ``name`` (``"detector-warmup"`` → ``--mech-detector-warmup``):
+    how a declaration names its flag without spelling the prefix."""
+    return FLAG_PREFIX + name
 
 
 def field_doc(section: type, name: str) -> str:

@@ -445,8 +445,10 @@ def test_mols_and_detector_settings_are_declared_once_by_the_core(section, core,
 
 def test_every_flag_is_declared_once_in_the_package():
     root = pathlib.Path(megatron_mech.__file__).parent
-    found = collections.Counter(flag for path in root.rglob("*.py")
-                                for flag in re.findall(r'flag="(--mech-[a-z0-9-]+)"', path.read_text()))
+    # a flag spelled out (flag="--mech-x") or named through the prefix helper (flag=mech_flag("x"))
+    found = collections.Counter(spelled or f"--mech-{named}" for path in root.rglob("*.py")
+                                for spelled, named in re.findall(r'flag=(?:"(--mech-[a-z0-9-]+)"|mech_flag\("([a-z0-9-]+)"\))',
+                                                                 path.read_text()))
     assert found["--mech-mols-window"] == 1 and found["--mech-detector-threshold"] == 1
     assert [flag for flag, n in found.items() if n > 1] == []
 
