@@ -11,7 +11,8 @@ import random
 
 import pytest
 
-from megatron_mech.core.detect import UPDATE_RATIO_JUMP_METRIC, Alert, Detector, DetectorConfig, DetectorRegistry, SeriesRule
+from megatron_mech.core.detect import (UPDATE_RATIO_JUMP_METRIC, Alert, Detector, DetectorConfig, DetectorRegistry,
+                                       SeriesRule, UpdateRatioJump, family_order, family_rank)
 from megatron_mech.monitors.registry import default_registry, default_rules
 
 NAN = float("nan")
@@ -504,3 +505,33 @@ def test_a_registry_copy_is_judged_apart_and_leaves_the_original_as_it_was():
     assert any(a.metric == UPDATE_RATIO_JUMP_METRIC for alerts in twin_alerts for a in alerts)
     assert json.dumps(twin.state_dict()) == json.dumps(registry.state_dict())
     assert twin.unmonitored == registry.unmonitored and "mine/other" in twin.unmonitored
+
+
+class _Bringing:
+    """A stand-in for a monitor as the registry sees it: a name and the rules it brings."""
+
+    def __init__(self, name, rules):
+        self.name, self._rules = name, rules
+
+    def rules(self, settings):
+        return list(self._rules)
+
+
+def test_a_monitors_rules_take_its_name_as_family_its_overrides_and_its_source():
+    registry = DetectorRegistry.with_overrides({"warmup": 2}, [_Bringing("mine", [SeriesRule("mine/*", direction="up")])])
+    assert [(r.pattern, r.family, r.warmup) for r in registry.rules][0] == ("mine/*", "mine", 2)
+    assert registry.sources == ["mine", None, None]  # then the hook's own symptom rules
+    assert [r.pattern for r in registry.rules[1:]] == ["symptom/loss", "symptom/grad_norm"]
+    with pytest.raises(ValueError, match="'odd': its rules must be SeriesRule or UpdateRatioJump objects, got str"):
+        DetectorRegistry.with_overrides({}, [_Bringing("odd", ["mine/*"])])
+    jump = UpdateRatioJump(1.0, 3, 0)
+    with pytest.raises(ValueError, match="a second update-ratio jump"):
+        DetectorRegistry.with_overrides({}, [_Bringing("a", [jump]), _Bringing("b", [jump])])
+
+
+def test_reports_list_the_builtin_families_first_then_the_others_in_order_of_appearance():
+    assert family_order(["mine", "symptom", "attention", "mine", "other"]) == ["attention", "symptom", "mine", "other"]
+    alerts = [Alert("b/x", "zeta", 5, 1.0, 0.0, 9.0), Alert("symptom/loss", "symptom", 5, 1.0, 0.0, 9.0),
+              Alert("a/x", "alpha", 5, 1.0, 0.0, 9.0), Alert("attn/layer0/dwq_entropy", "attention", 5, 0.0, 1.0, 9.0)]
+    assert [a.family for a in sorted(alerts, key=lambda a: family_rank(a.family))] == ["attention", "symptom", "alpha",
+                                                                                     "zeta"]
