@@ -107,7 +107,8 @@ class Monitor:
 
     def rules(self, settings) -> list:
         """The detector rules for this monitor's own series (default: none, its series are only recorded), asked
-        once at :meth:`setup` time of a monitor that runs: :class:`~megatron_mech.core.detect.SeriesRule` objects
+        when the hook builds its detectors (at set-up, of the monitors that run; the answer must depend on
+        ``settings`` only): :class:`~megatron_mech.core.detect.SeriesRule` objects
         (and at most one :class:`~megatron_mech.core.detect.UpdateRatioJump` in a run). A rule whose ``family`` is
         left ``None`` reports its alerts under this monitor's :attr:`name`. ``settings``: the run's
         :class:`~megatron_mech.core.detect.RuleSettings` (its levels and layer-trend settings); the run's other
