@@ -101,8 +101,9 @@ class Monitor:
         return 0
 
     def setup(self, view, context: MonitorContext) -> bool:
-        """Build what the monitor needs from the model view (:class:`~megatron_mech.model_view.ModelView`);
-        return whether it runs in this run (the same answer on every rank when it issues collectives)."""
+        """Build what the monitor needs from the model view (:class:`~megatron_mech.model_view.ModelView`; a
+        family without a field of its own there reads ``view.families[self.name]``); return whether it runs in this
+        run (the same answer on every rank when it issues collectives)."""
         return True
 
     def rules(self, settings) -> list:
