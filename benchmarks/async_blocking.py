@@ -7,7 +7,7 @@ that moves to the worker thread; at frontier shard shapes, and end to end on a s
    ``--repeats`` times (median reported with the range):
 
    * **blocking** (measured): what the hook runs on the training thread at an evaluation step, from entering it to
-     returning — the attention monitor's :meth:`~megatron_mech.monitors.attention.AttentionMonitor.snapshot` (a
+     returning — the attention monitor's :meth:`~megatron_mech.monitors.attention.AttentionEvaluator.snapshot` (a
      copy of the Q/K rows the replica's parts read) and, for the MoE layout, the router monitor's snapshot of the
      stage's routers (their statistics and a copy of each router weight ``[experts, hidden]``);
    * **evaluation** (measured): what moves to the worker — the attention evaluation of the replica's parts from
@@ -46,7 +46,7 @@ import torch
 from megatron_mech.core.router_statistics import RoutingStats
 from megatron_mech.monitors.attention import AttentionMonitorConfig
 from megatron_mech.monitors.attention.parts import rows_needed
-from megatron_mech.monitors.router import RouterLayer, RouterMonitor
+from megatron_mech.monitors.router import RouterEvaluator, RouterLayer
 
 try:
     from _results import check_idle, write_results
@@ -72,7 +72,7 @@ def router_snapshot_s(layout: Layout, repeats: int) -> float:
     gen = torch.Generator().manual_seed(2)
     layers = [RouterLayer(i, (torch.randn(layout.experts, layout.hidden, generator=gen) * 0.02).to(torch.bfloat16),
                           layout.topk) for i in range(layout.stage_layers)]
-    monitor = RouterMonitor(layers)
+    monitor = RouterEvaluator(layers)
     logits = torch.randn(1024, layout.experts, generator=gen)
     times = []
     for _ in range(repeats):
@@ -109,7 +109,7 @@ def time_layout(layout: Layout, repeats: int) -> dict:
         held = _bytes(current)
         t0 = time.perf_counter()
         monitor._evaluation.values(step, [p for p in parts if p in mine], current, parts)   # the worker's part
-        monitor._spare = monitor._snapshots.adopt(current)  # as AttentionMonitor.evaluate: the next copy's buffers
+        monitor._spare = monitor._snapshots.adopt(current)  # as AttentionEvaluator.evaluate: the next copy's buffers
         evaluation.append(time.perf_counter() - t0)
     router_s = router_snapshot_s(layout, repeats) if layout.experts else 0.0
     blocking_s = statistics.median(blocking) + router_s

@@ -37,7 +37,7 @@ SHAPE_7B = dict(d_model=4096, heads=32, groups=8, d_head=128)
 
 
 def eval_7b(repeats: int) -> dict:
-    from megatron_mech.monitors.attention import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
+    from megatron_mech.monitors.attention import AttentionEvaluator, AttentionLayer, AttentionMonitorConfig
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     s = SHAPE_7B
@@ -46,7 +46,7 @@ def eval_7b(repeats: int) -> dict:
     weight = (torch.randn(rows, s["d_model"], generator=g) * 0.02).to(device)
     layer = AttentionLayer(layer=0, qkv_weight=weight, num_heads=s["heads"], num_query_groups=s["groups"],
                            head_dim=s["d_head"])
-    monitor = AttentionMonitor([layer], AttentionMonitorConfig(interval=1, snapshot_device="device"))
+    monitor = AttentionEvaluator([layer], AttentionMonitorConfig(interval=1, snapshot_device="device"))
     monitor.observe(0)
     times = []
     for step in range(1, repeats + 2):

@@ -49,6 +49,7 @@ from benchmarks._results import write_results  # noqa: E402
 from benchmarks._train_runs import model_flags, train_run  # noqa: E402
 from megatron_mech.core.detect import DetectorRegistry, LevelDetector, layer_of  # noqa: E402
 from megatron_mech.monitors.max_logit import MAX_LOGIT_METRIC  # noqa: E402
+from megatron_mech.monitors.registry import default_registry  # noqa: E402
 from megatron_mech.studies import clean_corpus  # noqa: E402
 from megatron_mech.studies.clean_scores import binomial_upper_bound, expected_alarms, kind_of, replay  # noqa: E402
 from megatron_mech.studies.incumbents import metric_series  # noqa: E402
@@ -264,7 +265,7 @@ def level_replay(run_records: list) -> dict:
       its series is not recorded; :func:`share_excess_bounds` of every recorded ``router/layer{L}/load_cv`` says
       whether the level was certainly passed (lower bound above it) or certainly not (upper bound at or below it).
     """
-    registry = DetectorRegistry()
+    registry = default_registry()
     logit_rule = next(r for r in registry.level_rules() if r.matches("symptom/max_attn_logit/layer0"))
     detector = LevelDetector(logit_rule.config(registry.base_config), MAX_LOGIT_METRIC, logit_rule.family)
     experts, topk = _moe_shape()

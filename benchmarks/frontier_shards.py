@@ -35,7 +35,7 @@ What is measured and what is derived (every figure in the results is labelled):
 * **Experts (``--mech-experts``, off by default; MoE only).** The rank holds ``L/PP`` MoE layers of
   ``experts/EP`` local experts (fc1 ``[2·ffn, hidden]`` gated, fc2 ``[hidden, ffn]``, bf16), replicated over the
   ``world/(PP·EP)`` expert-data-parallel ranks, which share the evaluation: ``ceil(L/PP · experts/EP / EDP)``
-  experts per rank. :class:`~megatron_mech.monitors.experts.ExpertMonitor` is timed on ``--expert-sample`` of
+  experts per rank. :class:`~megatron_mech.monitors.experts.ExpertEvaluator` is timed on ``--expert-sample`` of
   them and the time and snapshot bytes are scaled by the count (each expert's work is independent and the same
   size: labelled "scaled"). Side by side, in the same run, the previous per-expert float64 loop (one expert at a
   time, float64 increments and power iteration) on the same experts: its time, and the largest relative
@@ -78,12 +78,12 @@ from megatron_mech.core.router_statistics import RoutingStats
 from megatron_mech.core.sharded import share_by_cost
 from megatron_mech.core.slq import gram_operator
 from megatron_mech.core.spectral import qk_increment_cores, spectra_from_qk_cores, spectral_entropy
-from megatron_mech.monitors.attention import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
+from megatron_mech.monitors.attention import AttentionEvaluator, AttentionLayer, AttentionMonitorConfig
 from megatron_mech.monitors.attention.evaluation import UnitEvaluation
 from megatron_mech.monitors.attention.layout import BufferLayout
 from megatron_mech.monitors.attention.parts import part_cost, parts_of, rows_needed, split_row_chunks
 from megatron_mech.monitors.attention.snapshots import SnapshotStore
-from megatron_mech.monitors.experts import ExpertLayer, ExpertMonitor
+from megatron_mech.monitors.experts import ExpertEvaluator, ExpertLayer
 
 try:
     from _results import check_idle, write_results
@@ -160,13 +160,13 @@ def stage_layers(layout: Layout, real: set, generator: torch.Generator) -> list[
     return out
 
 
-def rank_monitor(layout: Layout, layers: list[AttentionLayer], cfg: AttentionMonitorConfig) -> AttentionMonitor:
+def rank_monitor(layout: Layout, layers: list[AttentionLayer], cfg: AttentionMonitorConfig) -> AttentionEvaluator:
     """The attention monitor of one rank of a TP group in global scope (``dw_scope="global"``, the default): ΔW
     spectra over d_model (Krylov products of the rank's rows), the per-head block of the whole group. In this one
     process a world of one gloo rank stands in for the TP group, so the TP collectives add nothing and their bytes
     are derived; the arithmetic per rank is the real one. (A monitor built without a TP group would take the
     shard's own smaller Gram instead: another route, another cost.)"""
-    monitor = AttentionMonitor(layers, cfg)
+    monitor = AttentionEvaluator(layers, cfg)
     if layout.tp > 1:
         if not dist.is_initialized():
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -216,7 +216,7 @@ def apply_updates(layers: list[AttentionLayer], touched: set, gen: torch.Generat
             w.copy_((w.float() + 1e-2 * std * (torch.randn(w.shape, generator=gen) + 0.5 * coherent)).to(w.dtype))
 
 
-def evaluate_and_snapshot(monitor: AttentionMonitor, step: int, mine: set, parts: list,
+def evaluate_and_snapshot(monitor: AttentionEvaluator, step: int, mine: set, parts: list,
                           layers: list[AttentionLayer], rows: dict) -> tuple[dict, float]:
     """``monitor``'s evaluation of its parts ``mine`` at ``step`` and its next snapshot of their ``rows``, as in
     training: ``(values, seconds)``."""
@@ -364,7 +364,7 @@ def previous_expert_scalars(before, after, power_iterations: int = 8) -> list[tu
 
 
 def time_experts(layout: Layout, interval: int, sample: int) -> dict:
-    """ExpertMonitor on ``sample`` experts of the real shapes (bf16), scaled to the rank's evaluated experts; the
+    """ExpertEvaluator on ``sample`` experts of the real shapes (bf16), scaled to the rank's evaluated experts; the
     previous float64 loop on the same experts side by side."""
     if not layout.experts:
         return {}
@@ -374,7 +374,7 @@ def time_experts(layout: Layout, interval: int, sample: int) -> dict:
     experts = [[(torch.randn(2 * layout.expert_ffn, layout.hidden, generator=gen) * scale).to(torch.bfloat16),
                 (torch.randn(layout.hidden, layout.expert_ffn, generator=gen) * scale).to(torch.bfloat16)]
                for _ in range(sample)]
-    monitor = ExpertMonitor([ExpertLayer(0, experts, 0, sample)], interval=interval)
+    monitor = ExpertEvaluator([ExpertLayer(0, experts, 0, sample)], interval=interval)
     monitor.observe(0)
     before = [[m.clone() for m in mats] for mats in experts]
     with torch.no_grad():

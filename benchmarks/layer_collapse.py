@@ -34,7 +34,9 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks._results import write_results  # noqa: E402
 from benchmarks._train_runs import train_run  # noqa: E402
-from megatron_mech.core.detect import ATTENTION_COLLAPSE, DetectorRegistry, default_rules, layer_of  # noqa: E402
+from megatron_mech.core.detect import DetectorRegistry, layer_of  # noqa: E402
+from megatron_mech.monitors.attention.rules import ATTENTION_COLLAPSE  # noqa: E402
+from megatron_mech.monitors.registry import default_rules  # noqa: E402
 from megatron_mech.studies.leadtime import (  # noqa: E402
     FAULT_FLAGS,
     LEAD_MODEL,

@@ -8,11 +8,11 @@ Every name comes from the code, not from arithmetic here:
 * attention: the monitor's one name table, :func:`megatron_mech.monitors.attention.names.unit_entries`, for every
   layer with all its heads and the default QK terms (``AttentionMonitorConfig().qk_terms``), global ΔW scope (the
   default);
-* router (MoE): :meth:`RouterMonitor.observe <megatron_mech.monitors.router.RouterMonitor.observe>` of the real
+* router (MoE): :meth:`RouterEvaluator.observe <megatron_mech.monitors.router.RouterEvaluator.observe>` of the real
   monitor on every MoE layer (a router weight of the layout's expert count and a few random logits; the names do
   not depend on the values);
-* experts (``--mech-experts``, off by default; MoE): :meth:`ExpertMonitor.observe
-  <megatron_mech.monitors.experts.ExpertMonitor.observe>` of the real monitor on every layer's experts (1×1
+* experts (``--mech-experts``, off by default; MoE): :meth:`ExpertEvaluator.observe
+  <megatron_mech.monitors.experts.ExpertEvaluator.observe>` of the real monitor on every layer's experts (1×1
   matrices: the names depend only on the counts);
 * symptoms: the ``symptom/*`` rows of the metrics reference (:data:`megatron_mech.records.metrics_reference.METRICS`),
   the per-layer maximum attention logit once per layer.
@@ -31,9 +31,9 @@ import torch
 
 from megatron_mech.monitors.attention import AttentionMonitorConfig
 from megatron_mech.monitors.attention.names import unit_entries
-from megatron_mech.monitors.experts import ExpertLayer, ExpertMonitor
+from megatron_mech.monitors.experts import ExpertEvaluator, ExpertLayer
 from megatron_mech.monitors.metric_names import render
-from megatron_mech.monitors.router import RouterLayer, RouterMonitor
+from megatron_mech.monitors.router import RouterEvaluator, RouterLayer
 from megatron_mech.records.metrics_reference import METRICS
 from megatron_mech.records.writer_level import AUTO_SUMMARY_SERIES, per_unit_family, summary_metrics
 
@@ -57,7 +57,7 @@ def router_names(layout: Layout) -> list[str]:
     if not layout.experts:
         return []
     gen = torch.Generator().manual_seed(0)
-    monitor = RouterMonitor([RouterLayer(L, torch.randn(layout.experts, 4, generator=gen), layout.topk)
+    monitor = RouterEvaluator([RouterLayer(L, torch.randn(layout.experts, 4, generator=gen), layout.topk)
                              for L in range(layout.layers)])
     monitor.capturing = True  # the logits below are counted (series of the load appear only with tokens)
     for L in range(layout.layers):
@@ -70,7 +70,7 @@ def expert_names(layout: Layout) -> list[str]:
         return []
     layers = [ExpertLayer(L, [[torch.ones(1, 1)] for _ in range(layout.experts)], 0, layout.experts)
               for L in range(layout.layers)]
-    monitor = ExpertMonitor(layers, interval=1)
+    monitor = ExpertEvaluator(layers, interval=1)
     monitor.observe(0)  # the snapshot
     for layer in layers:
         for (weight,) in layer.experts:

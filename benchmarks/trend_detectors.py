@@ -7,7 +7,7 @@ it can: 50 evaluations of warm-up and baseline at ``--mech-interval 5`` plus per
 the recorded series (``mech.jsonl``) of those runs and of their healthy twins (same seed, LR 2e-3, 500 steps)
 through:
 
-* **default** — the frozen default rules (:func:`megatron_mech.core.detect.default_rules`);
+* **default** — the frozen default rules (:func:`megatron_mech.monitors.registry.default_rules`);
 * **short default** — the same rules with a shorter warm-up / baseline
   (:func:`megatron_mech.studies.trend_rules.shortened_default_rules`);
 * **CUSUM** — a one-sided CUSUM on the standardised log series (:class:`megatron_mech.studies.trend_rules.CusumRule`);
@@ -44,7 +44,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks._results import write_results  # noqa: E402
 from benchmarks.early_warning import load_run  # noqa: E402
-from megatron_mech.core.detect import default_rules  # noqa: E402
+from megatron_mech.monitors.registry import default_rules  # noqa: E402
 from megatron_mech.studies.clean_scores import binomial_upper_bound, replay, replay_alerts  # noqa: E402
 from megatron_mech.studies.leadtime import TUNING_SEEDS, first_alert, parse_study_args  # noqa: E402
 from megatron_mech.studies.natural import SELF_DIVERGENCE_MARGIN, self_divergence_step  # noqa: E402

@@ -30,13 +30,8 @@ if str(REPO) not in sys.path:
 from benchmarks._results import write_results  # noqa: E402
 from benchmarks.false_alarms import trend_replay  # noqa: E402
 from megatron_mech.cli import build_parser  # noqa: E402
-from megatron_mech.core.detect import (  # noqa: E402
-    LAYER_TREND_THRESHOLD,
-    LAYER_TREND_WINDOW,
-    TrendRules,
-    default_rules,
-    layer_of,
-)
+from megatron_mech.core.detect import LAYER_TREND_THRESHOLD, LAYER_TREND_WINDOW, TrendRules, layer_of  # noqa: E402
+from megatron_mech.monitors.registry import default_rules  # noqa: E402
 from megatron_mech.studies import clean_corpus  # noqa: E402
 from megatron_mech.studies.clean_scores import replay_alerts  # noqa: E402
 from megatron_mech.studies.demo import DEMO_ATTENTION_FLAGS, load_demo_run, score_act  # noqa: E402

@@ -12,7 +12,7 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "detect": ("Alert", "DetectorConfig", "DetectorRegistry", "SeriesRule", "default_rules"),
+    "detect": ("Alert", "DetectorConfig", "DetectorRegistry", "SeriesRule", "symptom_rules"),
     "layouts": ("fuse_qkv", "split_fused_qkv"),
     "router_statistics": ("RoutingStats", "router_weight_geometry", "routing_entropy"),
     "snr": ("TwoBatchSNR", "sample_snr"),

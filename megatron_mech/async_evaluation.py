@@ -49,7 +49,7 @@ POLL_SECONDS = 0.1
 """How often a waiting training thread checks whether a stop was requested."""
 
 # the view's groups the monitors and the pipeline merge use; for the first two ``None`` means the whole world
-# (AttentionMonitor's tp_group, RouterMonitor's token_group), for the others "no such group"
+# (AttentionEvaluator's tp_group, RouterEvaluator's token_group), for the others "no such group"
 _WORLD_WHEN_NONE = ("tp_group", "token_group")
 _NONE_WHEN_NONE = ("dp_group", "expert_group", "expert_dp_group", "pp_group")
 

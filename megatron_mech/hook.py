@@ -120,7 +120,7 @@ from megatron_mech.logs import ensure_visible
 from megatron_mech.model_view import ModelView
 from megatron_mech.monitors.metric_names import SYMPTOM_GRAD_NORM, SYMPTOM_LOSS
 from megatron_mech.monitors.protocol import Monitor, MonitorContext
-from megatron_mech.monitors.registry import BUILTIN_MONITORS
+from megatron_mech.monitors.registry import BUILTIN_MONITORS, build_registry
 from megatron_mech.records.run_directory import STEP_SERIES_WINDOW
 from megatron_mech.skipped_steps import SKIPPED_METRIC, SkippedSteps, SkippedVerdict
 
@@ -218,12 +218,13 @@ class MechHook:
         self.config = config
         self.train_steps = train_steps
         self.lr_warmup_steps = lr_warmup_steps
-        self.registry = DetectorRegistry.with_overrides(config.detector.as_rule_fields())
         self.extensions: List[Extension] = []
         """The registered :class:`Extension` objects, in registration order."""
         self.registered_monitors: List[Monitor] = [family() for family in BUILTIN_MONITORS]
         """Every registered :class:`~megatron_mech.monitors.protocol.Monitor`: the built-in families, then the
         user's (:meth:`add_monitor`), in the order their metrics appear in a record."""
+        # until setup builds it from the monitors that run: the built-in families' rules
+        self.registry = build_registry(config.detector.as_rule_fields(), self.registered_monitors)
         self.monitors: List[Monitor] = []
         """The registered monitors that run in this run (decided by :meth:`setup`)."""
         self.mols = None
@@ -386,6 +387,7 @@ class MechHook:
                          if settings.families and monitor.setup(self._evaluation_view
                                                                 if monitor.evaluates_from_snapshot else view,
                                                                 context)]
+        self.registry = build_registry(self.config.detector.as_rule_fields(), self.monitors)  # and their rules
         if self._sinks is None and view.logging_rank:
             self.open_sinks(start_step)
         self._stage_counts = self._count_layers(view, layer_counts)
@@ -963,24 +965,20 @@ class MechHook:
     def armed_level_rules(self) -> list:
         """The level rules (:meth:`DetectorRegistry.level_rules`) whose series a running monitor records: armed
         from the first evaluation (empty before :meth:`setup`)."""
-        running = {monitor.name for monitor in self.monitors}
-        return [rule for rule in self.registry.level_rules() if _LEVEL_RULE_SOURCES.get(rule.family) in running]
+        return self.registry.level_rules(monitor.name for monitor in self.monitors)
 
     def armed_trend_rules(self) -> list:
-        """``[(rule, armed-from step)]``: the layer trends (:meth:`DetectorRegistry.trend_rules`, on the attention
-        monitor's series) of a running attention monitor, each armed after its own warm-up and one window."""
-        if "attention" not in {monitor.name for monitor in self.monitors}:
-            return []
+        """``[(rule, armed-from step)]``: the layer trends (:meth:`DetectorRegistry.trend_rules`) of the running
+        monitors, each armed after its own warm-up and one window."""
         interval = self.config.monitors.interval
         return [(rule, (rule.trend_warmup + rule.trend_window) * interval)
-                for rule in self.registry.trend_rules() if rule.family == "attention"]
+                for rule in self.registry.trend_rules(monitor.name for monitor in self.monitors)]
 
     def armed_update_jump(self) -> Optional[int]:
-        """The step the update-ratio jump (``DetectorRegistry.update_jump``, on the attention monitor's update
-        ratios) first judges an evaluation: after its warm-up and one full window; None when it is off or no
-        attention monitor runs."""
+        """The step the update-ratio jump (``DetectorRegistry.update_jump``) first judges an evaluation: after its
+        warm-up and one full window; None when it is off or the monitor that brings it does not run."""
         jump = self.registry.update_jump
-        if jump is None or "attention" not in {monitor.name for monitor in self.monitors}:
+        if jump is None or self.registry.update_jump_source not in {monitor.name for monitor in self.monitors}:
             return None
         return (jump.warmup + jump.window + 1) * self.config.monitors.interval
 
@@ -1218,19 +1216,12 @@ def _failing_monitor(cause: Optional[BaseException]) -> Optional[str]:
 
 
 def _model_on_gpu(view: ModelView) -> bool:
-    """Whether the model this view describes lives on a GPU (its attention, router or expert weights)."""
-    tensors = [layer.qkv_weight for layer in view.attention_layers] + [router.weight for router in view.routers]
-    tensors += [m for layer in view.experts for mats in getattr(layer, "experts", ()) for m in mats]
-    return any(getattr(t, "is_cuda", False) for t in tensors)
+    """Whether the model this view describes lives on a GPU (the weights its monitors read)."""
+    return any(getattr(t, "is_cuda", False) for t in view.monitored_weights())
 
 
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
-
-
-# The monitor that records the series a level rule judges, by the rule's family (core.detect.LevelRules): the
-# per-layer maximum attention logit comes from the max-logit recorder, the busiest-expert share from the routers'.
-_LEVEL_RULE_SOURCES = {"attention": "max_logit", "router": "router"}
 
 
 def _describe_levels(rules) -> str:

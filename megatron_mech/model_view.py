@@ -3,7 +3,8 @@
 A framework adapter (:mod:`megatron_mech.adapters.megatron_core.discovery` for megatron-core; the DeepSpeed and
 Megatron-LM adapters alike) finds the attention layers, the MoE routers, the dense linears and the process groups and
 hands them over as one :class:`ModelView`. The hook (:class:`megatron_mech.hook.MechHook`) never looks inside the
-model itself.
+model itself. A family without a field of its own (a user's monitor, a new family) takes its inputs from
+:attr:`ModelView.families`, under its name.
 """
 from __future__ import annotations
 
@@ -93,6 +94,10 @@ class ModelView:
     weights: str = ""
     """Which copy of the weights the tensors above are, in words for the start line (e.g. "the optimizer's
     float32 master weights"); set by :meth:`reading` (empty: not said)."""
+    families: Mapping[str, Any] = field(default_factory=dict)
+    """The inputs of a monitor family that has no field of its own above, by the family's name (e.g.
+    ``{"activation_norms": model.decoder.layers}``): what a user's script or an adapter fills and that monitor reads
+    in its ``setup``. :meth:`reading` leaves it as it is: a monitor reading weights from here reads them as given."""
     refresh_weights: Optional[Callable[[], None]] = None
     """Called by the hook on every rank at the same steps, right before the monitors copy the weights (their first
     snapshot and each evaluation step): brings up to date the weights the tensors above hold where they are a

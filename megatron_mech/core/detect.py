@@ -58,13 +58,11 @@ level still counts as beyond it when its *layer* has collapsed against its own b
 rule's series of that layer at this evaluation, of ``value / baseline median`` is at most ``c``. A precision
 fault hits a layer's attention as a whole: all its heads (and its ΔW_Q, ΔW_K) fall together and keep falling,
 while a healthy head dips alone and recovers. How deep a fault goes within a given number of steps depends on
-the run — on the seed, and for one seed on the CPU, whose rounding changes the trajectory: one seeded fault run
-crossed the level 40 steps after the fault's start on one machine and had not crossed it 60 steps after on
-another — while a fall of the whole layer to a fraction ``c`` of its own healthy level is the signature whatever
-the final depth. The score, the threshold and the persistence still apply: a layer touching the ratio once does
-not fire. The registry
-computes the layer medians (:class:`DetectorRegistry` sees every series of an evaluation at once); a single
-:class:`Detector` fed alone has no layer and uses the level only.
+the run, while a fall of the whole layer to a fraction ``c`` of its own healthy level is the signature whatever
+the final depth (docs/results/detector-calibration.md#layer-collapse). The score, the threshold and the persistence
+still apply: a layer touching the ratio once does not fire. The registry computes the layer medians
+(:class:`DetectorRegistry` sees every series of an evaluation at once); a single :class:`Detector`
+fed alone has no layer and uses the level only.
 
 Level rules (``SeriesRule(kind="level")``, :class:`LevelDetector`): a series whose value has a physical meaning
 is also judged against an absolute level, with no warm-up and no baseline, so the rule is armed from the first
@@ -119,62 +117,32 @@ from megatron_mech.core.checks import is_finite_real, is_int
 from megatron_mech.core.layer_names import layer_of
 from megatron_mech.core.option_fields import option
 
-__all__ = ["ATTENTION_COLLAPSE", "ATTENTION_LEVELS", "EXPERT_SHARE_LEVEL", "FAMILIES", "DIRECTIONS", "LEVEL_SETTINGS",
-           "LAYER_TREND_THRESHOLD", "LAYER_TREND_WINDOW", "MAX_LOGIT_LEVEL", "ROUTER_LOAD_MIN_WARMUP",
-           "ROUTER_LOAD_THRESHOLD", "RULE_KINDS", "TREND_SETTINGS", "UPDATE_RATIO_JUMP", "UPDATE_RATIO_JUMP_METRIC",
-           "Alert", "DetectorConfig", "Detector", "LevelDetector", "LevelRules", "SeriesRule", "TrendRules",
-           "UpdateRatioJump", "DetectorRegistry", "default_rules", "layer_change", "layer_of"]
+__all__ = ["EXPERT_SHARE_LEVEL", "FAMILIES", "DIRECTIONS", "LEVEL_SETTINGS", "LAYER_TREND_THRESHOLD",
+           "LAYER_TREND_WINDOW", "MAX_LOGIT_LEVEL", "RULE_KINDS", "TREND_SETTINGS", "UPDATE_RATIO_JUMP",
+           "UPDATE_RATIO_JUMP_METRIC", "Alert", "DetectorConfig", "Detector", "LevelDetector", "LevelRules",
+           "RuleSettings", "SeriesRule", "TrendRules", "UpdateRatioJump", "DetectorRegistry", "family_order",
+           "family_rank", "layer_change", "layer_of", "symptom_rules"]
 
 FAMILIES = ("attention", "router", "symptom")
+"""The built-in alert families, in the order reports list them; a user monitor's alerts carry its own name."""
 DIRECTIONS = ("down", "up", "both")
 MAD_TO_SIGMA = 1.4826  # MAD × this = σ for Gaussian data
-ROUTER_TRACK = 20  # lag (evaluations) of the router rules' tracking baseline; see default_rules
-# The expert-load entropy's rule alerts on one evaluation at score 2.5 (a fall of at least 12.5 % below its tracked
-# baseline): the load over a whole batch is a quiet series, unlike the per-token entropies; see default_rules.
-ROUTER_LOAD_THRESHOLD = 2.5
-# ... and its warm-up is never below 30 evaluations, whatever --mech-detector-warmup: one evaluation is believed only
-# against a baseline taken after the routers' early transient; see default_rules.
-ROUTER_LOAD_MIN_WARMUP = 30
-# Absolute levels (normalized spectral entropy, in [0, 1]) below which an attention evaluation can be out of band:
-# a precision collapse reaches ~1e-3, healthy dips stayed above ~0.03 (Δ2) / ~0.05 (ΔW); see default_rules.
-ATTENTION_LEVELS = {"delta2_entropy": 0.01, "dw_entropy": 0.02}
-# A layer whose attention entropies fell, in median over the layer's series, to this fraction of their own baselines
-# counts as beyond the level (module docstring, "Layer collapse"); see default_rules for the measurements.
-ATTENTION_COLLAPSE = 0.15
 RULE_KINDS = ("baseline", "level")  # baseline-relative (Detector), absolute level (LevelDetector)
-# The QK-clip threshold τ: megatron-core's TransformerConfig.qk_clip_threshold defaults to 100 and MuonClip (Kimi K2,
-# arXiv:2507.20534) clips at τ = 100: the attention-logit level past which those trainers already treat a head as
-# running away (softmax over logits > 100 apart is one-hot to float32 precision: e^-100 ≈ 4e-44). A layer whose
-# maximum logit passes it is the incumbent QK-clip alarm, here per layer and head and armed from the first evaluation.
+# Calibration of every default level and threshold below: docs/results/detector-calibration.md
+# The QK-clip threshold τ: a layer's maximum attention logit above it alerts
+# (docs/results/detector-calibration.md#maximum-attention-logit).
 MAX_LOGIT_LEVEL = 100.0
-# On the normalized busiest-expert share (the router series `expert_share_excess`: (share − 1/E) / (1/k − 1/E), 0 =
-# balanced, 1 = the expert in every token's top-k): OFF by default. A top-k router puts k distinct experts in each
-# token's top-k, so one expert holds at most 1/k of the assignments, and the only share no router can pass is that
-# ceiling. A level below it (half-way, 0.5: the busiest expert in (1 + k/E)/2 of the tokens' top-k, 75 % for 4
-# experts top-2) is not one a healthy router never reaches: the clean corpus (benchmarks/false_alarms.py, 5 MoE
-# runs, 4 experts top-2, no load-balancing loss) sends nearly every token to the same two experts early on: at
-# step 20 of seed 23, layer 3 had load CV 0.96, so its busiest share was at least Σp² = (1 + CV²)/E = 0.48 (an
-# excess ≥ 0.92), and 16 evaluations of the transient (steps 10–85, all five seeds) were certainly above half-way.
-# Armed from the first evaluation, such a level alarms on healthy runs; a run with a load-balancing loss may set
-# one (--mech-expert-share-level 0.5).
+# The busiest-expert share level: off by default, healthy routers reach the ceiling early
+# (docs/results/detector-calibration.md#busiest-expert-share).
 EXPERT_SHARE_LEVEL = None
 _LEVEL_DIRECTIONS = ("down", "up")
-# Layer trend (module docstring): a layer's per-head Δ2 entropies falling by a median of 1.5 log units (a factor
-# e^1.5 ≈ 4.5) over 10 evaluations. Chosen on the tuning seeds' ramped precision fault (seed 11, γ ramped 0 → 0.3 in
-# layer 1 over steps 260–360: the layer's median change reached 1.5 at step 295, 25 steps before the OLMo-core
-# grad-norm spike rule and the baseline-relative rules) and checked against the clean corpus
-# (benchmarks/false_alarms.py --from-corpus: 10 runs of 2000 steps, the largest layer median 0.65 after the
-# 30-evaluation warm-up). With a 10-evaluation warm-up the clean runs' early transient reached 1.86, above the
-# threshold: the trend's warm-up is its own setting, not lowered with the baseline-relative rules'
-# --mech-detector-warmup (short runs lower that one to reach a baseline at all).
+# Layer trend: a layer's per-head Δ2 entropies falling by a median of 1.5 log units over 10 evaluations, after a
+# warm-up of its own of 30 evaluations (docs/results/detector-calibration.md#layer-trend).
 LAYER_TREND_THRESHOLD = 1.5
 LAYER_TREND_WINDOW = 10
 LAYER_TREND_WARMUP = 30
-# Update-ratio jump (module docstring): the median over layers of each layer's log update-to-parameter ratio against
-# the median of its own last window reaches log 2 — the update of the median layer doubled at once. Fixed before any
-# LR-raise run was looked at: an LR raise scales every layer's Adam update by the raise's factor at the next step,
-# while a schedule moves it by a few percent per evaluation; a doubling is far outside the second and well inside
-# the first (the studies' mid-run raise is already ×6 at the first evaluation after it).
+# Update-ratio jump: the median layer's update-to-parameter ratio doubled at once
+# (docs/results/detector-calibration.md#update-ratio-jump).
 UPDATE_RATIO_JUMP = math.log(2.0)
 UPDATE_RATIO_SERIES = ("attn/*/dwq_update_ratio", "attn/*/dwk_update_ratio")
 UPDATE_RATIO_JUMP_METRIC = "attn/update_ratio_jump"
@@ -183,8 +151,21 @@ TREND_LOG_FLOOR = 1e-12  # a value <= 0 of a positive series (an entropy that re
 
 
 def _check_family(family: str) -> None:
-    if family not in FAMILIES:
-        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    if not isinstance(family, str) or not family.strip():
+        raise ValueError(f"family must be a non-empty string (a monitor's name, or 'symptom'), got {family!r}")
+
+
+def family_order(families: Iterable[str]) -> list[str]:
+    """``families`` without repeats, in the order reports list them: the built-in ones (:data:`FAMILIES`) first, in
+    that order, then the others (a user's monitors) in their order of appearance."""
+    seen = list(dict.fromkeys(families))
+    return [f for f in FAMILIES if f in seen] + [f for f in seen if f not in FAMILIES]
+
+
+def family_rank(family: str) -> tuple:
+    """A sort key that puts the built-in families (:data:`FAMILIES`) first, in their order, then any other family
+    (a user monitor's) by name."""
+    return (FAMILIES.index(family), "") if family in FAMILIES else (len(FAMILIES), family)
 
 
 @dataclass(frozen=True)
@@ -254,8 +235,8 @@ class DetectorConfig:
 
     ``warmup`` (``≥ 0``; the early transient), ``baseline`` (``≥ 3``; only finite evaluations count),
     ``threshold`` (``> 0``; the score an evaluation needs to be out of band) and ``persistence`` (``k ≥ 1``; also
-    the in-band evaluations that re-arm) are settings a user overrides for every rule (``--mech-detector-*``): each
-    carries its doc and flag.
+    the in-band evaluations that re-arm) are settings a user overrides for every rule (a run's detector settings):
+    each carries its doc and flag.
 
     Attributes:
         direction: ``down`` (falling is bad, e.g. entropies), ``up`` (rising is bad, e.g. loss) or ``both``.
@@ -274,11 +255,11 @@ class DetectorConfig:
             at most ``c`` (module docstring). Needs a level and ``direction="down"``.
     """
 
-    warmup: int = option(20, "evaluations ignored before the baseline", flag="--mech-detector-warmup", type=int)
-    baseline: int = option(30, "evaluations in the baseline window", flag="--mech-detector-baseline", type=int)
+    warmup: int = option(20, "evaluations ignored before the baseline", type=int)
+    baseline: int = option(30, "evaluations in the baseline window", type=int)
     direction: str = "down"
-    threshold: float = option(6.0, "alert score threshold", flag="--mech-detector-threshold", type=float)
-    persistence: int = option(3, "consecutive evaluations needed for an alert", flag="--mech-detector-persistence",
+    threshold: float = option(6.0, "alert score threshold", type=float)
+    persistence: int = option(3, "consecutive evaluations needed for an alert",
                               type=int)
     rel_floor: float = 0.05
     rel_cap: float | None = None
@@ -567,7 +548,7 @@ class Detector:
         # A damaged state must not switch monitoring off for the rest of the run: a NaN or inf baseline scores
         # nothing, and a negative warm-up count keeps the detector in warm-up for as many evaluations.
         # A count past this run's warm-up, or more baseline values than its window, is a state saved with a longer
-        # --mech-detector-warmup / -baseline: the warm-up is over, the baseline freezes at the next evaluation.
+        # warm-up / baseline setting: the warm-up is over, the baseline freezes at the next evaluation.
         n_warmup = count("n_warmup")
         values = [finite("values", v) for v in state["values"]]
         pending = [finite("pending", v, allow_none=True) for v in state.get("pending", [])]
@@ -721,7 +702,8 @@ _OVERRIDES = ("warmup", "baseline", "threshold", "persistence", "rel_floor", "re
 @dataclass(frozen=True)
 class SeriesRule:
     """Which series to monitor and how: ``pattern`` is matched with :func:`fnmatch.fnmatchcase` against the
-    whole series name (``*`` also matches ``/``). Fields left as None take the registry's base config.
+    whole series name (``*`` also matches ``/``). ``family``: what its alerts report (None: the name of the monitor
+    that brings the rule). Fields left as None take the registry's base config.
     ``rel_cap`` cannot be reset to None by a rule (None means "inherit"). ``kind``: ``"baseline"`` (a
     :class:`Detector`) or ``"level"`` (a :class:`LevelDetector`: needs a ``level`` > 0 and direction down or up;
     of the other fields only ``persistence`` applies). ``layer_trend``, ``trend_window`` and ``trend_warmup`` (a
@@ -729,11 +711,11 @@ class SeriesRule:
     trend"): the median log change over a layer's series of the rule, over ``trend_window`` evaluations after
     ``trend_warmup``, at or beyond ``layer_trend`` in the bad direction fires; re-arms after ``persistence``
     evaluations below. ``min_warmup``: the rule's warm-up is at least this many evaluations, whatever ``warmup``
-    (or a run's ``--mech-detector-warmup``) says: a rule that believes one evaluation needs a baseline taken after
+    (or a run's warm-up setting) says: a rule that believes one evaluation needs a baseline taken after
     the early transient."""
 
     pattern: str
-    family: str
+    family: str | None = None
     direction: str = "down"
     warmup: int | None = None
     baseline: int | None = None
@@ -753,7 +735,8 @@ class SeriesRule:
     min_warmup: int | None = None
 
     def __post_init__(self) -> None:
-        _check_family(self.family)
+        if self.family is not None:  # None: the family of the monitor that brings the rule (its name)
+            _check_family(self.family)
         if self.min_warmup is not None and (not is_int(self.min_warmup) or self.min_warmup < 0):
             raise ValueError(f"{self.pattern}: min_warmup must be an int >= 0, got {self.min_warmup!r}")
         trend = (self.layer_trend, self.trend_window, self.trend_warmup)
@@ -801,13 +784,12 @@ class LevelRules:
     max_logit_level: float | None = option(
         MAX_LOGIT_LEVEL, "alert, from the first evaluation, when a layer's maximum attention logit "
         "(symptom/max_attn_logit/layer{L}, its head in the alert) is above this level (100: the QK-clip "
-        "threshold; 0 = off)",
-        flag="--mech-max-logit-level", type=float)
+        "threshold; 0 = off)", type=float)
     expert_share_level: float | None = option(
         EXPERT_SHARE_LEVEL, "alert, from the first evaluation, when a router's busiest expert is beyond this "
         "fraction of the way from a balanced share (1/E) to every token's top-k (1/k) "
         "(router/layer{L}/expert_share_excess; e.g. 0.5: half-way; off by default: healthy routers without a "
-        "load-balancing loss reach the ceiling early in training)", flag="--mech-expert-share-level", type=float)
+        "load-balancing loss reach the ceiling early in training)", type=float)
 
     def __post_init__(self) -> None:
         if self.max_logit_level is not None and (not is_finite_real(self.max_logit_level)
@@ -818,17 +800,6 @@ class LevelRules:
                                                     or not 0 <= self.expert_share_level < 1):
             raise ValueError(f"expert_share_level must be a number in (0, 1) (0 or None: off; 1 is every token's "
                              f"top-k, which it can only reach), got {self.expert_share_level!r}")
-
-    def rules(self) -> list[SeriesRule]:
-        """The level rules switched on (persistence 1: the first evaluation beyond the level fires)."""
-        rules = []
-        if self.max_logit_level:
-            rules.append(SeriesRule("symptom/max_attn_logit/layer*", "attention", direction="up", kind="level",
-                                    level=float(self.max_logit_level), persistence=1))
-        if self.expert_share_level:
-            rules.append(SeriesRule("router/*/expert_share_excess", "router", direction="up", kind="level",
-                                    level=float(self.expert_share_level), persistence=1))
-        return rules
 
 
 LEVEL_SETTINGS = tuple(f.name for f in dataclasses.fields(LevelRules))
@@ -842,17 +813,17 @@ class TrendRules:
     layer_trend_threshold: float | None = option(
         LAYER_TREND_THRESHOLD, "alert when a layer's per-head attention Δ2 entropies fall together: the median over "
         "the layer's heads of each head's fitted log change across the window is at least this many log units "
-        "(0 = off)", flag="--mech-layer-trend-threshold", type=float)
+        "(0 = off)", type=float)
     layer_trend_window: int = option(
-        LAYER_TREND_WINDOW, "evaluations in the layer trend's window (>= 3)", flag="--mech-layer-trend-window",
+        LAYER_TREND_WINDOW, "evaluations in the layer trend's window (>= 3)",
         type=int)
     layer_trend_warmup: int = option(
         LAYER_TREND_WARMUP, "evaluations of each series ignored before the layer trend's window starts (the early "
-        "transient; its own, not lowered by --mech-detector-warmup)", flag="--mech-layer-trend-warmup", type=int)
+        "transient; its own, not lowered by the detectors' warm-up)", type=int)
     update_ratio_jump: float | None = option(
         UPDATE_RATIO_JUMP, "alert when every layer's update-to-parameter ratio jumps at once (an LR raised mid-run): "
         "the median over layers of each layer's log ratio minus the median of its own last layer-trend window is at "
-        "least this many log units (0 = off)", flag="--mech-update-ratio-jump", type=float)
+        "least this many log units (0 = off)", type=float)
 
     def __post_init__(self) -> None:
         if self.layer_trend_threshold is not None and (not is_finite_real(self.layer_trend_threshold)
@@ -971,108 +942,28 @@ class UpdateRatioJump:
         self._latched, self._n_in = bool(state["latched"]), int(state["n_in"])
 
 
-def default_rules(levels: LevelRules | None = None, trends: TrendRules | None = None) -> list[SeriesRule]:
-    """Default rules, first match wins: the baseline-relative rules below, then the level rules of ``levels``
-    (default: :class:`LevelRules` ``()``, a layer's maximum attention logit above 100; the busiest-expert rule is off
-    unless set; see ``MAX_LOGIT_LEVEL`` and ``EXPERT_SHARE_LEVEL``). The per-head Δ2 rule also carries the layer
-    trend of ``trends`` (default: :class:`TrendRules` ``()``, a median fall of 1.5 log units over 10 evaluations;
-    see ``LAYER_TREND_THRESHOLD``). Counts assume one
-    evaluation every ~10 steps (as in the experiments).
-
-    * Attention update-spectrum entropies (``attn/layer{L}/dwq_entropy``, ``dwk_entropy`` and
-      ``.../head{H}/delta2_entropy``; Δ1/Δ3 and the head aggregates are logged, not alerted on): family
-      ``attention``, ``down`` — the fault is a collapse onto a few modes; threshold 7. Warm-up 30
-      evaluations skips the early transient (which lasted until ~step 300 in the experiments), baseline 20.
-      ``rel_cap=0.1`` so that, even with a noisy baseline, a collapse to zero scores ≥ 10 > threshold 7 (the
-      band's lower edge is then at least 30% of the baseline median); ``rel_floor=0.05``; ``recede=0.05``:
-      a run of out-of-band evaluations that is already turning back fires only if it deepens again.
-      **Level criterion**: an attention evaluation is out of band only if the entropy is also at or below
-      ``ATTENTION_LEVELS`` (0.01 for per-head Δ2, 0.02 for per-layer ΔW). The relative score alone
-      false-alarmed on clean runs: a clean head's Δ2 entropy wandered from 0.35 down to 0.10 (score 10.5
-      against a baseline of 0.38), and in short runs the baseline sits in the early transient (0.57) that every
-      layer leaves on its way down. Measured on a 120-step tuning run (seed 11, the quick demo's fault run,
-      γ = 0.1 in layer 1 from step 60): the minimum over the healthy layers' heads of Δ2 entropy was 0.029 and
-      of ΔW entropy 0.055, while the faulty layer's Δ2 fell through 0.0125, 0.0066, 0.0035 to 0.001 (steps
-      80–110) and its ΔW to 0.015 by step 100 and 0.002 by step 120. The entropies are normalized to [0, 1]
-      for every matrix size, so the levels do not depend on the model's width.
-      **Layer collapse** (``ATTENTION_COLLAPSE`` = 0.15, module docstring): an evaluation also passes the level
-      when the median over its layer's heads (Δ2) or its ΔW_Q and ΔW_K (ΔW) of value / baseline median is at most
-      0.15. Fixed on the fault tests' run (seed 11, γ = 0.1 in layer 1 from step 90, short baseline at steps
-      55–80): the faulty layer's ratio fell through 0.28, 0.08, 0.04 at steps 100–120 while the healthy layers
-      stayed ≥ 0.43. Reported (``benchmarks/layer_collapse.py``, seeds 21–25): the first attention alert came at
-      steps 120–135 in the faulty layer on four seeds (the level alone: 125–130 on three, none on two), and the
-      fifth reached 0.15 only at step 150; the lowest ratio of a healthy layer was 0.19, for one evaluation. With
-      the default warm-up and baseline, healthy layers of the clean runs stayed far above it
-      (``benchmarks/false_alarms.py``, column "lowest layer ratio").
-      Norms (‖W_Q‖₂, Frobenius) are deliberately *not* monitored: they grow naturally and false-alarmed on clean
-      runs.
-    * Router (names as in ``RoutingStats.summary()`` under ``router/layer{L}/``): ``entropy_mean``,
-      ``entropy_norm_mean``, ``entropy_p50`` and ``load_entropy`` ``down`` (routing diversity collapses), same
-      settings as the attention entropies, and ``mean_cosine`` ``up`` (expert rows become alike; its healthy
-      median is near 0, so a relative floor is useless and ``abs_floor=0.02`` sets the scale, band +0.12).
-      **Expert load, on one evaluation** (``load_entropy``: threshold ``ROUTER_LOAD_THRESHOLD`` = 2.5,
-      persistence 1): the entropy of the experts' shares of a whole batch's assignments averages over every
-      token, so it is quiet where the per-token entropies are not, and a routing collapse moves it at once. On
-      the tuning seeds' router-input fault (β ramped 0 → 10 over 100 steps from step 260; seeds 11 and 1234, the
-      demo's router act) the largest layer score was 3.0 and 3.3 at the first evaluation after the onset (265),
-      while the rule at persistence 3 fired at 280 and ZClip's grad-norm z-score at 285 and 275: three
-      evaluations out of band cost the lead. On those seeds' clean runs the largest ``load_entropy`` score was
-      0.42 (6 times below 2.5), against 1.87 for ``entropy_mean``, which keeps the default threshold and
-      persistence. Its warm-up is at least ``ROUTER_LOAD_MIN_WARMUP`` = 30 evaluations whatever the run's
-      ``--mech-detector-warmup``: with the quick demo's warm-up of 4 and baseline of 6 evaluations (a baseline in
-      the routers' early transient) it fired on the attention-fault run at step 70 (score 3.7, one evaluation,
-      back to 0.8 at the next), before the attention alert at 90, naming the router for an attention fault; the
-      clean quick run peaked at 1.9.
-      Router baselines *track* (``track=ROUTER_TRACK`` = 20 evaluations): routing entropy falls for the whole
-      run as experts specialize, and a frozen baseline false-alarmed on a clean 800-step tuning run (seed 1234,
-      layer-2 ``entropy_p05`` 1.16 → 0.78 by step 550).
-      **Logged, not alerted on**: the per-token sharpness tail, ``entropy_p05`` and ``low_entropy_frac``. On
-      the clean 2000-step tuning run (seed 11) they fired 4 times between steps 420 and 540 (peak scores 16.5
-      and 24.4) as routers specialised, while on the LR ×4 fault run of the same seed they peaked *lower*
-      (11.5 and 13.3): no threshold separates a healthy router sharpening from an LR-driven one, so they
-      cannot alert at scale. The mean, median, load and cosine series stayed below score 5 on both runs. Not
-      monitored: ``entropy_min`` (one extreme token), ``entropy_std`` and the margins (no known bad direction
-      on their own). Attention baselines stay frozen — a slowly developing precision fault must not be
-      absorbed by a baseline that follows it — and clean downward drift is made harmless by the level
-      criterion.
-    * Symptoms: ``symptom/loss`` and ``symptom/grad_norm`` ``up``. The loss falls during training, away from
-      the bad direction, so a frozen baseline is conservative; grad-norm spikes are heavy-tailed, hence
-      ``persistence=5`` and ``rel_floor=0.25``.
-
-    These are starting points from small CPU experiments, to be recalibrated on real runs.
-    """
-    ent = dict(direction="down", warmup=30, baseline=20, rel_floor=0.05, rel_cap=0.1)
-    near_zero_up = dict(direction="up", warmup=30, baseline=20, rel_floor=0.0, abs_floor=0.02)
-    # Routers specialize for thousands of steps (entropies fall, the low-entropy fraction creeps up): their
-    # baseline tracks with a lag of ROUTER_TRACK evaluations instead of being frozen.
-    ent_router = dict(ent, track=ROUTER_TRACK)
-    # Attention: hold an out-of-band run that is already receding by more than 5% of its peak score when it
-    # reaches persistence. A precision collapse deepens monotonically or sits at its floor (scores within ~1%
-    # of the peak); healthy layers' early-transient dips turn back. Measured on a short-baseline fault run
-    # (γ = 0.1 in layer 1 from step 60): without it a healthy layer 0 (scores 8.7, 9.2, 8.0) and layer 3
-    # (7.0, 8.5, 7.5) alerted at steps 65 and 70, before layer 1's collapse at 75; with it layer 1 alerted
-    # first and the same clean dips alerted only later, if at all.
-    ent_attn = dict(ent, recede=0.05)
-    delta2_attn = dict(ent_attn, level=ATTENTION_LEVELS["delta2_entropy"], collapse=ATTENTION_COLLAPSE)
-    dw_attn = dict(ent_attn, level=ATTENTION_LEVELS["dw_entropy"], collapse=ATTENTION_COLLAPSE)
-    near_zero_up_router = dict(near_zero_up, track=ROUTER_TRACK)
-    router_ent = ("entropy_mean", "entropy_norm_mean", "entropy_p50")
+def symptom_rules() -> list[SeriesRule]:
+    """The rules of the hook's own series, first match wins: ``symptom/loss`` and ``symptom/grad_norm``, ``up``. The
+    loss falls during training, away from the bad direction, so a frozen baseline is conservative; grad-norm spikes
+    are heavy-tailed, hence ``persistence=5`` and ``rel_floor=0.25``. A monitor's own rules come from the monitor
+    (``Monitor.rules``); :meth:`DetectorRegistry.with_overrides` puts both together."""
     return [
-        # First-order Δ2 per head and ΔW per layer only: Δ1 (≈ Δ2 + a second-order term) adds nothing, and Δ3
-        # (second order) is noisy — both false-alarmed on clean tuning runs (benchmarks/lead_time.py); they
-        # are still logged. threshold 7: a clean run's per-head Δ2 reached score 6.15 late in training.
-        SeriesRule("attn/*/head*/delta2_entropy", "attention", **delta2_attn, threshold=7.0,
-                   **(trends if trends is not None else TrendRules()).fields()),
-        SeriesRule("attn/*/dw?_entropy", "attention", **dw_attn, threshold=7.0),
-        *(SeriesRule(f"router/*/{name}", "router", **ent_router) for name in router_ent),
-        SeriesRule("router/*/load_entropy", "router", **ent_router, threshold=ROUTER_LOAD_THRESHOLD, persistence=1,
-                   min_warmup=ROUTER_LOAD_MIN_WARMUP),
-        SeriesRule("router/*/mean_cosine", "router", **near_zero_up_router),
         SeriesRule("symptom/loss", "symptom", direction="up", warmup=30, baseline=20, rel_floor=0.02),
         SeriesRule("symptom/grad_norm", "symptom", direction="up", warmup=30, baseline=20, rel_floor=0.25,
                    persistence=5),
-        *(levels if levels is not None else LevelRules()).rules(),
     ]
+
+
+@dataclass(frozen=True)
+class RuleSettings:
+    """What a monitor builds its rules from (``Monitor.rules``): the run's levels of the level rules, its layer-trend
+    settings and the persistence of its baseline-relative rules (a cross-section rule such as
+    :class:`UpdateRatioJump` re-arms after as many evaluations back in band). The other overrides of a run's
+    baseline-relative rules are applied to every monitor's rules alike, by :meth:`DetectorRegistry.with_overrides`."""
+
+    levels: LevelRules = field(default_factory=LevelRules)
+    trends: TrendRules = field(default_factory=TrendRules)
+    persistence: int = DetectorConfig().persistence
 
 
 class DetectorRegistry:
@@ -1080,17 +971,26 @@ class DetectorRegistry:
 
     The first matching rule wins; series matching no rule are not monitored and are listed in
     :attr:`unmonitored`. All fired alerts are kept in :attr:`alerts` (alerts are rare thanks to latching).
+    ``rules`` default to :func:`symptom_rules`; a run's registry holds its monitors' rules too
+    (:meth:`with_overrides`). ``sources``: which monitor brought each rule (its name; ``None``: the hook's own
+    symptom rules), in the order of ``rules``; ``update_jump_source`` the one that brought ``update_jump``.
     """
 
     def __init__(self, rules: Sequence[SeriesRule] | None = None, base_config: DetectorConfig | None = None,
-                 update_jump: UpdateRatioJump | None = None):
-        self.rules = list(default_rules() if rules is None else rules)
-        # the cross-section of the update ratios: on by default with the default rules, else only when given
-        self.update_jump = update_jump if rules is not None or update_jump is not None \
-            else TrendRules().update_ratio_rule()
+                 update_jump: UpdateRatioJump | None = None, sources: Sequence[str | None] | None = None,
+                 update_jump_source: str | None = None):
+        self.rules = list(symptom_rules() if rules is None else rules)
+        self.sources = list(sources) if sources is not None else [None] * len(self.rules)
+        if len(self.sources) != len(self.rules):
+            raise ValueError(f"DetectorRegistry: {len(self.sources)} sources for {len(self.rules)} rules")
+        self.update_jump = update_jump
+        self.update_jump_source = update_jump_source
         self.base_config = base_config if base_config is not None else DetectorConfig()
         for r in self.rules:  # validate every rule's overrides now, not at the first matching series
             r.config(self.base_config)
+            if r.family is None:
+                raise ValueError(f"{r.pattern}: a rule in a registry needs a family (DetectorRegistry.with_overrides "
+                                 f"gives it its monitor's name)")
         self.detectors: dict[str, Detector] = {}
         # series name -> (index of the rule it matched, its layer) when the rule judges layer collapses: the group
         # whose median ratio the series is judged with, fixed once the series is first seen
@@ -1110,11 +1010,16 @@ class DetectorRegistry:
         self.weights_moved = False
 
     @classmethod
-    def with_overrides(cls, overrides: Mapping[str, Any] | None = None) -> DetectorRegistry:
-        """The default rules with ``overrides`` applied (e.g. a run's ``--mech-detector-*`` settings): the levels
-        of :class:`LevelRules` (``{"max_logit_level": 0}``) to the level rules, the other keys (``{"warmup": 5,
-        "baseline": 10, ...}``: rule fields) to every baseline-relative rule. How a run builds its registry, and how
-        its report rebuilds it from ``summary.json``. An unknown field is a ``ValueError`` naming it."""
+    def with_overrides(cls, overrides: Mapping[str, Any] | None = None,
+                       monitors: Iterable[Any] = ()) -> DetectorRegistry:
+        """The rules of ``monitors`` (each one's ``rules(settings)``, :class:`RuleSettings`, in their order; a rule
+        without a family takes the monitor's ``name``), then :func:`symptom_rules`, with ``overrides`` applied (e.g. a
+        run's detector settings): the levels of :class:`LevelRules` (``{"max_logit_level": 0}``) and the settings of
+        :class:`TrendRules` go to the monitors that build those rules, the other keys (``{"warmup": 5, "baseline":
+        10, ...}``: rule fields) to every baseline-relative rule. How a run builds its registry at set-up from its
+        running monitors, and how its report rebuilds it (every built-in monitor) from ``summary.json``. An unknown
+        field is a ``ValueError`` naming it; so is a monitor's rule that is not a :class:`SeriesRule` or an
+        :class:`UpdateRatioJump`, or a second update-ratio jump."""
         overrides = dict(overrides or {})
         levels = LevelRules(**{k: overrides.pop(k) for k in LEVEL_SETTINGS if k in overrides})
         trends = TrendRules(**{k: overrides.pop(k) for k in TREND_SETTINGS if k in overrides})
@@ -1124,13 +1029,35 @@ class DetectorRegistry:
         if unknown:
             raise ValueError(f"unknown detector setting(s) {unknown}; expected some of "
                              f"{sorted(known | set(LEVEL_SETTINGS) | set(TREND_SETTINGS))}")
+        settings = RuleSettings(levels, trends, overrides.get("persistence", DetectorConfig().persistence))
+        brought: list[tuple[str | None, SeriesRule]] = []
+        jump, jump_source = None, None
+        for monitor in monitors:
+            for rule in monitor.rules(settings):
+                if isinstance(rule, UpdateRatioJump):
+                    if jump is not None:
+                        raise ValueError(f"monitor {monitor.name!r}: a second update-ratio jump (one per run, "
+                                         f"already brought by {jump_source!r})")
+                    jump, jump_source = rule, monitor.name
+                elif isinstance(rule, SeriesRule):
+                    brought.append((monitor.name, rule if rule.family is not None
+                                    else dataclasses.replace(rule, family=monitor.name)))
+                else:
+                    raise ValueError(f"monitor {monitor.name!r}: its rules must be SeriesRule or UpdateRatioJump "
+                                     f"objects, got {type(rule).__name__}")
+        brought += [(None, rule) for rule in symptom_rules()]
         return cls(rules=[dataclasses.replace(rule, **overrides) if rule.kind == "baseline" else rule
-                          for rule in default_rules(levels, trends)],
-                   update_jump=trends.update_ratio_rule(overrides.get("persistence", DetectorConfig().persistence)))
+                          for _, rule in brought],
+                   sources=[source for source, _ in brought], update_jump=jump, update_jump_source=jump_source)
 
-    def level_rules(self) -> list[SeriesRule]:
-        """The rules of kind ``level``: armed from the first evaluation."""
-        return [rule for rule in self.rules if rule.kind == "level"]
+    def level_rules(self, sources: Iterable[str | None] | None = None) -> list[SeriesRule]:
+        """The rules of kind ``level``: armed from the first evaluation. ``sources``: only those the monitors of
+        these names brought (None: every one)."""
+        return [rule for rule in self._brought_by(sources) if rule.kind == "level"]
+
+    def _brought_by(self, sources: Iterable[str | None] | None) -> list[SeriesRule]:
+        wanted = None if sources is None else set(sources)
+        return [rule for rule, source in zip(self.rules, self.sources) if wanted is None or source in wanted]
 
     def rule_index(self, name: str) -> int | None:
         """Index in :attr:`rules` of the rule that monitors the series ``name`` (the first that matches), or None."""
@@ -1168,9 +1095,10 @@ class DetectorRegistry:
                 self._trend_group[name] = (index, layer)
         return det
 
-    def trend_rules(self) -> list[SeriesRule]:
-        """The rules that carry a layer trend (module docstring, "Layer trend")."""
-        return [rule for rule in self.rules if rule.layer_trend is not None]
+    def trend_rules(self, sources: Iterable[str | None] | None = None) -> list[SeriesRule]:
+        """The rules that carry a layer trend (module docstring, "Layer trend"); ``sources`` as for
+        :meth:`level_rules`."""
+        return [rule for rule in self._brought_by(sources) if rule.layer_trend is not None]
 
     def _layer_trends(self, step: int, values: Mapping[str, float],
                       details: Mapping[str, Mapping[str, Any]]) -> list[Alert]:

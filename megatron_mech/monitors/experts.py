@@ -37,7 +37,7 @@ below what the stable rank is read for).
 
 Memory: a snapshot of every evaluated local expert matrix on ``snapshot_device`` (host by default), in the
 weight's own dtype (a copy is the weight bit for bit): the local expert weights ÷ the data-parallel replicas.
-Cost per evaluation: one copy of the evaluated expert weights (:meth:`ExpertMonitor.snapshot`, which then becomes
+Cost per evaluation: one copy of the evaluated expert weights (:meth:`ExpertEvaluator.snapshot`, which then becomes
 the next snapshot), one pass over that copy and the previous snapshot, plus ``power_iterations`` batched
 matrix-vector products.
 """
@@ -55,7 +55,8 @@ from megatron_mech.core.schedule import is_evaluation_step
 from megatron_mech.core.sharded import all_reduce_flat, collective_device, distributed_active, share_by_cost
 from megatron_mech.monitors.metric_names import render
 
-__all__ = ["EXPERT_LAYER_NAME", "EXPERT_NAME", "EXPERT_QUANTITIES", "EXPERT_SUMMARIES", "ExpertLayer", "ExpertMonitor"]
+__all__ = ["EXPERT_LAYER_NAME", "EXPERT_NAME", "EXPERT_QUANTITIES", "EXPERT_SUMMARIES", "ExpertEvaluator",
+           "ExpertLayer"]
 
 # The names, each written once (:mod:`megatron_mech.monitors.metric_names` syntax; docs/metrics.md is rendered from
 # these): per expert ``E`` of layer ``L``, and per layer.
@@ -104,8 +105,11 @@ class ExpertLayer:
                                  f"non-empty list of 2-D weight matrices")
 
 
-class ExpertMonitor:
-    """See the module docstring. ``observe(step)`` after every optimizer step, on every rank of ``group``
+class ExpertEvaluator:
+    """An evaluation, not a monitor: the hook runs
+    :class:`~megatron_mech.monitors.experts_monitor.ExpertMonitor`, which drives it.
+
+    See the module docstring. ``observe(step)`` after every optimizer step, on every rank of ``group``
     (``None``: no collective, every expert of each layer is local) and of ``dp_group`` (``None``: no split)."""
 
     def __init__(self, layers: Sequence[ExpertLayer], interval: int = 10, group=None, power_iterations: int = 8,
@@ -114,7 +118,7 @@ class ExpertMonitor:
             raise ValueError(f"interval and power_iterations must be >= 1, got {interval}, {power_iterations}")
         self.layers = sorted(layers, key=lambda lay: lay.layer)
         if len({lay.layer for lay in self.layers}) != len(self.layers):
-            raise ValueError("ExpertMonitor got the same layer twice")
+            raise ValueError("ExpertEvaluator got the same layer twice")
         self.interval = interval
         self.group = group
         self.power_iterations = power_iterations
@@ -156,7 +160,7 @@ class ExpertMonitor:
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.dp_group)
         hi, lo = both[:2].tolist(), [-v for v in both[2:].tolist()]
         if hi != lo:
-            raise ValueError(f"ExpertMonitor: data-parallel replicas hold different MoE layers or expert shapes "
+            raise ValueError(f"ExpertEvaluator: data-parallel replicas hold different MoE layers or expert shapes "
                              f"(layer counts min/max {lo[0]}/{hi[0]}); every replica must build the monitor from "
                              f"the same model")
 

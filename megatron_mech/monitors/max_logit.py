@@ -1,5 +1,5 @@
 """The max-attention-logit symptom series: ``symptom/max_attn_logit``, recorded on evaluation steps by the
-:class:`MaxLogitFamily` monitor.
+:class:`MaxLogitMonitor` monitor.
 
 The framework adapter installs one capture per self-attention layer (:attr:`ModelView.attention_logit_capture`);
 on evaluation steps the hook arms :class:`MaxLogitRecorder`, every micro-batch's attention inputs go through
@@ -10,7 +10,8 @@ computed, so the cost is one extra ``QKᵀ`` per layer and micro-batch on one st
 
 The global value is logged, not alerted on by the default rules. Beside it, the maximum of each layer,
 ``symptom/max_attn_logit/layer{L}`` (:data:`MAX_LOGIT_LAYER_NAME`), with the global index of the query head that
-holds it as the alert's detail: the default level rule (:class:`megatron_mech.core.detect.LevelRules`) fires on it
+holds it as the alert's detail: the monitor's level rule (:meth:`MaxLogitMonitor.rules`, its level in
+:class:`megatron_mech.core.detect.LevelRules`) fires on it
 from the first evaluation. Each rank holds its own heads (TP), layers (PP) and tokens (DP): the per-layer maxima
 are reduced over every rank by one all-reduce MAX, and the head by a second, MIN over the ranks whose own maximum
 equals the layer's (the lowest such global head on a tie), so the layer and head are exact under any layout.
@@ -25,10 +26,11 @@ from typing import Dict, Mapping, Optional, Tuple
 import torch
 
 from megatron_mech.core.attention_logits import max_attention_logit_per_head
+from megatron_mech.core.detect import SeriesRule
 from megatron_mech.monitors.metric_names import render
 from megatron_mech.monitors.protocol import Monitor, MonitorContext, Observation
 
-__all__ = ["MAX_LOGIT_LAYER_NAME", "MAX_LOGIT_METRIC", "MaxLogitFamily", "MaxLogitRecorder"]
+__all__ = ["MAX_LOGIT_LAYER_NAME", "MAX_LOGIT_METRIC", "MaxLogitMonitor", "MaxLogitRecorder"]
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +187,7 @@ def _global_maximum(local: Optional[float], group=None) -> dict:
     return {MAX_LOGIT_METRIC: math.nan if any_nan else best}
 
 
-class MaxLogitFamily(Monitor):
+class MaxLogitMonitor(Monitor):
     """The max-attention-logit series as a monitor family: runs when any rank's framework captures attention inputs
     (:attr:`ModelView.attention_logit_capture <megatron_mech.model_view.ModelView.attention_logit_capture>`, agreed
     by every rank); its value is already reduced over every rank (not per pipeline stage). Nothing to checkpoint:
@@ -207,6 +209,15 @@ class MaxLogitFamily(Monitor):
         for capture in view.attention_logit_capture:
             capture(self.recorder)  # callable; its ``capturing`` tells the capture when to skip all work
         return True
+
+    def rules(self, settings) -> list:
+        """The per-layer maximum's level rule (``settings.levels.max_logit_level``; none when it is 0), armed from
+        the first evaluation; its alerts keep the family ``attention``: the series says how the attention runs."""
+        level = settings.levels.max_logit_level
+        if not level:
+            return []
+        return [SeriesRule(render(MAX_LOGIT_LAYER_NAME, L="*"), "attention", direction="up", kind="level",
+                           level=float(level), persistence=1)]
 
     def describe(self, total_layers: int) -> str:
         return "max attention logit"

@@ -13,6 +13,8 @@ What is decided once, by the hook, for every monitor:
 * **The evaluation steps**: multiples of ``--mech-interval``
   (:func:`megatron_mech.core.schedule.is_evaluation_step`). :meth:`Monitor.observe` is called on those steps only,
   on every rank; :meth:`Monitor.before_step` tells each monitor whether the coming step will be evaluated.
+* **The rules its series are judged by**: :meth:`Monitor.rules`, under its name as family; the hook's detectors
+  are built at ``setup`` from the hook's own symptom rules plus the rules of the monitors that run.
 * **Checkpointing**: one entry per monitor in the hook's state, ``{"version": Monitor.state_version, "state":
   Monitor.state_dict()}`` under ``"monitors"/<name>``; a saved entry of another version is refused, naming it.
 * **Timing**: the wall time of each monitor's ``observe`` under its name in ``MechHook.seconds``; time spent
@@ -94,13 +96,27 @@ class Monitor:
 
     def layer_count(self, view) -> int:
         """How many of this rank's layers this monitor would watch (0 when it counts none); summed over the pipeline
-        stages for the start line. Called before :meth:`setup`, on every registered monitor."""
+        stages for the start line. Called before :meth:`setup`, on every registered monitor. The baseline-relative
+        rules of a monitor that counts no layer on any stage take no part in when the detectors are armed."""
         return 0
 
     def setup(self, view, context: MonitorContext) -> bool:
-        """Build what the monitor needs from the model view (:class:`~megatron_mech.model_view.ModelView`);
-        return whether it runs in this run (the same answer on every rank when it issues collectives)."""
+        """Build what the monitor needs from the model view (:class:`~megatron_mech.model_view.ModelView`; a
+        family without a field of its own there reads ``view.families[self.name]``); return whether it runs in this
+        run (the same answer on every rank when it issues collectives)."""
         return True
+
+    def rules(self, settings) -> list:
+        """The detector rules for this monitor's own series (default: none, its series are only recorded), asked
+        when the hook builds its detectors (at set-up, of the monitors that run; the answer must depend on
+        ``settings`` only): :class:`~megatron_mech.core.detect.SeriesRule` objects
+        (and at most one :class:`~megatron_mech.core.detect.UpdateRatioJump` in a run). A rule whose ``family`` is
+        left ``None`` reports its alerts under this monitor's :attr:`name`. ``settings``: the run's
+        :class:`~megatron_mech.core.detect.RuleSettings` (its levels and layer-trend settings); the run's other
+        detector settings (warm-up, baseline, threshold, persistence) are applied to every baseline-relative rule
+        afterwards. The rules are judged only while this monitor runs: a level rule of a monitor that sits the run
+        out is not armed."""
+        return []
 
     def describe(self, total_layers: int) -> str:
         """This monitor's part of the start line, given its :meth:`layer_count` over all stages."""

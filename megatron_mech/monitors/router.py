@@ -1,7 +1,7 @@
 """The router-side monitor: routing statistics and router-weight geometry per MoE layer, framework-free.
 
 A framework adapter hands over, per MoE layer, the live router weight ``[E, d]`` and its top-k, and calls
-:meth:`RouterMonitor.record` with the router's raw logits ``[tokens..., E]`` from inside the router's forward
+:meth:`RouterEvaluator.record` with the router's raw logits ``[tokens..., E]`` from inside the router's forward
 (Megatron: a wrapped ``TopKRouter.gating``; DeepSpeed: a forward-pre-hook on the gate). Recording is switched
 on only for the steps that will be evaluated (``capturing``), so a monitor at interval δ pays for the extra
 softmax on 1/δ of the steps, and with ``token_stride`` n on every n-th token of those steps' micro-batches.
@@ -27,7 +27,7 @@ import torch
 from megatron_mech.core.router_statistics import RoutingStats, all_reduce_many, router_weight_geometry
 from megatron_mech.monitors.metric_names import render
 
-__all__ = ["ROUTER_NAME", "RouterLayer", "RouterMonitor", "expert_share_excess"]
+__all__ = ["ROUTER_NAME", "RouterLayer", "RouterEvaluator", "expert_share_excess"]
 
 ROUTER_NAME = "router/layer{L}/{statistic}"
 """Every router series' name (:mod:`megatron_mech.monitors.metric_names` syntax): ``statistic`` is a key of
@@ -54,8 +54,11 @@ class RouterLayer:
     topk: int
 
 
-class RouterMonitor:
-    """Args:
+class RouterEvaluator:
+    """An evaluation, not a monitor: the hook runs
+    :class:`~megatron_mech.monitors.router_monitor.RouterMonitor`, which drives it.
+
+    Args:
         layers: this rank's MoE routers.
         token_group: the ranks that together hold every token of a step (None: this rank alone).
         num_bins: bins of the normalised-entropy histogram.
@@ -66,7 +69,7 @@ class RouterMonitor:
     def __init__(self, layers: Sequence[RouterLayer], token_group=None, num_bins: int = 20, token_stride: int = 1):
         self.layers = {spec.layer: spec for spec in layers}
         if len(self.layers) != len(layers):
-            raise ValueError("RouterMonitor got the same layer index twice")
+            raise ValueError("RouterEvaluator got the same layer index twice")
         if isinstance(token_stride, bool) or not isinstance(token_stride, int) or token_stride < 1:
             raise ValueError(f"token_stride must be an int >= 1, got {token_stride!r}")
         self.token_stride = token_stride

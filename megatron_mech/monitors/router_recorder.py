@@ -1,10 +1,10 @@
 """What a framework's router capture calls: :class:`RouterLayerRecorder`, one per MoE layer, handing that layer's
-router logits to the :class:`~megatron_mech.monitors.router.RouterMonitor` while it captures."""
+router logits to the :class:`~megatron_mech.monitors.router.RouterEvaluator` while it captures."""
 from __future__ import annotations
 
 import torch
 
-from megatron_mech.monitors.router import RouterMonitor
+from megatron_mech.monitors.router import RouterEvaluator
 
 __all__ = ["RouterLayerRecorder"]
 
@@ -12,7 +12,7 @@ __all__ = ["RouterLayerRecorder"]
 class RouterLayerRecorder:
     """``observe(logits)`` for one router layer: hands the logits to the router monitor under its layer index."""
 
-    def __init__(self, monitor: RouterMonitor, layer: int):
+    def __init__(self, monitor: RouterEvaluator, layer: int):
         self.monitor, self.layer = monitor, layer
 
     @property

@@ -6,9 +6,9 @@ monitor's :mod:`~megatron_mech.monitors.attention.names`, ``ROUTER_NAME``, ``EXP
 (:mod:`megatron_mech.core.mols_names`), filled here with each quantity; the meanings, units and producers are
 written here (:data:`METRICS`, :data:`RECORD_FIELDS`); the alert columns are never written by hand:
 :func:`alert_rule` finds, like :class:`~megatron_mech.core.detect.DetectorRegistry` does, the first of
-:func:`~megatron_mech.core.detect.default_rules` whose ``fnmatch`` pattern matches the name, so the page follows the
-rules. ``tests/unit/records/test_metrics_reference.py`` checks the table against the names a real run
-records and the committed page against :func:`render_markdown`.
+:func:`~megatron_mech.monitors.registry.default_rules` whose ``fnmatch`` pattern matches the name, so the page
+follows the rules. ``tests/unit/records/test_metrics_reference.py`` checks the table against the names a real
+run records and the committed page against :func:`render_markdown`.
 
 Name syntax: ``{X}`` is a placeholder (:data:`PLACEHOLDERS`: its values and examples), ``[...]`` a part present
 only under a flag (the TP qualifier ``/tp{r}`` of ``--mech-dw-scope slice``).
@@ -25,13 +25,14 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from megatron_mech.core import mols_names
-from megatron_mech.core.detect import DetectorConfig, SeriesRule, default_rules
+from megatron_mech.core.detect import DetectorConfig, SeriesRule
 from megatron_mech.core.mols import MEASURED_KEYS
 from megatron_mech.core.taxonomy import MODULE_CLASSES
 from megatron_mech.monitors.attention.names import AGGREGATE_NAME, DW_NAME, HEAD_NAME, LINEAR_NAME
 from megatron_mech.monitors.experts import EXPERT_LAYER_NAME, EXPERT_NAME
 from megatron_mech.monitors.max_logit import MAX_LOGIT_LAYER_NAME, MAX_LOGIT_METRIC
 from megatron_mech.monitors.metric_names import SYMPTOM_GRAD_NORM, SYMPTOM_LOSS, SYMPTOM_SKIPPED_STEPS, fill
+from megatron_mech.monitors.registry import default_rules
 from megatron_mech.monitors.router import ROUTER_NAME
 
 __all__ = ["METRICS", "PLACEHOLDERS", "RECORD_FIELDS", "SLICE_SCOPE_FLAG", "MetricEntry", "RecordField", "alert_rule",
@@ -431,7 +432,8 @@ def render_markdown() -> str:
         "`mech/<family>/layer{L}/<unit>_min/<metric>` and `..._mean/...` (`mech/attn/layer3/head_min/delta2_entropy`); "
         "`mech.jsonl` always holds every series.",
         "",
-        "**Alert columns** come from the detector's default rules (`megatron_mech.core.detect.default_rules`), the "
+        "**Alert columns** come from the detector's default rules (`megatron_mech.monitors.registry.default_rules`: "
+        "each built-in family brings its own), the "
         "first rule whose pattern matches the name (`fnmatch`, `*` also matches `/`) — \"logged only\" where none "
         "does. Series in the `mols` section never reach the detectors. A score is the distance from the series' "
         "own baseline median in robust units, positive in the bad direction; an evaluation is out of band when "

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from megatron_mech.core.detect import FAMILIES, Alert, DetectorRegistry, layer_of
+from megatron_mech.core.detect import FAMILIES, Alert, DetectorRegistry, family_order, family_rank, layer_of
 from megatron_mech.records.report_guides import (
     Arming,
     RunSettings,
@@ -69,6 +69,17 @@ REPORT_FILES = (REPORT_PNG, f".{REPORT_PNG}.tmp", REPORT_MD, f".{REPORT_MD}.tmp"
 #: Alert-line colours; the layer colormap (viridis, cut before yellow) contains none of these hues.
 FAMILY_COLORS = {"attention": "#d62728", "router": "#ff7f0e", "symptom": "#222222"}
 _FAMILY_STYLE = {"attention": "--", "router": "-.", "symptom": ":"}
+_OTHER_FAMILY_COLOR, _OTHER_FAMILY_STYLE = "#9467bd", "-"  # a user monitor's alerts
+
+
+def _family_color(family: str) -> str:
+    return FAMILY_COLORS.get(family, _OTHER_FAMILY_COLOR)
+
+
+def _family_style(family: str) -> str:
+    return _FAMILY_STYLE.get(family, _OTHER_FAMILY_STYLE)
+
+
 MAX_GENERIC_PANELS = 8
 #: A file none of whose first lines is a record is refused as not a log (a wrong path), not warned line by line.
 REFUSE_AFTER_LINES = 5
@@ -121,7 +132,7 @@ def collect_alerts(records: Iterable[Mapping[str, Any]]) -> list[Alert]:
     for rec in records:
         for a in record_alerts(rec):
             seen[(a.metric, a.step)] = a
-    return sorted(seen.values(), key=lambda a: (a.step, FAMILIES.index(a.family), a.metric))
+    return sorted(seen.values(), key=lambda a: (a.step, family_rank(a.family), a.metric))
 
 
 # ------------------------------------------------------------------------------------------------ panels
@@ -384,11 +395,11 @@ def _draw_panel(ax, panel: _Panel, colors: Mapping[int, Any], alerts: Sequence[A
         ax.set_yscale("log")
     guides = draw_guides()
     for a in alerts:
-        ax.axvline(a.step, color=FAMILY_COLORS[a.family], ls=_FAMILY_STYLE[a.family], lw=1.1, alpha=0.75,
+        ax.axvline(a.step, color=_family_color(a.family), ls=_family_style(a.family), lw=1.1, alpha=0.75,
                    zorder=0.5)
         if a.metric in panel.names and math.isfinite(a.value):
             ax.plot([a.step], [a.value], ls="none", marker="v", ms=8, mec="black", mew=0.6,
-                    color=FAMILY_COLORS[a.family], zorder=5)
+                    color=_family_color(a.family), zorder=5)
     handles = []
     if labelled:
         handles += ax.get_legend_handles_labels()[0]
@@ -405,13 +416,13 @@ def _annotate_first_alerts(top, alerts: Sequence[Alert]) -> None:
     first_by_family: dict[str, Alert] = {}
     for a in alerts:
         first_by_family.setdefault(a.family, a)
-    for i, fam in enumerate(f for f in FAMILIES if f in first_by_family):
+    for i, fam in enumerate(family_order(first_by_family)):
         a = first_by_family[fam]
         where = "".join(f" {k[0].upper()}{v}" for k, v in a.detail.items() if k in ("layer", "head"))
         top.annotate(f"first {fam}: {a.metric.split('/')[-1]}{where} @ {a.step}",
                      xy=(a.step, 0.96 - 0.16 * i), xycoords=top.get_xaxis_transform(), xytext=(4, 0),
-                     textcoords="offset points", va="top", fontsize=8, color=FAMILY_COLORS[fam],
-                     bbox=dict(boxstyle="round,pad=0.2", fc="white", ec=FAMILY_COLORS[fam], lw=0.6, alpha=0.85))
+                     textcoords="offset points", va="top", fontsize=8, color=_family_color(fam),
+                     bbox=dict(boxstyle="round,pad=0.2", fc="white", ec=_family_color(fam), lw=0.6, alpha=0.85))
 
 
 def _figure_legends(fig, axes, alerts: Sequence[Alert], counts: Mapping[str, int], layers: Sequence[int],
@@ -422,10 +433,10 @@ def _figure_legends(fig, axes, alerts: Sequence[Alert], counts: Mapping[str, int
     from matplotlib.patches import Patch
 
     fam_handles = []
-    for fam in FAMILIES:
+    for fam in family_order(a.family for a in alerts):
         fa = [a for a in alerts if a.family == fam]
         if fa:
-            fam_handles.append(Line2D([], [], color=FAMILY_COLORS[fam], ls=_FAMILY_STYLE[fam], lw=1.5,
+            fam_handles.append(Line2D([], [], color=_family_color(fam), ls=_family_style(fam), lw=1.5,
                                       label=f"{fam} alert ×{counts[fam]} (first @ step {fa[0].step})"))
     if arming is not None:
         fam_handles.append(Patch(color="0.6", alpha=0.3, label=arming.label))
@@ -590,7 +601,8 @@ def summarize_run(records: Iterable[Mapping[str, Any]] | RunReduction, title: st
     else:
         lines.append("- **Final loss:** not logged")
     counts = reduction.alert_counts
-    lines.append(f"- **Alerts:** {reduction.n_alerts} (" + ", ".join(f"{f} {counts[f]}" for f in FAMILIES) + ")")
+    lines.append(f"- **Alerts:** {reduction.n_alerts} (" + ", ".join(f"{f} {counts.get(f, 0)}"
+                                                              for f in family_order((*FAMILIES, *counts))) + ")")
     if len(alerts) < reduction.n_alerts:
         lines.append(f"- **Alerts kept:** the first {reduction.max_alerts_per_family} of each family; the rest are "
                      f"only counted ({len(alerts)} listed and drawn).")
@@ -603,7 +615,7 @@ def summarize_run(records: Iterable[Mapping[str, Any]] | RunReduction, title: st
     if first:
         lines += ["## First alert per family", ""]
         sym = first.get("symptom")
-        for fam in FAMILIES:
+        for fam in family_order((*FAMILIES, *first)):
             if fam not in first:
                 lines.append(f"- **{fam}:** none")
                 continue

@@ -28,6 +28,7 @@ from typing import Iterable, Sequence
 
 from megatron_mech.core.checks import is_int
 from megatron_mech.core.detect import Alert, DetectorRegistry
+from megatron_mech.monitors.registry import default_registry
 from megatron_mech.records.run_directory import SUMMARY
 from megatron_mech.records.safe_files import read_small_file
 from megatron_mech.records.series_reduction import Baseline, RunReduction
@@ -72,11 +73,11 @@ def run_settings(jsonl: Path | None) -> RunSettings:
     naming the file and the key."""
     path = Path(jsonl).with_name(SUMMARY) if jsonl is not None else None
     if path is None or not os.path.lexists(path):
-        return RunSettings(DetectorRegistry(), None, "default rules")
+        return RunSettings(default_registry(), None, "default rules")
     if os.path.isfile(path) and os.path.getsize(path) > MAX_SUMMARY_BYTES:
         warnings.warn(f"{path} is larger than {MAX_SUMMARY_BYTES:,} bytes (a run's summary is far smaller): not read; "
                       f"the report shows the detectors' default rules", RuntimeWarning, stacklevel=2)
-        return RunSettings(DetectorRegistry(), None, "default rules")
+        return RunSettings(default_registry(), None, "default rules")
     try:
         summary = json.loads(read_small_file(path, MAX_SUMMARY_BYTES, "a run's summary").decode("utf-8"))
     except (OSError, ValueError) as e:  # a FIFO or a directory there is refused by name, never waited on
@@ -85,7 +86,7 @@ def run_settings(jsonl: Path | None) -> RunSettings:
         raise ValueError(f"{path}: the run's summary is not a JSON object")
     detectors = summary.get("detectors")
     if detectors is None:
-        return RunSettings(DetectorRegistry(), None, "default rules")
+        return RunSettings(default_registry(), None, "default rules")
     step = detectors.get("armed_from_step") if isinstance(detectors, dict) else None
     if not is_int(step) or step < 0:
         raise ValueError(f"{path}: 'detectors.armed_from_step' must be an int >= 0, got {step!r}")
@@ -93,7 +94,7 @@ def run_settings(jsonl: Path | None) -> RunSettings:
     try:
         if not isinstance(overrides, dict):
             raise ValueError(f"expected an object, got {type(overrides).__name__}")
-        registry = DetectorRegistry.with_overrides(overrides)
+        registry = default_registry(overrides)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{path}: 'detectors.rule_overrides': {e}") from None
     return RunSettings(registry, int(step), SUMMARY)

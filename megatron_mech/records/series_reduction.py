@@ -33,7 +33,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
-from megatron_mech.core.detect import FAMILIES, Alert, Detector, DetectorRegistry
+from megatron_mech.core.detect import FAMILIES, Alert, Detector, DetectorRegistry, family_rank
+from megatron_mech.monitors.registry import default_registry
 from megatron_mech.records.sinks import record_alerts
 
 __all__ = ["MAX_BUCKETS", "EXACT_RECENT_RECORDS", "MAX_ALERTS_PER_FAMILY", "StepBuckets", "Baseline", "LossSummary",
@@ -242,7 +243,7 @@ class RunReduction:
         self._min_over_heads = min_over_heads or (lambda name: True)
         self.max_buckets, self.exact_recent = max_buckets, exact_recent
         self.max_alerts_per_family = max_alerts_per_family
-        self.registry = registry if registry is not None else DetectorRegistry()
+        self.registry = registry if registry is not None else default_registry()
         self.series: dict[str, StepBuckets] = {}
         self.derived_min: dict[int, StepBuckets] = {}
         self.baselines: dict[str, Baseline] = {}
@@ -308,9 +309,9 @@ class RunReduction:
         if key in self._alerts:
             self._alerts[key] = a
             return
-        self.alert_counts[a.family] += 1
-        if self._kept_per_family[a.family] < self.max_alerts_per_family:
-            self._kept_per_family[a.family] += 1
+        self.alert_counts[a.family] = self.alert_counts.get(a.family, 0) + 1  # a user monitor's family: added
+        if self._kept_per_family.get(a.family, 0) < self.max_alerts_per_family:
+            self._kept_per_family[a.family] = self._kept_per_family.get(a.family, 0) + 1
             self._alerts[key] = a
 
     def _name_state(self, name: str) -> list:
@@ -369,7 +370,7 @@ class RunReduction:
     # ------------------------------------------------------------------ results
     def alerts(self) -> list[Alert]:
         """The kept alerts, sorted by step (then family, metric)."""
-        return sorted(self._alerts.values(), key=lambda a: (a.step, FAMILIES.index(a.family), a.metric))
+        return sorted(self._alerts.values(), key=lambda a: (a.step, family_rank(a.family), a.metric))
 
     @property
     def held_steps(self) -> int:

@@ -10,7 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional, Sequence
 
-from megatron_mech.core.detect import DetectorRegistry, SeriesRule, default_rules, layer_of
+from megatron_mech.core.detect import DetectorRegistry, SeriesRule, layer_of
+from megatron_mech.monitors.registry import default_rules
 
 __all__ = ["SeriesScore", "binomial_upper_bound", "kind_of", "replay", "replay_alerts", "expected_alarms"]
 

@@ -68,7 +68,7 @@ def loss_spike_step(losses: Sequence[float], factor: float = 10.0, early: int = 
 
 def max_logit_rule() -> SeriesRule:
     """The max-logit series judged like the grad norm: ``up``, warm-up 30, baseline 20, ``rel_floor=0.25``,
-    persistence 5 (see :func:`megatron_mech.core.detect.default_rules`)."""
+    persistence 5 (see :func:`megatron_mech.core.detect.symptom_rules`)."""
     return SeriesRule(MAX_LOGIT_METRIC, "symptom", direction="up", warmup=30, baseline=20, rel_floor=0.25,
                       persistence=5)
 

@@ -2,7 +2,7 @@
 that reads a drift, rather than a distance from a 50-evaluation baseline, alert earlier without alarming on clean
 runs?
 
-The rules watch the series the default rules watch (:func:`megatron_mech.core.detect.default_rules`: first
+The rules watch the series the default rules watch (:func:`megatron_mech.monitors.registry.default_rules`: first
 matching rule wins, with its family and bad direction ``d`` = +1 for ``up``, −1 for ``down``), on the log of the
 value (a collapse toward zero and a growth by orders of magnitude are both steps in log units, whatever the
 series' scale). Near-zero series of either sign (:data:`NOT_LOG_SERIES`: the router's ``mean_cosine``) have no
@@ -36,7 +36,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
-from megatron_mech.core.detect import MAD_TO_SIGMA, TREND_LOG_FLOOR, Alert, SeriesRule, default_rules, layer_change
+from megatron_mech.core.detect import MAD_TO_SIGMA, TREND_LOG_FLOOR, Alert, SeriesRule, layer_change
+from megatron_mech.monitors.registry import default_rules
 from megatron_mech.studies.clean_scores import SeriesScore
 
 __all__ = ["NOT_LOG_SERIES", "CusumRule", "SlopeRule", "TrendRule", "log_value", "replay_trend",

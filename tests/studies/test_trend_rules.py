@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from megatron_mech.core.detect import SeriesRule, default_rules
+from megatron_mech.core.detect import SeriesRule
+from megatron_mech.monitors.registry import default_rules
 from megatron_mech.studies.trend_rules import CusumRule, SlopeRule, replay_trend, shortened_default_rules
 
 UP = [SeriesRule("symptom/loss", "symptom", direction="up")]

@@ -15,7 +15,7 @@ from megatron_mech.trainers.megatron_core.pretrain_gpt import main  # noqa: E402
 from megatron_mech.monitors.attention import family  # noqa: E402
 
 mode, fault_rank, fault_step = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-original_evaluate = family.AttentionFamily.evaluate
+original_evaluate = family.AttentionMonitor.evaluate
 
 
 def evaluate(self, step, snapshot):
@@ -26,7 +26,7 @@ def evaluate(self, step, snapshot):
     return original_evaluate(self, step, snapshot)
 
 
-family.AttentionFamily.evaluate = evaluate
+family.AttentionMonitor.evaluate = evaluate
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[4:]))

@@ -1,4 +1,4 @@
-"""torchrun worker (2 ranks, gloo): AttentionMonitor under tensor parallelism TP=2.
+"""torchrun worker (2 ranks, gloo): AttentionEvaluator under tensor parallelism TP=2.
 
 Every rank builds the same full fused ``linear_qkv`` weights (two layers: GQA H=4/G=2 and MHA H=G=4) and two
 extra linears (ColumnParallel fc1 split by rows, RowParallel fc2 split by columns), takes its TP shard (whole
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_mech.core.layouts import qkv_partition_sizes
-from megatron_mech.monitors import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
+from megatron_mech.monitors import AttentionLayer, AttentionEvaluator, AttentionMonitorConfig
 from verdict import count_collectives, finish  # tests/workers/, the script's directory
 
 D_MODEL, HEAD_DIM, FFN, TP = 16, 4, 24, 2
@@ -126,14 +126,14 @@ def main() -> int:
     # ---------------------------------------------------------------- global scope vs TP=1, slice scope
     model = Model(rank)
     cfg = exact_config(interval=INTERVAL)
-    reference = AttentionMonitor(model.full_layers(), cfg, tp_group=singles[rank], extra_linears=model.full_extras())
+    reference = AttentionEvaluator(model.full_layers(), cfg, tp_group=singles[rank], extra_linears=model.full_extras())
     calls.clear()
-    monitor = AttentionMonitor(model.shard_layers(), cfg, extra_linears=model.shard_extras())
+    monitor = AttentionEvaluator(model.shard_layers(), cfg, extra_linears=model.shard_extras())
     expect(sorted(calls) == ["all_gather", "all_reduce"], f"construction collectives {calls}")
-    bucketed = AttentionMonitor(model.shard_layers(), exact_config(interval=INTERVAL, bucket_mb=1e-6),
+    bucketed = AttentionEvaluator(model.shard_layers(), exact_config(interval=INTERVAL, bucket_mb=1e-6),
                                 extra_linears=model.shard_extras())
     calls.clear()
-    sliced = AttentionMonitor(model.shard_layers(), exact_config(interval=INTERVAL, dw_scope="slice"),
+    sliced = AttentionEvaluator(model.shard_layers(), exact_config(interval=INTERVAL, dw_scope="slice"),
                               extra_linears=model.shard_extras())
     expect(calls == [], f"slice construction collectives {calls}")
 
@@ -192,7 +192,7 @@ def main() -> int:
     buf = io.BytesIO()
     torch.save(monitor.state_dict(), buf)
     buf.seek(0)
-    resumed = AttentionMonitor(model.shard_layers(), cfg, extra_linears=model.shard_extras())
+    resumed = AttentionEvaluator(model.shard_layers(), cfg, extra_linears=model.shard_extras())
     calls.clear()
     resumed.load_state_dict(torch.load(buf, weights_only=True))
     expect(calls == ["all_reduce"], f"load_state_dict collectives {calls}")
@@ -205,7 +205,7 @@ def main() -> int:
     state = resumed.state_dict()
     if rank == 1:
         state = dict(state, snapshots=None, step=None)
-    again = AttentionMonitor(model.shard_layers(), cfg, extra_linears=model.shard_extras())
+    again = AttentionEvaluator(model.shard_layers(), cfg, extra_linears=model.shard_extras())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         again.load_state_dict(state)
@@ -237,12 +237,12 @@ def main() -> int:
         errors.append(f"{label}: no ValueError")
 
     layers = model.shard_layers()
-    raises(lambda: AttentionMonitor(layers if rank == 0 else layers[:1], cfg), "number of layers", "layer count")
-    raises(lambda: AttentionMonitor(model.shard_layers(offsets=0), cfg), "tile", "head offsets")
+    raises(lambda: AttentionEvaluator(layers if rank == 0 else layers[:1], cfg), "number of layers", "layer count")
+    raises(lambda: AttentionEvaluator(model.shard_layers(offsets=0), cfg), "tile", "head offsets")
     bad_local = [layers[0], layers[0]] if rank == 0 else layers
-    raises(lambda: AttentionMonitor(bad_local, cfg), "duplicate" if rank == 0 else "another tensor-parallel rank",
+    raises(lambda: AttentionEvaluator(bad_local, cfg), "duplicate" if rank == 0 else "another tensor-parallel rank",
            "local error")
-    raises(lambda: AttentionMonitor(layers, AttentionMonitorConfig(interval=INTERVAL + rank)), "interval",
+    raises(lambda: AttentionEvaluator(layers, AttentionMonitorConfig(interval=INTERVAL + rank)), "interval",
            "interval mismatch")
 
     return finish(errors, "ATTENTION_MONITOR", f"TP={world}, {n_evals} evaluations", real["all_reduce"])

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import megatron_mech.monitors.attention.evaluation as evaluation
 import megatron_mech.monitors.attention.qk_heads as qk_heads
 from megatron_mech.core.layouts import qkv_partition_sizes
-from megatron_mech.monitors import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
+from megatron_mech.monitors import AttentionLayer, AttentionEvaluator, AttentionMonitorConfig
 from verdict import four_rank_groups, run_checks  # tests/workers/, the script's directory
 
 D_MODEL, HEAD_DIM = 16, 4
@@ -79,8 +79,8 @@ def check_layout(name, tp_group, dp_group, tp_rank, tp, work, expect) -> None:
     for L, (h, g) in LAYERS.items():
         h_loc, g_loc = qkv_partition_sizes(h, g, tp)
         layers.append(AttentionLayer(L, weights[L], h_loc, g_loc, HEAD_DIM, head_offset=tp_rank * h_loc))
-    split = AttentionMonitor(layers, AttentionMonitorConfig(interval=INTERVAL), tp_group=tp_group, dp_group=dp_group)
-    whole = AttentionMonitor(layers, AttentionMonitorConfig(interval=INTERVAL, dp_split=False), tp_group=tp_group,
+    split = AttentionEvaluator(layers, AttentionMonitorConfig(interval=INTERVAL), tp_group=tp_group, dp_group=dp_group)
+    whole = AttentionEvaluator(layers, AttentionMonitorConfig(interval=INTERVAL, dp_split=False), tp_group=tp_group,
                              dp_group=dp_group)
     update_gen = torch.Generator().manual_seed(13)
     heads_evaluated = dw_evaluated = 0

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_mech.core.layouts import qkv_partition_sizes
-from megatron_mech.monitors import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
+from megatron_mech.monitors import AttentionLayer, AttentionEvaluator, AttentionMonitorConfig
 from megatron_mech.monitors.attention.parts import chunk_rows
 from verdict import four_rank_groups, run_checks  # tests/workers/, the script's directory
 
@@ -54,8 +54,8 @@ def check_layout(name, heads, groups, terms, tp_group, dp_group, tp_rank, tp, ex
     weight = shard()
     layer = AttentionLayer(0, weight, h_loc, g_loc, HEAD_DIM, head_offset=tp_rank * h_loc)
     config = dict(interval=INTERVAL, dw_route="krylov", gram_dtype="float64", qk_terms=terms)
-    split = AttentionMonitor([layer], AttentionMonitorConfig(**config), tp_group=tp_group, dp_group=dp_group)
-    whole = AttentionMonitor([layer], AttentionMonitorConfig(**config, dp_split=False), tp_group=tp_group,
+    split = AttentionEvaluator([layer], AttentionMonitorConfig(**config), tp_group=tp_group, dp_group=dp_group)
+    whole = AttentionEvaluator([layer], AttentionMonitorConfig(**config, dp_split=False), tp_group=tp_group,
                              dp_group=dp_group)
     chunks = [p for p in split._parts if p[0] == "dwrows" and p[2] == "q"]
     expect(len(chunks) >= 2, f"{name}: ΔW_q not split by rows: {split._parts}")

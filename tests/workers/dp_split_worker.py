@@ -1,4 +1,4 @@
-"""torchrun worker (4 ranks, gloo): AttentionMonitor's data-parallel split against the unsplit evaluation.
+"""torchrun worker (4 ranks, gloo): AttentionEvaluator's data-parallel split against the unsplit evaluation.
 
 Two layouts on the same 4 processes, each checked on every rank:
 
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_mech.core.layouts import qkv_partition_sizes
-from megatron_mech.monitors import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
+from megatron_mech.monitors import AttentionLayer, AttentionEvaluator, AttentionMonitorConfig
 from verdict import run_checks  # tests/workers/, the script's directory
 
 D_MODEL, HEAD_DIM, FFN = 16, 4, 24
@@ -91,11 +91,11 @@ def expected_calls_for(tp_group) -> int:
 def check_layout(name, tp_group, dp_group, tp_rank, tp, calls, expect) -> None:
     replica = Replica(tp_rank, tp)
     cfg = AttentionMonitorConfig(interval=INTERVAL)
-    split = AttentionMonitor(replica.layers(), cfg, tp_group=tp_group, extra_linears=replica.extras(),
+    split = AttentionEvaluator(replica.layers(), cfg, tp_group=tp_group, extra_linears=replica.extras(),
                              dp_group=dp_group)
-    whole = AttentionMonitor(replica.layers(), AttentionMonitorConfig(interval=INTERVAL, dp_split=False),
+    whole = AttentionEvaluator(replica.layers(), AttentionMonitorConfig(interval=INTERVAL, dp_split=False),
                              tp_group=tp_group, extra_linears=replica.extras(), dp_group=dp_group)
-    krylov = AttentionMonitor(replica.layers(), AttentionMonitorConfig(interval=INTERVAL, dw_route="krylov"),
+    krylov = AttentionEvaluator(replica.layers(), AttentionMonitorConfig(interval=INTERVAL, dw_route="krylov"),
                               tp_group=tp_group, extra_linears=replica.extras(), dp_group=dp_group)
     shares = [None] * dist.get_world_size(dp_group)
     dist.all_gather_object(shares, sorted(split._mine), group=dp_group)
@@ -153,11 +153,11 @@ def check_layout(name, tp_group, dp_group, tp_rank, tp, calls, expect) -> None:
     resumed_replica = Replica(tp_rank, tp)
     for _ in range(6):
         resumed_replica.step()
-    resumed = AttentionMonitor(resumed_replica.layers(), cfg, tp_group=tp_group,
+    resumed = AttentionEvaluator(resumed_replica.layers(), cfg, tp_group=tp_group,
                                extra_linears=resumed_replica.extras(), dp_group=dp_group)
     resumed.load_state_dict(saved)
     ref_replica = Replica(tp_rank, tp)
-    ref = AttentionMonitor(ref_replica.layers(), AttentionMonitorConfig(interval=INTERVAL, dp_split=False),
+    ref = AttentionEvaluator(ref_replica.layers(), AttentionMonitorConfig(interval=INTERVAL, dp_split=False),
                            tp_group=tp_group, extra_linears=ref_replica.extras(), dp_group=dp_group)
     for step in range(7):
         if step:

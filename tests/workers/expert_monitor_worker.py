@@ -1,4 +1,4 @@
-"""torchrun worker (2 ranks, gloo): ExpertMonitor with the experts of a layer split over two ranks.
+"""torchrun worker (2 ranks, gloo): ExpertEvaluator with the experts of a layer split over two ranks.
 
 Expert parallelism: rank r holds experts [2r, 2r + 2) of 4; a reference monitor in the same process holds all
 4 over no group. Data parallelism: both ranks hold all 4 experts (replicas) and share their evaluation
@@ -16,7 +16,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_mech.monitors.experts import ExpertLayer, ExpertMonitor
+from megatron_mech.monitors.experts import ExpertLayer, ExpertEvaluator
 from verdict import finish  # tests/workers/, the script's directory
 
 
@@ -30,9 +30,9 @@ def main() -> int:
     full = {L: [[torch.randn(12, 8, generator=g) * 0.1, torch.randn(8, 12, generator=g) * 0.1] for _ in range(4)]
             for L in (1, 3)}
     mine = {L: [[m.clone() for m in mats] for mats in experts[2 * rank:2 * rank + 2]] for L, experts in full.items()}
-    split = ExpertMonitor([ExpertLayer(L, mine[L], 2 * rank, 4) for L in mine], interval=2, group=dist.group.WORLD)
-    whole = ExpertMonitor([ExpertLayer(L, full[L], 0, 4) for L in full], interval=2)
-    replicas = ExpertMonitor([ExpertLayer(L, full[L], 0, 4) for L in full], interval=2, dp_group=dist.group.WORLD)
+    split = ExpertEvaluator([ExpertLayer(L, mine[L], 2 * rank, 4) for L in mine], interval=2, group=dist.group.WORLD)
+    whole = ExpertEvaluator([ExpertLayer(L, full[L], 0, 4) for L in full], interval=2)
+    replicas = ExpertEvaluator([ExpertLayer(L, full[L], 0, 4) for L in full], interval=2, dp_group=dist.group.WORLD)
     errors = []
     halves = [None, None]
     dist.all_gather_object(halves, replicas.evaluated_experts)

@@ -86,7 +86,7 @@ def main() -> None:
     from megatron.core.transformer import TransformerConfig
 
     from megatron_mech.adapters.megatron_core.discovery import megatron_model_view
-    from megatron_mech.monitors.max_logit import MaxLogitFamily
+    from megatron_mech.monitors.max_logit import MaxLogitMonitor
     from megatron_mech.monitors.protocol import MonitorContext
 
     torch.distributed.init_process_group("gloo")
@@ -108,7 +108,7 @@ def main() -> None:
             module.register_forward_hook(lambda mod, args, output, layer=layer: kept.__setitem__(
                 layer, output[0].detach().clone()))
 
-    family = MaxLogitFamily()
+    family = MaxLogitMonitor()
     context = MonitorContext(settings=None, families=(), any_rank=bool)  # every rank has captures: the same answer
     assert family.setup(megatron_model_view([model]), context)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_mech.core.layouts import ReplicatedKVShard, split_fused_qkv
-from megatron_mech.monitors import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
+from megatron_mech.monitors import AttentionLayer, AttentionEvaluator, AttentionMonitorConfig
 from verdict import count_collectives, finish  # tests/workers/, the script's directory
 
 D_MODEL, HEAD_DIM, TP = 16, 4, 2
@@ -76,10 +76,10 @@ def main() -> int:
     gen = torch.Generator().manual_seed(5)
     full = {L: torch.randn((h + 2) * HEAD_DIM, D_MODEL, generator=gen) * 0.1 for L, h in LAYERS.items()}
     shard = {L: w.chunk(TP)[rank].clone() for L, w in full.items()}
-    reference = AttentionMonitor([AttentionLayer(L, full[L], h, 1, HEAD_DIM) for L, h in LAYERS.items()],
+    reference = AttentionEvaluator([AttentionLayer(L, full[L], h, 1, HEAD_DIM) for L, h in LAYERS.items()],
                                  exact_config(), tp_group=singles[rank])
     layers = [shard_layer(L, shard[L], h, rank) for L, h in LAYERS.items()]
-    monitor = AttentionMonitor(layers, exact_config())
+    monitor = AttentionEvaluator(layers, exact_config())
     steps = torch.Generator().manual_seed(11)
     n_evals = 0
     for step in range(STEPS + 1):
@@ -105,7 +105,7 @@ def main() -> int:
     buf = io.BytesIO()
     torch.save(monitor.state_dict(), buf)
     buf.seek(0)
-    resumed = AttentionMonitor(layers, exact_config())
+    resumed = AttentionEvaluator(layers, exact_config())
     resumed.load_state_dict(torch.load(buf, weights_only=True))
     with torch.no_grad():
         for _ in range(INTERVAL):
@@ -118,7 +118,7 @@ def main() -> int:
     compare(got_r, want, "resumed")
 
     try:
-        AttentionMonitor(layers, exact_config(dw_scope="slice"))
+        AttentionEvaluator(layers, exact_config(dw_scope="slice"))
         errors.append("slice scope with replicated K/V heads was accepted")
     except ValueError as exc:
         expect("dw_scope must be 'global'" in str(exc), f"slice scope: wrong message {exc}")
@@ -167,9 +167,9 @@ def check_megatron_core(rank: int, singles, expect, compare) -> None:
     expect(torch.allclose(query, want_q, atol=1e-5) and torch.allclose(key, want_k, atol=1e-5),
            "megatron-core's query/key differ from the rows ReplicatedKVShard names")
 
-    reference = AttentionMonitor([AttentionLayer(0, whole, heads, 1, HEAD_DIM)], exact_config(),
+    reference = AttentionEvaluator([AttentionLayer(0, whole, heads, 1, HEAD_DIM)], exact_config(),
                                  tp_group=singles[rank])
-    monitor = AttentionMonitor(found, exact_config(), tp_group=ps.get_tensor_model_parallel_group())
+    monitor = AttentionEvaluator(found, exact_config(), tp_group=ps.get_tensor_model_parallel_group())
     steps = torch.Generator().manual_seed(13)
     for step in range(2 * INTERVAL + 1):
         if step:

@@ -1,7 +1,7 @@
 """torchrun worker: the real training entry point, with every router-logit batch the monitor records saved.
 
 Usage: ``torchrun ... routing_capture_worker.py CAPTURE_DIR <pretrain_gpt flags>``. Each rank writes
-``CAPTURE_DIR/rank{r}.pt`` = {step: {layer: [logits, ...]}} with exactly the tensors ``RouterMonitor.record``
+``CAPTURE_DIR/rank{r}.pt`` = {step: {layer: [logits, ...]}} with exactly the tensors ``RouterEvaluator.record``
 accumulated for each evaluation, so a test can recompute the statistics of all tokens in one process and
 compare them with what the run reduced over ranks and wrote to mech.jsonl.
 """
@@ -20,8 +20,8 @@ capture_dir = Path(sys.argv[1])
 pending = defaultdict(list)   # layer -> logits recorded since the last evaluation
 captured = {}                 # step -> {layer: [logits]}
 
-original_record = router_monitor.RouterMonitor.record
-original_snapshot = router_monitor.RouterMonitor.snapshot
+original_record = router_monitor.RouterEvaluator.record
+original_snapshot = router_monitor.RouterEvaluator.snapshot
 
 
 def record(self, layer, logits):
@@ -36,8 +36,8 @@ def snapshot(self, step):   # where an evaluation takes what was recorded since 
     return original_snapshot(self, step)
 
 
-router_monitor.RouterMonitor.record = record
-router_monitor.RouterMonitor.snapshot = snapshot
+router_monitor.RouterEvaluator.record = record
+router_monitor.RouterEvaluator.snapshot = snapshot
 
 rank = None
 try:

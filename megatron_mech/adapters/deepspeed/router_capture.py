@@ -16,7 +16,7 @@ Router weight: ``gate.wg.weight`` / ``gate.weight``, ``[E, d_model]``. Top-k: ``
 at stage 3) the partitioned gate weight is gathered into a host copy for the geometry, a collective on every
 rank in discovery order.
 
-Reduction: the hook's :class:`~megatron_mech.monitors.router.RouterMonitor` all-reduces the statistics over the
+Reduction: the hook's :class:`~megatron_mech.monitors.router.RouterEvaluator` all-reduces the statistics over the
 group of ranks whose tokens are disjoint and together make the step: DeepSpeed's sequence-data-parallel group
 (the data-parallel group, times the sequence-parallel one when that is used). Expert-parallel ranks are
 data-parallel ranks with different experts but the same replicated gate, so the reduction covers EP too.

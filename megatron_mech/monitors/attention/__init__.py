@@ -8,7 +8,7 @@ turns ``ΔW = W_t − W_{t−δ}`` into metrics.
 
 Call pattern::
 
-    monitor = AttentionMonitor(layers, AttentionMonitorConfig(interval=10), tp_group=tp_group)
+    monitor = AttentionEvaluator(layers, AttentionMonitorConfig(interval=10), tp_group=tp_group)
     for step in ...:                        # step = number of optimizer steps done (weights are W_step)
         optimizer.step()
         out = monitor.observe(step)         # every step is fine: cheap unless step % interval == 0
@@ -34,10 +34,12 @@ The package, one concept a module:
   :mod:`.qk_heads` — the per-head QK-increment entropies in it; :mod:`.evaluation` — a replica's units evaluated
   bucket by bucket;
 * :mod:`.names` — the metric names, one table;
-* :mod:`.monitor` — :class:`AttentionMonitor`: schedule, metrics from the table, checkpoint state.
+* :mod:`.evaluator` — :class:`AttentionEvaluator`: schedule, metrics from the table, checkpoint state;
+* :mod:`.rules` — the detector rules of its series; :mod:`.monitor` — :class:`~.monitor.AttentionMonitor`, the
+  :class:`~megatron_mech.monitors.protocol.Monitor` the hook runs, driving the evaluator and bringing the rules.
 """
+from megatron_mech.monitors.attention.evaluator import AttentionEvaluator
 from megatron_mech.monitors.attention.layer import AttentionLayer
-from megatron_mech.monitors.attention.monitor import AttentionMonitor
 from megatron_mech.monitors.attention.settings import (
                                                        DW_ROUTES,
                                                        DW_SCOPES,
@@ -49,4 +51,4 @@ from megatron_mech.monitors.attention.settings import (
 )
 
 __all__ = ["DW_ROUTES", "DW_SCOPES", "EVAL_DEVICES", "GRAM_DTYPES", "SNAPSHOT_DEVICES", "AttentionLayer",
-           "AttentionMonitorConfig", "AttentionMonitor", "BadSetting"]
+           "AttentionMonitorConfig", "AttentionEvaluator", "BadSetting"]

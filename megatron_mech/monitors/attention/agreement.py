@@ -68,10 +68,10 @@ def agree_across_tensor_parallel(config: AttentionMonitorConfig, layers: list[At
     if local_error is not None:
         raise local_error
     if hi[0]:
-        raise ValueError("AttentionMonitor: construction failed on another tensor-parallel rank (see its error)")
+        raise ValueError("AttentionEvaluator: construction failed on another tensor-parallel rank (see its error)")
     bad = [f"{name} (min {a}, max {b})" for name, a, b in zip(fields, lo, hi) if a != b]
     if bad:
-        raise ValueError("AttentionMonitor: tensor-parallel ranks disagree on " + "; ".join(bad))
+        raise ValueError("AttentionEvaluator: tensor-parallel ranks disagree on " + "; ".join(bad))
 
     total_heads = [lay.head_offset + lay.num_heads for lay in layers]
     desc = []
@@ -118,7 +118,7 @@ def agree_across_tensor_parallel(config: AttentionMonitorConfig, layers: list[At
             errors.append(f"extra linear {name!r}: (shard_dim, unsplit size) differs across ranks: "
                           f"{sorted({tuple(r) for r in rows})}")
     if errors:
-        raise ValueError("AttentionMonitor: inconsistent layouts across tensor-parallel ranks: " + "; ".join(errors))
+        raise ValueError("AttentionEvaluator: inconsistent layouts across tensor-parallel ranks: " + "; ".join(errors))
     return total_heads
 
 
@@ -139,9 +139,9 @@ def agree_across_replicas(config: AttentionMonitorConfig, layers: list[Attention
     if error is not None:
         raise error
     if hi[0]:
-        raise ValueError("AttentionMonitor: construction failed on another rank (see its error)")
+        raise ValueError("AttentionEvaluator: construction failed on another rank (see its error)")
     if hi[1:] != lo[1:]:
-        raise ValueError("AttentionMonitor: data-parallel replicas disagree on the monitored layers, extra "
+        raise ValueError("AttentionEvaluator: data-parallel replicas disagree on the monitored layers, extra "
                          "linears or config (layer counts min/max "
                          f"{lo[1]}/{hi[1]}, extra counts {lo[2]}/{hi[2]}); every replica must build the "
                          "monitor from the same model and flags")
@@ -158,6 +158,6 @@ def agree_on_snapshot_step(step: Optional[int], rounds: Sequence[tuple], fallbac
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
         lo, hi = -int(both[1]), int(both[0])
         if lo != hi:
-            warnings.warn(f"AttentionMonitor: {what} loaded different snapshot steps ({lo}..{hi}); "
+            warnings.warn(f"AttentionEvaluator: {what} loaded different snapshot steps ({lo}..{hi}); "
                           f"dropping snapshots on every rank (the next interval is skipped)", stacklevel=2)
     return lo == hi

@@ -57,7 +57,7 @@ def combine_replicas(step: int, keys: Sequence[list[Hashable]], local: dict[int,
     all_reduce_flat(buf, dp_group)
     values = buf.cpu().tolist()
     if values[total] != float(step) * dp_size:
-        raise RuntimeError(f"AttentionMonitor: data-parallel replicas evaluated different steps (this rank "
+        raise RuntimeError(f"AttentionEvaluator: data-parallel replicas evaluated different steps (this rank "
                            f"{step}, sum over replicas {values[total]}); every rank must call observe() at "
                            f"the same steps with the same loaded state")
     out = []

@@ -33,7 +33,7 @@ __all__ = ["UnitEvaluation", "complete_layer_values"]
 class UnitEvaluation:
     """Turns two snapshots into each unit's values: the one an interval old (``snapshots``, W_{t−δ}) and the copy
     of the weights taken at the evaluated step (``current``, W_t; the same rows, see
-    :meth:`~megatron_mech.monitors.attention.monitor.AttentionMonitor.snapshot`). The live weights are read for
+    :meth:`~megatron_mech.monitors.attention.evaluator.AttentionEvaluator.snapshot`). The live weights are read for
     their dtype and device only, so an evaluation may run while training changes them.
 
     Args:
@@ -110,7 +110,7 @@ class UnitEvaluation:
                 elif kind == "extra":
                     values[unit] = self._extra_values(i, piece, krylov)
                 elif float(piece[0]) != float(step) * self.tp_size:
-                    raise RuntimeError(f"AttentionMonitor: tensor-parallel ranks evaluated different steps "
+                    raise RuntimeError(f"AttentionEvaluator: tensor-parallel ranks evaluated different steps "
                                        f"(this rank {step}, sum over ranks {float(piece[0])}); every rank must "
                                        f"call observe() at the same steps with the same loaded state")
         return values

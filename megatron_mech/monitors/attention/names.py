@@ -9,8 +9,8 @@ Names (``L`` = global layer index, ``H`` = global head index, ``r`` = TP rank)
   ``linear_qkv``; in the ``global`` scope of the *whole* matrix across TP. Also ``dwq_effective_rank``
   (exp of the unnormalised entropy), ``dwq_stable_rank`` (‖ΔW‖_F²/‖ΔW‖₂²), ``dwq_fro`` (‖ΔW‖_F),
   ``dwq_frozen`` and ``dwq_update_ratio`` (‖ΔW‖_F / ‖W_{t−δ}‖_F), same for ``dwk``. Of these only
-  ``dwq_entropy`` and ``dwk_entropy`` match ``detect.default_rules`` (``attn/*/dw?_entropy``) and are alerted on;
-  the rest are logged.
+  ``dwq_entropy`` and ``dwk_entropy`` match the attention monitor's rules (``attn/*/dw?_entropy``,
+  :mod:`~megatron_mech.monitors.attention.rules`) and are alerted on; the rest are logged.
 * ``attn/layer{L}/head{H}/{term}_entropy`` for ``term`` in ``qk_terms`` (Δ1, Δ2 — the early-warning one —
   and Δ3, see :func:`~megatron_mech.core.spectral.qk_increment_spectra`), and head aggregates
   ``attn/layer{L}/{term}_entropy_mean`` / ``_min`` (NaN if any head is NaN: a NaN is a fault flag). Only the

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from dist_utils import REPO_ROOT, free_port
+from megatron_mech.monitors.registry import default_registry
 from megatron_mech.core.detect import DetectorRegistry
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -132,7 +133,7 @@ def test_sigterm_during_a_slow_evaluation_beside_training_still_saves_within_the
     assert [r["step"] for r in records] == [2, 4]
     assert any(k.startswith("attn/") for k in records[0]["metrics"])
     assert set(records[1]["metrics"]) == {"symptom/loss", "symptom/grad_norm"}
-    reference = DetectorRegistry.with_overrides(summary["detectors"]["rule_overrides"])
+    reference = default_registry(summary["detectors"]["rule_overrides"])
     for record in records:
         reference.update(record["step"], record["metrics"])
     for path in files:

@@ -191,11 +191,11 @@ def test_hf_router_capture_equals_the_logits_mixtral_uses():
     from megatron_mech.core.router_statistics import RoutingStats
     from megatron_mech.adapters.deepspeed.models import mixtral
     from megatron_mech.adapters.deepspeed.router_capture import find_gates, gate_capture
-    from megatron_mech.monitors.router import RouterLayer, RouterMonitor
+    from megatron_mech.monitors.router import RouterLayer, RouterEvaluator
 
     model = mixtral(vocab_size=64)
     gates = find_gates(model)
-    monitor = RouterMonitor([RouterLayer(g.layer, g.weight, g.topk) for g in gates])
+    monitor = RouterEvaluator([RouterLayer(g.layer, g.weight, g.topk) for g in gates])
     for g in gates:
         gate_capture(g)(lambda logits, layer=g.layer: monitor.record(layer, logits))
         gate_capture(g)(lambda logits: pytest.fail("a second capture must not install a second hook"))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dist_utils import REPO_ROOT, run_torchrun
-from megatron_mech.monitors import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
+from megatron_mech.monitors import AttentionLayer, AttentionEvaluator, AttentionMonitorConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -40,7 +40,7 @@ def single_rank_metrics(weights: dict, steps: list, layer: int) -> dict:
     """The attention monitor on one process, no parallelism, over the full float32 QKV weights of ``layer``
     at ``steps`` (``{step: tensor}``): ``{step: metrics}`` of each evaluation."""
     live = weights[steps[0]].clone()
-    monitor = AttentionMonitor([AttentionLayer(layer=layer, qkv_weight=live, num_heads=HEADS, num_query_groups=HEADS,
+    monitor = AttentionEvaluator([AttentionLayer(layer=layer, qkv_weight=live, num_heads=HEADS, num_query_groups=HEADS,
                                                head_dim=HEAD_DIM)], AttentionMonitorConfig(interval=5))
     found = {}
     for step in steps:

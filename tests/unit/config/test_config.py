@@ -286,7 +286,7 @@ def _hook_attention_config(config):
     weight = torch.zeros((heads + 2 * groups) * head_dim, d_model)
     hook = MechHook(config)
     hook.setup(ModelView(attention_layers=[AttentionLayer(0, weight, heads, groups, head_dim)]), start_step=0)
-    return hook.monitor("attention").monitor.config
+    return hook.monitor("attention").evaluator.config
 
 
 @pytest.mark.parametrize("name, flag, typed, value", _ATTENTION_TUNING, ids=[t[0] for t in _ATTENTION_TUNING])
@@ -457,6 +457,7 @@ def test_every_flag_is_declared_once_in_the_package():
                                 for flag in re.findall(r'flag="(--mech-[a-z0-9-]+)"', path.read_text()))
     assert found["--mech-interval"] == 1 and found["--mech-mols-window-start"] == 1
     assert found["--mech-mols-window"] == 0 and "--mech-mols-window" in _generated(_parser())
+    assert found["--mech-detector-threshold"] == 0 and "--mech-detector-threshold" in _generated(_parser())
     assert [flag for flag, n in found.items() if n > 1] == []
 
 

@@ -12,7 +12,8 @@ import random
 import pytest
 
 from megatron_mech.core.detect import (UPDATE_RATIO_JUMP_METRIC, Alert, Detector, DetectorConfig, DetectorRegistry,
-                                  SeriesRule, default_rules)
+                                       SeriesRule, UpdateRatioJump, family_order, family_rank)
+from megatron_mech.monitors.registry import default_registry, default_rules
 
 NAN = float("nan")
 
@@ -176,7 +177,7 @@ def test_nan_during_monitoring_alerts_at_once_and_latches():
 
 def test_990_nan_evaluations_after_10_good_ones_alert_through_the_registry():
     """The default rules need 50 evaluations before a baseline exists; a NaN loss must not wait for it."""
-    reg = DetectorRegistry()
+    reg = default_registry()
     alerts = []
     for step in range(1000):
         loss = 5.0 - 0.001 * step if step < 10 else NAN
@@ -403,17 +404,17 @@ def test_expert_load_rule_keeps_its_warm_up_when_a_run_lowers_the_others():
     expert-load rule, which believes one evaluation only against a baseline past the routers' early transient: its
     warm-up stays at 30 evaluations; a longer warm-up is kept."""
     load, tokens = "router/layer0/load_entropy", "router/layer0/entropy_mean"
-    reg = DetectorRegistry.with_overrides({"warmup": 4, "baseline": 6})
+    reg = default_registry({"warmup": 4, "baseline": 6})
     for evaluation in range(1, 11):  # 4 + 6: the per-token rule has its baseline, the load rule is warming up
         assert reg.update(5 * evaluation, {load: 0.96, tokens: 0.96}) == []
     assert (reg.detectors[tokens].phase, reg.detectors[load].phase) == ("monitoring", "warmup")
     assert reg.update(55, {load: 0.5, tokens: 0.96}) == []  # a fall the load rule would fire on once armed
     assert reg.detectors[load].config.warmup == 30 and reg.detectors[tokens].config.warmup == 4
-    assert DetectorRegistry.with_overrides({"warmup": 100}).earliest_alert()[1] == 100 + 20 + 1
+    assert default_registry({"warmup": 100}).earliest_alert()[1] == 100 + 20 + 1
     with pytest.raises(ValueError, match="min_warmup"):
         SeriesRule("router/*/load_entropy", "router", min_warmup=-1)
     with pytest.raises(ValueError, match="min_warmup"):
-        DetectorRegistry.with_overrides({"min_warmup": 0})
+        default_registry({"min_warmup": 0})
 
 
 def test_registry_first_rule_wins_and_state_round_trip():
@@ -451,12 +452,15 @@ def test_bad_config_raises_naming_field(field, value):
 
 
 def test_bad_family_and_rules_raise():
+    # the families are open (a user monitor's alerts carry its name), but a family is a non-empty string
     with pytest.raises(ValueError, match="family"):
-        Detector(DetectorConfig(), "m", "optimizer")
+        Detector(DetectorConfig(), "m", "")
     with pytest.raises(ValueError, match="family"):
-        Alert("m", "loss", 1, 0.0, 1.0, 7.0)
+        Alert("m", None, 1, 0.0, 1.0, 7.0)
     with pytest.raises(ValueError, match="family"):
-        SeriesRule("x/*", "attn")
+        SeriesRule("x/*", " ")
+    with pytest.raises(ValueError, match="needs a family"):  # only a monitor's rules take its name as family
+        DetectorRegistry([SeriesRule("x/*")])
     with pytest.raises(ValueError, match="direction"):
         SeriesRule("x/*", "attention", direction="left")
     with pytest.raises(ValueError, match="persistence"):
@@ -475,7 +479,7 @@ def test_a_registry_copy_is_judged_apart_and_leaves_the_original_as_it_was():
     """Every kind of state a registry holds (baseline-relative detectors in every phase, a tracking baseline, a
     level rule, layer trends, alerts, unmonitored series) evolves in the copy exactly as in the original fed the
     same evaluations, and feeding the copy changes nothing in the original."""
-    registry = DetectorRegistry.with_overrides({"warmup": 2, "baseline": 3, "persistence": 1,
+    registry = default_registry({"warmup": 2, "baseline": 3, "persistence": 1,
                                                 "layer_trend_warmup": 1, "layer_trend_window": 3})
     r = random.Random(3)
 
@@ -501,3 +505,33 @@ def test_a_registry_copy_is_judged_apart_and_leaves_the_original_as_it_was():
     assert any(a.metric == UPDATE_RATIO_JUMP_METRIC for alerts in twin_alerts for a in alerts)
     assert json.dumps(twin.state_dict()) == json.dumps(registry.state_dict())
     assert twin.unmonitored == registry.unmonitored and "mine/other" in twin.unmonitored
+
+
+class _Bringing:
+    """A stand-in for a monitor as the registry sees it: a name and the rules it brings."""
+
+    def __init__(self, name, rules):
+        self.name, self._rules = name, rules
+
+    def rules(self, settings):
+        return list(self._rules)
+
+
+def test_a_monitors_rules_take_its_name_as_family_its_overrides_and_its_source():
+    registry = DetectorRegistry.with_overrides({"warmup": 2}, [_Bringing("mine", [SeriesRule("mine/*", direction="up")])])
+    assert [(r.pattern, r.family, r.warmup) for r in registry.rules][0] == ("mine/*", "mine", 2)
+    assert registry.sources == ["mine", None, None]  # then the hook's own symptom rules
+    assert [r.pattern for r in registry.rules[1:]] == ["symptom/loss", "symptom/grad_norm"]
+    with pytest.raises(ValueError, match="'odd': its rules must be SeriesRule or UpdateRatioJump objects, got str"):
+        DetectorRegistry.with_overrides({}, [_Bringing("odd", ["mine/*"])])
+    jump = UpdateRatioJump(1.0, 3, 0)
+    with pytest.raises(ValueError, match="a second update-ratio jump"):
+        DetectorRegistry.with_overrides({}, [_Bringing("a", [jump]), _Bringing("b", [jump])])
+
+
+def test_reports_list_the_builtin_families_first_then_the_others_in_order_of_appearance():
+    assert family_order(["mine", "symptom", "attention", "mine", "other"]) == ["attention", "symptom", "mine", "other"]
+    alerts = [Alert("b/x", "zeta", 5, 1.0, 0.0, 9.0), Alert("symptom/loss", "symptom", 5, 1.0, 0.0, 9.0),
+              Alert("a/x", "alpha", 5, 1.0, 0.0, 9.0), Alert("attn/layer0/dwq_entropy", "attention", 5, 0.0, 1.0, 9.0)]
+    assert [a.family for a in sorted(alerts, key=lambda a: family_rank(a.family))] == ["attention", "symptom", "alpha",
+                                                                                     "zeta"]

@@ -16,8 +16,9 @@ import random
 
 import pytest
 
-from megatron_mech.core.detect import (ATTENTION_COLLAPSE, ATTENTION_LEVELS, Detector, DetectorConfig,
-                                       DetectorRegistry, SeriesRule, default_rules, layer_of)
+from megatron_mech.core.detect import Detector, DetectorConfig, DetectorRegistry, SeriesRule, layer_of
+from megatron_mech.monitors.attention.rules import ATTENTION_COLLAPSE, ATTENTION_LEVELS
+from megatron_mech.monitors.registry import default_rules
 
 HEADS = [f"attn/layer1/head{h}/delta2_entropy" for h in range(4)]
 PEERS = [f"attn/layer0/head{h}/delta2_entropy" for h in range(4)]

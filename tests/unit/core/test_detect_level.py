@@ -12,8 +12,9 @@ import random
 
 import pytest
 
-from megatron_mech.core.detect import (ATTENTION_LEVELS, Detector, DetectorConfig, DetectorRegistry, SeriesRule,
-                                       default_rules)
+from megatron_mech.core.detect import Detector, DetectorConfig, DetectorRegistry, SeriesRule
+from megatron_mech.monitors.attention.rules import ATTENTION_LEVELS
+from megatron_mech.monitors.registry import default_rules
 
 DELTA2 = "attn/layer1/head2/delta2_entropy"
 DWQ = "attn/layer1/dwq_entropy"

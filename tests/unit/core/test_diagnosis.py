@@ -6,6 +6,7 @@ import pytest
 
 from megatron_mech.core.attribution import alert_lines, summarize_alerts
 from megatron_mech.core.detect import MAX_LOGIT_LEVEL, Alert, DetectorRegistry
+from megatron_mech.monitors.registry import default_registry
 from megatron_mech.core.diagnosis import diagnose_evaluation, first_diagnosis
 
 LAYERS, HEADS = 4, 3
@@ -47,7 +48,7 @@ def details(values):
 def registry_after_baseline(steps=12):
     """A registry with a short warm-up and baseline (the quick demo's kind of settings), fed ``steps`` healthy
     evaluations: every baseline-relative rule is monitoring."""
-    registry = DetectorRegistry.with_overrides({"warmup": 2, "baseline": 6})
+    registry = default_registry({"warmup": 2, "baseline": 6})
     for i in range(1, steps + 1):
         values = healthy(5 * i)
         assert registry.update(5 * i, values, details(values)) == []
@@ -59,7 +60,7 @@ def fire(registry, step, values):
 
 
 def test_max_logit_level_in_every_layer_is_a_learning_rate_problem_named_by_metric_and_level():
-    registry = DetectorRegistry()  # the level rules are armed from the first evaluation
+    registry = default_registry()  # the level rules are armed from the first evaluation
     values = healthy(5, logits={0: 1.17e9, 1: 3e8, 2: 9e7, 3: 4e6})
     alerts = fire(registry, 5, values)
     assert {a.detail["cause"] for a in alerts} == {"learning_rate"}
@@ -71,7 +72,7 @@ def test_max_logit_level_in_every_layer_is_a_learning_rate_problem_named_by_metr
 
 
 def test_max_logit_level_in_one_layer_while_its_peers_stay_below_is_that_layers_logit_growth():
-    registry = DetectorRegistry()
+    registry = default_registry()
     alerts = fire(registry, 5, healthy(5, logits={2: 450.0}))
     assert [a.detail["cause"] for a in alerts] == ["logit_growth"]
     assert alert_lines(alerts)[0].startswith("attention-logit growth suspected in layer 2 (max attention logit 450 "
@@ -126,14 +127,14 @@ def test_unchanged_weights_at_every_layer_are_skipped_optimizer_steps():
     alerts = [a for step in (205, 210, 215) for a in fire(registry, step, healthy(step, loss=9.0, frozen=True))]
     assert [a.detail["cause"] for a in alerts] == ["optimizer_skipped"]
     assert first_diagnosis(registry.alerts).cause == "optimizer_skipped"
-    resumed = DetectorRegistry.with_overrides({"warmup": 2, "baseline": 6})
+    resumed = default_registry({"warmup": 2, "baseline": 6})
     resumed.load_state_dict(registry.state_dict())
     assert resumed.weights_moved  # kept with the detectors' state
 
 
 def test_weights_frozen_from_the_start_are_a_frozen_base_model_not_skipped_steps():
     """A LoRA-style run: the monitored base weights never change; a loss jump there is not blamed on the optimizer."""
-    registry = DetectorRegistry.with_overrides({"warmup": 2, "baseline": 6})
+    registry = default_registry({"warmup": 2, "baseline": 6})
     for i in range(1, 41):
         assert fire(registry, 5 * i, healthy(5 * i, frozen=True)) == []
     alerts = [a for step in (205, 210, 215) for a in fire(registry, step, healthy(step, loss=9.0, frozen=True))]
@@ -157,11 +158,11 @@ def test_layer_trend_line_names_the_rule():
 
 
 def test_stamped_causes_survive_the_records_and_a_resume():
-    registry = DetectorRegistry()
+    registry = default_registry()
     fire(registry, 5, healthy(5, logits={0: 1e9, 1: 1e9, 2: 1e9, 3: 1e9}))
     records = [Alert.from_dict(a.to_dict()) for a in registry.alerts]  # as mech.jsonl and summary.json keep them
     assert first_diagnosis(records).cause == "learning_rate"
-    resumed = DetectorRegistry()
+    resumed = default_registry()
     resumed.load_state_dict(registry.state_dict())
     assert first_diagnosis(resumed.alerts).cause == "learning_rate"
     values = healthy(10, loss=2.0, logits={0: 12.0, 1: 12.0, 2: 12.0, 3: 900.0})  # layer 3 still above: latched

@@ -8,15 +8,8 @@ import numpy as np
 import pytest
 
 from megatron_mech.config import MechConfig
-from megatron_mech.core.detect import (
-    LAYER_TREND_THRESHOLD,
-    LAYER_TREND_WINDOW,
-    DetectorRegistry,
-    SeriesRule,
-    TrendRules,
-    default_rules,
-    layer_change,
-)
+from megatron_mech.core.detect import LAYER_TREND_THRESHOLD, LAYER_TREND_WINDOW, DetectorRegistry, SeriesRule, TrendRules, layer_change
+from megatron_mech.monitors.registry import default_registry, default_rules
 
 HEADS = 4
 WARMUP = 30  # the per-head Δ2 rule's warm-up (default_rules)
@@ -70,7 +63,7 @@ def test_layer_falling_together_fires_once_at_the_reference_step_before_the_leve
             if layer == 1:  # every head of layer 1 falls by e^-0.35 per evaluation from the onset
                 v[onset:] *= np.exp(-0.35 * np.arange(1, n - onset + 1))
             series[name] = v
-    registry = DetectorRegistry()
+    registry = default_registry()
     alerts = feed(registry, series)
     trend = [a for a in alerts if "layer_change" in a.detail]
     expected = reference_first_fire(series, 1)
@@ -91,7 +84,7 @@ def test_one_head_falling_alone_or_healthy_wandering_does_not_fire():
     n = 200
     series = {name: healthy(rng, n) for layer in range(3) for name in names(layer)}
     series[names(2)[0]][80:] *= np.exp(-0.5 * np.arange(1, n - 80 + 1))  # one head of layer 2 collapses alone
-    alerts = feed(DetectorRegistry(), series)
+    alerts = feed(default_registry(), series)
     assert not [a for a in alerts if "layer_change" in a.detail]
     assert reference_first_fire(series, 2) is None
 
@@ -104,7 +97,7 @@ def test_rearms_after_persistence_evaluations_below_and_fires_again():
     fall[100:110] = fall[59] * np.exp(-0.5 * np.arange(1, 11))
     fall[110:] = fall[109]
     series = {name: fall.copy() for name in names(0)}
-    trend = [a for a in feed(DetectorRegistry(), series) if "layer_change" in a.detail]
+    trend = [a for a in feed(default_registry(), series) if "layer_change" in a.detail]
     first = reference_first_fire(series, 0)
     assert len(trend) == 2 and trend[0].step == 5 + 5 * first and first < 60
     assert 5 + 5 * 100 < trend[1].step <= 5 + 5 * 110  # re-armed on the flat stretch, fired on the second fall
@@ -116,11 +109,11 @@ def test_state_dict_resume_gives_the_same_alerts():
     series = {name: healthy(rng, n) for name in names(0)}
     for name in names(0):
         series[name][50:] *= np.exp(-0.3 * np.arange(1, n - 50 + 1))
-    whole = feed(DetectorRegistry(), series)
-    first = DetectorRegistry()
+    whole = feed(default_registry(), series)
+    first = default_registry()
     feed(first, {k: v[:cut] for k, v in series.items()})
     state = first.state_dict()
-    resumed = DetectorRegistry()
+    resumed = default_registry()
     resumed.load_state_dict(state)
     feed(resumed, {k: v[cut:] for k, v in series.items()}, start_step=5 + 5 * cut)
     assert [a.to_dict() for a in resumed.alerts] == [a.to_dict() for a in whole]
@@ -130,31 +123,31 @@ def test_state_dict_resume_gives_the_same_alerts():
 def test_state_without_layer_trends_restarts_them():
     rng = np.random.default_rng(4)
     series = {name: healthy(rng, 60) for name in names(0)}
-    registry = DetectorRegistry()
+    registry = default_registry()
     feed(registry, series)
     state = registry.state_dict()
     del state["layer_trends"]  # saved before the layer trend existed
-    resumed = DetectorRegistry()
+    resumed = default_registry()
     resumed.load_state_dict(state)
     assert resumed.state_dict()["layer_trends"] == {"seen": {}, "logs": {}, "latch": []}
     state = registry.state_dict()
     state["layer_trends"]["logs"][names(0)[0]] = [0.1, float("nan")]
     with pytest.raises(ValueError, match="logs must be a list of finite numbers"):
-        DetectorRegistry().load_state_dict(state)
+        default_registry().load_state_dict(state)
 
 
 def test_switched_off_and_set_from_the_config():
-    assert not DetectorRegistry.with_overrides({"layer_trend_threshold": 0}).trend_rules()
-    rule, = DetectorRegistry.with_overrides({"layer_trend_threshold": 2.5, "layer_trend_window": 6}).trend_rules()
+    assert not default_registry({"layer_trend_threshold": 0}).trend_rules()
+    rule, = default_registry({"layer_trend_threshold": 2.5, "layer_trend_window": 6}).trend_rules()
     assert (rule.layer_trend, rule.trend_window) == (2.5, 6)
     # the baseline-relative rules' warm-up does not lower the trend's (its own setting does)
-    assert DetectorRegistry.with_overrides({"warmup": 4}).trend_rules()[0].trend_warmup == 30
-    assert DetectorRegistry.with_overrides({"layer_trend_warmup": 4}).trend_rules()[0].trend_warmup == 4
+    assert default_registry({"warmup": 4}).trend_rules()[0].trend_warmup == 30
+    assert default_registry({"layer_trend_warmup": 4}).trend_rules()[0].trend_warmup == 4
     # a flag's value reaches the rules through the config, and a bad one names the flag
     parser = argparse.ArgumentParser()
     MechConfig.add_flags(parser)
     config = MechConfig.from_flags(parser.parse_args(["--mech-layer-trend-threshold", "0"]))
-    assert not DetectorRegistry.with_overrides(config.detector.as_rule_fields()).trend_rules()
+    assert not default_registry(config.detector.as_rule_fields()).trend_rules()
     with pytest.raises(ValueError, match="--mech-layer-trend-window"):
         MechConfig.from_dict({"detector": {"layer_trend_window": 2}})
     with pytest.raises(ValueError, match="layer_trend, trend_window and trend_warmup are set together"):

@@ -7,15 +7,8 @@ import math
 
 import pytest
 
-from megatron_mech.core.detect import (
-    Alert,
-    DetectorConfig,
-    DetectorRegistry,
-    LevelDetector,
-    LevelRules,
-    SeriesRule,
-    default_rules,
-)
+from megatron_mech.core.detect import Alert, DetectorConfig, DetectorRegistry, LevelDetector, LevelRules, SeriesRule
+from megatron_mech.monitors.registry import default_registry, default_rules
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -109,7 +102,7 @@ def test_level_settings_are_validated(kwargs, message):
 
 
 def test_default_registry_alerts_from_the_first_evaluation_naming_layer_and_head():
-    registry = DetectorRegistry()
+    registry = default_registry()
     # step 5 is the run's first evaluation: the baseline-relative rules are in their warm-up, the level rule fires
     fired = registry.update(5, {LOGIT: 130.0, SHARE: 0.7, "symptom/max_attn_logit": 130.0, "symptom/loss": 3.0},
                             {LOGIT: {"layer": 2, "head": 5}, SHARE: {"layer": 1, "expert": 3}})
@@ -123,13 +116,13 @@ def test_default_registry_alerts_from_the_first_evaluation_naming_layer_and_head
     assert registry.earliest_alert()[1] == 51
     assert registry.earliest_alert({"attention", "symptom"})[1] == 53
     assert [r.pattern for r in registry.level_rules()] == ["symptom/max_attn_logit/layer*"]
-    registry = DetectorRegistry.with_overrides({"expert_share_level": 0.5})
+    registry = default_registry({"expert_share_level": 0.5})
     [alert] = registry.update(5, {SHARE: 0.7}, {SHARE: {"layer": 1, "expert": 3}})
     assert (alert.family, alert.detail) == ("router", {"layer": 1, "expert": 3, "level": 0.5, "cause": "router"})
 
 
 def test_overrides_switch_a_level_rule_off_or_move_it_and_leave_the_others_alone():
-    registry = DetectorRegistry.with_overrides({"max_logit_level": 0, "expert_share_level": 0.8, "warmup": 2,
+    registry = default_registry({"max_logit_level": 0, "expert_share_level": 0.8, "warmup": 2,
                                                 "persistence": 4})
     assert [(r.pattern, r.level, r.persistence) for r in registry.level_rules()] == [
         ("router/*/expert_share_excess", 0.8, 1)]  # the baseline rules' persistence is not the level rule's
@@ -137,16 +130,16 @@ def test_overrides_switch_a_level_rule_off_or_move_it_and_leave_the_others_alone
     assert registry.update(5, {SHARE: 0.7, LOGIT: 500.0}) == []  # 0.7 < 0.8; the logit rule is off
     assert LOGIT in registry.unmonitored
     with pytest.raises(ValueError, match="max_logit_level"):
-        DetectorRegistry.with_overrides({"max_logit_level": -1.0})
-    assert not LevelRules(max_logit_level=None, expert_share_level=0).rules()
+        default_registry({"max_logit_level": -1.0})
+    assert not [r for r in default_rules(LevelRules(max_logit_level=None, expert_share_level=0)) if r.kind == "level"]
     assert len(default_rules(LevelRules(max_logit_level=0))) == len(default_rules()) - 1
     assert len(default_rules(LevelRules(expert_share_level=0.5))) == len(default_rules()) + 1
 
 
 def test_registry_state_round_trip_keeps_the_level_latch():
-    registry = DetectorRegistry()
+    registry = default_registry()
     registry.update(5, {LOGIT: 130.0})
-    restored = DetectorRegistry()
+    restored = default_registry()
     restored.load_state_dict(registry.state_dict())
     assert restored.update(10, {LOGIT: 140.0}) == []  # latched across the checkpoint
     assert restored.update(15, {LOGIT: 90.0}) == [] and len(restored.update(20, {LOGIT: 120.0})) == 1

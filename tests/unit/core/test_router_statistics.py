@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dist_utils import WORKERS, run_torchrun
+from megatron_mech.monitors.registry import default_registry
 from megatron_mech.core.router_statistics import RouterGeometry, RoutingStats, router_weight_geometry, routing_entropy
 
 FAST = settings(max_examples=25, deadline=None)
@@ -422,7 +423,7 @@ def test_router_token_stride_matches_every_token_within_sampling_error():
     a simple random sample, so each summary is within a few standard errors of the every-token summary:
     4 × σ/√m for the means (m sampled tokens; a 4σ miss has probability ~6e-5, and the seed is fixed), and
     4 × √(p(1−p)/(m·k)) for each expert's load fraction (m·k top-k assignments). The token count is exact."""
-    from megatron_mech.monitors.router import RouterLayer, RouterMonitor
+    from megatron_mech.monitors.router import RouterLayer, RouterEvaluator
 
     experts, topk, stride, batches, per_batch = 16, 2, 16, 8, 8192
     gen = torch.Generator().manual_seed(7)
@@ -431,7 +432,7 @@ def test_router_token_stride_matches_every_token_within_sampling_error():
     bias = torch.linspace(0.0, 1.5, experts)
     logits = [torch.randn(per_batch, experts, generator=gen) * (0.5 + 4 * torch.rand(per_batch, 1, generator=gen))
               + bias for _ in range(batches)]
-    monitors = {s: RouterMonitor([RouterLayer(0, weight, topk)], token_stride=s) for s in (1, stride)}
+    monitors = {s: RouterEvaluator([RouterLayer(0, weight, topk)], token_stride=s) for s in (1, stride)}
     for monitor in monitors.values():
         monitor.capturing = True
         for batch in logits:
@@ -453,23 +454,23 @@ def test_router_token_stride_matches_every_token_within_sampling_error():
 
 
 def test_router_token_stride_rejects_bad_values():
-    from megatron_mech.monitors.router import RouterLayer, RouterMonitor
+    from megatron_mech.monitors.router import RouterLayer, RouterEvaluator
 
     with pytest.raises(ValueError, match="token_stride"):
-        RouterMonitor([RouterLayer(0, torch.randn(4, 2), 2)], token_stride=0)
+        RouterEvaluator([RouterLayer(0, torch.randn(4, 2), 2)], token_stride=0)
 
 
 @pytest.mark.timeout(60)
 def test_busiest_expert_excess_runs_from_balanced_to_every_tokens_top_k():
     from megatron_mech.core.detect import DetectorRegistry
-    from megatron_mech.monitors.router import RouterLayer, RouterMonitor
+    from megatron_mech.monitors.router import RouterLayer, RouterEvaluator
 
     def observe(top2_pairs, experts=4, topk=2):
         """Router logits whose top-2 are the given expert pairs (one token each); the monitor's metrics, details."""
         logits = torch.zeros(len(top2_pairs), experts)
         for token, (first, second) in enumerate(top2_pairs):
             logits[token, first], logits[token, second] = 2.0, 1.0
-        monitor = RouterMonitor([RouterLayer(3, torch.randn(experts, 4), topk)])
+        monitor = RouterEvaluator([RouterLayer(3, torch.randn(experts, 4), topk)])
         monitor.capturing = True
         monitor.record(3, logits)
         return monitor.observe(1)
@@ -484,9 +485,9 @@ def test_busiest_expert_excess_runs_from_balanced_to_every_tokens_top_k():
     metrics, details = observe([(0, 1), (0, 2), (0, 3), (1, 2)])
     assert metrics[name] == 0.5 and details[name]["expert"] == 0 and details[name]["expert_load"] == 3 / 8
     with_level = {"expert_share_level": 0.5}
-    assert DetectorRegistry.with_overrides(with_level).update(5, {name: metrics[name]}, details) == []
+    assert default_registry(with_level).update(5, {name: metrics[name]}, details) == []
     metrics, details = observe([(0, 1), (0, 2), (0, 3), (0, 2)])  # 4, 1, 2, 1 of 8: share 1/2 → excess 1
-    [alert] = DetectorRegistry.with_overrides(with_level).update(5, {name: metrics[name]}, details)
+    [alert] = default_registry(with_level).update(5, {name: metrics[name]}, details)
     assert alert.step == 5 and alert.family == "router" and alert.detail["expert"] == 0
     # top-k of every expert: every expert in every top-k, no imbalance to measure
     assert name not in observe([(0, 1), (1, 0)], experts=2, topk=2)[0]

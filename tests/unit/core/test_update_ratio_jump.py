@@ -6,6 +6,7 @@ import pytest
 
 from megatron_mech.core import diagnosis
 from megatron_mech.core.detect import UPDATE_RATIO_JUMP, UPDATE_RATIO_JUMP_METRIC, DetectorRegistry, UpdateRatioJump
+from megatron_mech.monitors.registry import default_registry
 
 
 def ratios(step, scale=1.0, layers=4, only=None):
@@ -29,7 +30,7 @@ def test_the_alert_names_the_same_series_the_diagnosis_reads():
 
 
 def test_every_layer_doubling_at_once_alerts_as_a_learning_rate_change_and_latches():
-    registry = DetectorRegistry()  # on with the default rules: warm-up 30 and window 10 evaluations
+    registry = default_registry()  # on with the default rules: warm-up 30 and window 10 evaluations
     assert feed(registry, range(5, 205, 5)) == []  # 40 evaluations: warm-up and the first window, silent
     [alert] = feed(registry, [205], scale=3.0)
     assert (alert.metric, alert.family, alert.step, alert.rule_kind) == (UPDATE_RATIO_JUMP_METRIC, "attention", 205,
@@ -40,7 +41,7 @@ def test_every_layer_doubling_at_once_alerts_as_a_learning_rate_change_and_latch
 
 
 def test_one_layers_jump_or_a_slow_schedule_does_not_alert():
-    registry = DetectorRegistry()
+    registry = default_registry()
     assert feed(registry, range(5, 400, 5)) == []
     assert feed(registry, range(400, 450, 5), scale=10.0, only={1}) == []  # one layer of four: not every layer
 
@@ -53,26 +54,26 @@ def test_nothing_is_judged_before_the_warm_up_and_window():
 
 
 def test_state_round_trip_and_a_state_without_it():
-    registry = DetectorRegistry()
+    registry = default_registry()
     feed(registry, range(5, 205, 5))
-    resumed = DetectorRegistry()
+    resumed = default_registry()
     resumed.load_state_dict(registry.state_dict())
     assert [a.step for a in feed(resumed, [205], scale=3.0)] == [205]  # the history came back with the state
     old = registry.state_dict()
     del old["update_jump"]  # saved before the rule existed: it warms up again
-    fresh = DetectorRegistry()
+    fresh = default_registry()
     fresh.load_state_dict(old)
     assert feed(fresh, [205], scale=3.0) == []
     with pytest.raises(ValueError, match="logs of layer 0 must be a list of finite numbers"):
         bad = registry.state_dict()
         bad["update_jump"]["logs"]["0"] = ["x"]
-        DetectorRegistry().load_state_dict(bad)
+        default_registry().load_state_dict(bad)
 
 
 def test_the_setting_switches_it_off_and_custom_rules_leave_it_off():
-    off = DetectorRegistry.with_overrides({"update_ratio_jump": 0})
+    off = default_registry({"update_ratio_jump": 0})
     assert off.update_jump is None
     assert feed(off, range(5, 210, 5)) == [] and feed(off, [210], scale=5.0) == []
     assert DetectorRegistry(rules=[]).update_jump is None
     with pytest.raises(ValueError, match="update_ratio_jump must be a finite number"):
-        DetectorRegistry.with_overrides({"update_ratio_jump": -1.0})
+        default_registry({"update_ratio_jump": -1.0})

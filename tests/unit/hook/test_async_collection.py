@@ -1,6 +1,6 @@
 """``--mech-async``: the monitors' evaluation on the hook's worker thread, collected at a fixed boundary.
 
-Real parts: a real AttentionMonitor and ExpertMonitor on weights the test updates like an optimizer would, the real
+Real parts: a real AttentionEvaluator and ExpertEvaluator on weights the test updates like an optimizer would, the real
 detectors and record layout (through a CallbackSink), the real worker thread. The reference for every record is
 the same run with the evaluation inline (``--mech-async off``), compared as JSON text: bit for bit, same keys in
 the same order. One process, no torch.distributed (the worker's groups are covered by the distributed tests in
@@ -17,12 +17,13 @@ import torch
 
 from megatron_mech.async_evaluation import EvaluationWorker, WorkerFailure
 from megatron_mech.config import DetectorOverrides, MechConfig, MonitorConfig
-from megatron_mech.core.detect import DetectorRegistry
+from megatron_mech.core.detect import DetectorRegistry, SeriesRule
 from megatron_mech.hook import Action, MechHook
 from megatron_mech.model_view import ModelView
 from megatron_mech.monitors.attention import AttentionLayer
 from megatron_mech.monitors.experts import ExpertLayer
 from megatron_mech.monitors.protocol import Monitor
+from megatron_mech.monitors.registry import build_registry
 from megatron_mech.records.sinks import CallbackSink
 
 pytestmark = pytest.mark.timeout(300)
@@ -183,10 +184,11 @@ def test_state_dict_with_an_evaluation_in_flight_collects_it_and_a_resume_gives_
     assert any(k.startswith("attn/") for k in resumed.records[0]["metrics"])  # snapshots were in the state
 
 
-def _replayed_detectors(records):
-    """The independent reference for a hook's detectors: a fresh registry with the test's settings, fed the
-    metrics of every record written, in order (the records are the run's record of truth)."""
-    registry = DetectorRegistry.with_overrides(DetectorOverrides(warmup=0, baseline=3, persistence=1).as_rule_fields())
+def _replayed_detectors(records, monitors):
+    """The independent reference for a hook's detectors: a fresh registry of the rules the running ``monitors``
+    bring, with the test's settings, fed the metrics of every record written, in order (the records are the run's
+    record of truth)."""
+    registry = build_registry(DetectorOverrides(warmup=0, baseline=3, persistence=1).as_rule_fields(), monitors)
     for record in records:
         registry.update(record["step"], {k: v for k, v in record["metrics"].items() if v is not None})
     return registry
@@ -213,7 +215,7 @@ def test_a_monitor_that_raises_is_reported_and_the_monitors_stop_while_training_
     assert run.monitors[0].evaluated == [2, 4]
     assert len(run.hook.losses) == 8
     # the detectors judged exactly what the records hold, step 4's loss and grad norm included
-    assert state["detectors"]["detectors"] == _replayed_detectors(run.records).state_dict()["detectors"]
+    assert state["detectors"]["detectors"] == _replayed_detectors(run.records, run.hook.monitors).state_dict()["detectors"]
     assert state["monitors"] == {}   # the monitors' entries are left out after a failure: they start afresh
 
 
@@ -230,16 +232,19 @@ class Slow(Monitor):
     def snapshot(self, step):
         return step
 
+    def rules(self, settings):  # its own level rule, armed from the first evaluation
+        return [SeriesRule("slow/layer*/peak", direction="up", kind="level", level=100.0, persistence=1)]
+
     def evaluate(self, step, snapshot):
         if step == self.slow_at:
             self.release.wait()
-            return {"symptom/max_attn_logit/layer7": 1e6}, {"symptom/max_attn_logit/layer7": {"layer": 7}}
-        return {"symptom/max_attn_logit/layer7": 1.0}, {"symptom/max_attn_logit/layer7": {"layer": 7}}
+            return {"slow/layer7/peak": 1e6}, {"slow/layer7/peak": {"layer": 7}}
+        return {"slow/layer7/peak": 1.0}, {"slow/layer7/peak": {"layer": 7}}
 
 
 def test_an_evaluation_given_up_at_its_timeout_changes_nothing_when_it_ends_later(caplog):
     """The evaluation of step 4 is given up at step 5 (timeout 1 s); the test then lets it finish, with a value
-    that fires the max-logit level rule, and waits for the worker thread to end. The hook's detectors, its alerts
+    that fires the monitor's own level rule, and waits for the worker thread to end. The hook's detectors, its alerts
     and its state must be exactly those of the records written (the reference: the records replayed through a
     fresh registry), with no trace of step 4's late value or alert, in any baseline."""
     release = threading.Event()
@@ -257,8 +262,8 @@ def test_an_evaluation_given_up_at_its_timeout_changes_nothing_when_it_ends_late
     assert [(a.metric, a.step) for a in run.hook.alerts] == recorded_alerts
     assert [r["step"] for r in run.records] == [2, 4, 6, 8, 10]
     assert [(a["metric"], a["step"]) for a in state["detectors"]["alerts"]] == recorded_alerts
-    assert not any(step == 4 and "max_attn_logit" in metric for metric, step in recorded_alerts)
-    assert state["detectors"]["detectors"] == _replayed_detectors(run.records).state_dict()["detectors"]
+    assert not any(step == 4 and metric.startswith("slow/") for metric, step in recorded_alerts)
+    assert state["detectors"]["detectors"] == _replayed_detectors(run.records, run.hook.monitors).state_dict()["detectors"]
     assert run.hook.registry.state_dict()["detectors"] == state["detectors"]["detectors"]
 
 
@@ -338,6 +343,6 @@ def test_a_stop_request_gives_the_evaluation_in_flight_up_instead_of_waiting_for
     failure = run.hook.async_report()["failure"]
     assert failure["step"] == 2 and "a stop was requested" in failure["error"]
     assert state["monitors"] == {}
-    replayed = _replayed_detectors(run.records).state_dict()["detectors"]
+    replayed = _replayed_detectors(run.records, run.hook.monitors).state_dict()["detectors"]
     assert state["detectors"]["detectors"] == replayed != reference["detectors"]
     run.hook.close()

@@ -1,4 +1,4 @@
-"""MechHook's lifecycle in one process, framework-free: a real AttentionMonitor on a real weight that the test
+"""MechHook's lifecycle in one process, framework-free: a real AttentionEvaluator on a real weight that the test
 updates like an optimizer would, the real detectors and sinks, the alert policy, one-entry resume, the extension
 seam and the LR fault registered through it. (The megatron-core path, with real collectives, is covered by the
 torchrun training tests.)"""
@@ -460,3 +460,20 @@ def test_arming_of_a_run_that_reaches_the_armed_from_step():
     run.steps(1, 24)
     assert run.hook.arming()["note"] == ("run ended at step 24, before the detectors were armed (step 62): only "
                                          "non-finite values and the layer trend (from step 20) could alert")
+
+
+def test_the_armed_from_step_counts_only_the_rules_of_the_monitors_that_run():
+    """An MoE model whose run watches the attention only: the router monitor does not run, so its expert-load rule
+    (warm-up 30 + baseline 20 + persistence 1 = 51 evaluations) cannot alert first; the earliest rule is an
+    attention or symptom rule, 30 + 20 + 3 = 53 evaluations, every 5 steps. The detectors hold no router rule."""
+    from megatron_mech.model_view import RouterView
+
+    weight = torch.randn((HEADS + 2 * GROUPS) * HEAD_DIM, D_MODEL, generator=torch.Generator().manual_seed(0))
+    routers = [RouterView(layer, torch.randn(4, D_MODEL), 2, lambda observe: None) for layer in range(2)]
+    hook = MechHook(MechConfig(monitors=MonitorConfig(families=("attention",), interval=5)), train_steps=1000,
+                    sinks=CallbackSink(lambda record: None))
+    hook.setup(ModelView(attention_layers=[AttentionLayer(0, weight, HEADS, GROUPS, HEAD_DIM)], routers=routers))
+    assert [m.name for m in hook.monitors] == ["attention"]
+    assert hook.armed_from_step == 53 * 5
+    assert hook.arming()["armed_from_step"] == 265
+    assert not any(rule.pattern.startswith("router/") for rule in hook.registry.rules)

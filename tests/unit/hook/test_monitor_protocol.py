@@ -2,7 +2,7 @@
 on the evaluation steps the hook decides, checkpointed as one versioned entry per monitor; states in the layout
 written before that (the monitors' states as top-level keys, versions 1 and 2) still resume exactly.
 
-Real parts throughout: a real AttentionMonitor and ExpertMonitor on weights the test updates like an optimizer
+Real parts throughout: a real AttentionEvaluator and ExpertEvaluator on weights the test updates like an optimizer
 would, the real detectors, the hook's own record layout (through a CallbackSink). The reference for a resume is the
 same run without the interruption (same process, same computation: bit-equal)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""AttentionMonitor (megatron_mech.monitors.attention).
+"""AttentionEvaluator (megatron_mech.monitors.attention).
 
 (a) Single process: a fake training loop on a plain tensor in Megatron's fused ``linear_qkv`` layout. Every
 metric is checked against an independent dense computation: the Q/K row blocks are cut out by hand (not with
@@ -18,7 +18,8 @@ import torch
 
 from dist_utils import WORKERS, run_torchrun
 from megatron_mech.core.detect import DetectorRegistry
-from megatron_mech.monitors import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
+from megatron_mech.monitors.registry import default_registry
+from megatron_mech.monitors import AttentionLayer, AttentionEvaluator, AttentionMonitorConfig
 from megatron_mech.monitors.attention import BadSetting
 from megatron_mech.core.spectral import qk_increment_spectra_dense
 
@@ -120,7 +121,7 @@ def run_loop(monitor, weight, updates, steps, start=0, history=None):
 def test_metrics_equal_dense_reference(h, g):
     weight = make_weight(h, g)
     updates = make_updates(weight.shape, 12)
-    monitor = AttentionMonitor([AttentionLayer(2, weight, h, g, HEAD_DIM)], exact_config(interval=3))
+    monitor = AttentionEvaluator([AttentionLayer(2, weight, h, g, HEAD_DIM)], exact_config(interval=3))
     history = {}
     results = run_loop(monitor, weight, updates, 12, history=history)
     assert sorted(results) == [3, 6, 9, 12]           # snapshot at 0, then every interval
@@ -136,7 +137,7 @@ def test_metrics_equal_dense_reference(h, g):
 def test_schedule_aligned_to_interval():
     weight = make_weight(4, 2)
     updates = make_updates(weight.shape, 13)
-    monitor = AttentionMonitor([AttentionLayer(0, weight, 4, 2, HEAD_DIM)], AttentionMonitorConfig(interval=4))
+    monitor = AttentionEvaluator([AttentionLayer(0, weight, 4, 2, HEAD_DIM)], AttentionMonitorConfig(interval=4))
     # First call at step 1: nothing until the first multiple (4) snapshots; evaluations at 8 and 12.
     assert sorted(run_loop(monitor, weight, updates, 13, start=1)) == [8, 12]
     assert monitor.should_observe(16) and not monitor.should_observe(15)
@@ -149,14 +150,14 @@ def test_power_and_terms_config():
     weight = make_weight(4, 2)
     updates = make_updates(weight.shape, 4)
     cfg = exact_config(interval=2, qk_terms=("delta2",), entropy_power=1.0, qk_method="qr")
-    monitor = AttentionMonitor([AttentionLayer(0, weight, 4, 2, HEAD_DIM)], cfg)
+    monitor = AttentionEvaluator([AttentionLayer(0, weight, 4, 2, HEAD_DIM)], cfg)
     history = {}
     results = run_loop(monitor, weight, updates, 4, history=history)
     metrics, _ = results[4]
     want = reference_metrics(history[2], history[4], 4, 2, HEAD_DIM, 0, terms=("delta2",), power=1.0)
     assert_metrics_close(metrics, want, tol=1e-6)    # qr method works in float32 for float32 weights
     assert not any("delta1" in k or "delta3" in k for k in metrics)
-    no_heads = AttentionMonitor([AttentionLayer(0, weight, 4, 2, HEAD_DIM)],
+    no_heads = AttentionEvaluator([AttentionLayer(0, weight, 4, 2, HEAD_DIM)],
                                 exact_config(interval=2, qk_terms=()))
     no_heads.observe(0)
     with torch.no_grad():
@@ -174,7 +175,7 @@ def test_extra_linears_and_slice_scope_single_process():
 
     def loop(scope):
         w, a, b = weight.clone(), fc1.clone(), fc2.clone()
-        mon = AttentionMonitor([AttentionLayer(0, w, 4, 2, HEAD_DIM)],
+        mon = AttentionEvaluator([AttentionLayer(0, w, 4, 2, HEAD_DIM)],
                                exact_config(interval=2, dw_scope=scope),
                                extra_linears={"layer0.fc1": (a, 0), "layer0.fc2": (b, 1)})
         gen = torch.Generator().manual_seed(5)
@@ -213,15 +214,15 @@ def test_state_dict_round_trip_mid_run(save):
     cfg = exact_config(interval=3, checkpoint_snapshots=save)
 
     weight_a = make_weight(h, g)
-    full = run_loop(AttentionMonitor([AttentionLayer(0, weight_a, h, g, HEAD_DIM)], cfg), weight_a, updates, steps)
+    full = run_loop(AttentionEvaluator([AttentionLayer(0, weight_a, h, g, HEAD_DIM)], cfg), weight_a, updates, steps)
 
     weight_b = make_weight(h, g)
-    first = AttentionMonitor([AttentionLayer(0, weight_b, h, g, HEAD_DIM)], cfg)
+    first = AttentionEvaluator([AttentionLayer(0, weight_b, h, g, HEAD_DIM)], cfg)
     before = run_loop(first, weight_b, updates, 7)
     buffer = io.BytesIO()
     torch.save(first.state_dict(), buffer)
     buffer.seek(0)
-    resumed = AttentionMonitor([AttentionLayer(0, weight_b, h, g, HEAD_DIM)], cfg)
+    resumed = AttentionEvaluator([AttentionLayer(0, weight_b, h, g, HEAD_DIM)], cfg)
     resumed.load_state_dict(torch.load(buffer, weights_only=True))
     after = run_loop(resumed, weight_b, updates, steps, start=8)
 
@@ -240,7 +241,7 @@ def test_non_finite_weight_gives_nan_metrics(route):
     h, g = 4, 2
     weight = make_weight(h, g)
     updates = make_updates(weight.shape, 6)
-    monitor = AttentionMonitor([AttentionLayer(1, weight, h, g, HEAD_DIM)], exact_config(interval=3, dw_route=route))
+    monitor = AttentionEvaluator([AttentionLayer(1, weight, h, g, HEAD_DIM)], exact_config(interval=3, dw_route=route))
     run_loop(monitor, weight, updates, 3)
     with torch.no_grad():
         weight += updates[4]
@@ -274,7 +275,7 @@ def test_frozen_layer_is_flagged_not_nan():
     for group in range(g):  # the Q rows of each group: the first h/g head blocks of the group's block
         start = group * (h // g + 2) * HEAD_DIM
         q_rows[start:start + (h // g) * HEAD_DIM] = True
-    monitor = AttentionMonitor([AttentionLayer(0, weight, h, g, HEAD_DIM)], AttentionMonitorConfig(interval=3))
+    monitor = AttentionEvaluator([AttentionLayer(0, weight, h, g, HEAD_DIM)], AttentionMonitorConfig(interval=3))
     run_loop(monitor, weight, updates, 3)
     with torch.no_grad():  # steps 4-6: only K (and V) move
         for s in (4, 5, 6):
@@ -289,7 +290,7 @@ def test_frozen_layer_is_flagged_not_nan():
     assert metrics["attn/layer0/dwq_frozen"] == metrics["attn/layer0/dwk_frozen"] == 1.0
     entropies = {n: v for n, v in metrics.items() if n.endswith("entropy") or "_entropy_" in n}
     assert entropies and all(v is None for v in entropies.values())
-    registry = DetectorRegistry()
+    registry = default_registry()
     assert registry.update(9, metrics) == []
 
 
@@ -300,13 +301,13 @@ def test_bf16_weights_snapshot_in_their_own_dtype(config):
     h, g = 4, 2
     weight = make_weight(h, g, dtype=torch.bfloat16)
     updates = make_updates(weight.shape, 6)
-    monitor = AttentionMonitor([AttentionLayer(0, weight, h, g, HEAD_DIM)], config(interval=3))
+    monitor = AttentionEvaluator([AttentionLayer(0, weight, h, g, HEAD_DIM)], config(interval=3))
     history = {}
     results = run_loop(monitor, weight, updates, 6, history=history)
     snapshot = monitor.state_dict()["snapshots"]["layers"][0]
     assert snapshot["q"].dtype == snapshot["k"].dtype == torch.bfloat16
     upcast = history[0].float()                              # the same weights, held in float32
-    float32_monitor = AttentionMonitor([AttentionLayer(0, upcast, h, g, HEAD_DIM)], config(interval=3))
+    float32_monitor = AttentionEvaluator([AttentionLayer(0, upcast, h, g, HEAD_DIM)], config(interval=3))
     for step in range(7):
         with torch.no_grad():
             upcast.copy_(history[step])
@@ -320,12 +321,12 @@ def test_bf16_weights_snapshot_in_their_own_dtype(config):
 
 def test_metric_names_match_detector_rules():
     weight = make_weight(4, 2)
-    monitor = AttentionMonitor([AttentionLayer(3, weight, 4, 2, HEAD_DIM)], AttentionMonitorConfig(interval=1))
+    monitor = AttentionEvaluator([AttentionLayer(3, weight, 4, 2, HEAD_DIM)], AttentionMonitorConfig(interval=1))
     monitor.observe(0)
     with torch.no_grad():
         weight += 1e-3 * torch.randn_like(weight)
     metrics, details = monitor.observe(1)
-    registry = DetectorRegistry()
+    registry = default_registry()
     registry.update(1, metrics, details)
     alerted = set(registry.detectors)
     assert {"attn/layer3/dwq_entropy", "attn/layer3/dwk_entropy", "attn/layer3/head2/delta2_entropy"} <= alerted
@@ -357,18 +358,18 @@ def test_bad_layers_and_state_raise():
     with pytest.raises(ValueError, match="not divisible"):
         AttentionLayer(0, w, 3, 2, HEAD_DIM)
     with pytest.raises(ValueError, match="duplicate"):
-        AttentionMonitor([AttentionLayer(0, w, 4, 2, HEAD_DIM)] * 2)
+        AttentionEvaluator([AttentionLayer(0, w, 4, 2, HEAD_DIM)] * 2)
     with pytest.raises(ValueError, match="shard_dim"):
-        AttentionMonitor([], extra_linears={"fc": (torch.randn(3, 3), 2)})
-    monitor = AttentionMonitor([AttentionLayer(0, w, 4, 2, HEAD_DIM)])
+        AttentionEvaluator([], extra_linears={"fc": (torch.randn(3, 3), 2)})
+    monitor = AttentionEvaluator([AttentionLayer(0, w, 4, 2, HEAD_DIM)])
     monitor.observe(0)
     state = monitor.state_dict()
-    other = AttentionMonitor([AttentionLayer(1, w, 4, 2, HEAD_DIM)])
+    other = AttentionEvaluator([AttentionLayer(1, w, 4, 2, HEAD_DIM)])
     with pytest.raises(ValueError, match="layers"):
         other.load_state_dict(state)
     state["snapshots"]["layers"][0]["q"] = torch.zeros(3, 3)
     with pytest.raises(ValueError, match="snapshot q"):
-        AttentionMonitor([AttentionLayer(0, w, 4, 2, HEAD_DIM)]).load_state_dict(state)
+        AttentionEvaluator([AttentionLayer(0, w, 4, 2, HEAD_DIM)]).load_state_dict(state)
 
 
 def _damaged(state: dict, damage: str) -> dict:
@@ -390,7 +391,7 @@ def _damaged(state: dict, damage: str) -> dict:
 
 
 @pytest.mark.parametrize("damage, message", [
-    ("version", "unsupported AttentionMonitor state version 7"),
+    ("version", "unsupported AttentionEvaluator state version 7"),
     ("layers", "state is for layers [1], this monitor has [0]"),
     ("extras", "state is for extra linears ['other'], this monitor has ['fc']"),
     ("tp_rank", "state was saved by tensor-parallel rank 1, this is rank 0 (snapshots are local shards)"),
@@ -399,7 +400,7 @@ def _damaged(state: dict, damage: str) -> dict:
 ])
 def test_load_state_dict_refuses_a_state_that_is_not_this_monitors(damage, message):
     def build():
-        return AttentionMonitor([AttentionLayer(0, make_weight(4, 2), 4, 2, HEAD_DIM)],
+        return AttentionEvaluator([AttentionLayer(0, make_weight(4, 2), 4, 2, HEAD_DIM)],
                                 extra_linears={"fc": (torch.ones(5, 6), 0)})
 
     saved = build()
@@ -414,7 +415,7 @@ def test_load_state_dict_refuses_a_state_that_is_not_this_monitors(damage, messa
 
 
 def test_monitor_without_layers_is_harmless():
-    monitor = AttentionMonitor([], AttentionMonitorConfig(interval=2))
+    monitor = AttentionEvaluator([], AttentionMonitorConfig(interval=2))
     assert monitor.observe(0) is None
     assert monitor.observe(2) == ({}, {})
 
@@ -435,7 +436,7 @@ def test_float32_gram_default_agrees_with_float64_route(dtype):
     h, g = 4, 2
     weights = [make_weight(h, g, dtype=dtype) for _ in range(2)]
     updates = make_updates(weights[0].shape, 6)
-    monitors = [AttentionMonitor([AttentionLayer(0, w, h, g, HEAD_DIM)], cfg) for w, cfg in
+    monitors = [AttentionEvaluator([AttentionLayer(0, w, h, g, HEAD_DIM)], cfg) for w, cfg in
                 zip(weights, (AttentionMonitorConfig(interval=3), exact_config(interval=3)))]
     fast, exact = (run_loop(m, w, updates, 6) for m, w in zip(monitors, weights))
     assert fast[6][0].keys() == exact[6][0].keys()
@@ -483,7 +484,7 @@ def test_krylov_route_equals_gram_route_when_the_basis_spans(scope):
         weight = make_weight(h, g)
         extra = {"fc": (extras_full["fc"][0].clone(), 0)}
         cfg = exact_config(interval=3, dw_scope=scope, dw_route=route)
-        monitor = AttentionMonitor([AttentionLayer(0, weight, h, g, HEAD_DIM)], cfg, extra_linears=extra)
+        monitor = AttentionEvaluator([AttentionLayer(0, weight, h, g, HEAD_DIM)], cfg, extra_linears=extra)
         ups = make_updates(weight.shape, 6)
         ups_fc = make_updates(extra["fc"][0].shape, 6, seed=9)
         results = {}
@@ -513,7 +514,7 @@ def test_krylov_route_runs_its_block_products_on_onednn_for_float32_weights(monk
     h, g = 4, 2
     weight = make_weight(h, g)
     cfg = AttentionMonitorConfig(interval=1, dw_route="krylov", qk_terms=())
-    monitor = AttentionMonitor([AttentionLayer(0, weight, h, g, HEAD_DIM)], cfg)
+    monitor = AttentionEvaluator([AttentionLayer(0, weight, h, g, HEAD_DIM)], cfg)
     monitor.observe(0)
     with torch.no_grad():
         weight += make_updates(weight.shape, 1)[1]
@@ -542,7 +543,7 @@ def test_parts_chunk_heads_by_query_group_and_read_only_their_rows():
     layers = [AttentionLayer(0, make_weight(4, 2), 4, 2, HEAD_DIM),
               AttentionLayer(1, make_weight(2, 2), 2, 2, HEAD_DIM),
               AttentionLayer(2, make_weight(4, 1), 4, 1, HEAD_DIM)]
-    monitor = AttentionMonitor(layers, AttentionMonitorConfig(interval=1))
+    monitor = AttentionEvaluator(layers, AttentionMonitorConfig(interval=1))
     parts = parts_of(monitor._layout, tp_size=1)
     assert [p for p in parts if p[0] == "heads"] == [("heads", 0, 0, 2), ("heads", 0, 2, 4), ("heads", 1, 0, 1),
                                                      ("heads", 1, 1, 2)] + [("heads", 2, h, h + 1) for h in range(4)]
@@ -563,7 +564,7 @@ def test_planned_costs_price_what_the_krylov_route_and_the_head_cores_really_run
 
     def layout(**settings):
         layer = AttentionLayer(0, make_weight(4, 4), 4, 4, HEAD_DIM)
-        return AttentionMonitor([layer], AttentionMonitorConfig(interval=1, dw_route="krylov", **settings))._layout
+        return AttentionEvaluator([layer], AttentionMonitorConfig(interval=1, dw_route="krylov", **settings))._layout
 
     # d_model 16, block 8: the route runs 2 products whatever krylov_steps says
     assert part_cost(layout(krylov_steps=30), ("dw", 0, "q"), 1) == part_cost(layout(krylov_steps=2),
@@ -589,7 +590,7 @@ def test_snapshots_never_share_memory_with_the_live_weight(num_heads, num_groups
     from megatron_mech.monitors.attention.parts import parts_of, rows_needed
 
     weight = make_weight(num_heads, num_groups)
-    monitor = AttentionMonitor([AttentionLayer(0, weight, num_heads, num_groups, HEAD_DIM)],
+    monitor = AttentionEvaluator([AttentionLayer(0, weight, num_heads, num_groups, HEAD_DIM)],
                                AttentionMonitorConfig(interval=2))
     parts = set(parts_of(monitor._layout, 1))
     rows = rows_needed(monitor._layout, parts)

@@ -1,4 +1,4 @@
-"""ExpertMonitor (megatron_mech.monitors.experts) on a fake training loop, against dense numpy references."""
+"""ExpertEvaluator (megatron_mech.monitors.experts) on a fake training loop, against dense numpy references."""
 from __future__ import annotations
 
 import math
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_mech.monitors.experts import ExpertLayer, ExpertMonitor
+from megatron_mech.monitors.experts import ExpertLayer, ExpertEvaluator
 
 
 def make_experts(num, seed=0):
@@ -17,7 +17,7 @@ def make_experts(num, seed=0):
 
 def test_per_expert_ratios_stable_ranks_and_summaries():
     experts = make_experts(4)
-    monitor = ExpertMonitor([ExpertLayer(3, experts, 0, 4)], interval=2, power_iterations=50)
+    monitor = ExpertEvaluator([ExpertLayer(3, experts, 0, 4)], interval=2, power_iterations=50)
     g = torch.Generator().manual_seed(1)
     history = {}
     for step in range(5):
@@ -56,7 +56,7 @@ def test_per_expert_ratios_stable_ranks_and_summaries():
 
 def test_nonfinite_expert_is_flagged_and_bad_layout_raises():
     experts = make_experts(2)
-    monitor = ExpertMonitor([ExpertLayer(0, experts, 0, 2)], interval=1)
+    monitor = ExpertEvaluator([ExpertLayer(0, experts, 0, 2)], interval=1)
     monitor.observe(0)
     with torch.no_grad():
         experts[1][0][0, 0] = math.nan
@@ -87,7 +87,7 @@ def test_bf16_experts_batched_in_chunks_equal_float64_references(monkeypatch):
     experts = [[(torch.randn(*(s if e < 3 else s[::-1]), generator=g) * 0.1).to(torch.bfloat16) for s in shapes]
                for e in range(5)]                                   # experts 3, 4: other shapes (a second group)
     monkeypatch.setattr(experts_module, "_CHUNK_BYTES", 2 * 12 * 8 * 4)   # two experts per chunk
-    monitor = ExpertMonitor([ExpertLayer(0, experts, 0, 5)], interval=1, power_iterations=60)
+    monitor = ExpertEvaluator([ExpertLayer(0, experts, 0, 5)], interval=1, power_iterations=60)
     monitor.observe(0)
     before = [[m.clone() for m in mats] for mats in experts]
     with torch.no_grad():

@@ -21,7 +21,7 @@ from megatron_mech.core.spectral import (
     spectra_from_qk_cores,
     spectral_entropy,
 )
-from megatron_mech.monitors import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
+from megatron_mech.monitors import AttentionLayer, AttentionEvaluator, AttentionMonitorConfig
 from megatron_mech.monitors.attention import qk_heads as qk_heads_module
 
 
@@ -130,7 +130,7 @@ def fused_qkv(wq, wk, wv):
 
 @pytest.mark.parametrize("eval_device", ["device", "host"])
 def test_monitor_batch_modes_and_eval_device_agree(eval_device, monkeypatch):
-    """Two layers of real head geometry through AttentionMonitor: every qk_batch mode and both evaluation
+    """Two layers of real head geometry through AttentionEvaluator: every qk_batch mode and both evaluation
     devices give the same metrics (on this CPU-only machine "device" is the CPU too: this checks the host path
     end to end, the GPU comparison is for a GPU run)."""
     specs = [dict(heads=4, groups=2, d_model=256, d_head=64, seed=10), dict(heads=4, groups=2, d_model=256,
@@ -146,7 +146,7 @@ def test_monitor_batch_modes_and_eval_device_agree(eval_device, monkeypatch):
         params = [p.clone() for p in live]
         layers = [AttentionLayer(layer=i, qkv_weight=p, num_heads=4, num_query_groups=2, head_dim=64)
                   for i, p in enumerate(params)]
-        monitor = AttentionMonitor(layers, AttentionMonitorConfig(interval=2, qk_batch=mode.split(",")[0],
+        monitor = AttentionEvaluator(layers, AttentionMonitorConfig(interval=2, qk_batch=mode.split(",")[0],
                                                                   eval_device=eval_device))
         assert monitor.observe(0) is None
         for p, q in zip(params, nxt):

@@ -141,7 +141,7 @@ def test_bad_replicated_layouts_raise_clear_errors(H, G, TP, d, message):
 
 
 def test_replicated_layer_and_monitor_refuse_inconsistent_input_by_name():
-    from megatron_mech.monitors import AttentionLayer, AttentionMonitor
+    from megatron_mech.monitors import AttentionLayer, AttentionEvaluator
 
     kv = ReplicatedKVShard(4, 1, 3, 2, 1)
     shard = torch.zeros(kv.rows_per_rank, 6)
@@ -151,7 +151,7 @@ def test_replicated_layer_and_monitor_refuse_inconsistent_input_by_name():
         AttentionLayer(0, torch.zeros(12, 6), 2, 1, 3, head_offset=2, replicated_kv=kv)
     layer = AttentionLayer(0, shard, 2, 1, 3, head_offset=2, replicated_kv=kv)
     with pytest.raises(ValueError, match="rank 1 of 2, but this is rank 0 of a tensor-parallel group of 1"):
-        AttentionMonitor([layer])
+        AttentionEvaluator([layer])
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_mech.monitors.attention import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
+from megatron_mech.monitors.attention import AttentionLayer, AttentionEvaluator, AttentionMonitorConfig
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -20,7 +20,7 @@ def _pointers(store):
 
 def _run(reuse: bool, steps=5, state_at=None):
     weight = torch.randn((HEADS + 2 * GROUPS) * HEAD_DIM, D_MODEL, generator=torch.Generator().manual_seed(0))
-    monitor = AttentionMonitor([AttentionLayer(0, weight, HEADS, GROUPS, HEAD_DIM)],
+    monitor = AttentionEvaluator([AttentionLayer(0, weight, HEADS, GROUPS, HEAD_DIM)],
                                AttentionMonitorConfig(interval=1, qk_terms=("delta2",)))
     monitor.observe(0)
     results, pointers, saved = [], [], None

@@ -13,7 +13,8 @@ import torch
 from dist_utils import REPO_ROOT, run_torchrun
 from megatron_mech.cli import main as cli_main
 from megatron_mech.core.detect import DetectorConfig, DetectorRegistry, SeriesRule
-from megatron_mech.monitors.attention import AttentionLayer, AttentionMonitor, AttentionMonitorConfig
+from megatron_mech.monitors.registry import default_registry
+from megatron_mech.monitors.attention import AttentionLayer, AttentionEvaluator, AttentionMonitorConfig
 from megatron_mech.records.metrics_reference import (METRICS, RECORD_FIELDS, SLICE_SCOPE_FLAG, alert_rule, entry_for,
                                                      render_markdown)
 
@@ -41,7 +42,7 @@ def _slice_scope_names() -> set:
     heads, groups, head_dim, d_model = 2, 1, 8, 16
     qkv = torch.randn((heads + 2 * groups) * head_dim, d_model, generator=gen)
     proj = torch.randn(d_model, heads * head_dim, generator=gen)
-    monitor = AttentionMonitor([AttentionLayer(0, qkv, heads, groups, head_dim)],
+    monitor = AttentionEvaluator([AttentionLayer(0, qkv, heads, groups, head_dim)],
                                AttentionMonitorConfig(interval=1, dw_scope="slice"),
                                extra_linears={"layer0/linear_proj": (proj, 1)})
     monitor.observe(0)
@@ -107,7 +108,7 @@ def test_every_documented_pattern_is_recorded_or_needs_a_flag_not_run(recorded):
 @pytest.mark.distributed
 def test_alert_columns_are_what_the_registry_does_with_each_name(recorded):
     names = sorted(recorded["metrics"] | recorded["slice"])
-    registry = DetectorRegistry()  # the hook's rules: default_rules(), no --mech-detector-* overrides
+    registry = default_registry()  # the hook's rules: default_rules(), no --mech-detector-* overrides
     registry.update(1, {n: 0.5 for n in names})  # which rule judges a series depends on its name only
     alerted = 0
     for name in names:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_mech.core.detect import FAMILIES, Alert, default_rules
+from megatron_mech.core.detect import FAMILIES, Alert
+from megatron_mech.monitors.registry import default_rules
 from megatron_mech.records.sinks import JSONL_NAME, JsonlSink, encode_record, iter_jsonl, make_record, read_jsonl
 
 pytestmark = pytest.mark.timeout(300)

@@ -1,6 +1,6 @@
 """The per-expert update monitor as a :class:`~megatron_mech.monitors.protocol.Monitor` family
 (``--mech-experts``): on every MoE layer of this rank, each expert's update against a snapshot one interval old
-(:class:`~megatron_mech.monitors.experts.ExpertMonitor`).
+(:class:`~megatron_mech.monitors.experts.ExpertEvaluator`).
 
 Its checkpointed state is empty, by design: the only thing it holds between evaluations is the snapshot of every
 local expert weight (as large as the experts themselves), and saving it would double the experts' share of every
@@ -10,20 +10,20 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megatron_mech.monitors.experts import ExpertMonitor
+from megatron_mech.monitors.experts import ExpertEvaluator
 from megatron_mech.monitors.protocol import Monitor, MonitorContext, Observation
 
-__all__ = ["ExpertFamily"]
+__all__ = ["ExpertMonitor"]
 
 
-class ExpertFamily(Monitor):
-    """Runs with ``--mech-experts`` on a rank whose model view has MoE experts; :attr:`monitor` is the
-    :class:`~megatron_mech.monitors.experts.ExpertMonitor` it drives."""
+class ExpertMonitor(Monitor):
+    """Runs with ``--mech-experts`` on a rank whose model view has MoE experts; :attr:`evaluator` is the
+    :class:`~megatron_mech.monitors.experts.ExpertEvaluator` it drives."""
 
     name = "experts"
 
     def __init__(self) -> None:
-        self.monitor: Optional[ExpertMonitor] = None
+        self.evaluator: Optional[ExpertEvaluator] = None
 
     def layer_count(self, view) -> int:
         return len(view.experts)
@@ -31,7 +31,7 @@ class ExpertFamily(Monitor):
     def setup(self, view, context: MonitorContext) -> bool:
         if not (context.settings.experts and view.experts):
             return False
-        self.monitor = ExpertMonitor(list(view.experts), interval=context.settings.interval,
+        self.evaluator = ExpertEvaluator(list(view.experts), interval=context.settings.interval,
                                      group=view.expert_group, dp_group=view.expert_dp_group)
         return True
 
@@ -39,13 +39,13 @@ class ExpertFamily(Monitor):
         return f"{total_layers} expert layer{'' if total_layers == 1 else 's'}"
 
     def start(self, step: int) -> None:
-        self.monitor.observe(step)  # the snapshot the first interval starts from (on an aligned step)
+        self.evaluator.observe(step)  # the snapshot the first interval starts from (on an aligned step)
 
     def snapshot(self, step: int):
-        return self.monitor.snapshot(step)
+        return self.evaluator.snapshot(step)
 
     def evaluate(self, step: int, snapshot) -> Observation:
-        return self.monitor.evaluate(step, snapshot)
+        return self.evaluator.evaluate(step, snapshot)
 
     def state_dict(self) -> dict:
         return {}  # the snapshots are not saved (see the module docstring)
