@@ -150,9 +150,9 @@ def test_the_per_step_series_keep_a_bounded_window_of_the_last_steps(monkeypatch
     checkpoint, 60 B a step in summary.json): a 10^6-step run carried them all. The series keep the last
     STEP_SERIES_WINDOW steps (here made 5 to see it): the state and a resume from a longer state hold only those,
     each grad norm still beside its own step's loss."""
-    import megatron_mech.hook as hook_module
+    from megatron_mech.hook import step_values
 
-    monkeypatch.setattr(hook_module, "STEP_SERIES_WINDOW", 5)
+    monkeypatch.setattr(step_values, "STEP_SERIES_WINDOW", 5)
     run, _ = _run_to_alert(float, steps=range(1, 8))
     state = run.hook.state_dict()
     assert state["grad_norms"] == [1.0 + step for step in range(3, 8)]  # steps 3-7: the last five
