@@ -19,6 +19,7 @@ from megatron_mech.extension import Extension
 from megatron_mech.hook.alert_policy import Action, AlertPolicy
 from megatron_mech.hook.arming import Arming
 from megatron_mech.hook.collectives import any_rank
+from megatron_mech.hook.extension_set import ExtensionSet
 from megatron_mech.hook.judged import Judged
 from megatron_mech.hook.mols_points import MolsPoints
 from megatron_mech.hook.monitor_set import MonitorSet
@@ -37,6 +38,12 @@ __all__ = ["MechHook"]
 logger = logging.getLogger("megatron_mech")
 
 
+def _read(part: str, name: str, doc: str, writable: bool = False) -> property:
+    """A property of the hook that is ``name`` of the part held in its attribute ``part``."""
+    setter = (lambda self, value: setattr(getattr(self, part), name, value)) if writable else None
+    return property(lambda self: getattr(getattr(self, part), name), setter, doc=doc)
+
+
 class MechHook:
     """megatron-mech for one training run, one instance per rank (see :mod:`megatron_mech.hook` for the lifecycle).
 
@@ -44,36 +51,30 @@ class MechHook:
         config: the run's :class:`~megatron_mech.config.MechConfig` (same on every rank).
         train_steps: the run's number of optimizer steps (sizes MoLS's default window; checks it fits).
         lr_warmup_steps: the lr warm-up length in steps (MoLS ramps its multipliers in until then).
-        sinks: the logging rank's output, when the adapter builds it itself (default: :meth:`open_sinks`, called
-            by :meth:`setup` on the logging rank unless the adapter opened the sinks before).
+        sinks: the logging rank's output, when the adapter builds it itself (default: :meth:`open_sinks`).
         extensions: :class:`Extension` objects to register (more with :meth:`add_extension`).
-        monitors: user :class:`~megatron_mech.monitors.protocol.Monitor` objects to run after the built-in
-            families (more with :meth:`add_monitor`).
+        monitors: user :class:`Monitor` objects, run after the built-in families (more with :meth:`add_monitor`).
     """
 
     def __init__(self, config: MechConfig, *, train_steps: Optional[int] = None,
                  lr_warmup_steps: Optional[int] = None, sinks=None, extensions: Iterable[Extension] = (),
                  monitors: Iterable[Monitor] = ()):
         self.config, self.train_steps, self.lr_warmup_steps = config, train_steps, lr_warmup_steps
-        self.extensions: List[Extension] = []
-        """The registered :class:`Extension` objects, in registration order."""
         self.skipped_steps = SkippedSteps()
         """The optimizer steps the trainer reported skipped: the run's total (``.total``, kept across a resume)."""
         self.stop_requested: Callable[[], bool] = lambda: False
-        """Whether the trainer was asked to stop (SIGTERM, SIGINT), set by an adapter that stops on a signal: from
-        then on the training thread waits at most :data:`~megatron_mech.hook.async_evaluation.STOP_WAIT_SECONDS`
-        for an evaluation still running beside it, and gives it up after that (it is reported as failed)."""
+        """Whether the trainer was asked to stop (set by an adapter that stops on a signal): from then on an
+        evaluation beside training gets :data:`~megatron_mech.hook.async_evaluation.STOP_WAIT_SECONDS` to end."""
         self._timer, self._monitors, self._values = Timer(), MonitorSet(), StepValues()
         self._evaluation = Evaluation(detector_registry(config))
         self._policy, self._records = AlertPolicy(config.on_alert), RecordWriter(sinks)
-        self._mols, self._carried = MolsPoints(), CarriedState()
-        self._view: Optional[ModelView] = None
-        self._optimizer = None
-        self._is_setup = False
+        self._mols, self._extensions = MolsPoints(), ExtensionSet()
+        self._carried = CarriedState(self.interval if config.monitors.families else None)  # None: nothing monitored
+        self._view, self._optimizer, self._is_setup = None, None, False
         self._current_step = 0  # the step of the latest after_optimizer_step
         self._start_step = 0  # the optimizer steps done before this process (setup's start_step)
         self._learnt: List[Alert] = []  # alerts judged since the latest after_optimizer_step returned
-        self._last_alerts: List[Alert] = []
+        self._last_alerts: List[Alert] = []  # those the latest after_optimizer_step learnt of
         ensure_visible()  # a user's own script may set up no logging: the start line and the alerts must show
         for extension in extensions:
             self.add_extension(extension)
@@ -90,15 +91,9 @@ class MechHook:
 
     def add_extension(self, extension: Extension) -> None:
         """Register ``extension`` (before :meth:`setup`; every rank registers the same ones in the same order)."""
-        if not isinstance(extension, Extension):
-            raise TypeError(f"MechHook.add_extension: expected an Extension, got {type(extension).__name__}")
         if self._is_setup:
             raise RuntimeError("MechHook.add_extension: register extensions before MechHook.setup")
-        if any(e.name == extension.name for e in self.extensions):
-            raise ValueError(f"MechHook.add_extension: an extension named {extension.name!r} is already registered")
-        self.extensions.append(extension)
-        if extension.name in self._carried.extensions:
-            extension.load_state_dict(self._carried.extensions.pop(extension.name))
+        self._extensions.add(extension)
 
     # ------------------------------------------------------------------------------------------------ MoLS
     def optimizer_overrides(self, view: ModelView) -> Any:
@@ -146,23 +141,18 @@ class MechHook:
                 self._load_monitor_part(pending[0])
         self._monitors.start(start_step, self._timer)
         self._evaluation.start_worker(settings.async_timeout)
-        for extension in self.extensions:
-            extension.setup(self, view, self._optimizer)
+        self._extensions.setup(self, view, self._optimizer)
 
     def open_sinks(self, start_step: int = 0, *, fallback_dir=None, extra: Iterable = ()) -> None:
-        """Open the run's output on the logging rank, once, before :meth:`setup`: ``mech.jsonl`` in
-        ``config.output.dir`` (else ``fallback_dir``, else the default), TensorBoard and W&B when configured, then
-        ``extra``; a resumed run cuts ``mech.jsonl`` back to ``start_step``."""
+        """Open the run's output (logging rank, once, before :meth:`setup`): ``mech.jsonl`` in ``config.output.dir``
+        (else ``fallback_dir``), TensorBoard, W&B, ``extra``; a resumed run cuts it back to ``start_step``."""
         self._records.open(self.config.output, start_step, fallback_dir, extra)
 
     def before_step(self, step: int) -> None:
         """Before the forward/backward of ``step``: arm the monitors, MoLS's extra samples, the extensions."""
         self._monitors.before_step(step, self.is_evaluation_step(step))
         self._mols.before_step(step)
-        for extension in self.extensions:
-            extension.before_step(step)
-            if self._optimizer is not None:
-                extension.before_optimizer_step(self._optimizer, step)  # the lr is untouched by forward/backward
+        self._extensions.before_step(step, self._optimizer)
 
     def after_optimizer_step(self, step: int, *, loss: float, grad_norm: Optional[float], lr: float,
                              extra: Optional[dict] = None, skipped: Optional[bool] = None) -> Action:
@@ -173,8 +163,7 @@ class MechHook:
         self._current_step = int(step)
         self.skipped_steps.observe(step, skipped, lr)
         self._take(self._evaluation.collect(self.stop_requested, self._timer))  # the step before's, on the worker
-        for extension in self.extensions:
-            extension.after_optimizer_step(step, loss=loss, grad_norm=grad_norm, lr=lr)
+        self._extensions.after_optimizer_step(step, loss=loss, grad_norm=grad_norm, lr=lr)
         mols = self._mols.after_step(step, self._writes_output)
         evaluating = self.is_evaluation_step(step)
         values = self._values.receive(step, loss, grad_norm, lr, extra, needed=evaluating or step == self.train_steps)
@@ -223,47 +212,38 @@ class MechHook:
             logger.info(f"[mech] {self.arming()['note']}")
         self._records.close()
         self._monitors.close()
-        for extension in self.extensions:
-            extension.close()
+        self._extensions.close()
 
     # ------------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         """One versioned entry per rank (:func:`~megatron_mech.hook.state.hook_state`), of every step so far. After
         an evaluation failed the monitors' entries are left out (a resumed run starts them afresh)."""
         self._catch_up()
-        extensions = {extension.name: state for extension in self.extensions if (state := extension.state_dict())}
-        return hook_state(interval=self._carried.recorded_interval(self._monitored_interval()),
+        return hook_state(interval=self._carried.recorded_interval(),
                           monitors=self._monitors.state_dict() if self._evaluation.monitors_on else {},
                           detectors=self._evaluation.state_dict(), mols=self._mols.state_dict(),
                           **self._policy.state_dict(), step_values=self._values.state_dict(),
-                          skipped_steps=self.skipped_steps.state_dict(), extensions=extensions)
+                          skipped_steps=self.skipped_steps.state_dict(), extensions=self._extensions.state_dict())
 
     def load_state_dict(self, state: dict, source: Optional[str] = None) -> None:
         """Restore :meth:`state_dict` after ``attach_optimizer``, before or after ``setup`` (``source`` names the
         state in errors). A state of another version or ``--mech-interval`` is refused by name."""
         source = source or "the megatron-mech state"  # an adapter that knows no file passes None
-        self._carried.accept(state, source, self._monitored_interval())
+        self._carried.accept(state, source)
         self._mols.load_state_dict(state.get("mols"))
         self._policy.load_state_dict(state)
         self.skipped_steps.load_state_dict(state.get("skipped_steps") or {})
         self._values.load_state_dict(state, source)
-        saved_extensions = dict(state.get("extensions") or {})
-        for extension in self.extensions:
-            if extension.name in saved_extensions:
-                extension.load_state_dict(saved_extensions.pop(extension.name))
-        self._carried.extensions = saved_extensions  # for extensions registered later
+        self._extensions.load_state_dict(state.get("extensions") or {})
         if self._is_setup:
             with naming_damaged_state(source):
                 self._load_monitor_part(state)
         else:
             self._carried.keep_pending(state, source)
 
-    def _load_monitor_part(self, state: dict) -> None:
+    def _load_monitor_part(self, state: dict) -> None:  # once the monitors exist
         self._monitors.load_state_dict(dict(state.get("monitors") or {}))
         self._evaluation.load_state_dict(state["detectors"])
-
-    def _monitored_interval(self) -> Optional[int]:
-        return self.interval if self.config.monitors.families else None
 
     # ------------------------------------------------------------------------------------------------ reading
     @property
@@ -287,17 +267,18 @@ class MechHook:
         """Why this configuration can alert on nothing but non-finite values ([] when it can); logged by setup."""
         return self._arming().unarmed_settings()
 
-    def armed_level_rules(self) -> list:
+    def armed_level_rules(self) -> list:  # the level rules a running monitor's series arm from the first evaluation
         return self._arming().level_rules()
 
-    def armed_trend_rules(self) -> list:
+    def armed_trend_rules(self) -> list:  # [(layer-trend rule, armed-from step)]
         return self._arming().trend_rules()
 
-    def armed_update_jump(self) -> Optional[int]:
+    def armed_update_jump(self) -> Optional[int]:  # the step the update-ratio jump first judges (None: off)
         return self._arming().update_jump()
 
     @property
     def armed_from_step(self) -> int:
+        """The earliest step a baseline-relative alert can fire (from step 1, across resumes)."""
         return self._arming().armed_from_step
 
     def is_evaluation_step(self, step: int) -> bool:
@@ -313,41 +294,33 @@ class MechHook:
         return self._monitors.named(name)
 
     @property
-    def monitors(self) -> List[Monitor]:
-        return self._monitors.running
-
-    @property
-    def registered_monitors(self) -> List[Monitor]:
-        return self._monitors.registered
-
-    @property
-    def families(self) -> tuple:
-        return self._monitors.families
-
-    @property
     def requested_families(self) -> tuple:
         """The monitor families this run may run, known before :meth:`setup` ('auto' counting as every family)."""
         return self.config.monitors.resolve(has_routers=True)
 
     @property
     def interval(self) -> int:
+        """The evaluation interval in optimizer steps (``--mech-interval``, ``mech.monitors.interval``)."""
         return self.config.monitors.interval
 
-    @property
-    def registry(self):
-        """The run's detectors."""
-        return self._evaluation.registry
-
-    @registry.setter
-    def registry(self, registry) -> None:
-        self._evaluation.registry = registry
-
-    @property
-    def asynchronous(self) -> bool:
-        return self._evaluation.asynchronous
+    extensions = _read("_extensions", "registered", "The registered Extension objects, in registration order.")
+    monitors = _read("_monitors", "running", "The registered monitors that run in this run (decided by setup).")
+    registered_monitors = _read("_monitors", "registered", "Every registered monitor, in record order.")
+    families = _read("_monitors", "families", "The families --mech-monitors selected (from setup on).")
+    registry = _read("_evaluation", "registry", "The run's detectors.", writable=True)
+    asynchronous = _read("_evaluation", "asynchronous", "Whether the evaluation runs beside training.")
+    first_alert_step = _read("_policy", "first_alert_step", "The step of the run's first alert (None: none yet).")
+    alert_callbacks = _read("_policy", "callbacks", "User hooks fn(step, alerts), called on every rank at alerts.")
+    losses = _read("_values", "losses", "The loss of each step (the last STEP_SERIES_WINDOW steps, across resumes).")
+    grad_norms = _read("_values", "grad_norms", "The grad norm of each step of losses (None: the trainer gave none).")
+    seconds = _read("_timer", "seconds", "Wall time per part on this rank (each monitor, detectors, output, ...).")
+    mols = _read("_mols", "backend", "The MoLS backend, None without --mech-mols.")
+    mols_seconds = _read("_mols", "seconds", "Wall time MoLS spent measuring and applying on this rank.")
+    mols_diagnostic_seconds = _read("_mols", "diagnostic_seconds", "Wall time of MoLS's post-window diagnostic.")
 
     @property
     def alerts(self) -> List[Alert]:
+        """Every alert of this run so far (also in ``mech.jsonl``, the record of truth)."""
         return self._evaluation.registry.alerts
 
     @property
@@ -357,33 +330,12 @@ class MechHook:
         return self._last_alerts
 
     @property
-    def first_alert_step(self) -> Optional[int]:
-        return self._policy.first_alert_step
-
-    @property
-    def alert_callbacks(self) -> List[Callable[[int, list], None]]:
-        """User hooks ``fn(step, alerts)``, called on every rank when a step alerts."""
-        return self._policy.callbacks
-
-    @property
-    def losses(self) -> List[float]:
-        return self._values.losses
-
-    @property
-    def grad_norms(self) -> List[Optional[float]]:
-        return self._values.grad_norms
-
-    @property
-    def seconds(self) -> dict:
-        """Wall time per part on this rank (each monitor, detectors, output, ...), for overhead reports."""
-        return self._timer.seconds
-
-    @property
     def evaluation_seconds(self) -> float:
         """Wall time in the monitors on this rank: snapshots, evaluations, detectors, output and captures."""
         return sum(self.seconds.values()) + self._monitors.capture_seconds
 
     def capture_seconds(self, name: str) -> float:
+        """Wall time the monitor ``name`` spent in its captures in the forward passes (0 when it does not run)."""
         monitor = self.monitor(name)
         return monitor.capture_seconds if monitor is not None else 0.0
 
@@ -392,6 +344,7 @@ class MechHook:
         return self.capture_seconds("router")
 
     def async_report(self) -> dict:
+        """For the summary: whether the evaluation ran beside training, the wait for it, its failure (or None)."""
         return self._evaluation.report(self.seconds.get("async_wait", 0.0))
 
     @property
@@ -402,22 +355,10 @@ class MechHook:
             return []
         return sorted(self._records.lost_steps() | set(self._evaluation.failed_steps))
 
-    @property
-    def mols(self):
-        """The MoLS backend, ``None`` without ``--mech-mols``."""
-        return self._mols.backend
-
     def mols_metrics(self, step: int) -> dict:
         """MoLS's values in force after ``step`` (empty without MoLS)."""
         return self._mols.metrics(step) if step else {}
 
-    @property
-    def mols_seconds(self) -> float:
-        return self._mols.seconds
-
-    @property
-    def mols_diagnostic_seconds(self) -> float:
-        return self._mols.diagnostic_seconds
-
     def mols_diagnostics(self) -> list:
+        """MoLS's post-window diagnostic blocks (empty without MoLS or its diagnostic)."""
         return self._mols.diagnostics()

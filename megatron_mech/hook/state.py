@@ -71,17 +71,17 @@ def hook_state(*, interval: Optional[int], monitors: dict, detectors: dict, mols
 
 class CarriedState:
     """What a loaded state leaves for later: the interval it was saved at (:attr:`interval`, recorded again by a leg
-    whose monitors do not run), its monitors' and detectors' part until the monitors exist (:meth:`take_pending`),
-    and the states of extensions not registered yet (:attr:`extensions`)."""
+    whose monitors do not run) and its monitors' and detectors' part until the monitors exist
+    (:meth:`take_pending`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, monitored_interval: Optional[int]) -> None:
+        self.monitored_interval = monitored_interval  # this run's interval, None when no monitor runs
         self.interval: Optional[int] = None
-        self.extensions: dict = {}
         self._pending: Optional[tuple] = None  # (state, source) of the monitors' part, applied at setup
 
-    def accept(self, state: Any, source: str, monitored_interval: Optional[int]) -> None:
+    def accept(self, state: Any, source: str) -> None:
         """Refuse ``state`` unless this release reads it (its version) and this run's monitors can go on from it (its
-        interval, ``monitored_interval``: ``None`` when no monitor runs); keep its interval."""
+        interval); keep its interval."""
         version = state.get("version") if isinstance(state, dict) else None
         if not isinstance(version, int) or isinstance(version, bool):
             raise StateError(source, f"{source}: not a megatron-mech state (version {version!r})")
@@ -90,18 +90,18 @@ class CarriedState:
                                      f"version {STATE_VERSION}: it was written by another megatron-mech version, "
                                      f"and 0.x releases do not carry states across versions (docs/versions.md). "
                                      f"Resume with the megatron-mech release that wrote it")
-        saved = state.get("interval")
+        saved, monitored_interval = state.get("interval"), self.monitored_interval
         if saved is not None and monitored_interval is not None and saved != monitored_interval:
             raise StateError(source, f"{source} was saved with --mech-interval {saved} (mech.monitors.interval), this "
                                      f"run has --mech-interval {monitored_interval}: the records would mix "
                                      f"evaluation intervals. Resume with --mech-interval {saved}")
         self.interval = saved
 
-    def recorded_interval(self, monitored_interval: Optional[int]) -> Optional[int]:
+    def recorded_interval(self) -> Optional[int]:
         """The interval a new state records: this run's when its monitors run, else the one of the state it resumed
         from. A leg with ``--mech-monitors none`` carries its checkpoint's detectors, warmed up at that interval, so
         a later resume at another one is still refused by name."""
-        return monitored_interval if monitored_interval is not None else self.interval
+        return self.monitored_interval if self.monitored_interval is not None else self.interval
 
     def keep_pending(self, state: dict, source: str) -> None:
         self._pending = (state, source)
