@@ -82,6 +82,16 @@ beside training alike. Its step still gets a record, with its loss and grad norm
 (:attr:`MechHook.lost_record_steps` lists it), and the monitors stop for the rest of the run on every rank,
 training going on.
 
+**Values on the device.** ``after_optimizer_step``'s ``loss`` and ``grad_norm`` may be floats or tensors (the value
+is the tensor's mean, in float32 or the tensor's float64). A tensor given on a step that evaluates nothing stays where
+it is: no host synchronisation. The hook reads every waiting value back in one transfer at the next step that needs
+them: an evaluation step, the run's last step (``train_steps``), :meth:`MechHook.state_dict` or
+:meth:`MechHook.close` (:mod:`~megatron_mech.hook.step_values`). The values and the steps they belong to are the
+same either way; what a non-finite value on such a step triggers (its alert, its record, the :class:`Action`) comes
+at that read-back, the alert and its record still carrying its own step. Floats are judged at once. A step the
+optimizer skipped (``skipped=True``) is counted and named at the next evaluation step
+(:mod:`~megatron_mech.hook.skipped_steps`).
+
 **Collectives.** Every rank must call every lifecycle method at every step: the monitors reduce on evaluation
 steps, and the alert decision is one tiny all-reduce there, so the returned :class:`Action` is identical on every
 rank. A rank without MoE layers still joins the router reduction. Only the logging rank writes output.
