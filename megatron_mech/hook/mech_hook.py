@@ -351,9 +351,7 @@ class MechHook:
     def lost_record_steps(self) -> list:
         """Steps whose record is missing from ``mech.jsonl`` (a full disk) or lacks the monitors' metrics (their
         evaluation failed). Empty on ranks that write nothing."""
-        if self._records.sinks is None:
-            return []
-        return sorted(self._records.lost_steps() | set(self._evaluation.failed_steps))
+        return self._records.lost_steps(also=self._evaluation.failed_steps)
 
     def mols_metrics(self, step: int) -> dict:
         """MoLS's values in force after ``step`` (empty without MoLS)."""

@@ -47,9 +47,12 @@ class RecordWriter:
             self.sinks.write(make_record(judged.step, dict(record.scalars), record.metrics, judged.alerts,
                                          extra=dict(record.extra)))
 
-    def lost_steps(self) -> set:
-        """Steps whose record the sinks could not take (a full disk)."""
-        return set(getattr(self.sinks, "lost_steps", ())) if self.sinks is not None else set()
+    def lost_steps(self, also: Iterable[int] = ()) -> list:
+        """Steps whose record the sinks could not take (a full disk), with ``also`` (steps whose record lacks
+        something); empty on a rank that writes nothing."""
+        if self.sinks is None:
+            return []
+        return sorted({*getattr(self.sinks, "lost_steps", ()), *also})
 
     def close(self) -> None:
         if self.sinks is not None:

@@ -460,3 +460,23 @@ def test_arming_of_a_run_that_reaches_the_armed_from_step():
     run.steps(1, 24)
     assert run.hook.arming()["note"] == ("run ended at step 24, before the detectors were armed (step 62): only "
                                          "non-finite values and the layer trend (from step 20) could alert")
+
+
+def test_last_alerts_are_the_alerts_each_step_call_learnt_of():
+    """``last_alerts`` holds what the latest ``after_optimizer_step`` learnt of: with tensors, the non-finite step 6
+    waits on the device, so step 6's call learns nothing and step 8's learns step 6's alert (read back) beside its
+    own evaluation's; a later step that only queues its values learnt nothing, and says so rather than repeating
+    step 8's. The reference is the records: every alert of a record shows in the call that wrote it."""
+    as_tensor = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731 - the floats' values exactly
+    run = _Run(_config(interval=4))
+    learnt = {}
+    for step in range(1, 10):
+        run.hook.before_step(step)
+        _update(run.weight, step)
+        run.hook.after_optimizer_step(step, loss=as_tensor(_blow_up_loss(step)), grad_norm=as_tensor(1.0 + step),
+                                      lr=1e-3)
+        learnt[step] = [(alert.step, alert.metric) for alert in run.hook.last_alerts]
+    by_record = {r["step"]: [(a["step"], a["metric"]) for a in r["alerts"]] for r in run.records}
+    assert sorted(by_record) == [4, 6, 8] and by_record[6]  # step 6's record, written at step 8's read-back
+    assert learnt[6] == [] and learnt[8] == by_record[6] + by_record[8]
+    assert learnt[9] == []  # step 9 only queued its values
