@@ -76,7 +76,7 @@ class ModelView:
     """Pipeline group when there is more than one stage (metrics are merged over it), else ``None``."""
     world_group: Any = None
     """The group over every rank, for what a monitor reduces over the whole run (``None``: the default group; the
-    hook's evaluation worker gives its own duplicate, see :mod:`megatron_mech.async_evaluation`)."""
+    hook's evaluation worker gives its own duplicate, see :mod:`megatron_mech.hook.async_evaluation`)."""
     logging_rank: bool = True
     """Whether this rank writes the records (exactly one rank per run)."""
     attention_logit_capture: Sequence[Callable[[Callable[..., None]], None]] = ()

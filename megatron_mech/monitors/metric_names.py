@@ -18,7 +18,7 @@ __all__ = ["SYMPTOM_GRAD_NORM", "SYMPTOM_LOSS", "SYMPTOM_SKIPPED_STEPS", "fill",
 SYMPTOM_LOSS = "symptom/loss"
 """The training loss of an evaluation step (or of any step where it is non-finite), as the trainer reports it."""
 SYMPTOM_GRAD_NORM = "symptom/grad_norm"
-SYMPTOM_SKIPPED_STEPS = "symptom/optimizer_steps_skipped"  # counted by megatron_mech.skipped_steps
+SYMPTOM_SKIPPED_STEPS = "symptom/optimizer_steps_skipped"  # counted by megatron_mech.hook.skipped_steps
 """The optimizer's global gradient norm of that step."""
 
 _OPTIONAL = re.compile(r"\[([^\]]*)\]")

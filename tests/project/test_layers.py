@@ -23,8 +23,7 @@ LAYERS = [
     ("monitors",),
     ("records",),
     ("config", "options"),
-    ("hook", "model_view", "optim", "logs", "extension", "deferred_values", "first_alert",
-     "skipped_steps", "async_evaluation"),
+    ("hook", "model_view", "optim", "logs", "extension"),
     ("adapters",),
     ("trainers",),
     ("studies",),
@@ -92,9 +91,9 @@ def layer_violations():
 
 
 def test_every_module_is_in_a_layer_and_the_scan_sees_function_level_imports():
-    # the scan must see what it polices: the hook imports the pipeline-stage exchange inside a method
-    hook = PACKAGE / "hook.py"
-    assert "megatron_mech.core.metric_exchange" in set(imported_modules(hook, "megatron_mech.hook"))
+    # the scan must see what it polices: the hook's evaluation imports the pipeline-stage exchange inside a method
+    evaluation = PACKAGE / "hook" / "step_evaluation.py"
+    assert "megatron_mech.core.metric_exchange" in set(imported_modules(evaluation, "megatron_mech.hook.step_evaluation"))
     for path in PACKAGE.rglob("*.py"):
         layer(module_name(path))  # raises for a module outside every layer
 
@@ -187,12 +186,12 @@ def test_the_evaluation_rule_scan_finds_a_second_home(tmp_path):
 @pytest.mark.slow
 def test_the_output_evaluation_and_int_rules_have_one_home():
     """The default output directory is one constant (``config.DEFAULT_OUTPUT_DIR``); the run's sinks are built
-    in one place (``MechHook.open_sinks``), the evaluation steps decided in one (``core.schedule.is_evaluation_step``:
+    in one place (``MechHook.open_sinks``, through the hook's record writer), the evaluation steps decided in one (``core.schedule.is_evaluation_step``:
     no ``step % interval`` anywhere else in the package or the launchers) and "an int, not a bool" checked by one
     function (``core.checks.is_int``)."""
     found = [*calls_and_strings(PACKAGE), *calls_and_strings(REPO_ROOT / "launch_scripts")]
     assert {f for f, kind, value in found if kind == "string" and "runs/mech" in value} == {"megatron_mech/config.py"}
-    assert {f for f, kind, value in found if kind == "call" and value == "default_sinks"} == {"megatron_mech/hook.py"}
+    assert {f for f, kind, value in found if kind == "call" and value == "default_sinks"} == {"megatron_mech/hook/record_writer.py"}
     assert evaluation_rule_homes() == {"megatron_mech/core/schedule.py"}
     int_checks = {path.relative_to(REPO_ROOT).as_posix() for path in PACKAGE.rglob("*.py")
                   for node in ast.walk(ast.parse(path.read_text()))

@@ -26,7 +26,7 @@ from megatron_mech import hook as hook_module  # noqa: E402
 from megatron_mech.trainers.megatron_core.pretrain_gpt import main  # noqa: E402
 
 MONITOR_CODE = tuple(os.path.join(REPO_ROOT, "megatron_mech", part) for part in (
-    "hook.py", "deferred_values.py", "extension.py", "first_alert.py", "model_view.py",
+    "hook" + os.sep, "extension.py", "model_view.py",
     "monitors" + os.sep, "core" + os.sep, "records" + os.sep,
     os.path.join("adapters", "megatron_core", "discovery.py"), os.path.join("adapters", "megatron_core", "mols") + os.sep))
 PASS_THROUGH = os.path.join(REPO_ROOT, "megatron_mech", "adapters", "megatron_core", "cpu_shims.py")

@@ -50,9 +50,9 @@ from megatron_mech.adapters.deepspeed.ds_config_section import DeepSpeedOptions,
 from megatron_mech.adapters.deepspeed.mols_backend import DeepSpeedMoLS
 from megatron_mech.adapters.deepspeed.router_capture import find_gates, gate_capture, token_group_of
 from megatron_mech.adapters.deepspeed.safe_load import weights_only_loads
-from megatron_mech.async_evaluation import destroy_groups
 from megatron_mech.config import MechConfig
 from megatron_mech.hook import Action, Extension, MechHook
+from megatron_mech.hook.async_evaluation import destroy_groups
 from megatron_mech.model_view import MASTER_WEIGHTS, ModelView, RouterView, model_weights_words
 from megatron_mech.records.run_directory import MAX_SMALL_FILE_BYTES, write_run_id
 from megatron_mech.records.safe_files import open_regular, read_small_file, refuse_symlink, write_file_atomically

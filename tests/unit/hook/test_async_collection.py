@@ -15,7 +15,7 @@ import threading
 import pytest
 import torch
 
-from megatron_mech.async_evaluation import EvaluationWorker, WorkerFailure
+from megatron_mech.hook.async_evaluation import EvaluationWorker, WorkerFailure
 from megatron_mech.config import DetectorOverrides, MechConfig, MonitorConfig
 from megatron_mech.core.detect import DetectorRegistry, SeriesRule
 from megatron_mech.hook import Action, MechHook
@@ -254,7 +254,7 @@ def test_an_evaluation_given_up_at_its_timeout_changes_nothing_when_it_ends_late
         assert run.hook.async_report()["failure"]["step"] == 4
     finally:
         release.set()
-    assert run.hook._worker.close(timeout_s=60)  # the given-up evaluation has now run to its end
+    assert run.hook._evaluation.worker.close(timeout_s=60)  # the given-up evaluation has now run to its end
     run.steps(6, 10)
     state = run.hook.state_dict()
     run.hook.close()

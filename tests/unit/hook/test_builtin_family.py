@@ -12,7 +12,6 @@ import pytest
 import torch
 from toy_family import ToyUpdatesMonitor
 
-import megatron_mech.hook as hook_module
 import megatron_mech.monitors.registry as monitor_registry
 from megatron_mech.config import DetectorOverrides, MechConfig, MonitorConfig
 from megatron_mech.hook import MechHook
@@ -27,10 +26,9 @@ SERIES = "toy/layer0/update_norm"
 
 @pytest.fixture
 def registered(monkeypatch):
-    """The registration line: the toy family's class appended to ``BUILTIN_MONITORS`` (the hook reads it by name)."""
-    families = (*monitor_registry.BUILTIN_MONITORS, ToyUpdatesMonitor)
-    monkeypatch.setattr(monitor_registry, "BUILTIN_MONITORS", families)
-    monkeypatch.setattr(hook_module, "BUILTIN_MONITORS", families)
+    """The registration line: the toy family's class appended to ``BUILTIN_MONITORS``, the one list of built-in
+    families (the hook reads it when a run starts)."""
+    monkeypatch.setattr(monitor_registry, "BUILTIN_MONITORS", (*monitor_registry.BUILTIN_MONITORS, ToyUpdatesMonitor))
 
 
 def _update(weight, step):

@@ -150,9 +150,9 @@ def test_the_per_step_series_keep_a_bounded_window_of_the_last_steps(monkeypatch
     checkpoint, 60 B a step in summary.json): a 10^6-step run carried them all. The series keep the last
     STEP_SERIES_WINDOW steps (here made 5 to see it): the state and a resume from a longer state hold only those,
     each grad norm still beside its own step's loss."""
-    import megatron_mech.hook as hook_module
+    from megatron_mech.hook import step_values
 
-    monkeypatch.setattr(hook_module, "STEP_SERIES_WINDOW", 5)
+    monkeypatch.setattr(step_values, "STEP_SERIES_WINDOW", 5)
     run, _ = _run_to_alert(float, steps=range(1, 8))
     state = run.hook.state_dict()
     assert state["grad_norms"] == [1.0 + step for step in range(3, 8)]  # steps 3-7: the last five
@@ -477,3 +477,23 @@ def test_the_armed_from_step_counts_only_the_rules_of_the_monitors_that_run():
     assert hook.armed_from_step == 53 * 5
     assert hook.arming()["armed_from_step"] == 265
     assert not any(rule.pattern.startswith("router/") for rule in hook.registry.rules)
+
+
+def test_last_alerts_are_the_alerts_each_step_call_learnt_of():
+    """``last_alerts`` holds what the latest ``after_optimizer_step`` learnt of: with tensors, the non-finite step 6
+    waits on the device, so step 6's call learns nothing and step 8's learns step 6's alert (read back) beside its
+    own evaluation's; a later step that only queues its values learnt nothing, and says so rather than repeating
+    step 8's. The reference is the records: every alert of a record shows in the call that wrote it."""
+    as_tensor = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731 - the floats' values exactly
+    run = _Run(_config(interval=4))
+    learnt = {}
+    for step in range(1, 10):
+        run.hook.before_step(step)
+        _update(run.weight, step)
+        run.hook.after_optimizer_step(step, loss=as_tensor(_blow_up_loss(step)), grad_norm=as_tensor(1.0 + step),
+                                      lr=1e-3)
+        learnt[step] = [(alert.step, alert.metric) for alert in run.hook.last_alerts]
+    by_record = {r["step"]: [(a["step"], a["metric"]) for a in r["alerts"]] for r in run.records}
+    assert sorted(by_record) == [4, 6, 8] and by_record[6]  # step 6's record, written at step 8's read-back
+    assert learnt[6] == [] and learnt[8] == by_record[6] + by_record[8]
+    assert learnt[9] == []  # step 9 only queued its values

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import megatron_mech.hook as hook_module
+import megatron_mech.monitors.registry as monitor_registry
 from megatron_mech.config import DetectorOverrides, MechConfig, MonitorConfig
 from megatron_mech.hook import MechHook, StateError
 from megatron_mech.model_view import ModelView
@@ -101,7 +101,7 @@ def test_a_user_monitor_registered_with_one_call_runs_on_the_evaluation_steps_an
 
 def test_a_builtin_family_is_one_class_and_one_registry_line(monkeypatch):
     # the registry line: the hook builds every family of the registry, in its order, with no branch of its own
-    monkeypatch.setattr(hook_module, "BUILTIN_MONITORS", (*hook_module.BUILTIN_MONITORS, Toy))
+    monkeypatch.setattr(monitor_registry, "BUILTIN_MONITORS", (*monitor_registry.BUILTIN_MONITORS, Toy))
     run = _Run()
     toy = run.hook.monitor("toy")
     assert isinstance(toy, Toy) and [m.name for m in run.hook.monitors] == ["attention", "toy"]
@@ -131,25 +131,22 @@ def _version_2_layout(state: dict) -> dict:
     return old
 
 
-def test_a_state_in_the_version_2_layout_resumes_exactly():
-    full = _Run()
-    full.steps(1, 16)
+def test_a_state_written_by_another_version_is_refused_by_name_before_anything_is_restored():
+    """0.x releases carry no state across versions: a state in the version-2 layout (monitors at the top level) or
+    of version 1 is refused, naming the checkpoint and saying so, not converted or half loaded."""
     first = _Run()
     first.steps(1, 7)
     old = _version_2_layout(first.hook.state_dict())
-    assert old["attention"]["snapshots"] is not None  # the snapshot of step 6 travels in the old layout
-    resumed = _Run(start_step=7, state=old, weights={k: w.clone() for k, w in first.weights.items()})
-    resumed.steps(8, 16)
-    expected = [r for r in full.records if r["step"] > 7]
-    assert [r["step"] for r in resumed.records] == [r["step"] for r in expected] == [8, 10, 12, 14, 16]
-    for got, want in zip(resumed.records, expected):
-        assert got["metrics"] == want["metrics"] and got["alerts"] == want["alerts"]
-    # version 1 (no "interval" key: the attention monitor's config tells it) loads the same way
-    older = {k: v for k, v in old.items() if k != "interval"}
-    older["version"] = 1
-    again = _Run(start_step=7, state=older, weights={k: w.clone() for k, w in first.weights.items()})
-    again.steps(8, 8)
-    assert again.records[0]["metrics"] == expected[0]["metrics"]
+    older = {**{k: v for k, v in old.items() if k != "interval"}, "version": 1}
+    for state, version in ((old, 2), (older, 1)):
+        hook = MechHook(MechConfig(monitors=MonitorConfig(families=("attention",), interval=2)))
+        with pytest.raises(StateError) as info:
+            hook.load_state_dict(state, source="checkpoint iter_7")
+        message = str(info.value)
+        assert info.value.source == "checkpoint iter_7" and message.startswith("checkpoint iter_7: ")
+        assert f"has version {version}" in message and "written by another megatron-mech version" in message
+        assert "0.x releases do not carry states across versions" in message and "docs/versions.md" in message
+        assert hook.losses == [] and hook.first_alert_step is None  # nothing of it restored
 
 
 def test_a_monitor_entry_of_another_version_is_refused_naming_the_monitor_and_the_checkpoint():

@@ -9,7 +9,7 @@ from megatron_mech.core.attribution import alert_lines
 from megatron_mech.hook import MechHook
 from megatron_mech.model_view import ModelView
 from megatron_mech.monitors.attention import AttentionLayer
-from megatron_mech.skipped_steps import SKIPPED_METRIC, SkippedSteps
+from megatron_mech.hook.skipped_steps import SKIPPED_METRIC, SkippedSteps
 
 
 def judged(rule, step, metrics):

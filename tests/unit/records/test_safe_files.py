@@ -166,7 +166,7 @@ def test_the_log_sink_refuses_mech_jsonl(tmp_path, kind):
 def test_summary_run_id_and_first_alert_marker_are_refused_and_training_goes_on(tmp_path, kind, caplog):
     """summary.json, run_id.txt and first_alert.json: a refused write is an error naming the file (summary and
     marker: logged, the run goes on; run id: raised at start)."""
-    from megatron_mech.first_alert import FirstAlertMarker
+    from megatron_mech.hook.first_alert import FirstAlertMarker
     from megatron_mech.records.run_directory import write_run_id, write_summary
 
     summary, run_id, marker = tmp_path / "summary.json", tmp_path / "run_id.txt", tmp_path / "first_alert.json"

@@ -1,7 +1,7 @@
 """The deferred loss read-back: a step's loss and grad norm may stay on the device until a step that needs them.
 
-A trainer may hand :meth:`MechHook.after_optimizer_step <megatron_mech.hook.MechHook.after_optimizer_step>` its
-loss and grad norm as device tensors. On a step that evaluates nothing they are queued here untouched (no host
+A trainer may hand :meth:`MechHook.after_optimizer_step <megatron_mech.hook.MechHook.after_optimizer_step>`
+its loss and grad norm as device tensors. On a step that evaluates nothing they are queued here untouched (no host
 synchronisation); at the next step that needs them (an evaluation step, the run's last step, a checkpoint, the end)
 every waiting value comes to the host in one transfer per device (:func:`host_values`), and the hook judges each
 waiting step with its own step number, lr and extra values.
@@ -52,11 +52,13 @@ class DeferredSteps:
     def append(self, step: int, loss, grad_norm, lr: float, extra: Optional[dict]) -> None:
         self._waiting.append((int(step), loss, grad_norm, lr, dict(extra) if extra else None))
 
-    def take(self, *current) -> tuple:
-        """Empty the queue and bring its values and ``current`` to the host together. Returns ``(steps,
-        current_floats)``: ``steps`` as ``(step, loss, grad_norm, lr, extra)`` with floats, oldest first."""
-        waiting, self._waiting = self._waiting, []
-        values = host_values([v for entry in waiting for v in entry[1:3]] + list(current))
-        steps = [(step, values[2 * i], values[2 * i + 1], lr, extra)
-                 for i, (step, _, _, lr, extra) in enumerate(waiting)]
-        return steps, values[2 * len(waiting):]
+    def take(self, *current: tuple) -> list:
+        """Empty the queue and bring its values and those of ``current`` (more steps, ``(step, loss, grad_norm, lr,
+        extra)``) to the host together. Returns every step as ``(step, loss, grad_norm, lr, extra)`` with floats,
+        the waiting ones first, oldest first."""
+        steps, self._waiting = self._waiting, []
+        for entry in current:
+            self.append(*entry)
+        steps, self._waiting = steps + self._waiting, []
+        values = host_values([v for entry in steps for v in entry[1:3]])
+        return [(step, values[2 * i], values[2 * i + 1], lr, extra) for i, (step, _, _, lr, extra) in enumerate(steps)]
