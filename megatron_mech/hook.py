@@ -1113,6 +1113,16 @@ class MechHook:
         self._first_alert_acted_step = self._current_step
         return {"log": Action.CONTINUE, "checkpoint": Action.CHECKPOINT, "stop": Action.STOP}[self.config.on_alert]
 
+    def run_summary(self, *, alerts: Optional[Iterable[Alert]] = None,
+                    step_seconds: Optional[Iterable[float]] = None, **trainer_fields: Any):
+        """This run's :class:`~megatron_mech.records.run_summary.RunSummary` (the ``summary.json`` schema), filled
+        from the hook's public properties plus the trainer's own ``trainer_fields``; call it after :meth:`close`.
+        ``alerts``: the run's alerts as the trainer read them from ``mech.jsonl`` (across a resume); default: this
+        process's. ``step_seconds``: each step's wall time, when the trainer times its steps."""
+        from megatron_mech.records.run_summary import build_run_summary
+
+        return build_run_summary(self, alerts=alerts, step_seconds=step_seconds, trainer=trainer_fields)
+
 
 @dataclass
 class _Judgement:
