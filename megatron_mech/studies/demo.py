@@ -144,13 +144,15 @@ def collapse_line(run_dir) -> str:
 
 
 def load_demo_run(run_dir, seed: int) -> dict:
-    """One finished demo run as the report reads it: per-step losses and grad norms (its ``summary.json``), alerts
-    and ``mech.jsonl`` records."""
+    """One finished demo run as the report reads it: per-step losses and grad norms (its ``summary.json``;
+    ``grad_norms`` None when no step has one: the grad-norm rules then read the records'), alerts and
+    ``mech.jsonl`` records."""
     from megatron_mech.records.sinks import read_alerts, read_jsonl
 
     run_dir = Path(run_dir)
     summary = _fresh_summary(run_dir)
-    return {"losses": summary.losses, "grad_norms": summary.grad_norms,
+    per_step = any(value is not None for value in summary.grad_norms)
+    return {"losses": summary.losses, "grad_norms": summary.grad_norms if per_step else None,
             "alerts": read_alerts(run_dir / "mech.jsonl"), "records": read_jsonl(run_dir / "mech.jsonl"), "seed": seed}
 
 
