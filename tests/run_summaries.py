@@ -43,11 +43,9 @@ def assert_summary_schema(path, trainer_keys):
     """The ``summary.json`` at ``path`` has exactly the fields of :data:`SCHEMA`, each of its type, its alerts are
     dicts, the monitors' time is the sum of ``monitor_breakdown`` and MoLS's is not in it, its ``trainer``
     holds exactly ``trainer_keys``, and the reader takes it. Returns the raw JSON object and the read summary."""
-    from megatron_mech.records.run_summary import SCHEMA_VERSION, read_run_summary
-
     raw = json.loads(Path(path).read_text())
-    assert list(raw)[0] == "schema_version" and raw["schema_version"] == SCHEMA_VERSION
     assert set(raw) == set(SCHEMA), (sorted(set(raw) - set(SCHEMA)), sorted(set(SCHEMA) - set(raw)))
+    assert list(raw)[0] == "schema_version" and raw["schema_version"] == 1
     for name, kind in SCHEMA.items():
         kinds = kind if isinstance(kind, tuple) else (kind,)
         value = raw[name]
@@ -57,4 +55,7 @@ def assert_summary_schema(path, trainer_keys):
     assert "mols" not in raw["monitor_breakdown"]
     assert raw["monitor_seconds"] == pytest.approx(sum(raw["monitor_breakdown"].values()), rel=1e-9, abs=1e-12)
     assert set(raw["trainer"]) == set(trainer_keys), sorted(raw["trainer"])
+    from megatron_mech.records.run_summary import SCHEMA_VERSION, read_run_summary
+
+    assert SCHEMA_VERSION == 1
     return raw, read_run_summary(path)
