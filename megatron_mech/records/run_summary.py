@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from megatron_mech.core.checks import is_int
+from megatron_mech.core.detect import Alert
 from megatron_mech.records.safe_files import read_small_file, write_file_atomically
 
 __all__ = ["MAX_SUMMARY_BYTES", "SCHEMA_VERSION", "RunSummary", "build_run_summary", "read_run_summary",
-           "write_run_summary"]
+           "run_verdict", "write_run_summary"]
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,26 @@ _TYPES: Dict[str, tuple] = {
 assert set(_TYPES) == {f.name for f in dataclasses.fields(RunSummary)}, "every field has its JSON type"
 
 
+def run_verdict(alerts: Sequence[Alert], last_step: int | None, armed_from_step: int | None) -> str:
+    """The run's verdict in one sentence: the first alert's diagnosis, or "No alerts fired." with whether the
+    detectors were armed: a run that ended before its baseline-relative rules armed says so (only non-finite
+    values and the level rules could alert in it), since its silence is no verdict on its health."""
+    from megatron_mech.core.diagnosis import first_diagnosis
+
+    first = first_diagnosis(alerts)
+    if first is not None:
+        where = f" in layer{'s' if len(first.layers) > 1 else ''} {', '.join(map(str, first.layers))}" \
+            if first.layers else ""
+        return f"First alert at step {first.step}: {first.label}{where}."
+    if armed_from_step is None or last_step is None:
+        return "No alerts fired."
+    if last_step < armed_from_step:
+        return (f"No alerts fired, and the detectors never armed: the run ended at step {last_step}, the first "
+                f"baseline-relative rule arms at step {armed_from_step}; only non-finite values and the level rules "
+                f"could alert before it.")
+    return f"No alerts fired (detectors armed from step {armed_from_step}; the run ended at step {last_step})."
+
+
 def build_run_summary(hook, *, alerts: Optional[Sequence] = None, step_seconds: Optional[Sequence[float]] = None,
                       trainer: Optional[Mapping[str, Any]] = None) -> RunSummary:
     """The summary of ``hook``'s run (a :class:`~megatron_mech.hook.MechHook`, read through its public
@@ -125,12 +146,13 @@ def build_run_summary(hook, *, alerts: Optional[Sequence] = None, step_seconds: 
     before a resume too); default: those this process raised. ``step_seconds``: each step's wall time when the
     trainer times its steps. ``trainer``: the trainer's own fields (JSON values)."""
     from megatron_mech.core.attribution import alert_lines
-    from megatron_mech.records.report import verdict_fields
+    from megatron_mech.core.diagnosis import first_diagnosis
 
     alerts = list(hook.alerts if alerts is None else alerts)
     arming = hook.arming()
     final_step = arming["last_step"]
     losses = list(hook.losses)
+    first = first_diagnosis(alerts)
     extension_summaries = {}
     for extension in hook.extensions:
         summary = extension.summary()
@@ -141,7 +163,8 @@ def build_run_summary(hook, *, alerts: Optional[Sequence] = None, step_seconds: 
         grad_norms=list(hook.grad_norms),
         step_seconds=None if step_seconds is None else [float(s) for s in step_seconds],
         alerts=[a.to_dict() for a in alerts], attribution=alert_lines(alerts), detectors=arming,
-        **verdict_fields(alerts, arming),
+        diagnosis=first.to_dict() if first is not None else None,
+        verdict=run_verdict(alerts, arming["last_step"], arming["armed_from_step"]),
         monitor_seconds=float(hook.evaluation_seconds),
         monitor_breakdown={**hook.seconds, "router_capture": hook.router_capture_seconds,
                            "max_logit_capture": hook.capture_seconds("max_logit")},
