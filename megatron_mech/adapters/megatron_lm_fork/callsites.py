@@ -233,7 +233,8 @@ def _output_dir(mech_output_dir: Optional[str], save: Optional[str]) -> str:
 def _install_train_end() -> None:
     """Wrap the fork's ``megatron.training.training.train`` so that :func:`on_train_end` runs when it returns or
     exits the process with ``sys.exit`` (every rank leaves ``train`` the same way: its exit decision is agreed). A
-    crash (any other exception) is left as it is: its ranks may be anywhere, so no collective is issued. Idempotent."""
+    crash (any other exception) is left as it is: its ranks may be anywhere, so no collective is issued. A fork
+    without ``train`` there is said once, in a warning. Idempotent."""
     global _TRAIN_END_INSTALLED
     import functools
 
@@ -241,7 +242,11 @@ def _install_train_end() -> None:
 
     if _TRAIN_END_INSTALLED:
         return
-    train = training.train
+    train = getattr(training, "train", None)
+    if train is None:
+        logger.warning("megatron-mech: this fork's megatron.training.training has no train function to wrap: the run "
+                       "writes no summary.json (mech.jsonl holds every record and alert)")
+        return
 
     @functools.wraps(train)
     def train_then_summarize(*args, **kwargs):
