@@ -11,13 +11,14 @@ with ``--fault-start`` and a study config's ``"fault"`` key (``main(study=...)``
 
 On CPU machines set ``OMP_NUM_THREADS=1`` under the ``deepspeed`` launcher. Writes ``<output-dir>/mech.jsonl``
 (one record per evaluation) and ``<output-dir>/summary.json`` (step time, monitor cost, the step the detectors are
-armed from), from rank 0. SIGTERM or SIGINT (to torchrun, which forwards it) stops every rank after the same step:
-it saves a checkpoint (with ``--save``), writes ``summary.json`` (``"stopped_by_signal"``) and exits 0, as the
-megatron-core entry point does. A fresh run into an ``--output-dir`` (or ``--save``) that already holds a run is refused
-before anything is built: resume it with ``--load``, or pass ``--overwrite-run`` to start over. So is one into a
-directory another run is writing (the run holds its directories until its process ends). Each run has an id
-(``run_id.txt`` in ``--output-dir`` and in each checkpoint it saves): a resume into an ``--output-dir`` holding
-another run's records is refused too; resume into the checkpoint's own output directory, or into a new one.
+armed from; the schema in docs/outputs.md), from rank 0. SIGTERM or SIGINT (to torchrun, which forwards it) stops
+every rank after the same step: it saves a checkpoint (with ``--save``), writes ``summary.json`` (``"trainer"``:
+``"stopped_by_signal"``) and exits 0, as the megatron-core entry point does. A fresh run into an ``--output-dir``
+(or ``--save``) that already holds a run is refused before anything is built: resume it with ``--load``, or pass
+``--overwrite-run`` to start over. So is one into a directory another run is writing (the run holds its directories
+until its process ends). Each run has an id (``run_id.txt`` in ``--output-dir`` and in each checkpoint it saves): a
+resume into an ``--output-dir`` holding another run's records is refused too; resume into the checkpoint's own
+output directory, or into a new one.
 """
 from __future__ import annotations
 
