@@ -59,6 +59,19 @@ def test_the_reader_refuses_what_is_not_a_summary_by_name(tmp_path):
         read_run_summary(path)
 
 
+def test_the_writer_the_reader_and_the_documented_schema_have_the_same_fields():
+    import dataclasses
+    import re
+
+    from dist_utils import REPO_ROOT
+    from megatron_mech.records import run_summary
+
+    fields = [f.name for f in dataclasses.fields(RunSummary)]
+    assert set(fields) == set(run_summary._TYPES) == set(SCHEMA)
+    documented = re.findall(r"^\| `(\w+)` \| ", (REPO_ROOT / "docs" / "outputs.md").read_text(), flags=re.M)
+    assert sorted(documented) == sorted(fields)
+
+
 def test_nullable_fields_may_be_null(tmp_path):
     path = write_summary_file(tmp_path / "summary.json", step_seconds=None, diagnosis=None)
     read = read_run_summary(path)
