@@ -145,14 +145,14 @@ def collapse_line(run_dir) -> str:
 
 def load_demo_run(run_dir, seed: int) -> dict:
     """One finished demo run as the report reads it: per-step losses and grad norms (its ``summary.json``;
-    ``grad_norms`` None when no step has one: the grad-norm rules then read the records'), alerts and
-    ``mech.jsonl`` records."""
+    ``grad_norms`` None when no step has one, :func:`~megatron_mech.studies.incumbents.per_step_grad_norms`),
+    alerts and ``mech.jsonl`` records."""
     from megatron_mech.records.sinks import read_alerts, read_jsonl
+    from megatron_mech.studies.incumbents import per_step_grad_norms
 
     run_dir = Path(run_dir)
     summary = _fresh_summary(run_dir)
-    per_step = any(value is not None for value in summary.grad_norms)
-    return {"losses": summary.losses, "grad_norms": summary.grad_norms if per_step else None,
+    return {"losses": summary.losses, "grad_norms": per_step_grad_norms(summary.grad_norms),
             "alerts": read_alerts(run_dir / "mech.jsonl"), "records": read_jsonl(run_dir / "mech.jsonl"), "seed": seed}
 
 
