@@ -19,6 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from megatron_mech.records.run_summary import read_run_summary
+
 try:
     from _results import write_results
 except ImportError:
@@ -40,7 +42,9 @@ def run(model: str, stage: int, steps: int, out: Path, port: int) -> dict:
         cmd += ["--ep-size", "2"]
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=1800)
-    summary = json.loads((out / "summary.json").read_text())
+    read = read_run_summary(out / "summary.json")
+    summary = {**read.trainer, "step_seconds_total": sum(read.step_seconds), "monitor_seconds": read.monitor_seconds,
+               "monitor_share": read.monitor_share, "monitor_parts": read.monitor_breakdown}
     records = [json.loads(line) for line in (out / "mech.jsonl").read_text().splitlines()]
     summary["evaluations"] = len(records)
     summary["last_record"] = {"step": records[-1]["step"], "loss": records[-1]["loss"],

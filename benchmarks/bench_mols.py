@@ -45,6 +45,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks._results import write_results  # noqa: E402
 from megatron_mech.core.mols import default_window, parse_fixed_multipliers  # noqa: E402
+from megatron_mech.records.run_summary import read_run_summary  # noqa: E402
 from megatron_mech.studies.leadtime import check_reporting_seeds  # noqa: E402
 from megatron_mech.studies.paired import paired_ci  # noqa: E402
 from megatron_mech.trainers.megatron_core.launch import torchrun_prefix  # noqa: E402
@@ -137,7 +138,8 @@ def run(run_dir: Path, seed: int, steps: int, flags: list, env) -> dict:
     done = subprocess.run(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if done.returncode != 0:
         raise SystemExit(f"training run failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
-    return json.loads((run_dir / "summary.json").read_text())
+    summary = read_run_summary(run_dir / "summary.json")
+    return {**summary.to_dict(), **summary.trainer}  # the entry point's own fields (validation loss...) at the top
 
 
 def steps_to_reach(history, target: float):

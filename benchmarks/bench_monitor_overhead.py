@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_mech.records.run_summary import read_run_summary
 from megatron_mech.trainers.megatron_core.launch import torchrun_prefix
 
 try:
@@ -86,7 +87,7 @@ def overhead_runs(steps, rounds, env, workdir):
             started = time.perf_counter()
             torchrun(REPO / "launch_scripts" / "pretrain_gpt_mech.py", 2, args, env)
             wall = time.perf_counter() - started
-            summary = json.loads((run_dir / "summary.json").read_text())
+            summary = read_run_summary(run_dir / "summary.json").to_dict()
             step_s = summary["step_seconds"][WARMUP_STEPS:]
             interval = INTERVALS[name]
             results[name].append({"round": r, "position": order.index(name), "mean_step_s": statistics.mean(step_s),
@@ -94,8 +95,8 @@ def overhead_runs(steps, rounds, env, workdir):
                                   "evaluations": steps // interval if interval else 0,
                                   "monitor_seconds": summary["monitor_seconds"],
                                   "monitor_share": summary["monitor_seconds"] / sum(summary["step_seconds"]),
-                                  "params_per_rank": summary["params_per_rank"],
-                                  "breakdown_s": summary.get("monitor_breakdown", {})})
+                                  "params_per_rank": summary["trainer"]["params_per_rank"],
+                                  "breakdown_s": summary["monitor_breakdown"]})
             print(f"round {r} {name:6s}: mean step {results[name][-1]['mean_step_s']*1e3:7.1f} ms, "
                   f"monitor share {100*results[name][-1]['monitor_share']:.2f}% ({wall:.0f}s)", flush=True)
     return results

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import logging
 import math
 import os
@@ -37,6 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks._results import write_results  # noqa: E402
 from megatron_mech.monitors.max_logit import MAX_LOGIT_METRIC  # noqa: E402
+from megatron_mech.records.run_summary import read_run_summary  # noqa: E402
 from megatron_mech.records.sinks import read_jsonl  # noqa: E402
 from megatron_mech.studies.clean_scores import replay_alerts  # noqa: E402
 from megatron_mech.studies.incumbents import (  # noqa: E402
@@ -47,6 +47,7 @@ from megatron_mech.studies.incumbents import (  # noqa: E402
     incumbent_firings,
     metric_series,
     microbatches_per_rank,
+    per_step_grad_norms,
 )
 from megatron_mech.studies.leadtime import TUNING_SEEDS, first_alert, parse_study_args  # noqa: E402
 from megatron_mech.studies.natural import SELF_DIVERGENCE_MARGIN  # noqa: E402
@@ -90,14 +91,14 @@ def load_run(run_dir: Path) -> dict:
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
         raise FileNotFoundError(f"{summary_path}: no summary (the run has not finished); train it first")
-    summary = json.loads(summary_path.read_text())
-    if summary.get("first_step", 1) != 1:
-        raise ValueError(f"{summary_path}: losses start at step {summary['first_step']}, need a run from step 1")
+    summary = read_run_summary(summary_path)
+    if summary.first_step != 1:
+        raise ValueError(f"{summary_path}: losses start at step {summary.first_step}, need a run from step 1")
     records = read_jsonl(run_dir / "mech.jsonl")
-    return {"dir": str(run_dir), "losses": [float(v) for v in summary["losses"]], "records": records,
+    grad_norms = per_step_grad_norms(summary.grad_norms)
+    return {"dir": str(run_dir), "losses": [float(v) for v in summary.losses], "records": records,
             "alerts": replay_alerts(records), "max_logit": metric_series(records, MAX_LOGIT_METRIC),
-            "grad_norm": grad_norm_series(records, summary.get("grad_norms")),
-            "grad_norm_per_step": summary.get("grad_norms") is not None}
+            "grad_norm": grad_norm_series(records, grad_norms), "grad_norm_per_step": grad_norms is not None}
 
 
 def rule_firings(run: dict, grad_norm_level: float, from_step: int = 1) -> dict:

@@ -341,9 +341,14 @@ class MechHook:
         monitor = self.monitor(name)
         return monitor.capture_seconds if monitor is not None else 0.0
 
-    @property
-    def router_capture_seconds(self) -> float:
-        return self.capture_seconds("router")
+    def run_summary(self, *, alerts: Optional[Iterable[Alert]] = None, step_seconds: Optional[Iterable[float]] = None,
+                    **trainer_fields: Any):
+        """This run's ``summary.json`` (:class:`~megatron_mech.records.run_summary.RunSummary`), from the hook's
+        public properties and the trainer's own ``trainer_fields``, after :meth:`close`; ``alerts``: the run's alerts
+        read from ``mech.jsonl`` (across a resume; default: this process's); ``step_seconds``: each step's time."""
+        from megatron_mech.records.run_summary import build_run_summary
+
+        return build_run_summary(self, alerts=alerts, step_seconds=step_seconds, trainer=trainer_fields)
 
     def async_report(self) -> dict:
         """For the summary: whether the evaluation ran beside training, the wait for it, its failure (or None)."""

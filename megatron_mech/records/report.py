@@ -53,13 +53,14 @@ from megatron_mech.records.report_guides import (
     resolve_arming,
     run_settings,
 )
+from megatron_mech.records.run_summary import run_verdict
 from megatron_mech.records.safe_files import open_regular, write_file_atomically
 from megatron_mech.records.series_reduction import RunReduction, record_values, reduce_records
 from megatron_mech.records.sinks import JSONL_NAME, iter_jsonl, record_alerts
 
 __all__ = ["REPORT_PNG", "REPORT_MD", "REPORT_FILES", "FAMILY_COLORS", "resolve_jsonl", "run_name", "collect_series",
            "collect_alerts", "reduce_run", "build_figure", "plot_run", "summarize_run", "run_verdict",
-           "verdict_fields", "add_report_arguments", "missing_plot_package", "run_report"]
+           "add_report_arguments", "missing_plot_package", "run_report"]
 
 REPORT_PNG = "report.png"
 REPORT_MD = "report.md"
@@ -536,37 +537,6 @@ def _save_plot(jsonl: Path, reduction: RunReduction, settings: RunSettings, out_
 # ------------------------------------------------------------------------------------------------ summary
 def _fmt(x: float | None) -> str:
     return "n/a" if x is None else (f"{x:.4g}" if math.isfinite(x) else str(x))
-
-
-def run_verdict(alerts: Sequence[Alert], last_step: int | None, armed_from_step: int | None) -> str:
-    """The run's verdict in one sentence: the first alert's diagnosis, or "No alerts fired." with whether the
-    detectors were armed: a run that ended before its baseline-relative rules armed says so (only non-finite
-    values and the level rules could alert in it), since its silence is no verdict on its health."""
-    from megatron_mech.core.diagnosis import first_diagnosis
-
-    first = first_diagnosis(alerts)
-    if first is not None:
-        where = f" in layer{'s' if len(first.layers) > 1 else ''} {', '.join(map(str, first.layers))}" \
-            if first.layers else ""
-        return f"First alert at step {first.step}: {first.label}{where}."
-    if armed_from_step is None or last_step is None:
-        return "No alerts fired."
-    if last_step < armed_from_step:
-        return (f"No alerts fired, and the detectors never armed: the run ended at step {last_step}, the first "
-                f"baseline-relative rule arms at step {armed_from_step}; only non-finite values and the level rules "
-                f"could alert before it.")
-    return f"No alerts fired (detectors armed from step {armed_from_step}; the run ended at step {last_step})."
-
-
-def verdict_fields(alerts: Sequence[Alert], arming: Mapping[str, Any]) -> dict:
-    """The ``summary.json`` keys of a run's verdict, from its alerts and the hook's ``arming()``: ``"diagnosis"``
-    (the first alert's, :func:`megatron_mech.core.diagnosis.first_diagnosis`; None without alerts) and
-    ``"verdict"`` (:func:`run_verdict`)."""
-    from megatron_mech.core.diagnosis import first_diagnosis
-
-    first = first_diagnosis(alerts)
-    return {"diagnosis": first.to_dict() if first is not None else None,
-            "verdict": run_verdict(alerts, arming["last_step"], arming["armed_from_step"])}
 
 
 def summarize_run(records: Iterable[Mapping[str, Any]] | RunReduction, title: str | None = None,

@@ -19,7 +19,6 @@ are the run's own: the default rules with the run's detector settings (``detecto
 """
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from megatron_mech.core.checks import is_int
 from megatron_mech.core.detect import Alert, DetectorRegistry
 from megatron_mech.monitors.registry import default_registry
 from megatron_mech.records.run_directory import SUMMARY
-from megatron_mech.records.safe_files import read_small_file
+from megatron_mech.records.run_summary import MAX_SUMMARY_BYTES, read_run_summary
 from megatron_mech.records.series_reduction import Baseline, RunReduction
 
 __all__ = ["BANDED_LINES", "MAX_SUMMARY_BYTES", "Arming", "RunSettings", "run_settings", "resolve_arming",
@@ -39,9 +38,6 @@ __all__ = ["BANDED_LINES", "MAX_SUMMARY_BYTES", "Arming", "RunSettings", "run_se
 #: A panel with at most this many series gets the band of each (more would hide the lines); otherwise only the
 #: alerting series get theirs.
 BANDED_LINES = 4
-#: A run's ``summary.json`` larger than this is not read by the report (it would take many times its size in memory
-#: to decode). A summary keeps at most a bounded window of per-step series, a few MB; see docs/reliability.md.
-MAX_SUMMARY_BYTES = 16 * 2**20
 
 
 @dataclass(frozen=True)
@@ -68,9 +64,10 @@ class RunSettings:
 
 def run_settings(jsonl: Path | None) -> RunSettings:
     """The detector settings of the run whose log is ``jsonl``, from ``summary.json`` next to it when present
-    (``detectors.armed_from_step``, ``detectors.rule_overrides``). A summary that is not a JSON object, an
-    armed-from step that is not an int ≥ 0, or overrides that are not detector settings are a ``ValueError``
-    naming the file and the key."""
+    (``detectors.armed_from_step``, ``detectors.rule_overrides``), read with
+    :func:`~megatron_mech.records.run_summary.read_run_summary`. A summary it refuses (not of this schema version,
+    a field missing or of the wrong type), an armed-from step that is not an int ≥ 0, or overrides that are not
+    detector settings are a ``ValueError`` naming the file and the key."""
     path = Path(jsonl).with_name(SUMMARY) if jsonl is not None else None
     if path is None or not os.path.lexists(path):
         return RunSettings(default_registry(), None, "default rules")
@@ -78,16 +75,8 @@ def run_settings(jsonl: Path | None) -> RunSettings:
         warnings.warn(f"{path} is larger than {MAX_SUMMARY_BYTES:,} bytes (a run's summary is far smaller): not read; "
                       f"the report shows the detectors' default rules", RuntimeWarning, stacklevel=2)
         return RunSettings(default_registry(), None, "default rules")
-    try:
-        summary = json.loads(read_small_file(path, MAX_SUMMARY_BYTES, "a run's summary").decode("utf-8"))
-    except (OSError, ValueError) as e:  # a FIFO or a directory there is refused by name, never waited on
-        raise ValueError(f"{path}: cannot read the run's summary ({e})") from None
-    if not isinstance(summary, dict):
-        raise ValueError(f"{path}: the run's summary is not a JSON object")
-    detectors = summary.get("detectors")
-    if detectors is None:
-        return RunSettings(default_registry(), None, "default rules")
-    step = detectors.get("armed_from_step") if isinstance(detectors, dict) else None
+    detectors = read_run_summary(path).detectors
+    step = detectors.get("armed_from_step")
     if not is_int(step) or step < 0:
         raise ValueError(f"{path}: 'detectors.armed_from_step' must be an int >= 0, got {step!r}")
     overrides = detectors.get("rule_overrides") or {}

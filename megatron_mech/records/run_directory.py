@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import logging
 import os
 import socket
@@ -39,7 +38,7 @@ __all__ = ["FIRST_ALERT", "JSONL", "LOCK_FILE", "MAX_SMALL_FILE_BYTES", "RECORDS
            "RUN_ID_FILE", "STEP_SERIES_WINDOW", "SUMMARY", "claim_run_directory", "clear_previous_run",
            "previous_run", "probe_writable", "read_run_id", "records_incomplete", "refuse_linked_checkpoints",
            "refuse_mixing_runs", "refuse_unsafe_files_in", "release_run_directories", "resumed_run_id", "steps_text",
-           "write_run_id", "write_summary"]
+           "write_run_id"]
 
 logger = logging.getLogger(__name__)
 
@@ -222,21 +221,6 @@ def records_incomplete(lost_steps, summary_written: bool, monitors_failure: Opti
                        f"({monitors_failure['error']}; see the error above)")
     return (f"records incomplete: {'; '.join(reasons)}. Training itself finished and its checkpoints are not "
             f"affected; exit code {RECORDS_INCOMPLETE_EXIT}")
-
-
-def write_summary(path, summary: dict, indent: Optional[int] = None) -> bool:
-    """Write a run's ``summary.json`` atomically (:func:`write_file_atomically`); returns whether it was written.
-    Monitor output never kills a run: a failure (disk full, permissions, a symbolic link planted at either name
-    after the start-up checks) is logged as an error naming the file, and the run ends normally, its checkpoints
-    intact (the entry point's exit code then says its records are incomplete, :func:`records_incomplete`)."""
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_file_atomically(path, json.dumps(summary, indent=indent))
-        return True
-    except (OSError, ValueError) as exc:
-        logger.error(f"[mech] ERROR: could not write {path}: {exc}; the run's checkpoints are not affected")
-        return False
 
 
 def resumed_run_id(checkpoint, output_dir, *, load_dir, output_flag: str, other_checkpoints: str) -> Optional[str]:

@@ -16,7 +16,6 @@ against them. The report's title states, per act, who warned first and by how ma
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,17 +43,20 @@ DIVERGENCE_MARGIN = 0.2  # nats: the 20-step moving-average loss stays this far 
 OWN_FAMILY = {"attention": "attention", "router": "router"}
 
 
-def _fresh_summary(run_dir) -> dict:
-    """``summary.json`` of a fresh run (its series start at step 1); a resumed run is refused."""
-    summary = json.loads((Path(run_dir) / "summary.json").read_text())
-    if summary.get("first_step", 1) != 1:
-        raise ValueError(f"{run_dir}: the run resumed at step {summary['first_step']}; the demo needs fresh runs")
+def _fresh_summary(run_dir):
+    """The :class:`~megatron_mech.records.run_summary.RunSummary` of a fresh run (its series start at step 1); a
+    resumed run is refused."""
+    from megatron_mech.records.run_summary import read_run_summary
+
+    summary = read_run_summary(Path(run_dir) / "summary.json")
+    if summary.first_step != 1:
+        raise ValueError(f"{run_dir}: the run resumed at step {summary.first_step}; the demo needs fresh runs")
     return summary
 
 
 def step_losses(run_dir) -> list:
     """The loss of every step of a fresh run, ``[loss of step 1, loss of step 2, ...]`` (from ``summary.json``)."""
-    return _fresh_summary(run_dir)["losses"]
+    return _fresh_summary(run_dir).losses
 
 
 def _progress_line(line: str) -> bool:
@@ -142,13 +144,15 @@ def collapse_line(run_dir) -> str:
 
 
 def load_demo_run(run_dir, seed: int) -> dict:
-    """One finished demo run as the report reads it: per-step losses and grad norms (``grad_norms`` None for a run
-    recorded before the summary kept them), alerts and ``mech.jsonl`` records."""
+    """One finished demo run as the report reads it: per-step losses and grad norms (its ``summary.json``;
+    ``grad_norms`` None when no step has one, :func:`~megatron_mech.studies.incumbents.per_step_grad_norms`),
+    alerts and ``mech.jsonl`` records."""
     from megatron_mech.records.sinks import read_alerts, read_jsonl
+    from megatron_mech.studies.incumbents import per_step_grad_norms
 
     run_dir = Path(run_dir)
     summary = _fresh_summary(run_dir)
-    return {"losses": summary["losses"], "grad_norms": summary.get("grad_norms"),
+    return {"losses": summary.losses, "grad_norms": per_step_grad_norms(summary.grad_norms),
             "alerts": read_alerts(run_dir / "mech.jsonl"), "records": read_jsonl(run_dir / "mech.jsonl"), "seed": seed}
 
 

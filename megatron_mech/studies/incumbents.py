@@ -290,6 +290,12 @@ def incumbent_firings(losses: Sequence[float], grad_norm: tuple, max_logit: tupl
     }
 
 
+def per_step_grad_norms(grad_norms: Sequence[Optional[float]]) -> Optional[list]:
+    """A run's per-step grad norms (``summary.json``'s ``grad_norms``) when the trainer gave one on any step, else
+    None: the grad-norm rules then read the records' values (:func:`grad_norm_series`)."""
+    return list(grad_norms) if any(value is not None for value in grad_norms) else None
+
+
 def step_grad_norms(grad_norms: Sequence[Optional[float]]) -> tuple:
     """``(steps, values)`` of a run's per-step grad norms (``summary.json``'s ``grad_norms``: the grad norm of every
     step from step 1, ``None`` where the trainer gave none), the steps without a value left out."""

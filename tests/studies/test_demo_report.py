@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from run_summaries import write_summary_file
 from megatron_mech.studies.demo import demo_report, headline, incumbents_line, load_demo_run, verdict
 
 STEPS, START = 200, 100
@@ -12,14 +13,12 @@ RECORD_EVERY = 5
 
 
 def _write_run(run_dir, losses, max_logit, grad_norm, alerts=(), per_step_grad_norms=False):
-    """A finished run: ``summary.json`` with every step's loss (and grad norm, with ``per_step_grad_norms``: a run
-    of this release; without, one recorded before the summary kept them), ``mech.jsonl`` with a record every 5
-    steps."""
+    """A finished run: ``summary.json`` with every step's loss (and grad norm, with ``per_step_grad_norms``; without,
+    a trainer that gave none), ``mech.jsonl`` with a record every 5 steps."""
     run_dir.mkdir(parents=True)
-    summary = {"first_step": 1, "final_step": len(losses), "losses": losses}
-    if per_step_grad_norms:
-        summary["grad_norms"] = [grad_norm(step) for step in range(1, len(losses) + 1)]
-    (run_dir / "summary.json").write_text(json.dumps(summary))
+    steps = range(1, len(losses) + 1)
+    write_summary_file(run_dir / "summary.json", first_step=1, final_step=len(losses), losses=losses,
+                       grad_norms=[grad_norm(step) if per_step_grad_norms else None for step in steps])
     lines = []
     for step in range(RECORD_EVERY, len(losses) + 1, RECORD_EVERY):
         lines.append({"step": step, "loss": losses[step - 1], "metrics": {

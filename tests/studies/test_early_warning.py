@@ -76,8 +76,10 @@ def test_router_outcome_flag_names_a_function_or_fails_naming_the_flag():
 
 def _write_run(folder, losses, grad_norms):
     import json
+
+    from run_summaries import write_summary_file
     folder.mkdir(parents=True)
-    (folder / "summary.json").write_text(json.dumps({"first_step": 1, "final_step": len(losses), "losses": losses}))
+    write_summary_file(folder / "summary.json", first_step=1, final_step=len(losses), losses=losses)
     (folder / "mech.jsonl").write_text("".join(
         json.dumps({"step": 5 * (i + 1), "metrics": {"symptom/grad_norm": g, "symptom/max_attn_logit": 1.0}}) + "\n"
         for i, g in enumerate(grad_norms)))

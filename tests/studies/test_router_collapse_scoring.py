@@ -3,6 +3,7 @@ collapse step on the fault run, and as a false alarm (or quiet) on the clean run
 import json
 
 from benchmarks import router_collapse
+from run_summaries import write_summary_file
 
 STEPS, START = 200, 100
 BALANCED, STARVED = [256, 256, 256, 256], [500, 500, 16, 8]  # 16 and 8 of 1024: < 2%
@@ -11,7 +12,7 @@ BALANCED, STARVED = [256, 256, 256, 256], [500, 500, 16, 8]  # 16 and 8 of 1024:
 def _write_run(run_dir, grad_norm, starved_from=None):
     run_dir.mkdir(parents=True)
     losses = [3.0] * STEPS
-    (run_dir / "summary.json").write_text(json.dumps({"first_step": 1, "final_step": STEPS, "losses": losses}))
+    write_summary_file(run_dir / "summary.json", first_step=1, final_step=STEPS, losses=losses)
     (run_dir / "mech.jsonl").write_text("".join(json.dumps({
         "step": s, "loss": 3.0, "metrics": {"symptom/max_attn_logit": 10.0, "symptom/grad_norm": grad_norm(s)},
         "alerts": []}) + "\n" for s in range(5, STEPS + 1, 5)))

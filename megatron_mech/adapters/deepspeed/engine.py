@@ -54,7 +54,8 @@ from megatron_mech.config import MechConfig
 from megatron_mech.hook import Action, Extension, MechHook
 from megatron_mech.hook.async_evaluation import destroy_groups
 from megatron_mech.model_view import MASTER_WEIGHTS, ModelView, RouterView, model_weights_words
-from megatron_mech.records.run_directory import MAX_SMALL_FILE_BYTES, write_run_id
+from megatron_mech.records.run_directory import MAX_SMALL_FILE_BYTES, SUMMARY, write_run_id
+from megatron_mech.records.run_summary import RunSummary, write_run_summary
 from megatron_mech.records.safe_files import open_regular, read_small_file, refuse_symlink, write_file_atomically
 
 __all__ = ["CLIENT_STATE_KEY", "TAG_PREFIX", "DeepSpeedMech", "load_checkpoint", "save_checkpoint"]
@@ -127,6 +128,8 @@ class DeepSpeedMech:
         self._step_base_lr = math.nan
         self._skipped_so_far = int(getattr(engine, "skipped_steps", 0) or 0)
         self.last_action = Action.CONTINUE
+        self.summary_written: Optional[bool] = None
+        """Whether :meth:`close` wrote ``summary.json`` (None: it did not try, on this rank or without a directory)."""
 
     @classmethod
     def from_engine(cls, engine, config: Any = None, **kwargs) -> DeepSpeedMech:
@@ -238,16 +241,9 @@ class DeepSpeedMech:
 
     @property
     def monitor_seconds(self) -> float:
-        """Wall time this rank spent in megatron-mech: snapshots and evaluations (with ZeRO-3 gathers), router
-        capture and reduction, detectors, output, and MoLS statistics."""
-        return self.hook.evaluation_seconds + self.hook.mols_seconds
-
-    @property
-    def seconds(self) -> dict:
-        parts = dict(self.hook.seconds)
-        parts["router_capture"] = self.hook.router_capture_seconds
-        parts["mols"] = self.hook.mols_seconds
-        return parts
+        """Wall time this rank spent in the monitors: snapshots and evaluations (with ZeRO-3 gathers), router
+        capture and reduction, detectors and output. MoLS's statistics are apart (``hook.mols_seconds``)."""
+        return self.hook.evaluation_seconds
 
     # -------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict:
@@ -258,10 +254,17 @@ class DeepSpeedMech:
             raise RuntimeError("load the checkpoint before the first before_step(): the monitors resume from it")
         self.hook.load_state_dict(state, source=source)
 
-    def close(self) -> None:
+    def close(self, *, summary_dir=None, step_seconds: Optional[Iterable[float]] = None,
+              **trainer_fields: Any) -> RunSummary:
         """Flush and close the records (the hook's :meth:`~megatron_mech.hook.MechHook.close`), remove the router
         hooks and destroy the process groups this object created, so none is left alive at the interpreter's exit.
-        The script's own groups are its own: end it with ``dist.destroy_process_group()`` (the guide's example)."""
+        The script's own groups are its own: end it with ``dist.destroy_process_group()`` (the guide's example).
+
+        Returns the run's :class:`~megatron_mech.records.run_summary.RunSummary` (the ``summary.json`` schema, see
+        ``docs/outputs.md``) on every rank, with ``step_seconds`` (each step's wall time, when the script times
+        its steps) and the script's own ``trainer_fields`` (JSON values). The logging rank writes it to
+        ``<summary_dir>/summary.json`` (default: the ``"mech"`` section's ``output.dir``; nothing is written when
+        neither is set); :attr:`summary_written` then says whether the write succeeded."""
         for g in self.gates:
             handle = getattr(g, "handle", None)
             if handle is not None:
@@ -271,6 +274,11 @@ class DeepSpeedMech:
         self.hook.close()
         destroy_groups([self._solo_group])
         self._solo_group = None
+        summary = self.hook.run_summary(step_seconds=step_seconds, **trainer_fields)
+        summary_dir = summary_dir or self.config.output.dir
+        if self.logging_rank and summary_dir is not None:
+            self.summary_written = write_run_summary(Path(summary_dir) / SUMMARY, summary, indent=1)
+        return summary
 
 
 def _rank_and_world() -> tuple[int, int]:

@@ -24,6 +24,12 @@ call                                  place in the fork (core_v0.16.1 names)
 :func:`restore_checkpoint_state`      ``load_checkpoint``, after the optimizer and scheduler are loaded
 ====================================  =====================================================================
 
+The end of training needs no patch line: :func:`on_start` wraps the fork's ``megatron.training.training.train``
+(``pretrain`` looks it up there when it calls it), so when ``train`` returns, or ends the process with
+``sys.exit`` as it does on ``--exit-interval``, a signal or ``--mech-on-alert stop``, :func:`on_train_end` reads back
+the last values, closes the hook and writes the run's ``summary.json`` next to ``mech.jsonl`` (the same schema as
+the megatron-core entry point's and DeepSpeed's, :mod:`megatron_mech.records.run_summary`).
+
 Every call is a translation onto :class:`megatron_mech.hook.MechHook`'s lifecycle (one hook per process, made
 from Megatron's parsed arguments on first use, :func:`get_hook`); one :class:`MechRun` per process (module
 global ``RUN``) holds the hook and what passes between call sites. Every rank makes every call in the same
@@ -70,7 +76,8 @@ import torch
 __all__ = ["RUN", "MechRun", "STATE_KEY", "get_hook", "register_extension", "on_start", "extra_args_provider",
            "wrap_forward_step", "optimizer_config_overrides",
            "on_optimizer_built", "on_setup", "on_train_start", "before_step", "after_optimizer_step",
-           "log_to_writers", "add_checkpoint_state", "note_checkpoint_contents", "restore_checkpoint_state"]
+           "log_to_writers", "add_checkpoint_state", "note_checkpoint_contents", "restore_checkpoint_state",
+           "on_train_end"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +97,7 @@ class MechRun:
     restored: Optional[dict] = None  # this rank's hook state read by load_checkpoint, applied in on_setup
     checkpoint_has_state: bool = False  # load side: the checkpoint being loaded carries our state
     started: bool = False
+    closed: bool = False  # the hook was closed at the end of training (on_train_end)
     alert_action: Any = None  # the first alert's (step, Action) when it asks to save or stop; acted on at its end
     saved_iteration: Optional[int] = None  # the iteration of Megatron's latest persistent save
     extension_types: List[type] = field(default_factory=list)  # offered by the launcher (register_extension)
@@ -210,6 +218,74 @@ def _note_saved(iteration: int) -> None:
         RUN.hook.checkpoint_saved(iteration, get_checkpoint_name(_args().save, iteration, return_base_dir=True))
 
 
+# --------------------------------------------------------------------------------------------- end of training
+_TRAIN_END_INSTALLED = False
+
+
+def _output_dir(mech_output_dir: Optional[str], save: Optional[str]) -> str:
+    """Where the run's ``mech.jsonl`` and ``summary.json`` go: ``--mech-output-dir``, else ``--save``, else the
+    default (as :meth:`~megatron_mech.hook.MechHook.open_sinks` is told in :func:`on_setup`)."""
+    from megatron_mech.config import DEFAULT_OUTPUT_DIR
+
+    return mech_output_dir or save or DEFAULT_OUTPUT_DIR
+
+
+def _install_train_end() -> None:
+    """Wrap the fork's ``megatron.training.training.train`` so that :func:`on_train_end` runs when it returns or
+    exits the process with ``sys.exit`` (every rank leaves ``train`` the same way: its exit decision is agreed). A
+    crash (any other exception) is left as it is: its ranks may be anywhere, so no collective is issued. A fork
+    without ``train`` there is said once, in a warning. Idempotent."""
+    global _TRAIN_END_INSTALLED
+    import functools
+
+    from megatron.training import training
+
+    if _TRAIN_END_INSTALLED:
+        return
+    train = getattr(training, "train", None)
+    if train is None:
+        logger.warning("megatron-mech: this fork's megatron.training.training has no train function to wrap: the run "
+                       "writes no summary.json (mech.jsonl holds every record and alert)")
+        return
+
+    @functools.wraps(train)
+    def train_then_summarize(*args, **kwargs):
+        try:
+            result = train(*args, **kwargs)
+        except SystemExit:
+            on_train_end()
+            raise
+        on_train_end()
+        return result
+
+    training.train = train_then_summarize
+    _TRAIN_END_INSTALLED = True
+
+
+def on_train_end() -> None:
+    """The end of ``train`` (every rank, collective): combine the waiting losses, close the hook (it reads back the
+    last values and writes their records) and, on the logging rank, write ``summary.json`` beside ``mech.jsonl``
+    (its alerts read from ``mech.jsonl``, the record of truth, so a resumed run's summary holds the alerts from
+    before the resume). Nothing happens when the hook never started (``--skip-train``) or was closed already."""
+    from pathlib import Path
+
+    from megatron_mech.records.run_directory import JSONL, SUMMARY
+    from megatron_mech.records.run_summary import write_run_summary
+    from megatron_mech.records.sinks import read_alerts
+
+    hook = RUN.hook
+    if hook is None or RUN.view is None or RUN.closed:
+        return
+    _combine_waiting_losses()
+    hook.close()
+    RUN.closed = True
+    if RUN.view.logging_rank:
+        args = _args()
+        output_dir = Path(_output_dir(hook.config.output.dir, args.save))
+        write_run_summary(output_dir / SUMMARY, hook.run_summary(alerts=read_alerts(output_dir / JSONL),
+                                                                 train_iters=args.train_iters))
+
+
 # --------------------------------------------------------------------------------------------- start, flags
 def on_start() -> List[str]:
     """``pretrain_gpt.py``, before ``pretrain``: on a machine without CUDA apply the CPU shims for
@@ -221,6 +297,7 @@ def on_start() -> List[str]:
     applied = apply_training_cpu_shims() + apply_megatron_fixes()
     _install_alert_actions()
     _install_save_combine()
+    _install_train_end()
     RUN.started = True
     if applied:
         logger.info("megatron-mech: applied %s", ", ".join(applied))
@@ -237,7 +314,6 @@ def _early_line(argv: List[str]) -> Optional[str]:
     import argparse
 
     from megatron_mech.adapters.megatron_core.megatron_args import add_arguments
-    from megatron_mech.config import DEFAULT_OUTPUT_DIR
 
     class _Quiet(argparse.ArgumentParser):
         def error(self, message):
@@ -249,7 +325,7 @@ def _early_line(argv: List[str]) -> Optional[str]:
         flags, _ = parser.parse_known_args(argv)
     except ValueError:
         return None
-    records = os.path.join(flags.mech_output_dir or flags.save or DEFAULT_OUTPUT_DIR, "mech.jsonl")
+    records = os.path.join(_output_dir(flags.mech_output_dir, flags.save), "mech.jsonl")
     return (f"[mech] megatron-mech is on: monitors every {flags.mech_interval} steps, records in {records}; the "
             f"monitors' start line (layers, the step the detectors are armed from) comes at the first step")
 

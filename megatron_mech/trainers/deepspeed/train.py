@@ -12,13 +12,14 @@ with ``--fault-start`` and a study config's ``"fault"`` key (``main(study=...)``
 
 On CPU machines set ``OMP_NUM_THREADS=1`` under the ``deepspeed`` launcher. Writes ``<output-dir>/mech.jsonl``
 (one record per evaluation) and ``<output-dir>/summary.json`` (step time, monitor cost, the step the detectors are
-armed from), from rank 0. SIGTERM or SIGINT (to torchrun, which forwards it) stops every rank after the same step:
-it saves a checkpoint (with ``--save``), writes ``summary.json`` (``"stopped_by_signal"``) and exits 0, as the
-megatron-core entry point does. A fresh run into an ``--output-dir`` (or ``--save``) that already holds a run is refused
-before anything is built: resume it with ``--load``, or pass ``--overwrite-run`` to start over. So is one into a
-directory another run is writing (the run holds its directories until its process ends). Each run has an id
-(``run_id.txt`` in ``--output-dir`` and in each checkpoint it saves): a resume into an ``--output-dir`` holding
-another run's records is refused too; resume into the checkpoint's own output directory, or into a new one.
+armed from; the schema in docs/outputs.md), from rank 0. SIGTERM or SIGINT (to torchrun, which forwards it) stops
+every rank after the same step: it saves a checkpoint (with ``--save``), writes ``summary.json`` (``"trainer"``:
+``"stopped_by_signal"``) and exits 0, as the megatron-core entry point does. A fresh run into an ``--output-dir``
+(or ``--save``) that already holds a run is refused before anything is built: resume it with ``--load``, or pass
+``--overwrite-run`` to start over. So is one into a directory another run is writing (the run holds its directories
+until its process ends). Each run has an id (``run_id.txt`` in ``--output-dir`` and in each checkpoint it saves): a
+resume into an ``--output-dir`` holding another run's records is refused too; resume into the checkpoint's own
+output directory, or into a new one.
 """
 from __future__ import annotations
 
@@ -340,29 +341,18 @@ def main(argv=None, study=None) -> int:
             break
     if args.save:
         save_checkpoint(engine, mech, args.save, run_id=run_id)
-    mech.close()  # reads back the last values: their records and alerts belong in the summary
-    from megatron_mech.records.report import verdict_fields
-
-    summary = {"model": args.model, "zero_stage": engine.zero_optimization_stage(), "world": world,
-               "steps": len(step_seconds), "step_seconds_total": sum(step_seconds),
-               "monitor_seconds": mech.monitor_seconds, "monitor_parts": mech.seconds,
-               "monitor_share": mech.monitor_seconds / max(sum(step_seconds), 1e-12),
-               "alerts": sorted({a.metric for a in mech.hook.alerts}),
-               "detectors": mech.hook.arming(),  # the armed-from step, and whether the run got there
-               # the first alert's diagnosis, or whether a run without alerts was armed at all
-               **verdict_fields(mech.hook.alerts, mech.hook.arming()),
-               "records_lost_steps": mech.hook.lost_record_steps, "async_evaluation": mech.hook.async_report(),
-               "final_step": engine.global_steps, "stopped_by_signal": stop_signal.stopped_by,
-               "optimizer_steps_skipped": mech.hook.skipped_steps.total}
+    # reads back the last values (their records and alerts belong in the summary); rank 0 writes summary.json
+    summary = mech.close(summary_dir=args.output_dir, step_seconds=step_seconds, model=args.model,
+                         zero_stage=engine.zero_optimization_stage(), world=world, steps=len(step_seconds),
+                         stopped_by_signal=stop_signal.stopped_by)
     incomplete = None
     if rank == 0:
-        from megatron_mech.records.run_directory import SUMMARY, records_incomplete, write_summary
+        from megatron_mech.records.run_directory import records_incomplete
 
-        summary_written = write_summary(Path(args.output_dir) / SUMMARY, summary, indent=1)
-        logger.info("monitor cost: %.3f s of %.3f s (%.2f%% of step time)", summary["monitor_seconds"],
-                    summary["step_seconds_total"], 100 * summary["monitor_share"])
-        incomplete = records_incomplete(summary["records_lost_steps"], summary_written,
-                                        summary["async_evaluation"]["failure"])
+        logger.info("monitor cost: %.3f s of %.3f s (%.2f%% of step time)", summary.monitor_seconds,
+                    sum(step_seconds), 100 * (summary.monitor_share or 0.0))
+        incomplete = records_incomplete(summary.records_lost_steps, bool(mech.summary_written),
+                                        summary.async_evaluation["failure"])
         if incomplete:
             sys.stderr.write(f"deepspeed_train: {incomplete}\n")
     dist.barrier()

@@ -48,8 +48,8 @@ from megatron_mech.records.run_directory import (
     STEP_SERIES_WINDOW,
     records_incomplete,
     release_run_directories,
-    write_summary,
 )
+from megatron_mech.records.run_summary import write_run_summary
 from megatron_mech.trainers.data.data_checks import check_token_ids
 from megatron_mech.trainers.data.data_path import parse_data_path
 from megatron_mech.trainers.megatron_core.checkpoint import load_checkpoint, save_checkpoint
@@ -488,8 +488,6 @@ def finish(args, t: Training, runtime: Runtime, run: dict, output_dir: str) -> b
     """Final validation, the last checkpoint, the hook's close, and ``summary.json`` (logging rank). Returns
     False when the logging rank's records are incomplete: a record of ``mech.jsonl`` or ``summary.json`` could
     not be written (a full disk); True otherwise and on the other ranks."""
-    from megatron_mech.core.attribution import alert_lines
-    from megatron_mech.records.report import verdict_fields
     from megatron_mech.records.sinks import read_alerts
 
     final_step = run["final_step"]
@@ -503,30 +501,14 @@ def finish(args, t: Training, runtime: Runtime, run: dict, output_dir: str) -> b
     hook = t.hook
     hook.close()
     if runtime.logging_rank:
-        alerts = read_alerts(Path(output_dir) / "mech.jsonl")  # the record of truth, incl. before a resume
-        arming = hook.arming()
         elapsed = run["seconds"]
-        # every step's loss since step 1 (the last STEP_SERIES_WINDOW steps of a longer run: first_step says),
-        # kept in the hook's state across resumes
-        losses = hook.losses
-        summary = {"final_step": final_step, "final_valid_loss": val, "first_step": final_step - len(losses) + 1,
-                   "losses": losses, "grad_norms": hook.grad_norms,  # each step's, beside its loss
-                   "seconds": elapsed, "step_seconds": run["step_seconds"],
-                   "params_per_rank": t.n_params,
-                   **{e.name: e.summary() for e in hook.extensions if e.summary() is not None},
-                   "stopped_on_alert": run["stopped_on_alert"], "stopped_by_signal": run["stopped_by_signal"],
-                   "attribution": alert_lines(alerts), "detectors": arming, **verdict_fields(alerts, arming),
-                   "monitor_seconds": hook.evaluation_seconds, "mols_seconds": hook.mols_seconds,
-                   "final_mols": hook.mols_metrics(final_step),
-                   "mols_diagnostics": hook.mols_diagnostics(),
-                   "mols_diagnostic_seconds": hook.mols_diagnostic_seconds,
-                   "valid_history": run["valid_history"] + [[final_step, val]],
-                   "monitor_breakdown": {**hook.seconds, "router_capture": hook.router_capture_seconds,
-                                         "max_logit_capture": hook.capture_seconds("max_logit")},
-                   "alerts": [a.to_dict() for a in alerts], "records_lost_steps": hook.lost_record_steps,
-                   "optimizer_steps_skipped": hook.skipped_steps.total,
-                   "async_evaluation": hook.async_report()}
-        summary_written = write_summary(Path(output_dir) / "summary.json", summary)
+        summary = hook.run_summary(
+            alerts=read_alerts(Path(output_dir) / "mech.jsonl"),  # the record of truth, incl. before a resume
+            step_seconds=run["step_seconds"],
+            final_valid_loss=val, valid_history=run["valid_history"] + [[final_step, val]], seconds=elapsed,
+            params_per_rank=t.n_params, stopped_on_alert=run["stopped_on_alert"],
+            stopped_by_signal=run["stopped_by_signal"])
+        summary_written = write_run_summary(Path(output_dir) / "summary.json", summary)
         logger.info(f"[train] done: {final_step} steps in {elapsed:.0f}s, monitors {hook.evaluation_seconds:.1f}s "
                     f"({100 * hook.evaluation_seconds / max(elapsed, 1e-9):.1f}%), {_alert_count(hook.alerts)}; "
                     f"output in {output_dir}")

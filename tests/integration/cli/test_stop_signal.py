@@ -97,7 +97,7 @@ def test_sigterm_to_the_launcher_stops_every_worker_cleanly(tmp_path):
     assert 4 <= step < 100000
     assert sorted(p.name for p in (run_dir / f"iter_{step:07d}").glob("rank*.pt")) == ["rank0000.pt", "rank0001.pt"]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["final_step"] == step and summary["stopped_by_signal"] == "SIGTERM"
+    assert summary["final_step"] == step and summary["trainer"]["stopped_by_signal"] == "SIGTERM"
     assert len(summary["losses"]) == step
     records = [json.loads(line) for line in (run_dir / "mech.jsonl").read_text().splitlines()]
     assert records and max(r["step"] for r in records) <= step
@@ -126,7 +126,7 @@ def test_sigterm_during_a_slow_evaluation_beside_training_still_saves_within_the
     files = sorted((run_dir / "iter_0000004").glob("rank*.pt"))
     assert [p.name for p in files] == ["rank0000.pt", "rank0001.pt"]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["final_step"] == 4 and summary["stopped_by_signal"] == "SIGTERM"
+    assert summary["final_step"] == 4 and summary["trainer"]["stopped_by_signal"] == "SIGTERM"
     failure = summary["async_evaluation"]["failure"]
     assert failure["step"] == 4 and "a stop was requested" in failure["error"], failure
     records = [json.loads(line) for line in (run_dir / "mech.jsonl").read_text().splitlines()]
@@ -157,6 +157,6 @@ def test_sigterm_to_the_deepspeed_launcher_saves_and_writes_the_summary(tmp_path
     step = int(tag.removeprefix("global_step"))
     assert 4 <= step < 100000 and (save / tag).is_dir()
     summary = json.loads((output / "summary.json").read_text())
-    assert summary["final_step"] == step and summary["stopped_by_signal"] == "SIGTERM" and summary["steps"] == step
+    assert summary["final_step"] == step and summary["trainer"]["stopped_by_signal"] == "SIGTERM" and summary["trainer"]["steps"] == step
     records = [json.loads(line) for line in (output / "mech.jsonl").read_text().splitlines()]
     assert records and max(r["step"] for r in records) <= step

@@ -12,6 +12,7 @@ import torch
 
 from dist_utils import REPO_ROOT, run_torchrun
 from optional_packages import requires
+from run_summaries import assert_summary_schema
 
 pytestmark = requires("deepspeed", "transformers")
 
@@ -220,7 +221,9 @@ def test_hf_router_capture_equals_the_logits_mixtral_uses():
 @pytest.mark.timeout(400)
 def test_guide_deepspeed_script_runs_as_written(tmp_path):
     """The DeepSpeed guide's own-script example (docs/guides/deepspeed.md) is complete: extracted verbatim and run as ``python train.py`` (one CPU
-    process), it trains with MoLS, writes every evaluation to mech.jsonl and saves a checkpoint."""
+    process), it trains with MoLS, writes every evaluation to mech.jsonl and saves a checkpoint; ``mech.close()``
+    gives the script the run's summary and writes it beside mech.jsonl in the one schema (MoLS's time apart from the
+    monitors', the script's steps untimed)."""
     import os
     import subprocess
     import sys
@@ -237,6 +240,11 @@ def test_guide_deepspeed_script_runs_as_written(tmp_path):
     assert [r["step"] for r in records] == [5, 10, 15, 20]
     assert any(r.get("mols") for r in records)  # MoLS measured (gradient accumulation 2 on one rank)
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step20"
+    _, summary = assert_summary_schema(tmp_path / "runs" / "ds" / "summary.json", trainer_keys=())
+    assert summary.final_step == 20 and summary.first_step == 1 and len(summary.losses) == 20
+    assert summary.losses[-1] == pytest.approx(records[-1]["loss"], rel=1e-6)
+    assert summary.mols_seconds > 0 and summary.final_mols and summary.step_seconds is None
+    assert summary.verdict in run.stdout  # what close() returned to the script is what it wrote
 
 
 def _guide_script() -> str:
@@ -397,3 +405,8 @@ def test_summary_and_end_of_run_line_state_the_armed_from_step_of_a_short_run(tm
         "No alerts fired, and the detectors never armed: the run ended at step 4, the first baseline-relative rule "
         "arms at step 106")
     assert [line for line in run.stderr.splitlines() if line.endswith(f"[mech] {note}")], run.stderr[-4000:]
+    # the one summary schema, the launcher's own fields under "trainer"
+    raw, read = assert_summary_schema(tmp_path / "summary.json",
+                                      trainer_keys={"model", "zero_stage", "world", "steps", "stopped_by_signal"})
+    assert read.trainer == {"model": "llama", "zero_stage": 2, "world": 1, "steps": 4, "stopped_by_signal": None}
+    assert read.final_step == 4 and len(read.step_seconds) == 4 and len(read.losses) == 4

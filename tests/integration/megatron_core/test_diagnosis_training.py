@@ -8,6 +8,7 @@ import re
 import pytest
 
 from dist_utils import REPO_ROOT, run_torchrun
+from run_summaries import assert_summary_schema
 from megatron_mech.records.report import add_report_arguments, run_report
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -33,6 +34,24 @@ def test_lr_far_too_high_from_the_start_is_diagnosed_as_the_learning_rate(tmp_pa
     assert re.search(r"max attention logit \S+ above level 100, since step 5", line), line
     assert "baseline" not in line and "precision" not in " ".join(summary["attribution"])
     assert f"ALERT step 5: {line}" in stdout
+
+
+def test_the_entry_point_writes_the_one_summary_schema(tmp_path):
+    """summary.json of the megatron-core entry point has the one schema every trainer writes: its alerts are the
+    records' (dicts, in order), each step's loss and time are there, the monitors' time is the sum of its parts
+    (MoLS's apart), and the entry point's own fields are under "trainer"."""
+    from megatron_mech.records.sinks import read_jsonl
+
+    run_dir, _, _ = train(tmp_path, "lr20", "--lr", "20", "--lr-warmup-iters", "0", "--mech-mols",
+                          "--mech-mols-window", "2", "--mech-mols-min-ramp", "2")
+    raw, summary = assert_summary_schema(run_dir / "summary.json", trainer_keys={
+        "final_valid_loss", "valid_history", "seconds", "params_per_rank", "stopped_on_alert", "stopped_by_signal"})
+    records = read_jsonl(run_dir / "mech.jsonl")
+    assert raw["alerts"] and raw["alerts"] == [alert for record in records for alert in record["alerts"]]
+    assert summary.final_step == 10 and len(summary.losses) == len(summary.step_seconds) == 10
+    assert summary.mols_seconds > 0 and summary.final_mols
+    assert summary.trainer["valid_history"][-1] == [10, summary.trainer["final_valid_loss"]]
+    assert summary.trainer["stopped_on_alert"] is False and summary.trainer["stopped_by_signal"] is None
 
 
 def test_a_run_too_short_to_arm_the_detectors_says_so(tmp_path):

@@ -92,13 +92,17 @@ def test_a_record_that_does_not_fit_is_cut_back_and_counted(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_a_summary_that_does_not_fit_leaves_the_old_file_and_no_temporary(tmp_path):
-    """write_summary under the limit: returns False with an error naming the file; the previous summary.json is
+    """write_run_summary under the limit: returns False with an error naming the file; the previous summary.json is
     intact and the temporary file is removed (a full disk used to leave a 0-byte ``.summary.json.tmp``)."""
     script = textwrap.dedent("""
         import sys
         from pathlib import Path
-        from megatron_mech.trainers.megatron_core.pretrain_gpt import write_summary
-        print("WRITTEN", write_summary(Path(sys.argv[1]), {"losses": [1.0] * 5000}))
+        from megatron_mech.config import MechConfig
+        from megatron_mech.hook import MechHook
+        from megatron_mech.records.run_summary import write_run_summary
+        summary = MechHook(MechConfig()).run_summary()
+        summary.losses = [1.0] * 5000
+        print("WRITTEN", write_run_summary(Path(sys.argv[1]), summary))
     """)
     path = tmp_path / "summary.json"
     path.write_text('{"previous": true}')

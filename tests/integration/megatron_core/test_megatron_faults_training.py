@@ -56,6 +56,6 @@ def test_attention_fault_raises_attention_alert_only_and_checkpoints(tmp_path):
 def test_stop_on_alert_saves_and_exits_cleanly_on_every_rank(tmp_path):
     run_dir, summary, _ = run(tmp_path, "stop", "--mech-on-alert", "stop")  # run_torchrun asserts exit 0
     first = min(a["step"] for a in summary["alerts"])
-    assert summary["stopped_on_alert"] and summary["final_step"] == first < 150
+    assert summary["trainer"]["stopped_on_alert"] and summary["final_step"] == first < 150
     assert (run_dir / "latest_checkpointed_iteration.txt").read_text() == str(first)
     assert sorted(p.name for p in (run_dir / f"iter_{first:07d}").glob("rank*.pt")) == ["rank0000.pt", "rank0001.pt"]

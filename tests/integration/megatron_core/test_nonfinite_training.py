@@ -31,7 +31,7 @@ def run(tmp_path, name, *extra, steps):
 
 def test_nan_loss_stops_the_run_at_once_before_any_baseline(tmp_path):
     run_dir, summary, stdout = run(tmp_path, "stop", "--mech-on-alert", "stop", steps=30)
-    assert summary["stopped_on_alert"] and summary["final_step"] == 4
+    assert summary["trainer"]["stopped_on_alert"] and summary["final_step"] == 4
     assert {(a["metric"], a["step"]) for a in summary["alerts"]} == {("symptom/loss", 4), ("symptom/grad_norm", 4)}
     assert (run_dir / "latest_checkpointed_iteration.txt").read_text() == "4"
     assert summary["attribution"][0].startswith("training went non-finite at step 4: loss and grad-norm")

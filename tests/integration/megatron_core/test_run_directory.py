@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from run_summaries import a_summary
 from dist_utils import REPO_ROOT, hold_run_claim, run_torchrun
 from megatron_mech.trainers.megatron_core.checkpoint import RUN_ID_FILE, TRACKER
 from megatron_mech.trainers.megatron_core.pretrain_gpt import build_parser, check_args
@@ -269,7 +270,7 @@ def test_symlinks_where_a_run_writes_are_refused_at_start(tmp_path, name):
 def test_writes_in_a_run_directory_never_follow_a_link(tmp_path):
     """The writes themselves refuse a link planted after the start-up checks (opened without following links)."""
     from megatron_mech.trainers.megatron_core.checkpoint import write_run_id
-    from megatron_mech.trainers.megatron_core.pretrain_gpt import write_summary
+    from megatron_mech.records.run_summary import write_run_summary
 
     outside = tmp_path / "outside"
     outside.write_text("keep")
@@ -282,7 +283,7 @@ def test_writes_in_a_run_directory_never_follow_a_link(tmp_path):
         assert (run / name).is_symlink() and outside.read_text() == "keep"
     (tmp_path / "s").mkdir()
     (tmp_path / "s" / ".summary.json.tmp").symlink_to(outside)
-    assert write_summary(tmp_path / "s" / "summary.json", {"final_step": 3}) is False
+    assert write_run_summary(tmp_path / "s" / "summary.json", a_summary(final_step=3)) is False
     assert outside.read_text() == "keep" and not (tmp_path / "s" / "summary.json").exists()
 
 
@@ -346,11 +347,11 @@ def test_entry_point_refuses_a_fifo_planted_as_its_log_and_exits_promptly(tmp_pa
 def test_summary_write_failure_is_reported_not_fatal(tmp_path, caplog):
     """One policy for monitor output: a failed write (here a file where the directory should be; disk full
     behaves the same) is said loudly and the run goes on to its normal end."""
-    from megatron_mech.trainers.megatron_core.pretrain_gpt import write_summary
+    from megatron_mech.records.run_summary import read_run_summary, write_run_summary
 
     (tmp_path / "blocker").write_text("")
     with caplog.at_level("ERROR"):
-        assert write_summary(tmp_path / "blocker" / "summary.json", {"final_step": 3}) is False
+        assert write_run_summary(tmp_path / "blocker" / "summary.json", a_summary(final_step=3)) is False
     assert "could not write" in caplog.text
-    assert write_summary(tmp_path / "ok" / "summary.json", {"final_step": 3}) is True
-    assert json.loads((tmp_path / "ok" / "summary.json").read_text()) == {"final_step": 3}
+    assert write_run_summary(tmp_path / "ok" / "summary.json", a_summary(final_step=3)) is True
+    assert read_run_summary(tmp_path / "ok" / "summary.json").final_step == 3

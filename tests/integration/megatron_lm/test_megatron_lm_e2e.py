@@ -19,12 +19,14 @@ the CPU shims), training a small MoE GPT with EP=2 on the embedded corpus (``--d
   the loss goes to the hook as a tensor with no collective (one all-reduce at each evaluation and save), and a
   NaN loss of the last stage alone is judged alike, with its own step, on both stages.
 * ``--mech-on-alert stop`` / ``checkpoint`` with the attention fault: Megatron-LM saves the alert step's checkpoint
-  through its own save path; ``stop`` ends the run there, ``checkpoint`` trains on.
+  through its own save path; ``stop`` ends the run there, ``checkpoint`` trains on. Either way the end of training
+  writes ``summary.json`` in the one schema, and the report reads the run's detector settings from it.
 
 Skipped, with the reason, when the core_v0.16.1 tree is absent (see ``megatron_lm_trees``).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import re
@@ -35,6 +37,7 @@ import pytest
 from dist_utils import REPO_ROOT, run_torchrun
 from optional_packages import requires
 from megatron_lm_trees import CPU_TRAINING_FLAGS, RUNNABLE_TAG, SMALL_MOE_FLAGS, require, unpack
+from run_summaries import assert_summary_schema
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, requires("tensorboard")]
 GLOBAL_BATCH, WARMUP_ITERS, LR, MIN_LR = 8, 2, 1e-3, 1e-4  # as in SMALL_MOE_FLAGS
@@ -379,3 +382,28 @@ def test_on_alert_saves_through_megatron(fork, data, tmp_path, on_alert):
     else:
         assert sorted(recs) == list(range(1, steps + 1))  # trained on to the end
         assert saved == sorted({*range(save_interval, steps + 1, save_interval), alert, steps})
+    assert_fork_summary(out / "mech", recs, final_step=alert if on_alert == "stop" else steps, train_iters=steps)
+
+
+def assert_fork_summary(mech_dir, recs: dict, *, final_step: int, train_iters: int) -> None:
+    """The fork's end of training (``train`` returning, or ending the process on a stop) wrote ``summary.json``
+    beside ``mech.jsonl``, in the schema the other trainers write: its alerts are the records' (as dicts, in order),
+    its losses each step's recorded loss, its arming the run's ``--mech-detector-*`` settings. The report reads
+    it: its detector settings and armed-from step come from that summary, not from the default rules."""
+    from megatron_mech.monitors.registry import default_registry
+    from megatron_mech.records.report import run_report
+    from megatron_mech.records.report_guides import run_settings
+
+    raw, summary = assert_summary_schema(mech_dir / "summary.json", trainer_keys={"train_iters"})
+    assert summary.trainer == {"train_iters": train_iters} and summary.step_seconds is None
+    assert summary.final_step == final_step == max(recs) and summary.first_step == 1
+    assert raw["alerts"] == [alert for step in sorted(recs) for alert in recs[step]["alerts"]]
+    assert summary.diagnosis["step"] == first_alert_step(recs)
+    assert summary.losses == pytest.approx([recs[step]["loss"] for step in sorted(recs)], rel=1e-6)
+    assert summary.detectors["rule_overrides"] == {"warmup": 2, "baseline": 6}
+
+    settings = run_settings(mech_dir / "mech.jsonl")
+    assert settings.source == "summary.json" and settings.armed_from_step == summary.detectors["armed_from_step"]
+    # the rules rebuilt from the summary's settings: warm-up 2 + baseline 6 + persistence 3 evaluations, not 51
+    assert settings.registry.earliest_alert()[1] == 11 < default_registry().earliest_alert()[1]
+    assert run_report(argparse.Namespace(run_dir=str(mech_dir), out=None, metrics=None)) == 0

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from run_summaries import write_summary_file
 from megatron_mech.core.detect import FAMILIES, Alert
 from megatron_mech.monitors.registry import default_rules
 from megatron_mech.records.sinks import JSONL_NAME, JsonlSink, encode_record, iter_jsonl, make_record, read_jsonl
@@ -360,7 +361,7 @@ def test_plot_shows_levels_bands_and_the_warm_up_of_a_real_run(tmp_path):
     assert any(f"armed from step {derived} (default rules" in t for t in labels), labels
 
     # with the run's summary.json next to the log, its armed-from step is used and named
-    (run / "summary.json").write_text(json.dumps({"detectors": {"armed_from_step": 400, "last_step": 2000}}))
+    write_summary_file(run / "summary.json", detectors={"armed_from_step": 400, "last_step": 2000})
     png = plot_run(run)
     assert png.is_file()
     from megatron_mech.records.report import reduce_run
@@ -389,8 +390,8 @@ def test_plot_uses_the_runs_own_detector_settings_from_its_summary(tmp_path):
     write_log(run / JSONL_NAME, [make_record(r["step"], metrics=r["metrics"], alerts=r.get("alerts", ()))
                                  for r in records])
     overrides = {"warmup": 2, "baseline": 5}
-    (run / "summary.json").write_text(json.dumps({"detectors": {"armed_from_step": 40, "last_step": 600,
-                                                                "rule_overrides": overrides}}))
+    write_summary_file(run / "summary.json", detectors={"armed_from_step": 40, "last_step": 600,
+                                                        "rule_overrides": overrides})
     settings = run_settings(run / JSONL_NAME)
     reduction = reduce_run(read_jsonl(run / JSONL_NAME), registry=settings.registry)
     fig, panels = build_figure(reduction, arming=resolve_arming(settings, reduction))
@@ -408,8 +409,7 @@ def test_plot_uses_the_runs_own_detector_settings_from_its_summary(tmp_path):
     assert min(xy[:, 0]) == steps[n_eval - 1]
     assert span_x(guides(panels["loss"])["warmup"]) == (0, 40)
 
-    (run / "summary.json").write_text(json.dumps({"detectors": {"armed_from_step": 40, "rule_overrides":
-                                                                {"warmpu": 2}}}))
+    write_summary_file(run / "summary.json", detectors={"armed_from_step": 40, "rule_overrides": {"warmpu": 2}})
     with pytest.raises(ValueError, match=r"rule_overrides.*warmpu"):
         run_settings(run / JSONL_NAME)
 
@@ -419,10 +419,16 @@ def test_a_bad_summary_json_is_named_by_the_report(tmp_path, capsys):
 
     run = tmp_path / "run"
     write_log(run / JSONL_NAME, noisy_run(30))
-    (run / "summary.json").write_text(json.dumps({"detectors": {"armed_from_step": "soon"}}))
+    write_summary_file(run / "summary.json", detectors={"armed_from_step": "soon"})
     assert run_report(argparse.Namespace(run_dir=str(run), out=None, metrics=None)) == 2
     err = capsys.readouterr().err
     assert str(run / "summary.json") in err and "detectors.armed_from_step" in err
+
+    # a summary of another schema (here one written before the schema was versioned) is named, with the version read
+    (run / "summary.json").write_text(json.dumps({"detectors": {"armed_from_step": 40}, "alerts": ["symptom/loss"]}))
+    assert run_report(argparse.Namespace(run_dir=str(run), out=None, metrics=None)) == 2
+    err = capsys.readouterr().err
+    assert str(run / "summary.json") in err and "has no 'schema_version'" in err and "schema_version 1" in err
 
 
 def test_a_short_runs_plot_keeps_to_its_steps_names_series_and_does_not_stack_bands():

@@ -167,12 +167,14 @@ def test_summary_run_id_and_first_alert_marker_are_refused_and_training_goes_on(
     """summary.json, run_id.txt and first_alert.json: a refused write is an error naming the file (summary and
     marker: logged, the run goes on; run id: raised at start)."""
     from megatron_mech.hook.first_alert import FirstAlertMarker
-    from megatron_mech.records.run_directory import write_run_id, write_summary
+    from megatron_mech.records.run_directory import write_run_id
+    from megatron_mech.records.run_summary import write_run_summary
+    from run_summaries import a_summary
 
     summary, run_id, marker = tmp_path / "summary.json", tmp_path / "run_id.txt", tmp_path / "first_alert.json"
     kept = [plant(p, kind) for p in (summary, run_id, marker)]
     with caplog.at_level(logging.ERROR):
-        assert write_summary(summary, {"final_step": 3}) is False
+        assert write_run_summary(summary, a_summary(final_step=3)) is False
         FirstAlertMarker().checkpoint_saved(4, tmp_path / "iter_0000004", alert_step=4, write=True)
     assert f"could not write {summary}" in caplog.text and f"could not write {marker}" in caplog.text
     with refused(run_id, kind):
