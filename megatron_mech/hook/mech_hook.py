@@ -269,15 +269,6 @@ class MechHook:
         """Why this configuration can alert on nothing but non-finite values ([] when it can); logged by setup."""
         return self._arming().unarmed_settings()
 
-    def armed_level_rules(self) -> list:  # the level rules a running monitor's series arm from the first evaluation
-        return self._arming().level_rules()
-
-    def armed_trend_rules(self) -> list:  # [(layer-trend rule, armed-from step)]
-        return self._arming().trend_rules()
-
-    def armed_update_jump(self) -> Optional[int]:  # the step the update-ratio jump first judges (None: off)
-        return self._arming().update_jump()
-
     @property
     def armed_from_step(self) -> int:
         """The earliest step a baseline-relative alert can fire (from step 1, across resumes)."""
@@ -307,7 +298,6 @@ class MechHook:
 
     extensions = _read("_extensions", "registered", "The registered Extension objects, in registration order.")
     monitors = _read("_monitors", "running", "The registered monitors that run in this run (decided by setup).")
-    registered_monitors = _read("_monitors", "registered", "Every registered monitor, in record order.")
     families = _read("_monitors", "families", "The families --mech-monitors selected (from setup on).")
     registry = _read("_evaluation", "registry", "The run's detectors.", writable=True)
     asynchronous = _read("_evaluation", "asynchronous", "Whether the evaluation runs beside training.")
@@ -318,7 +308,6 @@ class MechHook:
     seconds = _read("_timer", "seconds", "Wall time per part on this rank (each monitor, detectors, output, ...).")
     mols = _read("_mols", "backend", "The MoLS backend, None without --mech-mols.")
     mols_seconds = _read("_mols", "seconds", "Wall time MoLS spent measuring and applying on this rank.")
-    mols_diagnostic_seconds = _read("_mols", "diagnostic_seconds", "Wall time of MoLS's post-window diagnostic.")
 
     @property
     def alerts(self) -> List[Alert]:
@@ -360,10 +349,6 @@ class MechHook:
         evaluation failed). Empty on ranks that write nothing."""
         return self._records.lost_steps(also=self._evaluation.failed_steps)
 
-    def mols_metrics(self, step: int) -> dict:
-        """MoLS's values in force after ``step`` (empty without MoLS)."""
-        return self._mols.metrics(step) if step else {}
-
-    def mols_diagnostics(self) -> list:
-        """MoLS's post-window diagnostic blocks (empty without MoLS or its diagnostic)."""
-        return self._mols.diagnostics()
+    def mols_report(self) -> dict:
+        """For the summary: MoLS's wall times, diagnostic blocks and the values in force at the last step."""
+        return self._mols.report(max(self._current_step, self._start_step))

@@ -81,6 +81,12 @@ class MolsPoints:
         controller = getattr(self.backend, "controller", None)
         return list(getattr(controller, "diagnostics", [])) if controller is not None else []
 
+    def report(self, final_step: int) -> dict:
+        """For the run's summary: MoLS's wall times, its diagnostic blocks and the values in force at
+        ``final_step`` (empty values without MoLS)."""
+        return {"mols_seconds": float(self.seconds), "mols_diagnostic_seconds": self.diagnostic_seconds,
+                "mols_diagnostics": self.diagnostics(), "final_mols": self.metrics(final_step) if final_step else {}}
+
     def state_dict(self) -> Optional[dict]:
         return self.backend.state_dict() if self.backend is not None else None
 

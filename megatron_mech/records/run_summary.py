@@ -167,8 +167,7 @@ def build_run_summary(hook, *, alerts: Optional[Sequence] = None, step_seconds: 
         monitor_seconds=float(hook.evaluation_seconds),
         monitor_breakdown={**hook.seconds, "router_capture": hook.capture_seconds("router"),
                            "max_logit_capture": hook.capture_seconds("max_logit")},
-        mols_seconds=float(hook.mols_seconds), mols_diagnostic_seconds=float(hook.mols_diagnostic_seconds),
-        mols_diagnostics=hook.mols_diagnostics(), final_mols=hook.mols_metrics(final_step),
+        **hook.mols_report(),
         records_lost_steps=list(hook.lost_record_steps), optimizer_steps_skipped=hook.skipped_steps.total,
         async_evaluation=hook.async_report(), extensions=extension_summaries, trainer=dict(trainer or {}))
 

@@ -421,7 +421,7 @@ def test_setup_logs_one_start_line_with_the_monitored_layers_interval_and_armed_
     lines, hook = start_lines(True, DetectorOverrides(expert_share_level=0.5))
     assert lines[0].endswith("(warm-up 30 + baseline 20 + persistence 1 evaluations); level rules armed from the "
                              "first evaluation (step 5): router/*/expert_share_excess > 0.5" + trend)
-    assert [r.pattern for r in hook.armed_level_rules()] == ["router/*/expert_share_excess"]
+    assert hook.arming()["level_rules"] == {"armed_from_step": 5, "rules": ["router/*/expert_share_excess > 0.5"]}
     # switched off, and moved by its own warm-up (4 + 6 window evaluations, every 5 steps: step 50), not by the
     # baseline-relative rules'
     lines, hook = start_lines(True, DetectorOverrides(layer_trend_threshold=0))
