@@ -28,7 +28,7 @@ from megatron_mech.hook.skipped_steps import SkippedSteps
 from megatron_mech.hook.state import CarriedState, hook_state, naming_damaged_state
 from megatron_mech.hook.step_evaluation import Evaluation, detector_registry
 from megatron_mech.hook.step_values import StepValue, StepValues
-from megatron_mech.hook.timing import Timer
+from megatron_mech.hook.timing import CAPTURE_SUFFIX, Timer
 from megatron_mech.logs import ensure_visible
 from megatron_mech.model_view import ModelView
 from megatron_mech.monitors.protocol import Monitor, MonitorContext
@@ -325,10 +325,10 @@ class MechHook:
         """Wall time in the monitors on this rank: snapshots, evaluations, detectors, output and captures."""
         return sum(self.seconds.values()) + self._monitors.capture_seconds
 
-    def capture_seconds(self, name: str) -> float:
-        """Wall time the monitor ``name`` spent in its captures in the forward passes (0 when it does not run)."""
-        monitor = self.monitor(name)
-        return monitor.capture_seconds if monitor is not None else 0.0
+    @property
+    def seconds_by_part(self) -> dict:
+        """:attr:`evaluation_seconds` by part: :attr:`seconds` and each running monitor's ``<name>_capture``."""
+        return {**self.seconds, **{m.name + CAPTURE_SUFFIX: m.capture_seconds for m in self.monitors}}
 
     def run_summary(self, *, alerts: Optional[Iterable[Alert]] = None, step_seconds: Optional[Iterable[float]] = None,
                     **trainer_fields: Any):

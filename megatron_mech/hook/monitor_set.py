@@ -10,7 +10,7 @@ from typing import List, Optional
 import torch
 
 from megatron_mech.hook.state import plain_state
-from megatron_mech.hook.timing import HOOK_TIMING_PARTS, Timer
+from megatron_mech.hook.timing import CAPTURE_SUFFIX, HOOK_TIMING_PARTS, Timer
 from megatron_mech.model_view import ModelView
 from megatron_mech.monitors import registry as monitor_registry
 from megatron_mech.monitors.protocol import Monitor, MonitorContext
@@ -45,9 +45,10 @@ class MonitorSet:
         if not isinstance(monitor.name, str) or not monitor.name.strip():
             raise ValueError(f"MechHook.add_monitor: a monitor needs a name (its state's key in the checkpoint and "
                              f"its wall time's in the summary), {type(monitor).__name__} has {monitor.name!r}")
-        if monitor.name in HOOK_TIMING_PARTS:
+        if monitor.name in HOOK_TIMING_PARTS or monitor.name.endswith(CAPTURE_SUFFIX):
             raise ValueError(f"MechHook.add_monitor: the monitor name {monitor.name!r} is the hook's own (a part "
-                             f"whose wall time the summary reports: {', '.join(HOOK_TIMING_PARTS)}); choose another")
+                             f"whose wall time the summary reports: {', '.join(HOOK_TIMING_PARTS)}, or a monitor's "
+                             f"'<name>{CAPTURE_SUFFIX}'); choose another")
         if any(m.name == monitor.name for m in self.registered):
             raise ValueError(f"MechHook.add_monitor: a monitor named {monitor.name!r} is already registered")
         self.registered.append(monitor)

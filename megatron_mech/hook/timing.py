@@ -5,11 +5,14 @@ from __future__ import annotations
 import contextlib
 import time
 
-__all__ = ["HOOK_TIMING_PARTS", "Timer"]
+__all__ = ["CAPTURE_SUFFIX", "HOOK_TIMING_PARTS", "Timer"]
 
-HOOK_TIMING_PARTS = ("detectors", "output", "async_wait", "pipeline_gather", "router_capture", "max_logit_capture")
-"""The parts whose wall time the hook and the adapters report under their own names, beside each monitor's: no
-monitor may be called so."""
+HOOK_TIMING_PARTS = ("detectors", "output", "async_wait", "pipeline_gather", "master_weights")
+"""The parts whose wall time the hook reports under their own names, beside each monitor's: no monitor may be
+called so."""
+
+CAPTURE_SUFFIX = "_capture"
+"""A monitor's captures in the forward passes are reported as ``<name>_capture`` (no monitor name ends so)."""
 
 
 class Timer:

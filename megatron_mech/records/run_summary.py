@@ -165,8 +165,7 @@ def build_run_summary(hook, *, alerts: Optional[Sequence] = None, step_seconds: 
         diagnosis=first.to_dict() if first is not None else None,
         verdict=run_verdict(alerts, arming["last_step"], arming["armed_from_step"]),
         monitor_seconds=float(hook.evaluation_seconds),
-        monitor_breakdown={**hook.seconds, "router_capture": hook.capture_seconds("router"),
-                           "max_logit_capture": hook.capture_seconds("max_logit")},
+        monitor_breakdown=dict(hook.seconds_by_part),
         **hook.mols_report(),
         records_lost_steps=list(hook.lost_record_steps), optimizer_steps_skipped=hook.skipped_steps.total,
         async_evaluation=hook.async_report(), extensions=extension_summaries, trainer=dict(trainer or {}))

@@ -233,3 +233,22 @@ def test_a_monitor_state_that_is_not_plain_data_is_refused_at_save_naming_the_mo
     with pytest.raises(ValueError, match=r"the 'holding' monitor's state_dict\(\) holds a Toy at "
                                          r"state\['kept'\]\[1\]\['inner'\]: a monitor's state must be plain data"):
         run.hook.state_dict()
+
+
+def test_the_summary_breaks_the_monitor_time_down_by_part_with_every_running_monitors_captures():
+    """A user monitor with captures in the forward passes (here 0.25 s, as its ``capture_seconds`` says) shows as
+    ``toy_capture`` in the summary's ``monitor_breakdown``, whose parts add up to ``monitor_seconds``; a monitor may
+    not take a name the breakdown gives a part."""
+
+    class Capturing(Toy):
+        capture_seconds = 0.25
+
+    run = _Run(monitors=[Capturing()])
+    run.steps(1, 4)
+    run.hook.close()
+    summary = run.hook.run_summary()
+    assert summary.monitor_breakdown["toy_capture"] == 0.25
+    assert summary.monitor_seconds == pytest.approx(sum(summary.monitor_breakdown.values()), rel=1e-12)
+    for taken in ("master_weights", "toy_capture"):
+        with pytest.raises(ValueError, match=f"the monitor name '{taken}' is the hook's own"):
+            MechHook(MechConfig()).add_monitor(type("Taken", (Toy,), {"name": taken})())
