@@ -11,11 +11,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from megatron_mech.monitors.attention import monitor as attention_monitor  # noqa: E402
 from megatron_mech.trainers.megatron_core.pretrain_gpt import main  # noqa: E402
-from megatron_mech.monitors.attention import family  # noqa: E402
 
 mode, fault_rank, fault_step = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-original_evaluate = family.AttentionMonitor.evaluate
+original_evaluate = attention_monitor.AttentionMonitor.evaluate
 
 
 def evaluate(self, step, snapshot):
@@ -26,7 +26,7 @@ def evaluate(self, step, snapshot):
     return original_evaluate(self, step, snapshot)
 
 
-family.AttentionMonitor.evaluate = evaluate
+attention_monitor.AttentionMonitor.evaluate = evaluate
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[4:]))
