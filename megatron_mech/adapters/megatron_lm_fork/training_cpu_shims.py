@@ -28,7 +28,9 @@ What a fork's own ``pretrain_gpt.py`` (core_v0.16.1) needed to train on CPU over
 Run-time requirements on CPU (flags, not shims): ``--distributed-backend gloo``, ``--transformer-impl
 local``, ``--use-cpu-initialization``, ``--no-gradient-accumulation-fusion``, every fusion off
 (``--no-bias-gelu-fusion --no-bias-dropout-fusion --no-masked-softmax-fusion --no-persist-layer-norm
---no-rope-fusion``), fp32, and for MoE ``--disable-bias-linear``. :data:`CPU_TRAINING_FLAGS` lists them.
+--no-rope-fusion``), and for MoE ``--disable-bias-linear``. :data:`CPU_TRAINING_FLAGS` lists them. Megatron's own
+``--bf16`` (float32 main params, with or without ``--use-distributed-optimizer``, legacy or ``torch_dist``
+checkpoints) trains on CPU with torch's bf16 kernels and needs no shim of its own.
 """
 from __future__ import annotations
 

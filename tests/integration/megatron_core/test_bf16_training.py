@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dist_utils import REPO_ROOT, run_torchrun
-from megatron_mech.monitors import AttentionLayer, AttentionEvaluator, AttentionMonitorConfig
+from attention_reference import single_rank_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -19,6 +19,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr-warmup-iters", "2",
         "--log-interval", "5", "--eval-iters", "1", "--mech-interval", "5", "--seed", "11", "--bf16"]
 HEADS, HEAD_DIM = 4, 16
+SHAPE = dict(num_heads=HEADS, num_query_groups=HEADS, head_dim=HEAD_DIM, interval=5)
 # The reference below evaluates the same float32 ΔW (both paths subtract the same float32 weights, so ΔW is the
 # same bits) but forms the Grams over the whole matrix in one process, while the run forms them per TP shard and
 # per data-parallel part and sums them in float64: only the float32 summation order differs, ~1e-6 relative on a
@@ -34,21 +35,6 @@ def run(tmp_path: Path, name: str, nproc: int, *extra: str, steps: int = 10, scr
     records = [json.loads(line) for line in (run_dir / "mech.jsonl").read_text().splitlines()]
     return {"records": records, "summary": json.loads((run_dir / "summary.json").read_text()),
             "stdout": out.stdout, "dir": run_dir}
-
-
-def single_rank_metrics(weights: dict, steps: list, layer: int) -> dict:
-    """The attention monitor on one process, no parallelism, over the full float32 QKV weights of ``layer``
-    at ``steps`` (``{step: tensor}``): ``{step: metrics}`` of each evaluation."""
-    live = weights[steps[0]].clone()
-    monitor = AttentionEvaluator([AttentionLayer(layer=layer, qkv_weight=live, num_heads=HEADS, num_query_groups=HEADS,
-                                               head_dim=HEAD_DIM)], AttentionMonitorConfig(interval=5))
-    found = {}
-    for step in steps:
-        live.copy_(weights[step])
-        result = monitor.observe(step)
-        if result is not None:
-            found[step] = result[0]
-    return found
 
 
 def test_master_weights_under_the_distributed_optimizer_at_dp2_tp2_equal_a_single_rank_reference(tmp_path):
@@ -69,8 +55,8 @@ def test_master_weights_under_the_distributed_optimizer_at_dp2_tp2_equal_a_singl
             assert torch.equal(master[step].to(torch.bfloat16).float(), model[step])
             # (at the start the main params are the bf16 weights upcast; training moves them off the bf16 grid)
             assert torch.equal(master[step], model[step]) == (step == 0)
-        want = single_rank_metrics(master, sorted(taken), layer)
-        from_bf16 = single_rank_metrics(model, sorted(taken), layer)
+        want = single_rank_metrics(master, sorted(taken), layer, **SHAPE)
+        from_bf16 = single_rank_metrics(model, sorted(taken), layer, **SHAPE)
         for step in (5, 10):
             names = [k for k in want[step] if k.startswith(f"attn/layer{layer}/") and "entropy" in k]
             assert len(names) >= 3 * HEADS

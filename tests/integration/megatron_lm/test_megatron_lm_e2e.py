@@ -21,6 +21,9 @@ the CPU shims), training a small MoE GPT with EP=2 on the embedded corpus (``--d
 * ``--mech-on-alert stop`` / ``checkpoint`` with the attention fault: Megatron-LM saves the alert step's checkpoint
   through its own save path; ``stop`` ends the run there, ``checkpoint`` trains on. Either way the end of training
   writes ``summary.json`` in the one schema, and the report reads the run's detector settings from it.
+* Megatron-LM's own ``--bf16``, with and without ``--use-distributed-optimizer``: every attention entropy equals a
+  single-process evaluation of the float32 main params Megatron saved (not of the bf16 weights), and a resume
+  continues the series exactly; ``--mech-weights model`` reads the bf16 weights instead.
 
 Skipped, with the reason, when the core_v0.16.1 tree is absent (see ``megatron_lm_trees``).
 """
@@ -34,6 +37,7 @@ import shutil
 
 import pytest
 
+from attention_reference import single_rank_metrics
 from dist_utils import REPO_ROOT, run_torchrun
 from optional_packages import requires
 from megatron_lm_trees import CPU_TRAINING_FLAGS, RUNNABLE_TAG, SMALL_MOE_FLAGS, require, unpack
@@ -407,3 +411,102 @@ def assert_fork_summary(mech_dir, recs: dict, *, final_step: int, train_iters: i
     # the rules rebuilt from the summary's settings: warm-up 2 + baseline 6 + persistence 3 evaluations, not 51
     assert settings.registry.earliest_alert()[1] == 11 < default_registry().earliest_alert()[1]
     assert run_report(argparse.Namespace(run_dir=str(mech_dir), out=None, metrics=None)) == 0
+
+
+# bf16: Megatron-LM's own --bf16 (bf16 weights, float32 main params) at a learning rate where a 2-step Adam update
+# (at most 2 × 3e-5) is about one bf16 rounding step of the weights (2^-14 ≈ 6e-5 for |w| in [2^-7, 2^-6); the
+# weights start at N(0, 0.02)), so the bf16 copies' ΔW is mostly rounding and reading them instead of the master
+# weights changes the monitors' values. Checkpoints every evaluation, so each evaluated weight is saved.
+BF16 = ("--bf16", "--lr", "3e-5", "--min-lr", "3e-6", "--mech-interval", "2", "--ckpt-format", "torch",
+        "--save-interval", "2")
+GQA_SHAPE = dict(num_heads=4, num_query_groups=2, head_dim=16, interval=2)   # DENSE_GQA_FLAGS' attention
+# The reference evaluates the same float32 ΔW as the run (both difference the same float32 weights) in one process;
+# the run may split the heads' work over the data-parallel replicas and sum in another order. Only float32
+# summation order can differ, which moves an entropy in [0, 1] by ~1e-7 (measured here: 0); 1e-5 leaves margin
+# and is far below what reading the other weights changes (asserted: > 100x it; measured 0.37).
+EXACT_TOL = 1e-5
+
+
+def saved_qkv_weights(ckpt, step: int, layer: int) -> tuple:
+    """``(float32 master, bf16 model weight)`` of ``layer``'s QKV weight in Megatron-LM's legacy checkpoint of
+    ``step``, from Megatron's own saved main params: ``Float16OptimizerWithFloat16Params``' ``fp32_from_fp16_params``,
+    or the ``DistributedOptimizer``'s flat ``param`` buffer (``distrib_optim.pt``, gathered over data-parallel
+    ranks). Neither names its tensors: the master is the one (asserted: exactly one) that rounds to the bf16 weight."""
+    import torch
+
+    folder = ckpt / f"iter_{step:07d}" / "mp_rank_00"
+    saved = torch.load(folder / "model_optim_rng.pt", weights_only=False)
+    model = saved["model"][f"decoder.layers.{layer}.self_attention.linear_qkv.weight"]
+    assert model.dtype == torch.bfloat16
+    if (folder / "distrib_optim.pt").is_file():
+        (buffer,) = torch.load(folder / "distrib_optim.pt", weights_only=False)[0].values()
+        flat, wanted, n = buffer["param"], model.flatten(), model.numel()
+        rounded = flat.to(torch.bfloat16)
+        starts = torch.nonzero(rounded[:flat.numel() - n + 1] == wanted[0]).flatten().tolist()
+        found = [flat[s:s + n].view_as(model) for s in starts if torch.equal(rounded[s:s + n], wanted)]
+    else:
+        found = [t for group in saved["optimizer"]["fp32_from_fp16_params"] for t in group
+                 if t.shape == model.shape and torch.equal(t.to(torch.bfloat16), model)]
+    assert len(found) == 1, (step, layer, len(found))
+    assert found[0].dtype == torch.float32
+    # training has moved the main params off the bf16 grid: the two readings differ
+    assert not torch.equal(found[0], model.float()), (step, layer)
+    return found[0], model.float()
+
+
+def assert_bf16_readings(recs: dict, ckpt, read: str) -> None:
+    """Every attention entropy the run recorded equals a single-process evaluation of the ``read`` weights
+    (``master`` or ``model``) of the checkpoints ``ckpt`` holds at the recorded steps, and not of the others."""
+    worst, other_gap, compared = 0.0, 0.0, 0
+    for layer in (0, 1):
+        saved = {step: saved_qkv_weights(ckpt, step, layer) for step in sorted(recs)}
+        readings = {kind: single_rank_metrics({step: weights[i] for step, weights in saved.items()}, sorted(saved),
+                                              layer, **GQA_SHAPE) for i, kind in enumerate(("master", "model"))}
+        want, other = readings[read], readings["model" if read == "master" else "master"]
+        assert sorted(want) == sorted(recs)[1:]   # the first recorded step is the reference's starting snapshot
+        for step in want:
+            names = [k for k in want[step] if k.startswith(f"attn/layer{layer}/") and "entropy" in k]
+            assert len(names) >= 3 * GQA_SHAPE["num_heads"]
+            for name in names:
+                assert math.isfinite(recs[step]["metrics"][name]), (step, name)
+                worst = max(worst, abs(recs[step]["metrics"][name] - want[step][name]))
+                other_gap = max(other_gap, abs(other[step][name] - want[step][name]))
+                compared += 1
+    assert compared >= 2 * 3 * GQA_SHAPE["num_heads"]
+    assert worst <= EXACT_TOL, worst
+    assert other_gap > 100 * EXACT_TOL, other_gap   # reading the other weights would have recorded other values
+
+
+@pytest.mark.parametrize("optimizer", [(), ("--use-distributed-optimizer",)], ids=["float16-optimizer", "distributed"])
+def test_bf16_fork_monitors_read_the_master_weights_and_resume_exactly(fork, data, tmp_path, optimizer):
+    """Megatron-LM's ``--bf16`` on CPU (torch's bf16 kernels) with and without ``--use-distributed-optimizer``:
+    records with monitor metrics, the start line naming the float32 master weights, every attention entropy equal
+    to a single-process evaluation of the main params Megatron saved in its checkpoints (and not to one of the
+    bf16 weights), and a resume from the step-4 checkpoint continuing the monitor series exactly."""
+    steps = 8
+    common = ("--train-iters", str(steps), *BF16, *optimizer)
+    run_a = tmp_path / "a"
+    stdout = train(fork, data, run_a, *common, "--save", str(run_a / "ckpt"), model=dense_gqa(1))
+    assert "reading the optimizer's float32 master weights" in stdout
+    a = records(run_a)
+    assert sorted(a) == [2, 4, 6, 8]
+    assert all(math.isfinite(r["loss"]) for r in a.values())
+    assert_bf16_readings(a, run_a / "ckpt", "master")
+
+    run_b = tmp_path / "b"
+    train(fork, data, run_b, *common, "--load", str(resume_dir(run_a / "ckpt", 4, run_b / "ckpt")),
+          model=dense_gqa(1))
+    b = records(run_b)
+    assert sorted(b) == [6, 8]
+    assert_same_series(a, b, (6, 8))
+
+
+def test_bf16_fork_reads_the_bf16_weights_when_asked(fork, data, tmp_path):
+    """``--mech-weights model``: the start line says so, and the monitors read the bf16 weights, not the masters."""
+    out = tmp_path / "model"
+    stdout = train(fork, data, out, "--train-iters", "4", *BF16, "--mech-weights", "model", "--save",
+                   str(out / "ckpt"), model=dense_gqa(1))
+    assert "reading the model's bfloat16 weights" in stdout
+    recs = records(out)
+    assert sorted(recs) == [2, 4]
+    assert_bf16_readings(recs, out / "ckpt", "model")
