@@ -301,6 +301,7 @@ class MechHook:
     families = _read("_monitors", "families", "The families --mech-monitors selected (from setup on).")
     registry = _read("_evaluation", "registry", "The run's detectors.", writable=True)
     asynchronous = _read("_evaluation", "asynchronous", "Whether the evaluation runs beside training.")
+    worker_left_running = _read("_evaluation", "worker_left_running", "Whether close left a stuck worker thread.")
     first_alert_step = _read("_policy", "first_alert_step", "The step of the run's first alert (None: none yet).")
     alert_callbacks = _read("_policy", "callbacks", "User hooks fn(step, alerts), called on every rank at alerts.")
     losses = _read("_values", "losses", "The loss of each step (the last STEP_SERIES_WINDOW steps, across resumes).")

@@ -86,6 +86,8 @@ class Evaluation:
         self.failure: Optional[dict] = None  # {"step", "error", "monitor"} once an evaluation failed: monitors off
         self.failed_steps: List[int] = []  # steps whose record lacks the monitors' metrics
         self.worker: Optional[EvaluationWorker] = None
+        self.worker_left_running = False
+        """Whether :meth:`close` left the worker thread running (stuck in a monitor or a collective)."""
         self._worker_groups: tuple = ()  # the worker's process groups (async_evaluation.worker_groups)
         self._agreement = None  # the group over every rank an evaluation's alerts and failure are agreed on
         self._exchange = None  # MetricExchange over the pipeline stages
@@ -246,7 +248,9 @@ class Evaluation:
     def close(self) -> None:
         """Join the worker thread (within ``--mech-async-timeout``; a stuck one is a daemon thread, left behind with
         its groups) and destroy the groups it and the agreement used."""
-        worker_ended = self.worker is None or (self.monitors_on and self.worker.close())
+        # after a failure the worker is not waited for again (its step was given up); it may have ended meanwhile
+        worker_ended = self.worker is None or self.worker.close(None if self.monitors_on else 0)
+        self.worker_left_running = not worker_ended
         if worker_ended:  # a stuck worker may still use its groups (the agreement's too): they are left to it
             destroy_groups((*self._worker_groups, self._agreement))
             self._worker_groups, self._agreement = (), None

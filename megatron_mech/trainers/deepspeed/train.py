@@ -356,12 +356,15 @@ def main(argv=None, study=None) -> int:
         if incomplete:
             sys.stderr.write(f"deepspeed_train: {incomplete}\n")
     dist.barrier()
-    dist.destroy_process_group()
     stop_signal.uninstall()
     from megatron_mech.records.run_directory import RECORDS_INCOMPLETE_EXIT, release_run_directories
+    from megatron_mech.trainers.process_exit import end_now_if_worker_left_running
 
     release_run_directories()  # the claim ends with the run, also when the process calling main() goes on
-    return RECORDS_INCOMPLETE_EXIT if incomplete else 0
+    code = RECORDS_INCOMPLETE_EXIT if incomplete else 0
+    end_now_if_worker_left_running(mech.hook, code)  # a worker still in a gloo collective would abort the exit
+    dist.destroy_process_group()
+    return code
 
 
 if __name__ == "__main__":

@@ -59,6 +59,7 @@ from megatron_mech.trainers.megatron_core.directory_checks import (
     record_run_id,
 )
 from megatron_mech.trainers.megatron_core.flags import build_parser, check_args, extensions_from_args
+from megatron_mech.trainers.process_exit import end_now_if_worker_left_running
 from megatron_mech.trainers.stop_signals import StopOnSignal
 
 # megatron-core announces every missing GPU-only package (TE, apex) on every rank; the run's own log matters more.
@@ -598,11 +599,13 @@ def main(argv=None, extension_types: Sequence[type] = ()) -> int:
                 + ("" if runtime.cuda else f" cpu-threads/rank={torch.get_num_threads()}"))
     run = train(args, t, runtime, stop_signal)  # a checkpoint at or past --train-iters ended main() above
     records_whole = finish(args, t, runtime, run, output_dir)
+    code = 0 if records_whole else RECORDS_INCOMPLETE_EXIT
     torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
     stop_signal.uninstall()
     release_run_directories()  # the claim ends with the run, also when the process calling main() goes on
-    return 0 if records_whole else RECORDS_INCOMPLETE_EXIT
+    end_now_if_worker_left_running(t.hook, code)  # a worker still in a gloo collective would abort the exit
+    torch.distributed.destroy_process_group()
+    return code
 
 
 if __name__ == "__main__":
