@@ -35,7 +35,6 @@ from megatron_mech.hook.timing import Timer
 from megatron_mech.model_view import ModelView
 from megatron_mech.monitors.metric_names import SYMPTOM_GRAD_NORM, SYMPTOM_LOSS
 from megatron_mech.monitors.protocol import Monitor
-from megatron_mech.monitors.registry import build_registry
 
 __all__ = ["Evaluation", "detector_registry"]
 
@@ -45,7 +44,7 @@ logger = logging.getLogger("megatron_mech")
 def detector_registry(config: MechConfig, monitors) -> DetectorRegistry:
     """The run's detectors: the rules ``monitors`` bring, then the symptom rules, with the run's overrides
     (``--mech-detector-*``). The one place they are built."""
-    return build_registry(config.detector.as_rule_fields(), monitors)
+    return DetectorRegistry.with_overrides(config.detector.as_rule_fields(), monitors)
 
 
 @dataclass

@@ -23,7 +23,6 @@ from megatron_mech.model_view import ModelView
 from megatron_mech.monitors.attention import AttentionLayer
 from megatron_mech.monitors.experts import ExpertLayer
 from megatron_mech.monitors.protocol import Monitor
-from megatron_mech.monitors.registry import build_registry
 from megatron_mech.records.sinks import CallbackSink
 
 pytestmark = pytest.mark.timeout(300)
@@ -188,7 +187,7 @@ def _replayed_detectors(records, monitors):
     """The independent reference for a hook's detectors: a fresh registry of the rules the running ``monitors``
     bring, with the test's settings, fed the metrics of every record written, in order (the records are the run's
     record of truth)."""
-    registry = build_registry(DetectorOverrides(warmup=0, baseline=3, persistence=1).as_rule_fields(), monitors)
+    registry = DetectorRegistry.with_overrides(DetectorOverrides(warmup=0, baseline=3, persistence=1).as_rule_fields(), monitors)
     for record in records:
         registry.update(record["step"], {k: v for k, v in record["metrics"].items() if v is not None})
     return registry
