@@ -56,7 +56,7 @@ from megatron_mech.options import (
 from megatron_mech.records.writer_level import AUTO_SUMMARY_SERIES, WRITER_LEVELS
 
 __all__ = ["ASYNC_TIMEOUT_RANGE", "DEFAULT_OUTPUT_DIR", "MONITOR_FAMILIES", "ON_ALERT", "WEIGHT_SOURCES",
-           "DetectorOverrides", "MechConfig", "MoLSOptions", "MonitorConfig", "OutputConfig"]
+           "DetectorOverrides", "MechConfig", "MoLSOptions", "MonitorConfig", "OutputConfig", "output_directory"]
 
 # --mech-async-timeout: below a second a healthy evaluation's collectives time out on a busy host; beyond a day
 # the process groups' timeouts and the waits overflow (a timedelta, a C++ int of milliseconds)
@@ -247,6 +247,12 @@ class MoLSOptions:
 DEFAULT_OUTPUT_DIR = "runs/mech"
 """Where ``mech.jsonl`` goes when neither ``--mech-output-dir`` (``mech.output.dir``) nor the framework's checkpoint
 directory names a place; relative to the working directory."""
+
+
+def output_directory(configured: Optional[str], checkpoint_dir: Optional[str] = None) -> str:
+    """Where a run's ``mech.jsonl`` and ``summary.json`` go: ``--mech-output-dir`` (``mech.output.dir``) when set,
+    else the framework's checkpoint directory when it has one, else :data:`DEFAULT_OUTPUT_DIR`."""
+    return configured or checkpoint_dir or DEFAULT_OUTPUT_DIR
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Iterable
 
-from megatron_mech.config import DEFAULT_OUTPUT_DIR
+from megatron_mech.config import output_directory
 from megatron_mech.core.attribution import alert_lines
 from megatron_mech.hook.judged import Judged
 from megatron_mech.hook.timing import Timer
@@ -28,7 +28,7 @@ class RecordWriter:
 
         if self.sinks is not None:
             raise RuntimeError("MechHook.open_sinks: the sinks are already open")
-        self.sinks = default_sinks(output.dir or fallback_dir or DEFAULT_OUTPUT_DIR,
+        self.sinks = default_sinks(output_directory(output.dir, fallback_dir),
                                    tensorboard=output.tensorboard_dir or False,
                                    wandb_kwargs={"project": output.wandb_project} if output.wandb_project else None,
                                    extra=extra, truncate_after_step=start_step if start_step else None,

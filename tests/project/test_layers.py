@@ -185,12 +185,16 @@ def test_the_evaluation_rule_scan_finds_a_second_home(tmp_path):
 
 @pytest.mark.slow
 def test_the_output_evaluation_and_int_rules_have_one_home():
-    """The default output directory is one constant (``config.DEFAULT_OUTPUT_DIR``); the run's sinks are built
+    """The default output directory is one constant (``config.DEFAULT_OUTPUT_DIR``), chosen over the configured and
+    the checkpoint directory by one function (``config.output_directory``); the run's sinks are built
     in one place (``MechHook.open_sinks``, through the hook's record writer), the evaluation steps decided in one (``core.schedule.is_evaluation_step``:
     no ``step % interval`` anywhere else in the package or the launchers) and "an int, not a bool" checked by one
     function (``core.checks.is_int``)."""
     found = [*calls_and_strings(PACKAGE), *calls_and_strings(REPO_ROOT / "launch_scripts")]
     assert {f for f, kind, value in found if kind == "string" and "runs/mech" in value} == {"megatron_mech/config.py"}
+    falling_back = {path.relative_to(REPO_ROOT).as_posix() for path in PACKAGE.rglob("*.py")
+                    if "or DEFAULT_OUTPUT_DIR" in path.read_text()}
+    assert falling_back == {"megatron_mech/config.py"}, falling_back  # the fallback rule is output_directory's
     assert {f for f, kind, value in found if kind == "call" and value == "default_sinks"} == {"megatron_mech/hook/record_writer.py"}
     assert evaluation_rule_homes() == {"megatron_mech/core/schedule.py"}
     int_checks = {path.relative_to(REPO_ROOT).as_posix() for path in PACKAGE.rglob("*.py")

@@ -222,14 +222,6 @@ def _note_saved(iteration: int) -> None:
 _TRAIN_END_INSTALLED = False
 
 
-def _output_dir(mech_output_dir: Optional[str], save: Optional[str]) -> str:
-    """Where the run's ``mech.jsonl`` and ``summary.json`` go: ``--mech-output-dir``, else ``--save``, else the
-    default (as :meth:`~megatron_mech.hook.MechHook.open_sinks` is told in :func:`on_setup`)."""
-    from megatron_mech.config import DEFAULT_OUTPUT_DIR
-
-    return mech_output_dir or save or DEFAULT_OUTPUT_DIR
-
-
 def _install_train_end() -> None:
     """Wrap the fork's ``megatron.training.training.train`` so that :func:`on_train_end` runs when it returns or
     exits the process with ``sys.exit`` (every rank leaves ``train`` the same way: its exit decision is agreed). A
@@ -269,6 +261,7 @@ def on_train_end() -> None:
     before the resume). Nothing happens when the hook never started (``--skip-train``) or was closed already."""
     from pathlib import Path
 
+    from megatron_mech.config import output_directory
     from megatron_mech.records.run_directory import JSONL, SUMMARY
     from megatron_mech.records.run_summary import write_run_summary
     from megatron_mech.records.sinks import read_alerts
@@ -281,7 +274,7 @@ def on_train_end() -> None:
     RUN.closed = True
     if RUN.view.logging_rank:
         args = _args()
-        output_dir = Path(_output_dir(hook.config.output.dir, args.save))
+        output_dir = Path(output_directory(hook.config.output.dir, args.save))
         write_run_summary(output_dir / SUMMARY, hook.run_summary(alerts=read_alerts(output_dir / JSONL),
                                                                  train_iters=args.train_iters))
 
@@ -314,6 +307,7 @@ def _early_line(argv: List[str]) -> Optional[str]:
     import argparse
 
     from megatron_mech.adapters.megatron_core.megatron_args import add_arguments
+    from megatron_mech.config import output_directory
 
     class _Quiet(argparse.ArgumentParser):
         def error(self, message):
@@ -325,7 +319,7 @@ def _early_line(argv: List[str]) -> Optional[str]:
         flags, _ = parser.parse_known_args(argv)
     except ValueError:
         return None
-    records = os.path.join(_output_dir(flags.mech_output_dir, flags.save), "mech.jsonl")
+    records = os.path.join(output_directory(flags.mech_output_dir, flags.save), "mech.jsonl")
     return (f"[mech] megatron-mech is on: monitors every {flags.mech_interval} steps, records in {records}; the "
             f"monitors' start line (layers, the step the detectors are armed from) comes at the first step")
 

@@ -120,9 +120,9 @@ def output_settings(config: dict):
 
 def mech_output_dir(config: dict) -> str:
     """Where the hook writes ``mech.jsonl``: the config's ``mech.output.dir``."""
-    from megatron_mech.config import DEFAULT_OUTPUT_DIR
+    from megatron_mech.config import output_directory
 
-    return output_settings(config).dir or DEFAULT_OUTPUT_DIR
+    return output_directory(output_settings(config).dir)
 
 
 def check_sinks(config: dict) -> None:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from megatron_mech.config import DEFAULT_OUTPUT_DIR
+from megatron_mech.config import DEFAULT_OUTPUT_DIR, output_directory
 from megatron_mech.records.run_directory import (
     FIRST_ALERT,
     RUN_FILES,
@@ -79,7 +79,7 @@ def check_run_directories(args, rank: int = 0, claim: bool = False, *, overwrite
     ``--save`` and the output directory for this process's run (the entry point's rank 0; a check made only to
     report, like ``megatron-mech train``'s before it launches, must not hold them). ``overwrite_flag`` and
     ``other_dir_flags``: how the command that checks spells starting over and choosing another directory."""
-    output_dir = args.mech_output_dir or args.save or DEFAULT_OUTPUT_DIR
+    output_dir = output_directory(args.mech_output_dir, args.save)
     output_flag = ("--mech-output-dir" if args.mech_output_dir else "--save" if args.save
                    else f"--mech-output-dir (default {DEFAULT_OUTPUT_DIR})")
     for flag, directory in (("--save", args.save), (output_flag, output_dir),

@@ -38,7 +38,7 @@ import torch
 
 from megatron_mech.adapters.megatron_core.master_weights import read_master_weights
 from megatron_mech.adapters.megatron_core.megatron_args import lr_warmup_steps, train_steps
-from megatron_mech.config import DEFAULT_OUTPUT_DIR, MechConfig
+from megatron_mech.config import MechConfig, output_directory
 from megatron_mech.core.sharded import collective_device
 from megatron_mech.hook import Action, Extension, MechHook
 from megatron_mech.logs import configure_logging
@@ -531,7 +531,7 @@ def preflight(args, world: int, rank: int, extension_types: Sequence[type] = ())
 
             omp_num_threads()
         config = MechConfig.from_flags(args, tensorboard_dir=args.tensorboard_dir)
-        config.output.dir = args.mech_output_dir or args.save or DEFAULT_OUTPUT_DIR
+        config.output.dir = output_directory(args.mech_output_dir, args.save)
         extensions = extensions_from_args(args, extension_types)
         check_sink_packages(args, config)
         plan = check_run_directories(args, rank, claim=rank == 0)
