@@ -324,7 +324,7 @@ class MechHook:
     @property
     def evaluation_seconds(self) -> float:
         """Wall time in the monitors on this rank: snapshots, evaluations, detectors, output and captures."""
-        return sum(self.seconds.values()) + self._monitors.capture_seconds
+        return sum(self.seconds_by_part.values())
 
     @property
     def seconds_by_part(self) -> dict:

@@ -125,10 +125,6 @@ class MonitorSet:
                                  f"release reads version {monitor.state_version}")
             monitor.load_state_dict(entry["state"])
 
-    @property
-    def capture_seconds(self) -> float:
-        return sum(monitor.capture_seconds for monitor in self.running)
-
     def close(self) -> None:
         for monitor in self.running:
             monitor.close()
