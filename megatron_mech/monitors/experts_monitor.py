@@ -32,7 +32,7 @@ class ExpertMonitor(Monitor):
         if not (context.settings.experts and view.experts):
             return False
         self.evaluator = ExpertEvaluator(list(view.experts), interval=context.settings.interval,
-                                     group=view.expert_group, dp_group=view.expert_dp_group)
+                                         group=view.expert_group, dp_group=view.expert_dp_group)
         return True
 
     def describe(self, total_layers: int) -> str:

@@ -30,7 +30,8 @@ class RouterMonitor(Monitor):
         if self.name not in context.families:
             return False
         self.evaluator = RouterEvaluator([RouterLayer(r.layer, r.weight, r.topk) for r in view.routers],
-                                     token_group=view.token_group, token_stride=context.settings.router_token_stride)
+                                         token_group=view.token_group,
+                                         token_stride=context.settings.router_token_stride)
         for r in view.routers:
             r.capture(RouterLayerRecorder(self.evaluator, r.layer))
         return True

@@ -30,8 +30,8 @@ class AttentionMonitor(Monitor):
             return False
         settings = context.settings
         self.evaluator = AttentionEvaluator(list(view.attention_layers), settings, tp_group=view.tp_group,
-                                        extra_linears=dict(view.dense_linears) if settings.all_linears else None,
-                                        dp_group=view.dp_group)
+                                            extra_linears=dict(view.dense_linears) if settings.all_linears else None,
+                                            dp_group=view.dp_group)
         return True
 
     def rules(self, settings) -> list:
