@@ -60,7 +60,8 @@ class Extension:
         return None
 
     def prepare_model(self, model) -> None:
-        """A model the adapter did not build (an HF model under DeepSpeed), before the monitors look at it."""
+        """The model the trainer calls (megatron-core: the wrapped model of our entry point; DeepSpeed: the engine's
+        module, an HF model the adapter did not build), before the monitors look at it."""
 
     def describe(self) -> Optional[str]:
         """One line for the run's log (``None``: nothing to say)."""

@@ -65,8 +65,14 @@ def _by_step(alerts: Sequence[Alert]) -> dict:
 
 
 def _global_blowup_steps(alerts: Sequence[Alert]) -> set:
-    """Steps whose non-finite alerts include the loss/grad norm or span several (family, layer) places."""
-    return {step for step, members in _by_step(alerts).items() if is_global_blowup(members)}
+    """Steps whose non-finite alerts include the loss/grad norm or span several (family, layer) places; an alert
+    whose diagnosis gave it another cause (a non-finite grad norm on a step the optimizer skipped) is not one."""
+    return {step for step, members in _by_step(alerts).items()
+            if is_global_blowup([a for a in members if _blowup_member(a)])}
+
+
+def _blowup_member(alert: Alert) -> bool:
+    return not math.isfinite(alert.value) and alert.detail.get("cause", "nonfinite") == "nonfinite"
 
 
 def with_causes(alerts: Iterable[Alert]) -> list[Alert]:
@@ -97,7 +103,7 @@ def summarize_alerts(alerts: Iterable[Alert]) -> list[dict]:
     blowups = _global_blowup_steps(alerts)
     groups: dict = defaultdict(list)
     for alert in alerts:
-        if alert.step in blowups and not math.isfinite(alert.value):
+        if alert.step in blowups and _blowup_member(alert):
             groups[("nonfinite", None, alert.step)].append(alert)
         elif "message" in alert.detail:   # an alert that words itself (e.g. skipped optimizer steps)
             groups[(alert.family, None, (alert.metric, alert.step))].append(alert)

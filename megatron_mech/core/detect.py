@@ -1188,10 +1188,13 @@ class DetectorRegistry:
             jump = self.update_jump.update(step, metrics)
             if jump is not None:
                 fired.append(jump)
-        from megatron_mech.core.diagnosis import run_first_cause, stamp, weights_moved
+        from megatron_mech.core.diagnosis import LOSS, run_first_cause, stamp, weights_moved
 
         if fired:  # each alert's cause, read from this evaluation's whole cross-section (core/diagnosis.py)
-            fired, _ = stamp(fired, metrics, run_first_cause(self.alerts), self.weights_moved)
+            loss = self.detectors.get(LOSS) if LOSS in values else None
+            loss_jump = (loss is not None and loss.last_score is not None
+                         and loss.last_score >= loss.config.threshold)
+            fired, _ = stamp(fired, metrics, run_first_cause(self.alerts), self.weights_moved, loss_jump)
         self.weights_moved = self.weights_moved or weights_moved(metrics)
         self.alerts.extend(fired)
         return fired

@@ -5,7 +5,9 @@ layers and families moved, and whether their peers stayed in band. The rules, in
 names the evaluation's cause; docs/diagnosis.md states them for users):
 
 1. **non-finite** — the loss or grad norm is non-finite, or non-finite values appear in several (family, layer)
-   places at once: a global blow-up, attributable to no layer.
+   places at once: a global blow-up, attributable to no layer. A non-finite grad norm on a step the trainer reported
+   its optimizer skipped (:data:`STEP_SKIPPED`), with a finite loss, is not one: it is why the step was skipped, and
+   the cause is the next rule's.
 2. **optimizer steps skipped** — every monitored weight matrix of the evaluation is unchanged since the last one
    (the ``…_frozen`` series all 1) after an earlier evaluation saw them change: the optimizer did not step (a
    skipped or overflowing step) or the LR went to 0. Weights frozen from the start (a frozen base model under LoRA)
@@ -19,7 +21,9 @@ names the evaluation's cause; docs/diagnosis.md states them for users):
 5. **attention-logit growth** — the maximum attention logit passed its level in one layer, or in fewer than half
    of the layers.
 6. **router collapse** — routing-entropy or expert-load alerts with no attention signature at that evaluation.
-7. **data** — a loss jump with no internal signature (no attention, router or update-ratio alert).
+7. **data** — the loss jumped with no attention, logit or update-ratio signature: a loss alert, or routing that
+   moves at the very evaluation the loss is out of band (the routers read other tokens; a router collapse moves the
+   routing first and the loss later, if at all).
 8. **unclassified** — anything else (e.g. a grad-norm rise alone); the signals are listed.
 
 Each alert carries its own cause (``detail["cause"]``): what its family and the evaluation's pattern say about it.
@@ -37,7 +41,7 @@ from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 from megatron_mech.core.layer_names import layer_of
 
-__all__ = ["CAUSES", "CAUSE_NAMES", "CAUSE_PRIORITY", "GLOBAL_CAUSES", "Diagnosis", "UPDATE_RATIO_JUMP",
+__all__ = ["CAUSES", "CAUSE_NAMES", "CAUSE_PRIORITY", "GLOBAL_CAUSES", "STEP_SKIPPED", "Diagnosis", "UPDATE_RATIO_JUMP",
            "diagnose_evaluation", "first_diagnosis", "is_global_blowup", "metric_label", "run_first_cause", "stamp",
            "weights_moved"]
 
@@ -48,7 +52,7 @@ CAUSES = {
     "precision": "attention-precision fault suspected",
     "logit_growth": "attention-logit growth suspected",
     "router": "router collapse suspected",
-    "data": "data problem suspected (a loss jump with no internal signature)",
+    "data": "data problem suspected (the loss jumped with no attention or learning-rate signature)",
     "unclassified": "unclassified",
 }
 """The causes a diagnosis can name, with the words that open an alert line."""
@@ -67,6 +71,11 @@ UPDATE_RATIO_JUMP = "attn/update_ratio_jump"
 """The update-ratio jump's alert (every layer's update-to-parameter ratio at once): ``UpdateRatioJump`` in
 ``core/detect.py``, whose ``UPDATE_RATIO_JUMP_METRIC`` it equals (a test holds them together)."""
 FROZEN_SUFFIX = "_frozen"
+STEP_SKIPPED = "symptom/optimizer_step_skipped"
+"""1 in a step's values when the trainer reported that its optimizer skipped the step (absent otherwise): a
+non-finite grad norm on such a step is the reason of the skip, and the weights did not take it."""
+LOSS = "symptom/loss"
+GRAD_NORM = "symptom/grad_norm"
 _ENTROPY = ("delta2_entropy", "dwq_entropy", "dwk_entropy", "delta1_entropy", "delta3_entropy")
 _LABELS = {"delta1_entropy": "Δ1 spectral entropy", "delta2_entropy": "Δ2 spectral entropy",
            "delta3_entropy": "Δ3 spectral entropy", "dwq_entropy": "ΔW_Q spectral entropy",
@@ -157,9 +166,12 @@ def _signal(alert: Alert) -> str:
     return f"{metric_label(alert.metric)}{where} ({alert.rule_kind})"
 
 
-def _alert_causes(alerts: Sequence[Alert], values: Mapping[str, float] | None, moved_before: bool) -> dict:
+def _alert_causes(alerts: Sequence[Alert], values: Mapping[str, float] | None, moved_before: bool,
+                  loss_jump: bool = False) -> dict:
     """Each alert's own cause (by index) in the pattern of this evaluation. ``moved_before``: some earlier
-    evaluation saw a weight matrix change (frozen weights from the start are a frozen base model, e.g. LoRA)."""
+    evaluation saw a weight matrix change (frozen weights from the start are a frozen base model, e.g. LoRA).
+    ``loss_jump``: the loss is out of band at this evaluation (its baseline rule's score at the threshold), whether
+    or not its persistence has passed yet."""
     logit_layers = {_layer(a) for a in alerts if a.metric.startswith(MAX_LOGIT_PREFIX)}
     logit_reporting = _layers_reporting(values, lambda n: n.startswith(MAX_LOGIT_PREFIX)) | logit_layers
     # a layer's logits above the level at this evaluation, also when its rule latched at an earlier one
@@ -175,12 +187,17 @@ def _alert_causes(alerts: Sequence[Alert], values: Mapping[str, float] | None, m
     entropy_reporting = _layers_reporting(values, lambda n: n.startswith("attn/") and _kind(n) in _ENTROPY)
     entropy_global = len(entropy_layers) >= 2 and bool(entropy_reporting) and entropy_layers >= entropy_reporting
     attention_signature = bool(entropy_layers or logit_layers)
-    internal = attention_signature or any(a.family == "router" or a.metric == UPDATE_RATIO_JUMP for a in alerts)
-    blowup = is_global_blowup(alerts)
+    jump = any(a.metric == UPDATE_RATIO_JUMP for a in alerts)
+    # a grad norm non-finite on a step the optimizer skipped, the loss finite: the skip kept the weights
+    step_skipped = bool(values) and (values.get(STEP_SKIPPED) or 0) >= 1 and math.isfinite(values.get(LOSS, 0.0))
+    skip_reason = [step_skipped and a.metric == GRAD_NORM and not math.isfinite(a.value) for a in alerts]
+    blowup = is_global_blowup([a for a, reason in zip(alerts, skip_reason) if not reason])
     frozen = moved_before and _all_frozen(values)
     causes = {}
     for i, a in enumerate(alerts):
-        if blowup and not math.isfinite(a.value):
+        if skip_reason[i]:
+            causes[i] = "optimizer_skipped"
+        elif blowup and not math.isfinite(a.value):
             causes[i] = "nonfinite"
         elif frozen:
             causes[i] = "optimizer_skipped"
@@ -191,25 +208,27 @@ def _alert_causes(alerts: Sequence[Alert], values: Mapping[str, float] | None, m
         elif _is_entropy(a):
             causes[i] = "learning_rate" if entropy_global else "precision"
         elif a.family == "router":
-            causes[i] = "unclassified" if attention_signature else "router"
-        elif a.metric.endswith("/loss") or a.metric == "symptom/loss":
-            causes[i] = "unclassified" if internal else "data"
+            # routing that moves at the very evaluation the loss jumps is the routers reading other data
+            causes[i] = "unclassified" if attention_signature else "data" if loss_jump and not jump else "router"
+        elif a.metric == LOSS:
+            causes[i] = "unclassified" if attention_signature or jump else "data"
         else:
             causes[i] = "unclassified"
     return causes
 
 
 def diagnose_evaluation(alerts: Sequence[Alert], values: Mapping[str, float] | None = None,
-                        moved_before: bool = False) -> Diagnosis | None:
+                        moved_before: bool = False, loss_jump: bool = False) -> Diagnosis | None:
     """The diagnosis of the alerts fired at one evaluation (module docstring, the rules in order). ``values``: every
     series of that evaluation (what the registry was fed, monitored or not), for the peers that stayed in band and
     the frozen-weights flags; without them the alerts alone decide (the layers that did not alert are unknown).
     ``moved_before``: an earlier evaluation of the run saw a weight matrix change (:func:`weights_moved`); unchanged
-    weights read as skipped steps only then. None when there are no alerts."""
+    weights read as skipped steps only then. ``loss_jump``: the loss is out of band at this evaluation. None when
+    there are no alerts."""
     alerts = list(alerts)
     if not alerts:
         return None
-    causes = _alert_causes(alerts, values, moved_before)
+    causes = _alert_causes(alerts, values, moved_before, loss_jump)
     cause = min(causes.values(), key=CAUSE_PRIORITY.index)
     chosen = [a for i, a in enumerate(alerts) if causes[i] == cause]
     layers = [] if cause in GLOBAL_CAUSES else sorted({_layer(a) for a in chosen if _layer(a) is not None})
@@ -223,16 +242,16 @@ def weights_moved(values: Mapping[str, float]) -> bool:
 
 
 def stamp(alerts: Sequence[Alert], values: Mapping[str, float] | None, first: Mapping | None,
-          moved_before: bool = False) -> tuple[list, Mapping | None]:
+          moved_before: bool = False, loss_jump: bool = False) -> tuple[list, Mapping | None]:
     """The alerts of one evaluation with their cause in ``detail["cause"]`` and, where they follow the run's first
     diagnosis (``first``: ``{"cause", "step"}``, None before any), ``detail["follows"]``. ``moved_before``: an
     earlier evaluation saw the weights change (:func:`diagnose_evaluation`). Returns the stamped alerts (new
     objects, details copied) and the run's first diagnosis after this evaluation."""
     alerts = list(alerts)
-    diagnosis = diagnose_evaluation(alerts, values, moved_before)
+    diagnosis = diagnose_evaluation(alerts, values, moved_before, loss_jump)
     if diagnosis is None:
         return alerts, first
-    causes = _alert_causes(alerts, values, moved_before)
+    causes = _alert_causes(alerts, values, moved_before, loss_jump)
     if first is None:
         first = {"cause": diagnosis.cause, "step": diagnosis.step}
     out = []

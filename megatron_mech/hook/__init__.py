@@ -58,7 +58,7 @@ or registered with :meth:`MechHook.add_extension` before ``setup``. The hook cal
 :attr:`Extension.name`, only when non-empty); ``close()`` from :meth:`MechHook.close`. The model-building points are
 the adapters' to call, through :attr:`MechHook.extensions`: ``global_batch`` (once, before the data), ``check_model``
 (the model's size, before anything is built), ``layer_spec`` (megatron-core: a transformer layer spec replacing the
-local one) and ``prepare_model`` (a model the adapter did not build, e.g. an HF model under DeepSpeed). An entry point
+local one) and ``prepare_model`` (the model the trainer calls, before the monitors look at it). An entry point
 that offers an extension on its command line passes its class: :meth:`Extension.add_arguments` adds its flags,
 :meth:`Extension.from_args` builds it (``None``: not asked for). Every method of the base class does nothing. An
 extension changes training and is judged by nothing; a monitor only observes and is judged by the detectors

@@ -49,16 +49,18 @@ class DeferredSteps:
         (the steps are judged in order)."""
         return bool(self._waiting) or isinstance(loss, torch.Tensor) or isinstance(grad_norm, torch.Tensor)
 
-    def append(self, step: int, loss, grad_norm, lr: float, extra: Optional[dict]) -> None:
-        self._waiting.append((int(step), loss, grad_norm, lr, dict(extra) if extra else None))
+    def append(self, step: int, loss, grad_norm, lr: float, extra: Optional[dict],
+               skipped: Optional[bool] = None) -> None:
+        self._waiting.append((int(step), loss, grad_norm, lr, dict(extra) if extra else None, skipped))
 
     def take(self, *current: tuple) -> list:
         """Empty the queue and bring its values and those of ``current`` (more steps, ``(step, loss, grad_norm, lr,
-        extra)``) to the host together. Returns every step as ``(step, loss, grad_norm, lr, extra)`` with floats,
-        the waiting ones first, oldest first."""
+        extra, skipped)``) to the host together. Returns every step as ``(step, loss, grad_norm, lr, extra,
+        skipped)`` with floats, the waiting ones first, oldest first."""
         steps, self._waiting = self._waiting, []
         for entry in current:
             self.append(*entry)
         steps, self._waiting = steps + self._waiting, []
         values = host_values([v for entry in steps for v in entry[1:3]])
-        return [(step, values[2 * i], values[2 * i + 1], lr, extra) for i, (step, _, _, lr, extra) in enumerate(steps)]
+        return [(step, values[2 * i], values[2 * i + 1], lr, extra, skipped)
+                for i, (step, _, _, lr, extra, skipped) in enumerate(steps)]

@@ -168,7 +168,8 @@ class MechHook:
         self._extensions.after_optimizer_step(step, loss=loss, grad_norm=grad_norm, lr=lr)
         mols = self._mols.after_step(step, self._writes_output)
         evaluating = self.is_evaluation_step(step)
-        values = self._values.receive(step, loss, grad_norm, lr, extra, needed=evaluating or step == self.train_steps)
+        values = self._values.receive(step, loss, grad_norm, lr, extra, needed=evaluating or step == self.train_steps,
+                                      skipped=skipped)
         evaluated = values.pop() if values and evaluating else None
         self._judge_between(values)
         if evaluated is not None:

@@ -13,7 +13,7 @@ from typing import List, Optional
 
 from megatron_mech.hook.deferred_values import DeferredSteps
 from megatron_mech.hook.state import StateError
-from megatron_mech.monitors.metric_names import SYMPTOM_GRAD_NORM, SYMPTOM_LOSS
+from megatron_mech.monitors.metric_names import SYMPTOM_GRAD_NORM, SYMPTOM_LOSS, SYMPTOM_STEP_SKIPPED
 from megatron_mech.records.run_directory import STEP_SERIES_WINDOW
 
 __all__ = ["StepValue", "StepValues"]
@@ -28,12 +28,16 @@ class StepValue:
     grad_norm: Optional[float]  # None: the trainer gave none
     lr: float
     extra: Optional[dict]  # more plain values for the step's record
+    skipped: Optional[bool] = None  # the trainer reported that the optimizer skipped this step (None: not known)
 
     def symptoms(self) -> dict:
-        """The loss and grad norm as the detectors' series (no grad-norm series where the trainer gave none)."""
+        """The loss and grad norm as the detectors' series (no grad-norm series where the trainer gave none), and
+        on a step the optimizer skipped the mark the diagnosis reads (:data:`SYMPTOM_STEP_SKIPPED`, no rule)."""
         symptoms = {SYMPTOM_LOSS: float(self.loss)}
         if self.grad_norm is not None:
             symptoms[SYMPTOM_GRAD_NORM] = float(self.grad_norm)
+        if self.skipped:
+            symptoms[SYMPTOM_STEP_SKIPPED] = 1.0
         return symptoms
 
     @property
@@ -58,15 +62,16 @@ class StepValues:
         self.grad_norms: List[Optional[float]] = []  # None where the trainer gave none
         self._waiting = DeferredSteps()
 
-    def receive(self, step: int, loss, grad_norm, lr: float, extra: Optional[dict], needed: bool) -> List[StepValue]:
+    def receive(self, step: int, loss, grad_norm, lr: float, extra: Optional[dict], needed: bool,
+                skipped: Optional[bool] = None) -> List[StepValue]:
         """Step ``step``'s values (floats or tensors). Unless the step needs them now (``needed``: an evaluation step,
         the run's last step) they wait while they are tensors or earlier values wait (no host synchronisation), and
         nothing is returned; otherwise every waiting step and this one come back, read in one transfer per device,
         oldest first."""
         if not needed and self._waiting.must_wait(loss, grad_norm):
-            self._waiting.append(step, loss, grad_norm, lr, extra)
+            self._waiting.append(step, loss, grad_norm, lr, extra, skipped)
             return []
-        return self._read((step, loss, grad_norm, lr, extra))
+        return self._read((step, loss, grad_norm, lr, extra, skipped))
 
     def read_back(self) -> List[StepValue]:
         """The steps still waiting, read back (a checkpoint, the end of the run)."""

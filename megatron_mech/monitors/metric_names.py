@@ -13,13 +13,18 @@ from __future__ import annotations
 import functools
 import re
 
-__all__ = ["SYMPTOM_GRAD_NORM", "SYMPTOM_LOSS", "SYMPTOM_SKIPPED_STEPS", "fill", "render"]
+from megatron_mech.core.diagnosis import STEP_SKIPPED
+
+__all__ = ["SYMPTOM_GRAD_NORM", "SYMPTOM_LOSS", "SYMPTOM_SKIPPED_STEPS", "SYMPTOM_STEP_SKIPPED", "fill", "render"]
 
 SYMPTOM_LOSS = "symptom/loss"
 """The training loss of an evaluation step (or of any step where it is non-finite), as the trainer reports it."""
 SYMPTOM_GRAD_NORM = "symptom/grad_norm"
-SYMPTOM_SKIPPED_STEPS = "symptom/optimizer_steps_skipped"  # counted by megatron_mech.hook.skipped_steps
 """The optimizer's global gradient norm of that step."""
+SYMPTOM_SKIPPED_STEPS = "symptom/optimizer_steps_skipped"  # counted by megatron_mech.hook.skipped_steps
+SYMPTOM_STEP_SKIPPED = STEP_SKIPPED
+"""1 on a step the trainer reported its optimizer skipped (absent otherwise); no rule judges it, the diagnosis reads
+it: a non-finite grad norm on such a step is why the step was skipped."""
 
 _OPTIONAL = re.compile(r"\[([^\]]*)\]")
 _FIELD = re.compile(r"\{(\w+)\}")

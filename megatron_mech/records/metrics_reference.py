@@ -31,7 +31,13 @@ from megatron_mech.core.taxonomy import MODULE_CLASSES
 from megatron_mech.monitors.attention.names import AGGREGATE_NAME, DW_NAME, HEAD_NAME, LINEAR_NAME
 from megatron_mech.monitors.experts import EXPERT_LAYER_NAME, EXPERT_NAME
 from megatron_mech.monitors.max_logit import MAX_LOGIT_LAYER_NAME, MAX_LOGIT_METRIC
-from megatron_mech.monitors.metric_names import SYMPTOM_GRAD_NORM, SYMPTOM_LOSS, SYMPTOM_SKIPPED_STEPS, fill
+from megatron_mech.monitors.metric_names import (
+    SYMPTOM_GRAD_NORM,
+    SYMPTOM_LOSS,
+    SYMPTOM_SKIPPED_STEPS,
+    SYMPTOM_STEP_SKIPPED,
+    fill,
+)
 from megatron_mech.monitors.registry import default_rules
 from megatron_mech.monitors.router import ROUTER_NAME
 
@@ -268,14 +274,20 @@ METRICS: tuple = (
                 "LR was > 0`); the run's total is `summary.json`'s `optimizer_steps_skipped`.", "count, ≥ 0",
                 "hook, on the evaluations after a skipped step, where the trainer reports them (megatron-core "
                 "entry point, DeepSpeed)"),
+    MetricEntry(SYMPTOM_STEP_SKIPPED, "1 on a step whose optimizer step the trainer reported skipped (absent "
+                "otherwise). No rule judges it; the diagnosis reads it: a non-finite grad norm on such a step, with a "
+                "finite loss, is why the optimizer refused the step (the weights kept their values), and is "
+                "diagnosed as skipped optimizer steps, not as a blow-up.", "1",
+                "hook, on the records of skipped steps, where the trainer reports them (megatron-core entry point, "
+                "DeepSpeed)"),
     MetricEntry(MAX_LOGIT_METRIC, "Largest pre-softmax attention logit scale·q·k over every layer, head, "
                 "unmasked query/key pair, micro-batch and rank of the evaluation step.", "logit units",
                 "hook (max-logit recorder), every evaluation, where the adapter captures attention inputs "
-                "(megatron-core entry point, Megatron-LM forks; not DeepSpeed)"),
+                "(megatron-core entry point, Megatron-LM forks, DeepSpeed's HF attention)"),
     MetricEntry(MAX_LOGIT_LAYER_NAME, "As `symptom/max_attn_logit`, over layer L only; the query head holding it "
                 "(global index, over all TP ranks) is in the alert's detail.", "logit units",
                 "hook (max-logit recorder), every evaluation, where the adapter captures attention inputs "
-                "(megatron-core entry point, Megatron-LM forks; not DeepSpeed)"),
+                "(megatron-core entry point, Megatron-LM forks, DeepSpeed's HF attention)"),
     # ------------------------------------------------------------------ MoLS (the record's "mols" section)
     MetricEntry(mols_names.SNR, "Gradient SNR S = ‖G‖² / tr(Σ) of the key's parameters: the running window "
                 "estimate during the window, the final one after (0 when ‖G‖² < 0, inf when tr(Σ) ≤ 0).",

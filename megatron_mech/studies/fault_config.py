@@ -26,8 +26,8 @@ from megatron_mech.core.checks import is_int
 from megatron_mech.options import add_section_flags, check_mapping, option, section_from_dict, section_from_flags
 from megatron_mech.studies.fa2_numerics import PRECISIONS
 
-__all__ = ["DEFAULT_LR_FACTOR", "FAULT_KINDS", "FAULT_KEY", "PRECISIONS", "FaultConfig", "add_fault_arguments",
-           "head_gammas", "split_fault_section"]
+__all__ = ["DEFAULT_LR_FACTOR", "FAULT_KINDS", "FAULT_KEY", "PRECISIONS", "STRETCH_KINDS", "FaultConfig",
+           "add_fault_arguments", "head_gammas", "split_fault_section"]
 
 FAULT_KINDS = {
     "none": ((), None, "no fault"),
@@ -39,7 +39,13 @@ FAULT_KINDS = {
     "router_input": (("router_input",), 10.0, "β > 0: a shared vector in every MoE router's input that adds β to "
                                               "the logits of the first half of the experts (a massive activation; "
                                               "the experts still get the true tokens)"),
+    "data": (("data",), 1.0, "f in (0, 1]: that fraction of every training micro-batch's sequences replaced by "
+                             "uniformly random tokens (inputs and labels: a corrupted data stretch)"),
+    "skip": (("skip",), 1.0, "f in (0, 1]: that fraction of the steps get non-finite gradients, which an optimizer "
+                             "with an overflow check skips (fp16's loss scaler, DeepSpeed bf16/fp16)"),
 }
+STRETCH_KINDS = ("data", "skip")
+"""The kinds that last ``steps`` steps from their start (a stretch), at a fixed strength."""
 DEFAULT_LR_FACTOR = 4.0
 
 
@@ -55,7 +61,8 @@ class FaultConfig:
     strength: Optional[float] = option(
         None, "attention/combined: γ ≥ 0 (default 1e-2); lr: LR multiplier k > 0 (default 4); router: router LR "
               "multiplier k > 0 (default 30); router_input: logit shift β > 0 (default 10); small_batch: integer "
-              "global-batch divisor ≥ 1 (default 4)",
+              "global-batch divisor ≥ 1 (default 4); data, skip: fraction in (0, 1] of the sequences corrupted or of "
+              "the steps skipped (default 1)",
         flag="--mech-fault-strength", type=float)
     layers: Sequence[int] = option((1,), "0-based global layers of the attention fault (default: 1)",
                                    flag="--mech-fault-layers", type=int, nargs="+")
@@ -70,6 +77,8 @@ class FaultConfig:
                           "0 = full strength at "
                           "once",
                        flag="--mech-fault-ramp", type=int)
+    steps: int = option(0, "data, skip: steps the stretch lasts from the start step (0: to the end of the run)",
+                        flag="--mech-fault-steps", type=int)
 
     def __post_init__(self):
         if self.kind not in FAULT_KINDS:
@@ -80,6 +89,13 @@ class FaultConfig:
             raise ValueError(f"FaultConfig.ramp must be an integer >= 0 (steps), got {self.ramp!r}")
         if self.ramp and self.kind == "small_batch":
             raise ValueError("FaultConfig.ramp does not apply to kind 'small_batch' (the batch is fixed for the run)")
+        if self.ramp and self.kind in STRETCH_KINDS:
+            raise ValueError(f"FaultConfig.ramp does not apply to kind {self.kind!r} (a stretch at a fixed strength: "
+                             f"set its length with steps)")
+        if not is_int(self.steps) or self.steps < 0:
+            raise ValueError(f"FaultConfig.steps must be an integer >= 0, got {self.steps!r}")
+        if self.steps and self.kind not in STRETCH_KINDS:
+            raise ValueError(f"FaultConfig.steps only applies to kinds {list(STRETCH_KINDS)} (kind is {self.kind!r})")
         if self.precision not in PRECISIONS:
             raise ValueError(f"FaultConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.strength is None:
@@ -98,6 +114,9 @@ class FaultConfig:
                 raise ValueError(f"FaultConfig.strength ({what}) must be > 0, got {value}")
             if self.kind == "router_input" and value <= 0:
                 raise ValueError(f"FaultConfig.strength (router_input shift β) must be > 0, got {value}")
+            if self.kind in STRETCH_KINDS and not 0 < value <= 1:
+                raise ValueError(f"FaultConfig.strength (the {self.kind} fault's fraction) must be in (0, 1], "
+                                 f"got {value}")
             if self.kind == "small_batch":
                 if value < 1 or value != int(value):
                     raise ValueError(f"FaultConfig.strength (global-batch divisor) must be an integer >= 1, "
@@ -197,8 +216,19 @@ class FaultConfig:
         return int(self.strength) if self.kind == "small_batch" else 1
 
     def active(self, step: Optional[int]) -> bool:
-        """Whether the fault is on at optimizer step ``step`` (``None``: unknown step = off)."""
-        return self.kind != "none" and step is not None and step >= self.start
+        """Whether the fault is on at optimizer step ``step`` (``None``: unknown step = off): from ``start`` on, and
+        for a stretch of ``steps`` > 0 steps only until ``start + steps − 1``."""
+        if self.kind == "none" or step is None or step < self.start:
+            return False
+        return not self.steps or step < max(self.start, 1) + self.steps
+
+    def skips(self, step: Optional[int]) -> bool:
+        """skip: whether optimizer step ``step`` gets non-finite gradients — a fraction f (``strength``) of the
+        stretch's steps, spread evenly (every step at f = 1, every other at 0.5)."""
+        if self.kind != "skip" or not self.active(step):
+            return False
+        k = step - max(self.start, 1)
+        return math.floor((k + 1) * float(self.strength)) > math.floor(k * float(self.strength))
 
     def validate_for_model(self, num_layers: int, num_attention_heads: int) -> None:
         """``ValueError`` if ``layers``/``heads`` do not exist in a model of this size (attention kinds only)."""
@@ -230,8 +260,15 @@ class FaultConfig:
             parts.append(f"router inputs shifted to add β = {float(self.strength):g} to half of the experts' logits")
         if self.kind == "small_batch":
             parts.append(f"global batch / {self.batch_divisor}")
+        if self.kind == "data":
+            parts.append(f"{float(self.strength):g} of every training micro-batch's sequences replaced by random "
+                         f"tokens")
+        if self.kind == "skip":
+            parts.append(f"non-finite gradients on {float(self.strength):g} of the steps (skipped by an optimizer "
+                         f"that checks for overflow)")
         ramp = f", ramping up over {self.ramp} steps" if self.ramp else ""
-        return " + ".join(parts) + f" from step {self.start}{ramp}"
+        stretch = f" for {self.steps} steps" if self.steps else ""
+        return " + ".join(parts) + f" from step {self.start}{stretch}{ramp}"
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

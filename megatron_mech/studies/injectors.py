@@ -21,6 +21,7 @@ process-global, so two models in one process do not share a step.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping, Optional
 
 import torch
@@ -30,8 +31,8 @@ from megatron_mech.optim import param_groups
 from megatron_mech.studies.fault_config import FaultConfig, add_fault_arguments, split_fault_section
 from megatron_mech.studies.fault_schedule import FaultSchedule
 
-__all__ = ["FaultInjector", "FaultSchedule", "RouterInputFault", "RouterLRFault", "apply_lr_fault",
-           "effective_global_batch", "injector_from_section"]
+__all__ = ["DataFault", "FaultInjector", "FaultSchedule", "RouterInputFault", "RouterLRFault", "SkipFault",
+           "apply_lr_fault", "effective_global_batch", "injector_from_section"]
 
 
 # ================================================================================================ LR / batch
@@ -185,6 +186,90 @@ class RouterInputFault:
             self._handle = None
 
 
+class DataFault:
+    """The data fault: a stretch of corrupted data. While it is on, a fraction f (``strength``) of every training
+    micro-batch's sequences are replaced by uniformly random tokens, inputs and labels alike (a shard of garbage,
+    a broken tokenizer run), through a forward pre-hook on the model the trainer calls: nothing inside the model
+    changes, and validation forwards (``model.training`` False) see the true data.
+
+    Two call forms are understood: megatron-core's ``model(tokens, position_ids, attention_mask, labels=labels)``
+    (labels are the next tokens: one random sequence of length ``s + 1`` gives both) and an HF causal LM's
+    ``model(input_ids=..., labels=...)`` (the model shifts the labels itself: both get the same random tokens). The
+    random tokens of a micro-batch depend on the step and the micro-batch's index in it only, so every pipeline
+    stage and data-parallel replica corrupts alike and a rerun corrupts the same way.
+    """
+
+    def __init__(self, config: FaultConfig, schedule: FaultSchedule, model: torch.nn.Module):
+        self.config, self.schedule = config, schedule
+        self.vocab_size = _vocab_size(model)
+        self._calls = (None, 0)  # (step, forwards seen in it)
+        self._handle = model.register_forward_pre_hook(self._corrupt, with_kwargs=True)
+
+    def _random(self, rows: int, length: int, device) -> torch.Tensor:
+        step, index = self._calls
+        generator = torch.Generator().manual_seed(1_000_003 * int(step) + index)
+        return torch.randint(0, self.vocab_size, (rows, length), generator=generator).to(device)
+
+    def _corrupt(self, module, args, kwargs):
+        step = self.schedule.step
+        if not module.training or not self.config.active(step):
+            return None
+        self._calls = (step, self._calls[1] + 1 if self._calls[0] == step else 0)
+        kwargs = dict(kwargs)
+        if "input_ids" in kwargs:  # an HF causal LM
+            tokens = kwargs["input_ids"]
+            rows = math.ceil(float(self.config.strength) * tokens.shape[0])
+            noise = self._random(rows, tokens.shape[1], tokens.device)
+            kwargs["input_ids"] = torch.cat([noise, tokens[rows:]])
+            if kwargs.get("labels") is not None:
+                kwargs["labels"] = torch.cat([noise, kwargs["labels"][rows:]])
+            return args, kwargs
+        if not args or kwargs.get("labels") is None:
+            raise ValueError("--mech-fault data: the model is called neither as model(input_ids=..., labels=...) nor "
+                             "as model(tokens, position_ids, attention_mask, labels=...)")
+        tokens, labels = args[0], kwargs["labels"]
+        rows = math.ceil(float(self.config.strength) * tokens.shape[0])
+        noise = self._random(rows, tokens.shape[1] + 1, tokens.device)
+        kwargs["labels"] = torch.cat([noise[:, 1:], labels[rows:]])
+        return (torch.cat([noise[:, :-1], tokens[rows:]]), *args[1:]), kwargs
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+def _vocab_size(model: torch.nn.Module) -> int:
+    """The vocabulary of megatron-core's GPT model (``vocab_size``) or an HF model (``config.vocab_size``), through
+    the wrappers that keep the model in ``.module`` (DDP, DeepSpeed's engine)."""
+    while not hasattr(model, "vocab_size") and not hasattr(getattr(model, "config", None), "vocab_size") \
+            and hasattr(model, "module"):
+        model = model.module
+    size = getattr(model, "vocab_size", None) or getattr(getattr(model, "config", None), "vocab_size", None)
+    if not size:
+        raise ValueError("--mech-fault data: the model states no vocabulary size (vocab_size or config.vocab_size)")
+    return int(size)
+
+
+class SkipFault:
+    """The skip fault: on the steps :meth:`FaultConfig.skips` picks, every gradient is made non-finite (+inf) while
+    the loss stays finite, through a tensor hook on each trained parameter. An optimizer that checks for overflow
+    skips such a step — megatron-core's fp16 loss scaler, DeepSpeed's bf16 and fp16 optimizers (which say nothing:
+    the weights stay as they were while the LR is above zero); one that does not (fp32, or bf16 without a loss
+    scale in megatron-core) takes a non-finite step instead, and the run blows up. Every parameter is hooked so that
+    every rank's optimizer, whatever part of the model it holds, sees the overflow."""
+
+    def __init__(self, config: FaultConfig, schedule: FaultSchedule, model: torch.nn.Module):
+        self.config, self.schedule = config, schedule
+        self._handles = [p.register_hook(self._poison) for p in model.parameters() if p.requires_grad]
+
+    def _poison(self, grad: torch.Tensor):
+        return torch.full_like(grad, math.inf) if self.config.skips(self.schedule.step) else None
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
 class FaultInjector(Extension):
     """The fault of one run, for the trainer: ``global_batch`` (once), ``layer_spec`` (model building),
     ``before_step`` (each step, before the forward) and ``before_optimizer_step`` (each step, after the backward
@@ -198,6 +283,8 @@ class FaultInjector(Extension):
         self.schedule = schedule if schedule is not None else FaultSchedule()
         self.router_fault: Optional[RouterLRFault] = None
         self.router_input_fault: Optional[RouterInputFault] = None
+        self.model_faults: list = []  # DataFault / SkipFault, installed on the model by prepare_model
+        self._attention_in_spec = False  # the attention fault was built into megatron-core's layer spec
 
     @classmethod
     def add_arguments(cls, parser) -> None:
@@ -216,6 +303,7 @@ class FaultInjector(Extension):
         :func:`megatron_mech.studies.attention_fault.attention_fault_spec` for ``kwargs``."""
         from megatron_mech.studies.attention_fault import attention_fault_spec
 
+        self._attention_in_spec = self.config.attention_enabled
         return attention_fault_spec(num_experts, normalization, self.config, schedule=self.schedule, **kwargs)
 
     def check_model(self, num_layers: int, num_attention_heads: int) -> None:
@@ -223,13 +311,19 @@ class FaultInjector(Extension):
         self.config.validate_for_model(num_layers, num_attention_heads)
 
     def prepare_model(self, model) -> None:
-        """An HF model: the emulated FA2 attention with this fault, told the step by :meth:`before_step`
-        (:func:`~megatron_mech.studies.hf_attention_fault.install_attention_fault`); nothing without an attention
-        part."""
-        if self.config.attention_enabled:
+        """The model the trainer calls, before the monitors look at it: the data and skip faults' hooks
+        (:class:`DataFault`, :class:`SkipFault`), and for an HF model the emulated FA2 attention with this fault,
+        told the step by :meth:`before_step`
+        (:func:`~megatron_mech.studies.hf_attention_fault.install_attention_fault`; megatron-core's is in its layer
+        spec)."""
+        if self.config.attention_enabled and not self._attention_in_spec:
             from megatron_mech.studies.hf_attention_fault import install_attention_fault
 
             install_attention_fault(model, self.config, self.schedule)
+        if self.config.kind == "data":
+            self.model_faults.append(DataFault(self.config, self.schedule, model))
+        if self.config.kind == "skip":
+            self.model_faults.append(SkipFault(self.config, self.schedule, model))
 
     def describe(self) -> str:
         return self.config.describe()
@@ -261,6 +355,9 @@ class FaultInjector(Extension):
     def close(self) -> None:
         if self.router_input_fault is not None:
             self.router_input_fault.close()
+        for fault in self.model_faults:
+            fault.close()
+        self.model_faults = []
 
     def before_optimizer_step(self, optimizer, step: int) -> float:
         """Apply an LR fault to this step's lr (see :func:`apply_lr_fault`) and remember the router weights for

@@ -371,6 +371,8 @@ def build_training(args, runtime: Runtime, config: MechConfig, run_id: Optional[
     model = DistributedDataParallel(model_config, DistributedDataParallelConfig(
         use_distributed_optimizer=args.use_distributed_optimizer, overlap_grad_reduce=False,
         grad_reduce_in_fp32=model_dtype(args) != torch.float32), model)
+    for extension in hook.extensions:  # e.g. the studies' data and skip faults, on the model the loop calls
+        extension.prepare_model(model)
     optimizer_config = OptimizerConfig(
         optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2, clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,

@@ -29,14 +29,14 @@ T = 30
 ds_config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
              "zero_optimization": {"stage": 2},
-             "mech": {"monitors": {"interval": 10}, "output": {"dir": "runs/ds"}}}
+             "mech": {"monitors": {"interval": 10}, "output": {"dir": "runs/ds"}}, **EXTRA}
 single_process_env()
 skip_shm_comm_build()
 deepspeed.init_distributed(dist_backend="gloo")
 model = dense_llama(vocab_size=256, hidden=16, layers=2, heads=2, kv_heads=1, ffn=32, seq_len=17)
 done = {"steps": 0}
 poisoned = model.model.layers[0].mlp.down_proj.weight
-poisoned.register_hook(lambda g: torch.full_like(g, float("inf")) if 10 <= done["steps"] < 20 else g)
+poisoned.register_hook(lambda g: torch.full_like(g, float("inf")) if FIRST <= done["steps"] < FIRST + 10 else g)
 engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
 mech = DeepSpeedMech.from_engine(engine, train_steps=T)
 for step in range(T):
@@ -52,14 +52,20 @@ print("SKIPPED", engine.skipped_steps, mech.hook.skipped_steps.total)
 '''
 
 
-def test_deepspeed_bf16_steps_skipped_on_nonfinite_gradients_are_named_and_counted(tmp_path):
-    (tmp_path / "train.py").write_text(SCRIPT)
+def _run(tmp_path, extra: dict, first: int) -> str:
+    """The script with ``extra`` config keys and the gradients non-finite on the 10 steps from (0-based) ``first``;
+    its output."""
+    (tmp_path / "train.py").write_text(f"EXTRA = {extra!r}\nFIRST = {first}\n" + SCRIPT)
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                MASTER_PORT=str(free_port()))
     run = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env, text=True, capture_output=True,
                          timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
-    out = run.stdout + run.stderr
+    return run.stdout + run.stderr
+
+
+def test_deepspeed_bf16_steps_skipped_on_nonfinite_gradients_are_named_and_counted(tmp_path):
+    out = _run(tmp_path, {}, 10)
     assert "SKIPPED 10 10" in out   # DeepSpeed's own count, and the hook's
     records = {r["step"]: r for r in map(json.loads, (tmp_path / "runs" / "ds" / "mech.jsonl").read_text().splitlines())}
     skipped = {step: r["metrics"].get("symptom/optimizer_steps_skipped") for step, r in records.items()
@@ -71,3 +77,20 @@ def test_deepspeed_bf16_steps_skipped_on_nonfinite_gradients_are_named_and_count
             "the LR was > 0; 10 in the run so far")
     assert line in out
     assert "precision" not in line and "attention-precision" not in out
+
+
+def test_with_gradient_clipping_the_nonfinite_grad_norm_of_a_skipped_step_is_diagnosed_as_the_skip(tmp_path):
+    """With gradient clipping DeepSpeed also reports the step's grad norm, non-finite, on the first skipped step
+    (here an evaluation step, 10): the step was refused and the weights kept their values, so the run's first
+    diagnosis is the skip, not a global blow-up."""
+    from megatron_mech.core.diagnosis import first_diagnosis
+    from megatron_mech.records.sinks import read_alerts
+
+    out = _run(tmp_path, {"gradient_clipping": 1.0}, 9)   # steps 10-19 (1-based) skipped
+    assert "SKIPPED 10 10" in out
+    alerts = read_alerts(tmp_path / "runs" / "ds" / "mech.jsonl")
+    first = first_diagnosis(alerts)
+    assert (first.step, first.cause) == (10, "optimizer_skipped")
+    assert [(a.metric, a.value) for a in alerts if a.step == 10] == [("symptom/grad_norm", float("inf"))]
+    assert "training went non-finite" not in out and "precision" not in out
+    assert "[mech] ALERT step 10: optimizer steps skipped (the weights did not change) (grad-norm non-finite" in out

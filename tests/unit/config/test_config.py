@@ -210,7 +210,7 @@ _BAD_FAULTS = [
     ({"fault": {"kind": "lr", "strength": "4"}}, "mech.fault.strength: expected a number or None, got the string '4'"),
     ({"fault": {"kind": "bits"}}, "mech.fault.kind: expected one of 'none', 'attention', 'lr', 'small_batch', "
                                   "'combined', 'router', "
-                                  "'router_input', got the string 'bits'"),
+                                  "'router_input', 'data', 'skip', got the string 'bits'"),
     ({"fault": None}, "mech.fault: expected a mapping of FaultConfig settings, got None"),
     ({"fault": {"kind": "lr", "strength": -1}}, "FaultConfig.strength (LR multiplier k) must be > 0, got -1.0"),
 ]

@@ -118,8 +118,46 @@ def test_a_loss_jump_with_no_internal_signature_is_data_and_later_alerts_follow_
     later = fire(registry, 220, values)
     assert later and all(a.detail["follows"] == {"cause": "data", "step": 215} for a in later)
     lines = alert_lines(registry.alerts)
-    assert lines[0].startswith("data problem suspected (a loss jump with no internal signature) (loss 9")
+    assert lines[0].startswith("data problem suspected (the loss jumped with no attention or learning-rate signature) "
+                               "(loss 9")
     assert lines[1].startswith("after the data problem (step 215), likely its consequence: router layer 2")
+
+
+def test_routing_that_moves_at_the_evaluation_the_loss_jumps_is_data_not_router_collapse():
+    # Corrupted data moves the routers at once (they read other tokens) in the evaluation where the loss jumps; the
+    # router rule fires at once, the loss rule only after its persistence. The loss out of band at that evaluation
+    # names the cause.
+    registry = registry_after_baseline(40)
+    values = healthy(205, loss=9.0)
+    values["router/layer2/load_entropy"] = 0.4
+    alerts = fire(registry, 205, values)
+    assert [(a.metric, a.detail["cause"]) for a in alerts] == [("router/layer2/load_entropy", "data")]
+    assert first_diagnosis(alerts).cause == "data" and first_diagnosis(alerts).layers == []
+    # the same routing move with the loss in band stays a router collapse
+    registry = registry_after_baseline(40)
+    values = healthy(205)
+    values["router/layer2/load_entropy"] = 0.4
+    assert [a.detail["cause"] for a in fire(registry, 205, values)] == ["router"]
+
+
+def test_a_non_finite_grad_norm_on_a_step_the_optimizer_skipped_is_the_skip_not_a_blow_up():
+    # DeepSpeed's bf16 optimizer skips a step whose gradients are non-finite (with gradient clipping it also reports
+    # the non-finite norm): the weights kept their values, the loss is finite. The trainer's report of the skip
+    # names the cause.
+    registry = registry_after_baseline(40)
+    values = {**healthy(205), "symptom/grad_norm": math.inf, "symptom/optimizer_step_skipped": 1.0}
+    alerts = fire(registry, 205, values)
+    assert [(a.metric, a.detail["cause"]) for a in alerts] == [("symptom/grad_norm", "optimizer_skipped")]
+    assert first_diagnosis(alerts).cause == "optimizer_skipped"
+    assert alert_lines(alerts)[0].startswith("optimizer steps skipped")
+    # without the trainer's report it is a global blow-up, as before; a non-finite loss is one whatever is reported
+    registry = registry_after_baseline(40)
+    assert [a.detail["cause"] for a in fire(registry, 205, {**healthy(205), "symptom/grad_norm": math.inf})] == [
+        "nonfinite"]
+    registry = registry_after_baseline(40)
+    values = {**healthy(205), "symptom/loss": math.nan, "symptom/grad_norm": math.inf,
+              "symptom/optimizer_step_skipped": 1.0}
+    assert {a.detail["cause"] for a in fire(registry, 205, values)} == {"nonfinite"}
 
 
 def test_unchanged_weights_at_every_layer_are_skipped_optimizer_steps():
