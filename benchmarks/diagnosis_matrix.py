@@ -5,9 +5,12 @@ router fault; the LR too high from the start; an LR warm-up too steep; an LR rai
 data; skipped optimizer steps), each trained on two paths: megatron-core (our entry point, the demo's small MoE GPT,
 EP=2 on 2 CPU processes) and DeepSpeed (the launcher's Mixtral-style HF model, ZeRO-2, 2 processes; bf16 where the
 regime needs it, fp32 elsewhere: bf16 on CPU runs ~4× slower). Columns
-are the diagnosis of the run's first alert as the run recorded it (``mech.jsonl``: the cause the detectors stamped
-when it fired, :func:`megatron_mech.core.diagnosis.first_diagnosis`), or "no alert". Every run's first alert step is
-set against each incumbent rule's first firing from the regime's onset (:mod:`megatron_mech.studies.incumbents`).
+are the diagnosis of the run's first alert (:func:`megatron_mech.core.diagnosis.first_diagnosis`), or "no alert":
+the run's records replayed in order through today's default detectors (:func:`replayed_alerts`, so a rule fixed on
+the tuning seeds re-scores kept runs without training them again; the hook's skipped-steps alerts are taken as
+recorded), beside the diagnosis the run itself recorded when it trained (``live``; the two agree for a run trained
+with today's rules, which the report checks). Every run's first alert step is set against each incumbent rule's
+first firing from the regime's onset (:mod:`megatron_mech.studies.incumbents`).
 
 Each scored run is kept as one small row, ``benchmarks/results/diagnosis_matrix/<path>_<regime>_s<seed>.json``
 (committed), so the matrix grows across sessions: a run whose row exists is not trained again (``--retrain`` to
@@ -37,8 +40,11 @@ if str(REPO) not in sys.path:
 
 from benchmarks._results import write_results  # noqa: E402
 from megatron_mech.core.diagnosis import CAUSES, first_diagnosis  # noqa: E402
+from megatron_mech.core.layer_names import layer_of  # noqa: E402
+from megatron_mech.monitors.metric_names import SYMPTOM_SKIPPED_STEPS  # noqa: E402
+from megatron_mech.monitors.registry import default_registry  # noqa: E402
+from megatron_mech.records.jsonl_file import read_jsonl, record_alerts  # noqa: E402
 from megatron_mech.records.run_summary import read_run_summary  # noqa: E402
-from megatron_mech.records.sinks import read_alerts  # noqa: E402
 from megatron_mech.studies.incumbents import microbatches_per_rank, run_incumbent_firings  # noqa: E402
 from megatron_mech.studies.leadtime import LEAD_MODEL, TUNING_SEEDS  # noqa: E402
 
@@ -139,19 +145,44 @@ def train(cmd: list, run_dir: Path) -> None:
         raise RuntimeError(f"{run_dir} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
 
 
+def _details(metrics: dict) -> dict:
+    """The layer (and head) of each series, from its name, as the monitors attach them to their alerts."""
+    out = {}
+    for name in metrics:
+        layer = layer_of(name)
+        if layer is not None:
+            head = name.split("/head")[1].split("/")[0] if "/head" in name else None
+            out[name] = {"layer": layer, **({"head": int(head)} if head and head.isdigit() else {})}
+    return out
+
+
+def replayed_alerts(run_dir: Path, overrides: dict) -> list:
+    """The alerts today's default detectors (with the run's detector settings, ``overrides``) fire on the run's
+    records, fed in order as the hook fed them, plus the hook's own skipped-steps alerts as recorded (a fact the
+    trainer reported, not a series the detectors judge)."""
+    registry, alerts = default_registry(overrides), []
+    for record in read_jsonl(run_dir / "mech.jsonl"):
+        metrics = {k: float(v) for k, v in (record.get("metrics") or {}).items() if isinstance(v, (int, float))}
+        alerts += registry.update(int(record["step"]), metrics, _details(metrics))
+        alerts += [a for a in record_alerts(record) if a.metric == SYMPTOM_SKIPPED_STEPS]
+    return alerts
+
+
 def score(path: str, name: str, seed: int, run_dir: Path, cmd: list) -> dict:
-    """One run's row: the first alert's step, cause, layers and signals, and each incumbent's first firing from the
-    regime's onset."""
+    """One run's row: the first alert's step, cause, layers and signals (replayed with today's rules, and as the
+    run recorded it), and each incumbent's first firing from the regime's onset."""
     regime = REGIMES[name]
     summary = read_run_summary(run_dir / "summary.json")
-    alerts = read_alerts(run_dir / "mech.jsonl")
-    first = first_diagnosis(alerts)
-    records = [json.loads(line) for line in (run_dir / "mech.jsonl").read_text().splitlines() if line.strip()]
+    overrides = json.loads((run_dir / "summary.json").read_text()).get("detectors", {}).get("rule_overrides") or {}
+    first = first_diagnosis(replayed_alerts(run_dir, overrides))
+    live = first_diagnosis([a for r in read_jsonl(run_dir / "mech.jsonl") for a in record_alerts(r)])
+    records = read_jsonl(run_dir / "mech.jsonl")
     micro = microbatches_per_rank(cmd, 2) if path == "megatron" else 1
     incumbents = run_incumbent_firings(records, [float(v) for v in summary.losses], microbatches=micro,
                                        grad_norms=summary.grad_norms, from_step=regime.onset)
     return {"path": path, "regime": name, "seed": seed, "expected": regime.expected or NO_ALERT,
             "diagnosis": first.cause if first else NO_ALERT, "first_alert": first.to_dict() if first else None,
+            "live": {"diagnosis": live.cause, "step": live.step} if live else {"diagnosis": NO_ALERT},
             "onset": regime.onset, "steps": len(summary.losses), "incumbents": incumbents,
             "final_loss": float(summary.losses[-1]) if summary.losses else None,
             "command": " ".join(cmd[cmd.index("-m"):])}
@@ -209,7 +240,11 @@ def report(rows: list, tuning: bool, seeds_note: str) -> str:
                 cells.append(f"**{text}**" if column == expected and seeds else text)
             lines.append(f"| {name} ({expected}) | " + " | ".join(cells) + " |")
         right = sum(r["diagnosis"] == r["expected"] for r in mine)
-        lines += ["", f"Diagonal: {right} of {len(mine)} runs.", "", "First alert step against the incumbents "
+        differ = [f"{r['regime']} s{r['seed']} (live {r['live']['diagnosis']})" for r in mine
+                  if r["live"]["diagnosis"] != r["diagnosis"]]
+        lines += ["", f"Diagonal: {right} of {len(mine)} runs. Runs whose live diagnosis (as trained) differs from "
+                  f"today's rules replayed: " + (", ".join(differ) if differ else "none") + ".", "",
+                  "First alert step against the incumbents "
                   "(each counted from the regime's onset):", ""]
         lines += [f"- {r['regime']} s{r['seed']}: {_lead(r)}" for r in sorted(mine, key=lambda r: (
             list(REGIMES).index(r["regime"]), r["seed"]))]
@@ -228,6 +263,8 @@ def main(argv=None):
     p.add_argument("--retrain", action="store_true", help="train runs whose row exists again")
     p.add_argument("--keep-runs", action="store_true", help="keep each run's directory after scoring")
     p.add_argument("--score-only", action="store_true", help="train nothing; write the pages from the rows")
+    p.add_argument("--rescore", action="store_true",
+                   help="score again, with today's rules, every kept run under --runs-dir that has a row")
     p.add_argument("--tuning-run", action="store_true", help="allow tuning seeds (their page says so)")
     p.add_argument("--results-name", default="diagnosis_matrix")
     args = p.parse_args(argv)
@@ -247,6 +284,13 @@ def main(argv=None):
                 print(f"{path} {name} s{seed}: {json.loads(out.read_text())['diagnosis']}", flush=True)
                 if not args.keep_runs:
                     shutil.rmtree(run_dir, ignore_errors=True)
+    for out in sorted(ROWS.glob("*.json")) if args.rescore else ():
+        row = json.loads(out.read_text())
+        run_dir = Path(args.runs_dir) / row["path"] / f"s{row['seed']}" / row["regime"]
+        if (run_dir / "summary.json").exists():
+            cmd = COMMANDS[row["path"]](REGIMES[row["regime"]], row["seed"], run_dir)
+            out.write_text(json.dumps(score(row["path"], row["regime"], row["seed"], run_dir, cmd), indent=1,
+                                      sort_keys=True) + "\n")
     rows = load_rows()
     for tuning, name in ((True, "diagnosis_matrix_tuning"), (False, "diagnosis_matrix")):
         mine = [r for r in rows if (r["seed"] in TUNING_SEEDS) == tuning]

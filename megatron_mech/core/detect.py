@@ -364,6 +364,13 @@ class Detector:
         return self._last_beyond
 
     @property
+    def out_of_band(self) -> bool:
+        """Whether the latest monitoring evaluation's score reached the threshold, whether or not the level and the
+        persistence have passed: what the diagnosis reads of a series that has not alerted (yet), far outside its
+        own history at the evaluation where another series alerted."""
+        return self._last_score is not None and self._last_score >= self.config.threshold
+
+    @property
     def last_layer_ratio(self) -> float | None:
         """The layer ratio the latest monitoring evaluation was judged with (None without one)."""
         return self._last_layer_ratio
@@ -610,6 +617,11 @@ class LevelDetector:
     @property
     def last_beyond_level(self) -> bool | None:
         return self._last_beyond
+
+    @property
+    def out_of_band(self) -> bool:
+        """Whether the latest evaluation was beyond the level."""
+        return bool(self._last_beyond)
 
     @property
     def active(self) -> bool:
@@ -1188,13 +1200,11 @@ class DetectorRegistry:
             jump = self.update_jump.update(step, metrics)
             if jump is not None:
                 fired.append(jump)
-        from megatron_mech.core.diagnosis import LOSS, run_first_cause, stamp, weights_moved
+        from megatron_mech.core.diagnosis import run_first_cause, stamp, weights_moved
 
         if fired:  # each alert's cause, read from this evaluation's whole cross-section (core/diagnosis.py)
-            loss = self.detectors.get(LOSS) if LOSS in values else None
-            loss_jump = (loss is not None and loss.last_score is not None
-                         and loss.last_score >= loss.config.threshold)
-            fired, _ = stamp(fired, metrics, run_first_cause(self.alerts), self.weights_moved, loss_jump)
+            out_of_band = {name for name in values if self.detectors[name].out_of_band}
+            fired, _ = stamp(fired, metrics, run_first_cause(self.alerts), self.weights_moved, out_of_band)
         self.weights_moved = self.weights_moved or weights_moved(metrics)
         self.alerts.extend(fired)
         return fired

@@ -17,9 +17,11 @@ names the evaluation's cause; docs/diagnosis.md states them for users):
    two layers and at least half of the layers that report one, or the attention entropies collapsed in every
    monitored layer (two or more).
 4. **attention precision** — attention-entropy alerts (Δ2, ΔW, the layer trend) in some layers while other
-   monitored layers stay in band: the fault is local to those layers and heads.
+   monitored layers stay in band: the fault is local to those layers and heads. Also a layer's maximum logit past
+   its level (in fewer than half of the layers) while that layer's entropies are out of band at the same
+   evaluation, alerted or not yet: the fault's own mechanism, a low-rank update that grows the logits.
 5. **attention-logit growth** — the maximum attention logit passed its level in one layer, or in fewer than half
-   of the layers.
+   of the layers, with that layer's update spectrum in band.
 6. **router collapse** — routing-entropy or expert-load alerts with no attention signature at that evaluation.
 7. **data** — the loss jumped with no attention, logit or update-ratio signature: a loss alert, or routing that
    moves at the very evaluation the loss is out of band (the routers read other tokens; a router collapse moves the
@@ -37,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Protocol, Sequence
+from typing import Any, Collection, Iterable, Mapping, Protocol, Sequence
 
 from megatron_mech.core.layer_names import layer_of
 
@@ -167,11 +169,12 @@ def _signal(alert: Alert) -> str:
 
 
 def _alert_causes(alerts: Sequence[Alert], values: Mapping[str, float] | None, moved_before: bool,
-                  loss_jump: bool = False) -> dict:
+                  out_of_band: Collection[str] = ()) -> dict:
     """Each alert's own cause (by index) in the pattern of this evaluation. ``moved_before``: some earlier
     evaluation saw a weight matrix change (frozen weights from the start are a frozen base model, e.g. LoRA).
-    ``loss_jump``: the loss is out of band at this evaluation (its baseline rule's score at the threshold), whether
-    or not its persistence has passed yet."""
+    ``out_of_band``: the series out of band at this evaluation (score at the threshold), whether or not their
+    persistence has passed and they alerted: the loss that jumps with the first routing alert, the entropies of the
+    layer whose logits pass the level."""
     logit_layers = {_layer(a) for a in alerts if a.metric.startswith(MAX_LOGIT_PREFIX)}
     logit_reporting = _layers_reporting(values, lambda n: n.startswith(MAX_LOGIT_PREFIX)) | logit_layers
     # a layer's logits above the level at this evaluation, also when its rule latched at an earlier one
@@ -186,7 +189,10 @@ def _alert_causes(alerts: Sequence[Alert], values: Mapping[str, float] | None, m
     entropy_layers = {_layer(a) for a in alerts if _is_entropy(a)}
     entropy_reporting = _layers_reporting(values, lambda n: n.startswith("attn/") and _kind(n) in _ENTROPY)
     entropy_global = len(entropy_layers) >= 2 and bool(entropy_reporting) and entropy_layers >= entropy_reporting
+    # a layer whose update spectrum collapsed at this evaluation, alerted or not yet: its logit growth is that fault's
+    entropy_out = entropy_layers | {layer_of(n) for n in out_of_band if n.startswith("attn/") and _kind(n) in _ENTROPY}
     attention_signature = bool(entropy_layers or logit_layers)
+    loss_jump = LOSS in out_of_band
     jump = any(a.metric == UPDATE_RATIO_JUMP for a in alerts)
     # a grad norm non-finite on a step the optimizer skipped, the loss finite: the skip kept the weights
     step_skipped = bool(values) and (values.get(STEP_SKIPPED) or 0) >= 1 and math.isfinite(values.get(LOSS, 0.0))
@@ -204,7 +210,9 @@ def _alert_causes(alerts: Sequence[Alert], values: Mapping[str, float] | None, m
         elif a.metric == UPDATE_RATIO_JUMP:
             causes[i] = "learning_rate"
         elif a.metric.startswith(MAX_LOGIT_PREFIX):
-            causes[i] = "learning_rate" if logits_global else "logit_growth"
+            layer = _layer(a) if _layer(a) is not None else layer_of(a.metric)
+            causes[i] = ("learning_rate" if logits_global else "precision" if layer in entropy_out
+                         else "logit_growth")
         elif _is_entropy(a):
             causes[i] = "learning_rate" if entropy_global else "precision"
         elif a.family == "router":
@@ -218,17 +226,17 @@ def _alert_causes(alerts: Sequence[Alert], values: Mapping[str, float] | None, m
 
 
 def diagnose_evaluation(alerts: Sequence[Alert], values: Mapping[str, float] | None = None,
-                        moved_before: bool = False, loss_jump: bool = False) -> Diagnosis | None:
+                        moved_before: bool = False, out_of_band: Collection[str] = ()) -> Diagnosis | None:
     """The diagnosis of the alerts fired at one evaluation (module docstring, the rules in order). ``values``: every
     series of that evaluation (what the registry was fed, monitored or not), for the peers that stayed in band and
     the frozen-weights flags; without them the alerts alone decide (the layers that did not alert are unknown).
     ``moved_before``: an earlier evaluation of the run saw a weight matrix change (:func:`weights_moved`); unchanged
-    weights read as skipped steps only then. ``loss_jump``: the loss is out of band at this evaluation. None when
-    there are no alerts."""
+    weights read as skipped steps only then. ``out_of_band``: the series out of band at this evaluation, alerted or
+    not (:func:`_alert_causes`). None when there are no alerts."""
     alerts = list(alerts)
     if not alerts:
         return None
-    causes = _alert_causes(alerts, values, moved_before, loss_jump)
+    causes = _alert_causes(alerts, values, moved_before, out_of_band)
     cause = min(causes.values(), key=CAUSE_PRIORITY.index)
     chosen = [a for i, a in enumerate(alerts) if causes[i] == cause]
     layers = [] if cause in GLOBAL_CAUSES else sorted({_layer(a) for a in chosen if _layer(a) is not None})
@@ -242,16 +250,16 @@ def weights_moved(values: Mapping[str, float]) -> bool:
 
 
 def stamp(alerts: Sequence[Alert], values: Mapping[str, float] | None, first: Mapping | None,
-          moved_before: bool = False, loss_jump: bool = False) -> tuple[list, Mapping | None]:
+          moved_before: bool = False, out_of_band: Collection[str] = ()) -> tuple[list, Mapping | None]:
     """The alerts of one evaluation with their cause in ``detail["cause"]`` and, where they follow the run's first
     diagnosis (``first``: ``{"cause", "step"}``, None before any), ``detail["follows"]``. ``moved_before``: an
     earlier evaluation saw the weights change (:func:`diagnose_evaluation`). Returns the stamped alerts (new
     objects, details copied) and the run's first diagnosis after this evaluation."""
     alerts = list(alerts)
-    diagnosis = diagnose_evaluation(alerts, values, moved_before, loss_jump)
+    diagnosis = diagnose_evaluation(alerts, values, moved_before, out_of_band)
     if diagnosis is None:
         return alerts, first
-    causes = _alert_causes(alerts, values, moved_before, loss_jump)
+    causes = _alert_causes(alerts, values, moved_before, out_of_band)
     if first is None:
         first = {"cause": diagnosis.cause, "step": diagnosis.step}
     out = []

@@ -79,6 +79,20 @@ def test_max_logit_level_in_one_layer_while_its_peers_stay_below_is_that_layers_
                                              "above level 100")
 
 
+def test_one_layers_logits_passing_the_level_as_its_update_spectrum_collapses_are_its_precision_fault():
+    # The precision fault's own mechanism: the layer's updates turn low-rank and its logits grow. The logit level
+    # fires at once, the entropies only after their persistence; the layer's entropies out of band at that same
+    # evaluation name the cause.
+    registry = registry_after_baseline()
+    alerts = fire(registry, 65, healthy(65, collapsed=(1,), logits={1: 450.0}))
+    assert [(a.metric, a.detail["cause"]) for a in alerts] == [("symptom/max_attn_logit/layer1", "precision")]
+    assert (first_diagnosis(alerts).cause, first_diagnosis(alerts).layers) == ("precision", [1])
+    # another layer's collapse does not make this layer's logit growth a precision fault
+    registry = registry_after_baseline()
+    alerts = fire(registry, 65, healthy(65, collapsed=(3,), logits={1: 450.0}))
+    assert [a.detail["cause"] for a in alerts] == ["logit_growth"]
+
+
 def test_one_layers_entropy_collapse_with_peers_in_band_is_a_precision_fault_there():
     registry = registry_after_baseline()
     alerts = []
