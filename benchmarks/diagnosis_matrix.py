@@ -45,7 +45,7 @@ from megatron_mech.monitors.metric_names import SYMPTOM_SKIPPED_STEPS  # noqa: E
 from megatron_mech.monitors.registry import default_registry  # noqa: E402
 from megatron_mech.records.jsonl_file import read_jsonl, record_alerts  # noqa: E402
 from megatron_mech.records.run_summary import read_run_summary  # noqa: E402
-from megatron_mech.studies.incumbents import microbatches_per_rank, run_incumbent_firings  # noqa: E402
+from megatron_mech.studies.incumbents import firing_steps, microbatches_per_rank, run_incumbent_firings  # noqa: E402
 from megatron_mech.studies.leadtime import LEAD_MODEL, TUNING_SEEDS  # noqa: E402
 
 ROWS = REPO / "benchmarks" / "results" / "diagnosis_matrix"
@@ -174,18 +174,28 @@ def score(path: str, name: str, seed: int, run_dir: Path, cmd: list) -> dict:
     regime = REGIMES[name]
     summary = read_run_summary(run_dir / "summary.json")
     overrides = json.loads((run_dir / "summary.json").read_text()).get("detectors", {}).get("rule_overrides") or {}
-    first = first_diagnosis(replayed_alerts(run_dir, overrides))
+    alerts = replayed_alerts(run_dir, overrides)
+    first = first_diagnosis(alerts)
+    expected = next((a.step for a in alerts if a.detail.get("cause") == regime.expected), None)
     live = first_diagnosis([a for r in read_jsonl(run_dir / "mech.jsonl") for a in record_alerts(r)])
     records = read_jsonl(run_dir / "mech.jsonl")
     micro = microbatches_per_rank(cmd, 2) if path == "megatron" else 1
-    incumbents = run_incumbent_firings(records, [float(v) for v in summary.losses], microbatches=micro,
-                                       grad_norms=summary.grad_norms, from_step=regime.onset)
+
+    def firings(from_step: int) -> dict:
+        return run_incumbent_firings(records, [float(v) for v in summary.losses], microbatches=micro,
+                                     grad_norms=summary.grad_norms, from_step=from_step)
+
+    incumbents = firings(regime.onset)
+    # on the clean run, every firing of each rule: a rule that rings there from a regime's onset is not counted
+    every = {rule: firing_steps(firings, rule, 1) for rule in incumbents} if name == "clean" else None
     return {"path": path, "regime": name, "seed": seed, "expected": regime.expected or NO_ALERT,
             "diagnosis": first.cause if first else NO_ALERT, "first_alert": first.to_dict() if first else None,
             "live": {"diagnosis": live.cause, "step": live.step} if live else {"diagnosis": NO_ALERT},
+            "expected_cause_step": expected, **({"incumbent_firings": every} if every is not None else {}),
             "onset": regime.onset, "steps": len(summary.losses), "incumbents": incumbents,
             "final_loss": float(summary.losses[-1]) if summary.losses else None,
-            "command": " ".join(cmd[cmd.index("-m"):])}
+            "command": "torchrun --nproc_per_node=2 " + " ".join(cmd[len(cmd) - 1 - cmd[::-1].index("-m"):]),
+            **({"deepspeed_config": json.loads(Path(cmd[-1]).read_text())} if path == "deepspeed" else {})}
 
 
 def row_path(path: str, name: str, seed: int) -> Path:
@@ -204,22 +214,33 @@ def confusion(rows: list) -> dict:
     return table
 
 
-def _lead(row: dict) -> str:
+def _lead(row: dict, clean: Optional[dict]) -> str:
+    """The first alert's step against each incumbent's first firing from the onset; a rule that also rang on the
+    same seed's clean run from the onset is marked, not counted (the standard the monitors meet)."""
+    rings = {rule for rule, steps in ((clean or {}).get("incumbent_firings") or {}).items()
+             if any(s >= row["onset"] for s in steps)}
+    fired = sorted(((step, rule) for rule, step in row["incumbents"].items() if step is not None))
+    words = [f"{rule} {step}" + (" (rings on the clean run)" if rule in rings else "") for step, rule in fired]
     first = row["first_alert"]
-    fired = {rule: step for rule, step in row["incumbents"].items() if step is not None}
     if first is None:
-        return "no alert" + (f"; first incumbent: {min(fired.items(), key=lambda kv: kv[1])}" if fired else "")
-    earlier = [f"{rule} {step}" for rule, step in sorted(fired.items(), key=lambda kv: kv[1]) if step <= first["step"]]
-    return (f"{first['step']}; incumbents earlier or same step: " + (", ".join(earlier) if earlier else "none")
-            + (f"; first incumbent {min(fired.values())}" if fired else "; no incumbent fired"))
+        return "no alert; incumbents: " + (", ".join(words) or "none")
+    counted = [step for step, rule in fired if rule not in rings]
+    verdict = ("before every counted incumbent" if not counted or first["step"] < min(counted) else
+               "tied with the first counted incumbent" if first["step"] == min(counted) else
+               f"{first['step'] - min(counted)} steps after the first counted incumbent")
+    later = (f"; the expected cause first at {row['expected_cause_step']}"
+             if row.get("expected_cause_step") not in (None, first["step"]) else "")
+    return (f"first alert {first['step']} ({row['diagnosis']}{later}), {verdict}; incumbents: "
+            + (", ".join(words) or "none"))
 
 
 def report(rows: list, tuning: bool, seeds_note: str) -> str:
     columns = [*CAUSES, NO_ALERT]
     lines = [("**TUNING RUN: the regimes' strengths and the rules were fixed on these seeds; not a result.** "
               if tuning else "") + seeds_note, "",
-             "Rows: the true regime (its expected diagnosis). Columns: the diagnosis of the run's first alert, as "
-             "the run recorded it. A cell counts runs and names their seeds; the diagonal is the expected column.",
+             "Rows: the true regime (its expected diagnosis). Columns: the diagnosis of the run's first alert, its "
+             "records replayed through today's rules. A cell counts runs and names their seeds; the diagonal (bold) "
+             "is the expected column.",
              ""]
     for path in PATHS:
         mine = [r for r in rows if r["path"] == path]
@@ -246,11 +267,14 @@ def report(rows: list, tuning: bool, seeds_note: str) -> str:
                   f"today's rules replayed: " + (", ".join(differ) if differ else "none") + ".", "",
                   "First alert step against the incumbents "
                   "(each counted from the regime's onset):", ""]
-        lines += [f"- {r['regime']} s{r['seed']}: {_lead(r)}" for r in sorted(mine, key=lambda r: (
-            list(REGIMES).index(r["regime"]), r["seed"]))]
+        clean = {r["seed"]: r for r in mine if r["regime"] == "clean"}
+        order = sorted(mine, key=lambda r: (list(REGIMES).index(r["regime"]), r["seed"]))
+        lines += [f"- {r['regime']} s{r['seed']}: {_lead(r, clean.get(r['seed']))}" for r in order]
         lines.append("")
-    lines += ["## Commands", ""] + sorted({f"- {r['path']} {r['regime']}: `torchrun --nproc_per_node=2 "
-                                           f"{r['command']}`" for r in rows if r["seed"] == rows[0]["seed"]})
+    lines += ["## Commands", "", f"Seed {rows[0]['seed']}'s (the DeepSpeed runs' configs, with their `mech.fault`, are "
+              "in their rows):", ""]
+    lines += sorted({f"- {r['path']} {r['regime']}: `{r['command']}`" for r in rows
+                     if r["seed"] == rows[0]["seed"] and "command" in r})
     return "\n".join(lines)
 
 
