@@ -25,6 +25,6 @@ def test_counts_of_a_small_moe_layout_follow_the_documented_names():
     assert result["router"]["series"] == result["router"]["other"] == 3 * (14 + 1 + 3)
     assert result["experts"] == {"series": 3 * (6 * 2 + 5), "per_unit": 3 * 6 * 2, "other": 3 * 5,
                                  "units": {"e": 3 * 6 * 2}, "summary": 3 * 5 + 3 * 2 * 2}
-    # loss, grad norm, skipped optimizer steps (recorded at an evaluation that names skips), max attention logit,
-    # and its 3 layers
-    assert result["symptoms"]["series"] == 4 + 3
+    # loss, grad norm, skipped optimizer steps (recorded at an evaluation that names skips), the mark of a skipped
+    # step, max attention logit, and its 3 layers
+    assert result["symptoms"]["series"] == 5 + 3
