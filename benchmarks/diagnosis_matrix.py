@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +37,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks._results import write_results  # noqa: E402
+from benchmarks.midrun_lr import train  # noqa: E402
 from megatron_mech.core.diagnosis import CAUSES, first_diagnosis  # noqa: E402
 from megatron_mech.core.layer_names import layer_of  # noqa: E402
 from megatron_mech.monitors.metric_names import SYMPTOM_SKIPPED_STEPS  # noqa: E402
@@ -138,13 +137,6 @@ def deepspeed_command(regime: Regime, seed: int, run_dir: Path) -> list:
 COMMANDS = {"megatron": megatron_command, "deepspeed": deepspeed_command}
 
 
-def train(cmd: list, run_dir: Path) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    done = subprocess.run(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    if done.returncode:
-        raise RuntimeError(f"{run_dir} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-
-
 def _details(metrics: dict) -> dict:
     """The layer (and head) of each series, from its name, as the monitors attach them to their alerts."""
     out = {}
@@ -156,12 +148,12 @@ def _details(metrics: dict) -> dict:
     return out
 
 
-def replayed_alerts(run_dir: Path, overrides: dict) -> list:
-    """The alerts today's default detectors (with the run's detector settings, ``overrides``) fire on the run's
-    records, fed in order as the hook fed them, plus the hook's own skipped-steps alerts as recorded (a fact the
-    trainer reported, not a series the detectors judge)."""
+def replayed_alerts(records: list, overrides: dict) -> list:
+    """The alerts today's default detectors (with the run's detector settings, ``overrides``) fire on a run's
+    records (``mech.jsonl``, decoded), fed in order as the hook fed them, plus the hook's own skipped-steps alerts as
+    recorded (a fact the trainer reported, not a series the detectors judge)."""
     registry, alerts = default_registry(overrides), []
-    for record in read_jsonl(run_dir / "mech.jsonl"):
+    for record in records:
         metrics = {k: float(v) for k, v in (record.get("metrics") or {}).items() if isinstance(v, (int, float))}
         alerts += registry.update(int(record["step"]), metrics, _details(metrics))
         alerts += [a for a in record_alerts(record) if a.metric == SYMPTOM_SKIPPED_STEPS]
@@ -173,12 +165,11 @@ def score(path: str, name: str, seed: int, run_dir: Path, cmd: list) -> dict:
     run recorded it), and each incumbent's first firing from the regime's onset."""
     regime = REGIMES[name]
     summary = read_run_summary(run_dir / "summary.json")
-    overrides = json.loads((run_dir / "summary.json").read_text()).get("detectors", {}).get("rule_overrides") or {}
-    alerts = replayed_alerts(run_dir, overrides)
+    records = read_jsonl(run_dir / "mech.jsonl")
+    alerts = replayed_alerts(records, summary.detectors.get("rule_overrides") or {})
     first = first_diagnosis(alerts)
     expected = next((a.step for a in alerts if a.detail.get("cause") == regime.expected), None)
-    live = first_diagnosis([a for r in read_jsonl(run_dir / "mech.jsonl") for a in record_alerts(r)])
-    records = read_jsonl(run_dir / "mech.jsonl")
+    live = first_diagnosis([a for r in records for a in record_alerts(r)])
     micro = microbatches_per_rank(cmd, 2) if path == "megatron" else 1
 
     def firings(from_step: int) -> dict:
@@ -303,7 +294,7 @@ def main(argv=None):
                     continue
                 run_dir = Path(args.runs_dir) / path / f"s{seed}" / name
                 cmd = COMMANDS[path](REGIMES[name], seed, run_dir)
-                train(cmd, run_dir)
+                train(cmd, run_dir, reuse=False)
                 out.write_text(json.dumps(score(path, name, seed, run_dir, cmd), indent=1, sort_keys=True) + "\n")
                 print(f"{path} {name} s{seed}: {json.loads(out.read_text())['diagnosis']}", flush=True)
                 if not args.keep_runs:

@@ -33,7 +33,7 @@ def test_a_runs_records_replayed_give_the_alerts_and_diagnosis_it_recorded_live(
     live = [a for record in read_jsonl(out / "mech.jsonl") for a in record_alerts(record)]
     assert live, "the fault run alerted nothing: nothing to compare"
     overrides = json.loads((out / "summary.json").read_text())["detectors"]["rule_overrides"]
-    replayed = M.replayed_alerts(out, overrides)
+    replayed = M.replayed_alerts(read_jsonl(out / "mech.jsonl"), overrides)
 
     def key(alerts):
         return [(a.step, a.metric, a.detail.get("cause"), a.detail.get("layer")) for a in alerts]
