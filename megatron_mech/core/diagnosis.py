@@ -256,12 +256,11 @@ def stamp(alerts: Sequence[Alert], values: Mapping[str, float] | None, first: Ma
     earlier evaluation saw the weights change (:func:`diagnose_evaluation`). Returns the stamped alerts (new
     objects, details copied) and the run's first diagnosis after this evaluation."""
     alerts = list(alerts)
-    diagnosis = diagnose_evaluation(alerts, values, moved_before, out_of_band)
-    if diagnosis is None:
+    if not alerts:
         return alerts, first
     causes = _alert_causes(alerts, values, moved_before, out_of_band)
-    if first is None:
-        first = {"cause": diagnosis.cause, "step": diagnosis.step}
+    if first is None:  # the evaluation's cause, as diagnose_evaluation names it
+        first = {"cause": min(causes.values(), key=CAUSE_PRIORITY.index), "step": min(a.step for a in alerts)}
     out = []
     for i, a in enumerate(alerts):
         detail = {**a.detail, "cause": causes[i]}
