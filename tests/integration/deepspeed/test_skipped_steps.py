@@ -92,5 +92,8 @@ def test_with_gradient_clipping_the_nonfinite_grad_norm_of_a_skipped_step_is_dia
     first = first_diagnosis(alerts)
     assert (first.step, first.cause) == (10, "optimizer_skipped")
     assert [(a.metric, a.value) for a in alerts if a.step == 10] == [("symptom/grad_norm", float("inf"))]
+    records = {r["step"]: r for r in map(json.loads, (tmp_path / "runs" / "ds" / "mech.jsonl").read_text().splitlines())}
+    assert records[10]["metrics"]["symptom/optimizer_step_skipped"] == 1.0   # the trainer's report, recorded
+    assert "symptom/optimizer_step_skipped" not in records[30]["metrics"]
     assert "training went non-finite" not in out and "precision" not in out
     assert "[mech] ALERT step 10: optimizer steps skipped (the weights did not change) (grad-norm non-finite" in out
