@@ -1,6 +1,6 @@
 """The attention rules' layer collapse against the level alone, on the fault runs of the end-to-end fault tests.
 
-The run is the one ``tests/integration/megatron_core/test_megatron_faults_training.py`` trains: the small MoE GPT
+The run is the end-to-end attention-fault run of the lead-time study's model: the small MoE GPT
 (4 layers, EP=2, 2 CPU processes), the attention-precision fault (γ = 0.1) in layer 1 from step 90, a short
 detector baseline (``--mech-detector-warmup 10 --mech-detector-baseline 6``: evaluations 11–16, steps 55–80), 150
 steps. How deep layer 1's Δ2 entropy falls by step 150 differs between seeds, and between CPUs for one seed

@@ -18,6 +18,12 @@ for folder in [TESTS_DIR, *sorted({test.parent for test in TESTS_DIR.rglob("test
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def pytest_sessionfinish(session):
+    """The fork server of ``dist_utils.run_torchrun`` ends with the session, whatever it was running."""
+    if "dist_utils" in sys.modules:
+        sys.modules["dist_utils"].stop_launch_server()
+
+
 @pytest.fixture(scope="session")
 def installed_package(tmp_path_factory):
     """This checkout as sdist → wheel, installed into a fresh virtual environment outside it (once per session)."""

@@ -2,6 +2,13 @@
 
 A hung collective must fail the test, not stall CI: ``run_torchrun`` and ``run_worker_jobs`` kill the whole
 process group on timeout.
+
+``run_torchrun`` starts a launch of this repository's own scripts (``launch_scripts/``, ``tests/workers/``,
+``-m megatron_mech...``) on one node, in this interpreter's environment, from the tests' fork server
+(``tests/workers/launch_server.py``): the ranks are forked from a process that imported torch and megatron-core
+once, instead of each importing them after torchrun's agent starts, which is most of a short test run. Every other
+launch, and one that asks with ``real_torchrun=True`` (a test of torchrun's own handling: its exit summary, its
+signals), runs under torchrun itself; so does every launch when ``MECH_TESTS_REAL_TORCHRUN=1`` is set.
 """
 from __future__ import annotations
 
@@ -12,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -29,7 +37,7 @@ def free_port() -> int:
 
 def run_torchrun(script: str | os.PathLike, *args: str, nproc: int = 2, timeout: float = 300,
                  nnodes: int = 1, extra_env: dict | None = None,
-                 python: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+                 python: str | os.PathLike | None = None, real_torchrun: bool = False) -> subprocess.CompletedProcess:
     """Run ``torchrun --nproc_per_node=nproc script args`` on loopback and return the finished process
     (``script`` ``"-m"`` with the module as the first of ``args`` runs a module, as ``torchrun -m`` does).
 
@@ -38,6 +46,8 @@ def run_torchrun(script: str | os.PathLike, *args: str, nproc: int = 2, timeout:
     interpreter (default: this one's). Raises ``AssertionError`` with both logs if any
     launcher exits non-zero or the timeout expires.
     """
+    if not real_torchrun and nnodes == 1 and python is None and not extra_env and _served(script, args):
+        return _SERVER.launch(script, args, nproc, timeout)
     port = free_port()
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}",
@@ -56,6 +66,105 @@ def run_torchrun(script: str | os.PathLike, *args: str, nproc: int = 2, timeout:
     if failed:
         raise AssertionError(f"torchrun failed\n{joined[-12000:]}")
     return subprocess.CompletedProcess(args=[str(script)], returncode=0, stdout=joined)
+
+
+def _launch_env() -> dict:
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}",
+                "MASTER_ADDR": "127.0.0.1", "CUDA_VISIBLE_DEVICES": ""})
+    return env
+
+
+def _served(script, args) -> bool:
+    """Whether the fork server runs this launch: one of this repository's scripts or modules."""
+    if os.environ.get("MECH_TESTS_REAL_TORCHRUN") == "1":
+        return False
+    # A launcher that runs a Megatron-LM tree's script (a path among its arguments) imports that tree's own
+    # megatron-core, not the one the server imported.
+    if any(str(a).endswith(".py") and not Path(a).resolve().is_relative_to(REPO_ROOT) for a in args):
+        return False
+    if str(script) == "-m":
+        return bool(args) and str(args[0]).split(".")[0] == "megatron_mech"
+    return Path(script).resolve().is_relative_to(REPO_ROOT) and Path(script).suffix == ".py"
+
+
+class _LaunchServer:
+    """The client of ``tests/workers/launch_server.py``: started on the first launch, restarted after a launch it
+    did not answer in time (then killed, with every rank it started)."""
+
+    def __init__(self) -> None:
+        self.proc = None
+
+    def _start(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(WORKERS / "launch_server.py")], env=_launch_env(),
+                                     cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+        self._read_line("@@READY", 300)
+
+    def _read_line(self, prefix: str, timeout: float) -> str:
+        found = []
+
+        def read():
+            for line in self.proc.stdout:
+                if line.startswith(prefix):
+                    found.append(line[len(prefix):])
+                    return
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(timeout)
+        if not found:
+            self.stop()
+            raise AssertionError(f"the launch server gave no {prefix.strip()} within {timeout:.0f}s (hang?)")
+        return found[0]
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+            self.proc = None
+
+    def launch(self, script, args, nproc: int, timeout: float) -> subprocess.CompletedProcess:
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        module = str(args[0]) if str(script) == "-m" else None
+        with tempfile.TemporaryDirectory(prefix="launch_") as logs:
+            request = {"script": None if module else str(Path(script).resolve()), "module": module,
+                       "args": [str(a) for a in (args[1:] if module else args)], "nproc": nproc,
+                       "port": free_port(), "cwd": str(REPO_ROOT), "timeout": timeout, "logs": logs}
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            reply = json.loads(self._read_line("@@LAUNCH ", timeout + 60))
+            ranks = [(Path(logs) / f"rank{r}.log") for r in range(nproc)]
+            output = "".join(p.read_text(errors="replace") if p.exists() else "" for p in ranks)
+        joined = f"--- node 0 ---\n{output}"
+        codes = reply["returncodes"]
+        if reply["timed_out"]:
+            raise AssertionError(f"torchrun timed out after {timeout}s (hang?)\n{output[-6000:]}")
+        if any(codes):
+            raise AssertionError(f"torchrun failed (rank exit codes {codes})\n{joined[-12000:]}")
+        return subprocess.CompletedProcess(args=[str(script)], returncode=0, stdout=joined)
+
+
+_SERVER = _LaunchServer()
+
+
+def stop_launch_server() -> None:
+    """End the fork server, with anything it still runs (the session's last step, from conftest.py)."""
+    _SERVER.stop()
+
+
+def rewind_megatron_run(run_dir: str | os.PathLike, step: int) -> None:
+    """Point a megatron-core run directory's checkpoint tracker back at its checkpoint of ``step``: a run started
+    with ``--load run_dir`` then resumes from there, cutting the records after ``step`` (the rollback a user does
+    after an alert). A resume test needs one launch after the full run instead of a second run stopped at
+    ``step`` and its resume."""
+    checkpoint = Path(run_dir) / f"iter_{step:07d}"
+    assert checkpoint.is_dir(), f"{checkpoint} not saved: --save-interval must divide {step}"
+    (Path(run_dir) / "latest_checkpointed_iteration.txt").write_text(str(step))
 
 
 def communicate_all(procs: list, timeout: float, what: str = "launch") -> list[str]:

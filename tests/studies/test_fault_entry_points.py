@@ -3,7 +3,8 @@
 The product's parsers know no ``--mech-fault*`` flag; the studies' megatron-core entry point and the Megatron-LM
 call sites (once the fault launcher registers the injector) add exactly the flags FaultConfig declares, and the
 injector the flags ask for is the one registered on the hook. The training runs through these entry points are
-in tests/studies/test_faults.py, tests/integration/megatron_core/test_megatron_faults_training.py, tests/integration/deepspeed/test_deepspeed.py (``fault``) and
+in tests/studies/test_faults.py, tests/integration/megatron_core/test_update_ratio_jump_training.py,
+tests/integration/cli/test_demo.py, tests/integration/deepspeed/test_deepspeed.py (``fault``) and
 tests/integration/megatron_lm/test_megatron_lm_e2e.py.
 """
 import argparse

@@ -257,7 +257,7 @@ def _guide_script() -> str:
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
 def test_guide_deepspeed_script_exits_cleanly_on_two_ranks_every_time(tmp_path):
-    """The guide's example, verbatim under ``torchrun --nproc_per_node=2`` (gloo), five times: every run exits 0.
+    """The guide's example, verbatim under ``torchrun --nproc_per_node=2`` (gloo), three times: every run exits 0.
     A gloo process group still alive when Python exits can abort the process (its worker thread releases the last
     collective's tensors while the interpreter is shutting down: ``terminate called without an active
     exception``), so ``mech.close()`` destroys the groups it created and the example ends by destroying its own."""
@@ -268,7 +268,7 @@ def test_guide_deepspeed_script_exits_cleanly_on_two_ranks_every_time(tmp_path):
     from dist_utils import free_port
 
     script = _guide_script()
-    for attempt in range(5):
+    for attempt in range(3):
         work = tmp_path / f"run{attempt}"
         work.mkdir()
         (work / "train.py").write_text(script)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_utils import REPO_ROOT, run_torchrun
+from dist_utils import REPO_ROOT, rewind_megatron_run, run_torchrun
 from attention_reference import single_rank_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -75,8 +75,8 @@ def test_master_weights_under_the_distributed_optimizer_at_dp2_tp2_equal_a_singl
 def test_bf16_run_records_checkpoints_and_resumes_exactly(tmp_path, layout):
     flags = ["--lr", "2e-3", "--min-lr", "2e-4", "--save-interval", "10", *layout]
     full = run(tmp_path, "full", 2, *flags, steps=20)
-    run(tmp_path, "part", 2, *flags, "--exit-interval", "10", steps=20)
-    resumed = run(tmp_path, "part", 2, *flags, "--load", str(tmp_path / "part"), steps=20)
+    rewind_megatron_run(full["dir"], 10)
+    resumed = run(tmp_path, "full", 2, *flags, "--load", str(full["dir"]), steps=20)
     assert "reading the optimizer's float32 master weights" in full["stdout"]
     losses = full["summary"]["losses"]
     assert len(losses) == 20 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
@@ -113,8 +113,8 @@ def test_fp16_trains_with_the_loss_scaler_counts_its_start_up_skips_without_aler
                 "stdout": out.stdout}
 
     full = fp16_run("full")
-    fp16_run("part", "--exit-interval", "10")
-    resumed = fp16_run("part", "--load", str(tmp_path / "part"))
+    rewind_megatron_run(tmp_path / "full", 10)
+    resumed = fp16_run("full", "--load", str(tmp_path / "full"))
     assert "reading the optimizer's float32 master weights" in full["stdout"]
     skipped = full["summary"]["optimizer_steps_skipped"]
     assert 0 < skipped < 30   # the scaler backed off, then training went on
