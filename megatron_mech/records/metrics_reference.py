@@ -269,9 +269,11 @@ METRICS: tuple = (
                 "hook, every evaluation where the trainer reports a grad norm"),
     MetricEntry(SYMPTOM_SKIPPED_STEPS, "Optimizer steps the optimizer skipped since the previous evaluation "
                 "(non-finite gradients under DeepSpeed's bf16/ZeRO optimizers, a loss-scale overflow), as the "
-                "trainer reports them: the weights stayed as they were on those steps. Any skipped step raises one "
-                "alert naming the count (`optimizer steps skipped: 10 of the last 10; weights unchanged while the "
-                "LR was > 0`); the run's total is `summary.json`'s `optimizer_steps_skipped`.", "count, ≥ 0",
+                "trainer reports them: the weights stayed as they were on those steps. An evaluation where at least "
+                "half of the steps since the previous one were skipped (sustained skipping; skips before any step "
+                "went through, a loss scaler's start-up search, are counted but never alerted) raises one alert "
+                "naming the count (`optimizer steps skipped: 10 of the last 10; weights unchanged while the LR was "
+                "> 0`); the run's total is `summary.json`'s `optimizer_steps_skipped`.", "count, ≥ 0",
                 "hook, on the evaluations after a skipped step, where the trainer reports them (megatron-core "
                 "entry point, DeepSpeed)"),
     MetricEntry(SYMPTOM_STEP_SKIPPED, "1 on a step whose optimizer step the trainer reported skipped (absent "

@@ -147,3 +147,15 @@ def test_committed_page_is_the_generated_reference(tmp_path):
     assert cli_main(["metrics", "--output", str(out)]) == 0
     assert out.read_text(encoding="utf-8") == text
     assert cli_main(["metrics", "--output", str(tmp_path / "missing" / "metrics.md")]) == 2
+
+
+def test_the_skipped_steps_entry_states_the_share_that_alerts():
+    """The page said any skipped step raised an alert; the hook alerts only when at least ALERT_SHARE of an
+    interval's steps were skipped (and never on a loss scaler's start-up skips)."""
+    from megatron_mech.hook.skipped_steps import ALERT_SHARE, SKIPPED_METRIC
+
+    assert ALERT_SHARE == 0.5  # the wording below names the share; change both together
+    [entry] = entry_for(SKIPPED_METRIC)
+    text = entry.meaning
+    assert "at least half of the steps since the previous one" in text and "Any skipped step" not in text
+    assert "start-up search" in text and "never alerted" in text
