@@ -49,9 +49,7 @@ def run_torchrun(script: str | os.PathLike, *args: str, nproc: int = 2, timeout:
     if not real_torchrun and nnodes == 1 and python is None and not extra_env and _served(script, args):
         return _SERVER.launch(script, args, nproc, timeout)
     port = free_port()
-    env = dict(os.environ)
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}",
-                "MASTER_ADDR": "127.0.0.1", "CUDA_VISIBLE_DEVICES": ""})
+    env = _launch_env()
     env.update(extra_env or {})
     procs = []
     for node_rank in range(nnodes):
@@ -69,6 +67,7 @@ def run_torchrun(script: str | os.PathLike, *args: str, nproc: int = 2, timeout:
 
 
 def _launch_env() -> dict:
+    """The environment of every launch (torchrun's or the fork server's): one CPU thread, no GPU, loopback."""
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}",
                 "MASTER_ADDR": "127.0.0.1", "CUDA_VISIBLE_DEVICES": ""})

@@ -225,6 +225,11 @@ def _alert_causes(alerts: Sequence[Alert], values: Mapping[str, float] | None, m
     return causes
 
 
+def _leading_cause(causes: Mapping[int, str]) -> str:
+    """The cause an evaluation is diagnosed as: the first of its alerts' causes in :data:`CAUSE_PRIORITY`."""
+    return min(causes.values(), key=CAUSE_PRIORITY.index)
+
+
 def diagnose_evaluation(alerts: Sequence[Alert], values: Mapping[str, float] | None = None,
                         moved_before: bool = False, out_of_band: Collection[str] = ()) -> Diagnosis | None:
     """The diagnosis of the alerts fired at one evaluation (module docstring, the rules in order). ``values``: every
@@ -237,7 +242,7 @@ def diagnose_evaluation(alerts: Sequence[Alert], values: Mapping[str, float] | N
     if not alerts:
         return None
     causes = _alert_causes(alerts, values, moved_before, out_of_band)
-    cause = min(causes.values(), key=CAUSE_PRIORITY.index)
+    cause = _leading_cause(causes)
     chosen = [a for i, a in enumerate(alerts) if causes[i] == cause]
     layers = [] if cause in GLOBAL_CAUSES else sorted({_layer(a) for a in chosen if _layer(a) is not None})
     signals = list(dict.fromkeys(_signal(a) for a in alerts))
@@ -260,7 +265,7 @@ def stamp(alerts: Sequence[Alert], values: Mapping[str, float] | None, first: Ma
         return alerts, first
     causes = _alert_causes(alerts, values, moved_before, out_of_band)
     if first is None:  # the evaluation's cause, as diagnose_evaluation names it
-        first = {"cause": min(causes.values(), key=CAUSE_PRIORITY.index), "step": min(a.step for a in alerts)}
+        first = {"cause": _leading_cause(causes), "step": min(a.step for a in alerts)}
     out = []
     for i, a in enumerate(alerts):
         detail = {**a.detail, "cause": causes[i]}

@@ -26,13 +26,13 @@ import os
 import signal
 import sys
 import time
+from typing import Iterable
 
-PREIMPORTED = ("torch", "numpy", "megatron.core", "megatron.core.parallel_state", "megatron.core.distributed",
-               "megatron.core.models.gpt", "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.optimizer",
-               "megatron.core.optimizer_param_scheduler", "megatron.core.pipeline_parallel", "megatron.core.timers",
-               "megatron.core.transformer", "megatron.core.transformer.moe.token_dispatcher",
-               "megatron.core.datasets.gpt_dataset", "megatron.core.datasets.blended_megatron_dataset_builder",
-               "megatron.core.dist_checkpointing")
+from fork_runner import MEGATRON_CORE_MODULES  # the CPU workers' prewarm, beside this file
+
+# the fork runners' megatron-core modules, and what our entry point adds: its data and checkpoints
+PREIMPORTED = ("torch", "numpy", *MEGATRON_CORE_MODULES, "megatron.core.datasets.gpt_dataset",
+               "megatron.core.datasets.blended_megatron_dataset_builder", "megatron.core.dist_checkpointing")
 # torchrun's grace between stopping the other ranks and killing them is longer; a test's rank that ignores a
 # stop for this long is stuck.
 STOP_GRACE_S = 10.0
@@ -114,7 +114,7 @@ def run_main(request: dict) -> int:
     return code
 
 
-def stop_all(pids: dict, sig: int) -> None:
+def stop_all(pids: Iterable[int], sig: int) -> None:
     for pid in pids:
         try:
             os.killpg(pid, sig)
@@ -132,21 +132,25 @@ def launch(request: dict) -> dict:
             run_rank(request, rank)
         pids[pid] = rank
     codes: dict = {}
+
+    def running() -> list:
+        return [p for p in pids if pids[p] not in codes]
+
     deadline, stop_at, timed_out = time.monotonic() + request["timeout"], None, False
     while len(codes) < len(pids):
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid in pids:
             codes[pids[pid]] = os.waitstatus_to_exitcode(status)
             if codes[pids[pid]] != 0 and stop_at is None:  # one rank failed: torchrun stops the others
-                stop_all([p for p in pids if pids[p] not in codes], signal.SIGTERM)
+                stop_all(running(), signal.SIGTERM)
                 stop_at = time.monotonic() + STOP_GRACE_S
             continue
         now = time.monotonic()
         if now > deadline and not timed_out:
             timed_out = True
-            stop_all([p for p in pids if pids[p] not in codes], signal.SIGKILL)
+            stop_all(running(), signal.SIGKILL)
         elif stop_at is not None and now > stop_at:
-            stop_all([p for p in pids if pids[p] not in codes], signal.SIGKILL)
+            stop_all(running(), signal.SIGKILL)
         time.sleep(0.02)
     stop_all(pids, signal.SIGKILL)  # whatever a rank started and left behind
     return {"returncodes": [codes[r] for r in range(request["nproc"])], "timed_out": timed_out}

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from dist_utils import run_torchrun
+from dist_utils import rewind_megatron_run, run_torchrun
 from test_update_ratio_jump_training import LAUNCHER, RAISE, TINY
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -30,7 +30,7 @@ def test_checkpoint_on_alert_saves_at_the_first_alert_and_loads(tmp_path):
     assert marker["step"] == first
     assert (run_dir / f"iter_{first:07d}" / "rank0000.pt").exists()
     # the alert checkpoint loads: resume from it (after moving the end-of-run checkpoint's tracker back)
-    (run_dir / "latest_checkpointed_iteration.txt").write_text(str(first))
+    rewind_megatron_run(run_dir, first)
     resumed = run(run_dir, 1, "--load", str(run_dir), "--train-iters", str(first + 5))
     assert resumed["final_step"] == first + 5
 
